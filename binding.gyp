@@ -1,0 +1,18 @@
+{
+  "targets": [
+    {
+      "target_name": "vmmd_native",
+      "sources": [
+        "native/src/addon.cc",
+        "native/src/errors.cc",
+        "native/src/host_memory.cc",
+        "native/src/fd_passing.cc"
+      ],
+      "include_dirs": ["<!(node -p \"require('node-addon-api').include_dir\")"],
+      "defines": ["NAPI_VERSION=8", "NODE_ADDON_API_ENABLE_TYPE_CHECK_ON_AS"],
+      "cflags_cc": ["-std=c++17", "-fexceptions", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+      "cflags_cc!": ["-fno-exceptions"],
+      "libraries": ["-ldl"]
+    }
+  ]
+}

@@ -1,0 +1,107 @@
+/**
+ * The one loader of the vmmd addon. Every other module imports the addon from
+ * here, typed; a failure to load is one actionable error.
+ */
+import * as fs from 'node:fs';
+import * as path from 'node:path';
+
+/** An error thrown by the addon: `code` is a name ("ENOMEM"), never a number. */
+export interface NativeError extends Error {
+  code: string;
+  errno?: number;
+  result?: number;
+  syscall?: string;
+}
+
+export interface FdInfo {
+  size: bigint;
+  regular: boolean;
+  memfd: boolean;
+  seals: number;
+  readOnlySealed: boolean;
+  accessMode: number;
+  inode: bigint;
+}
+
+export interface Credentials {
+  pid: number;
+  uid: number;
+  gid: number;
+}
+
+export type Received =
+  | { eof: true }
+  | { eof?: undefined; data: Buffer; fd: number; extraFds: number; truncated: boolean; controlTruncated: boolean };
+
+export interface Poller {
+  start(): void;
+  stop(): void;
+  close(): void;
+  ref(): void;
+  unref(): void;
+}
+
+/** Access bits for hostProtect: read 1, write 2. */
+export const HOST_ACCESS = { NONE: 0, READ: 1, READWRITE: 3 } as const;
+
+export interface Addon {
+  hostMemfdCreate(name: string, size: bigint): number;
+  hostMemfdSealReadOnly(fd: number): void;
+  hostFdInfo(fd: number): FdInfo;
+  hostReserve(size: bigint, alignment: bigint, hint: bigint): bigint;
+  hostFreeAddress(address: bigint, size: bigint): void;
+  hostMap(address: bigint, size: bigint, fd: number, offset: bigint): void;
+  hostUnmap(address: bigint, size: bigint): void;
+  hostProtect(address: bigint, size: bigint, access: number): void;
+  hostCopyFromAddress(address: bigint, length: number): Promise<Buffer>;
+  hostCopyToAddress(address: bigint, data: Buffer): Promise<void>;
+  hostArrayBuffer(address: bigint, size: number): ArrayBuffer;
+  hostDetachArrayBuffer(buffer: ArrayBuffer): void;
+  pageSize(): number;
+  dup(fd: number): number;
+  close(fd: number): void;
+  seqpacketListen(path: string, backlog: number): number;
+  seqpacketConnect(path: string): number;
+  seqpacketAccept(listenFd: number): (Credentials & { fd: number }) | null;
+  seqpacketSend(fd: number, data: Buffer, passFd: number): boolean;
+  seqpacketRecv(fd: number, maxLength: number): Received | null;
+  shutdownSocket(fd: number): void;
+  peerCredentials(fd: number): Credentials;
+  Poller: new (fd: number, callback: (status: number, events: number) => void) => Poller;
+}
+
+const ADDON_FILE = path.join('build', 'Release', 'vmmd_native.node');
+
+/** The package root: the nearest directory above this file holding package.json. */
+function packageRoot(): string {
+  let dir = __dirname;
+  while (!fs.existsSync(path.join(dir, 'package.json'))) {
+    const parent = path.dirname(dir);
+    if (parent === dir) return path.resolve(__dirname, '..');
+    dir = parent;
+  }
+  return dir;
+}
+
+function load(): Addon {
+  const file = process.env.VMMD_ADDON ?? path.join(packageRoot(), ADDON_FILE);
+  try {
+    // eslint-disable-next-line @typescript-eslint/no-require-imports
+    return require(file) as Addon;
+  } catch (cause) {
+    const error = new Error(
+      `cannot load the vmmd addon from ${file}: ${(cause as Error).message}. ` +
+        'Build it with `npm ci` (or `npx node-gyp rebuild`) on this machine, or point VMMD_ADDON at a built vmmd_native.node.',
+    ) as NativeError;
+    error.code = 'ADDON_NOT_LOADED';
+    throw error;
+  }
+}
+
+/** The loaded addon. */
+export const addon: Addon = load();
+
+/** True when `error` came from the addon (or mimics it) with the given code. */
+export function isNativeError(error: unknown, code?: string): error is NativeError {
+  return error instanceof Error && typeof (error as NativeError).code === 'string' && (code === undefined || (error as NativeError).code === code);
+}

@@ -1,0 +1,17 @@
+// The export table of the vmmd addon, and nothing else: one file per area.
+#include <napi.h>
+
+#include "fd_passing.h"
+#include "host_memory.h"
+
+namespace {
+
+Napi::Object Init(Napi::Env env, Napi::Object exports) {
+  vmmd::InitHostMemory(env, exports);
+  vmmd::InitFdPassing(env, exports);
+  return exports;
+}
+
+}  // namespace
+
+NODE_API_MODULE(vmmd_native, Init)

@@ -1,0 +1,311 @@
+#include "fd_passing.h"
+
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+#include <uv.h>
+
+#include <cerrno>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "errors.h"
+
+namespace vmmd {
+namespace {
+
+// The most descriptors one received message may carry before the extras are
+// closed; the protocol allows one, a hostile peer may send more.
+constexpr int kMaxReceivedFds = 16;
+
+sockaddr_un SocketAddress(Napi::Env env, const std::string& path) {
+  sockaddr_un address;
+  std::memset(&address, 0, sizeof(address));
+  address.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(address.sun_path)) {
+    throw ErrnoError(env, ENAMETOOLONG, "socket path '" + path + "' is longer than " +
+                                            std::to_string(sizeof(address.sun_path) - 1) + " bytes");
+  }
+  std::memcpy(address.sun_path, path.c_str(), path.size());
+  return address;
+}
+
+Napi::Object Credentials(Napi::Env env, int fd) {
+  ucred cred;
+  socklen_t length = sizeof(cred);
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &length) != 0) ThrowErrno(env, "getsockopt(SO_PEERCRED)");
+  Napi::Object out = Napi::Object::New(env);
+  out.Set("pid", Napi::Number::New(env, cred.pid));
+  out.Set("uid", Napi::Number::New(env, cred.uid));
+  out.Set("gid", Napi::Number::New(env, cred.gid));
+  return out;
+}
+
+// seqpacketListen(path, backlog) -> fd (non-blocking, close-on-exec).
+Napi::Value SeqpacketListen(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  std::string path = info[0].As<Napi::String>().Utf8Value();
+  int backlog = info[1].As<Napi::Number>().Int32Value();
+  sockaddr_un address = SocketAddress(env, path);
+  int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) ThrowErrno(env, "socket(AF_UNIX, SOCK_SEQPACKET)");
+  if (bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 || listen(fd, backlog) != 0) {
+    int err = errno;
+    close(fd);
+    throw ErrnoError(env, err, "bind(" + path + ")");
+  }
+  return Napi::Number::New(env, fd);
+}
+
+// seqpacketConnect(path) -> fd (non-blocking once connected).
+Napi::Value SeqpacketConnect(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  std::string path = info[0].As<Napi::String>().Utf8Value();
+  sockaddr_un address = SocketAddress(env, path);
+  int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (fd < 0) ThrowErrno(env, "socket(AF_UNIX, SOCK_SEQPACKET)");
+  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    int err = errno;
+    close(fd);
+    throw ErrnoError(env, err, "connect(" + path + ")");
+  }
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+  return Napi::Number::New(env, fd);
+}
+
+// seqpacketAccept(listenFd) -> { fd, pid, uid, gid } or null when none waits.
+Napi::Value SeqpacketAccept(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  int listenFd = FdArg(info, 0, "listenFd");
+  int fd = accept4(listenFd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+  if (fd < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ECONNABORTED) return env.Null();
+    ThrowErrno(env, "accept4");
+  }
+  Napi::Object out;
+  try {
+    out = Credentials(env, fd);
+  } catch (...) {
+    close(fd);
+    throw;
+  }
+  out.Set("fd", Napi::Number::New(env, fd));
+  return out;
+}
+
+// peerCredentials(fd) -> { pid, uid, gid }
+Napi::Value PeerCredentials(const Napi::CallbackInfo& info) {
+  return Credentials(info.Env(), FdArg(info, 0, "fd"));
+}
+
+// seqpacketSend(fd, data, passFd) -> true when sent, false when the socket's
+// buffer is full (EAGAIN). passFd < 0 sends no descriptor.
+Napi::Value SeqpacketSend(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  int fd = FdArg(info, 0, "fd");
+  if (!info[1].IsBuffer()) ThrowArg(env, "data must be a Buffer");
+  Napi::Buffer<uint8_t> data = info[1].As<Napi::Buffer<uint8_t>>();
+  int passFd = info[2].As<Napi::Number>().Int32Value();
+
+  iovec iov{data.Data(), data.Length()};
+  msghdr message;
+  std::memset(&message, 0, sizeof(message));
+  message.msg_iov = &iov;
+  message.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+  if (passFd >= 0) {
+    std::memset(control, 0, sizeof(control));
+    message.msg_control = control;
+    message.msg_controllen = sizeof(control);
+    cmsghdr* header = CMSG_FIRSTHDR(&message);
+    header->cmsg_level = SOL_SOCKET;
+    header->cmsg_type = SCM_RIGHTS;
+    header->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(header), &passFd, sizeof(int));
+  }
+  ssize_t sent;
+  do {
+    sent = sendmsg(fd, &message, MSG_NOSIGNAL | MSG_DONTWAIT);
+  } while (sent < 0 && errno == EINTR);
+  if (sent < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return Napi::Boolean::New(env, false);
+    ThrowErrno(env, "sendmsg");
+  }
+  return Napi::Boolean::New(env, true);
+}
+
+// seqpacketRecv(fd, maxLength) -> null when nothing waits; { eof: true } when
+// the peer closed; else { data, fd, extraFds, truncated }. A message longer
+// than maxLength is cut (truncated: true); descriptors beyond the first are
+// closed here and counted in extraFds, so a hostile peer cannot leak them.
+Napi::Value SeqpacketRecv(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  int fd = FdArg(info, 0, "fd");
+  uint32_t maxLength = info[1].As<Napi::Number>().Uint32Value();
+  std::vector<uint8_t> buffer(maxLength > 0 ? maxLength : 1);
+  iovec iov{buffer.data(), buffer.size()};
+  msghdr message;
+  std::memset(&message, 0, sizeof(message));
+  message.msg_iov = &iov;
+  message.msg_iovlen = 1;
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxReceivedFds)];
+  message.msg_control = control;
+  message.msg_controllen = sizeof(control);
+  ssize_t received;
+  do {
+    received = recvmsg(fd, &message, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  } while (received < 0 && errno == EINTR);
+  if (received < 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return env.Null();
+    if (errno == ECONNRESET) {
+      Napi::Object eof = Napi::Object::New(env);
+      eof.Set("eof", Napi::Boolean::New(env, true));
+      return eof;
+    }
+    ThrowErrno(env, "recvmsg");
+  }
+  int firstFd = -1;
+  int extraFds = 0;
+  for (cmsghdr* header = CMSG_FIRSTHDR(&message); header != nullptr; header = CMSG_NXTHDR(&message, header)) {
+    if (header->cmsg_level != SOL_SOCKET || header->cmsg_type != SCM_RIGHTS) continue;
+    size_t count = (header->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; i++) {
+      int passed;
+      std::memcpy(&passed, CMSG_DATA(header) + i * sizeof(int), sizeof(int));
+      if (firstFd < 0) {
+        firstFd = passed;
+      } else {
+        close(passed);
+        extraFds++;
+      }
+    }
+  }
+  Napi::Object out = Napi::Object::New(env);
+  if (received == 0 && firstFd < 0) {
+    out.Set("eof", Napi::Boolean::New(env, true));
+    return out;
+  }
+  out.Set("data", Napi::Buffer<uint8_t>::Copy(env, buffer.data(), static_cast<size_t>(received)));
+  out.Set("fd", Napi::Number::New(env, firstFd));
+  out.Set("extraFds", Napi::Number::New(env, extraFds));
+  out.Set("truncated", Napi::Boolean::New(env, (message.msg_flags & MSG_TRUNC) != 0));
+  out.Set("controlTruncated", Napi::Boolean::New(env, (message.msg_flags & MSG_CTRUNC) != 0));
+  return out;
+}
+
+Napi::Value ShutdownSocket(const Napi::CallbackInfo& info) {
+  int fd = FdArg(info, 0, "fd");
+  if (shutdown(fd, SHUT_RDWR) != 0 && errno != ENOTCONN) ThrowErrno(info.Env(), "shutdown");
+  return info.Env().Undefined();
+}
+
+// Poller(fd, callback(status, events)): calls back on the event loop while
+// the descriptor is readable (or hung up). The poller does not own the fd.
+class Poller : public Napi::ObjectWrap<Poller> {
+ public:
+  static Napi::Function Define(Napi::Env env) {
+    return DefineClass(env, "Poller",
+                       {InstanceMethod("start", &Poller::Start), InstanceMethod("stop", &Poller::Stop),
+                        InstanceMethod("close", &Poller::Close), InstanceMethod("ref", &Poller::RefLoop),
+                        InstanceMethod("unref", &Poller::UnrefLoop)});
+  }
+
+  explicit Poller(const Napi::CallbackInfo& info) : Napi::ObjectWrap<Poller>(info) {
+    Napi::Env env = info.Env();
+    int fd = FdArg(info, 0, "fd");
+    if (!info[1].IsFunction()) ThrowArg(env, "callback must be a function");
+    callback_ = Napi::Persistent(info[1].As<Napi::Function>());
+    context_ = std::make_unique<Napi::AsyncContext>(env, "vmmd:poller");
+    uv_loop_t* loop = nullptr;
+    if (napi_get_uv_event_loop(env, &loop) != napi_ok) ThrowArg(env, "no event loop");
+    handle_ = new uv_poll_t;
+    int rc = uv_poll_init(loop, handle_, fd);
+    if (rc != 0) {
+      delete handle_;
+      handle_ = nullptr;
+      throw ErrnoError(env, -rc, "uv_poll_init");
+    }
+    handle_->data = this;
+  }
+
+  ~Poller() override { CloseHandle(); }
+
+ private:
+  static void OnPoll(uv_poll_t* handle, int status, int events) {
+    Poller* self = static_cast<Poller*>(handle->data);
+    if (self == nullptr) return;
+    Napi::Env env = self->Env();
+    Napi::HandleScope scope(env);
+    try {
+      self->callback_.MakeCallback(env.Undefined(), {Napi::Number::New(env, status), Napi::Number::New(env, events)},
+                                   *self->context_);
+    } catch (const Napi::Error& error) {
+      napi_fatal_exception(env, error.Value());
+    }
+  }
+
+  Napi::Value Start(const Napi::CallbackInfo& info) {
+    if (handle_ == nullptr) ThrowArg(info.Env(), "poller is closed");
+    int rc = uv_poll_start(handle_, UV_READABLE | UV_DISCONNECT, OnPoll);
+    if (rc != 0) throw ErrnoError(info.Env(), -rc, "uv_poll_start");
+    if (!active_) {
+      active_ = true;
+      Ref();  // keep the wrapper alive while libuv may call it
+    }
+    return info.Env().Undefined();
+  }
+
+  Napi::Value Stop(const Napi::CallbackInfo& info) {
+    if (handle_ != nullptr) uv_poll_stop(handle_);
+    if (active_) {
+      active_ = false;
+      Unref();
+    }
+    return info.Env().Undefined();
+  }
+
+  Napi::Value Close(const Napi::CallbackInfo& info) {
+    Stop(info);
+    CloseHandle();
+    return info.Env().Undefined();
+  }
+
+  Napi::Value RefLoop(const Napi::CallbackInfo& info) {
+    if (handle_ != nullptr) uv_ref(reinterpret_cast<uv_handle_t*>(handle_));
+    return info.Env().Undefined();
+  }
+
+  Napi::Value UnrefLoop(const Napi::CallbackInfo& info) {
+    if (handle_ != nullptr) uv_unref(reinterpret_cast<uv_handle_t*>(handle_));
+    return info.Env().Undefined();
+  }
+
+  void CloseHandle() {
+    if (handle_ == nullptr) return;
+    handle_->data = nullptr;
+    uv_close(reinterpret_cast<uv_handle_t*>(handle_), [](uv_handle_t* handle) { delete reinterpret_cast<uv_poll_t*>(handle); });
+    handle_ = nullptr;
+  }
+
+  uv_poll_t* handle_ = nullptr;
+  bool active_ = false;
+  Napi::FunctionReference callback_;
+  std::unique_ptr<Napi::AsyncContext> context_;
+};
+
+}  // namespace
+
+void InitFdPassing(Napi::Env env, Napi::Object exports) {
+  exports.Set("seqpacketListen", Napi::Function::New(env, SeqpacketListen, "seqpacketListen"));
+  exports.Set("seqpacketConnect", Napi::Function::New(env, SeqpacketConnect, "seqpacketConnect"));
+  exports.Set("seqpacketAccept", Napi::Function::New(env, SeqpacketAccept, "seqpacketAccept"));
+  exports.Set("seqpacketSend", Napi::Function::New(env, SeqpacketSend, "seqpacketSend"));
+  exports.Set("seqpacketRecv", Napi::Function::New(env, SeqpacketRecv, "seqpacketRecv"));
+  exports.Set("shutdownSocket", Napi::Function::New(env, ShutdownSocket, "shutdownSocket"));
+  exports.Set("peerCredentials", Napi::Function::New(env, PeerCredentials, "peerCredentials"));
+  exports.Set("Poller", Poller::Define(env));
+}
+
+}  // namespace vmmd

@@ -1,0 +1,262 @@
+#include "host_memory.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <string>
+
+#include "errors.h"
+
+#ifndef F_SEAL_FUTURE_WRITE
+#define F_SEAL_FUTURE_WRITE 0x0010
+#endif
+
+namespace vmmd {
+namespace {
+
+void* AddressArg(const Napi::CallbackInfo& info, size_t index) {
+  return reinterpret_cast<void*>(static_cast<uintptr_t>(U64Arg(info, index, "address")));
+}
+
+std::string Sized(const char* call, uint64_t size) {
+  return std::string(call) + "(" + std::to_string(size) + ")";
+}
+
+// hostMemfdCreate(name, size) -> fd. Sealing is allowed so that read-only
+// sharing can be enforced by the kernel later.
+Napi::Value HostMemfdCreate(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  std::string name = info[0].As<Napi::String>().Utf8Value();
+  uint64_t size = U64Arg(info, 1, "size");
+  int fd = memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) ThrowErrno(env, Sized("memfd_create", size));
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    int err = errno;
+    close(fd);
+    throw ErrnoError(env, err, Sized("ftruncate", size));
+  }
+  // Refuse shrinking: a shrunk memfd turns mapped pages into SIGBUS for every
+  // process that maps it.
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
+    int err = errno;
+    close(fd);
+    throw ErrnoError(env, err, "fcntl(F_ADD_SEALS)");
+  }
+  return Napi::Number::New(env, fd);
+}
+
+// hostMemfdSealReadOnly(fd): no new writable mappings and no write(2) through
+// any descriptor of this file; existing writable mappings keep working.
+Napi::Value HostMemfdSealReadOnly(const Napi::CallbackInfo& info) {
+  int fd = FdArg(info, 0, "fd");
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE) != 0) {
+    ThrowErrno(info.Env(), "fcntl(F_ADD_SEALS)");
+  }
+  return info.Env().Undefined();
+}
+
+// hostFdInfo(fd) -> { size, memfd, seals, mode }. `memfd` is true when the
+// descriptor accepts F_GET_SEALS, which only memfds (and shmem files) do.
+Napi::Value HostFdInfo(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  int fd = FdArg(info, 0, "fd");
+  struct stat st;
+  if (fstat(fd, &st) != 0) ThrowErrno(env, "fstat");
+  int seals = fcntl(fd, F_GET_SEALS);
+  int flags = fcntl(fd, F_GETFL);
+  Napi::Object out = Napi::Object::New(env);
+  out.Set("size", Napi::BigInt::New(env, static_cast<uint64_t>(st.st_size)));
+  out.Set("regular", Napi::Boolean::New(env, S_ISREG(st.st_mode)));
+  out.Set("memfd", Napi::Boolean::New(env, seals >= 0 && S_ISREG(st.st_mode)));
+  out.Set("seals", Napi::Number::New(env, seals < 0 ? 0 : seals));
+  out.Set("readOnlySealed", Napi::Boolean::New(env, seals >= 0 && (seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0));
+  out.Set("accessMode", Napi::Number::New(env, flags < 0 ? -1 : (flags & O_ACCMODE)));
+  out.Set("inode", Napi::BigInt::New(env, static_cast<uint64_t>(st.st_ino)));
+  return out;
+}
+
+// hostReserve(size, alignment, hint) -> address. PROT_NONE and MAP_NORESERVE:
+// address space only, like cuMemAddressReserve. Over-reserves to align, then
+// trims both ends.
+Napi::Value HostReserve(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  uint64_t size = U64Arg(info, 0, "size");
+  uint64_t alignment = U64Arg(info, 1, "alignment");
+  uint64_t hint = U64Arg(info, 2, "hint");
+  if (size == 0 || alignment == 0 || (alignment & (alignment - 1)) != 0) ThrowArg(env, "bad size or alignment");
+  uint64_t span = size + alignment;
+  if (span < size) throw ErrnoError(env, ENOMEM, Sized("mmap", size));
+  const int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE;
+  if (hint != 0 && hint % alignment == 0) {
+    void* fixed = mmap(reinterpret_cast<void*>(hint), size, PROT_NONE, flags | MAP_FIXED_NOREPLACE, -1, 0);
+    if (fixed == reinterpret_cast<void*>(hint)) return Napi::BigInt::New(env, static_cast<uint64_t>(hint));
+    if (fixed != MAP_FAILED) munmap(fixed, size);  // old kernels treat the flag as a hint
+  }
+  void* base = mmap(nullptr, span, PROT_NONE, flags, -1, 0);
+  if (base == MAP_FAILED) ThrowErrno(env, Sized("mmap", size));
+  uintptr_t start = reinterpret_cast<uintptr_t>(base);
+  uintptr_t aligned = (start + alignment - 1) & ~(static_cast<uintptr_t>(alignment) - 1);
+  if (aligned > start) munmap(base, aligned - start);
+  uintptr_t end = start + span;
+  if (end > aligned + size) munmap(reinterpret_cast<void*>(aligned + size), end - (aligned + size));
+  return Napi::BigInt::New(env, static_cast<uint64_t>(aligned));
+}
+
+Napi::Value HostFreeAddress(const Napi::CallbackInfo& info) {
+  void* address = AddressArg(info, 0);
+  uint64_t size = U64Arg(info, 1, "size");
+  if (munmap(address, size) != 0) ThrowErrno(info.Env(), Sized("munmap", size));
+  return info.Env().Undefined();
+}
+
+// hostMap(address, size, fd, offset): the memfd's pages replace the reserved
+// range, with no access until hostProtect, as after cuMemMap.
+Napi::Value HostMap(const Napi::CallbackInfo& info) {
+  void* address = AddressArg(info, 0);
+  uint64_t size = U64Arg(info, 1, "size");
+  int fd = FdArg(info, 2, "fd");
+  uint64_t offset = U64Arg(info, 3, "offset");
+  void* mapped = mmap(address, size, PROT_NONE, MAP_SHARED | MAP_FIXED, fd, static_cast<off_t>(offset));
+  if (mapped == MAP_FAILED) ThrowErrno(info.Env(), Sized("mmap", size));
+  return info.Env().Undefined();
+}
+
+// hostUnmap(address, size): back to reserved, inaccessible address space.
+Napi::Value HostUnmap(const Napi::CallbackInfo& info) {
+  void* address = AddressArg(info, 0);
+  uint64_t size = U64Arg(info, 1, "size");
+  void* reserved = mmap(address, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+  if (reserved == MAP_FAILED) ThrowErrno(info.Env(), Sized("mmap", size));
+  return info.Env().Undefined();
+}
+
+// hostProtect(address, size, access): 0 none, 1 read, 3 read-write.
+Napi::Value HostProtect(const Napi::CallbackInfo& info) {
+  void* address = AddressArg(info, 0);
+  uint64_t size = U64Arg(info, 1, "size");
+  uint32_t access = info[2].As<Napi::Number>().Uint32Value();
+  int prot = PROT_NONE;
+  if (access & 1) prot |= PROT_READ;
+  if (access & 2) prot |= PROT_WRITE;
+  if (mprotect(address, size, prot) != 0) ThrowErrno(info.Env(), Sized("mprotect", size));
+  return info.Env().Undefined();
+}
+
+// Copies run on a worker thread: a large copy must never stall the event loop.
+class CopyWorker : public Napi::AsyncWorker {
+ public:
+  CopyWorker(Napi::Env env, void* dst, const void* src, size_t size, Napi::Reference<Napi::Buffer<uint8_t>> keep,
+             bool resolveWithBuffer)
+      : Napi::AsyncWorker(env, "vmmd:copy"),
+        deferred_(Napi::Promise::Deferred::New(env)),
+        dst_(dst),
+        src_(src),
+        size_(size),
+        keep_(std::move(keep)),
+        resolveWithBuffer_(resolveWithBuffer) {}
+
+  Napi::Promise Promise() { return deferred_.Promise(); }
+
+  void Execute() override { std::memcpy(dst_, src_, size_); }
+
+  void OnOK() override {
+    Napi::Env env = Env();
+    if (resolveWithBuffer_) {
+      deferred_.Resolve(keep_.Value());
+    } else {
+      deferred_.Resolve(env.Undefined());
+    }
+  }
+
+  void OnError(const Napi::Error& error) override { deferred_.Reject(error.Value()); }
+
+ private:
+  Napi::Promise::Deferred deferred_;
+  void* dst_;
+  const void* src_;
+  size_t size_;
+  Napi::Reference<Napi::Buffer<uint8_t>> keep_;
+  bool resolveWithBuffer_;
+};
+
+// hostCopyFromAddress(address, length) -> Promise<Buffer>
+Napi::Value HostCopyFromAddress(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  void* address = AddressArg(info, 0);
+  uint64_t length = U64Arg(info, 1, "length");
+  Napi::Buffer<uint8_t> buffer = Napi::Buffer<uint8_t>::New(env, static_cast<size_t>(length));
+  auto* worker = new CopyWorker(env, buffer.Data(), address, static_cast<size_t>(length),
+                                Napi::Persistent(buffer), true);
+  Napi::Promise promise = worker->Promise();
+  worker->Queue();
+  return promise;
+}
+
+// hostCopyToAddress(address, buffer) -> Promise<void>
+Napi::Value HostCopyToAddress(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  void* address = AddressArg(info, 0);
+  if (!info[1].IsBuffer()) ThrowArg(env, "data must be a Buffer");
+  Napi::Buffer<uint8_t> buffer = info[1].As<Napi::Buffer<uint8_t>>();
+  auto* worker = new CopyWorker(env, address, buffer.Data(), buffer.Length(), Napi::Persistent(buffer), false);
+  Napi::Promise promise = worker->Promise();
+  worker->Queue();
+  return promise;
+}
+
+// hostArrayBuffer(address, size) -> ArrayBuffer over mapped pages. The caller
+// must detach it (hostDetachArrayBuffer) before unmapping.
+Napi::Value HostArrayBuffer(const Napi::CallbackInfo& info) {
+  void* address = AddressArg(info, 0);
+  uint64_t size = U64Arg(info, 1, "size");
+  return Napi::ArrayBuffer::New(info.Env(), address, static_cast<size_t>(size));
+}
+
+Napi::Value HostDetachArrayBuffer(const Napi::CallbackInfo& info) {
+  Napi::ArrayBuffer buffer = info[0].As<Napi::ArrayBuffer>();
+  if (!buffer.IsDetached()) buffer.Detach();
+  return info.Env().Undefined();
+}
+
+Napi::Value PageSize(const Napi::CallbackInfo& info) {
+  return Napi::Number::New(info.Env(), static_cast<double>(sysconf(_SC_PAGESIZE)));
+}
+
+Napi::Value Dup(const Napi::CallbackInfo& info) {
+  int fd = FdArg(info, 0, "fd");
+  int copy = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (copy < 0) ThrowErrno(info.Env(), "dup(" + std::to_string(fd) + ")");
+  return Napi::Number::New(info.Env(), copy);
+}
+
+Napi::Value Close(const Napi::CallbackInfo& info) {
+  int fd = FdArg(info, 0, "fd");
+  if (close(fd) != 0 && errno != EINTR) ThrowErrno(info.Env(), "close(" + std::to_string(fd) + ")");
+  return info.Env().Undefined();
+}
+
+}  // namespace
+
+void InitHostMemory(Napi::Env env, Napi::Object exports) {
+  exports.Set("hostMemfdCreate", Napi::Function::New(env, HostMemfdCreate, "hostMemfdCreate"));
+  exports.Set("hostMemfdSealReadOnly", Napi::Function::New(env, HostMemfdSealReadOnly, "hostMemfdSealReadOnly"));
+  exports.Set("hostFdInfo", Napi::Function::New(env, HostFdInfo, "hostFdInfo"));
+  exports.Set("hostReserve", Napi::Function::New(env, HostReserve, "hostReserve"));
+  exports.Set("hostFreeAddress", Napi::Function::New(env, HostFreeAddress, "hostFreeAddress"));
+  exports.Set("hostMap", Napi::Function::New(env, HostMap, "hostMap"));
+  exports.Set("hostUnmap", Napi::Function::New(env, HostUnmap, "hostUnmap"));
+  exports.Set("hostProtect", Napi::Function::New(env, HostProtect, "hostProtect"));
+  exports.Set("hostCopyFromAddress", Napi::Function::New(env, HostCopyFromAddress, "hostCopyFromAddress"));
+  exports.Set("hostCopyToAddress", Napi::Function::New(env, HostCopyToAddress, "hostCopyToAddress"));
+  exports.Set("hostArrayBuffer", Napi::Function::New(env, HostArrayBuffer, "hostArrayBuffer"));
+  exports.Set("hostDetachArrayBuffer", Napi::Function::New(env, HostDetachArrayBuffer, "hostDetachArrayBuffer"));
+  exports.Set("pageSize", Napi::Function::New(env, PageSize, "pageSize"));
+  exports.Set("dup", Napi::Function::New(env, Dup, "dup"));
+  exports.Set("close", Napi::Function::New(env, Close, "close"));
+}
+
+}  // namespace vmmd

@@ -1,0 +1,130 @@
+/**
+ * The host backend: memfd-backed memory with the semantics of the CUDA VMM
+ * API, for machines without a GPU. It is a product feature, not a mock: the
+ * daemon's policy runs unchanged on it, and clients map the same pages.
+ */
+import { addon, HOST_ACCESS, isNativeError } from '../../native';
+import {
+  AccessGrant,
+  Backend,
+  BackendHandle,
+  DeviceInfo,
+  ImportedHandle,
+  MemLocation,
+  MemoryInfo,
+} from './backend';
+
+export interface HostBackendOptions {
+  /** Bytes the backend may create in all; creation past it is OUT_OF_MEMORY. */
+  capacity: bigint;
+  /** Allocation granularity: a power of two, a multiple of the page size. */
+  granularity: bigint;
+}
+
+/** An error with a string code, as the addon throws them. */
+function codedError(code: string, message: string, extra: Record<string, unknown> = {}): Error {
+  return Object.assign(new Error(message), { code }, extra);
+}
+
+export class HostBackend implements Backend {
+  readonly name = 'host' as const;
+  // Invariant: createdBytes is the sum of the sizes of created (not imported), unreleased memfds.
+  private createdBytes = 0n;
+
+  constructor(private readonly options: HostBackendOptions) {}
+
+  devices(): DeviceInfo[] {
+    return [
+      {
+        index: 0,
+        name: 'host memory (memfd)',
+        kind: 'HOST',
+        uuid: '',
+        totalBytes: this.options.capacity,
+        granularityMinimum: this.options.granularity,
+        granularityRecommended: this.options.granularity,
+        handleTypes: ['POSIX_FD'],
+        computeCapability: '',
+      },
+    ];
+  }
+
+  memoryInfo(): MemoryInfo {
+    return { totalBytes: this.options.capacity, freeBytes: this.options.capacity - this.createdBytes };
+  }
+
+  reserve(size: bigint, alignment: bigint, hint: bigint): bigint {
+    return addon.hostReserve(size, alignment, hint);
+  }
+
+  freeAddress(address: bigint, size: bigint): void {
+    addon.hostFreeAddress(address, size);
+  }
+
+  create(device: number, location: MemLocation, size: bigint): BackendHandle {
+    const used = this.createdBytes;
+    if (used + size > this.options.capacity) {
+      throw codedError(
+        'OUT_OF_MEMORY',
+        `out of memory: requested ${size} bytes, ${used} of ${this.options.capacity} bytes in use (host capacity)`,
+        { requested: size, used, limit: this.options.capacity },
+      );
+    }
+    const fd = addon.hostMemfdCreate(`vmmd:${location.type.toLowerCase()}${location.id}`, size);
+    this.createdBytes += size;
+    return fd;
+  }
+
+  async release(handle: BackendHandle, size: bigint, imported: boolean): Promise<void> {
+    addon.close(Number(handle));
+    if (!imported) this.createdBytes -= size;
+  }
+
+  map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint): void {
+    addon.hostMap(address, size, Number(handle), offset);
+  }
+
+  async unmap(address: bigint, size: bigint): Promise<void> {
+    addon.hostUnmap(address, size);
+  }
+
+  setAccess(address: bigint, size: bigint, grants: AccessGrant[]): void {
+    // Every location of the host backend is the CPU: the widest grant wins.
+    const access = grants.reduce((widest, grant) => Math.max(widest, grant.access), 0);
+    addon.hostProtect(address, size, access === 3 ? HOST_ACCESS.READWRITE : access === 1 ? HOST_ACCESS.READ : HOST_ACCESS.NONE);
+  }
+
+  async exportHandle(handle: BackendHandle): Promise<number> {
+    return addon.dup(Number(handle));
+  }
+
+  importHandle(fd: number): ImportedHandle {
+    try {
+      const info = addon.hostFdInfo(fd);
+      if (!info.memfd) {
+        throw codedError('BAD_DESCRIPTOR', 'the descriptor is not host memory of vmmd (not a memfd)');
+      }
+      if (info.size === 0n || info.size % this.options.granularity !== 0n) {
+        throw codedError(
+          'BAD_DESCRIPTOR',
+          `the descriptor's size ${info.size} is not a positive multiple of the granularity ${this.options.granularity}`,
+        );
+      }
+      return { handle: fd, size: info.size, device: 0, location: { type: 'DEVICE', id: 0 } };
+    } catch (error) {
+      addon.close(fd);
+      if (isNativeError(error, 'BAD_DESCRIPTOR')) throw error;
+      throw codedError('BAD_DESCRIPTOR', `the descriptor cannot be imported: ${(error as Error).message}`);
+    }
+  }
+
+  readBytes(address: bigint, length: number): Promise<Buffer> {
+    return addon.hostCopyFromAddress(address, length);
+  }
+
+  writeBytes(address: bigint, data: Buffer): Promise<void> {
+    return addon.hostCopyToAddress(address, data);
+  }
+
+  close(): void {}
+}
