@@ -63,7 +63,7 @@ export class Session {
     readonly connection: SeqpacketConnection,
     log: Logger,
   ) {
-    this.log = log.child({ session: String(id), pid: peer.pid, uid: peer.uid });
+    this.log = log.child({ session: String(id), peerPid: peer.pid, peerUid: peer.uid });
   }
 
   get inFlightCalls(): number {
@@ -215,7 +215,7 @@ export class SessionManager extends EventEmitter {
         gid: peer.gid,
       });
     } catch (error) {
-      session.log.warn({ err: error }, 'cannot greet the session; closing it');
+      session.log.debug({ err: error }, 'the peer left before its greeting; closing the session');
       connection.close();
       return;
     }

@@ -239,7 +239,7 @@ class Poller : public Napi::ObjectWrap<Poller> {
     Napi::Env env = self->Env();
     Napi::HandleScope scope(env);
     try {
-      self->callback_.MakeCallback(env.Undefined(), {Napi::Number::New(env, status), Napi::Number::New(env, events)},
+      self->callback_.MakeCallback(self->Value(), {Napi::Number::New(env, status), Napi::Number::New(env, events)},
                                    *self->context_);
     } catch (const Napi::Error& error) {
       napi_fatal_exception(env, error.Value());

@@ -1,0 +1,133 @@
+/**
+ * connect(): the session socket and the gRPC channel of one client process,
+ * with a typed promise API for every service.
+ */
+import * as grpc from '@grpc/grpc-js';
+import { EventEmitter } from 'node:events';
+import { defaultSocketDir, socketPaths } from '../common/paths';
+import { loadProtos } from '../common/proto';
+import { SESSION_METADATA_KEY } from '../common/protocol';
+import type { AdminClient } from '../generated/vmmd/v1/Admin';
+import type { DevicesClient } from '../generated/vmmd/v1/Devices';
+import type { GetGranularityRequest } from '../generated/vmmd/v1/GetGranularityRequest';
+import type { GetMemoryInfoRequest } from '../generated/vmmd/v1/GetMemoryInfoRequest';
+import type { Granularity__Output } from '../generated/vmmd/v1/Granularity';
+import type { ListDevicesResponse__Output } from '../generated/vmmd/v1/ListDevicesResponse';
+import type { MemoryInfo__Output } from '../generated/vmmd/v1/MemoryInfo';
+import type { Stats__Output } from '../generated/vmmd/v1/Stats';
+import type { VirtualMemoryClient } from '../generated/vmmd/v1/VirtualMemory';
+import { CallSettings, Input, unaryCall } from './rpc';
+import { ClientSession } from './session';
+import { VirtualMemoryApi } from './vmm';
+
+export interface ConnectOptions {
+  /** The daemon's socket directory; default VMMD_SOCKET_DIR, then the daemon's own default. */
+  socketDir?: string;
+  /** Deadline of each call, ms (default 30 s). */
+  deadlineMs?: number;
+  /** How long to wait for the daemon's greeting, ms (default 5 s). */
+  connectTimeoutMs?: number;
+}
+
+export class DevicesApi {
+  constructor(
+    private readonly client: DevicesClient,
+    private readonly settings: CallSettings,
+  ) {}
+
+  listDevices(): Promise<ListDevicesResponse__Output> {
+    return unaryCall(this.client, this.client.ListDevices, {}, this.settings);
+  }
+
+  /** @throws VmmdError OUT_OF_RANGE UNKNOWN_DEVICE */
+  getMemoryInfo(request: Input<GetMemoryInfoRequest> = {}): Promise<MemoryInfo__Output> {
+    return unaryCall(this.client, this.client.GetMemoryInfo, request, this.settings);
+  }
+
+  /** @throws VmmdError OUT_OF_RANGE UNKNOWN_DEVICE */
+  getGranularity(request: Input<GetGranularityRequest> = {}): Promise<Granularity__Output> {
+    return unaryCall(this.client, this.client.GetGranularity, request, this.settings);
+  }
+}
+
+export class AdminApi {
+  constructor(
+    private readonly client: AdminClient,
+    private readonly settings: CallSettings,
+  ) {}
+
+  getStats(): Promise<Stats__Output> {
+    return unaryCall(this.client, this.client.GetStats, {}, this.settings);
+  }
+}
+
+/**
+ * A connected client: the session (the lease on everything it creates) and
+ * the three services. Emits 'session-lost' if the daemon goes away.
+ */
+export class VmmdClient extends EventEmitter {
+  private closing = false;
+
+  constructor(
+    readonly session: ClientSession,
+    readonly socketDir: string,
+    readonly backend: string,
+    readonly devices: DevicesApi,
+    readonly vmm: VirtualMemoryApi,
+    readonly admin: AdminApi,
+    private readonly channels: grpc.Client[],
+  ) {
+    super();
+    session.on('close', () => {
+      if (!this.closing) this.emit('session-lost', session);
+    });
+  }
+
+  /** Ends the session: the daemon reclaims everything it owns. Local mappings stay valid. */
+  close(): void {
+    this.closing = true;
+    this.session.close();
+    for (const channel of this.channels) channel.close();
+  }
+
+  [Symbol.dispose](): void {
+    this.close();
+  }
+}
+
+/**
+ * Opens a session with the daemon and a gRPC channel to it.
+ * @throws VmmdError UNAVAILABLE DAEMON_UNREACHABLE when no daemon serves the socket directory
+ */
+export async function connect(options: ConnectOptions = {}): Promise<VmmdClient> {
+  const socketDir = options.socketDir ?? defaultSocketDir();
+  const paths = socketPaths(socketDir);
+  const session = await ClientSession.open(paths.session, options.connectTimeoutMs ?? 5_000);
+  const { proto } = loadProtos();
+  const target = `unix://${paths.grpc}`;
+  const credentials = grpc.credentials.createInsecure();
+  const v1 = proto.vmmd.v1;
+  const devicesClient = new v1.Devices(target, credentials);
+  // One channel for all services: grpc-js shares the subchannel when target and options match.
+  const vmmClient = new v1.VirtualMemory(target, credentials, { channelOverride: devicesClient.getChannel() });
+  const adminClient = new v1.Admin(target, credentials, { channelOverride: devicesClient.getChannel() });
+  const settings: CallSettings = {
+    metadata: () => {
+      const metadata = new grpc.Metadata();
+      metadata.set(SESSION_METADATA_KEY, session.token);
+      return metadata;
+    },
+    deadlineMs: options.deadlineMs ?? 30_000,
+  };
+  const devices = new DevicesApi(devicesClient, settings);
+  let backend: string;
+  try {
+    backend = (await devices.listDevices()).backend;
+  } catch (error) {
+    session.close();
+    devicesClient.close();
+    throw error;
+  }
+  const vmm = new VirtualMemoryApi(vmmClient as VirtualMemoryClient, settings, session, backend);
+  return new VmmdClient(session, socketDir, backend, devices, vmm, new AdminApi(adminClient, settings), [devicesClient]);
+}

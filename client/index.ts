@@ -1,0 +1,11 @@
+/**
+ * The vmmd client library: `import { connect } from 'vmmd'`.
+ */
+export { connect, VmmdClient, DevicesApi, AdminApi } from './connection';
+export type { ConnectOptions } from './connection';
+export { VmmdError } from './errors';
+export { ImportedMemory } from './local-memory';
+export { ClientSession } from './session';
+export { VirtualMemoryApi } from './vmm';
+export type { ImportOptions } from './vmm';
+export { defaultSocketDir } from '../common/paths';

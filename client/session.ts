@@ -1,0 +1,175 @@
+/**
+ * The client's side of the session socket: the greeting with the session
+ * token, descriptors received from the daemon by transfer id, and descriptors
+ * sent to it.
+ */
+import { EventEmitter } from 'node:events';
+import { status as Status } from '@grpc/grpc-js';
+import { decodeMessage, encodeMessage, HelloMessage, PROTOCOL_VERSION, SessionMessage } from '../common/protocol';
+import { addon } from '../native';
+import { SeqpacketConnection, SeqpacketMessage } from '../native/seqpacket';
+import { VmmdError } from './errors';
+
+/** How long a descriptor the daemon sent waits to be claimed before it is closed. */
+const UNCLAIMED_TRANSFER_MS = 30_000;
+
+interface Waiter {
+  resolve(fd: number): void;
+  reject(error: Error): void;
+  timer: NodeJS.Timeout;
+}
+
+/**
+ * One session: the lease on everything this process creates through vmmd.
+ * Emits 'close' when the connection ends and 'daemon-error' (ErrorMessage)
+ * when the daemon refuses a message.
+ */
+export class ClientSession extends EventEmitter {
+  readonly id: string;
+  readonly token: string;
+  private readonly received = new Map<string, { fd: number; timer: NodeJS.Timeout }>();
+  private readonly waiters = new Map<string, Waiter>();
+  private nextTransfer = 1n;
+
+  private constructor(
+    private readonly connection: SeqpacketConnection,
+    hello: HelloMessage,
+  ) {
+    super();
+    this.id = hello.session;
+    this.token = hello.token;
+    connection.on('message', (message: SeqpacketMessage) => this.onMessage(message));
+    connection.on('close', () => this.onClose());
+    // The session must not keep a finished program alive; pending calls do.
+    connection.unref();
+  }
+
+  /**
+   * Connects and waits for the daemon's greeting.
+   * @throws VmmdError UNAVAILABLE DAEMON_UNREACHABLE, DEADLINE_EXCEEDED NO_GREETING
+   */
+  static open(path: string, timeoutMs: number): Promise<ClientSession> {
+    let connection: SeqpacketConnection;
+    try {
+      connection = SeqpacketConnection.connect(path);
+    } catch (error) {
+      return Promise.reject(
+        new VmmdError('DAEMON_UNREACHABLE', Status.UNAVAILABLE, `cannot reach vmmd at ${path}: ${(error as Error).message}`),
+      );
+    }
+    return new Promise((resolve, reject) => {
+      const fail = (error: VmmdError) => {
+        clearTimeout(timer);
+        connection.close();
+        reject(error);
+      };
+      const timer = setTimeout(
+        () => fail(new VmmdError('NO_GREETING', Status.DEADLINE_EXCEEDED, `vmmd at ${path} sent no greeting within ${timeoutMs} ms`)),
+        timeoutMs,
+      );
+      connection.once('close', () => fail(new VmmdError('DAEMON_UNREACHABLE', Status.UNAVAILABLE, `vmmd at ${path} closed the session socket`)));
+      connection.once('message', (message: SeqpacketMessage) => {
+        if (message.fd >= 0) addon.close(message.fd);
+        const hello = decodeMessage(message.data);
+        if (typeof hello === 'string' || hello.type !== 'hello' || hello.protocol !== PROTOCOL_VERSION) {
+          fail(new VmmdError('BAD_GREETING', Status.UNAVAILABLE, `vmmd at ${path} greeted with an unexpected message`));
+          return;
+        }
+        clearTimeout(timer);
+        connection.removeAllListeners();
+        resolve(new ClientSession(connection, hello));
+      });
+    });
+  }
+
+  get closed(): boolean {
+    return this.connection.isClosed;
+  }
+
+  /**
+   * The descriptor the daemon sent as `transfer`; the caller owns it.
+   * @throws VmmdError DEADLINE_EXCEEDED TRANSFER_NOT_RECEIVED, UNAVAILABLE SESSION_LOST
+   */
+  takeTransfer(transfer: string, timeoutMs = 5_000): Promise<number> {
+    const pending = this.received.get(transfer);
+    if (pending !== undefined) {
+      clearTimeout(pending.timer);
+      this.received.delete(transfer);
+      return Promise.resolve(pending.fd);
+    }
+    if (this.closed) return Promise.reject(this.lost());
+    return new Promise((resolve, reject) => {
+      const timer = setTimeout(() => {
+        this.waiters.delete(transfer);
+        reject(new VmmdError('TRANSFER_NOT_RECEIVED', Status.DEADLINE_EXCEEDED, `descriptor ${transfer} did not arrive within ${timeoutMs} ms`));
+      }, timeoutMs);
+      this.waiters.set(transfer, { resolve, reject, timer });
+    });
+  }
+
+  /**
+   * Sends a descriptor (the caller keeps its own) and returns its transfer id,
+   * to be named in an Import call.
+   * @throws VmmdError UNAVAILABLE SESSION_LOST, SESSION_SOCKET_FULL
+   */
+  sendDescriptor(fd: number): string {
+    const transfer = String(this.nextTransfer++);
+    this.send({ type: 'transfer', transfer }, fd);
+    return transfer;
+  }
+
+  close(): void {
+    this.connection.close();
+  }
+
+  private send(message: SessionMessage, fd = -1): void {
+    if (this.closed) throw this.lost();
+    let sent: boolean;
+    try {
+      sent = this.connection.send(encodeMessage(message), fd);
+    } catch (error) {
+      throw new VmmdError('SESSION_LOST', Status.UNAVAILABLE, `the session socket failed: ${(error as Error).message}`);
+    }
+    if (!sent) throw new VmmdError('SESSION_SOCKET_FULL', Status.UNAVAILABLE, 'the session socket is full; the daemon is not reading');
+  }
+
+  private lost(): VmmdError {
+    return new VmmdError('SESSION_LOST', Status.UNAVAILABLE, `session ${this.id} with vmmd is closed`);
+  }
+
+  private onMessage(raw: SeqpacketMessage): void {
+    const message = decodeMessage(raw.data);
+    if (typeof message !== 'string' && message.type === 'transfer' && raw.fd >= 0) {
+      const waiter = this.waiters.get(message.transfer);
+      if (waiter !== undefined) {
+        clearTimeout(waiter.timer);
+        this.waiters.delete(message.transfer);
+        waiter.resolve(raw.fd);
+        return;
+      }
+      const timer = setTimeout(() => {
+        this.received.delete(message.transfer);
+        addon.close(raw.fd);
+      }, UNCLAIMED_TRANSFER_MS);
+      timer.unref();
+      this.received.set(message.transfer, { fd: raw.fd, timer });
+      return;
+    }
+    if (raw.fd >= 0) addon.close(raw.fd);
+    if (typeof message !== 'string' && message.type === 'error') this.emit('daemon-error', message);
+  }
+
+  private onClose(): void {
+    for (const waiter of this.waiters.values()) {
+      clearTimeout(waiter.timer);
+      waiter.reject(this.lost());
+    }
+    this.waiters.clear();
+    for (const pending of this.received.values()) {
+      clearTimeout(pending.timer);
+      addon.close(pending.fd);
+    }
+    this.received.clear();
+    this.emit('close');
+  }
+}

@@ -1,0 +1,175 @@
+/**
+ * Remote virtual memory: one promise method per VirtualMemory RPC, and the
+ * local half of sharing: import() maps an exported allocation into this
+ * process, importDescriptor() hands one of this process's descriptors to the
+ * daemon.
+ */
+import * as grpc from '@grpc/grpc-js';
+import { status as Status } from '@grpc/grpc-js';
+import type { Allocation__Output } from '../generated/vmmd/v1/Allocation';
+import type { CreateRequest } from '../generated/vmmd/v1/CreateRequest';
+import type { ExportRequest } from '../generated/vmmd/v1/ExportRequest';
+import type { ExportResponse__Output } from '../generated/vmmd/v1/ExportResponse';
+import type { FreeAddressRequest } from '../generated/vmmd/v1/FreeAddressRequest';
+import type { GetAccessRequest } from '../generated/vmmd/v1/GetAccessRequest';
+import type { GetAccessResponse__Output } from '../generated/vmmd/v1/GetAccessResponse';
+import type { GetPropertiesRequest } from '../generated/vmmd/v1/GetPropertiesRequest';
+import type { ImportRequest } from '../generated/vmmd/v1/ImportRequest';
+import type { MapRequest } from '../generated/vmmd/v1/MapRequest';
+import type { ReleaseRequest } from '../generated/vmmd/v1/ReleaseRequest';
+import type { ReleaseResponse__Output } from '../generated/vmmd/v1/ReleaseResponse';
+import type { Reservation__Output } from '../generated/vmmd/v1/Reservation';
+import type { ReserveRequest } from '../generated/vmmd/v1/ReserveRequest';
+import type { RetainHandleRequest } from '../generated/vmmd/v1/RetainHandleRequest';
+import type { SetAccessRequest } from '../generated/vmmd/v1/SetAccessRequest';
+import type { ShareRequest } from '../generated/vmmd/v1/ShareRequest';
+import type { ShareResponse__Output } from '../generated/vmmd/v1/ShareResponse';
+import type { UnmapRequest } from '../generated/vmmd/v1/UnmapRequest';
+import type { UnmapResponse__Output } from '../generated/vmmd/v1/UnmapResponse';
+import type { VirtualMemoryClient } from '../generated/vmmd/v1/VirtualMemory';
+import type { ReadResponse__Output } from '../generated/vmmd/v1/ReadResponse';
+import type { WriteResponse__Output } from '../generated/vmmd/v1/WriteResponse';
+import { VmmdError } from './errors';
+import { ImportedMemory, mapHostDescriptor } from './local-memory';
+import { CallSettings, Input, toWire, unaryCall } from './rpc';
+import type { ClientSession } from './session';
+
+/** Largest Write message the client sends. */
+const WRITE_CHUNK_BYTES = 1 << 20;
+
+export interface ImportOptions {
+  /** Needed for another session's allocation: the key its owner got from share(). */
+  shareKey?: string;
+  /** Map without write access. */
+  readOnly?: boolean;
+}
+
+export class VirtualMemoryApi {
+  constructor(
+    private readonly client: VirtualMemoryClient,
+    private readonly settings: CallSettings,
+    private readonly session: ClientSession,
+    private readonly backend: string,
+  ) {}
+
+  /** @throws VmmdError INVALID_ARGUMENT ZERO_SIZE, NOT_ALIGNED, BAD_ALIGNMENT */
+  reserve(request: Input<ReserveRequest>): Promise<Reservation__Output> {
+    return unaryCall(this.client, this.client.Reserve, request, this.settings);
+  }
+
+  /** @throws VmmdError NOT_FOUND NOT_RESERVED, INVALID_ARGUMENT PARTIAL_FREE, FAILED_PRECONDITION RESERVATION_MAPPED */
+  freeAddress(request: Input<FreeAddressRequest>): Promise<object> {
+    return unaryCall(this.client, this.client.FreeAddress, request, this.settings);
+  }
+
+  /** @throws VmmdError INVALID_ARGUMENT ZERO_SIZE, NOT_ALIGNED; RESOURCE_EXHAUSTED OUT_OF_MEMORY; OUT_OF_RANGE UNKNOWN_DEVICE */
+  create(request: Input<CreateRequest>): Promise<Allocation__Output> {
+    return unaryCall(this.client, this.client.Create, request, this.settings);
+  }
+
+  /** @throws VmmdError NOT_FOUND UNKNOWN_ALLOCATION, FAILED_PRECONDITION ALREADY_RELEASED */
+  release(request: Input<ReleaseRequest>): Promise<ReleaseResponse__Output> {
+    return unaryCall(this.client, this.client.Release, request, this.settings);
+  }
+
+  /** @throws VmmdError ALREADY_MAPPED, NOT_ALIGNED, NONZERO_OFFSET, BEYOND_ALLOCATION, BEYOND_RESERVATION */
+  map(request: Input<MapRequest>): Promise<object> {
+    return unaryCall(this.client, this.client.Map, request, this.settings);
+  }
+
+  /** @throws VmmdError NOT_FOUND NOT_MAPPED, INVALID_ARGUMENT PARTIAL_UNMAP */
+  unmap(request: Input<UnmapRequest>): Promise<UnmapResponse__Output> {
+    return unaryCall(this.client, this.client.Unmap, request, this.settings);
+  }
+
+  /** @throws VmmdError FAILED_PRECONDITION NOT_FULLY_MAPPED, INVALID_ARGUMENT PARTIAL_MAPPING */
+  setAccess(request: Input<SetAccessRequest>): Promise<object> {
+    return unaryCall(this.client, this.client.SetAccess, request, this.settings);
+  }
+
+  /** @throws VmmdError NOT_FOUND NOT_MAPPED */
+  getAccess(request: Input<GetAccessRequest>): Promise<GetAccessResponse__Output> {
+    return unaryCall(this.client, this.client.GetAccess, request, this.settings);
+  }
+
+  /** The raw Export call; import() is what maps the descriptor. @throws VmmdError NOT_OWNER, NO_SESSION */
+  export(request: Input<ExportRequest>): Promise<ExportResponse__Output> {
+    return unaryCall(this.client, this.client.Export, request, this.settings);
+  }
+
+  /** A key that lets another session import the allocation. @throws VmmdError PERMISSION_DENIED NOT_OWNER */
+  share(request: Input<ShareRequest>): Promise<ShareResponse__Output> {
+    return unaryCall(this.client, this.client.Share, request, this.settings);
+  }
+
+  /** The raw Import call; importDescriptor() sends the descriptor first. */
+  importTransfer(request: Input<ImportRequest>): Promise<Allocation__Output> {
+    return unaryCall(this.client, this.client.Import, request, this.settings);
+  }
+
+  /** @throws VmmdError NOT_FOUND UNKNOWN_ALLOCATION */
+  getProperties(request: Input<GetPropertiesRequest>): Promise<Allocation__Output> {
+    return unaryCall(this.client, this.client.GetProperties, request, this.settings);
+  }
+
+  /** @throws VmmdError NOT_FOUND NOT_MAPPED */
+  retainHandle(request: Input<RetainHandleRequest>): Promise<Allocation__Output> {
+    return unaryCall(this.client, this.client.RetainHandle, request, this.settings);
+  }
+
+  /**
+   * Exports an allocation and maps it into this process.
+   * @throws VmmdError from Export, TRANSFER_NOT_RECEIVED, LOCAL_MAP_FAILED; UNIMPLEMENTED on backends other than host
+   */
+  async import(allocationId: bigint | string, options: ImportOptions = {}): Promise<ImportedMemory> {
+    if (this.backend !== 'host') {
+      throw new VmmdError('UNSUPPORTED_BACKEND', Status.UNIMPLEMENTED, `import() into this process is not supported on the ${this.backend} backend yet`);
+    }
+    const exported = await this.export({ allocationId, shareKey: options.shareKey ?? '' });
+    const fd = await this.session.takeTransfer(exported.transferId);
+    const size = BigInt(exported.size);
+    const readOnly = options.readOnly ?? false;
+    const { address, view } = mapHostDescriptor(fd, size, BigInt(exported.granularity), readOnly);
+    return new ImportedMemory(BigInt(exported.allocationId), address, size, readOnly, view);
+  }
+
+  /**
+   * Sends a descriptor of this process to the daemon and makes an allocation
+   * of it, owned by this session. The caller keeps (and closes) its own fd.
+   * @throws VmmdError INVALID_ARGUMENT BAD_DESCRIPTOR, SESSION_LOST
+   */
+  importDescriptor(fd: number, device = 0): Promise<Allocation__Output> {
+    const transferId = this.session.sendDescriptor(fd);
+    return this.importTransfer({ transferId, device });
+  }
+
+  /** Reads bytes at a mapped address the daemon may read. @throws VmmdError NOT_MAPPED, NO_ACCESS, NOT_FULLY_MAPPED */
+  async read(address: bigint | string, length: bigint | number): Promise<Buffer> {
+    const chunks: Buffer[] = [];
+    const call = this.client.Read(toWire({ address, length }) as never, this.settings.metadata(), {
+      deadline: Date.now() + this.settings.deadlineMs,
+    });
+    try {
+      for await (const message of call as AsyncIterable<ReadResponse__Output>) chunks.push(message.data);
+    } catch (error) {
+      throw VmmdError.fromServiceError(error as grpc.ServiceError);
+    }
+    return Buffer.concat(chunks);
+  }
+
+  /** Writes bytes at a mapped address the daemon may write. @throws VmmdError NOT_MAPPED, NO_ACCESS, NOT_FULLY_MAPPED */
+  write(address: bigint | string, data: Uint8Array): Promise<WriteResponse__Output> {
+    return new Promise((resolve, reject) => {
+      const call = this.client.Write(this.settings.metadata(), { deadline: Date.now() + this.settings.deadlineMs }, (error, response) => {
+        if (error) reject(VmmdError.fromServiceError(error));
+        else resolve(response as WriteResponse__Output);
+      });
+      const bytes = Buffer.from(data.buffer, data.byteOffset, data.byteLength);
+      for (let offset = 0; offset < bytes.length || offset === 0; offset += WRITE_CHUNK_BYTES) {
+        call.write({ address: offset === 0 ? String(address) : '0', data: bytes.subarray(offset, offset + WRITE_CHUNK_BYTES) });
+        if (bytes.length === 0) break;
+      }
+      call.end();
+    });
+  }
+}

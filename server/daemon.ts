@@ -1,0 +1,105 @@
+/**
+ * The daemon: one backend, one registry, the session socket and the gRPC
+ * server, started and stopped together.
+ */
+import * as grpc from '@grpc/grpc-js';
+import * as fs from 'node:fs';
+import type { Logger } from 'pino';
+import { socketPaths } from '../common/paths';
+import { loadProtos } from '../common/proto';
+import { addon, isNativeError } from '../native';
+import type { Backend } from './backends/backend';
+import { selectBackend } from './backends/select';
+import type { DaemonConfig } from './config';
+import { Registry } from './registry';
+import { AdminService } from './services/admin';
+import { DevicesService } from './services/devices';
+import { HandlerDeps } from './services/handler';
+import { VirtualMemoryService } from './services/virtual-memory';
+import { DEFAULT_SESSION_OPTIONS, SessionManager, SessionOptions } from './sessions';
+
+// eslint-disable-next-line @typescript-eslint/no-require-imports
+export const VERSION: string = require('../../package.json').version;
+
+export class DaemonStartError extends Error {
+  constructor(message: string) {
+    super(message);
+    this.name = 'DaemonStartError';
+  }
+}
+
+/**
+ * Removes socket files no daemon answers on; refuses to start over a live one.
+ * @throws DaemonStartError when another daemon serves the directory
+ */
+function clearStaleSockets(paths: { grpc: string; session: string }): void {
+  if (fs.existsSync(paths.session)) {
+    let fd = -1;
+    try {
+      fd = addon.seqpacketConnect(paths.session);
+    } catch (error) {
+      if (!isNativeError(error, 'ECONNREFUSED') && !isNativeError(error, 'ENOTSOCK') && !isNativeError(error, 'EPROTOTYPE')) {
+        throw error;
+      }
+    }
+    if (fd >= 0) {
+      addon.close(fd);
+      throw new DaemonStartError(`another vmmd is serving ${paths.session}; stop it or choose another --socket-dir`);
+    }
+  }
+  for (const path of [paths.grpc, paths.session]) fs.rmSync(path, { force: true });
+}
+
+export class Daemon {
+  private constructor(
+    readonly config: DaemonConfig,
+    readonly backend: Backend,
+    readonly registry: Registry,
+    readonly sessions: SessionManager,
+    private readonly server: grpc.Server,
+    private readonly log: Logger,
+    readonly paths: { grpc: string; session: string },
+  ) {}
+
+  /** @throws DaemonStartError, BackendUnavailableError, or the socket's error */
+  static async start(config: DaemonConfig, log: Logger, sessionOptions: SessionOptions = DEFAULT_SESSION_OPTIONS): Promise<Daemon> {
+    const backend = selectBackend(config, log);
+    const registry = new Registry(backend);
+    const paths = socketPaths(config.socketDir);
+    fs.mkdirSync(config.socketDir, { recursive: true, mode: 0o755 });
+    clearStaleSockets(paths);
+
+    const sessions = new SessionManager(registry, log, sessionOptions);
+    sessions.listen(paths.session);
+
+    const server = new grpc.Server({ 'grpc.max_receive_message_length': 16 << 20 });
+    const { proto } = loadProtos();
+    const deps: HandlerDeps = { sessions, log };
+    new DevicesService(registry).addToServer(server, proto, deps);
+    new VirtualMemoryService(registry, sessions).addToServer(server, proto, deps);
+    new AdminService(registry, sessions, VERSION).addToServer(server, proto, deps);
+    await new Promise<void>((resolve, reject) =>
+      server.bindAsync(`unix://${paths.grpc}`, grpc.ServerCredentials.createInsecure(), (error) =>
+        error ? reject(error) : resolve(),
+      ),
+    );
+    log.info(
+      { backend: backend.name, socketDir: config.socketDir, devices: registry.devices.length, version: VERSION },
+      'vmmd serving',
+    );
+    return new Daemon(config, backend, registry, sessions, server, log, paths);
+  }
+
+  /** Stops serving: refuses new calls, lets in-flight ones finish, reclaims every session. */
+  async stop(graceMs = 5_000): Promise<void> {
+    this.log.info('vmmd stopping');
+    const drained = new Promise<void>((resolve) => this.server.tryShutdown(() => resolve()));
+    const timeout = new Promise<void>((resolve) => setTimeout(resolve, graceMs).unref());
+    await Promise.race([drained, timeout]);
+    this.server.forceShutdown();
+    await this.sessions.close();
+    for (const path of [this.paths.grpc, this.paths.session]) fs.rmSync(path, { force: true });
+    this.backend.close();
+    this.log.info('vmmd stopped');
+  }
+}

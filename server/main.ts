@@ -1,0 +1,58 @@
+/** `vmmd`: parses the command line, starts the daemon, stops it on SIGTERM or SIGINT. */
+import pino from 'pino';
+import { addon } from '../native';
+import { ConfigError, parseCommandLine, USAGE } from './config';
+import { Daemon, VERSION } from './daemon';
+
+export async function main(argv: string[]): Promise<number> {
+  let command;
+  try {
+    command = parseCommandLine(argv, process.env, addon.pageSize());
+  } catch (error) {
+    if (error instanceof ConfigError) {
+      process.stderr.write(`vmmd: ${error.message}\n\n${USAGE}\n`);
+      return 2;
+    }
+    throw error;
+  }
+  if (command.kind === 'help') {
+    process.stdout.write(`${USAGE}\n`);
+    return 0;
+  }
+  if (command.kind === 'version') {
+    process.stdout.write(`vmmd ${VERSION}\n`);
+    return 0;
+  }
+  const log = pino({ level: command.config.logLevel, base: { pid: process.pid } });
+  let daemon: Daemon;
+  try {
+    daemon = await Daemon.start(command.config, log);
+  } catch (error) {
+    log.fatal({ err: error }, `vmmd cannot start: ${(error as Error).message}`);
+    return 1;
+  }
+  return new Promise<number>((resolve) => {
+    const stop = (signal: string) => {
+      log.info({ signal }, 'signal received');
+      daemon.stop().then(
+        () => resolve(0),
+        (error) => {
+          log.error({ err: error }, 'stopping failed');
+          resolve(1);
+        },
+      );
+    };
+    process.once('SIGTERM', () => stop('SIGTERM'));
+    process.once('SIGINT', () => stop('SIGINT'));
+  });
+}
+
+if (require.main === module) {
+  main(process.argv.slice(2)).then(
+    (code) => process.exit(code),
+    (error) => {
+      process.stderr.write(`vmmd: ${(error as Error).stack ?? error}\n`);
+      process.exit(1);
+    },
+  );
+}

@@ -1,0 +1,106 @@
+/**
+ * The wiring between grpc-js and the services' plain async methods, shared by
+ * every service: it resolves the caller's session from metadata, counts the
+ * call as in flight for that session, and sends every rejection through
+ * server/errors.ts. grpc-js does not await handlers; nothing else may.
+ */
+import * as grpc from '@grpc/grpc-js';
+import type { Logger } from 'pino';
+import { SESSION_METADATA_KEY } from '../../common/protocol';
+import { toServiceError } from '../errors';
+import { DAEMON_OWNER } from '../registry';
+import type { Session, SessionManager } from '../sessions';
+
+/** Who is calling: a session, or nobody (owner 0, the daemon). */
+export interface CallContext {
+  /** The owner id new objects get and permissions are checked against. */
+  caller: bigint;
+  session?: Session;
+  log: Logger;
+}
+
+export interface HandlerDeps {
+  sessions: SessionManager;
+  log: Logger;
+}
+
+function metadataToken(metadata: grpc.Metadata): string | undefined {
+  const values = metadata.get(SESSION_METADATA_KEY);
+  return values.length > 0 ? String(values[0]) : undefined;
+}
+
+async function withContext<T>(
+  deps: HandlerDeps,
+  metadata: grpc.Metadata,
+  method: string,
+  run: (context: CallContext) => Promise<T>,
+): Promise<T> {
+  const session = deps.sessions.authenticate(metadataToken(metadata));
+  const log = session?.log ?? deps.log;
+  const context: CallContext = { caller: session?.id ?? DAEMON_OWNER, session, log: log.child({ method }) };
+  return session === undefined ? run(context) : session.track(() => run(context));
+}
+
+function fail(deps: HandlerDeps, method: string, error: unknown): Partial<grpc.ServiceError> {
+  const serviceError = toServiceError(error, deps.log.child({ method }));
+  deps.log.debug({ method, status: serviceError.code, details: serviceError.details }, 'call refused');
+  return serviceError;
+}
+
+export function unary<Req, Res>(
+  deps: HandlerDeps,
+  method: string,
+  body: (request: Req, context: CallContext) => Promise<Res> | Res,
+): grpc.handleUnaryCall<Req, Res> {
+  return (call, callback) => {
+    withContext(deps, call.metadata, method, async (context) => body(call.request, context)).then(
+      (response) => callback(null, response),
+      (error) => callback(fail(deps, method, error) as grpc.ServiceError),
+    );
+  };
+}
+
+/** Waits until the stream can take more, or the call ends. */
+function drain(call: grpc.ServerWritableStream<unknown, unknown>): Promise<void> {
+  return new Promise((resolve) => {
+    const done = () => {
+      call.off('drain', done);
+      call.off('cancelled', done);
+      resolve();
+    };
+    call.on('drain', done);
+    call.on('cancelled', done);
+  });
+}
+
+export function serverStream<Req, Res>(
+  deps: HandlerDeps,
+  method: string,
+  body: (request: Req, context: CallContext) => AsyncIterable<Res>,
+): grpc.handleServerStreamingCall<Req, Res> {
+  return (call) => {
+    withContext(deps, call.metadata, method, async (context) => {
+      for await (const message of body(call.request, context)) {
+        if (call.cancelled) return;
+        if (!call.write(message)) await drain(call as grpc.ServerWritableStream<unknown, unknown>);
+      }
+    }).then(
+      () => call.end(),
+      // grpc-js turns an 'error' event on a server stream into the call's status.
+      (error) => call.emit('error', fail(deps, method, error)),
+    );
+  };
+}
+
+export function clientStream<Req, Res>(
+  deps: HandlerDeps,
+  method: string,
+  body: (requests: AsyncIterable<Req>, context: CallContext) => Promise<Res>,
+): grpc.handleClientStreamingCall<Req, Res> {
+  return (call, callback) => {
+    withContext(deps, call.metadata, method, (context) => body(call as AsyncIterable<Req>, context)).then(
+      (response) => callback(null, response),
+      (error) => callback(fail(deps, method, error) as grpc.ServiceError),
+    );
+  };
+}

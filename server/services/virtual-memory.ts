@@ -1,0 +1,218 @@
+/**
+ * The VirtualMemory service: the CUDA VMM primitives. Each method checks what
+ * only the transport knows (is there a session, which transfer) and leaves
+ * every rule of the driver API to the registry.
+ */
+import * as grpc from '@grpc/grpc-js';
+import type { Allocation } from '../../generated/vmmd/v1/Allocation';
+import type { CreateRequest__Output } from '../../generated/vmmd/v1/CreateRequest';
+import type { ExportRequest__Output } from '../../generated/vmmd/v1/ExportRequest';
+import type { ExportResponse } from '../../generated/vmmd/v1/ExportResponse';
+import type { FreeAddressRequest__Output } from '../../generated/vmmd/v1/FreeAddressRequest';
+import type { GetAccessRequest__Output } from '../../generated/vmmd/v1/GetAccessRequest';
+import type { GetAccessResponse } from '../../generated/vmmd/v1/GetAccessResponse';
+import type { GetPropertiesRequest__Output } from '../../generated/vmmd/v1/GetPropertiesRequest';
+import type { ImportRequest__Output } from '../../generated/vmmd/v1/ImportRequest';
+import type { MapRequest__Output } from '../../generated/vmmd/v1/MapRequest';
+import type { ReadRequest__Output } from '../../generated/vmmd/v1/ReadRequest';
+import type { ReadResponse } from '../../generated/vmmd/v1/ReadResponse';
+import type { ReleaseRequest__Output } from '../../generated/vmmd/v1/ReleaseRequest';
+import type { ReleaseResponse } from '../../generated/vmmd/v1/ReleaseResponse';
+import type { Reservation } from '../../generated/vmmd/v1/Reservation';
+import type { ReserveRequest__Output } from '../../generated/vmmd/v1/ReserveRequest';
+import type { RetainHandleRequest__Output } from '../../generated/vmmd/v1/RetainHandleRequest';
+import type { SetAccessRequest__Output } from '../../generated/vmmd/v1/SetAccessRequest';
+import type { ShareRequest__Output } from '../../generated/vmmd/v1/ShareRequest';
+import type { ShareResponse } from '../../generated/vmmd/v1/ShareResponse';
+import type { UnmapRequest__Output } from '../../generated/vmmd/v1/UnmapRequest';
+import type { UnmapResponse } from '../../generated/vmmd/v1/UnmapResponse';
+import type { WriteRequest__Output } from '../../generated/vmmd/v1/WriteRequest';
+import type { WriteResponse } from '../../generated/vmmd/v1/WriteResponse';
+import type { VmmdProto } from '../../common/proto';
+import { addon } from '../../native';
+import { failedPrecondition, invalidArgument, outOfRange } from '../errors';
+import type { AllocationRecord, Registry, ReservationRecord } from '../registry';
+import type { Session, SessionManager } from '../sessions';
+import { CallContext, clientStream, HandlerDeps, serverStream, unary } from './handler';
+import { accessGrant, handleType, location, toWireAccess, toWireHandleType, toWireLocation, u64 } from './wire';
+
+function requireSession(context: CallContext, what: string): Session {
+  if (context.session === undefined) {
+    throw failedPrecondition(
+      'NO_SESSION',
+      `${what} needs a session: descriptors travel only over the session socket (see docs/PROTOCOL.md)`,
+    );
+  }
+  return context.session;
+}
+
+export class VirtualMemoryService {
+  constructor(
+    private readonly registry: Registry,
+    private readonly sessions: SessionManager,
+  ) {}
+
+  toWireAllocation(record: AllocationRecord): Allocation {
+    const references = this.registry.referenceCount(record);
+    return {
+      id: String(record.id),
+      size: String(record.size),
+      location: toWireLocation(record.location),
+      device: record.device,
+      handleTypes: record.handleTypes.map(toWireHandleType),
+      ownerSession: String(record.owner),
+      imported: record.imported,
+      handleReferences: references,
+      mappingCount: record.mappingCount,
+      released: references === 0,
+    };
+  }
+
+  reserve(request: ReserveRequest__Output, context: CallContext): Reservation {
+    const record: ReservationRecord = this.registry.reserve(context.caller, {
+      size: u64(request.size),
+      alignment: u64(request.alignment),
+      address: u64(request.address),
+    });
+    return {
+      id: String(record.id),
+      address: String(record.address),
+      size: String(record.size),
+      alignment: String(record.alignment),
+      ownerSession: String(record.owner),
+    };
+  }
+
+  async freeAddress(request: FreeAddressRequest__Output, context: CallContext): Promise<object> {
+    await this.registry.freeAddress(context.caller, u64(request.address), u64(request.size));
+    return {};
+  }
+
+  create(request: CreateRequest__Output, context: CallContext): Allocation {
+    const record = this.registry.create(context.caller, {
+      size: u64(request.size),
+      location: location(request.location),
+      handleType: handleType(request.handleType),
+    });
+    return this.toWireAllocation(record);
+  }
+
+  async release(request: ReleaseRequest__Output, context: CallContext): Promise<ReleaseResponse> {
+    return this.registry.release(context.caller, u64(request.allocationId));
+  }
+
+  async map(request: MapRequest__Output, context: CallContext): Promise<object> {
+    await this.registry.map(context.caller, {
+      address: u64(request.address),
+      size: u64(request.size),
+      offset: u64(request.offset),
+      allocationId: u64(request.allocationId),
+    });
+    return {};
+  }
+
+  async unmap(request: UnmapRequest__Output, context: CallContext): Promise<UnmapResponse> {
+    return this.registry.unmap(context.caller, u64(request.address), u64(request.size));
+  }
+
+  async setAccess(request: SetAccessRequest__Output, context: CallContext): Promise<object> {
+    const grants = request.descriptors.map(accessGrant);
+    await this.registry.setAccess(context.caller, u64(request.address), u64(request.size), grants);
+    return {};
+  }
+
+  getAccess(request: GetAccessRequest__Output): GetAccessResponse {
+    return { flags: toWireAccess(this.registry.getAccess(u64(request.address), location(request.location))) };
+  }
+
+  async export(request: ExportRequest__Output, context: CallContext): Promise<ExportResponse> {
+    const session = requireSession(context, 'Export');
+    const { allocation, fd } = await this.registry.exportHandle(context.caller, {
+      allocationId: u64(request.allocationId),
+      handleType: handleType(request.handleType),
+      shareKey: request.shareKey,
+    });
+    let transferId: string;
+    try {
+      transferId = this.sessions.sendTransfer(session, fd, { allocation: allocation.id, size: allocation.size });
+    } finally {
+      // The kernel holds its own reference while the descriptor is in flight.
+      addon.close(fd);
+    }
+    const granularity = this.registry.devices[allocation.device].granularityMinimum;
+    return {
+      transferId,
+      allocationId: String(allocation.id),
+      size: String(allocation.size),
+      location: toWireLocation(allocation.location),
+      device: allocation.device,
+      handleType: toWireHandleType(handleType(request.handleType)),
+      granularity: String(granularity),
+    };
+  }
+
+  share(request: ShareRequest__Output, context: CallContext): ShareResponse {
+    return { shareKey: this.registry.share(context.caller, u64(request.allocationId)) };
+  }
+
+  async import(request: ImportRequest__Output, context: CallContext): Promise<Allocation> {
+    const session = requireSession(context, 'Import');
+    const kind = handleType(request.handleType);
+    if (kind !== 'POSIX_FD') throw invalidArgument('BAD_ENUM', 'Import takes POSIX_FD descriptors sent on the session socket');
+    if (request.device >= this.registry.devices.length) {
+      throw outOfRange('UNKNOWN_DEVICE', `device ${request.device} does not exist (the daemon has ${this.registry.devices.length} device(s))`);
+    }
+    if (u64(request.transferId) === 0n) throw invalidArgument('BAD_TRANSFER', 'transfer_id must be set (ids start at 1)');
+    const fd = await this.sessions.takeTransfer(session, String(u64(request.transferId)));
+    const imported = this.registry.backend.importHandle(fd);
+    const record = this.registry.addImported(context.caller, imported.handle, imported.size, imported.device, imported.location);
+    return this.toWireAllocation(record);
+  }
+
+  getProperties(request: GetPropertiesRequest__Output): Allocation {
+    return this.toWireAllocation(this.registry.allocation(u64(request.allocationId)));
+  }
+
+  retainHandle(request: RetainHandleRequest__Output, context: CallContext): Allocation {
+    return this.toWireAllocation(this.registry.retainHandle(context.caller, u64(request.address)));
+  }
+
+  async *read(request: ReadRequest__Output, context: CallContext): AsyncGenerator<ReadResponse> {
+    for await (const chunk of this.registry.read(context.caller, u64(request.address), u64(request.length))) {
+      yield { offset: String(chunk.offset), data: chunk.data };
+    }
+  }
+
+  async write(requests: AsyncIterable<WriteRequest__Output>, context: CallContext): Promise<WriteResponse> {
+    let address: bigint | undefined;
+    let written = 0n;
+    for await (const request of requests) {
+      address ??= u64(request.address);
+      if (request.data.length === 0) continue;
+      await this.registry.write(context.caller, address + written, request.data);
+      written += BigInt(request.data.length);
+    }
+    if (written === 0n) throw invalidArgument('ZERO_SIZE', 'Write received no bytes');
+    return { bytesWritten: String(written) };
+  }
+
+  addToServer(server: grpc.Server, proto: VmmdProto, deps: HandlerDeps): void {
+    server.addService(proto.vmmd.v1.VirtualMemory.service, {
+      Reserve: unary(deps, 'Reserve', (r: ReserveRequest__Output, c) => this.reserve(r, c)),
+      FreeAddress: unary(deps, 'FreeAddress', (r: FreeAddressRequest__Output, c) => this.freeAddress(r, c)),
+      Create: unary(deps, 'Create', (r: CreateRequest__Output, c) => this.create(r, c)),
+      Release: unary(deps, 'Release', (r: ReleaseRequest__Output, c) => this.release(r, c)),
+      Map: unary(deps, 'Map', (r: MapRequest__Output, c) => this.map(r, c)),
+      Unmap: unary(deps, 'Unmap', (r: UnmapRequest__Output, c) => this.unmap(r, c)),
+      SetAccess: unary(deps, 'SetAccess', (r: SetAccessRequest__Output, c) => this.setAccess(r, c)),
+      GetAccess: unary(deps, 'GetAccess', (r: GetAccessRequest__Output) => this.getAccess(r)),
+      Export: unary(deps, 'Export', (r: ExportRequest__Output, c) => this.export(r, c)),
+      Share: unary(deps, 'Share', (r: ShareRequest__Output, c) => this.share(r, c)),
+      Import: unary(deps, 'Import', (r: ImportRequest__Output, c) => this.import(r, c)),
+      GetProperties: unary(deps, 'GetProperties', (r: GetPropertiesRequest__Output) => this.getProperties(r)),
+      RetainHandle: unary(deps, 'RetainHandle', (r: RetainHandleRequest__Output, c) => this.retainHandle(r, c)),
+      Read: serverStream(deps, 'Read', (r: ReadRequest__Output, c) => this.read(r, c)),
+      Write: clientStream(deps, 'Write', (requests: AsyncIterable<WriteRequest__Output>, c) => this.write(requests, c)),
+    });
+  }
+}

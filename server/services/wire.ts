@@ -1,0 +1,62 @@
+/**
+ * Conversions between the wire's shapes (uint64 as decimal strings, enums as
+ * names) and the registry's (bigint, short names). Unknown enum values are
+ * the caller's error, named with the field.
+ */
+import type { AccessDescriptor__Output } from '../../generated/vmmd/v1/AccessDescriptor';
+import type { Location, Location__Output } from '../../generated/vmmd/v1/Location';
+import { Access, AccessGrant, HandleKind, LocationKind, MemLocation } from '../backends/backend';
+import { invalidArgument } from '../errors';
+
+export function u64(value: string | number | undefined): bigint {
+  return BigInt(value ?? 0);
+}
+
+const LOCATION_TYPES: Record<string, LocationKind> = {
+  LOCATION_TYPE_UNSPECIFIED: 'DEVICE',
+  LOCATION_TYPE_DEVICE: 'DEVICE',
+  LOCATION_TYPE_HOST: 'HOST',
+  LOCATION_TYPE_HOST_NUMA: 'HOST_NUMA',
+};
+
+export function location(value: Location__Output | null | undefined, field = 'location'): MemLocation {
+  if (value === null || value === undefined) return { type: 'DEVICE', id: 0 };
+  const type = LOCATION_TYPES[String(value.type)];
+  if (type === undefined) throw invalidArgument('BAD_ENUM', `${field}.type ${JSON.stringify(value.type)} is not a LocationType`);
+  return { type, id: value.id };
+}
+
+export function toWireLocation(value: MemLocation): Location {
+  return { type: `LOCATION_TYPE_${value.type}`, id: value.id };
+}
+
+export function handleType(value: string | number | undefined, field = 'handle_type'): HandleKind {
+  switch (value) {
+    case undefined:
+    case 'HANDLE_TYPE_UNSPECIFIED':
+    case 'HANDLE_TYPE_POSIX_FD':
+      return 'POSIX_FD';
+    case 'HANDLE_TYPE_FABRIC':
+      return 'FABRIC';
+    default:
+      throw invalidArgument('BAD_ENUM', `${field} ${JSON.stringify(value)} is not a HandleType`);
+  }
+}
+
+export function toWireHandleType(value: HandleKind): 'HANDLE_TYPE_POSIX_FD' | 'HANDLE_TYPE_FABRIC' {
+  return `HANDLE_TYPE_${value}`;
+}
+
+const ACCESS: Record<string, Access> = { ACCESS_FLAGS_NONE: 0, ACCESS_FLAGS_READ: 1, ACCESS_FLAGS_READWRITE: 3 };
+
+export function accessGrant(value: AccessDescriptor__Output, index: number): AccessGrant {
+  const access = ACCESS[String(value.flags)];
+  if (access === undefined) {
+    throw invalidArgument('BAD_ENUM', `descriptors[${index}].flags ${JSON.stringify(value.flags)} is not an AccessFlags`);
+  }
+  return { location: location(value.location, `descriptors[${index}].location`), access };
+}
+
+export function toWireAccess(value: Access): 'ACCESS_FLAGS_NONE' | 'ACCESS_FLAGS_READ' | 'ACCESS_FLAGS_READWRITE' {
+  return value === 3 ? 'ACCESS_FLAGS_READWRITE' : value === 1 ? 'ACCESS_FLAGS_READ' : 'ACCESS_FLAGS_NONE';
+}
