@@ -101,7 +101,13 @@ function load(): Addon {
 /** The loaded addon. */
 export const addon: Addon = load();
 
-/** True when `error` came from the addon (or mimics it) with the given code. */
+/**
+ * True when `error` came from the addon (or mimics it) with the given code.
+ * Structural on purpose: errors made by the addon come from the main realm, so
+ * `instanceof Error` fails for them inside vm contexts (jest, for one).
+ */
 export function isNativeError(error: unknown, code?: string): error is NativeError {
-  return error instanceof Error && typeof (error as NativeError).code === 'string' && (code === undefined || (error as NativeError).code === code);
+  if (typeof error !== 'object' || error === null) return false;
+  const found = (error as { code?: unknown }).code;
+  return typeof found === 'string' && typeof (error as { message?: unknown }).message === 'string' && (code === undefined || found === code);
 }

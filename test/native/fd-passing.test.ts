@@ -1,0 +1,67 @@
+/** SEQPACKET sockets and SCM_RIGHTS through the addon, in one process. */
+import * as fs from 'node:fs';
+import * as os from 'node:os';
+import * as path from 'node:path';
+import { addon } from '../../native';
+import { SeqpacketConnection, SeqpacketListener, SeqpacketMessage, MAX_MESSAGE_BYTES } from '../../native/seqpacket';
+
+let dir: string;
+let listener: SeqpacketListener;
+let server: SeqpacketConnection;
+let client: SeqpacketConnection;
+
+function nextMessage(connection: SeqpacketConnection): Promise<SeqpacketMessage> {
+  return new Promise((resolve) => connection.once('message', resolve));
+}
+
+beforeEach(async () => {
+  dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-fd-'));
+  listener = new SeqpacketListener(path.join(dir, 's.sock'));
+  const accepted = new Promise<SeqpacketConnection>((resolve) => listener.once('connection', resolve));
+  client = SeqpacketConnection.connect(path.join(dir, 's.sock'));
+  server = await accepted;
+});
+
+afterEach(() => {
+  client.close();
+  server.close();
+  listener.close();
+  fs.rmSync(dir, { recursive: true, force: true });
+});
+
+describe('SEQPACKET with descriptors', () => {
+  it('reads the peer credentials at accept', () => {
+    expect(server.peer).toEqual({ pid: process.pid, uid: process.getuid!(), gid: process.getgid!() });
+  });
+
+  it('keeps message boundaries and passes a descriptor to the same file', async () => {
+    const fd = addon.hostMemfdCreate('passed', 2n << 20n);
+    const first = nextMessage(server);
+    client.send(Buffer.from('one'), fd);
+    const message = await first;
+    expect(message.data.toString()).toBe('one');
+    expect(message.fd).toBeGreaterThanOrEqual(0);
+    expect(message.fd).not.toBe(fd);
+    expect(addon.hostFdInfo(message.fd).inode).toBe(addon.hostFdInfo(fd).inode);
+    const second = nextMessage(server);
+    client.send(Buffer.from('two'));
+    expect(await second).toMatchObject({ fd: -1, truncated: false });
+    addon.close(message.fd);
+    addon.close(fd);
+  });
+
+  it('cuts an oversized message and says so', async () => {
+    const received = nextMessage(server);
+    client.send(Buffer.alloc(MAX_MESSAGE_BYTES + 100, 1));
+    const message = await received;
+    expect(message.truncated).toBe(true);
+    expect(message.data.length).toBe(MAX_MESSAGE_BYTES);
+  });
+
+  it('emits close when the peer goes away', async () => {
+    const closed = new Promise((resolve) => server.once('close', resolve));
+    client.close();
+    await closed;
+    expect(server.isClosed).toBe(true);
+  });
+});

@@ -1,0 +1,55 @@
+import { ConfigError, parseBytes, parseCommandLine } from '../../server/config';
+
+const PAGE = 4096;
+
+function run(argv: string[], env: NodeJS.ProcessEnv = {}) {
+  const parsed = parseCommandLine(argv, { VMMD_SOCKET_DIR: '/tmp/x', ...env }, PAGE);
+  if (parsed.kind !== 'run') throw new Error(`expected run, got ${parsed.kind}`);
+  return parsed.config;
+}
+
+describe('parseBytes', () => {
+  it.each([
+    ['4096', 4096n],
+    ['2MiB', 2n << 20n],
+    ['2M', 2n << 20n],
+    ['1g', 1n << 30n],
+    ['3GB', 3_000_000_000n],
+    ['1TiB', 1n << 40n],
+  ])('%s is %s', (text, bytes) => expect(parseBytes('--x', text)).toBe(bytes));
+  it.each(['', '-1', '1.5G', '2 parsecs', '0x10'])('refuses %j naming the key', (text) =>
+    expect(() => parseBytes('--host-capacity', text)).toThrow(/^--host-capacity: /),
+  );
+});
+
+describe('parseCommandLine', () => {
+  it('defaults to auto, 2 MiB granularity and info', () => {
+    const config = run([]);
+    expect(config).toMatchObject({ backend: 'auto', hostGranularity: 2n << 20n, logLevel: 'info', socketDir: '/tmp/x' });
+    expect(config.hostCapacity % config.hostGranularity).toBe(0n);
+  });
+  it('takes flags over environment', () => {
+    expect(run(['--backend', 'host'], { VMMD_BACKEND: 'cuda' }).backend).toBe('host');
+    expect(run([], { VMMD_BACKEND: 'host' }).backend).toBe('host');
+    expect(run(['--socket-dir', '/tmp/y']).socketDir).toBe('/tmp/y');
+    expect(run(['--host-capacity', '64MiB']).hostCapacity).toBe(64n << 20n);
+  });
+  it.each([
+    [['--backend', 'gpu'], /--backend: "gpu" is not one of auto, host, cuda/],
+    [['--host-granularity', '3K'], /--host-granularity: 3072 must be a power of two/],
+    [['--host-granularity', '2048'], /multiple of the page size 4096/],
+    [['--host-capacity', '1M'], /--host-capacity: 1048576 must be at least the granularity/],
+    [['--log-level', 'loud'], /--log-level: "loud"/],
+    [['--frobnicate'], /frobnicate/],
+  ])('refuses %j', (argv, message) => {
+    expect(() => run(argv)).toThrow(ConfigError);
+    expect(() => run(argv)).toThrow(message);
+  });
+  it('names the environment variable when the value came from there', () => {
+    expect(() => run([], { VMMD_HOST_CAPACITY: 'lots' })).toThrow(/^VMMD_HOST_CAPACITY: /);
+  });
+  it('answers --help and --version', () => {
+    expect(parseCommandLine(['--help'], {}, PAGE).kind).toBe('help');
+    expect(parseCommandLine(['-v'], {}, PAGE).kind).toBe('version');
+  });
+});
