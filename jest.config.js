@@ -5,7 +5,7 @@ module.exports = {
   testMatch: ['**/*.test.ts'],
   transform: {
     // Type checking is tsc's job (`npm run build` runs before jest); ts-jest only transpiles.
-    '^.+\\.ts$': ['ts-jest', { isolatedModules: true, diagnostics: false }],
+    '^.+\\.ts$': ['ts-jest', { diagnostics: false }],
   },
   testTimeout: 30000,
   // e2e suites start daemons and client processes: two at a time suits a 2-core machine.

@@ -1,0 +1,174 @@
+/**
+ * End-to-end harness: a real daemon on a temporary socket directory, raw
+ * sessionless gRPC clients for inspection, and client processes driven over
+ * stdin/stdout (fixtures/peer.ts).
+ */
+import * as grpc from '@grpc/grpc-js';
+import { ChildProcess, spawn } from 'node:child_process';
+import * as fs from 'node:fs';
+import * as os from 'node:os';
+import * as path from 'node:path';
+import * as readline from 'node:readline';
+import { socketPaths } from '../../common/paths';
+import { loadProtos } from '../../common/proto';
+import type { Stats__Output } from '../../generated/vmmd/v1/Stats';
+
+const ROOT = path.resolve(__dirname, '..', '..');
+const DAEMON = path.join(ROOT, 'bin', 'vmmd.js');
+const PEER = path.join(ROOT, 'dist', 'test', 'e2e', 'fixtures', 'peer.js');
+
+export const MiB = 1n << 20n;
+
+export function sleep(ms: number): Promise<void> {
+  return new Promise((resolve) => setTimeout(resolve, ms));
+}
+
+/** Polls until check() returns a value that is not undefined, or throws after timeoutMs with the last value. */
+export async function eventually<T>(check: () => Promise<T | undefined> | T | undefined, timeoutMs = 10_000, what = 'condition'): Promise<T> {
+  const deadline = Date.now() + timeoutMs;
+  for (;;) {
+    const value = await check();
+    if (value !== undefined) return value;
+    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
+    await sleep(25);
+  }
+}
+
+export interface RawClients {
+  devices: grpc.Client & Record<string, any>;
+  vmm: grpc.Client & Record<string, any>;
+  admin: grpc.Client & Record<string, any>;
+  close(): void;
+}
+
+/** Sessionless clients, as grpcurl would be. */
+export function rawClients(dir: string): RawClients {
+  const { proto } = loadProtos();
+  const target = `unix://${socketPaths(dir).grpc}`;
+  const credentials = grpc.credentials.createInsecure();
+  const devices = new proto.vmmd.v1.Devices(target, credentials) as any;
+  const vmm = new proto.vmmd.v1.VirtualMemory(target, credentials, { channelOverride: devices.getChannel() }) as any;
+  const admin = new proto.vmmd.v1.Admin(target, credentials, { channelOverride: devices.getChannel() }) as any;
+  return { devices, vmm, admin, close: () => devices.close() };
+}
+
+/** A unary call on a raw client as a promise; rejects with the grpc-js error. */
+export function call<T = any>(client: any, method: string, request: object, metadata = new grpc.Metadata()): Promise<T> {
+  return new Promise((resolve, reject) => {
+    client[method](request, metadata, (error: grpc.ServiceError | null, response: T) => (error ? reject(error) : resolve(response)));
+  });
+}
+
+export class TestDaemon {
+  readonly dir: string;
+  readonly raw: RawClients;
+  private exited: Promise<number | null>;
+  readonly logs: string[] = [];
+
+  private constructor(readonly process: ChildProcess, dir: string) {
+    this.dir = dir;
+    this.raw = rawClients(dir);
+    this.exited = new Promise((resolve) => process.once('exit', (code) => resolve(code)));
+  }
+
+  static async start(extraArgs: string[] = []): Promise<TestDaemon> {
+    const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-e2e-'));
+    const child = spawn(
+      process.execPath,
+      [DAEMON, '--backend', 'host', '--socket-dir', dir, '--host-capacity', '256MiB', '--log-level', 'warn', ...extraArgs],
+      { stdio: ['ignore', 'pipe', 'pipe'] },
+    );
+    const daemon = new TestDaemon(child, dir);
+    for (const stream of [child.stdout!, child.stderr!]) {
+      readline.createInterface({ input: stream }).on('line', (line) => daemon.logs.push(line));
+    }
+    await eventually(
+      async () => {
+        if (child.exitCode !== null) throw new Error(`vmmd exited with ${child.exitCode}: ${daemon.logs.join('\n')}`);
+        try {
+          await call(daemon.raw.devices, 'ListDevices', {});
+          return true;
+        } catch {
+          return undefined;
+        }
+      },
+      15_000,
+      'the daemon to serve',
+    );
+    return daemon;
+  }
+
+  get pid(): number {
+    return this.process.pid!;
+  }
+
+  stats(): Promise<Stats__Output> {
+    return call(this.raw.admin, 'GetStats', {});
+  }
+
+  /** Descriptors the daemon process has open now. */
+  openFds(): number {
+    return fs.readdirSync(`/proc/${this.pid}/fd`).length;
+  }
+
+  async stop(): Promise<number | null> {
+    this.raw.close();
+    if (this.process.exitCode === null) this.process.kill('SIGTERM');
+    const code = await this.exited;
+    fs.rmSync(this.dir, { recursive: true, force: true });
+    return code;
+  }
+}
+
+/** A client process running fixtures/peer.ts, driven one JSON command at a time. */
+export class Peer {
+  private readonly pending: Array<{ resolve(value: any): void; reject(error: Error): void }> = [];
+  readonly exited: Promise<{ code: number | null; signal: NodeJS.Signals | null }>;
+  private stderr = '';
+
+  private constructor(readonly process: ChildProcess) {
+    readline.createInterface({ input: process.stdout! }).on('line', (line) => {
+      const waiter = this.pending.shift();
+      if (waiter === undefined) return;
+      const reply = JSON.parse(line);
+      if (reply.ok) waiter.resolve(reply.result);
+      else waiter.reject(Object.assign(new Error(reply.error.message), reply.error));
+    });
+    process.stderr!.on('data', (chunk) => (this.stderr += chunk));
+    this.exited = new Promise((resolve) =>
+      process.once('exit', (code, signal) => {
+        for (const waiter of this.pending.splice(0)) waiter.reject(new Error(`peer exited (${code ?? signal}): ${this.stderr}`));
+        resolve({ code, signal });
+      }),
+    );
+  }
+
+  static async start(dir: string): Promise<Peer> {
+    const child = spawn(process.execPath, [PEER], { stdio: ['pipe', 'pipe', 'pipe'], env: { ...process.env, VMMD_SOCKET_DIR: dir } });
+    const peer = new Peer(child);
+    await peer.do({ op: 'connect' });
+    return peer;
+  }
+
+  get pid(): number {
+    return this.process.pid!;
+  }
+
+  do<T = any>(command: object): Promise<T> {
+    return new Promise((resolve, reject) => {
+      this.pending.push({ resolve, reject });
+      this.process.stdin!.write(`${JSON.stringify(command)}\n`);
+    });
+  }
+
+  async kill(signal: NodeJS.Signals = 'SIGKILL'): Promise<void> {
+    this.process.kill(signal);
+    await this.exited;
+  }
+
+  async stop(): Promise<void> {
+    if (this.process.exitCode !== null || this.process.signalCode !== null) return;
+    this.process.stdin!.end();
+    await this.exited;
+  }
+}
