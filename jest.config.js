@@ -10,4 +10,5 @@ module.exports = {
   testTimeout: 30000,
   // e2e suites start daemons and client processes: two at a time suits a 2-core machine.
   maxWorkers: 2,
+  reporters: ['default', '<rootDir>/test/summary-reporter.js'],
 };

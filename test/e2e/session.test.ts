@@ -1,0 +1,247 @@
+/**
+ * Sessions over the real sockets: tokens, calls without a session, descriptors
+ * sent by the client, protocol errors, and reclaim when a session closes.
+ */
+import * as grpc from '@grpc/grpc-js';
+import * as fs from 'node:fs';
+import { connect, VmmdClient } from '../../client';
+import { socketPaths } from '../../common/paths';
+import { decodeMessage, SESSION_METADATA_KEY } from '../../common/protocol';
+import type { AccessDescriptor } from '../../generated/vmmd/v1/AccessDescriptor';
+import { addon, HOST_ACCESS } from '../../native';
+import { SeqpacketConnection, SeqpacketMessage } from '../../native/seqpacket';
+import { call, eventually, MiB, TestDaemon } from './harness';
+
+const RW: AccessDescriptor[] = [{ location: { type: 'LOCATION_TYPE_DEVICE', id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' }];
+
+let daemon: TestDaemon;
+const clients: VmmdClient[] = [];
+
+beforeAll(async () => {
+  daemon = await TestDaemon.start();
+});
+
+afterAll(async () => {
+  expect(await daemon.stop()).toBe(0);
+});
+
+afterEach(() => {
+  for (const client of clients.splice(0)) client.close();
+});
+
+async function client(): Promise<VmmdClient> {
+  const connected = await connect({ socketDir: daemon.dir });
+  clients.push(connected);
+  return connected;
+}
+
+function objectsOf(stats: Awaited<ReturnType<TestDaemon['stats']>>) {
+  const { sessions: _sessions, ...rest } = stats;
+  return rest;
+}
+
+async function settled(): Promise<void> {
+  await eventually(async () => ((await daemon.stats()).sessions === 0 ? true : undefined), 10_000, 'sessions to close');
+}
+
+/** A memfd with bytes written into it, as a client would share its own memory. */
+function memfdWith(text: string, size = 2n * MiB): number {
+  const fd = addon.hostMemfdCreate('client', size);
+  const address = addon.hostReserve(size, size, 0n);
+  addon.hostMap(address, size, fd, 0n);
+  addon.hostProtect(address, size, HOST_ACCESS.READWRITE);
+  const view = addon.hostArrayBuffer(address, Number(size));
+  Buffer.from(view).write(text);
+  addon.hostDetachArrayBuffer(view);
+  addon.hostUnmap(address, size);
+  addon.hostFreeAddress(address, size);
+  return fd;
+}
+
+describe('calls without a session', () => {
+  it('create daemon-owned objects that outlive sessions, and cannot receive descriptors', async () => {
+    const created = await call(daemon.raw.vmm, 'Create', { size: String(2n * MiB) });
+    expect(created.ownerSession).toBe('0');
+    await expect(call(daemon.raw.vmm, 'Export', { allocationId: created.id })).rejects.toMatchObject({
+      code: grpc.status.FAILED_PRECONDITION,
+      details: expect.stringMatching(/Export needs a session/),
+    });
+    await expect(call(daemon.raw.vmm, 'Import', { transferId: '1' })).rejects.toMatchObject({ code: grpc.status.FAILED_PRECONDITION });
+    const session = await client();
+    session.close();
+    await settled();
+    expect((await call(daemon.raw.vmm, 'GetProperties', { allocationId: created.id })).id).toBe(created.id);
+    expect(await call(daemon.raw.vmm, 'Release', { allocationId: created.id })).toMatchObject({ freed: true });
+  });
+
+  it('refuses an unknown session token with UNAUTHENTICATED', async () => {
+    const metadata = new grpc.Metadata();
+    metadata.set(SESSION_METADATA_KEY, 'f'.repeat(64));
+    await expect(call(daemon.raw.devices, 'ListDevices', {}, metadata)).rejects.toMatchObject({ code: grpc.status.UNAUTHENTICATED });
+  });
+});
+
+describe('refusals over the wire', () => {
+  it('carry the status, the rule code in trailers and a message naming the value; nothing changes', async () => {
+    const before = objectsOf(await daemon.stats());
+    const error = await call(daemon.raw.vmm, 'Reserve', { size: '1000' }).catch((e) => e);
+    expect(error.code).toBe(grpc.status.INVALID_ARGUMENT);
+    expect(error.metadata.get('vmmd-error-code')).toEqual(['NOT_ALIGNED']);
+    expect(error.details).toBe('reservation size 1000 is not a multiple of the granularity 2097152');
+    await expect(call(daemon.raw.vmm, 'Reserve', { size: '18446744073709551615' })).rejects.toMatchObject({
+      code: grpc.status.INVALID_ARGUMENT,
+    });
+    await expect(call(daemon.raw.vmm, 'Create', { size: String(2n * MiB), location: { type: 9 } })).rejects.toMatchObject({
+      code: grpc.status.INVALID_ARGUMENT,
+      details: expect.stringMatching(/location.type 9 is not a LocationType/),
+    });
+    await expect(call(daemon.raw.vmm, 'Create', { size: String(512n * MiB) })).rejects.toMatchObject({
+      code: grpc.status.RESOURCE_EXHAUSTED,
+      details: expect.stringMatching(/requested 536870912 bytes, 0 of 268435456 bytes in use/),
+    });
+    await expect(call(daemon.raw.devices, 'GetMemoryInfo', { device: 4 })).rejects.toMatchObject({ code: grpc.status.OUT_OF_RANGE });
+    expect(objectsOf(await daemon.stats())).toEqual(before);
+  });
+
+  it('reach the client library as VmmdError with a string code and the gRPC status', async () => {
+    const session = await client();
+    const error = await session.vmm.create({ size: 1n }).catch((e) => e);
+    expect(error).toMatchObject({ name: 'VmmdError', code: 'NOT_ALIGNED', status: grpc.status.INVALID_ARGUMENT, statusName: 'INVALID_ARGUMENT' });
+  });
+});
+
+describe('descriptors from the client', () => {
+  it("imports a client's memfd: the daemon maps and reads the client's bytes, and releases the descriptor", async () => {
+    const session = await client();
+    const fdsBefore = daemon.openFds();
+    const fd = memfdWith('bytes from the client');
+    const allocation = await session.vmm.importDescriptor(fd);
+    addon.close(fd);
+    expect(allocation).toMatchObject({ imported: true, size: String(2n * MiB), ownerSession: session.session.id });
+    const reservation = await session.vmm.reserve({ size: 2n * MiB });
+    await session.vmm.map({ address: reservation.address, size: 2n * MiB, allocationId: allocation.id });
+    await session.vmm.setAccess({ address: reservation.address, size: 2n * MiB, descriptors: RW });
+    expect((await session.vmm.read(reservation.address, 21)).toString()).toBe('bytes from the client');
+    await session.vmm.unmap({ address: reservation.address, size: 2n * MiB });
+    await session.vmm.freeAddress({ address: reservation.address, size: 2n * MiB });
+    expect(await session.vmm.release({ allocationId: allocation.id })).toMatchObject({ freed: true });
+    expect(daemon.openFds()).toBe(fdsBefore);
+  });
+
+  it('refuses a descriptor that is not memory with INVALID_ARGUMENT and keeps no descriptor', async () => {
+    const session = await client();
+    const before = objectsOf(await daemon.stats());
+    const fdsBefore = daemon.openFds();
+    const file = fs.openSync(__filename, 'r');
+    await expect(session.vmm.importDescriptor(file)).rejects.toMatchObject({ code: 'BAD_DESCRIPTOR', status: grpc.status.INVALID_ARGUMENT });
+    fs.closeSync(file);
+    const odd = addon.hostMemfdCreate('odd', 4096n);
+    await expect(session.vmm.importDescriptor(odd)).rejects.toMatchObject({
+      code: 'BAD_DESCRIPTOR',
+      message: expect.stringMatching(/size 4096 is not a positive multiple of the granularity/),
+    });
+    addon.close(odd);
+    expect(objectsOf(await daemon.stats())).toEqual(before);
+    expect(daemon.openFds()).toBe(fdsBefore);
+  });
+
+  it('uses a transfer id once', async () => {
+    const session = await client();
+    const fd = memfdWith('once');
+    const transferId = session.session.sendDescriptor(fd);
+    addon.close(fd);
+    await session.vmm.importTransfer({ transferId });
+    await expect(session.vmm.importTransfer({ transferId })).rejects.toMatchObject({
+      code: 'TRANSFER_USED',
+      status: grpc.status.FAILED_PRECONDITION,
+    });
+  });
+
+  it('gives up on a transfer that never arrives', async () => {
+    const session = await client();
+    await expect(session.vmm.importTransfer({ transferId: '99' })).rejects.toMatchObject({
+      code: 'TRANSFER_NOT_RECEIVED',
+      status: grpc.status.DEADLINE_EXCEEDED,
+    });
+  }, 15_000);
+});
+
+describe('the session socket protocol', () => {
+  let raw: SeqpacketConnection;
+  const inbox: SeqpacketMessage[] = [];
+
+  async function next(): Promise<any> {
+    const message = await eventually(() => inbox.shift(), 5_000, 'a message from the daemon');
+    if (message.fd >= 0) addon.close(message.fd);
+    return decodeMessage(message.data);
+  }
+
+  beforeEach(async () => {
+    raw = SeqpacketConnection.connect(socketPaths(daemon.dir).session);
+    raw.on('message', (message: SeqpacketMessage) => inbox.push(message));
+    expect(await next()).toMatchObject({ type: 'hello', protocol: 1, pid: process.pid, uid: process.getuid!() });
+  });
+
+  afterEach(() => {
+    raw.close();
+    inbox.length = 0;
+  });
+
+  it('answers ping with pong and the nonce', async () => {
+    raw.send(Buffer.from(JSON.stringify({ type: 'ping', nonce: 'n1' })));
+    expect(await next()).toEqual({ type: 'pong', nonce: 'n1' });
+  });
+
+  it('answers bad messages with an error and keeps the session', async () => {
+    const fdsBefore = daemon.openFds();
+    raw.send(Buffer.from('{not json'));
+    expect(await next()).toMatchObject({ type: 'error', code: 'BAD_MESSAGE' });
+    raw.send(Buffer.alloc(10_000, 0x20));
+    expect(await next()).toMatchObject({ type: 'error', code: 'MESSAGE_TOO_LARGE' });
+    raw.send(Buffer.from(JSON.stringify({ type: 'transfer', transfer: '5' })));
+    expect(await next()).toMatchObject({ type: 'error', code: 'NO_DESCRIPTOR', transfer: '5' });
+    const fd = addon.hostMemfdCreate('stray', 2n * MiB);
+    raw.send(Buffer.from(JSON.stringify({ type: 'ping' })), fd);
+    expect(await next()).toMatchObject({ type: 'error', code: 'UNEXPECTED_DESCRIPTOR' });
+    raw.send(Buffer.from(JSON.stringify({ type: 'transfer', transfer: '0' })), fd);
+    expect(await next()).toMatchObject({ type: 'error', code: 'BAD_MESSAGE' });
+    raw.send(Buffer.from(JSON.stringify({ type: 'hello' })));
+    expect(await next()).toMatchObject({ type: 'error', code: 'BAD_MESSAGE' });
+    addon.close(fd);
+    raw.send(Buffer.from(JSON.stringify({ type: 'ping', nonce: 'still here' })));
+    expect(await next()).toEqual({ type: 'pong', nonce: 'still here' });
+    expect(daemon.openFds()).toBe(fdsBefore);
+  });
+
+  it('closes unclaimed descriptors when the session ends', async () => {
+    const fdsBefore = daemon.openFds();
+    const fd = addon.hostMemfdCreate('unclaimed', 2n * MiB);
+    raw.send(Buffer.from(JSON.stringify({ type: 'transfer', transfer: '1' })), fd);
+    addon.close(fd);
+    await eventually(async () => ((await daemon.stats()).pendingTransfers === 1 ? true : undefined), 5_000, 'the transfer to arrive');
+    raw.close();
+    await eventually(async () => ((await daemon.stats()).pendingTransfers === 0 ? true : undefined), 5_000, 'the transfer to be closed');
+    await eventually(() => (daemon.openFds() <= fdsBefore - 1 ? true : undefined), 5_000, 'the daemon to close the descriptor');
+  });
+});
+
+describe('the lease', () => {
+  it("reclaims a closed session's objects, even with a Read in flight", async () => {
+    await settled();
+    const before = objectsOf(await daemon.stats());
+    const session = await client();
+    const allocation = await session.vmm.create({ size: 64n * MiB });
+    const reservation = await session.vmm.reserve({ size: 64n * MiB });
+    await session.vmm.map({ address: reservation.address, size: 64n * MiB, allocationId: allocation.id });
+    await session.vmm.setAccess({ address: reservation.address, size: 64n * MiB, descriptors: RW });
+    const reading = session.vmm.read(reservation.address, 64n * MiB).catch((error) => error);
+    await new Promise((resolve) => setImmediate(resolve));
+    session.close();
+    await reading;
+    await settled();
+    expect(objectsOf(await daemon.stats())).toEqual(before);
+    // The daemon still serves.
+    const other = await client();
+    expect((await other.devices.listDevices()).backend).toBe('host');
+  });
+});
