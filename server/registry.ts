@@ -142,6 +142,18 @@ const ownerName = (owner: bigint) => (owner === DAEMON_OWNER ? 'the daemon' : `s
 const isPowerOfTwo = (value: bigint) => value > 0n && (value & (value - 1n)) === 0n;
 const locationKey = (location: MemLocation) => describeLocation(location);
 
+/** Binary search in a list sorted by address: the index of the first entry starting after `address`. */
+function indexAfter(list: ReadonlyArray<{ address: bigint }>, address: bigint): number {
+  let low = 0;
+  let high = list.length;
+  while (low < high) {
+    const middle = (low + high) >>> 1;
+    if (list[middle].address <= address) low = middle + 1;
+    else high = middle;
+  }
+  return low;
+}
+
 export class Registry {
   private nextId = 1n;
   private readonly reservations = new Map<bigint, ReservationRecord>();
@@ -751,15 +763,7 @@ export class Registry {
 
   /** Index of the first reservation starting after `address`. */
   private reservationIndexAfter(address: bigint): number {
-    const list = this.reservationsByAddress;
-    let low = 0;
-    let high = list.length;
-    while (low < high) {
-      const middle = (low + high) >>> 1;
-      if (list[middle].address <= address) low = middle + 1;
-      else high = middle;
-    }
-    return low;
+    return indexAfter(this.reservationsByAddress, address);
   }
 
   private reservationAt(address: bigint): ReservationRecord | undefined {
@@ -783,15 +787,7 @@ export class Registry {
 
   /** Index of the first mapping of the reservation starting after `address`. */
   private mappingIndexAfter(reservation: ReservationRecord, address: bigint): number {
-    const list = reservation.mappings;
-    let low = 0;
-    let high = list.length;
-    while (low < high) {
-      const middle = (low + high) >>> 1;
-      if (list[middle].address <= address) low = middle + 1;
-      else high = middle;
-    }
-    return low;
+    return indexAfter(reservation.mappings, address);
   }
 
   private mappingContaining(reservation: ReservationRecord, address: bigint): MappingRecord {
