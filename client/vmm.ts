@@ -165,11 +165,22 @@ export class VirtualMemoryApi {
         else resolve(response as WriteResponse__Output);
       });
       const bytes = Buffer.from(data.buffer, data.byteOffset, data.byteLength);
-      for (let offset = 0; offset < bytes.length || offset === 0; offset += WRITE_CHUNK_BYTES) {
-        call.write({ address: offset === 0 ? String(address) : '0', data: bytes.subarray(offset, offset + WRITE_CHUNK_BYTES) });
-        if (bytes.length === 0) break;
-      }
-      call.end();
+      let offset = 0;
+      // Sends chunk after chunk, waiting for 'drain' when grpc-js asks to, so a
+      // large write never sits in memory twice.
+      const pump = () => {
+        do {
+          const chunk = bytes.subarray(offset, offset + WRITE_CHUNK_BYTES);
+          const more = call.write({ address: offset === 0 ? String(address) : '0', data: chunk });
+          offset += WRITE_CHUNK_BYTES;
+          if (!more && offset < bytes.length) {
+            call.once('drain', pump);
+            return;
+          }
+        } while (offset < bytes.length);
+        call.end();
+      };
+      pump();
     });
   }
 }

@@ -51,10 +51,12 @@ export class Session {
   // Invariant: inFlight counts calls of this session that started and have not settled.
   private inFlight = 0;
   private drainWaiters: Array<() => void> = [];
-  // Invariant: a transfer id is in at most one of received, waiters and used.
+  // Invariant: a transfer id is in at most one of received and waiters; every id
+  // in received is at most highestReceived; ids the client sends must increase,
+  // so an id at or below highestReceived that is not in received was used.
   readonly received = new Map<string, PendingTransfer>();
   readonly waiters = new Map<string, TransferWaiter>();
-  readonly used = new Set<string>();
+  highestReceived = 0n;
   private nextOutgoing = 1n;
 
   constructor(
@@ -161,24 +163,24 @@ export class SessionManager extends EventEmitter {
    * @throws DEADLINE_EXCEEDED TRANSFER_NOT_RECEIVED; FAILED_PRECONDITION TRANSFER_USED; UNAVAILABLE SESSION_CLOSED
    */
   takeTransfer(session: Session, transfer: string): Promise<number> {
-    if (session.used.has(transfer)) {
-      return Promise.reject(failedPrecondition('TRANSFER_USED', `transfer ${transfer} was already claimed`));
-    }
-    if (session.waiters.has(transfer)) {
-      return Promise.reject(failedPrecondition('TRANSFER_USED', `transfer ${transfer} is already being claimed`));
-    }
     const pending = session.received.get(transfer);
     if (pending !== undefined) {
       clearTimeout(pending.timer);
       session.received.delete(transfer);
-      session.used.add(transfer);
       return Promise.resolve(pending.fd);
+    }
+    if (session.waiters.has(transfer)) {
+      return Promise.reject(failedPrecondition('TRANSFER_USED', `transfer ${transfer} is already being claimed`));
+    }
+    if (BigInt(transfer) <= session.highestReceived) {
+      return Promise.reject(
+        failedPrecondition('TRANSFER_USED', `transfer ${transfer} was already claimed, refused or expired`),
+      );
     }
     if (session.closing) return Promise.reject(unavailable('SESSION_CLOSED', `session ${session.id} is closed`));
     return new Promise((resolve, reject) => {
       const timer = setTimeout(() => {
         session.waiters.delete(transfer);
-        session.used.add(transfer);
         reject(
           deadlineExceeded(
             'TRANSFER_NOT_RECEIVED',
@@ -276,15 +278,22 @@ export class SessionManager extends EventEmitter {
       this.refuse(session, fd, 'NO_DESCRIPTOR', `transfer ${transfer} carries no descriptor`, transfer);
       return;
     }
-    if (session.used.has(transfer) || session.received.has(transfer)) {
-      this.refuse(session, fd, 'TRANSFER_USED', `transfer id ${transfer} was already used in this session`, transfer);
+    const id = BigInt(transfer);
+    if (id <= session.highestReceived) {
+      this.refuse(
+        session,
+        fd,
+        'TRANSFER_USED',
+        `transfer ids must increase: ${transfer} is not above ${session.highestReceived}, already used in this session`,
+        transfer,
+      );
       return;
     }
+    session.highestReceived = id;
     const waiter = session.waiters.get(transfer);
     if (waiter !== undefined) {
       clearTimeout(waiter.timer);
       session.waiters.delete(transfer);
-      session.used.add(transfer);
       waiter.resolve(fd);
       return;
     }
@@ -300,7 +309,6 @@ export class SessionManager extends EventEmitter {
     }
     const timer = setTimeout(() => {
       session.received.delete(transfer);
-      session.used.add(transfer);
       addon.close(fd);
       session.log.warn({ transfer }, 'an unclaimed descriptor expired');
     }, this.options.transferKeepMs);

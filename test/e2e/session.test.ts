@@ -213,6 +213,19 @@ describe('the session socket protocol', () => {
     expect(daemon.openFds()).toBe(fdsBefore);
   });
 
+  it('refuses a transfer id that does not increase, and closes its descriptor', async () => {
+    const fdsBefore = daemon.openFds();
+    const fd = addon.hostMemfdCreate('replayed', 2n * MiB);
+    raw.send(Buffer.from(JSON.stringify({ type: 'transfer', transfer: '7' })), fd);
+    raw.send(Buffer.from(JSON.stringify({ type: 'transfer', transfer: '7' })), fd);
+    expect(await next()).toMatchObject({ type: 'error', code: 'TRANSFER_USED', transfer: '7' });
+    raw.send(Buffer.from(JSON.stringify({ type: 'transfer', transfer: '3' })), fd);
+    expect(await next()).toMatchObject({ type: 'error', code: 'TRANSFER_USED', transfer: '3' });
+    addon.close(fd);
+    expect((await daemon.stats()).pendingTransfers).toBe(1);
+    expect(daemon.openFds()).toBe(fdsBefore + 1);
+  });
+
   it('closes unclaimed descriptors when the session ends', async () => {
     const fdsBefore = daemon.openFds();
     const fd = addon.hostMemfdCreate('unclaimed', 2n * MiB);
