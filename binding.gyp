@@ -6,9 +6,13 @@
         "native/src/addon.cc",
         "native/src/errors.cc",
         "native/src/host_memory.cc",
-        "native/src/fd_passing.cc"
+        "native/src/fd_passing.cc",
+        "native/src/cuda_driver.cc"
       ],
-      "include_dirs": ["<!(node -p \"require('node-addon-api').include_dir\")"],
+      "include_dirs": [
+        "<!(node -p \"require('node-addon-api').include_dir\")",
+        "<!(node -p \"require('fs').existsSync('/usr/local/cuda/include/cuda.h') ? '/usr/local/cuda/include' : 'native/src'\")"
+      ],
       "defines": ["NAPI_VERSION=8", "NODE_ADDON_API_ENABLE_TYPE_CHECK_ON_AS"],
       "cflags_cc": ["-std=c++17", "-fexceptions", "-Wall", "-Wextra", "-Wno-unused-parameter"],
       "cflags_cc!": ["-fno-exceptions"],

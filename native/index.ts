@@ -44,6 +44,30 @@ export interface Poller {
 /** Access bits for hostProtect: read 1, write 2. */
 export const HOST_ACCESS = { NONE: 0, READ: 1, READWRITE: 3 } as const;
 
+export interface CudaLoadResult {
+  loaded: boolean;
+  reason: string;
+  driverVersion: number;
+  deviceCount: number;
+}
+
+export interface CudaDeviceInfo {
+  index: number;
+  name: string;
+  uuid: string;
+  totalBytes: bigint;
+  computeCapability: string;
+  vmm: boolean;
+  posixFd: boolean;
+  fabric: boolean;
+  hostNumaId: number;
+}
+
+/** CUmemLocationType values. */
+export const CU_LOCATION = { DEVICE: 1, HOST: 2, HOST_NUMA: 3 } as const;
+/** CUmemAllocationHandleType bits. */
+export const CU_HANDLE = { POSIX_FD: 0x1, FABRIC: 0x8 } as const;
+
 export interface Addon {
   hostMemfdCreate(name: string, size: bigint): number;
   hostMemfdSealReadOnly(fd: number): void;
@@ -68,6 +92,28 @@ export interface Addon {
   shutdownSocket(fd: number): void;
   peerCredentials(fd: number): Credentials;
   Poller: new (fd: number, callback: (status: number, events: number) => void) => Poller;
+  /** Opens libcuda.so.1 once; never throws. */
+  cudaLoad(): CudaLoadResult;
+  cudaDevices(): CudaDeviceInfo[];
+  cudaMemGetInfo(device: number): { free: bigint; total: bigint };
+  cudaGranularity(locationType: number, locationId: number, handleTypes: number, recommended: boolean): bigint;
+  cudaReserve(size: bigint, alignment: bigint, hint: bigint): bigint;
+  cudaFreeAddress(address: bigint, size: bigint): void;
+  cudaCreate(device: number, locationType: number, locationId: number, size: bigint, handleTypes: number): bigint;
+  cudaRelease(device: number, handle: bigint): Promise<void>;
+  cudaMap(address: bigint, size: bigint, offset: bigint, handle: bigint): void;
+  cudaUnmap(device: number, address: bigint, size: bigint): Promise<void>;
+  cudaSetAccess(address: bigint, size: bigint, descriptors: Array<{ type: number; id: number; flags: number }>): void;
+  cudaGetAccess(address: bigint, locationType: number, locationId: number): number;
+  cudaExportFd(device: number, handle: bigint): Promise<number>;
+  cudaExportFabric(device: number, handle: bigint): Promise<Buffer>;
+  cudaImportFd(fd: number): bigint;
+  cudaImportFabric(fabric: Buffer): bigint;
+  cudaAllocationProperties(handle: bigint): { locationType: number; locationId: number; requestedHandleTypes: number };
+  cudaRetainHandle(address: bigint): bigint;
+  cudaCopyToDevice(device: number, address: bigint, data: Buffer): Promise<void>;
+  cudaCopyFromDevice(device: number, address: bigint, length: bigint): Promise<Buffer>;
+  cudaCanAccessPeer(device: number, peer: number): boolean;
 }
 
 const ADDON_FILE = path.join('build', 'Release', 'vmmd_native.node');

@@ -63,7 +63,7 @@ export class Daemon {
 
   /** @throws DaemonStartError, BackendUnavailableError, or the socket's error */
   static async start(config: DaemonConfig, log: Logger, sessionOptions: SessionOptions = DEFAULT_SESSION_OPTIONS): Promise<Daemon> {
-    const backend = selectBackend(config, log);
+    const backend = await selectBackend(config, log);
     const registry = new Registry(backend);
     const paths = socketPaths(config.socketDir);
     fs.mkdirSync(config.socketDir, { recursive: true, mode: 0o755 });

@@ -57,8 +57,13 @@ export interface AllocationRecord {
   readonly handle: BackendHandle;
   readonly handleTypes: HandleKind[];
   readonly imported: boolean;
+  /** Minimum granularity of the allocation's location: its mappings align to it. */
+  readonly granularity: bigint;
   // Invariant: handle references by holder (owner id); no entry holds 0.
   readonly references: Map<bigint, number>;
+  // Invariant: the backend holds 1 + backendRetains references to `handle` while
+  // any registry reference is left; releases drop a retained one first.
+  backendRetains: number;
   mappingCount: number;
   // Operations in flight that use the handle (export); freeing waits for them.
   busy: number;
@@ -176,11 +181,10 @@ export class Registry {
     return this.deviceList;
   }
 
-  /** The minimum granularity of memory at a location. @throws OUT_OF_RANGE UNKNOWN_DEVICE */
+  /** The granularity of memory at a location. @throws OUT_OF_RANGE UNKNOWN_DEVICE */
   granularity(location: MemLocation): { minimum: bigint; recommended: bigint } {
-    const device = this.deviceOf(location);
-    const info = this.deviceList[device];
-    return { minimum: info.granularityMinimum, recommended: info.granularityRecommended };
+    this.deviceOf(location);
+    return this.backend.granularity(location);
   }
 
   // ---- reservations -------------------------------------------------------
@@ -264,20 +268,24 @@ export class Registry {
     const device = this.deviceOf(args.location);
     const info = this.deviceList[device];
     if (args.size === 0n) throw invalidArgument('ZERO_SIZE', 'allocation size must be greater than 0');
-    this.checkAligned('allocation size', args.size, info.granularityMinimum);
     if (!info.handleTypes.includes(args.handleType)) {
       throw failedPrecondition(
         'UNSUPPORTED_HANDLE_TYPE',
         `device ${device} cannot export ${args.handleType} handles (supported: ${info.handleTypes.join(', ')})`,
       );
     }
-    const handle = this.backend.create(device, args.location, args.size);
-    return this.addAllocation(caller, handle, args.size, device, args.location, [args.handleType], false);
+    const granularity = this.backend.granularity(args.location).minimum;
+    this.checkAligned('allocation size', args.size, granularity);
+    // Descriptors always work; fabric comes on top where asked for.
+    const handleTypes: HandleKind[] = args.handleType === 'FABRIC' ? ['POSIX_FD', 'FABRIC'] : ['POSIX_FD'];
+    const handle = this.backend.create(device, args.location, args.size, handleTypes);
+    return this.addAllocation(caller, handle, args.size, device, args.location, handleTypes, false, granularity);
   }
 
-  /** Records memory imported from a descriptor; the caller holds its one handle reference. */
+  /** Records imported memory; the caller holds its one handle reference. */
   addImported(caller: bigint, handle: BackendHandle, size: bigint, device: number, location: MemLocation): AllocationRecord {
-    return this.addAllocation(caller, handle, size, device, location, ['POSIX_FD'], true);
+    const granularity = this.backend.granularity(location).minimum;
+    return this.addAllocation(caller, handle, size, device, location, ['POSIX_FD'], true, granularity);
   }
 
   /**
@@ -308,7 +316,7 @@ export class Registry {
       }
       holder = allocation.owner;
     }
-    this.dropReference(allocation, holder);
+    await this.dropReferences(allocation, holder, 1);
     const freed = await this.freeIfUnused(allocation);
     return { freed, handleReferences: this.referenceCount(allocation), mappingCount: allocation.mappingCount };
   }
@@ -348,7 +356,10 @@ export class Registry {
    * @throws NOT_FOUND UNKNOWN_ALLOCATION; FAILED_PRECONDITION ALREADY_RELEASED, UNSUPPORTED_HANDLE_TYPE;
    *   PERMISSION_DENIED NOT_OWNER, BAD_SHARE_KEY
    */
-  async exportHandle(caller: bigint, args: ExportArgs): Promise<{ allocation: AllocationRecord; fd: number }> {
+  async exportHandle(
+    caller: bigint,
+    args: ExportArgs,
+  ): Promise<{ allocation: AllocationRecord; fd?: number; fabric?: Buffer }> {
     const allocation = this.liveAllocation(args.allocationId);
     if (!this.mayAct(caller, allocation.owner) && !allocation.references.has(caller)) {
       if (args.shareKey === '') {
@@ -369,8 +380,8 @@ export class Registry {
     }
     allocation.busy++;
     try {
-      const fd = await this.backend.exportHandle(allocation.handle);
-      return { allocation, fd };
+      if (args.handleType === 'FABRIC') return { allocation, fabric: await this.backend.exportFabric(allocation.handle) };
+      return { allocation, fd: await this.backend.exportHandle(allocation.handle) };
     } finally {
       allocation.busy--;
       await this.freeIfUnused(allocation);
@@ -397,9 +408,8 @@ export class Registry {
       if (!this.mayAct(caller, allocation.owner) && !allocation.references.has(caller)) {
         throw permissionDenied('NOT_OWNER', `allocation ${allocation.id} belongs to ${ownerName(allocation.owner)}`);
       }
-      const granularity = this.deviceList[allocation.device].granularityMinimum;
-      this.checkAligned('mapping address', args.address, granularity);
-      this.checkAligned('mapping size', args.size, granularity);
+      this.checkAligned('mapping address', args.address, allocation.granularity);
+      this.checkAligned('mapping size', args.size, allocation.granularity);
       if (args.offset + args.size > allocation.size) {
         throw outOfRange(
           'BEYOND_ALLOCATION',
@@ -481,6 +491,17 @@ export class Registry {
     await reservation.queue.run(() => {
       this.checkLive(reservation, address, 'NOT_MAPPED');
       const mappings = this.wholeMappingsCovering(reservation, address, size);
+      for (const mapping of mappings) {
+        for (const grant of grants) {
+          if (grant.location.type !== 'DEVICE' || grant.access === 0) continue;
+          if (!this.backend.canAccessPeer(grant.location.id, mapping.allocation.device)) {
+            throw failedPrecondition(
+              'PEER_ACCESS_UNSUPPORTED',
+              `device ${grant.location.id} cannot access memory of device ${mapping.allocation.device} (no peer access between them)`,
+            );
+          }
+        }
+      }
       this.backend.setAccess(address, size, grants);
       for (const mapping of mappings) {
         for (const grant of grants) {
@@ -511,6 +532,13 @@ export class Registry {
     const reservation = this.reservationContaining(caller, address, 'NOT_MAPPED');
     const mapping = this.mappingContaining(reservation, address);
     const allocation = mapping.allocation;
+    const handle = this.backend.retainHandle(address, allocation.handle);
+    if (handle !== allocation.handle) {
+      // The driver and the registry disagree about what is mapped here: refuse rather than guess.
+      void this.backend.releaseReference(handle);
+      throw new Error(`the backend maps handle ${handle} at ${hex(address)}, the registry ${allocation.handle}`);
+    }
+    allocation.backendRetains++;
     allocation.references.set(caller, (allocation.references.get(caller) ?? 0) + 1);
     return allocation;
   }
@@ -572,7 +600,8 @@ export class Registry {
       });
     }
     for (const allocation of [...this.allocations.values()]) {
-      if (allocation.references.has(owner)) allocation.references.delete(owner);
+      const held = allocation.references.get(owner);
+      if (held !== undefined) await this.dropReferences(allocation, owner, held);
       if (allocation.owner === owner) allocation.owner = DAEMON_OWNER;
       await this.freeIfUnused(allocation);
     }
@@ -651,6 +680,7 @@ export class Registry {
     location: MemLocation,
     handleTypes: HandleKind[],
     imported: boolean,
+    granularity: bigint,
   ): AllocationRecord {
     const record: AllocationRecord = {
       id: this.newId(),
@@ -661,7 +691,9 @@ export class Registry {
       handle,
       handleTypes,
       imported,
+      granularity,
       references: new Map([[owner, 1]]),
+      backendRetains: 0,
       mappingCount: 0,
       busy: 0,
       freed: false,
@@ -681,10 +713,15 @@ export class Registry {
     return allocation;
   }
 
-  private dropReference(allocation: AllocationRecord, holder: bigint): void {
-    const count = allocation.references.get(holder) ?? 0;
-    if (count <= 1) allocation.references.delete(holder);
-    else allocation.references.set(holder, count - 1);
+  /** Drops `count` of the holder's references, and as many retained backend references as there are. */
+  private async dropReferences(allocation: AllocationRecord, holder: bigint, count: number): Promise<void> {
+    const left = (allocation.references.get(holder) ?? 0) - count;
+    if (left <= 0) allocation.references.delete(holder);
+    else allocation.references.set(holder, left);
+    for (let i = 0; i < count && allocation.backendRetains > 0; i++) {
+      allocation.backendRetains--;
+      await this.backend.releaseReference(allocation.handle);
+    }
   }
 
   private async freeIfUnused(allocation: AllocationRecord): Promise<boolean> {

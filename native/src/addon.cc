@@ -1,6 +1,7 @@
 // The export table of the vmmd addon, and nothing else: one file per area.
 #include <napi.h>
 
+#include "cuda_driver.h"
 #include "fd_passing.h"
 #include "host_memory.h"
 
@@ -9,6 +10,7 @@ namespace {
 Napi::Object Init(Napi::Env env, Napi::Object exports) {
   vmmd::InitHostMemory(env, exports);
   vmmd::InitFdPassing(env, exports);
+  vmmd::InitCudaDriver(env, exports);
   return exports;
 }
 

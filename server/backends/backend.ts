@@ -35,6 +35,10 @@ export interface DeviceInfo {
   granularityRecommended: bigint;
   handleTypes: HandleKind[];
   computeCapability: string;
+  /** Whether fabric handles work (probed at start), and the reason when not. */
+  fabricUsable: boolean;
+  fabricStatus: string;
+  hostNumaId: number;
 }
 
 export interface MemoryInfo {
@@ -44,6 +48,9 @@ export interface MemoryInfo {
 
 /** A backend's handle to physical memory (a memfd, a CUmemGenericAllocationHandle). */
 export type BackendHandle = number | bigint;
+
+/** What travels out of the daemon for an allocation: a descriptor, or fabric bytes. */
+export type ImportSource = { fd: number } | { fabric: Buffer };
 
 export interface ImportedHandle {
   handle: BackendHandle;
@@ -56,22 +63,37 @@ export interface Backend {
   readonly name: 'host' | 'cuda';
   devices(): DeviceInfo[];
   memoryInfo(device: number): MemoryInfo;
+  /** Granularity of memory at a location (cuMemGetAllocationGranularity). */
+  granularity(location: MemLocation): { minimum: bigint; recommended: bigint };
+  /** Whether `device` can be given access to memory of `owner` (peer access). */
+  canAccessPeer(device: number, owner: number): boolean;
   /** Address space only: PROT_NONE / cuMemAddressReserve. */
   reserve(size: bigint, alignment: bigint, hint: bigint): bigint;
   freeAddress(address: bigint, size: bigint): void;
   /** @throws an error with code OUT_OF_MEMORY or CUDA_ERROR_OUT_OF_MEMORY */
-  create(device: number, location: MemLocation, size: bigint): BackendHandle;
+  create(device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): BackendHandle;
+  /** Frees the handle's last reference (the memory goes once unmapped everywhere). */
   release(handle: BackendHandle, size: bigint, imported: boolean): Promise<void>;
+  /**
+   * One more driver reference to the handle mapped at `address`
+   * (cuMemRetainAllocationHandle); returns the handle the driver names.
+   */
+  retainHandle(address: bigint, handle: BackendHandle): BackendHandle;
+  /** Drops one reference taken by retainHandle. */
+  releaseReference(handle: BackendHandle): Promise<void>;
   map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint): void;
   unmap(address: bigint, size: bigint): Promise<void>;
   setAccess(address: bigint, size: bigint, grants: AccessGrant[]): void;
   /** A new descriptor for the handle, owned by the caller. */
   exportHandle(handle: BackendHandle): Promise<number>;
+  /** The handle as fabric bytes (cuda, where the host permits fabric handles). */
+  exportFabric(handle: BackendHandle): Promise<Buffer>;
   /**
-   * A handle from a received descriptor; the backend takes ownership of fd.
-   * @throws an error with code BAD_DESCRIPTOR when fd is not memory of this backend
+   * A handle from a received descriptor (the backend takes ownership of fd) or
+   * from fabric bytes. `size` is what the sender says it is (0: unknown).
+   * @throws an error with code BAD_DESCRIPTOR when the source is not memory of this backend
    */
-  importHandle(fd: number): ImportedHandle;
+  importHandle(source: ImportSource, size: bigint): ImportedHandle;
   readBytes(address: bigint, length: number): Promise<Buffer>;
   writeBytes(address: bigint, data: Buffer): Promise<void>;
   close(): void;

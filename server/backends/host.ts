@@ -10,6 +10,7 @@ import {
   BackendHandle,
   DeviceInfo,
   ImportedHandle,
+  ImportSource,
   MemLocation,
   MemoryInfo,
 } from './backend';
@@ -45,12 +46,23 @@ export class HostBackend implements Backend {
         granularityRecommended: this.options.granularity,
         handleTypes: ['POSIX_FD'],
         computeCapability: '',
+        fabricUsable: false,
+        fabricStatus: 'the host backend has no fabric handles',
+        hostNumaId: -1,
       },
     ];
   }
 
   memoryInfo(): MemoryInfo {
     return { totalBytes: this.options.capacity, freeBytes: this.options.capacity - this.createdBytes };
+  }
+
+  granularity(): { minimum: bigint; recommended: bigint } {
+    return { minimum: this.options.granularity, recommended: this.options.granularity };
+  }
+
+  canAccessPeer(): boolean {
+    return true;
   }
 
   reserve(size: bigint, alignment: bigint, hint: bigint): bigint {
@@ -61,7 +73,7 @@ export class HostBackend implements Backend {
     addon.hostFreeAddress(address, size);
   }
 
-  create(device: number, location: MemLocation, size: bigint): BackendHandle {
+  create(_device: number, location: MemLocation, size: bigint): BackendHandle {
     const used = this.createdBytes;
     if (used + size > this.options.capacity) {
       throw codedError(
@@ -79,6 +91,14 @@ export class HostBackend implements Backend {
     addon.close(Number(handle));
     if (!imported) this.createdBytes -= size;
   }
+
+  // The memfd is its own reference count: mappings hold the pages, so a retained
+  // handle needs no second descriptor.
+  retainHandle(_address: bigint, handle: BackendHandle): BackendHandle {
+    return handle;
+  }
+
+  async releaseReference(): Promise<void> {}
 
   map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint): void {
     addon.hostMap(address, size, Number(handle), offset);
@@ -98,7 +118,13 @@ export class HostBackend implements Backend {
     return addon.dup(Number(handle));
   }
 
-  importHandle(fd: number): ImportedHandle {
+  async exportFabric(): Promise<Buffer> {
+    throw codedError('UNSUPPORTED_HANDLE_TYPE', 'the host backend has no fabric handles');
+  }
+
+  importHandle(source: ImportSource, size: bigint): ImportedHandle {
+    if (!('fd' in source)) throw codedError('BAD_DESCRIPTOR', 'the host backend imports descriptors, not fabric handles');
+    const fd = source.fd;
     try {
       const info = addon.hostFdInfo(fd);
       if (!info.memfd) {
@@ -109,6 +135,9 @@ export class HostBackend implements Backend {
           'BAD_DESCRIPTOR',
           `the descriptor's size ${info.size} is not a positive multiple of the granularity ${this.options.granularity}`,
         );
+      }
+      if (size !== 0n && size !== info.size) {
+        throw codedError('BAD_DESCRIPTOR', `the descriptor holds ${info.size} bytes, not the ${size} the request says`);
       }
       return { handle: fd, size: info.size, device: 0, location: { type: 'DEVICE', id: 0 } };
     } catch (error) {

@@ -5,6 +5,7 @@
 import type { Logger } from 'pino';
 import type { DaemonConfig } from '../config';
 import type { Backend } from './backend';
+import { CudaBackend } from './cuda';
 import { HostBackend } from './host';
 
 export class BackendUnavailableError extends Error {
@@ -14,22 +15,24 @@ export class BackendUnavailableError extends Error {
   }
 }
 
-/** Why the cuda backend cannot run here, or undefined when it can. */
-function cudaUnavailableReason(): string {
-  // The cuda backend (dlopen of libcuda.so.1) is not part of this build yet.
-  return 'this build of vmmd has no cuda backend yet';
-}
-
 /** @throws BackendUnavailableError when cuda is asked for and cannot run */
-export function selectBackend(config: DaemonConfig, log: Logger): Backend {
+export async function selectBackend(config: DaemonConfig, log: Logger): Promise<Backend> {
   const host = () => new HostBackend({ capacity: config.hostCapacity, granularity: config.hostGranularity });
   switch (config.backend) {
     case 'host':
       return host();
     case 'cuda':
-      throw new BackendUnavailableError(`--backend cuda: ${cudaUnavailableReason()}; use --backend host (or auto)`);
+      try {
+        return await CudaBackend.open(log);
+      } catch (error) {
+        throw new BackendUnavailableError(`--backend cuda: ${(error as Error).message}`);
+      }
     case 'auto':
-      log.info({ reason: cudaUnavailableReason() }, 'using the host backend: no usable CUDA driver');
-      return host();
+      try {
+        return await CudaBackend.open(log);
+      } catch (error) {
+        log.info({ reason: (error as Error).message }, 'using the host backend: the cuda backend cannot run here');
+        return host();
+      }
   }
 }

@@ -30,6 +30,9 @@ export class DevicesService {
         granularityRecommended: String(device.granularityRecommended),
         handleTypes: device.handleTypes.map(toWireHandleType),
         computeCapability: device.computeCapability,
+        fabricUsable: device.fabricUsable,
+        fabricStatus: device.fabricStatus,
+        hostNumaId: device.hostNumaId,
       };
     });
     return { devices, backend: backend.name };

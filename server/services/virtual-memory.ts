@@ -30,6 +30,7 @@ import type { WriteRequest__Output } from '../../generated/vmmd/v1/WriteRequest'
 import type { WriteResponse } from '../../generated/vmmd/v1/WriteResponse';
 import type { VmmdProto } from '../../common/proto';
 import { addon } from '../../native';
+import type { ImportSource } from '../backends/backend';
 import { failedPrecondition, invalidArgument, outOfRange } from '../errors';
 import type { AllocationRecord, Registry, ReservationRecord } from '../registry';
 import type { Session, SessionManager } from '../sessions';
@@ -126,28 +127,32 @@ export class VirtualMemoryService {
   }
 
   async export(request: ExportRequest__Output, context: CallContext): Promise<ExportResponse> {
-    const session = requireSession(context, 'Export');
-    const { allocation, fd } = await this.registry.exportHandle(context.caller, {
+    const kind = handleType(request.handleType);
+    // A descriptor needs a session to travel on; fabric bytes travel in the response.
+    const session = kind === 'POSIX_FD' ? requireSession(context, 'Export') : undefined;
+    const { allocation, fd, fabric } = await this.registry.exportHandle(context.caller, {
       allocationId: u64(request.allocationId),
-      handleType: handleType(request.handleType),
+      handleType: kind,
       shareKey: request.shareKey,
     });
-    let transferId: string;
-    try {
-      transferId = this.sessions.sendTransfer(session, fd, { allocation: allocation.id, size: allocation.size });
-    } finally {
-      // The kernel holds its own reference while the descriptor is in flight.
-      addon.close(fd);
+    let transferId = '0';
+    if (session !== undefined && fd !== undefined) {
+      try {
+        transferId = this.sessions.sendTransfer(session, fd, { allocation: allocation.id, size: allocation.size });
+      } finally {
+        // The kernel holds its own reference while the descriptor is in flight.
+        addon.close(fd);
+      }
     }
-    const granularity = this.registry.devices[allocation.device].granularityMinimum;
     return {
       transferId,
       allocationId: String(allocation.id),
       size: String(allocation.size),
       location: toWireLocation(allocation.location),
       device: allocation.device,
-      handleType: toWireHandleType(handleType(request.handleType)),
-      granularity: String(granularity),
+      handleType: toWireHandleType(kind),
+      granularity: String(allocation.granularity),
+      fabricHandle: fabric ?? Buffer.alloc(0),
     };
   }
 
@@ -156,15 +161,23 @@ export class VirtualMemoryService {
   }
 
   async import(request: ImportRequest__Output, context: CallContext): Promise<Allocation> {
-    const session = requireSession(context, 'Import');
     const kind = handleType(request.handleType);
-    if (kind !== 'POSIX_FD') throw invalidArgument('BAD_ENUM', 'Import takes POSIX_FD descriptors sent on the session socket');
     if (request.device >= this.registry.devices.length) {
       throw outOfRange('UNKNOWN_DEVICE', `device ${request.device} does not exist (the daemon has ${this.registry.devices.length} device(s))`);
     }
-    if (u64(request.transferId) === 0n) throw invalidArgument('BAD_TRANSFER', 'transfer_id must be set (ids start at 1)');
-    const fd = await this.sessions.takeTransfer(session, String(u64(request.transferId)));
-    const imported = this.registry.backend.importHandle(fd);
+    const size = u64(request.size);
+    let source: ImportSource;
+    if (kind === 'FABRIC') {
+      if (request.fabricHandle.length !== 64) {
+        throw invalidArgument('BAD_DESCRIPTOR', `fabric_handle must be the 64 bytes Export returned, not ${request.fabricHandle.length}`);
+      }
+      source = { fabric: request.fabricHandle };
+    } else {
+      const session = requireSession(context, 'Import');
+      if (u64(request.transferId) === 0n) throw invalidArgument('BAD_TRANSFER', 'transfer_id must be set (ids start at 1)');
+      source = { fd: await this.sessions.takeTransfer(session, String(u64(request.transferId))) };
+    }
+    const imported = this.registry.backend.importHandle(source, size);
     const record = this.registry.addImported(context.caller, imported.handle, imported.size, imported.device, imported.location);
     return this.toWireAllocation(record);
   }

@@ -10,6 +10,7 @@ import {
   DeviceInfo,
   HandleKind,
   ImportedHandle,
+  ImportSource,
   MemLocation,
   MemoryInfo,
 } from '../../server/backends/backend';
@@ -63,11 +64,35 @@ export class FakeBackend implements Backend {
       granularityRecommended: GRANULARITY,
       handleTypes: this.options.handleTypes,
       computeCapability: '',
+      fabricUsable: false,
+      fabricStatus: 'the fake backend has no fabric handles',
+      hostNumaId: -1,
     }));
   }
 
   memoryInfo(): MemoryInfo {
     return { totalBytes: this.options.capacity, freeBytes: this.options.capacity - this.used };
+  }
+
+  granularity(): { minimum: bigint; recommended: bigint } {
+    return { minimum: GRANULARITY, recommended: GRANULARITY };
+  }
+
+  canAccessPeer(): boolean {
+    return true;
+  }
+
+  retainHandle(_address: bigint, handle: BackendHandle): BackendHandle {
+    this.calls.push('retainHandle');
+    return handle;
+  }
+
+  async releaseReference(): Promise<void> {
+    this.calls.push('releaseReference');
+  }
+
+  async exportFabric(): Promise<Buffer> {
+    fail('UNSUPPORTED_HANDLE_TYPE', 'the fake backend has no fabric handles');
   }
 
   reserve(size: bigint, alignment: bigint): bigint {
@@ -143,7 +168,7 @@ export class FakeBackend implements Backend {
     return 1000 + Number(handle);
   }
 
-  importHandle(fd: number): ImportedHandle {
+  importHandle(_source: ImportSource, _size: bigint): ImportedHandle {
     this.calls.push('import');
     const handle = this.nextHandle++;
     this.memory.set(handle, { size: GRANULARITY, buffer: Buffer.alloc(Number(GRANULARITY)), imported: true });

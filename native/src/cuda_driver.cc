@@ -1,0 +1,592 @@
+// The cuda backend's mechanism: the driver's VMM API through dlopen, with the
+// device's primary context current on whichever thread makes the call. Slow
+// calls (export, unmap, release, copies) run on worker threads and return
+// promises. No policy and no registry here: TypeScript validates first.
+#include "cuda_driver.h"
+
+#include <dlfcn.h>
+
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cuda_api.h"
+#include "errors.h"
+
+#if __has_include(<cuda.h>)
+#include <cuda.h>
+// The declarations in cuda_api.h must match the driver's own.
+static_assert(sizeof(vmmd::cu::MemAllocationProp) == sizeof(CUmemAllocationProp), "CUmemAllocationProp layout");
+static_assert(offsetof(vmmd::cu::MemAllocationProp, location) == offsetof(CUmemAllocationProp, location), "location offset");
+static_assert(offsetof(vmmd::cu::MemAllocationProp, allocFlags) == offsetof(CUmemAllocationProp, allocFlags), "allocFlags offset");
+static_assert(sizeof(vmmd::cu::MemAccessDesc) == sizeof(CUmemAccessDesc), "CUmemAccessDesc layout");
+static_assert(sizeof(vmmd::cu::MemLocation) == sizeof(CUmemLocation), "CUmemLocation layout");
+static_assert(sizeof(vmmd::cu::FabricHandle) == sizeof(CUmemFabricHandle), "CUmemFabricHandle layout");
+static_assert(static_cast<int>(vmmd::cu::LOCATION_HOST_NUMA) == static_cast<int>(CU_MEM_LOCATION_TYPE_HOST_NUMA), "location type");
+static_assert(static_cast<int>(vmmd::cu::HANDLE_FABRIC) == static_cast<int>(CU_MEM_HANDLE_TYPE_FABRIC), "handle type");
+static_assert(static_cast<int>(vmmd::cu::ACCESS_READWRITE) == static_cast<int>(CU_MEM_ACCESS_FLAGS_PROT_READWRITE), "access flags");
+static_assert(vmmd::cu::ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED == CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED, "attribute");
+static_assert(vmmd::cu::ATTRIBUTE_HOST_NUMA_ID == CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, "attribute");
+static_assert(vmmd::cu::ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED ==
+                  CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+              "attribute");
+static_assert(vmmd::cu::ERROR_NOT_PERMITTED == CUDA_ERROR_NOT_PERMITTED, "result");
+#endif
+
+namespace vmmd {
+namespace {
+
+struct Driver {
+  void* library = nullptr;
+  cu::Api api{};
+  int driverVersion = 0;
+  std::vector<cu::Context> contexts;  // the primary context of each device, retained for the process
+  std::string failure;                // why the driver is not usable, when it is not
+  bool attempted = false;
+};
+
+Driver driver;
+std::mutex driverMutex;
+
+std::string ResultName(cu::Result result) {
+  const char* name = nullptr;
+  if (driver.api.cuGetErrorName != nullptr && driver.api.cuGetErrorName(result, &name) == cu::SUCCESS && name) {
+    return name;
+  }
+  return "CUDA_ERROR_" + std::to_string(result);
+}
+
+Napi::Error CudaError(Napi::Env env, cu::Result result, const std::string& call) {
+  std::string name = ResultName(result);
+  Napi::Error error = Napi::Error::New(env, name + ": " + call);
+  error.Set("code", Napi::String::New(env, name));
+  error.Set("result", Napi::Number::New(env, result));
+  return error;
+}
+
+void Check(Napi::Env env, cu::Result result, const std::string& call) {
+  if (result != cu::SUCCESS) throw CudaError(env, result, call);
+}
+
+std::string Sized(const char* call, uint64_t size) { return std::string(call) + "(" + std::to_string(size) + ")"; }
+
+// Opens libcuda.so.1, resolves every entry point, initializes the driver and
+// retains each device's primary context. Returns "" or the reason it failed.
+std::string LoadDriver() {
+  std::lock_guard<std::mutex> lock(driverMutex);
+  if (driver.attempted) return driver.failure;
+  driver.attempted = true;
+  driver.library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (driver.library == nullptr) {
+    const char* why = dlerror();
+    driver.failure = std::string("libcuda.so.1 not found (") + (why ? why : "dlopen failed") +
+                     "): run on a host with the NVIDIA driver, or use --backend host";
+    return driver.failure;
+  }
+  struct Entry {
+    const char* name;
+    void** slot;
+  };
+  cu::Api& a = driver.api;
+  const Entry entries[] = {
+      {"cuInit", reinterpret_cast<void**>(&a.cuInit)},
+      {"cuDriverGetVersion", reinterpret_cast<void**>(&a.cuDriverGetVersion)},
+      {"cuGetErrorName", reinterpret_cast<void**>(&a.cuGetErrorName)},
+      {"cuDeviceGetCount", reinterpret_cast<void**>(&a.cuDeviceGetCount)},
+      {"cuDeviceGet", reinterpret_cast<void**>(&a.cuDeviceGet)},
+      {"cuDeviceGetName", reinterpret_cast<void**>(&a.cuDeviceGetName)},
+      {"cuDeviceGetUuid_v2", reinterpret_cast<void**>(&a.cuDeviceGetUuid_v2)},
+      {"cuDeviceTotalMem_v2", reinterpret_cast<void**>(&a.cuDeviceTotalMem_v2)},
+      {"cuDeviceGetAttribute", reinterpret_cast<void**>(&a.cuDeviceGetAttribute)},
+      {"cuDeviceCanAccessPeer", reinterpret_cast<void**>(&a.cuDeviceCanAccessPeer)},
+      {"cuDevicePrimaryCtxRetain", reinterpret_cast<void**>(&a.cuDevicePrimaryCtxRetain)},
+      {"cuCtxSetCurrent", reinterpret_cast<void**>(&a.cuCtxSetCurrent)},
+      {"cuMemGetInfo_v2", reinterpret_cast<void**>(&a.cuMemGetInfo_v2)},
+      {"cuMemAddressReserve", reinterpret_cast<void**>(&a.cuMemAddressReserve)},
+      {"cuMemAddressFree", reinterpret_cast<void**>(&a.cuMemAddressFree)},
+      {"cuMemCreate", reinterpret_cast<void**>(&a.cuMemCreate)},
+      {"cuMemRelease", reinterpret_cast<void**>(&a.cuMemRelease)},
+      {"cuMemMap", reinterpret_cast<void**>(&a.cuMemMap)},
+      {"cuMemUnmap", reinterpret_cast<void**>(&a.cuMemUnmap)},
+      {"cuMemSetAccess", reinterpret_cast<void**>(&a.cuMemSetAccess)},
+      {"cuMemGetAccess", reinterpret_cast<void**>(&a.cuMemGetAccess)},
+      {"cuMemExportToShareableHandle", reinterpret_cast<void**>(&a.cuMemExportToShareableHandle)},
+      {"cuMemImportFromShareableHandle", reinterpret_cast<void**>(&a.cuMemImportFromShareableHandle)},
+      {"cuMemGetAllocationGranularity", reinterpret_cast<void**>(&a.cuMemGetAllocationGranularity)},
+      {"cuMemGetAllocationPropertiesFromHandle", reinterpret_cast<void**>(&a.cuMemGetAllocationPropertiesFromHandle)},
+      {"cuMemRetainAllocationHandle", reinterpret_cast<void**>(&a.cuMemRetainAllocationHandle)},
+      {"cuMemcpyHtoD_v2", reinterpret_cast<void**>(&a.cuMemcpyHtoD_v2)},
+      {"cuMemcpyDtoH_v2", reinterpret_cast<void**>(&a.cuMemcpyDtoH_v2)},
+  };
+  for (const Entry& entry : entries) {
+    *entry.slot = dlsym(driver.library, entry.name);
+    if (*entry.slot == nullptr) {
+      driver.failure = std::string("libcuda.so.1 has no ") + entry.name + ": the NVIDIA driver is too old for vmmd";
+      return driver.failure;
+    }
+  }
+  cu::Result result = a.cuInit(0);
+  if (result != cu::SUCCESS) {
+    driver.failure = "cuInit failed with " + ResultName(result) +
+                     (result == cu::ERROR_NO_DEVICE ? ": no CUDA device is visible" : "") + "; use --backend host";
+    return driver.failure;
+  }
+  a.cuDriverGetVersion(&driver.driverVersion);
+  int count = 0;
+  result = a.cuDeviceGetCount(&count);
+  if (result != cu::SUCCESS || count == 0) {
+    driver.failure = "no CUDA device is visible (cuDeviceGetCount: " + ResultName(result) + "); use --backend host";
+    return driver.failure;
+  }
+  for (int index = 0; index < count; index++) {
+    cu::Device device = 0;
+    cu::Context context = nullptr;
+    result = a.cuDeviceGet(&device, index);
+    if (result == cu::SUCCESS) result = a.cuDevicePrimaryCtxRetain(&context, device);
+    if (result != cu::SUCCESS) {
+      driver.failure = "cannot retain the primary context of device " + std::to_string(index) + ": " + ResultName(result);
+      return driver.failure;
+    }
+    driver.contexts.push_back(context);
+  }
+  return "";
+}
+
+void RequireDriver(Napi::Env env) {
+  std::string failure = LoadDriver();
+  if (!failure.empty()) {
+    Napi::Error error = Napi::Error::New(env, failure);
+    error.Set("code", Napi::String::New(env, "CUDA_UNAVAILABLE"));
+    throw error;
+  }
+}
+
+// Makes the device's primary context current on this thread.
+cu::Result UseDevice(int device) {
+  if (device < 0 || device >= static_cast<int>(driver.contexts.size())) return cu::ERROR_INVALID_VALUE;
+  return driver.api.cuCtxSetCurrent(driver.contexts[device]);
+}
+
+int DeviceArg(const Napi::CallbackInfo& info, size_t index) {
+  int device = info[index].As<Napi::Number>().Int32Value();
+  if (device < 0 || device >= static_cast<int>(driver.contexts.size())) {
+    ThrowArg(info.Env(), "device " + std::to_string(device) + " does not exist");
+  }
+  Check(info.Env(), UseDevice(device), "cuCtxSetCurrent");
+  return device;
+}
+
+cu::MemAllocationProp Prop(int locationType, int locationId, int handleTypes) {
+  cu::MemAllocationProp prop;
+  std::memset(&prop, 0, sizeof(prop));
+  prop.type = cu::ALLOCATION_TYPE_PINNED;
+  prop.requestedHandleTypes = handleTypes;
+  prop.location.type = static_cast<cu::LocationType>(locationType);
+  prop.location.id = locationId;
+  return prop;
+}
+
+// A driver call on a worker thread with the device's context current there.
+// `work` returns the CUresult; `make` builds the resolved value on the main thread.
+class CudaWorker : public Napi::AsyncWorker {
+ public:
+  CudaWorker(Napi::Env env, int device, std::string call, std::function<cu::Result()> work,
+             std::function<Napi::Value(Napi::Env)> make)
+      : Napi::AsyncWorker(env, "vmmd:cuda"),
+        deferred_(Napi::Promise::Deferred::New(env)),
+        device_(device),
+        call_(std::move(call)),
+        work_(std::move(work)),
+        make_(std::move(make)) {}
+
+  static Napi::Promise Queue(Napi::Env env, int device, std::string call, std::function<cu::Result()> work,
+                             std::function<Napi::Value(Napi::Env)> make) {
+    auto* worker = new CudaWorker(env, device, std::move(call), std::move(work), std::move(make));
+    Napi::Promise promise = worker->deferred_.Promise();
+    worker->Napi::AsyncWorker::Queue();
+    return promise;
+  }
+
+  void Execute() override {
+    result_ = UseDevice(device_);
+    if (result_ == cu::SUCCESS) result_ = work_();
+  }
+
+  void OnOK() override {
+    Napi::Env env = Env();
+    Napi::HandleScope scope(env);
+    if (result_ != cu::SUCCESS) {
+      deferred_.Reject(CudaError(env, result_, call_).Value());
+      return;
+    }
+    try {
+      deferred_.Resolve(make_ ? make_(env) : env.Undefined());
+    } catch (const Napi::Error& error) {
+      deferred_.Reject(error.Value());
+    }
+  }
+
+  void OnError(const Napi::Error& error) override { deferred_.Reject(error.Value()); }
+
+ private:
+  Napi::Promise::Deferred deferred_;
+  int device_;
+  std::string call_;
+  std::function<cu::Result()> work_;
+  std::function<Napi::Value(Napi::Env)> make_;
+  cu::Result result_ = cu::SUCCESS;
+};
+
+Napi::BigInt Big(Napi::Env env, uint64_t value) { return Napi::BigInt::New(env, value); }
+
+// cudaLoad() -> { loaded, reason, driverVersion, deviceCount }. Never throws.
+Napi::Value CudaLoad(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  std::string failure = LoadDriver();
+  Napi::Object out = Napi::Object::New(env);
+  out.Set("loaded", Napi::Boolean::New(env, failure.empty()));
+  out.Set("reason", Napi::String::New(env, failure));
+  out.Set("driverVersion", Napi::Number::New(env, driver.driverVersion));
+  out.Set("deviceCount", Napi::Number::New(env, static_cast<double>(driver.contexts.size())));
+  return out;
+}
+
+// cudaDevices() -> [{ index, name, uuid, totalBytes, computeCapability, vmm, posixFd, fabric, hostNumaId }]
+Napi::Value CudaDevices(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  const cu::Api& a = driver.api;
+  Napi::Array out = Napi::Array::New(env, driver.contexts.size());
+  for (size_t index = 0; index < driver.contexts.size(); index++) {
+    cu::Device device = 0;
+    Check(env, a.cuDeviceGet(&device, static_cast<int>(index)), "cuDeviceGet");
+    char name[256] = {0};
+    Check(env, a.cuDeviceGetName(name, sizeof(name) - 1, device), "cuDeviceGetName");
+    cu::Uuid uuid;
+    Check(env, a.cuDeviceGetUuid_v2(&uuid, device), "cuDeviceGetUuid");
+    char text[48];
+    const unsigned char* b = reinterpret_cast<const unsigned char*>(uuid.bytes);
+    snprintf(text, sizeof(text), "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2],
+             b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+    size_t total = 0;
+    Check(env, a.cuDeviceTotalMem_v2(&total, device), "cuDeviceTotalMem");
+    auto attribute = [&](int which) {
+      int value = 0;
+      if (a.cuDeviceGetAttribute(&value, which, device) != cu::SUCCESS) return -1;
+      return value;
+    };
+    Napi::Object entry = Napi::Object::New(env);
+    entry.Set("index", Napi::Number::New(env, static_cast<double>(index)));
+    entry.Set("name", Napi::String::New(env, name));
+    entry.Set("uuid", Napi::String::New(env, text));
+    entry.Set("totalBytes", Big(env, total));
+    entry.Set("computeCapability", Napi::String::New(env, std::to_string(attribute(cu::ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)) +
+                                                              "." +
+                                                              std::to_string(attribute(cu::ATTRIBUTE_COMPUTE_CAPABILITY_MINOR))));
+    entry.Set("vmm", Napi::Boolean::New(env, attribute(cu::ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) == 1));
+    entry.Set("posixFd", Napi::Boolean::New(env, attribute(cu::ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED) == 1));
+    entry.Set("fabric", Napi::Boolean::New(env, attribute(cu::ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED) == 1));
+    entry.Set("hostNumaId", Napi::Number::New(env, attribute(cu::ATTRIBUTE_HOST_NUMA_ID)));
+    out.Set(index, entry);
+  }
+  return out;
+}
+
+// cudaMemGetInfo(device) -> { free, total }
+Napi::Value CudaMemGetInfo(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  DeviceArg(info, 0);
+  size_t free = 0, total = 0;
+  Check(env, driver.api.cuMemGetInfo_v2(&free, &total), "cuMemGetInfo");
+  Napi::Object out = Napi::Object::New(env);
+  out.Set("free", Big(env, free));
+  out.Set("total", Big(env, total));
+  return out;
+}
+
+// cudaGranularity(locationType, locationId, handleTypes, recommended) -> bigint
+Napi::Value CudaGranularity(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  cu::MemAllocationProp prop = Prop(info[0].As<Napi::Number>().Int32Value(), info[1].As<Napi::Number>().Int32Value(),
+                                    info[2].As<Napi::Number>().Int32Value());
+  bool recommended = info[3].As<Napi::Boolean>().Value();
+  size_t granularity = 0;
+  Check(env,
+        driver.api.cuMemGetAllocationGranularity(&granularity, &prop,
+                                                 recommended ? cu::GRANULARITY_RECOMMENDED : cu::GRANULARITY_MINIMUM),
+        "cuMemGetAllocationGranularity");
+  return Big(env, granularity);
+}
+
+// cudaReserve(size, alignment, hint) -> address
+Napi::Value CudaReserve(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  uint64_t size = U64Arg(info, 0, "size");
+  uint64_t alignment = U64Arg(info, 1, "alignment");
+  uint64_t hint = U64Arg(info, 2, "hint");
+  Check(env, UseDevice(0), "cuCtxSetCurrent");
+  cu::DevicePtr address = 0;
+  Check(env, driver.api.cuMemAddressReserve(&address, size, alignment, hint, 0), Sized("cuMemAddressReserve", size));
+  return Big(env, address);
+}
+
+Napi::Value CudaFreeAddress(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  uint64_t address = U64Arg(info, 0, "address");
+  uint64_t size = U64Arg(info, 1, "size");
+  Check(env, UseDevice(0), "cuCtxSetCurrent");
+  Check(env, driver.api.cuMemAddressFree(address, size), Sized("cuMemAddressFree", size));
+  return env.Undefined();
+}
+
+// cudaCreate(device, locationType, locationId, size, handleTypes) -> handle
+Napi::Value CudaCreate(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  DeviceArg(info, 0);
+  cu::MemAllocationProp prop = Prop(info[1].As<Napi::Number>().Int32Value(), info[2].As<Napi::Number>().Int32Value(),
+                                    info[4].As<Napi::Number>().Int32Value());
+  uint64_t size = U64Arg(info, 3, "size");
+  cu::GenericHandle handle = 0;
+  Check(env, driver.api.cuMemCreate(&handle, size, &prop, 0), Sized("cuMemCreate", size));
+  return Big(env, handle);
+}
+
+// cudaRelease(device, handle) -> Promise<void>
+Napi::Value CudaRelease(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  int device = DeviceArg(info, 0);
+  uint64_t handle = U64Arg(info, 1, "handle");
+  return CudaWorker::Queue(env, device, "cuMemRelease", [handle] { return driver.api.cuMemRelease(handle); }, nullptr);
+}
+
+// cudaMap(address, size, offset, handle)
+Napi::Value CudaMap(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  uint64_t address = U64Arg(info, 0, "address");
+  uint64_t size = U64Arg(info, 1, "size");
+  uint64_t offset = U64Arg(info, 2, "offset");
+  uint64_t handle = U64Arg(info, 3, "handle");
+  Check(env, UseDevice(0), "cuCtxSetCurrent");
+  Check(env, driver.api.cuMemMap(address, size, offset, handle, 0), Sized("cuMemMap", size));
+  return env.Undefined();
+}
+
+// cudaUnmap(device, address, size) -> Promise<void>
+Napi::Value CudaUnmap(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  int device = DeviceArg(info, 0);
+  uint64_t address = U64Arg(info, 1, "address");
+  uint64_t size = U64Arg(info, 2, "size");
+  return CudaWorker::Queue(env, device, Sized("cuMemUnmap", size),
+                           [address, size] { return driver.api.cuMemUnmap(address, size); }, nullptr);
+}
+
+// cudaSetAccess(address, size, [{ type, id, flags }])
+Napi::Value CudaSetAccess(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  uint64_t address = U64Arg(info, 0, "address");
+  uint64_t size = U64Arg(info, 1, "size");
+  Napi::Array list = info[2].As<Napi::Array>();
+  std::vector<cu::MemAccessDesc> descriptors(list.Length());
+  for (uint32_t i = 0; i < list.Length(); i++) {
+    Napi::Object entry = list.Get(i).As<Napi::Object>();
+    descriptors[i].location.type = static_cast<cu::LocationType>(entry.Get("type").As<Napi::Number>().Int32Value());
+    descriptors[i].location.id = entry.Get("id").As<Napi::Number>().Int32Value();
+    descriptors[i].flags = static_cast<cu::AccessFlags>(entry.Get("flags").As<Napi::Number>().Int32Value());
+  }
+  Check(env, UseDevice(0), "cuCtxSetCurrent");
+  Check(env, driver.api.cuMemSetAccess(address, size, descriptors.data(), descriptors.size()),
+        Sized("cuMemSetAccess", size));
+  return env.Undefined();
+}
+
+// cudaGetAccess(address, type, id) -> flags
+Napi::Value CudaGetAccess(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  uint64_t address = U64Arg(info, 0, "address");
+  cu::MemLocation location{static_cast<cu::LocationType>(info[1].As<Napi::Number>().Int32Value()),
+                           info[2].As<Napi::Number>().Int32Value()};
+  unsigned long long flags = 0;
+  Check(env, UseDevice(0), "cuCtxSetCurrent");
+  Check(env, driver.api.cuMemGetAccess(&flags, &location, address), "cuMemGetAccess");
+  return Napi::Number::New(env, static_cast<double>(flags));
+}
+
+// cudaExportFd(device, handle) -> Promise<fd>
+Napi::Value CudaExportFd(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  int device = DeviceArg(info, 0);
+  uint64_t handle = U64Arg(info, 1, "handle");
+  auto fd = std::make_shared<int>(-1);
+  return CudaWorker::Queue(
+      env, device, "cuMemExportToShareableHandle(POSIX_FD)",
+      [handle, fd] { return driver.api.cuMemExportToShareableHandle(fd.get(), handle, cu::HANDLE_POSIX_FD, 0); },
+      [fd](Napi::Env env) { return Napi::Number::New(env, *fd); });
+}
+
+// cudaExportFabric(device, handle) -> Promise<Buffer(64)>
+Napi::Value CudaExportFabric(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  int device = DeviceArg(info, 0);
+  uint64_t handle = U64Arg(info, 1, "handle");
+  auto fabric = std::make_shared<cu::FabricHandle>();
+  return CudaWorker::Queue(
+      env, device, "cuMemExportToShareableHandle(FABRIC)",
+      [handle, fabric] { return driver.api.cuMemExportToShareableHandle(fabric.get(), handle, cu::HANDLE_FABRIC, 0); },
+      [fabric](Napi::Env env) {
+        return Napi::Buffer<uint8_t>::Copy(env, fabric->data, sizeof(fabric->data)).As<Napi::Value>();
+      });
+}
+
+// cudaImportFd(fd) -> handle. The caller keeps (and closes) the fd.
+Napi::Value CudaImportFd(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  int fd = FdArg(info, 0, "fd");
+  Check(env, UseDevice(0), "cuCtxSetCurrent");
+  cu::GenericHandle handle = 0;
+  Check(env,
+        driver.api.cuMemImportFromShareableHandle(&handle, reinterpret_cast<void*>(static_cast<intptr_t>(fd)),
+                                                  cu::HANDLE_POSIX_FD),
+        "cuMemImportFromShareableHandle(POSIX_FD)");
+  return Big(env, handle);
+}
+
+// cudaImportFabric(buffer) -> handle
+Napi::Value CudaImportFabric(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  if (!info[0].IsBuffer() || info[0].As<Napi::Buffer<uint8_t>>().Length() != sizeof(cu::FabricHandle)) {
+    ThrowArg(env, "a fabric handle is 64 bytes");
+  }
+  cu::FabricHandle fabric;
+  std::memcpy(fabric.data, info[0].As<Napi::Buffer<uint8_t>>().Data(), sizeof(fabric.data));
+  Check(env, UseDevice(0), "cuCtxSetCurrent");
+  cu::GenericHandle handle = 0;
+  Check(env, driver.api.cuMemImportFromShareableHandle(&handle, &fabric, cu::HANDLE_FABRIC),
+        "cuMemImportFromShareableHandle(FABRIC)");
+  return Big(env, handle);
+}
+
+// cudaAllocationProperties(handle) -> { locationType, locationId, requestedHandleTypes }
+Napi::Value CudaAllocationProperties(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  uint64_t handle = U64Arg(info, 0, "handle");
+  cu::MemAllocationProp prop;
+  std::memset(&prop, 0, sizeof(prop));
+  Check(env, UseDevice(0), "cuCtxSetCurrent");
+  Check(env, driver.api.cuMemGetAllocationPropertiesFromHandle(&prop, handle), "cuMemGetAllocationPropertiesFromHandle");
+  Napi::Object out = Napi::Object::New(env);
+  out.Set("locationType", Napi::Number::New(env, prop.location.type));
+  out.Set("locationId", Napi::Number::New(env, prop.location.id));
+  out.Set("requestedHandleTypes", Napi::Number::New(env, prop.requestedHandleTypes));
+  return out;
+}
+
+// cudaRetainHandle(address) -> handle
+Napi::Value CudaRetainHandle(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  uint64_t address = U64Arg(info, 0, "address");
+  Check(env, UseDevice(0), "cuCtxSetCurrent");
+  cu::GenericHandle handle = 0;
+  Check(env,
+        driver.api.cuMemRetainAllocationHandle(&handle, reinterpret_cast<void*>(static_cast<uintptr_t>(address))),
+        "cuMemRetainAllocationHandle");
+  return Big(env, handle);
+}
+
+// cudaCopyToDevice(device, address, buffer) -> Promise<void>
+Napi::Value CudaCopyToDevice(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  int device = DeviceArg(info, 0);
+  uint64_t address = U64Arg(info, 1, "address");
+  if (!info[2].IsBuffer()) ThrowArg(env, "data must be a Buffer");
+  Napi::Buffer<uint8_t> data = info[2].As<Napi::Buffer<uint8_t>>();
+  auto keep = std::make_shared<Napi::Reference<Napi::Buffer<uint8_t>>>(Napi::Persistent(data));
+  const uint8_t* source = data.Data();
+  size_t length = data.Length();
+  return CudaWorker::Queue(
+      env, device, Sized("cuMemcpyHtoD", length),
+      [address, source, length] { return driver.api.cuMemcpyHtoD_v2(address, source, length); },
+      [keep](Napi::Env env) {
+        keep->Reset();
+        return env.Undefined();
+      });
+}
+
+// cudaCopyFromDevice(device, address, length) -> Promise<Buffer>
+Napi::Value CudaCopyFromDevice(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  int device = DeviceArg(info, 0);
+  uint64_t address = U64Arg(info, 1, "address");
+  uint64_t length = U64Arg(info, 2, "length");
+  Napi::Buffer<uint8_t> buffer = Napi::Buffer<uint8_t>::New(env, static_cast<size_t>(length));
+  auto keep = std::make_shared<Napi::Reference<Napi::Buffer<uint8_t>>>(Napi::Persistent(buffer));
+  uint8_t* target = buffer.Data();
+  return CudaWorker::Queue(
+      env, device, Sized("cuMemcpyDtoH", length),
+      [address, target, length] { return driver.api.cuMemcpyDtoH_v2(target, address, length); },
+      [keep](Napi::Env env) {
+        Napi::Value value = keep->Value();
+        keep->Reset();
+        return value;
+      });
+}
+
+// cudaCanAccessPeer(device, peer) -> boolean
+Napi::Value CudaCanAccessPeer(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  int device = info[0].As<Napi::Number>().Int32Value();
+  int peer = info[1].As<Napi::Number>().Int32Value();
+  if (device == peer) return Napi::Boolean::New(env, true);
+  int can = 0;
+  Check(env, driver.api.cuDeviceCanAccessPeer(&can, device, peer), "cuDeviceCanAccessPeer");
+  return Napi::Boolean::New(env, can == 1);
+}
+
+}  // namespace
+
+void InitCudaDriver(Napi::Env env, Napi::Object exports) {
+  exports.Set("cudaLoad", Napi::Function::New(env, CudaLoad, "cudaLoad"));
+  exports.Set("cudaDevices", Napi::Function::New(env, CudaDevices, "cudaDevices"));
+  exports.Set("cudaMemGetInfo", Napi::Function::New(env, CudaMemGetInfo, "cudaMemGetInfo"));
+  exports.Set("cudaGranularity", Napi::Function::New(env, CudaGranularity, "cudaGranularity"));
+  exports.Set("cudaReserve", Napi::Function::New(env, CudaReserve, "cudaReserve"));
+  exports.Set("cudaFreeAddress", Napi::Function::New(env, CudaFreeAddress, "cudaFreeAddress"));
+  exports.Set("cudaCreate", Napi::Function::New(env, CudaCreate, "cudaCreate"));
+  exports.Set("cudaRelease", Napi::Function::New(env, CudaRelease, "cudaRelease"));
+  exports.Set("cudaMap", Napi::Function::New(env, CudaMap, "cudaMap"));
+  exports.Set("cudaUnmap", Napi::Function::New(env, CudaUnmap, "cudaUnmap"));
+  exports.Set("cudaSetAccess", Napi::Function::New(env, CudaSetAccess, "cudaSetAccess"));
+  exports.Set("cudaGetAccess", Napi::Function::New(env, CudaGetAccess, "cudaGetAccess"));
+  exports.Set("cudaExportFd", Napi::Function::New(env, CudaExportFd, "cudaExportFd"));
+  exports.Set("cudaExportFabric", Napi::Function::New(env, CudaExportFabric, "cudaExportFabric"));
+  exports.Set("cudaImportFd", Napi::Function::New(env, CudaImportFd, "cudaImportFd"));
+  exports.Set("cudaImportFabric", Napi::Function::New(env, CudaImportFabric, "cudaImportFabric"));
+  exports.Set("cudaAllocationProperties", Napi::Function::New(env, CudaAllocationProperties, "cudaAllocationProperties"));
+  exports.Set("cudaRetainHandle", Napi::Function::New(env, CudaRetainHandle, "cudaRetainHandle"));
+  exports.Set("cudaCopyToDevice", Napi::Function::New(env, CudaCopyToDevice, "cudaCopyToDevice"));
+  exports.Set("cudaCopyFromDevice", Napi::Function::New(env, CudaCopyFromDevice, "cudaCopyFromDevice"));
+  exports.Set("cudaCanAccessPeer", Napi::Function::New(env, CudaCanAccessPeer, "cudaCanAccessPeer"));
+}
+
+}  // namespace vmmd

@@ -1,0 +1,210 @@
+/**
+ * The cuda backend: the driver's VMM API through the addon. Device memory and
+ * host (NUMA) memory, POSIX descriptors always, fabric handles where a probe
+ * at start shows the host permits them.
+ */
+import type { Logger } from 'pino';
+import { addon, CU_HANDLE, CU_LOCATION, CudaDeviceInfo, isNativeError } from '../../native';
+import {
+  AccessGrant,
+  Backend,
+  BackendHandle,
+  DeviceInfo,
+  HandleKind,
+  ImportedHandle,
+  ImportSource,
+  MemLocation,
+  MemoryInfo,
+} from './backend';
+
+function codedError(code: string, message: string): Error {
+  return Object.assign(new Error(message), { code });
+}
+
+const locationType = (location: MemLocation) => CU_LOCATION[location.type];
+
+function handleBits(kinds: HandleKind[]): number {
+  return kinds.reduce((bits, kind) => bits | CU_HANDLE[kind], 0);
+}
+
+export class CudaBackend implements Backend {
+  readonly name = 'cuda' as const;
+
+  private constructor(private readonly deviceList: DeviceInfo[]) {}
+
+  /**
+   * Opens the driver and probes every device once (granularity, fabric).
+   * @throws an error with code CUDA_UNAVAILABLE saying why, when the driver cannot be used
+   */
+  static async open(log: Logger): Promise<CudaBackend> {
+    const loaded = addon.cudaLoad();
+    if (!loaded.loaded) throw codedError('CUDA_UNAVAILABLE', loaded.reason);
+    const devices: DeviceInfo[] = [];
+    for (const device of addon.cudaDevices()) {
+      if (!device.vmm || !device.posixFd) {
+        throw codedError(
+          'CUDA_UNAVAILABLE',
+          `device ${device.index} (${device.name}) lacks ${device.vmm ? 'POSIX descriptor handles' : 'virtual memory management'}; vmmd needs both`,
+        );
+      }
+      const granularity = (recommended: boolean) =>
+        addon.cudaGranularity(CU_LOCATION.DEVICE, device.index, CU_HANDLE.POSIX_FD, recommended);
+      const minimum = granularity(false);
+      const fabric = await CudaBackend.probeFabric(device, minimum);
+      log.info({ device: device.index, name: device.name, fabric: fabric.status }, 'cuda device');
+      devices.push({
+        index: device.index,
+        name: device.name,
+        kind: 'CUDA',
+        uuid: device.uuid,
+        totalBytes: device.totalBytes,
+        granularityMinimum: minimum,
+        granularityRecommended: granularity(true),
+        handleTypes: fabric.usable ? ['POSIX_FD', 'FABRIC'] : ['POSIX_FD'],
+        computeCapability: device.computeCapability,
+        fabricUsable: fabric.usable,
+        fabricStatus: fabric.status,
+        hostNumaId: device.hostNumaId,
+      });
+    }
+    return new CudaBackend(devices);
+  }
+
+  /**
+   * A device may report fabric support and still refuse it (no IMEX channel):
+   * only a real creation and export tell.
+   */
+  private static async probeFabric(device: CudaDeviceInfo, size: bigint): Promise<{ usable: boolean; status: string }> {
+    if (!device.fabric) return { usable: false, status: 'the device does not report fabric handle support' };
+    let handle: bigint;
+    try {
+      handle = addon.cudaCreate(device.index, CU_LOCATION.DEVICE, device.index, size, CU_HANDLE.POSIX_FD | CU_HANDLE.FABRIC);
+    } catch (error) {
+      return { usable: false, status: `cuMemCreate with a fabric handle failed: ${(error as Error).message}` };
+    }
+    try {
+      await addon.cudaExportFabric(device.index, handle);
+      return { usable: true, status: 'usable' };
+    } catch (error) {
+      return { usable: false, status: `fabric export failed: ${(error as Error).message}` };
+    } finally {
+      await addon.cudaRelease(device.index, handle);
+    }
+  }
+
+  devices(): DeviceInfo[] {
+    return this.deviceList;
+  }
+
+  memoryInfo(device: number): MemoryInfo {
+    const info = addon.cudaMemGetInfo(device);
+    return { freeBytes: info.free, totalBytes: info.total };
+  }
+
+  granularity(location: MemLocation): { minimum: bigint; recommended: bigint } {
+    const type = locationType(location);
+    return {
+      minimum: addon.cudaGranularity(type, location.id, CU_HANDLE.POSIX_FD, false),
+      recommended: addon.cudaGranularity(type, location.id, CU_HANDLE.POSIX_FD, true),
+    };
+  }
+
+  canAccessPeer(device: number, owner: number): boolean {
+    if (device >= this.deviceList.length) return false;
+    return addon.cudaCanAccessPeer(device, owner);
+  }
+
+  reserve(size: bigint, alignment: bigint, hint: bigint): bigint {
+    return addon.cudaReserve(size, alignment, hint);
+  }
+
+  freeAddress(address: bigint, size: bigint): void {
+    addon.cudaFreeAddress(address, size);
+  }
+
+  create(device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): BackendHandle {
+    try {
+      return addon.cudaCreate(device, locationType(location), location.id, size, handleBits(handleTypes));
+    } catch (error) {
+      if (isNativeError(error, 'CUDA_ERROR_OUT_OF_MEMORY')) {
+        const free = location.type === 'DEVICE' ? addon.cudaMemGetInfo(device).free : undefined;
+        throw Object.assign(
+          new Error(
+            `CUDA_ERROR_OUT_OF_MEMORY: cuMemCreate: requested ${size} bytes` +
+              (free === undefined ? '' : `, ${free} bytes free on device ${device}`),
+          ),
+          { code: 'CUDA_ERROR_OUT_OF_MEMORY', result: error.result, requested: size, free },
+        );
+      }
+      throw error;
+    }
+  }
+
+  release(handle: BackendHandle): Promise<void> {
+    return addon.cudaRelease(0, BigInt(handle));
+  }
+
+  retainHandle(address: bigint): BackendHandle {
+    return addon.cudaRetainHandle(address);
+  }
+
+  releaseReference(handle: BackendHandle): Promise<void> {
+    return addon.cudaRelease(0, BigInt(handle));
+  }
+
+  map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint): void {
+    addon.cudaMap(address, size, offset, BigInt(handle));
+  }
+
+  unmap(address: bigint, size: bigint): Promise<void> {
+    return addon.cudaUnmap(0, address, size);
+  }
+
+  setAccess(address: bigint, size: bigint, grants: AccessGrant[]): void {
+    addon.cudaSetAccess(
+      address,
+      size,
+      grants.map((grant) => ({ type: locationType(grant.location), id: grant.location.id, flags: grant.access })),
+    );
+  }
+
+  exportHandle(handle: BackendHandle): Promise<number> {
+    return addon.cudaExportFd(0, BigInt(handle));
+  }
+
+  exportFabric(handle: BackendHandle): Promise<Buffer> {
+    return addon.cudaExportFabric(0, BigInt(handle));
+  }
+
+  importHandle(source: ImportSource, size: bigint): ImportedHandle {
+    let handle: bigint;
+    try {
+      handle = 'fd' in source ? addon.cudaImportFd(source.fd) : addon.cudaImportFabric(source.fabric);
+    } catch (error) {
+      throw codedError('BAD_DESCRIPTOR', `the ${'fd' in source ? 'descriptor' : 'fabric handle'} is not CUDA memory: ${(error as Error).message}`);
+    } finally {
+      if ('fd' in source) addon.close(source.fd);
+    }
+    const properties = addon.cudaAllocationProperties(handle);
+    const location: MemLocation =
+      properties.locationType === CU_LOCATION.DEVICE
+        ? { type: 'DEVICE', id: properties.locationId }
+        : { type: properties.locationType === CU_LOCATION.HOST ? 'HOST' : 'HOST_NUMA', id: properties.locationId };
+    const granularity = this.granularity(location).minimum;
+    if (size === 0n || size % granularity !== 0n) {
+      void addon.cudaRelease(0, handle);
+      throw codedError('BAD_DESCRIPTOR', `importing CUDA memory needs its size, a positive multiple of ${granularity}; got ${size}`);
+    }
+    return { handle, size, device: location.type === 'DEVICE' ? location.id : 0, location };
+  }
+
+  readBytes(address: bigint, length: number): Promise<Buffer> {
+    return addon.cudaCopyFromDevice(0, address, BigInt(length));
+  }
+
+  writeBytes(address: bigint, data: Buffer): Promise<void> {
+    return addon.cudaCopyToDevice(0, address, data);
+  }
+
+  close(): void {}
+}

@@ -1,0 +1,123 @@
+/**
+ * Wraps any backend, records every call that changes state, and counts what is
+ * live (handles, mappings, reservations), so contract tests can assert that a
+ * refused request reached no backend and that memory was freed, on the fake,
+ * host and cuda backends alike.
+ */
+import { Backend, BackendHandle, HandleKind, ImportSource, MemLocation } from '../../server/backends/backend';
+
+export class RecordingBackend implements Backend {
+  readonly calls: string[] = [];
+  liveHandles = 0;
+  liveMappings = 0;
+  liveReservations = 0;
+  /** While set, unmaps wait for it: tests use it to hold an unmap in flight. */
+  unmapGate?: Promise<void>;
+
+  constructor(readonly inner: Backend) {}
+
+  get name() {
+    return this.inner.name;
+  }
+
+  devices() {
+    return this.inner.devices();
+  }
+
+  memoryInfo(device: number) {
+    return this.inner.memoryInfo(device);
+  }
+
+  granularity(location: MemLocation) {
+    return this.inner.granularity(location);
+  }
+
+  canAccessPeer(device: number, owner: number) {
+    return this.inner.canAccessPeer(device, owner);
+  }
+
+  reserve(size: bigint, alignment: bigint, hint: bigint) {
+    this.calls.push('reserve');
+    const address = this.inner.reserve(size, alignment, hint);
+    this.liveReservations++;
+    return address;
+  }
+
+  freeAddress(address: bigint, size: bigint) {
+    this.calls.push('freeAddress');
+    this.inner.freeAddress(address, size);
+    this.liveReservations--;
+  }
+
+  create(device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]) {
+    this.calls.push('create');
+    const handle = this.inner.create(device, location, size, handleTypes);
+    this.liveHandles++;
+    return handle;
+  }
+
+  async release(handle: BackendHandle, size: bigint, imported: boolean) {
+    this.calls.push('release');
+    await this.inner.release(handle, size, imported);
+    this.liveHandles--;
+  }
+
+  retainHandle(address: bigint, handle: BackendHandle) {
+    this.calls.push('retainHandle');
+    return this.inner.retainHandle(address, handle);
+  }
+
+  async releaseReference(handle: BackendHandle) {
+    this.calls.push('releaseReference');
+    await this.inner.releaseReference(handle);
+  }
+
+  map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint) {
+    this.calls.push('map');
+    this.inner.map(address, size, handle, offset);
+    this.liveMappings++;
+  }
+
+  async unmap(address: bigint, size: bigint) {
+    this.calls.push('unmap');
+    if (this.unmapGate) await this.unmapGate;
+    await this.inner.unmap(address, size);
+    this.liveMappings--;
+  }
+
+  setAccess(...args: Parameters<Backend['setAccess']>) {
+    this.calls.push('setAccess');
+    this.inner.setAccess(...args);
+  }
+
+  exportHandle(handle: BackendHandle) {
+    this.calls.push('export');
+    return this.inner.exportHandle(handle);
+  }
+
+  exportFabric(handle: BackendHandle) {
+    this.calls.push('exportFabric');
+    return this.inner.exportFabric(handle);
+  }
+
+  importHandle(source: ImportSource, size: bigint) {
+    this.calls.push('import');
+    const imported = this.inner.importHandle(source, size);
+    this.liveHandles++;
+    return imported;
+  }
+
+  readBytes(address: bigint, length: number) {
+    this.calls.push('read');
+    return this.inner.readBytes(address, length);
+  }
+
+  writeBytes(address: bigint, data: Buffer) {
+    this.calls.push('write');
+    return this.inner.writeBytes(address, data);
+  }
+
+  close() {
+    this.inner.close();
+  }
+}

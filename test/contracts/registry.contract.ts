@@ -1,0 +1,599 @@
+/**
+ * Every rule of the driver API that the registry enforces, as a contract any
+ * backend must pass: each refusal has its own status and code, and leaves the
+ * registry and the backend untouched. Run on the fake backend (test/unit), the
+ * host backend (test/native) and the cuda backend (test/gpu).
+ */
+import { status as Status } from '@grpc/grpc-js';
+import { AccessGrant, Backend } from '../../server/backends/backend';
+import { RpcError, toServiceError } from '../../server/errors';
+import { DAEMON_OWNER, MAX_RESERVATION_BYTES, Registry } from '../../server/registry';
+import { addon } from '../../native';
+import { RecordingBackend } from './recording-backend';
+
+const MiB = 1n << 20n;
+const A = 1n;
+const B = 2n;
+const DEVICE0 = { type: 'DEVICE' as const, id: 0 };
+const RW: AccessGrant[] = [{ location: DEVICE0, access: 3 }];
+const RO: AccessGrant[] = [{ location: DEVICE0, access: 1 }];
+
+export interface ContractOptions {
+  /** The backend refuses creation past this many bytes in all (an out-of-memory test runs when set). */
+  capacity?: bigint;
+}
+
+export function registryContract(makeBackend: () => Backend | Promise<Backend>, options: ContractOptions = {}): void {
+let backend: RecordingBackend;
+let registry: Registry;
+let GRANULARITY: bigint;
+
+beforeEach(async () => {
+  backend = new RecordingBackend(await makeBackend());
+  registry = new Registry(backend);
+  GRANULARITY = backend.devices()[0].granularityMinimum;
+});
+
+afterEach(async () => {
+  // Give every byte back, so that a real backend ends each test as it began.
+  for (const owner of [A, B, DAEMON_OWNER]) await registry.reclaim(owner);
+  expect({ handles: backend.liveHandles, mappings: backend.liveMappings, reservations: backend.liveReservations }).toEqual({
+    handles: 0,
+    mappings: 0,
+    reservations: 0,
+  });
+});
+
+/** Asserts the refusal's status and code, and that nothing changed anywhere. */
+async function expectRefused(action: () => unknown, status: Status, code: string, message?: RegExp): Promise<RpcError> {
+  const before = registry.snapshot();
+  const calls = backend.calls.length;
+  let caught: unknown;
+  try {
+    await action();
+  } catch (error) {
+    caught = error;
+  }
+  expect(caught).toBeInstanceOf(RpcError);
+  const error = caught as RpcError;
+  expect({ status: Status[error.status], code: error.code }).toEqual({ status: Status[status], code });
+  if (message) expect(error.message).toMatch(message);
+  expect(registry.snapshot()).toEqual(before);
+  expect(backend.calls.slice(calls)).toEqual([]);
+  return error;
+}
+
+function closeExported(fd: number) {
+  // Real backends hand out real descriptors; the fake's are plain numbers.
+  if (backend.inner.constructor.name !== 'FakeBackend') addon.close(fd);
+}
+
+function create(caller = A, size = GRANULARITY) {
+  return registry.create(caller, { size, location: DEVICE0, handleType: 'POSIX_FD' });
+}
+
+function reserve(caller = A, size = 8n * MiB) {
+  return registry.reserve(caller, { size, alignment: 0n, address: 0n });
+}
+
+async function mapped(caller = A, size = GRANULARITY) {
+  const reservation = reserve(caller, size * 2n);
+  const allocation = create(caller, size);
+  await registry.map(caller, { address: reservation.address, size, offset: 0n, allocationId: allocation.id });
+  return { reservation, allocation, address: reservation.address, size };
+}
+
+describe('Reserve', () => {
+  it('refuses size 0', () => expectRefused(() => reserve(A, 0n), Status.INVALID_ARGUMENT, 'ZERO_SIZE'));
+  it('refuses a size that is not a multiple of the granularity', () =>
+    expectRefused(() => reserve(A, GRANULARITY + 4096n), Status.INVALID_ARGUMENT, 'NOT_ALIGNED', /granularity 2097152/));
+  it('refuses an alignment that is not a power of two', () =>
+    expectRefused(
+      () => registry.reserve(A, { size: GRANULARITY, alignment: 3n * GRANULARITY, address: 0n }),
+      Status.INVALID_ARGUMENT,
+      'BAD_ALIGNMENT',
+      /6291456 is not a power of two/,
+    ));
+  it('refuses an unaligned address hint', () =>
+    expectRefused(() => registry.reserve(A, { size: GRANULARITY, alignment: 0n, address: 4096n }), Status.INVALID_ARGUMENT, 'NOT_ALIGNED'));
+  it('refuses a reservation past the largest', () =>
+    expectRefused(() => reserve(A, MAX_RESERVATION_BYTES + GRANULARITY), Status.OUT_OF_RANGE, 'RESERVATION_TOO_LARGE'));
+  it('aligns to a requested power of two above the granularity', () => {
+    const reservation = registry.reserve(A, { size: GRANULARITY, alignment: 64n * MiB, address: 0n });
+    expect(reservation.size).toBe(GRANULARITY);
+    expect(reservation.address % (64n * MiB)).toBe(0n);
+    expect(reservation.alignment).toBe(64n * MiB);
+  });
+  it('takes alignment 0 as the granularity', () => {
+    expect(reserve().alignment).toBe(GRANULARITY);
+  });
+});
+
+describe('FreeAddress', () => {
+  it('refuses an address where no reservation starts', async () => {
+    const reservation = reserve();
+    await expectRefused(() => registry.freeAddress(A, 0x1000n, GRANULARITY), Status.NOT_FOUND, 'NOT_RESERVED');
+    await expectRefused(
+      () => registry.freeAddress(A, reservation.address + GRANULARITY, GRANULARITY),
+      Status.NOT_FOUND,
+      'NOT_RESERVED',
+    );
+  });
+  it('refuses a size other than the whole reservation', async () => {
+    const reservation = reserve(A, 8n * MiB);
+    await expectRefused(() => registry.freeAddress(A, reservation.address, 4n * MiB), Status.INVALID_ARGUMENT, 'PARTIAL_FREE');
+  });
+  it('refuses while mappings are left', async () => {
+    const { reservation } = await mapped();
+    await expectRefused(
+      () => registry.freeAddress(A, reservation.address, reservation.size),
+      Status.FAILED_PRECONDITION,
+      'RESERVATION_MAPPED',
+      /1 mapping/,
+    );
+  });
+  it('frees once, then the address is unknown', async () => {
+    const reservation = reserve();
+    await registry.freeAddress(A, reservation.address, reservation.size);
+    expect(backend.liveReservations).toBe(0);
+    await expectRefused(() => registry.freeAddress(A, reservation.address, reservation.size), Status.NOT_FOUND, 'NOT_RESERVED');
+  });
+  it("refuses another session's reservation", async () => {
+    const reservation = reserve(A);
+    await expectRefused(() => registry.freeAddress(B, reservation.address, reservation.size), Status.PERMISSION_DENIED, 'NOT_OWNER');
+  });
+});
+
+describe('Create', () => {
+  it('refuses size 0', () => expectRefused(() => create(A, 0n), Status.INVALID_ARGUMENT, 'ZERO_SIZE'));
+  it('refuses an unaligned size', () => expectRefused(() => create(A, MiB), Status.INVALID_ARGUMENT, 'NOT_ALIGNED'));
+  it('refuses an unknown device with OUT_OF_RANGE', () =>
+    expectRefused(
+      () => registry.create(A, { size: GRANULARITY, location: { type: 'DEVICE', id: 3 }, handleType: 'POSIX_FD' }),
+      Status.OUT_OF_RANGE,
+      'UNKNOWN_DEVICE',
+    ));
+  it('refuses a handle type the device cannot export (where fabric is not usable)', async () => {
+    if (backend.devices()[0].handleTypes.includes('FABRIC')) return;
+    await expectRefused(
+      () => registry.create(A, { size: GRANULARITY, location: DEVICE0, handleType: 'FABRIC' }),
+      Status.FAILED_PRECONDITION,
+      'UNSUPPORTED_HANDLE_TYPE',
+    );
+  });
+  (options.capacity === undefined ? it.skip : it)('passes out of memory on as RESOURCE_EXHAUSTED with requested, used and limit', () => {
+    const capacity = options.capacity!;
+    create(A, capacity - 2n * MiB);
+    const before = registry.snapshot();
+    let caught: unknown;
+    try {
+      create(A, 4n * MiB);
+    } catch (error) {
+      caught = error;
+    }
+    const wire = toServiceError(caught);
+    expect(wire.code).toBe(Status.RESOURCE_EXHAUSTED);
+    expect(wire.details).toMatch(new RegExp(`requested 4194304 bytes, ${capacity - 2n * MiB} of ${capacity}`));
+    expect(registry.snapshot()).toEqual(before);
+  });
+  it('never reuses an id, and refusals consume none', async () => {
+    const first = create();
+    await registry.release(A, first.id);
+    expect(() => create(A, 0n)).toThrow(RpcError);
+    const second = create();
+    expect(second.id).toBe(first.id + 1n);
+    await expectRefused(() => registry.release(A, first.id), Status.NOT_FOUND, 'UNKNOWN_ALLOCATION');
+  });
+});
+
+describe('Map', () => {
+  it('refuses size 0', async () => {
+    const reservation = reserve();
+    const allocation = create();
+    await expectRefused(
+      () => registry.map(A, { address: reservation.address, size: 0n, offset: 0n, allocationId: allocation.id }),
+      Status.INVALID_ARGUMENT,
+      'ZERO_SIZE',
+    );
+  });
+  it('refuses a non-zero offset', async () => {
+    const reservation = reserve();
+    const allocation = create(A, 4n * MiB);
+    await expectRefused(
+      () => registry.map(A, { address: reservation.address, size: GRANULARITY, offset: GRANULARITY, allocationId: allocation.id }),
+      Status.INVALID_ARGUMENT,
+      'NONZERO_OFFSET',
+    );
+  });
+  it('refuses an address outside every reservation', async () => {
+    const allocation = create();
+    await expectRefused(
+      () => registry.map(A, { address: 0x1000_0000n, size: GRANULARITY, offset: 0n, allocationId: allocation.id }),
+      Status.NOT_FOUND,
+      'NOT_RESERVED',
+    );
+  });
+  it('refuses an unknown allocation', async () => {
+    const reservation = reserve();
+    await expectRefused(
+      () => registry.map(A, { address: reservation.address, size: GRANULARITY, offset: 0n, allocationId: 999n }),
+      Status.NOT_FOUND,
+      'UNKNOWN_ALLOCATION',
+    );
+  });
+  it('refuses a released allocation', async () => {
+    const { allocation, reservation } = await mapped();
+    await registry.release(A, allocation.id);
+    await expectRefused(
+      () => registry.map(A, { address: reservation.address + GRANULARITY, size: GRANULARITY, offset: 0n, allocationId: allocation.id }),
+      Status.FAILED_PRECONDITION,
+      'ALREADY_RELEASED',
+    );
+  });
+  it('refuses an unaligned address and an unaligned size', async () => {
+    const reservation = reserve();
+    const allocation = create(A, 4n * MiB);
+    await expectRefused(
+      () => registry.map(A, { address: reservation.address + 4096n, size: GRANULARITY, offset: 0n, allocationId: allocation.id }),
+      Status.INVALID_ARGUMENT,
+      'NOT_ALIGNED',
+    );
+    await expectRefused(
+      () => registry.map(A, { address: reservation.address, size: 3n * MiB, offset: 0n, allocationId: allocation.id }),
+      Status.INVALID_ARGUMENT,
+      'NOT_ALIGNED',
+    );
+  });
+  it('refuses offset + size beyond the allocation', async () => {
+    const reservation = reserve();
+    const allocation = create(A, GRANULARITY);
+    await expectRefused(
+      () => registry.map(A, { address: reservation.address, size: 2n * GRANULARITY, offset: 0n, allocationId: allocation.id }),
+      Status.OUT_OF_RANGE,
+      'BEYOND_ALLOCATION',
+    );
+  });
+  it('refuses a range running past the reservation', async () => {
+    const reservation = reserve(A, 2n * GRANULARITY);
+    const allocation = create(A, 2n * GRANULARITY);
+    await expectRefused(
+      () => registry.map(A, { address: reservation.address + GRANULARITY, size: 2n * GRANULARITY, offset: 0n, allocationId: allocation.id }),
+      Status.OUT_OF_RANGE,
+      'BEYOND_RESERVATION',
+    );
+  });
+  it('refuses any overlap with a mapping: same range, front, back, inside', async () => {
+    const reservation = reserve(A, 8n * GRANULARITY);
+    const base = reservation.address;
+    const middle = create(A, 2n * GRANULARITY);
+    await registry.map(A, { address: base + 2n * GRANULARITY, size: 2n * GRANULARITY, offset: 0n, allocationId: middle.id });
+    const other = create(A, 2n * GRANULARITY);
+    const one = create(A, GRANULARITY);
+    for (const [address, allocation] of [
+      [base + 2n * GRANULARITY, other],
+      [base + GRANULARITY, other],
+      [base + 3n * GRANULARITY, other],
+      [base + 3n * GRANULARITY, one],
+    ] as const) {
+      await expectRefused(
+        () => registry.map(A, { address, size: allocation.size, offset: 0n, allocationId: allocation.id }),
+        Status.FAILED_PRECONDITION,
+        'ALREADY_MAPPED',
+      );
+    }
+    // Adjacent on both sides is fine.
+    await registry.map(A, { address: base, size: 2n * GRANULARITY, offset: 0n, allocationId: other.id });
+    await registry.map(A, { address: base + 4n * GRANULARITY, size: GRANULARITY, offset: 0n, allocationId: one.id });
+    expect(backend.liveMappings).toBe(3);
+  });
+  it("refuses another session's reservation or allocation", async () => {
+    const reservationOfA = reserve(A);
+    const allocationOfA = create(A);
+    const reservationOfB = reserve(B);
+    await expectRefused(
+      () => registry.map(B, { address: reservationOfA.address, size: GRANULARITY, offset: 0n, allocationId: allocationOfA.id }),
+      Status.PERMISSION_DENIED,
+      'NOT_OWNER',
+    );
+    await expectRefused(
+      () => registry.map(B, { address: reservationOfB.address, size: GRANULARITY, offset: 0n, allocationId: allocationOfA.id }),
+      Status.PERMISSION_DENIED,
+      'NOT_OWNER',
+    );
+  });
+  it('lets a session use daemon-owned objects, and the daemon only its own', async () => {
+    const daemonReservation = reserve(DAEMON_OWNER);
+    const allocation = create(A);
+    await registry.map(A, { address: daemonReservation.address, size: GRANULARITY, offset: 0n, allocationId: allocation.id });
+    const reservationOfA = reserve(A);
+    const daemonAllocation = create(DAEMON_OWNER);
+    await expectRefused(
+      () => registry.map(DAEMON_OWNER, { address: reservationOfA.address, size: GRANULARITY, offset: 0n, allocationId: daemonAllocation.id }),
+      Status.PERMISSION_DENIED,
+      'NOT_OWNER',
+    );
+  });
+});
+
+describe('Unmap', () => {
+  it('refuses an address with nothing mapped', async () => {
+    const reservation = reserve();
+    await expectRefused(() => registry.unmap(A, reservation.address, GRANULARITY), Status.NOT_FOUND, 'NOT_MAPPED');
+    await expectRefused(() => registry.unmap(A, 0x1000n, GRANULARITY), Status.NOT_FOUND, 'NOT_MAPPED');
+  });
+  it('refuses a sub-range, a larger range and a range starting inside', async () => {
+    const { address } = await mapped(A, 2n * GRANULARITY);
+    await expectRefused(() => registry.unmap(A, address, GRANULARITY), Status.INVALID_ARGUMENT, 'PARTIAL_UNMAP');
+    await expectRefused(() => registry.unmap(A, address, 3n * GRANULARITY), Status.INVALID_ARGUMENT, 'PARTIAL_UNMAP');
+    await expectRefused(() => registry.unmap(A, address + GRANULARITY, GRANULARITY), Status.INVALID_ARGUMENT, 'PARTIAL_UNMAP');
+  });
+  it('unmaps one whole mapping, once', async () => {
+    const { address, size, allocation } = await mapped();
+    expect(await registry.unmap(A, address, size)).toEqual({ freed: false });
+    expect(registry.allocation(allocation.id).mappingCount).toBe(0);
+    await expectRefused(() => registry.unmap(A, address, size), Status.NOT_FOUND, 'NOT_MAPPED');
+  });
+  it("refuses another session's mapping", async () => {
+    const { address, size } = await mapped(A);
+    await expectRefused(() => registry.unmap(B, address, size), Status.PERMISSION_DENIED, 'NOT_OWNER');
+  });
+});
+
+describe('SetAccess', () => {
+  it('refuses an empty descriptor list and a duplicated location', async () => {
+    const { address, size } = await mapped();
+    await expectRefused(() => registry.setAccess(A, address, size, []), Status.INVALID_ARGUMENT, 'NO_DESCRIPTORS');
+    await expectRefused(() => registry.setAccess(A, address, size, [...RW, ...RO]), Status.INVALID_ARGUMENT, 'DUPLICATE_LOCATION');
+  });
+  it('refuses an unknown device', async () => {
+    const { address, size } = await mapped();
+    await expectRefused(
+      () => registry.setAccess(A, address, size, [{ location: { type: 'DEVICE', id: 7 }, access: 3 }]),
+      Status.OUT_OF_RANGE,
+      'UNKNOWN_DEVICE',
+    );
+  });
+  it('refuses size 0 and unaligned ranges', async () => {
+    const { address, size } = await mapped();
+    await expectRefused(() => registry.setAccess(A, address, 0n, RW), Status.INVALID_ARGUMENT, 'ZERO_SIZE');
+    await expectRefused(() => registry.setAccess(A, address + 4096n, size, RW), Status.INVALID_ARGUMENT, 'NOT_ALIGNED');
+    await expectRefused(() => registry.setAccess(A, address, size - 4096n, RW), Status.INVALID_ARGUMENT, 'NOT_ALIGNED');
+  });
+  it('refuses a range that is not fully mapped', async () => {
+    const { address, size } = await mapped(A, GRANULARITY);
+    await expectRefused(() => registry.setAccess(A, address, size * 2n, RW), Status.FAILED_PRECONDITION, 'NOT_FULLY_MAPPED');
+    await expectRefused(() => registry.setAccess(A, address + size, size, RW), Status.FAILED_PRECONDITION, 'NOT_FULLY_MAPPED');
+    await expectRefused(() => registry.setAccess(A, 0x1000_0000n, size, RW), Status.NOT_FOUND, 'NOT_MAPPED');
+  });
+  it('refuses a range that cuts a mapping', async () => {
+    const { address } = await mapped(A, 2n * GRANULARITY);
+    await expectRefused(() => registry.setAccess(A, address, GRANULARITY, RW), Status.INVALID_ARGUMENT, 'PARTIAL_MAPPING');
+  });
+  it('sets access across adjacent mappings, and revokes it with NONE', async () => {
+    const reservation = reserve(A, 4n * GRANULARITY);
+    for (const offset of [0n, GRANULARITY]) {
+      const allocation = create();
+      await registry.map(A, { address: reservation.address + offset, size: GRANULARITY, offset: 0n, allocationId: allocation.id });
+    }
+    await registry.setAccess(A, reservation.address, 2n * GRANULARITY, RW);
+    expect(registry.getAccess(reservation.address + GRANULARITY, DEVICE0)).toBe(3);
+    await registry.setAccess(A, reservation.address, GRANULARITY, [{ location: DEVICE0, access: 0 }]);
+    expect(registry.getAccess(reservation.address, DEVICE0)).toBe(0);
+    expect(registry.getAccess(reservation.address + GRANULARITY, DEVICE0)).toBe(3);
+  });
+});
+
+describe('GetAccess', () => {
+  it('refuses an unmapped address', async () => {
+    const reservation = reserve();
+    await expectRefused(() => registry.getAccess(reservation.address, DEVICE0), Status.NOT_FOUND, 'NOT_MAPPED');
+  });
+  it('answers NONE right after map, as the driver does', async () => {
+    const { address } = await mapped();
+    expect(registry.getAccess(address, DEVICE0)).toBe(0);
+  });
+});
+
+describe('Release', () => {
+  it('refuses an unknown allocation', () => expectRefused(() => registry.release(A, 42n), Status.NOT_FOUND, 'UNKNOWN_ALLOCATION'));
+  it('frees an unmapped allocation at once', async () => {
+    const allocation = create();
+    expect(await registry.release(A, allocation.id)).toEqual({ freed: true, handleReferences: 0, mappingCount: 0 });
+    expect(backend.liveHandles).toBe(0);
+  });
+  it('keeps released memory while mapped, and frees it at the last unmap', async () => {
+    const reservation = reserve(A, 4n * GRANULARITY);
+    const allocation = create();
+    for (const offset of [0n, GRANULARITY]) {
+      await registry.map(A, { address: reservation.address + offset, size: GRANULARITY, offset: 0n, allocationId: allocation.id });
+    }
+    expect(await registry.release(A, allocation.id)).toEqual({ freed: false, handleReferences: 0, mappingCount: 2 });
+    expect(backend.liveHandles).toBe(1);
+    expect(await registry.unmap(A, reservation.address, GRANULARITY)).toEqual({ freed: false });
+    expect(backend.liveHandles).toBe(1);
+    expect(await registry.unmap(A, reservation.address + GRANULARITY, GRANULARITY)).toEqual({ freed: true });
+    expect(backend.liveHandles).toBe(0);
+    await expectRefused(() => registry.release(A, allocation.id), Status.NOT_FOUND, 'UNKNOWN_ALLOCATION');
+  });
+  it('refuses a second release while the memory still lives', async () => {
+    const { allocation } = await mapped();
+    await registry.release(A, allocation.id);
+    await expectRefused(() => registry.release(A, allocation.id), Status.FAILED_PRECONDITION, 'ALREADY_RELEASED', /1 mapping/);
+  });
+  it('counts retained handles: as many releases as retains, plus one', async () => {
+    const { address, size, allocation } = await mapped();
+    registry.retainHandle(A, address);
+    registry.retainHandle(A, address + 4096n);
+    expect(registry.referenceCount(registry.allocation(allocation.id))).toBe(3);
+    await registry.unmap(A, address, size);
+    expect((await registry.release(A, allocation.id)).freed).toBe(false);
+    expect((await registry.release(A, allocation.id)).freed).toBe(false);
+    expect(await registry.release(A, allocation.id)).toEqual({ freed: true, handleReferences: 0, mappingCount: 0 });
+  });
+  it("refuses another session's allocation", async () => {
+    const allocation = create(A);
+    await expectRefused(() => registry.release(B, allocation.id), Status.PERMISSION_DENIED, 'NOT_OWNER');
+  });
+  it('lets a holder of a retained reference release only that reference', async () => {
+    const reservation = reserve(DAEMON_OWNER);
+    const allocation = create(A);
+    await registry.map(A, { address: reservation.address, size: GRANULARITY, offset: 0n, allocationId: allocation.id });
+    registry.retainHandle(B, reservation.address);
+    expect((await registry.release(B, allocation.id)).handleReferences).toBe(1);
+    await expectRefused(() => registry.release(B, allocation.id), Status.PERMISSION_DENIED, 'NOT_OWNER');
+  });
+});
+
+describe('RetainHandle', () => {
+  it('refuses an unmapped address', async () => {
+    const reservation = reserve();
+    await expectRefused(() => registry.retainHandle(A, reservation.address), Status.NOT_FOUND, 'NOT_MAPPED');
+  });
+  it('retains a released but mapped allocation, as the driver allows', async () => {
+    const { address, allocation } = await mapped();
+    await registry.release(A, allocation.id);
+    expect(registry.retainHandle(A, address).id).toBe(allocation.id);
+    expect(registry.referenceCount(allocation)).toBe(1);
+  });
+});
+
+describe('Export and Share', () => {
+  it('refuses a released allocation', async () => {
+    const { allocation } = await mapped();
+    await registry.release(A, allocation.id);
+    await expectRefused(
+      () => registry.exportHandle(A, { allocationId: allocation.id, handleType: 'POSIX_FD', shareKey: '' }),
+      Status.FAILED_PRECONDITION,
+      'ALREADY_RELEASED',
+    );
+  });
+  it("refuses another session's allocation without its share key", async () => {
+    const allocation = create(A);
+    await expectRefused(
+      () => registry.exportHandle(B, { allocationId: allocation.id, handleType: 'POSIX_FD', shareKey: '' }),
+      Status.PERMISSION_DENIED,
+      'NOT_OWNER',
+    );
+    registry.share(A, allocation.id);
+    await expectRefused(
+      () => registry.exportHandle(B, { allocationId: allocation.id, handleType: 'POSIX_FD', shareKey: 'not-the-key' }),
+      Status.PERMISSION_DENIED,
+      'BAD_SHARE_KEY',
+    );
+  });
+  it('exports with the share key, and only the owner can share', async () => {
+    const allocation = create(A);
+    expect(() => registry.share(B, allocation.id)).toThrow(expect.objectContaining({ code: 'NOT_OWNER' }));
+    const key = registry.share(A, allocation.id);
+    expect(registry.share(A, allocation.id)).toBe(key);
+    const exported = await registry.exportHandle(B, { allocationId: allocation.id, handleType: 'POSIX_FD', shareKey: key });
+    expect(exported.allocation.id).toBe(allocation.id);
+    expect(exported.fd).toBeGreaterThanOrEqual(0);
+    closeExported(exported.fd!);
+  });
+  it('refuses a handle type the allocation was not made for', async () => {
+    const allocation = create(A);
+    expect(allocation.handleTypes).toEqual(['POSIX_FD']);
+    await expectRefused(
+      () => registry.exportHandle(A, { allocationId: allocation.id, handleType: 'FABRIC', shareKey: '' }),
+      Status.FAILED_PRECONDITION,
+      'UNSUPPORTED_HANDLE_TYPE',
+    );
+  });
+});
+
+describe('Read and Write', () => {
+  it('refuses length 0 and unmapped ranges', async () => {
+    const { address, size } = await mapped();
+    await registry.setAccess(A, address, size, RW);
+    await expectRefused(() => registry.write(A, address, Buffer.alloc(0)), Status.INVALID_ARGUMENT, 'ZERO_SIZE');
+    await expectRefused(() => registry.write(A, address + size - 2n, Buffer.alloc(4)), Status.FAILED_PRECONDITION, 'NOT_FULLY_MAPPED');
+    await expectRefused(() => registry.write(A, 0x1000n, Buffer.alloc(4)), Status.NOT_FOUND, 'NOT_MAPPED');
+  });
+  it('refuses a range past the reservation', async () => {
+    const { reservation } = await mapped();
+    await expectRefused(
+      () => registry.checkIo(A, reservation.address + reservation.size - 2n, 4n, false),
+      Status.OUT_OF_RANGE,
+      'BEYOND_RESERVATION',
+    );
+  });
+  it('refuses reads without access and writes without write access', async () => {
+    const { address, size } = await mapped();
+    await expectRefused(() => registry.checkIo(A, address, 4n, false), Status.FAILED_PRECONDITION, 'NO_ACCESS');
+    await registry.setAccess(A, address, size, RO);
+    registry.checkIo(A, address, 4n, false);
+    await expectRefused(() => registry.write(A, address, Buffer.from('abcd')), Status.FAILED_PRECONDITION, 'NO_ACCESS');
+  });
+  it('writes and reads across two adjacent mappings, in chunks', async () => {
+    const reservation = reserve(A, 2n * GRANULARITY);
+    for (const offset of [0n, GRANULARITY]) {
+      const allocation = create();
+      await registry.map(A, { address: reservation.address + offset, size: GRANULARITY, offset: 0n, allocationId: allocation.id });
+    }
+    await registry.setAccess(A, reservation.address, 2n * GRANULARITY, RW);
+    const pattern = Buffer.alloc(3 * Number(MiB), 0);
+    for (let i = 0; i < pattern.length; i++) pattern[i] = (i * 7) & 0xff;
+    await registry.write(A, reservation.address + MiB, pattern);
+    const chunks: Buffer[] = [];
+    for await (const chunk of registry.read(A, reservation.address + MiB, BigInt(pattern.length))) chunks.push(chunk.data);
+    expect(chunks).toHaveLength(3);
+    expect(Buffer.concat(chunks).equals(pattern)).toBe(true);
+  });
+  it("refuses another session's memory", async () => {
+    const { address } = await mapped(A);
+    await expectRefused(() => registry.checkIo(B, address, 4n, false), Status.PERMISSION_DENIED, 'NOT_OWNER');
+  });
+});
+
+describe('serialization per reservation', () => {
+  it('makes a map into a range wait for the unmap in flight there', async () => {
+    const { address, size } = await mapped();
+    let open!: () => void;
+    backend.unmapGate = new Promise((resolve) => (open = resolve));
+    const unmapping = registry.unmap(A, address, size);
+    const next = create();
+    const mapping = registry.map(A, { address, size, offset: 0n, allocationId: next.id });
+    await new Promise((resolve) => setImmediate(resolve));
+    expect(backend.calls.filter((call) => call === 'map')).toHaveLength(1);
+    open();
+    await unmapping;
+    await mapping;
+    expect(backend.liveMappings).toBe(1);
+  });
+});
+
+describe('reclaim', () => {
+  it("frees everything a session owns and leaves others' objects", async () => {
+    await mapped(A);
+    create(A);
+    const keptByB = await mapped(B);
+    const daemonReservation = reserve(DAEMON_OWNER);
+    await registry.reclaim(A);
+    const snapshot = registry.snapshot();
+    expect(snapshot.reservations.map((r) => r.owner).sort()).toEqual(['0', '2']);
+    expect(snapshot.allocations.map((a) => a.id)).toEqual([String(keptByB.allocation.id)]);
+    expect(backend.liveHandles).toBe(1);
+    expect(daemonReservation.freed).toBe(false);
+  });
+  it('passes an allocation still mapped in a daemon reservation to the daemon', async () => {
+    const daemonReservation = reserve(DAEMON_OWNER);
+    const allocation = create(A);
+    await registry.map(A, { address: daemonReservation.address, size: GRANULARITY, offset: 0n, allocationId: allocation.id });
+    await registry.reclaim(A);
+    const record = registry.allocation(allocation.id);
+    expect(record.owner).toBe(DAEMON_OWNER);
+    expect(registry.referenceCount(record)).toBe(0);
+    expect((await registry.unmap(DAEMON_OWNER, daemonReservation.address, GRANULARITY)).freed).toBe(true);
+  });
+  it('drops the references a session retained on other allocations', async () => {
+    const daemonReservation = reserve(DAEMON_OWNER);
+    const allocation = create(DAEMON_OWNER);
+    await registry.map(DAEMON_OWNER, { address: daemonReservation.address, size: GRANULARITY, offset: 0n, allocationId: allocation.id });
+    registry.retainHandle(A, daemonReservation.address);
+    registry.retainHandle(A, daemonReservation.address);
+    await registry.reclaim(A);
+    expect(registry.referenceCount(registry.allocation(allocation.id))).toBe(1);
+  });
+});
+}

@@ -1,0 +1,9 @@
+/** The registry's rules on the real host backend: real memfds, real mappings. */
+import { HostBackend } from '../../server/backends/host';
+import { registryContract } from '../contracts/registry.contract';
+
+const MiB = 1n << 20n;
+
+describe('registry on the host backend', () => {
+  registryContract(() => new HostBackend({ capacity: 64n * MiB, granularity: 2n * MiB }), { capacity: 64n * MiB });
+});
