@@ -91,7 +91,7 @@ async function main() {
     await measure('Create + import into this process + close + Release 2 MiB', 1000, async () => {
       const allocation = await c.vmm.create({ size: granule });
       const memory = await c.vmm.import(allocation.id);
-      memory.close();
+      await memory.close();
       await c.vmm.release({ allocationId: allocation.id });
     }),
   ];

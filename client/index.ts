@@ -4,7 +4,8 @@
 export { connect, VmmdClient, DevicesApi, AdminApi } from './connection';
 export type { ConnectOptions } from './connection';
 export { VmmdError } from './errors';
-export { ImportedMemory } from './local-memory';
+export { CudaImportedMemory, HostImportedMemory, ImportedMemory, mapFabricHandle } from './local-memory';
+export type { CudaSource } from './local-memory';
 export { ClientSession } from './session';
 export { VirtualMemoryApi } from './vmm';
 export type { ImportOptions } from './vmm';

@@ -1,87 +1,219 @@
 /**
- * Memory mapped into this process from a descriptor the daemon exported.
- * On the host backend the pages are shared with the daemon and every other
- * importer, and an ArrayBuffer views them.
+ * Memory mapped into this process from what the daemon exported: a memfd on
+ * the host backend (shared pages with an ArrayBuffer view), or CUDA memory
+ * mapped into this process's own CUDA context (a device pointer).
  */
 import { status as Status } from '@grpc/grpc-js';
-import { addon, HOST_ACCESS } from '../native';
+import { addon, CU_LOCATION, HOST_ACCESS } from '../native';
 import { VmmdError } from './errors';
 
 /**
- * Maps a host-backend descriptor: reserve, map, set access, as the daemon
- * does. Takes ownership of fd (the mapping keeps the memory alive, so the
- * descriptor is closed once mapped). Rolls back on failure.
+ * An allocation mapped into this process. `address` is valid until close():
+ * a host address on the host backend, a device pointer in this process's
+ * context on the cuda backend.
  */
-export function mapHostDescriptor(fd: number, size: bigint, granularity: bigint, readOnly: boolean): { address: bigint; view: ArrayBuffer } {
-  let address = 0n;
-  let mapped = false;
-  try {
-    address = addon.hostReserve(size, granularity, 0n);
-    addon.hostMap(address, size, fd, 0n);
-    mapped = true;
-    addon.hostProtect(address, size, readOnly ? HOST_ACCESS.READ : HOST_ACCESS.READWRITE);
-    return { address, view: addon.hostArrayBuffer(address, Number(size)) };
-  } catch (error) {
-    if (mapped) addon.hostUnmap(address, size);
-    if (address !== 0n) addon.hostFreeAddress(address, size);
-    throw new VmmdError('LOCAL_MAP_FAILED', Status.INTERNAL, `cannot map the exported memory here: ${(error as Error).message}`);
-  } finally {
-    addon.close(fd);
-  }
-}
-
-/**
- * An allocation mapped into this process. `address` is valid until close();
- * on the host backend `buffer` views the same bytes the daemon and other
- * importers see.
- */
-export class ImportedMemory implements Disposable {
-  private view: ArrayBuffer | undefined;
-  private closed = false;
+export abstract class ImportedMemory implements AsyncDisposable {
+  protected closed = false;
 
   constructor(
     readonly allocationId: bigint,
     readonly address: bigint,
     readonly size: bigint,
+    readonly device: number,
     readonly readOnly: boolean,
-    view: ArrayBuffer | undefined,
-  ) {
-    this.view = view;
-  }
-
-  /**
-   * The mapped bytes (host backend only).
-   * @throws VmmdError FAILED_PRECONDITION CLOSED, NO_HOST_VIEW
-   */
-  get buffer(): ArrayBuffer {
-    if (this.closed) throw new VmmdError('CLOSED', Status.FAILED_PRECONDITION, `allocation ${this.allocationId} was unmapped here`);
-    if (this.view === undefined) {
-      throw new VmmdError('NO_HOST_VIEW', Status.FAILED_PRECONDITION, 'device memory has no host view; copy it instead');
-    }
-    return this.view;
-  }
-
-  /** A byte view of `buffer`. */
-  bytes(): Uint8Array {
-    return new Uint8Array(this.buffer);
-  }
+  ) {}
 
   get isClosed(): boolean {
     return this.closed;
   }
 
-  /** Unmaps the memory from this process; the views become detached (length 0). */
-  close(): void {
+  /**
+   * The mapped bytes as an ArrayBuffer (host backend only).
+   * @throws VmmdError FAILED_PRECONDITION CLOSED, NO_HOST_VIEW
+   */
+  get buffer(): ArrayBuffer {
+    this.checkOpen();
+    throw new VmmdError('NO_HOST_VIEW', Status.FAILED_PRECONDITION, 'device memory has no host view; use read() and write()');
+  }
+
+  /** A byte view of `buffer` (host backend only). */
+  bytes(): Uint8Array {
+    return new Uint8Array(this.buffer);
+  }
+
+  /**
+   * Copies `length` bytes at `offset` out of the memory.
+   * @throws VmmdError OUT_OF_RANGE BEYOND_ALLOCATION, FAILED_PRECONDITION CLOSED
+   */
+  read(offset: number | bigint, length: number | bigint): Promise<Buffer> {
+    this.checkRange(BigInt(offset), BigInt(length));
+    return this.copyOut(BigInt(offset), BigInt(length));
+  }
+
+  /**
+   * Copies bytes into the memory at `offset`.
+   * @throws VmmdError FAILED_PRECONDITION READ_ONLY, CLOSED; OUT_OF_RANGE BEYOND_ALLOCATION
+   */
+  write(offset: number | bigint, data: Uint8Array): Promise<void> {
+    this.checkRange(BigInt(offset), BigInt(data.byteLength));
+    if (this.readOnly) throw new VmmdError('READ_ONLY', Status.FAILED_PRECONDITION, `allocation ${this.allocationId} is mapped read-only here`);
+    return this.copyIn(BigInt(offset), Buffer.from(data.buffer, data.byteOffset, data.byteLength));
+  }
+
+  /** Unmaps the memory from this process. */
+  abstract close(): Promise<void>;
+
+  async [Symbol.asyncDispose](): Promise<void> {
+    await this.close();
+  }
+
+  protected abstract copyOut(offset: bigint, length: bigint): Promise<Buffer>;
+  protected abstract copyIn(offset: bigint, data: Buffer): Promise<void>;
+
+  protected checkOpen(): void {
+    if (this.closed) throw new VmmdError('CLOSED', Status.FAILED_PRECONDITION, `allocation ${this.allocationId} was unmapped here`);
+  }
+
+  private checkRange(offset: bigint, length: bigint): void {
+    this.checkOpen();
+    if (offset < 0n || length < 0n || offset + length > this.size) {
+      throw new VmmdError(
+        'BEYOND_ALLOCATION',
+        Status.OUT_OF_RANGE,
+        `[${offset}, ${offset + length}) is outside allocation ${this.allocationId} of ${this.size} bytes`,
+      );
+    }
+  }
+}
+
+/** Host backend: shared pages of a memfd, viewed by an ArrayBuffer. */
+export class HostImportedMemory extends ImportedMemory {
+  private view: ArrayBuffer | undefined;
+
+  /**
+   * Maps a memfd: reserve, map, set access, as the daemon does. Takes
+   * ownership of fd (the mapping keeps the pages, so the descriptor is closed
+   * once mapped). Rolls back on failure.
+   * @throws VmmdError INTERNAL LOCAL_MAP_FAILED
+   */
+  static map(allocationId: bigint, fd: number, size: bigint, granularity: bigint, readOnly: boolean): HostImportedMemory {
+    let address = 0n;
+    let mapped = false;
+    try {
+      address = addon.hostReserve(size, granularity, 0n);
+      addon.hostMap(address, size, fd, 0n);
+      mapped = true;
+      addon.hostProtect(address, size, readOnly ? HOST_ACCESS.READ : HOST_ACCESS.READWRITE);
+      return new HostImportedMemory(allocationId, address, size, readOnly, addon.hostArrayBuffer(address, Number(size)));
+    } catch (error) {
+      if (mapped) addon.hostUnmap(address, size);
+      if (address !== 0n) addon.hostFreeAddress(address, size);
+      throw new VmmdError('LOCAL_MAP_FAILED', Status.INTERNAL, `cannot map the exported memory here: ${(error as Error).message}`);
+    } finally {
+      addon.close(fd);
+    }
+  }
+
+  private constructor(allocationId: bigint, address: bigint, size: bigint, readOnly: boolean, view: ArrayBuffer) {
+    super(allocationId, address, size, 0, readOnly);
+    this.view = view;
+  }
+
+  override get buffer(): ArrayBuffer {
+    this.checkOpen();
+    return this.view!;
+  }
+
+  async close(): Promise<void> {
     if (this.closed) return;
     this.closed = true;
     // Detach first: a view left attached to unmapped pages would crash the process on access.
-    if (this.view !== undefined) addon.hostDetachArrayBuffer(this.view);
+    addon.hostDetachArrayBuffer(this.view!);
     this.view = undefined;
     addon.hostUnmap(this.address, this.size);
     addon.hostFreeAddress(this.address, this.size);
   }
 
-  [Symbol.dispose](): void {
-    this.close();
+  protected async copyOut(offset: bigint, length: bigint): Promise<Buffer> {
+    return Buffer.from(new Uint8Array(this.view!, Number(offset), Number(length)));
   }
+
+  protected async copyIn(offset: bigint, data: Buffer): Promise<void> {
+    new Uint8Array(this.view!).set(data, Number(offset));
+  }
+}
+
+/** The source of CUDA memory to map: a received descriptor, or fabric bytes. */
+export type CudaSource = { fd: number } | { fabric: Buffer };
+
+/** Cuda backend: the allocation mapped into this process's primary context of `device`. */
+export class CudaImportedMemory extends ImportedMemory {
+  /**
+   * Imports the handle into this process's CUDA context, reserves, maps and
+   * sets access for `device`; the descriptor is closed and the handle
+   * released once mapped (the mapping keeps the memory). Rolls back on failure.
+   * @throws VmmdError FAILED_PRECONDITION NO_CUDA, INTERNAL LOCAL_MAP_FAILED
+   */
+  static async map(
+    allocationId: bigint,
+    source: CudaSource,
+    size: bigint,
+    granularity: bigint,
+    device: number,
+    readOnly: boolean,
+  ): Promise<CudaImportedMemory> {
+    const loaded = addon.cudaLoad();
+    if (!loaded.loaded) {
+      if ('fd' in source) addon.close(source.fd);
+      throw new VmmdError('NO_CUDA', Status.FAILED_PRECONDITION, `this process cannot use CUDA: ${loaded.reason}`);
+    }
+    let handle: bigint | undefined;
+    let address = 0n;
+    let mapped = false;
+    try {
+      handle = 'fd' in source ? addon.cudaImportFd(source.fd) : addon.cudaImportFabric(source.fabric);
+      address = addon.cudaReserve(size, granularity, 0n);
+      addon.cudaMap(address, size, 0n, handle);
+      mapped = true;
+      addon.cudaSetAccess(address, size, [{ type: CU_LOCATION.DEVICE, id: device, flags: readOnly ? 1 : 3 }]);
+      return new CudaImportedMemory(allocationId, address, size, device, readOnly);
+    } catch (error) {
+      if (mapped) await addon.cudaUnmap(device, address, size);
+      if (address !== 0n) addon.cudaFreeAddress(address, size);
+      throw new VmmdError('LOCAL_MAP_FAILED', Status.INTERNAL, `cannot map the exported memory here: ${(error as Error).message}`);
+    } finally {
+      if ('fd' in source) addon.close(source.fd);
+      if (handle !== undefined) await addon.cudaRelease(device, handle);
+    }
+  }
+
+  async close(): Promise<void> {
+    if (this.closed) return;
+    this.closed = true;
+    await addon.cudaUnmap(this.device, this.address, this.size);
+    addon.cudaFreeAddress(this.address, this.size);
+  }
+
+  protected copyOut(offset: bigint, length: bigint): Promise<Buffer> {
+    return addon.cudaCopyFromDevice(this.device, this.address + offset, length);
+  }
+
+  protected copyIn(offset: bigint, data: Buffer): Promise<void> {
+    return addon.cudaCopyToDevice(this.device, this.address + offset, data);
+  }
+}
+
+/**
+ * Maps CUDA memory from fabric bytes (ExportResponse.fabric_handle) into this
+ * process, with no session and no descriptor.
+ * @throws VmmdError FAILED_PRECONDITION NO_CUDA, INTERNAL LOCAL_MAP_FAILED
+ */
+export function mapFabricHandle(
+  fabric: Buffer,
+  size: bigint,
+  granularity: bigint,
+  device: number,
+  options: { allocationId?: bigint; readOnly?: boolean } = {},
+): Promise<CudaImportedMemory> {
+  return CudaImportedMemory.map(options.allocationId ?? 0n, { fabric }, size, granularity, device, options.readOnly ?? false);
 }

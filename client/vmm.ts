@@ -5,7 +5,6 @@
  * daemon.
  */
 import * as grpc from '@grpc/grpc-js';
-import { status as Status } from '@grpc/grpc-js';
 import type { Allocation__Output } from '../generated/vmmd/v1/Allocation';
 import type { CreateRequest } from '../generated/vmmd/v1/CreateRequest';
 import type { ExportRequest } from '../generated/vmmd/v1/ExportRequest';
@@ -30,7 +29,7 @@ import type { VirtualMemoryClient } from '../generated/vmmd/v1/VirtualMemory';
 import type { ReadResponse__Output } from '../generated/vmmd/v1/ReadResponse';
 import type { WriteResponse__Output } from '../generated/vmmd/v1/WriteResponse';
 import { VmmdError } from './errors';
-import { ImportedMemory, mapHostDescriptor } from './local-memory';
+import { CudaImportedMemory, HostImportedMemory, ImportedMemory, mapFabricHandle } from './local-memory';
 import { CallSettings, Input, toWire, unaryCall } from './rpc';
 import type { ClientSession } from './session';
 
@@ -42,6 +41,8 @@ export interface ImportOptions {
   shareKey?: string;
   /** Map without write access. */
   readOnly?: boolean;
+  /** Take the allocation as fabric bytes rather than a descriptor (cuda, where fabric is usable). */
+  fabric?: boolean;
 }
 
 export class VirtualMemoryApi {
@@ -118,19 +119,25 @@ export class VirtualMemoryApi {
   }
 
   /**
-   * Exports an allocation and maps it into this process.
-   * @throws VmmdError from Export, TRANSFER_NOT_RECEIVED, LOCAL_MAP_FAILED; UNIMPLEMENTED on backends other than host
+   * Exports an allocation and maps it into this process: shared pages on the
+   * host backend, a device pointer in this process's CUDA context on cuda.
+   * With `fabric`, the allocation travels as fabric bytes instead of a descriptor.
+   * @throws VmmdError from Export, TRANSFER_NOT_RECEIVED, NO_CUDA, LOCAL_MAP_FAILED
    */
   async import(allocationId: bigint | string, options: ImportOptions = {}): Promise<ImportedMemory> {
-    if (this.backend !== 'host') {
-      throw new VmmdError('UNSUPPORTED_BACKEND', Status.UNIMPLEMENTED, `import() into this process is not supported on the ${this.backend} backend yet`);
-    }
-    const exported = await this.export({ allocationId, shareKey: options.shareKey ?? '' });
-    const fd = await this.session.takeTransfer(exported.transferId);
-    const size = BigInt(exported.size);
     const readOnly = options.readOnly ?? false;
-    const { address, view } = mapHostDescriptor(fd, size, BigInt(exported.granularity), readOnly);
-    return new ImportedMemory(BigInt(exported.allocationId), address, size, readOnly, view);
+    const exported = await this.export({
+      allocationId,
+      shareKey: options.shareKey ?? '',
+      handleType: options.fabric ? 'HANDLE_TYPE_FABRIC' : 'HANDLE_TYPE_POSIX_FD',
+    });
+    const id = BigInt(exported.allocationId);
+    const size = BigInt(exported.size);
+    const granularity = BigInt(exported.granularity);
+    if (options.fabric) return mapFabricHandle(exported.fabricHandle, size, granularity, exported.device, { allocationId: id, readOnly });
+    const fd = await this.session.takeTransfer(exported.transferId);
+    if (this.backend === 'cuda') return CudaImportedMemory.map(id, { fd }, size, granularity, exported.device, readOnly);
+    return HostImportedMemory.map(id, fd, size, granularity, readOnly);
   }
 
   /**
@@ -138,9 +145,9 @@ export class VirtualMemoryApi {
    * of it, owned by this session. The caller keeps (and closes) its own fd.
    * @throws VmmdError INVALID_ARGUMENT BAD_DESCRIPTOR, SESSION_LOST
    */
-  importDescriptor(fd: number, device = 0): Promise<Allocation__Output> {
+  importDescriptor(fd: number, options: { size?: bigint; device?: number } = {}): Promise<Allocation__Output> {
     const transferId = this.session.sendDescriptor(fd);
-    return this.importTransfer({ transferId, device });
+    return this.importTransfer({ transferId, device: options.device ?? 0, size: options.size ?? 0n });
   }
 
   /** Reads bytes at a mapped address the daemon may read. @throws VmmdError NOT_MAPPED, NO_ACCESS, NOT_FULLY_MAPPED */

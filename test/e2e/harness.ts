@@ -13,7 +13,14 @@ import { socketPaths } from '../../common/paths';
 import { loadProtos } from '../../common/proto';
 import type { Stats__Output } from '../../generated/vmmd/v1/Stats';
 
-const ROOT = path.resolve(__dirname, '..', '..');
+/** The package root, from test/e2e in the sources or dist/test/e2e when compiled. */
+function packageRoot(): string {
+  let dir = __dirname;
+  while (!fs.existsSync(path.join(dir, 'package.json'))) dir = path.dirname(dir);
+  return dir;
+}
+
+const ROOT = packageRoot();
 const DAEMON = path.join(ROOT, 'bin', 'vmmd.js');
 const PEER = path.join(ROOT, 'dist', 'test', 'e2e', 'fixtures', 'peer.js');
 
@@ -71,11 +78,11 @@ export class TestDaemon {
     this.exited = new Promise((resolve) => process.once('exit', (code) => resolve(code)));
   }
 
-  static async start(extraArgs: string[] = []): Promise<TestDaemon> {
+  static async start(extraArgs: string[] = [], backend: 'host' | 'cuda' = 'host'): Promise<TestDaemon> {
     const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-e2e-'));
     const child = spawn(
       process.execPath,
-      [DAEMON, '--backend', 'host', '--socket-dir', dir, '--host-capacity', '256MiB', '--log-level', 'warn', ...extraArgs],
+      [DAEMON, '--backend', backend, '--socket-dir', dir, '--host-capacity', '256MiB', '--log-level', 'warn', ...extraArgs],
       { stdio: ['ignore', 'pipe', 'pipe'] },
     );
     const daemon = new TestDaemon(child, dir);

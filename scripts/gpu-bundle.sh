@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Builds .gpu/: a self-contained bundle that runs vmmd and its GPU test suite
+# on an offline GPU host with no Node.js and no network.
+#   .gpu/node.xz         this machine's Node binary, xz-compressed
+#   .gpu/vmmd.tar.xz     package.json, bin/, dist/ (compiled code and tests),
+#                        proto/, the built addon, and node_modules with the
+#                        production dependencies plus jest (no TypeScript)
+# Then: scripts/gpu-test.sh on the GPU host (it unpacks and runs the suite).
+# Needs `npm ci` done here; x86-64 only (the addon is built here).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ "$(uname -m)" = x86_64 ] || { echo "gpu-bundle: build on x86-64, the GPU hosts are x86-64" >&2; exit 1; }
+npm run build >/dev/null
+[ -f build/Release/vmmd_native.node ] || { echo "gpu-bundle: the addon is not built; run npm ci" >&2; exit 1; }
+
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+mkdir -p "$stage/vmmd/build/Release" "$stage/vmmd/test"
+cp -r package.json package-lock.json bin dist proto jest.gpu.config.js "$stage/vmmd/"
+cp test/summary-reporter.js "$stage/vmmd/test/"
+cp build/Release/vmmd_native.node "$stage/vmmd/build/Release/"
+# Production dependencies and jest's runtime; no compiler, no type packages.
+cp -r node_modules "$stage/vmmd/node_modules"
+rm -rf "$stage/vmmd/node_modules/"{typescript,ts-jest,@types,.cache} "$stage/vmmd/node_modules/.bin"
+
+rm -rf .gpu && mkdir -p .gpu
+xz -T2 -c "$(command -v node)" > .gpu/node.xz
+tar -C "$stage" -cf - vmmd | xz -T2 -6 > .gpu/vmmd.tar.xz
+cp scripts/gpu-test.sh .gpu/
+du -sh .gpu/* | sed 's/^/gpu-bundle: /'

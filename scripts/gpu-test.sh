@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Runs the GPU test suite from the bundle that scripts/gpu-bundle.sh made.
+# Usage: scripts/gpu-test.sh [BUNDLE_DIR [OUTPUT_DIR]]  (defaults: .gpu, $OUT or ./gpu-results)
+# The output goes to OUTPUT_DIR/gpu-tests.log with the date, device and driver.
+set -uo pipefail
+bundle=$(cd "${1:-.gpu}" && pwd)
+out=${2:-${OUT:-gpu-results}}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+work=$(mktemp -d)
+xz -dc "$bundle/node.xz" > "$work/node" && chmod +x "$work/node"
+tar -C "$work" -xJf "$bundle/vmmd.tar.xz"
+export PATH="$work:$PATH"
+cd "$work/vmmd"
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "host: $(uname -srm), $(nproc) cores"
+  echo "node: $(node --version)"
+  nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv,noheader 2>&1 | sed 's/^/gpu: /'
+  echo
+  node node_modules/jest/bin/jest.js -c jest.gpu.config.js --ci 2>&1
+  echo "exit: $?"
+} | tee "$out/gpu-tests.log"

@@ -1,0 +1,9 @@
+/** Every rule of the registry, on the real driver. */
+import pino from 'pino';
+import { CudaBackend } from '../../server/backends/cuda';
+import { registryContract } from '../contracts/registry.contract';
+import { describeGpu } from './gpu';
+
+describeGpu('registry on the cuda backend', () => {
+  registryContract(() => CudaBackend.open(pino({ level: 'silent' })));
+});
