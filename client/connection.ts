@@ -14,6 +14,7 @@ import type { GetMemoryInfoRequest } from '../generated/vmmd/v1/GetMemoryInfoReq
 import type { Granularity__Output } from '../generated/vmmd/v1/Granularity';
 import type { ListDevicesResponse__Output } from '../generated/vmmd/v1/ListDevicesResponse';
 import type { MemoryInfo__Output } from '../generated/vmmd/v1/MemoryInfo';
+import type { GetStatsRequest } from '../generated/vmmd/v1/GetStatsRequest';
 import type { Stats__Output } from '../generated/vmmd/v1/Stats';
 import type { VirtualMemoryClient } from '../generated/vmmd/v1/VirtualMemory';
 import { CallSettings, Input, unaryCall } from './rpc';
@@ -56,8 +57,8 @@ export class AdminApi {
     private readonly settings: CallSettings,
   ) {}
 
-  getStats(): Promise<Stats__Output> {
-    return unaryCall(this.client, this.client.GetStats, {}, this.settings);
+  getStats(request: Input<GetStatsRequest> = {}): Promise<Stats__Output> {
+    return unaryCall(this.client, this.client.GetStats, request, this.settings);
   }
 }
 

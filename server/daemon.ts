@@ -59,6 +59,7 @@ export class Daemon {
     private readonly server: grpc.Server,
     private readonly log: Logger,
     readonly paths: { grpc: string; session: string },
+    private readonly admin: AdminService,
   ) {}
 
   /** @throws DaemonStartError, BackendUnavailableError, or the socket's error */
@@ -77,7 +78,8 @@ export class Daemon {
     const deps: HandlerDeps = { sessions, log };
     new DevicesService(registry).addToServer(server, proto, deps);
     new VirtualMemoryService(registry, sessions).addToServer(server, proto, deps);
-    new AdminService(registry, sessions, VERSION).addToServer(server, proto, deps);
+    const admin = new AdminService(registry, sessions, VERSION);
+    admin.addToServer(server, proto, deps);
     await new Promise<void>((resolve, reject) =>
       server.bindAsync(`unix://${paths.grpc}`, grpc.ServerCredentials.createInsecure(), (error) =>
         error ? reject(error) : resolve(),
@@ -87,7 +89,7 @@ export class Daemon {
       { backend: backend.name, socketDir: config.socketDir, devices: registry.devices.length, version: VERSION },
       'vmmd serving',
     );
-    return new Daemon(config, backend, registry, sessions, server, log, paths);
+    return new Daemon(config, backend, registry, sessions, server, log, paths, admin);
   }
 
   /** Stops serving: refuses new calls, lets in-flight ones finish, reclaims every session. */
@@ -100,6 +102,7 @@ export class Daemon {
     await this.sessions.close();
     for (const path of [this.paths.grpc, this.paths.session]) fs.rmSync(path, { force: true });
     this.backend.close();
+    this.admin.close();
     this.log.info('vmmd stopped');
   }
 }
