@@ -28,6 +28,7 @@ import type { UnmapResponse__Output } from '../generated/vmmd/v1/UnmapResponse';
 import type { VirtualMemoryClient } from '../generated/vmmd/v1/VirtualMemory';
 import type { ReadResponse__Output } from '../generated/vmmd/v1/ReadResponse';
 import type { WriteResponse__Output } from '../generated/vmmd/v1/WriteResponse';
+import { addon } from '../native';
 import { VmmdError } from './errors';
 import { CudaImportedMemory, HostImportedMemory, ImportedMemory, mapFabricHandle } from './local-memory';
 import { CallSettings, Input, toWire, unaryCall } from './rpc';
@@ -43,6 +44,16 @@ export interface ImportOptions {
   readOnly?: boolean;
   /** Take the allocation as fabric bytes rather than a descriptor (cuda, where fabric is usable). */
   fabric?: boolean;
+}
+
+/**
+ * This process's index of the daemon's device: the same UUID where this
+ * process sees it (CUDA_VISIBLE_DEVICES may order devices differently), else
+ * the daemon's index.
+ */
+function localDevice(daemonIndex: number, uuid: string): number {
+  if (uuid === '' || !addon.cudaLoad().loaded) return daemonIndex;
+  return addon.cudaDevices().find((device) => device.uuid === uuid)?.index ?? daemonIndex;
 }
 
 export class VirtualMemoryApi {
@@ -134,9 +145,14 @@ export class VirtualMemoryApi {
     const id = BigInt(exported.allocationId);
     const size = BigInt(exported.size);
     const granularity = BigInt(exported.granularity);
-    if (options.fabric) return mapFabricHandle(exported.fabricHandle, size, granularity, exported.device, { allocationId: id, readOnly });
+    if (options.fabric) {
+      const device = localDevice(exported.device, exported.deviceUuid);
+      return mapFabricHandle(exported.fabricHandle, size, granularity, device, { allocationId: id, readOnly });
+    }
     const fd = await this.session.takeTransfer(exported.transferId);
-    if (this.backend === 'cuda') return CudaImportedMemory.map(id, { fd }, size, granularity, exported.device, readOnly);
+    if (this.backend === 'cuda') {
+      return CudaImportedMemory.map(id, { fd }, size, granularity, localDevice(exported.device, exported.deviceUuid), readOnly);
+    }
     return HostImportedMemory.map(id, fd, size, granularity, readOnly);
   }
 

@@ -24,6 +24,14 @@ export async function main(argv: string[]): Promise<number> {
     return 0;
   }
   const log = pino({ level: command.config.logLevel, base: { pid: process.pid } });
+  // Handlers go in before the sockets exist: a SIGTERM that arrives while the
+  // daemon starts stops it cleanly once it has started.
+  let signalled: string | undefined;
+  let onSignal: (signal: string) => void = (signal) => {
+    signalled = signal;
+  };
+  process.once('SIGTERM', () => onSignal('SIGTERM'));
+  process.once('SIGINT', () => onSignal('SIGINT'));
   let daemon: Daemon;
   try {
     daemon = await Daemon.start(command.config, log);
@@ -32,7 +40,7 @@ export async function main(argv: string[]): Promise<number> {
     return 1;
   }
   return new Promise<number>((resolve) => {
-    const stop = (signal: string) => {
+    onSignal = (signal) => {
       log.info({ signal }, 'signal received');
       daemon.stop().then(
         () => resolve(0),
@@ -42,8 +50,7 @@ export async function main(argv: string[]): Promise<number> {
         },
       );
     };
-    process.once('SIGTERM', () => stop('SIGTERM'));
-    process.once('SIGINT', () => stop('SIGINT'));
+    if (signalled !== undefined) onSignal(signalled);
   });
 }
 

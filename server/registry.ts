@@ -181,6 +181,18 @@ export class Registry {
     return this.deviceList;
   }
 
+  /**
+   * The index of the device with this UUID.
+   * @throws OUT_OF_RANGE UNKNOWN_DEVICE
+   */
+  deviceByUuid(uuid: string, field = 'device_uuid'): number {
+    const device = this.deviceList.find((candidate) => candidate.uuid !== '' && candidate.uuid === uuid);
+    if (device === undefined) {
+      throw outOfRange('UNKNOWN_DEVICE', `${field} ${JSON.stringify(uuid.slice(0, 64))} names no device of this daemon`);
+    }
+    return device.index;
+  }
+
   /** The granularity of memory at a location. @throws OUT_OF_RANGE UNKNOWN_DEVICE */
   granularity(location: MemLocation): { minimum: bigint; recommended: bigint } {
     this.deviceOf(location);

@@ -40,6 +40,7 @@ export class DevicesService {
 
   /** @throws OUT_OF_RANGE UNKNOWN_DEVICE */
   getMemoryInfo(request: GetMemoryInfoRequest__Output): MemoryInfo {
+    if (request.deviceUuid !== '') request = { ...request, device: this.registry.deviceByUuid(request.deviceUuid) };
     if (request.device >= this.registry.devices.length) {
       throw outOfRange('UNKNOWN_DEVICE', `device ${request.device} does not exist (the daemon has ${this.registry.devices.length} device(s))`);
     }
@@ -54,7 +55,7 @@ export class DevicesService {
 
   /** @throws OUT_OF_RANGE UNKNOWN_DEVICE; INVALID_ARGUMENT BAD_ENUM */
   getGranularity(request: GetGranularityRequest__Output): Granularity {
-    const granularity = this.registry.granularity(location(request.location));
+    const granularity = this.registry.granularity(location(request.location, (uuid, field) => this.registry.deviceByUuid(uuid, field)));
     return { minimum: String(granularity.minimum), recommended: String(granularity.recommended) };
   }
 

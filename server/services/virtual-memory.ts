@@ -35,7 +35,7 @@ import { failedPrecondition, invalidArgument, outOfRange } from '../errors';
 import type { AllocationRecord, Registry, ReservationRecord } from '../registry';
 import type { Session, SessionManager } from '../sessions';
 import { CallContext, clientStream, HandlerDeps, serverStream, unary } from './handler';
-import { accessGrant, handleType, location, toWireAccess, toWireHandleType, toWireLocation, u64 } from './wire';
+import { accessGrant, DeviceResolver, handleType, location, toWireAccess, toWireHandleType, toWireLocation, u64 } from './wire';
 
 function requireSession(context: CallContext, what: string): Session {
   if (context.session === undefined) {
@@ -48,10 +48,14 @@ function requireSession(context: CallContext, what: string): Session {
 }
 
 export class VirtualMemoryService {
+  private readonly resolveDevice: DeviceResolver;
+
   constructor(
     private readonly registry: Registry,
     private readonly sessions: SessionManager,
-  ) {}
+  ) {
+    this.resolveDevice = (uuid, field) => registry.deviceByUuid(uuid, field);
+  }
 
   toWireAllocation(record: AllocationRecord): Allocation {
     const references = this.registry.referenceCount(record);
@@ -92,7 +96,7 @@ export class VirtualMemoryService {
   create(request: CreateRequest__Output, context: CallContext): Allocation {
     const record = this.registry.create(context.caller, {
       size: u64(request.size),
-      location: location(request.location),
+      location: location(request.location, this.resolveDevice),
       handleType: handleType(request.handleType),
     });
     return this.toWireAllocation(record);
@@ -117,13 +121,13 @@ export class VirtualMemoryService {
   }
 
   async setAccess(request: SetAccessRequest__Output, context: CallContext): Promise<object> {
-    const grants = request.descriptors.map(accessGrant);
+    const grants = request.descriptors.map((descriptor, index) => accessGrant(descriptor, index, this.resolveDevice));
     await this.registry.setAccess(context.caller, u64(request.address), u64(request.size), grants);
     return {};
   }
 
   getAccess(request: GetAccessRequest__Output): GetAccessResponse {
-    return { flags: toWireAccess(this.registry.getAccess(u64(request.address), location(request.location))) };
+    return { flags: toWireAccess(this.registry.getAccess(u64(request.address), location(request.location, this.resolveDevice))) };
   }
 
   async export(request: ExportRequest__Output, context: CallContext): Promise<ExportResponse> {
@@ -153,6 +157,7 @@ export class VirtualMemoryService {
       handleType: toWireHandleType(kind),
       granularity: String(allocation.granularity),
       fabricHandle: fabric ?? Buffer.alloc(0),
+      deviceUuid: this.registry.devices[allocation.device]?.uuid ?? '',
     };
   }
 

@@ -19,15 +19,22 @@ const LOCATION_TYPES: Record<string, LocationKind> = {
   LOCATION_TYPE_HOST_NUMA: 'HOST_NUMA',
 };
 
-export function location(value: Location__Output | null | undefined, field = 'location'): MemLocation {
+/** Resolves a device UUID to its index; the registry checks indexes. */
+export type DeviceResolver = (uuid: string, field: string) => number;
+
+export function location(value: Location__Output | null | undefined, resolve: DeviceResolver, field = 'location'): MemLocation {
   if (value === null || value === undefined) return { type: 'DEVICE', id: 0 };
   const type = LOCATION_TYPES[String(value.type)];
   if (type === undefined) throw invalidArgument('BAD_ENUM', `${field}.type ${JSON.stringify(value.type)} is not a LocationType`);
+  if (value.deviceUuid !== '') {
+    if (type !== 'DEVICE') throw invalidArgument('BAD_LOCATION', `${field}.device_uuid names a device; ${field}.type is ${type}`);
+    return { type, id: resolve(value.deviceUuid, `${field}.device_uuid`) };
+  }
   return { type, id: value.id };
 }
 
 export function toWireLocation(value: MemLocation): Location {
-  return { type: `LOCATION_TYPE_${value.type}`, id: value.id };
+  return { type: `LOCATION_TYPE_${value.type}`, id: value.id, deviceUuid: '' };
 }
 
 export function handleType(value: string | number | undefined, field = 'handle_type'): HandleKind {
@@ -49,12 +56,12 @@ export function toWireHandleType(value: HandleKind): 'HANDLE_TYPE_POSIX_FD' | 'H
 
 const ACCESS: Record<string, Access> = { ACCESS_FLAGS_NONE: 0, ACCESS_FLAGS_READ: 1, ACCESS_FLAGS_READWRITE: 3 };
 
-export function accessGrant(value: AccessDescriptor__Output, index: number): AccessGrant {
+export function accessGrant(value: AccessDescriptor__Output, index: number, resolve: DeviceResolver): AccessGrant {
   const access = ACCESS[String(value.flags)];
   if (access === undefined) {
     throw invalidArgument('BAD_ENUM', `descriptors[${index}].flags ${JSON.stringify(value.flags)} is not an AccessFlags`);
   }
-  return { location: location(value.location, `descriptors[${index}].location`), access };
+  return { location: location(value.location, resolve, `descriptors[${index}].location`), access };
 }
 
 export function toWireAccess(value: Access): 'ACCESS_FLAGS_NONE' | 'ACCESS_FLAGS_READ' | 'ACCESS_FLAGS_READWRITE' {

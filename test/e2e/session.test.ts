@@ -101,6 +101,9 @@ describe('refusals over the wire', () => {
       details: expect.stringMatching(/requested 536870912 bytes, 0 of 268435456 bytes in use/),
     });
     await expect(call(daemon.raw.devices, 'GetMemoryInfo', { device: 4 })).rejects.toMatchObject({ code: grpc.status.OUT_OF_RANGE });
+    await expect(
+      call(daemon.raw.vmm, 'Create', { size: String(2n * MiB), location: { type: 'LOCATION_TYPE_DEVICE', deviceUuid: 'GPU-nope' } }),
+    ).rejects.toMatchObject({ code: grpc.status.OUT_OF_RANGE, details: expect.stringMatching(/"GPU-nope" names no device/) });
     expect(objectsOf(await daemon.stats())).toEqual(before);
   });
 

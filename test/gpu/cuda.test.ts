@@ -45,6 +45,20 @@ describeGpu('the cuda backend', () => {
     console.log(`devices: ${JSON.stringify(devices, null, 1)}`);
   });
 
+  it('selects devices by UUID as well as by index', async () => {
+    const { devices } = await client.devices.listDevices();
+    for (const device of devices) {
+      const allocation = await client.vmm.create({ size: 2n * MiB, location: { type: 'LOCATION_TYPE_DEVICE', deviceUuid: device.uuid } });
+      expect(allocation.device).toBe(device.index);
+      expect((await client.devices.getMemoryInfo({ deviceUuid: device.uuid })).device).toBe(device.index);
+      await client.vmm.release({ allocationId: allocation.id });
+    }
+    await expect(client.vmm.create({ size: 2n * MiB, location: { type: 'LOCATION_TYPE_DEVICE', deviceUuid: 'GPU-0000' } })).rejects.toMatchObject({
+      code: 'UNKNOWN_DEVICE',
+      status: grpc.status.OUT_OF_RANGE,
+    });
+  });
+
   it('answers out of memory with RESOURCE_EXHAUSTED, the requested and the free bytes, and the CUresult name', async () => {
     const { devices } = await client.devices.listDevices();
     const granularity = BigInt(devices[0].granularityMinimum);

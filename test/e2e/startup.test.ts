@@ -1,0 +1,73 @@
+/** How the daemon starts: backend choice without a driver, bad configuration, a second daemon. */
+import { spawn } from 'node:child_process';
+import * as fs from 'node:fs';
+import * as os from 'node:os';
+import * as path from 'node:path';
+import { addon } from '../../native';
+import { TestDaemon } from './harness';
+
+const DAEMON = path.resolve(__dirname, '..', '..', 'bin', 'vmmd.js');
+const noDriver = !addon.cudaLoad().loaded;
+
+/** Runs the daemon until it exits or `until` matches its output; returns code and output. */
+function runDaemon(args: string[], until?: RegExp): Promise<{ code: number | null; output: string }> {
+  return new Promise((resolve) => {
+    const child = spawn(process.execPath, [DAEMON, ...args], { stdio: ['ignore', 'pipe', 'pipe'] });
+    let output = '';
+    let stopped = false;
+    const onData = (chunk: Buffer) => {
+      output += chunk;
+      if (!stopped && until?.test(output)) {
+        stopped = true;
+        child.kill('SIGTERM');
+      }
+    };
+    child.stdout.on('data', onData);
+    child.stderr.on('data', onData);
+    child.once('exit', (code) => resolve({ code, output }));
+  });
+}
+
+let dir: string;
+beforeEach(() => {
+  dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-start-'));
+});
+afterEach(() => fs.rmSync(dir, { recursive: true, force: true }));
+
+(noDriver ? describe : describe.skip)('without a CUDA driver', () => {
+  it('--backend cuda fails fast with an actionable error', async () => {
+    const { code, output } = await runDaemon(['--backend', 'cuda', '--socket-dir', dir]);
+    expect(code).toBe(1);
+    expect(output).toMatch(/--backend cuda: libcuda\.so\.1 not found .*run on a host with the NVIDIA driver, or use --backend host/);
+  });
+
+  it('--backend auto serves on the host backend and says why in one log line', async () => {
+    const { code, output } = await runDaemon(['--backend', 'auto', '--socket-dir', dir], /vmmd serving/);
+    expect(code).toBe(0);
+    const reasons = output.split('\n').filter((line) => line.includes('using the host backend'));
+    expect(reasons).toHaveLength(1);
+    expect(JSON.parse(reasons[0]).reason).toMatch(/libcuda\.so\.1 not found/);
+    expect(output).toMatch(/"backend":"host".*"msg":"vmmd serving"/);
+  });
+});
+
+describe('configuration and sockets', () => {
+  it('refuses invalid configuration at start, naming the key', async () => {
+    const { code, output } = await runDaemon(['--host-capacity', 'plenty', '--socket-dir', dir]);
+    expect(code).toBe(2);
+    expect(output).toMatch(/^vmmd: --host-capacity: "plenty" is not a byte count/);
+  });
+
+  it('refuses a second daemon on a live socket, and replaces a stale one', async () => {
+    const first = await TestDaemon.start();
+    const { code, output } = await runDaemon(['--backend', 'host', '--socket-dir', first.dir]);
+    expect(code).toBe(1);
+    expect(output).toMatch(/another vmmd is serving/);
+    await first.stop();
+    fs.mkdirSync(dir, { recursive: true });
+    fs.writeFileSync(path.join(dir, 'vmmd.sock'), 'stale');
+    fs.writeFileSync(path.join(dir, 'vmmd.session.sock'), 'stale');
+    const restarted = await runDaemon(['--backend', 'host', '--socket-dir', dir], /vmmd serving/);
+    expect(restarted.code).toBe(0);
+  });
+});
