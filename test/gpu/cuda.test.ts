@@ -177,6 +177,26 @@ describeGpu('the cuda backend', () => {
     await client.vmm.unmap({ address: reservation.address, size: 2n * MiB });
   });
 
+  (cuda.deviceCount >= 2 ? it : it.skip)('creates on the last device, and another process maps it onto that device', async () => {
+    const last = cuda.deviceCount - 1;
+    const allocation = await client.vmm.create({ size: 2n * MiB, location: { type: 'LOCATION_TYPE_DEVICE', id: last } });
+    expect(allocation.device).toBe(last);
+    const reservation = await client.vmm.reserve({ size: 2n * MiB });
+    await client.vmm.map({ address: reservation.address, size: 2n * MiB, allocationId: allocation.id });
+    const access: AccessDescriptor[] = [{ location: { type: 'LOCATION_TYPE_DEVICE', id: last }, flags: 'ACCESS_FLAGS_READWRITE' }];
+    await client.vmm.setAccess({ address: reservation.address, size: 2n * MiB, descriptors: access });
+    await client.vmm.write(reservation.address, Buffer.from(`on device ${last}`));
+    const { shareKey } = await client.vmm.share({ allocationId: allocation.id });
+    const other = await Peer.start(daemon.dir);
+    try {
+      const mapped = await other.do({ op: 'import', allocationId: allocation.id, shareKey });
+      expect((await other.do({ op: 'peek', handle: mapped.handle, offset: 0, length: 11 })).text).toBe(`on device ${last}`);
+    } finally {
+      await other.stop();
+    }
+    await client.vmm.unmap({ address: reservation.address, size: 2n * MiB });
+  });
+
   it('imports a device pointer into another process that reads what the daemon wrote', async () => {
     const allocation = await client.vmm.create({ size: 4n * MiB });
     const reservation = await client.vmm.reserve({ size: 4n * MiB });
