@@ -575,9 +575,12 @@ export class Registry {
     const reservation = this.checkIo(caller, address, length, false);
     for (let offset = 0n; offset < length; offset += BigInt(IO_CHUNK_BYTES)) {
       const chunk = length - offset < BigInt(IO_CHUNK_BYTES) ? length - offset : BigInt(IO_CHUNK_BYTES);
-      const data = await reservation.queue.run(() => {
-        this.checkIoInQueue(reservation, address + offset, chunk, false);
-        return this.backend.readBytes(address + offset, Number(chunk));
+      const data = await reservation.queue.run(async () => {
+        const segments = this.checkIoInQueue(reservation, address + offset, chunk, false);
+        const parts = await Promise.all(
+          segments.map((segment) => this.backend.readBytes(segment.address, Number(segment.length), segment.device)),
+        );
+        return parts.length === 1 ? parts[0] : Buffer.concat(parts);
       });
       yield { offset, data };
     }
@@ -586,9 +589,14 @@ export class Registry {
   /** Writes bytes to a range the daemon may write, in the reservation's queue. */
   async write(caller: bigint, address: bigint, data: Buffer): Promise<void> {
     const reservation = this.checkIo(caller, address, BigInt(data.length), true);
-    await reservation.queue.run(() => {
-      this.checkIoInQueue(reservation, address, BigInt(data.length), true);
-      return this.backend.writeBytes(address, data);
+    await reservation.queue.run(async () => {
+      const segments = this.checkIoInQueue(reservation, address, BigInt(data.length), true);
+      await Promise.all(
+        segments.map((segment) => {
+          const start = Number(segment.address - address);
+          return this.backend.writeBytes(segment.address, data.subarray(start, start + Number(segment.length)), segment.device);
+        }),
+      );
     });
   }
 
@@ -886,9 +894,20 @@ export class Registry {
     return mappings;
   }
 
-  private checkIoInQueue(reservation: ReservationRecord, address: bigint, length: bigint, write: boolean): void {
+  /**
+   * Checks access to [address, address + length) and splits it into runs of
+   * one device each: a copy goes through the device that owns the memory.
+   */
+  private checkIoInQueue(
+    reservation: ReservationRecord,
+    address: bigint,
+    length: bigint,
+    write: boolean,
+  ): Array<{ address: bigint; length: bigint; device: number }> {
     this.checkLive(reservation, address, 'NOT_MAPPED');
     const needed: Access = write ? ACCESS_READWRITE : ACCESS_READ;
+    const end = address + length;
+    const segments: Array<{ address: bigint; length: bigint; device: number }> = [];
     for (const mapping of this.mappingsCovering(reservation, address, length)) {
       const key = locationKey({ type: 'DEVICE', id: mapping.allocation.device });
       const access = mapping.access.get(key) ?? 0;
@@ -898,6 +917,12 @@ export class Registry {
           `the daemon may not ${write ? 'write' : 'read'} the mapping ${range(mapping.address, mapping.size)}: set ${write ? 'READWRITE' : 'READ'} access for ${key} first`,
         );
       }
+      const start = mapping.address > address ? mapping.address : address;
+      const stop = mapping.address + mapping.size < end ? mapping.address + mapping.size : end;
+      const last = segments[segments.length - 1];
+      if (last !== undefined && last.device === mapping.allocation.device) last.length += stop - start;
+      else segments.push({ address: start, length: stop - start, device: mapping.allocation.device });
     }
+    return segments;
   }
 }

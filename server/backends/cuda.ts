@@ -198,12 +198,12 @@ export class CudaBackend implements Backend {
     return { handle, size, device: location.type === 'DEVICE' ? location.id : 0, location };
   }
 
-  readBytes(address: bigint, length: number): Promise<Buffer> {
-    return addon.cudaCopyFromDevice(0, address, BigInt(length));
+  readBytes(address: bigint, length: number, device: number): Promise<Buffer> {
+    return addon.cudaCopyFromDevice(device, address, BigInt(length));
   }
 
-  writeBytes(address: bigint, data: Buffer): Promise<void> {
-    return addon.cudaCopyToDevice(0, address, data);
+  writeBytes(address: bigint, data: Buffer, device: number): Promise<void> {
+    return addon.cudaCopyToDevice(device, address, data);
   }
 
   close(): void {}

@@ -107,14 +107,14 @@ export class RecordingBackend implements Backend {
     return imported;
   }
 
-  readBytes(address: bigint, length: number) {
+  readBytes(address: bigint, length: number, device: number) {
     this.calls.push('read');
-    return this.inner.readBytes(address, length);
+    return this.inner.readBytes(address, length, device);
   }
 
-  writeBytes(address: bigint, data: Buffer) {
+  writeBytes(address: bigint, data: Buffer, device: number) {
     this.calls.push('write');
-    return this.inner.writeBytes(address, data);
+    return this.inner.writeBytes(address, data, device);
   }
 
   close() {

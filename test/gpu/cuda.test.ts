@@ -79,7 +79,7 @@ describeGpu('the cuda backend', () => {
     const granularity = BigInt((await client.devices.getGranularity({ location: { type: 'LOCATION_TYPE_HOST_NUMA', id: numa } })).minimum);
     const size = granularity;
     const allocation = await client.vmm.create({ size, location: { type: 'LOCATION_TYPE_HOST_NUMA', id: numa } });
-    expect(allocation.location).toEqual({ type: 'LOCATION_TYPE_HOST_NUMA', id: numa });
+    expect(allocation.location).toMatchObject({ type: 'LOCATION_TYPE_HOST_NUMA', id: numa });
     // In this process, through the driver directly: map, give the device and the host access, write on the device, read with the CPU.
     const exported = await client.vmm.export({ allocationId: allocation.id });
     const fd = await client.session.takeTransfer(exported.transferId);
