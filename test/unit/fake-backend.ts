@@ -187,12 +187,12 @@ export class FakeBackend implements Backend {
     return pieces;
   }
 
-  async readBytes(address: bigint, length: number): Promise<Buffer> {
+  async readBytes(address: bigint, length: number, _device = 0): Promise<Buffer> {
     this.calls.push('read');
     return Buffer.concat(this.bytesAt(address, length, 1).map((p) => p.buffer.subarray(p.start, p.start + p.count)));
   }
 
-  async writeBytes(address: bigint, data: Buffer): Promise<void> {
+  async writeBytes(address: bigint, data: Buffer, _device = 0): Promise<void> {
     this.calls.push('write');
     let offset = 0;
     for (const piece of this.bytesAt(address, data.length, 3)) {
