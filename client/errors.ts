@@ -3,6 +3,13 @@ import { Metadata, status as Status } from '@grpc/grpc-js';
 
 const ERROR_CODE_KEY = 'vmmd-error-code';
 
+/** Futhark's error codes: every VmmdError carries one as `errorCode`. */
+export enum ErrorCode {
+  SUCCESS = 0,
+  PROGRAM_ERROR = 2,
+  OUT_OF_MEMORY = 3,
+}
+
 /**
  * An error from the daemon or the client library. `code` names the rule or
  * condition ("NOT_ALIGNED", "ALREADY_MAPPED", "SESSION_LOST"); `status` is the
@@ -20,6 +27,20 @@ export class VmmdError extends Error {
 
   get statusName(): string {
     return Status[this.status] ?? String(this.status);
+  }
+
+  /** OUT_OF_MEMORY (3) for memory and quota exhaustion, PROGRAM_ERROR (2) for everything else. */
+  get errorCode(): ErrorCode {
+    return this.status === Status.RESOURCE_EXHAUSTED || /OUT_OF_MEMORY/.test(this.code)
+      ? ErrorCode.OUT_OF_MEMORY
+      : ErrorCode.PROGRAM_ERROR;
+  }
+
+  /** Wraps any error as a VmmdError (PROGRAM_ERROR unless it already is one). */
+  static from(error: unknown): VmmdError {
+    if (error instanceof VmmdError) return error;
+    const code = typeof (error as { code?: unknown })?.code === 'string' ? (error as { code: string }).code : 'PROGRAM_ERROR';
+    return new VmmdError(code, Status.INTERNAL, (error as Error)?.message ?? String(error));
   }
 
   /** Wraps a grpc-js error, taking the string code from the trailers. */

@@ -114,6 +114,13 @@ export interface Addon {
   cudaCopyToDevice(device: number, address: bigint, data: Buffer): Promise<void>;
   cudaCopyFromDevice(device: number, address: bigint, length: bigint): Promise<Buffer>;
   cudaCanAccessPeer(device: number, peer: number): boolean;
+  /** Page-locks client memory; returns its device pointer when mapped, else 0n. */
+  cudaHostRegister(device: number, address: bigint, size: bigint, mapped: boolean): bigint;
+  cudaHostUnregister(device: number, address: bigint): void;
+  hostLock(address: bigint, size: bigint): void;
+  hostUnlock(address: bigint, size: bigint): void;
+  /** The address of the first byte of an ArrayBuffer or of a view of one. */
+  addressOf(memory: ArrayBuffer | ArrayBufferView): bigint;
 }
 
 const ADDON_FILE = path.join('build', 'Release', 'vmmd_native.node');

@@ -99,7 +99,13 @@ struct Api {
   Result (*cuMemRetainAllocationHandle)(GenericHandle*, void*);
   Result (*cuMemcpyHtoD_v2)(DevicePtr, const void*, size_t);
   Result (*cuMemcpyDtoH_v2)(void*, DevicePtr, size_t);
+  Result (*cuMemHostRegister_v2)(void*, size_t, unsigned int);
+  Result (*cuMemHostUnregister)(void*);
+  Result (*cuMemHostGetDevicePointer_v2)(DevicePtr*, void*, unsigned int);
 };
+
+constexpr unsigned int HOST_REGISTER_PORTABLE = 0x01;
+constexpr unsigned int HOST_REGISTER_DEVICEMAP = 0x02;
 
 }  // namespace cu
 }  // namespace vmmd

@@ -33,6 +33,8 @@ static_assert(vmmd::cu::ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED ==
                   CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
               "attribute");
 static_assert(vmmd::cu::ERROR_NOT_PERMITTED == CUDA_ERROR_NOT_PERMITTED, "result");
+static_assert(vmmd::cu::HOST_REGISTER_PORTABLE == CU_MEMHOSTREGISTER_PORTABLE, "host register flag");
+static_assert(vmmd::cu::HOST_REGISTER_DEVICEMAP == CU_MEMHOSTREGISTER_DEVICEMAP, "host register flag");
 #endif
 
 namespace vmmd {
@@ -119,6 +121,9 @@ std::string LoadDriver() {
       {"cuMemRetainAllocationHandle", reinterpret_cast<void**>(&a.cuMemRetainAllocationHandle)},
       {"cuMemcpyHtoD_v2", reinterpret_cast<void**>(&a.cuMemcpyHtoD_v2)},
       {"cuMemcpyDtoH_v2", reinterpret_cast<void**>(&a.cuMemcpyDtoH_v2)},
+      {"cuMemHostRegister_v2", reinterpret_cast<void**>(&a.cuMemHostRegister_v2)},
+      {"cuMemHostUnregister", reinterpret_cast<void**>(&a.cuMemHostUnregister)},
+      {"cuMemHostGetDevicePointer_v2", reinterpret_cast<void**>(&a.cuMemHostGetDevicePointer_v2)},
   };
   for (const Entry& entry : entries) {
     *entry.slot = dlsym(driver.library, entry.name);
@@ -563,6 +568,37 @@ Napi::Value CudaCanAccessPeer(const Napi::CallbackInfo& info) {
   return Napi::Boolean::New(env, can == 1);
 }
 
+// cudaHostRegister(device, address, size, mapped) -> device pointer (0n when not mapped).
+// Page-locks client memory (mempin); `mapped` also maps it into the device's address space.
+Napi::Value CudaHostRegister(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  DeviceArg(info, 0);
+  void* address = reinterpret_cast<void*>(static_cast<uintptr_t>(U64Arg(info, 1, "address")));
+  uint64_t size = U64Arg(info, 2, "size");
+  bool mapped = info[3].As<Napi::Boolean>().Value();
+  unsigned int flags = cu::HOST_REGISTER_PORTABLE | (mapped ? cu::HOST_REGISTER_DEVICEMAP : 0);
+  Check(env, driver.api.cuMemHostRegister_v2(address, size, flags), Sized("cuMemHostRegister", size));
+  cu::DevicePtr devicePointer = 0;
+  if (mapped) {
+    cu::Result result = driver.api.cuMemHostGetDevicePointer_v2(&devicePointer, address, 0);
+    if (result != cu::SUCCESS) {
+      driver.api.cuMemHostUnregister(address);
+      throw CudaError(env, result, "cuMemHostGetDevicePointer");
+    }
+  }
+  return Big(env, devicePointer);
+}
+
+Napi::Value CudaHostUnregister(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  DeviceArg(info, 0);
+  void* address = reinterpret_cast<void*>(static_cast<uintptr_t>(U64Arg(info, 1, "address")));
+  Check(env, driver.api.cuMemHostUnregister(address), "cuMemHostUnregister");
+  return env.Undefined();
+}
+
 }  // namespace
 
 void InitCudaDriver(Napi::Env env, Napi::Object exports) {
@@ -587,6 +623,8 @@ void InitCudaDriver(Napi::Env env, Napi::Object exports) {
   exports.Set("cudaCopyToDevice", Napi::Function::New(env, CudaCopyToDevice, "cudaCopyToDevice"));
   exports.Set("cudaCopyFromDevice", Napi::Function::New(env, CudaCopyFromDevice, "cudaCopyFromDevice"));
   exports.Set("cudaCanAccessPeer", Napi::Function::New(env, CudaCanAccessPeer, "cudaCanAccessPeer"));
+  exports.Set("cudaHostRegister", Napi::Function::New(env, CudaHostRegister, "cudaHostRegister"));
+  exports.Set("cudaHostUnregister", Napi::Function::New(env, CudaHostUnregister, "cudaHostUnregister"));
 }
 
 }  // namespace vmmd

@@ -222,6 +222,37 @@ Napi::Value HostDetachArrayBuffer(const Napi::CallbackInfo& info) {
   return info.Env().Undefined();
 }
 
+// hostLock(address, size) / hostUnlock(address, size): mlock, the host
+// backend's page-locking for mempin.
+Napi::Value HostLock(const Napi::CallbackInfo& info) {
+  void* address = AddressArg(info, 0);
+  uint64_t size = U64Arg(info, 1, "size");
+  if (mlock(address, size) != 0) ThrowErrno(info.Env(), Sized("mlock", size));
+  return info.Env().Undefined();
+}
+
+Napi::Value HostUnlock(const Napi::CallbackInfo& info) {
+  void* address = AddressArg(info, 0);
+  uint64_t size = U64Arg(info, 1, "size");
+  if (munlock(address, size) != 0) ThrowErrno(info.Env(), Sized("munlock", size));
+  return info.Env().Undefined();
+}
+
+// addressOf(arrayBufferOrView) -> the address of its first byte.
+Napi::Value AddressOf(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  if (info[0].IsArrayBuffer()) {
+    return Napi::BigInt::New(env, static_cast<uint64_t>(reinterpret_cast<uintptr_t>(info[0].As<Napi::ArrayBuffer>().Data())));
+  }
+  if (info[0].IsTypedArray() || info[0].IsDataView()) {
+    Napi::Object view = info[0].As<Napi::Object>();
+    Napi::ArrayBuffer buffer = view.Get("buffer").As<Napi::ArrayBuffer>();
+    uint64_t offset = static_cast<uint64_t>(view.Get("byteOffset").As<Napi::Number>().Int64Value());
+    return Napi::BigInt::New(env, static_cast<uint64_t>(reinterpret_cast<uintptr_t>(buffer.Data())) + offset);
+  }
+  ThrowArg(env, "addressOf takes an ArrayBuffer or a view of one");
+}
+
 Napi::Value PageSize(const Napi::CallbackInfo& info) {
   return Napi::Number::New(info.Env(), static_cast<double>(sysconf(_SC_PAGESIZE)));
 }
@@ -255,6 +286,9 @@ void InitHostMemory(Napi::Env env, Napi::Object exports) {
   exports.Set("hostArrayBuffer", Napi::Function::New(env, HostArrayBuffer, "hostArrayBuffer"));
   exports.Set("hostDetachArrayBuffer", Napi::Function::New(env, HostDetachArrayBuffer, "hostDetachArrayBuffer"));
   exports.Set("pageSize", Napi::Function::New(env, PageSize, "pageSize"));
+  exports.Set("hostLock", Napi::Function::New(env, HostLock, "hostLock"));
+  exports.Set("hostUnlock", Napi::Function::New(env, HostUnlock, "hostUnlock"));
+  exports.Set("addressOf", Napi::Function::New(env, AddressOf, "addressOf"));
   exports.Set("dup", Napi::Function::New(env, Dup, "dup"));
   exports.Set("close", Napi::Function::New(env, Close, "close"));
 }

@@ -1,0 +1,90 @@
+/**
+ * Numba's deferred deallocation strategy (numba.cuda's _PendingDeallocs):
+ * frees queue up and run together once more than `count` are pending or their
+ * bytes pass `ratio` of the device's memory; while a deferCleanup() hold is
+ * active, nothing runs.
+ */
+
+export interface DeferredFreeSettings {
+  /** Flush when more than this many frees are pending (Numba: CUDA_DEALLOCS_COUNT, 10). */
+  count: number;
+  /** Flush when pending bytes pass this share of the device's memory (Numba: CUDA_DEALLOCS_RATIO, 0.2). */
+  ratio: number;
+}
+
+export const DEFAULT_DEFERRED_FREE: DeferredFreeSettings = { count: 10, ratio: 0.2 };
+
+interface Pending {
+  free: () => void | Promise<void>;
+  size: bigint;
+}
+
+export class PendingDeallocations {
+  // Invariant: bytes is the sum of the sizes in queue.
+  private queue: Pending[] = [];
+  private bytes = 0n;
+  private holds = 0;
+  private flushing: Promise<void> = Promise.resolve();
+
+  constructor(
+    private readonly settings: DeferredFreeSettings,
+    /** The device's memory in bytes: the base of `ratio`. */
+    public capacity: bigint,
+  ) {}
+
+  get pendingCount(): number {
+    return this.queue.length;
+  }
+
+  get pendingBytes(): bigint {
+    return this.bytes;
+  }
+
+  get held(): boolean {
+    return this.holds > 0;
+  }
+
+  private get maxPendingBytes(): bigint {
+    return BigInt(Math.floor(Number(this.capacity) * this.settings.ratio));
+  }
+
+  /** Queues a free; flushes when a limit is passed and no hold is active. */
+  add(free: () => void | Promise<void>, size: bigint): Promise<void> {
+    this.queue.push({ free, size });
+    this.bytes += size;
+    if (this.queue.length > this.settings.count || this.bytes > this.maxPendingBytes) return this.flush();
+    return Promise.resolve();
+  }
+
+  /** Runs every queued free, in order, unless a hold is active. */
+  flush(): Promise<void> {
+    if (this.held) return Promise.resolve();
+    const batch = this.queue;
+    this.queue = [];
+    this.bytes = 0n;
+    if (batch.length === 0) return this.flushing;
+    this.flushing = this.flushing.then(async () => {
+      for (const item of batch) await item.free();
+    });
+    return this.flushing;
+  }
+
+  /** Holds flushing until the returned object is disposed (`using hold = …`). */
+  hold(): Disposable {
+    this.holds++;
+    let released = false;
+    return {
+      [Symbol.dispose]: () => {
+        if (released) return;
+        released = true;
+        this.holds--;
+      },
+    };
+  }
+
+  /** Drops every queued free without running it (reset: the memory goes another way). */
+  discard(): void {
+    this.queue = [];
+    this.bytes = 0n;
+  }
+}
