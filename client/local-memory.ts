@@ -161,6 +161,7 @@ export class CudaImportedMemory extends ImportedMemory {
     granularity: bigint,
     device: number,
     readOnly: boolean,
+    hostNuma?: number,
   ): Promise<CudaImportedMemory> {
     const loaded = addon.cudaLoad();
     if (!loaded.loaded) {
@@ -175,8 +176,13 @@ export class CudaImportedMemory extends ImportedMemory {
       address = addon.cudaReserve(size, granularity, 0n);
       addon.cudaMap(address, size, 0n, handle);
       mapped = true;
-      addon.cudaSetAccess(address, size, [{ type: CU_LOCATION.DEVICE, id: device, flags: readOnly ? 1 : 3 }]);
-      return new CudaImportedMemory(allocationId, address, size, device, readOnly);
+      const flags = readOnly ? 1 : 3;
+      const access: Array<{ type: number; id: number; flags: number }> = [{ type: CU_LOCATION.DEVICE, id: device, flags }];
+      // Host (NUMA) memory also opens to the CPU at the same address: a view sees the bytes.
+      if (hostNuma !== undefined) access.push({ type: CU_LOCATION.HOST_NUMA, id: hostNuma, flags });
+      addon.cudaSetAccess(address, size, access);
+      const view = hostNuma === undefined ? undefined : addon.hostArrayBuffer(address, Number(size));
+      return new CudaImportedMemory(allocationId, address, size, device, readOnly, view);
     } catch (error) {
       if (mapped) await addon.cudaUnmap(device, address, size);
       if (address !== 0n) addon.cudaFreeAddress(address, size);
@@ -187,9 +193,29 @@ export class CudaImportedMemory extends ImportedMemory {
     }
   }
 
+  private constructor(
+    allocationId: bigint,
+    address: bigint,
+    size: bigint,
+    device: number,
+    readOnly: boolean,
+    private view: ArrayBuffer | undefined,
+  ) {
+    super(allocationId, address, size, device, readOnly);
+  }
+
+  /** Host-located memory mapped with host access has a CPU view; device memory has none. */
+  override get buffer(): ArrayBuffer {
+    this.checkOpen();
+    if (this.view === undefined) return super.buffer;
+    return this.view;
+  }
+
   async close(): Promise<void> {
     if (this.closed) return;
     this.closed = true;
+    if (this.view !== undefined) addon.hostDetachArrayBuffer(this.view);
+    this.view = undefined;
     await addon.cudaUnmap(this.device, this.address, this.size);
     addon.cudaFreeAddress(this.address, this.size);
   }

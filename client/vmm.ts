@@ -44,6 +44,8 @@ export interface ImportOptions {
   readOnly?: boolean;
   /** Take the allocation as fabric bytes rather than a descriptor (cuda, where fabric is usable). */
   fabric?: boolean;
+  /** cuda, host-located (HOST_NUMA) memory: give the CPU access too, and a `buffer` view. */
+  hostAccess?: boolean;
 }
 
 /**
@@ -151,7 +153,10 @@ export class VirtualMemoryApi {
     }
     const fd = await this.session.takeTransfer(exported.transferId);
     if (this.backend === 'cuda') {
-      return CudaImportedMemory.map(id, { fd }, size, granularity, localDevice(exported.device, exported.deviceUuid), readOnly);
+      const hostNuma =
+        options.hostAccess && exported.location?.type === 'LOCATION_TYPE_HOST_NUMA' ? exported.location.id : undefined;
+      const device = localDevice(exported.device, exported.deviceUuid);
+      return CudaImportedMemory.map(id, { fd }, size, granularity, device, readOnly, hostNuma);
     }
     return HostImportedMemory.map(id, fd, size, granularity, readOnly);
   }

@@ -1,0 +1,310 @@
+/**
+ * The vmmd memory manager: NBEP 7 over the daemon. memalloc carves pooled
+ * chunks the session leases from the daemon (each mapped into this process
+ * once); requests above the large threshold get an allocation of their own.
+ * Frees go through Numba's deferred strategy; chunks go back to the daemon on
+ * clearCaches() or reset(), and with the session if the process dies.
+ */
+import { status as Status } from '@grpc/grpc-js';
+import type { VmmdClient } from '../connection';
+import { VmmdError } from '../errors';
+import type { ImportedMemory } from '../local-memory';
+import { addon } from '../../native';
+import { HostAllocOptions, HostOnlyMemoryManager } from './base';
+import { DEFAULT_DEFERRED_FREE, DeferredFreeSettings } from './deallocations';
+import { IpcHandle, ManagerContext, MappedMemory, MemoryInfo, MemoryPointer, PinnedMemory } from './memory';
+import { noteAllocation } from './plugin';
+import { Chunk, DEFAULT_POOL, Pool, PoolBlock, PoolSettings, sizeClass } from './pool';
+
+export interface VmmdManagerContext extends ManagerContext {
+  readonly client: VmmdClient;
+  readonly pool?: PoolSettings;
+  readonly deferred?: DeferredFreeSettings;
+  /** Create device memory host-located (HOST_NUMA), reachable by the CPU too: unified memory 1. */
+  readonly unified?: boolean;
+  /** Check the pool's invariant after every change (debugging). */
+  readonly checks?: boolean;
+}
+
+/** One allocation of the daemon's, mapped into this process. */
+interface Lease {
+  allocationId: bigint;
+  memory: ImportedMemory;
+  shareKey?: string;
+}
+
+export interface ManagerStats {
+  pool: { chunks: number; bytes: string; used: string; blocks: number };
+  large: { allocations: number; bytes: string };
+  pending: { frees: number; bytes: string };
+  counters: Record<string, number>;
+}
+
+const isOutOfMemory = (error: unknown) => error instanceof VmmdError && error.status === Status.RESOURCE_EXHAUSTED;
+
+export class VmmdMemoryManager extends HostOnlyMemoryManager {
+  private readonly client: VmmdClient;
+  private readonly settings: PoolSettings;
+  private readonly pool = new Pool<Lease>();
+  // Invariant: every large allocation handed out and not yet given back, by address.
+  private readonly large = new Map<bigint, Lease>();
+  private initialized?: Promise<void>;
+  private granularity = 0n;
+  private hostNumaId = 0;
+  // reset() starts a new generation: finalizers of earlier pointers then do nothing.
+  private generation = 0;
+  readonly counters = { memalloc: 0, pooled: 0, large: 0, chunksLeased: 0, chunksReturned: 0, frees: 0, outOfMemoryRetries: 0 };
+
+  constructor(override readonly context: VmmdManagerContext) {
+    super(context, context.deferred ?? DEFAULT_DEFERRED_FREE);
+    this.client = context.client;
+    this.settings = context.pool ?? DEFAULT_POOL;
+  }
+
+  /** Reads the device's size and granularity once; later calls return at once. */
+  initialize(): Promise<void> {
+    this.initialized ??= (async () => {
+      const info = await this.client.devices.getMemoryInfo({ device: this.context.device });
+      this.deallocations.capacity = BigInt(info.totalBytes);
+      const { devices } = await this.client.devices.listDevices();
+      this.hostNumaId = Math.max(0, devices[this.context.device]?.hostNumaId ?? 0);
+      const granularity = await this.client.devices.getGranularity({ location: this.location() });
+      this.granularity = BigInt(granularity.minimum);
+    })().catch((error) => {
+      this.initialized = undefined;
+      throw VmmdError.from(error);
+    });
+    return this.initialized;
+  }
+
+  /**
+   * Device memory of `size` bytes, 256-byte aligned.
+   * @throws VmmdError INVALID_ARGUMENT ZERO_SIZE; RESOURCE_EXHAUSTED (errorCode OUT_OF_MEMORY) when even
+   *   after flushing deferred frees and returning empty chunks there is no room
+   */
+  async memalloc(size: bigint | number): Promise<MemoryPointer> {
+    const bytes = BigInt(size);
+    if (bytes <= 0n) throw new VmmdError('ZERO_SIZE', Status.INVALID_ARGUMENT, `memalloc size ${bytes} must be greater than 0`);
+    await this.initialize();
+    this.counters.memalloc++;
+    noteAllocation();
+    try {
+      return await this.allocate(bytes);
+    } catch (error) {
+      if (!isOutOfMemory(error)) throw VmmdError.from(error);
+      // As Numba does: run the pending frees, give back what is cached, and try once more.
+      this.counters.outOfMemoryRetries++;
+      await this.deallocations.flush();
+      await this.releaseEmptyChunks();
+      return this.allocate(bytes);
+    }
+  }
+
+  /** Host memory from the daemon (shareable), mapped here with CPU access. */
+  override async memhostalloc(size: bigint | number, options: HostAllocOptions = {}): Promise<MappedMemory | PinnedMemory> {
+    const bytes = BigInt(size);
+    if (bytes <= 0n) throw new VmmdError('ZERO_SIZE', Status.INVALID_ARGUMENT, `memhostalloc size ${bytes} must be greater than 0`);
+    await this.initialize();
+    noteAllocation();
+    const location =
+      this.context.backend === 'cuda'
+        ? { type: 'LOCATION_TYPE_HOST_NUMA' as const, id: this.hostNumaId }
+        : { type: 'LOCATION_TYPE_DEVICE' as const, id: this.context.device };
+    const granularity = BigInt((await this.client.devices.getGranularity({ location })).minimum);
+    const lease = await this.lease(((bytes + granularity - 1n) / granularity) * granularity, location);
+    const generation = this.generation;
+    const finalizer = () => this.deallocations.add(() => this.giveBack(generation, lease), bytes);
+    let buffer: ArrayBuffer | undefined;
+    try {
+      buffer = lease.memory.buffer;
+    } catch {
+      buffer = undefined; // device memory without a CPU view
+    }
+    return options.mapped
+      ? new MappedMemory(this.context, lease.memory.address, bytes, lease, finalizer, buffer)
+      : new PinnedMemory(this.context, lease.memory.address, bytes, lease, finalizer, buffer);
+  }
+
+  /**
+   * What another process needs to open `memory`: the chunk's allocation, a share key, and the offset.
+   * @throws VmmdError FAILED_PRECONDITION NOT_MANAGED when the memory is not this manager's
+   */
+  async getIpcHandle(memory: MemoryPointer): Promise<IpcHandle> {
+    const found = this.find(memory.pointer);
+    if (found === undefined) {
+      throw new VmmdError('NOT_MANAGED', Status.FAILED_PRECONDITION, `0x${memory.pointer.toString(16)} is not memory of this manager`);
+    }
+    const { lease, base } = found;
+    lease.shareKey ??= (await this.client.vmm.share({ allocationId: lease.allocationId })).shareKey;
+    const { devices } = await this.client.devices.listDevices();
+    return {
+      allocationId: String(lease.allocationId),
+      offset: String(memory.pointer - base),
+      size: String(memory.size),
+      device: this.context.device,
+      deviceUuid: devices[this.context.device]?.uuid ?? '',
+      shareKey: lease.shareKey,
+    };
+  }
+
+  /**
+   * Opens another process's IPC handle: maps its allocation here and points at
+   * the offset. free() unmaps it.
+   */
+  async openIpcHandle(handle: IpcHandle): Promise<MemoryPointer> {
+    const memory = await this.client.vmm.import(handle.allocationId, { shareKey: handle.shareKey });
+    return new MemoryPointer(this.context, memory.address + BigInt(handle.offset), BigInt(handle.size), memory, () => memory.close());
+  }
+
+  /** The device's free and total bytes, as the daemon accounts them. */
+  async getMemoryInfo(): Promise<MemoryInfo> {
+    const info = await this.client.devices.getMemoryInfo({ device: this.context.device });
+    return { free: BigInt(info.freeBytes), total: BigInt(info.totalBytes) };
+  }
+
+  /** Frees everything: host memory, pooled chunks, large allocations. Earlier pointers become inert. */
+  override async reset(): Promise<void> {
+    await super.reset();
+    this.generation++;
+    const leases = [...this.pool.chunks.map((chunk) => chunk.lease), ...this.large.values()];
+    this.pool.chunks.length = 0;
+    this.large.clear();
+    for (const lease of leases) await this.returnLease(lease);
+  }
+
+  /** Runs pending frees and gives empty chunks back to the daemon. */
+  async clearCaches(): Promise<void> {
+    await this.deallocations.flush();
+    await this.releaseEmptyChunks();
+  }
+
+  /** Runs pending frees (unless deferCleanup holds them). */
+  flush(): Promise<void> {
+    return this.deallocations.flush();
+  }
+
+  /** Copies bytes into managed memory at a device pointer. */
+  async write(pointer: bigint, data: Uint8Array): Promise<void> {
+    const found = this.find(pointer);
+    if (found !== undefined) return found.lease.memory.write(pointer - found.base, data);
+    if (this.context.backend === 'cuda') return addon.cudaCopyToDevice(this.context.device, pointer, Buffer.from(data));
+    throw new VmmdError('NOT_MANAGED', Status.FAILED_PRECONDITION, `0x${pointer.toString(16)} is not memory of this manager`);
+  }
+
+  /** Copies bytes out of managed memory at a device pointer. */
+  async read(pointer: bigint, length: bigint | number): Promise<Buffer> {
+    const found = this.find(pointer);
+    if (found !== undefined) return found.lease.memory.read(pointer - found.base, length);
+    if (this.context.backend === 'cuda') return addon.cudaCopyFromDevice(this.context.device, pointer, BigInt(length));
+    throw new VmmdError('NOT_MANAGED', Status.FAILED_PRECONDITION, `0x${pointer.toString(16)} is not memory of this manager`);
+  }
+
+  stats(): ManagerStats {
+    const pool = this.pool.occupancy();
+    let largeBytes = 0n;
+    for (const lease of this.large.values()) largeBytes += lease.memory.size;
+    return {
+      pool: { chunks: pool.chunks, bytes: String(pool.bytes), used: String(pool.used), blocks: pool.blocks },
+      large: { allocations: this.large.size, bytes: String(largeBytes) },
+      pending: { frees: this.deallocations.pendingCount, bytes: String(this.deallocations.pendingBytes) },
+      counters: { ...this.counters },
+    };
+  }
+
+  private location() {
+    return this.context.unified && this.context.backend === 'cuda'
+      ? { type: 'LOCATION_TYPE_HOST_NUMA' as const, id: this.hostNumaId }
+      : { type: 'LOCATION_TYPE_DEVICE' as const, id: this.context.device };
+  }
+
+  private roundToGranularity(bytes: bigint): bigint {
+    return ((bytes + this.granularity - 1n) / this.granularity) * this.granularity;
+  }
+
+  private async allocate(bytes: bigint): Promise<MemoryPointer> {
+    const generation = this.generation;
+    if (sizeClass(bytes) > this.settings.largeThreshold) {
+      const lease = await this.lease(this.roundToGranularity(bytes), this.location());
+      this.large.set(lease.memory.address, lease);
+      this.counters.large++;
+      const finalizer = () => {
+        this.counters.frees++;
+        return this.deallocations.add(() => this.giveBackLarge(generation, lease), lease.memory.size);
+      };
+      return new MemoryPointer(this.context, lease.memory.address, bytes, lease, finalizer);
+    }
+    let block = this.pool.take(bytes);
+    if (block === undefined) {
+      const lease = await this.lease(this.roundToGranularity(this.settings.chunkSize), this.location());
+      this.counters.chunksLeased++;
+      this.pool.add(new Chunk(lease, lease.memory.address, lease.memory.size));
+      block = this.pool.take(bytes)!;
+    }
+    this.counters.pooled++;
+    const taken: PoolBlock<Lease> = block;
+    const finalizer = () => {
+      this.counters.frees++;
+      return this.deallocations.add(() => this.giveBlock(generation, taken), taken.size);
+    };
+    this.check();
+    return new MemoryPointer(this.context, taken.chunk.base + taken.offset, bytes, taken.chunk, finalizer);
+  }
+
+  private async lease(size: bigint, location: { type: 'LOCATION_TYPE_DEVICE' | 'LOCATION_TYPE_HOST_NUMA'; id: number }): Promise<Lease> {
+    const allocation = await this.client.vmm.create({ size, location });
+    try {
+      const memory = await this.client.vmm.import(allocation.id, { hostAccess: location.type === 'LOCATION_TYPE_HOST_NUMA' });
+      return { allocationId: BigInt(allocation.id), memory };
+    } catch (error) {
+      await this.client.vmm.release({ allocationId: allocation.id }).catch(() => undefined);
+      throw error;
+    }
+  }
+
+  private giveBlock(generation: number, block: PoolBlock<Lease>): void {
+    if (generation !== this.generation) return;
+    this.pool.give(block);
+    this.check();
+  }
+
+  private async giveBackLarge(generation: number, lease: Lease): Promise<void> {
+    if (generation !== this.generation) return;
+    this.large.delete(lease.memory.address);
+    await this.returnLease(lease);
+  }
+
+  private async giveBack(generation: number, lease: Lease): Promise<void> {
+    if (generation !== this.generation) return;
+    await this.returnLease(lease);
+  }
+
+  private async returnLease(lease: Lease): Promise<void> {
+    await lease.memory.close();
+    await this.client.vmm.release({ allocationId: lease.allocationId }).catch((error) => {
+      // The session may be gone already: the daemon reclaimed the allocation with it.
+      if (!(error instanceof VmmdError) || (error.code !== 'SESSION_LOST' && error.status !== Status.UNAUTHENTICATED)) throw error;
+    });
+  }
+
+  private async releaseEmptyChunks(): Promise<void> {
+    for (const chunk of [...this.pool.chunks]) {
+      if (!chunk.empty) continue;
+      this.pool.remove(chunk);
+      this.counters.chunksReturned++;
+      await this.returnLease(chunk.lease);
+    }
+  }
+
+  private find(pointer: bigint): { lease: Lease; base: bigint } | undefined {
+    const chunk = this.pool.chunkAt(pointer);
+    if (chunk !== undefined) return { lease: chunk.lease, base: chunk.base };
+    for (const [base, lease] of this.large) {
+      if (pointer >= base && pointer < base + lease.memory.size) return { lease, base };
+    }
+    return undefined;
+  }
+
+  private check(): void {
+    if (this.context.checks) for (const chunk of this.pool.chunks) chunk.check();
+  }
+}
