@@ -128,6 +128,9 @@ export abstract class HostOnlyMemoryManager extends BaseMemoryManager {
     return this.pin(pointer, bytes, options.mapped ?? false, owner, buffer, () => undefined);
   }
 
+  /** Host memory needs no preparation; device managers override this (and may call it). */
+  async initialize(): Promise<void> {}
+
   async reset(): Promise<void> {
     this.deallocations.discard();
     const live = [...this.hostReleases];

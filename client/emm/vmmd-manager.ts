@@ -36,6 +36,7 @@ interface Lease {
 export interface ManagerStats {
   pool: { chunks: number; bytes: string; used: string; blocks: number };
   large: { allocations: number; bytes: string };
+  host: { allocations: number };
   pending: { frees: number; bytes: string };
   counters: Record<string, number>;
 }
@@ -48,6 +49,8 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   private readonly pool = new Pool<Lease>();
   // Invariant: every large allocation handed out and not yet given back, by address.
   private readonly large = new Map<bigint, Lease>();
+  // Invariant: every memhostalloc allocation not yet given back, by address.
+  private readonly hostLeases = new Map<bigint, Lease>();
   private initialized?: Promise<void>;
   private granularity = 0n;
   private hostNumaId = 0;
@@ -62,7 +65,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   }
 
   /** Reads the device's size and granularity once; later calls return at once. */
-  initialize(): Promise<void> {
+  override initialize(): Promise<void> {
     this.initialized ??= (async () => {
       const info = await this.client.devices.getMemoryInfo({ device: this.context.device });
       this.deallocations.capacity = BigInt(info.totalBytes);
@@ -112,8 +115,12 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
         : { type: 'LOCATION_TYPE_DEVICE' as const, id: this.context.device };
     const granularity = BigInt((await this.client.devices.getGranularity({ location })).minimum);
     const lease = await this.lease(((bytes + granularity - 1n) / granularity) * granularity, location);
+    this.hostLeases.set(lease.memory.address, lease);
     const generation = this.generation;
-    const finalizer = () => this.deallocations.add(() => this.giveBack(generation, lease), bytes);
+    const finalizer = () => {
+      this.counters.frees++;
+      return this.deallocations.add(() => this.giveBack(generation, lease), bytes);
+    };
     let buffer: ArrayBuffer | undefined;
     try {
       buffer = lease.memory.buffer;
@@ -166,9 +173,10 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   override async reset(): Promise<void> {
     await super.reset();
     this.generation++;
-    const leases = [...this.pool.chunks.map((chunk) => chunk.lease), ...this.large.values()];
+    const leases = [...this.pool.chunks.map((chunk) => chunk.lease), ...this.large.values(), ...this.hostLeases.values()];
     this.pool.chunks.length = 0;
     this.large.clear();
+    this.hostLeases.clear();
     for (const lease of leases) await this.returnLease(lease);
   }
 
@@ -206,6 +214,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     return {
       pool: { chunks: pool.chunks, bytes: String(pool.bytes), used: String(pool.used), blocks: pool.blocks },
       large: { allocations: this.large.size, bytes: String(largeBytes) },
+      host: { allocations: this.hostLeases.size },
       pending: { frees: this.deallocations.pendingCount, bytes: String(this.deallocations.pendingBytes) },
       counters: { ...this.counters },
     };
@@ -275,6 +284,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
 
   private async giveBack(generation: number, lease: Lease): Promise<void> {
     if (generation !== this.generation) return;
+    this.hostLeases.delete(lease.memory.address);
     await this.returnLease(lease);
   }
 
@@ -298,8 +308,10 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   private find(pointer: bigint): { lease: Lease; base: bigint } | undefined {
     const chunk = this.pool.chunkAt(pointer);
     if (chunk !== undefined) return { lease: chunk.lease, base: chunk.base };
-    for (const [base, lease] of this.large) {
-      if (pointer >= base && pointer < base + lease.memory.size) return { lease, base };
+    for (const leases of [this.large, this.hostLeases]) {
+      for (const [base, lease] of leases) {
+        if (pointer >= base && pointer < base + lease.memory.size) return { lease, base };
+      }
     }
     return undefined;
   }
