@@ -11,4 +11,5 @@ module.exports = {
   // e2e suites start daemons and client processes: two at a time suits a 2-core machine.
   maxWorkers: 2,
   reporters: ['default', '<rootDir>/test/summary-reporter.js'],
+  setupFiles: ['<rootDir>/test/setup-symbols.js'],
 };

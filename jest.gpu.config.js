@@ -11,4 +11,5 @@ module.exports = {
   maxWorkers: 1,
   verbose: true,
   reporters: ['default', '<rootDir>/test/summary-reporter.js'],
+  setupFiles: ['<rootDir>/test/setup-symbols.js'],
 };

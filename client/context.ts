@@ -13,7 +13,7 @@ import { VmmdError } from './errors';
 import type { BaseMemoryManager } from './emm/base';
 import { DEFAULT_DEFERRED_FREE, DeferredFreeSettings } from './emm/deallocations';
 import type { MemoryPointer } from './emm/memory';
-import { memoryManagerClass } from './emm/plugin';
+import { createMemoryManager } from './emm/plugin';
 import { DEFAULT_POOL, PoolSettings } from './emm/pool';
 import { VmmdManagerContext, VmmdMemoryManager } from './emm/vmmd-manager';
 
@@ -165,11 +165,10 @@ export class Context {
         unified: settings.unifiedMemory === 1,
         checks: settings.debugging,
       };
-      const Manager = memoryManagerClass(VmmdMemoryManager);
-      const manager = new Manager(managerContext);
+      const manager = createMemoryManager(managerContext, VmmdMemoryManager);
       await manager.initialize();
       const context = new Context(settings, client, device.index, device.name, manager);
-      context.log(`context on device ${device.index} (${device.name}), ${backend} backend, manager ${Manager.name}`);
+      context.log(`context on device ${device.index} (${device.name}), ${backend} backend, manager ${manager.constructor.name}`);
       return context;
     } catch (error) {
       client.close();

@@ -21,7 +21,7 @@ export { DEFAULT_DEFERRED_FREE, PendingDeallocations } from './emm/deallocations
 export type { DeferredFreeSettings } from './emm/deallocations';
 export { MappedMemory, MemoryPointer, PinnedMemory, onFinalizerError } from './emm/memory';
 export type { IpcHandle, ManagerContext, MemoryInfo } from './emm/memory';
-export { memoryManagerClass, MEMORY_MANAGER_VARIABLE, resetMemoryManagerChoice, setMemoryManager } from './emm/plugin';
+export { createMemoryManager, memoryManagerClass, MEMORY_MANAGER_VARIABLE, resetMemoryManagerChoice, setMemoryManager } from './emm/plugin';
 export type { MemoryManagerClass } from './emm/plugin';
 export { DEFAULT_POOL, sizeClass } from './emm/pool';
 export type { PoolSettings } from './emm/pool';

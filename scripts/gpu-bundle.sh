@@ -17,7 +17,7 @@ stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/vmmd/build/Release" "$stage/vmmd/test"
 cp -r package.json package-lock.json bin dist proto jest.gpu.config.js "$stage/vmmd/"
-cp test/summary-reporter.js "$stage/vmmd/test/"
+cp test/summary-reporter.js test/setup-symbols.js "$stage/vmmd/test/"
 cp build/Release/vmmd_native.node "$stage/vmmd/build/Release/"
 # Production dependencies and jest's runtime; no compiler, no type packages.
 cp -r node_modules "$stage/vmmd/node_modules"

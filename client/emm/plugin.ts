@@ -46,6 +46,23 @@ export function resetMemoryManagerChoice(): void {
 }
 
 /**
+ * Makes the chosen manager for a context. Its allocating methods note the
+ * first allocation, so that the choice is fixed from then on, whatever class it is.
+ */
+export function createMemoryManager<C extends ManagerContext>(context: C, fallback: MemoryManagerClass<C>): BaseMemoryManager {
+  const Manager = memoryManagerClass(fallback);
+  const manager = new Manager(context);
+  for (const method of ['memalloc', 'memhostalloc', 'mempin'] as const) {
+    const original = manager[method].bind(manager) as (...args: unknown[]) => Promise<unknown>;
+    (manager as unknown as Record<string, unknown>)[method] = (...args: unknown[]) => {
+      noteAllocation();
+      return original(...args);
+    };
+  }
+  return manager;
+}
+
+/**
  * The class to use: the one set, else the one the environment names, else `fallback`.
  * @throws VmmdError PROGRAM_ERROR BAD_MEMORY_MANAGER when the module cannot be loaded or exports no class
  */

@@ -52,6 +52,8 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   // Invariant: every memhostalloc allocation not yet given back, by address.
   private readonly hostLeases = new Map<bigint, Lease>();
   private initialized?: Promise<void>;
+  // The chunk lease in progress: concurrent requests that find no room wait for it rather than lease their own.
+  private leasing?: Promise<void>;
   private granularity = 0n;
   private hostNumaId = 0;
   // reset() starts a new generation: finalizers of earlier pointers then do nothing.
@@ -243,11 +245,18 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
       return new MemoryPointer(this.context, lease.memory.address, bytes, lease, finalizer);
     }
     let block = this.pool.take(bytes);
-    if (block === undefined) {
-      const lease = await this.lease(this.roundToGranularity(this.settings.chunkSize), this.location());
-      this.counters.chunksLeased++;
-      this.pool.add(new Chunk(lease, lease.memory.address, lease.memory.size));
-      block = this.pool.take(bytes)!;
+    while (block === undefined) {
+      if (this.leasing === undefined) {
+        this.leasing = (async () => {
+          const lease = await this.lease(this.roundToGranularity(this.settings.chunkSize), this.location());
+          this.counters.chunksLeased++;
+          this.pool.add(new Chunk(lease, lease.memory.address, lease.memory.size));
+        })().finally(() => {
+          this.leasing = undefined;
+        });
+      }
+      await this.leasing;
+      block = this.pool.take(bytes);
     }
     this.counters.pooled++;
     const taken: PoolBlock<Lease> = block;
