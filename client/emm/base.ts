@@ -153,12 +153,17 @@ export abstract class HostOnlyMemoryManager extends BaseMemoryManager {
   ): MappedMemory | PinnedMemory {
     let devicePointer = address;
     let unpin: () => void;
-    if (this.context.backend === 'cuda') {
-      devicePointer = addon.cudaHostRegister(this.context.device, address, size, mapped);
-      unpin = () => addon.cudaHostUnregister(this.context.device, address);
-    } else {
-      addon.hostLock(address, size);
-      unpin = () => addon.hostUnlock(address, size);
+    try {
+      if (this.context.backend === 'cuda') {
+        devicePointer = addon.cudaHostRegister(this.context.device, address, size, mapped);
+        unpin = () => addon.cudaHostUnregister(this.context.device, address);
+      } else {
+        addon.hostLock(address, size);
+        unpin = () => addon.hostUnlock(address, size);
+      }
+    } catch (error) {
+      // CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, ENOMEM past RLIMIT_MEMLOCK…: named, with errorCode 2 or 3.
+      throw VmmdError.from(error);
     }
     const releaseOnce = once(() => {
       unpin();
