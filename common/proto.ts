@@ -8,6 +8,7 @@ import * as fs from 'node:fs';
 import * as path from 'node:path';
 import type { ProtoGrpcType as AdminProto } from '../generated/admin';
 import type { ProtoGrpcType as DevicesProto } from '../generated/devices';
+import type { ProtoGrpcType as StoresProto } from '../generated/stores';
 import type { ProtoGrpcType as VirtualMemoryProto } from '../generated/virtual_memory';
 
 function protoRoot(): string {
@@ -22,7 +23,13 @@ function protoRoot(): string {
 
 export const PROTO_DIR = protoRoot();
 
-export const PROTO_FILES = ['vmmd/v1/common.proto', 'vmmd/v1/devices.proto', 'vmmd/v1/virtual_memory.proto', 'vmmd/v1/admin.proto'];
+export const PROTO_FILES = [
+  'vmmd/v1/common.proto',
+  'vmmd/v1/devices.proto',
+  'vmmd/v1/virtual_memory.proto',
+  'vmmd/v1/admin.proto',
+  'vmmd/v1/stores.proto',
+];
 
 /** The options shared with scripts/gen-types.js, with include dirs made absolute. */
 export const LOADER_OPTIONS: protoLoader.Options = (() => {
@@ -35,7 +42,7 @@ export const LOADER_OPTIONS: protoLoader.Options = (() => {
   };
 })();
 
-export type VmmdProto = AdminProto & DevicesProto & VirtualMemoryProto;
+export type VmmdProto = AdminProto & DevicesProto & VirtualMemoryProto & StoresProto;
 
 let loaded: { definition: protoLoader.PackageDefinition; proto: VmmdProto } | undefined;
 

@@ -16,7 +16,9 @@ import { AdminService } from './services/admin';
 import { DevicesService } from './services/devices';
 import { HandlerDeps } from './services/handler';
 import { VirtualMemoryService } from './services/virtual-memory';
+import { StoresService } from './services/stores';
 import { DEFAULT_SESSION_OPTIONS, SessionManager, SessionOptions } from './sessions';
+import { StoreRegistry } from './stores';
 
 // eslint-disable-next-line @typescript-eslint/no-require-imports
 export const VERSION: string = require('../../package.json').version;
@@ -71,6 +73,8 @@ export class Daemon {
     clearStaleSockets(paths);
 
     const sessions = new SessionManager(registry, log, sessionOptions);
+    const stores = new StoreRegistry(registry);
+    sessions.onReclaim((session) => stores.reclaim(session));
     sessions.listen(paths.session);
 
     const server = new grpc.Server({ 'grpc.max_receive_message_length': 16 << 20 });
@@ -78,6 +82,7 @@ export class Daemon {
     const deps: HandlerDeps = { sessions, log };
     new DevicesService(registry).addToServer(server, proto, deps);
     new VirtualMemoryService(registry, sessions).addToServer(server, proto, deps);
+    new StoresService(registry, stores, sessions).addToServer(server, proto, deps);
     const admin = new AdminService(registry, sessions, VERSION);
     admin.addToServer(server, proto, deps);
     await new Promise<void>((resolve, reject) =>

@@ -35,6 +35,7 @@ export const resourceExhausted = (code: string, message: string) =>
 export const unauthenticated = (code: string, message: string) => new RpcError(Status.UNAUTHENTICATED, code, message);
 export const deadlineExceeded = (code: string, message: string) =>
   new RpcError(Status.DEADLINE_EXCEEDED, code, message);
+export const alreadyExists = (code: string, message: string) => new RpcError(Status.ALREADY_EXISTS, code, message);
 export const unavailable = (code: string, message: string) => new RpcError(Status.UNAVAILABLE, code, message);
 
 /**

@@ -345,6 +345,19 @@ export class Registry {
     return allocation;
   }
 
+  /**
+   * A handle reference held by `holder` (a store) on an allocation the caller may touch.
+   * @throws NOT_FOUND UNKNOWN_ALLOCATION; FAILED_PRECONDITION ALREADY_RELEASED; PERMISSION_DENIED NOT_OWNER
+   */
+  holdAllocation(caller: bigint, allocationId: bigint, holder: bigint): AllocationRecord {
+    const allocation = this.liveAllocation(allocationId);
+    if (!this.mayAct(caller, allocation.owner) && !allocation.references.has(caller)) {
+      throw permissionDenied('NOT_OWNER', `allocation ${allocationId} belongs to ${ownerName(allocation.owner)}`);
+    }
+    allocation.references.set(holder, (allocation.references.get(holder) ?? 0) + 1);
+    return allocation;
+  }
+
   referenceCount(allocation: AllocationRecord): number {
     let total = 0;
     for (const count of allocation.references.values()) total += count;

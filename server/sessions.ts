@@ -110,12 +110,19 @@ export class SessionManager extends EventEmitter {
   private readonly sessions = new Map<bigint, Session>();
   private readonly reclaims = new Set<Promise<void>>();
 
+  /** Runs before the registry reclaims a session's objects (stores drop its opens first). */
+  private readonly reclaimers: Array<(session: bigint) => Promise<void>> = [];
+
   constructor(
     private readonly registry: Registry,
     private readonly log: Logger,
     private readonly options: SessionOptions = DEFAULT_SESSION_OPTIONS,
   ) {
     super();
+  }
+
+  onReclaim(reclaimer: (session: bigint) => Promise<void>): void {
+    this.reclaimers.push(reclaimer);
   }
 
   listen(path: string): void {
@@ -332,6 +339,7 @@ export class SessionManager extends EventEmitter {
     const reclaim = (async () => {
       await session.drained();
       try {
+        for (const reclaimer of this.reclaimers) await reclaimer(session.id);
         await this.registry.reclaim(session.id);
       } catch (error) {
         session.log.error({ err: error }, 'reclaiming the session failed');

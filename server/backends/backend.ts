@@ -86,6 +86,12 @@ export interface Backend {
   setAccess(address: bigint, size: bigint, grants: AccessGrant[]): void;
   /** A new descriptor for the handle, owned by the caller. */
   exportHandle(handle: BackendHandle): Promise<number>;
+  /**
+   * From now on the memory cannot be mapped writable through any descriptor
+   * (host: F_SEAL_FUTURE_WRITE). Backends that cannot enforce it (cuda:
+   * access flags are the importer's) do nothing.
+   */
+  sealReadOnly(handle: BackendHandle): void;
   /** The handle as fabric bytes (cuda, where the host permits fabric handles). */
   exportFabric(handle: BackendHandle): Promise<Buffer>;
   /**

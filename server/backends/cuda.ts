@@ -172,6 +172,9 @@ export class CudaBackend implements Backend {
     return addon.cudaExportFd(0, BigInt(handle));
   }
 
+  // NOTE: CUDA has no seal: read-only stores reach importers with read-only access flags (the client library's).
+  sealReadOnly(): void {}
+
   exportFabric(handle: BackendHandle): Promise<Buffer> {
     return addon.cudaExportFabric(0, BigInt(handle));
   }

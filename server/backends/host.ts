@@ -118,6 +118,10 @@ export class HostBackend implements Backend {
     return addon.dup(Number(handle));
   }
 
+  sealReadOnly(handle: BackendHandle): void {
+    addon.hostMemfdSealReadOnly(Number(handle));
+  }
+
   async exportFabric(): Promise<Buffer> {
     throw codedError('UNSUPPORTED_HANDLE_TYPE', 'the host backend has no fabric handles');
   }

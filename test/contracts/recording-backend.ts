@@ -95,6 +95,11 @@ export class RecordingBackend implements Backend {
     return this.inner.exportHandle(handle);
   }
 
+  sealReadOnly(handle: BackendHandle) {
+    this.calls.push('seal');
+    this.inner.sealReadOnly(handle);
+  }
+
   exportFabric(handle: BackendHandle) {
     this.calls.push('exportFabric');
     return this.inner.exportFabric(handle);

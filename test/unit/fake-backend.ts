@@ -91,6 +91,10 @@ export class FakeBackend implements Backend {
     this.calls.push('releaseReference');
   }
 
+  sealReadOnly(): void {
+    this.calls.push('seal');
+  }
+
   async exportFabric(): Promise<Buffer> {
     fail('UNSUPPORTED_HANDLE_TYPE', 'the fake backend has no fabric handles');
   }

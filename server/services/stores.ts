@@ -1,0 +1,262 @@
+/** The Stores service: shared memory with Legate's attach/detach semantics, and the data path. */
+import * as grpc from '@grpc/grpc-js';
+import type { AttachRequest__Output } from '../../generated/vmmd/v1/AttachRequest';
+import type { CloseRequest__Output } from '../../generated/vmmd/v1/CloseRequest';
+import type { CloseResponse } from '../../generated/vmmd/v1/CloseResponse';
+import type { CopyRequest__Output } from '../../generated/vmmd/v1/CopyRequest';
+import type { CreateStoreRequest__Output } from '../../generated/vmmd/v1/CreateStoreRequest';
+import type { DataChunk } from '../../generated/vmmd/v1/DataChunk';
+import type { DataReadRequest__Output } from '../../generated/vmmd/v1/DataReadRequest';
+import type { DataWriteRequest__Output } from '../../generated/vmmd/v1/DataWriteRequest';
+import type { DataWriteResponse } from '../../generated/vmmd/v1/DataWriteResponse';
+import type { DetachRequest__Output } from '../../generated/vmmd/v1/DetachRequest';
+import type { FillRequest__Output } from '../../generated/vmmd/v1/FillRequest';
+import type { ListStoresResponse } from '../../generated/vmmd/v1/ListStoresResponse';
+import type { OpenRequest__Output } from '../../generated/vmmd/v1/OpenRequest';
+import type { OpenResponse } from '../../generated/vmmd/v1/OpenResponse';
+import type { Span__Output } from '../../generated/vmmd/v1/Span';
+import type { Store } from '../../generated/vmmd/v1/Store';
+import type { StoreEvent as WireStoreEvent } from '../../generated/vmmd/v1/StoreEvent';
+import type { StoreRef__Output } from '../../generated/vmmd/v1/StoreRef';
+import type { WatchRequest__Output } from '../../generated/vmmd/v1/WatchRequest';
+import type { VmmdProto } from '../../common/proto';
+import { addon } from '../../native';
+import { failedPrecondition, invalidArgument } from '../errors';
+import { IO_CHUNK_BYTES, Registry } from '../registry';
+import type { SessionManager } from '../sessions';
+import { StoreEvent, StoreRecord, StoreRegistry, StoreTarget } from '../stores';
+import { CallContext, clientStream, HandlerDeps, serverStream, unary } from './handler';
+import { u64 } from './wire';
+
+const TARGETS: Record<string, StoreTarget | undefined> = {
+  STORE_TARGET_UNSPECIFIED: 'SYSMEM',
+  STORE_TARGET_SYSMEM: 'SYSMEM',
+  STORE_TARGET_ZCMEM: 'ZCMEM',
+  STORE_TARGET_FBMEM: 'FBMEM',
+};
+
+const CHUNK = BigInt(IO_CHUNK_BYTES);
+
+/** One end of a data operation: a store range, or daemon-mapped memory at an address. */
+type Place = { store: StoreRecord; offset: bigint } | { address: bigint };
+
+export class StoresService {
+  constructor(
+    private readonly registry: Registry,
+    private readonly stores: StoreRegistry,
+    private readonly sessions: SessionManager,
+  ) {}
+
+  toWire(store: StoreRecord): Store {
+    let opens = 0;
+    for (const count of store.opens.values()) opens += count;
+    return {
+      id: String(store.id),
+      name: store.name,
+      target: `STORE_TARGET_${store.target}`,
+      device: store.device,
+      size: String(store.size),
+      readOnly: store.readOnly,
+      attached: store.attached,
+      ownerSession: String(store.owner),
+      state: `STORE_STATE_${store.state}`,
+      opens,
+      allocationId: String(store.memory.allocationId),
+    };
+  }
+
+  private ref(value: StoreRef__Output | null): StoreRecord {
+    if (value === null) throw invalidArgument('NO_STORE', 'name the store by id or name');
+    return this.stores.find({ id: u64(value.id), name: value.name });
+  }
+
+  async createStore(request: CreateStoreRequest__Output, context: CallContext): Promise<Store> {
+    return this.toWire(
+      await this.stores.create(context.caller, {
+        allocationId: u64(request.allocationId),
+        name: request.name,
+        readOnly: request.readOnly,
+        handOver: request.handOver,
+      }),
+    );
+  }
+
+  async attach(request: AttachRequest__Output, context: CallContext): Promise<Store> {
+    const session = this.session(context, 'Attach');
+    const target = TARGETS[String(request.target)];
+    if (target === undefined) throw invalidArgument('BAD_ENUM', `target ${JSON.stringify(request.target)} is not a StoreTarget`);
+    if (u64(request.transferId) === 0n) throw invalidArgument('BAD_TRANSFER', 'transfer_id must be set (ids start at 1)');
+    const fd = await this.sessions.takeTransfer(session, String(u64(request.transferId)));
+    const store = await this.stores.attach(context.caller, fd, {
+      target,
+      device: request.device,
+      size: u64(request.size),
+      readOnly: request.readOnly,
+      name: request.name,
+      hasDeleter: request.hasDeleter,
+    });
+    return this.toWire(store);
+  }
+
+  async open(request: OpenRequest__Output, context: CallContext): Promise<OpenResponse> {
+    const session = this.session(context, 'Open');
+    const store = this.ref(request.store);
+    const fd = await this.stores.open(context.caller, store, request.writable);
+    let transferId: string;
+    try {
+      transferId = this.sessions.sendTransfer(session, fd, { allocation: store.memory.allocationId, size: store.size });
+    } catch (error) {
+      await this.stores.close(context.caller, store);
+      throw error;
+    } finally {
+      addon.close(fd);
+    }
+    return { store: this.toWire(store), transferId, granularity: String(store.memory.granularity) };
+  }
+
+  async close(request: CloseRequest__Output, context: CallContext): Promise<CloseResponse> {
+    const store = this.stores.find({ id: u64(request.storeId), name: '' });
+    return { opens: await this.stores.close(context.caller, store) };
+  }
+
+  async detach(request: DetachRequest__Output, context: CallContext): Promise<Store> {
+    return this.toWire(await this.stores.detach(context.caller, this.ref(request.store)));
+  }
+
+  list(): ListStoresResponse {
+    return { stores: this.stores.list().map((store) => this.toWire(store)) };
+  }
+
+  private eventToWire(event: StoreEvent): WireStoreEvent {
+    return { sequence: String(event.sequence), kind: `KIND_${event.kind}`, store: this.toWire(event.store), session: String(event.session) };
+  }
+
+  async *watch(request: WatchRequest__Output): AsyncGenerator<WireStoreEvent> {
+    const queue: StoreEvent[] = [];
+    let wake: (() => void) | undefined;
+    const onEvent = (event: StoreEvent) => {
+      queue.push(event);
+      wake?.();
+    };
+    // Subscribe before replaying, and skip what the replay already gave: no event is lost or doubled.
+    this.stores.on('event', onEvent);
+    try {
+      let last = u64(request.since);
+      for (const event of this.stores.eventsSince(last)) {
+        last = event.sequence;
+        yield this.eventToWire(event);
+      }
+      for (;;) {
+        while (queue.length > 0) {
+          const event = queue.shift()!;
+          if (event.sequence <= last) continue;
+          last = event.sequence;
+          yield this.eventToWire(event);
+        }
+        await new Promise<void>((resolve) => (wake = resolve));
+        wake = undefined;
+      }
+    } finally {
+      this.stores.off('event', onEvent);
+    }
+  }
+
+  private place(span: Span__Output | null): Place {
+    if (span === null) throw invalidArgument('NO_SPAN', 'a span names a store (store_id, offset) or a daemon-mapped address');
+    if (u64(span.storeId) !== 0n) return { store: this.stores.find({ id: u64(span.storeId), name: '' }), offset: u64(span.offset) };
+    return { address: u64(span.address) + u64(span.offset) };
+  }
+
+  private async readAt(place: Place, caller: bigint, offset: bigint, length: bigint): Promise<Buffer> {
+    if ('store' in place) {
+      this.stores.checkRange(place.store, place.offset + offset, length, false);
+      return this.stores.use(place.store, () => place.store.memory.read(place.offset + offset, Number(length)));
+    }
+    const chunks: Buffer[] = [];
+    for await (const chunk of this.registry.read(caller, place.address + offset, length)) chunks.push(chunk.data);
+    return Buffer.concat(chunks);
+  }
+
+  private async writeAt(place: Place, caller: bigint, offset: bigint, data: Buffer): Promise<void> {
+    if ('store' in place) return this.stores.write(place.store, place.offset + offset, data);
+    return this.registry.write(caller, place.address + offset, data);
+  }
+
+  /** Checks a whole range before any byte moves. */
+  private checkPlace(place: Place, caller: bigint, length: bigint, write: boolean): void {
+    if ('store' in place) this.stores.checkRange(place.store, place.offset, length, write);
+    else this.registry.checkIo(caller, place.address, length, write);
+  }
+
+  async *read(request: DataReadRequest__Output, context: CallContext): AsyncGenerator<DataChunk> {
+    const place = this.place(request.span);
+    const length = u64(request.length);
+    this.checkPlace(place, context.caller, length, false);
+    for (let done = 0n; done < length; done += CHUNK) {
+      const size = length - done < CHUNK ? length - done : CHUNK;
+      yield { offset: String(done), data: await this.readAt(place, context.caller, done, size) };
+    }
+  }
+
+  async write(requests: AsyncIterable<DataWriteRequest__Output>, context: CallContext): Promise<DataWriteResponse> {
+    let place: Place | undefined;
+    let written = 0n;
+    for await (const request of requests) {
+      place ??= this.place(request.span);
+      if (request.data.length === 0) continue;
+      await this.writeAt(place, context.caller, written, request.data);
+      written += BigInt(request.data.length);
+    }
+    if (written === 0n) throw invalidArgument('ZERO_SIZE', 'Write received no bytes');
+    return { bytesWritten: String(written) };
+  }
+
+  async fill(request: FillRequest__Output, context: CallContext): Promise<DataWriteResponse> {
+    if (request.value > 255) throw invalidArgument('BAD_VALUE', `fill value ${request.value} is not a byte (0..255)`);
+    const place = this.place(request.span);
+    const length = u64(request.length);
+    this.checkPlace(place, context.caller, length, true);
+    const pattern = Buffer.alloc(Number(length < CHUNK ? length : CHUNK), request.value);
+    for (let done = 0n; done < length; done += CHUNK) {
+      const size = length - done < CHUNK ? length - done : CHUNK;
+      await this.writeAt(place, context.caller, done, pattern.subarray(0, Number(size)));
+    }
+    return { bytesWritten: String(length) };
+  }
+
+  async copy(request: CopyRequest__Output, context: CallContext): Promise<DataWriteResponse> {
+    const source = this.place(request.source);
+    const target = this.place(request.target);
+    const length = u64(request.length);
+    this.checkPlace(source, context.caller, length, false);
+    this.checkPlace(target, context.caller, length, true);
+    for (let done = 0n; done < length; done += CHUNK) {
+      const size = length - done < CHUNK ? length - done : CHUNK;
+      await this.writeAt(target, context.caller, done, await this.readAt(source, context.caller, done, size));
+    }
+    return { bytesWritten: String(length) };
+  }
+
+  private session(context: CallContext, what: string) {
+    if (context.session === undefined) {
+      throw failedPrecondition('NO_SESSION', `${what} needs a session: descriptors travel only over the session socket`);
+    }
+    return context.session;
+  }
+
+  addToServer(server: grpc.Server, proto: VmmdProto, deps: HandlerDeps): void {
+    server.addService(proto.vmmd.v1.Stores.service, {
+      CreateStore: unary(deps, 'CreateStore', (r: CreateStoreRequest__Output, c) => this.createStore(r, c)),
+      Attach: unary(deps, 'Attach', (r: AttachRequest__Output, c) => this.attach(r, c)),
+      Open: unary(deps, 'Open', (r: OpenRequest__Output, c) => this.open(r, c)),
+      Close: unary(deps, 'Close', (r: CloseRequest__Output, c) => this.close(r, c)),
+      Detach: unary(deps, 'Detach', (r: DetachRequest__Output, c) => this.detach(r, c)),
+      List: unary(deps, 'List', () => this.list()),
+      Watch: serverStream(deps, 'Watch', (r: WatchRequest__Output) => this.watch(r)),
+      Read: serverStream(deps, 'Read', (r: DataReadRequest__Output, c) => this.read(r, c)),
+      Write: clientStream(deps, 'Write', (requests: AsyncIterable<DataWriteRequest__Output>, c) => this.write(requests, c)),
+      Fill: unary(deps, 'Fill', (r: FillRequest__Output, c) => this.fill(r, c)),
+      Copy: unary(deps, 'Copy', (r: CopyRequest__Output, c) => this.copy(r, c)),
+    });
+  }
+}

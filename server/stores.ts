@@ -1,0 +1,436 @@
+/**
+ * Stores: memory many processes open, with legate::ExternalAllocation's
+ * semantics. Detach stops new opens and waits for every daemon operation on
+ * the store; a store is freed once it is detached (or its owner's session is
+ * gone) and nobody has it open, and exactly then a RELEASED event tells the
+ * owner to run its deleter. Read-only stores are never written by the daemon
+ * and are handed out read-only.
+ */
+import { EventEmitter } from 'node:events';
+import { addon, HOST_ACCESS } from '../native';
+import { alreadyExists, failedPrecondition, invalidArgument, notFound, outOfRange, permissionDenied } from './errors';
+import { AllocationRecord, DAEMON_OWNER, IO_CHUNK_BYTES, Registry } from './registry';
+
+export type StoreTarget = 'SYSMEM' | 'ZCMEM' | 'FBMEM';
+export type StoreState = 'LIVE' | 'DETACHING' | 'DETACHED';
+export type StoreEventKind = 'CREATED' | 'OPENED' | 'CLOSED' | 'DETACHED' | 'RELEASED';
+
+/** Store holders in the registry: far above any session id. */
+const STORE_HOLDER_BASE = 1n << 62n;
+
+/** A store's memory as the daemon reaches it: mapped in the daemon, exportable as a descriptor. */
+interface StoreMemory {
+  readonly allocationId: bigint;
+  readonly granularity: bigint;
+  exportFd(): Promise<number>;
+  read(offset: bigint, length: number): Promise<Buffer>;
+  write(offset: bigint, data: Buffer): Promise<void>;
+  release(): Promise<void>;
+}
+
+/** A registry allocation, mapped by the daemon with READ or READWRITE access for its device. */
+class AllocationMemory implements StoreMemory {
+  private constructor(
+    private readonly registry: Registry,
+    private readonly allocation: AllocationRecord,
+    private readonly holder: bigint,
+    private readonly address: bigint,
+  ) {}
+
+  get allocationId(): bigint {
+    return this.allocation.id;
+  }
+
+  get granularity(): bigint {
+    return this.allocation.granularity;
+  }
+
+  static async map(registry: Registry, allocation: AllocationRecord, holder: bigint, readOnly: boolean): Promise<AllocationMemory> {
+    const size = allocation.size;
+    const reservation = registry.reserve(DAEMON_OWNER, { size, alignment: 0n, address: 0n });
+    try {
+      await registry.map(DAEMON_OWNER, { address: reservation.address, size, offset: 0n, allocationId: allocation.id });
+      await registry.setAccess(DAEMON_OWNER, reservation.address, size, [
+        { location: { type: 'DEVICE', id: allocation.device }, access: readOnly ? 1 : 3 },
+      ]);
+    } catch (error) {
+      await registry.unmap(DAEMON_OWNER, reservation.address, size).catch(() => undefined);
+      await registry.freeAddress(DAEMON_OWNER, reservation.address, size);
+      throw error;
+    }
+    return new AllocationMemory(registry, allocation, holder, reservation.address);
+  }
+
+  async exportFd(): Promise<number> {
+    const { fd } = await this.registry.exportHandle(this.holder, { allocationId: this.allocation.id, handleType: 'POSIX_FD', shareKey: '' });
+    return fd!;
+  }
+
+  async read(offset: bigint, length: number): Promise<Buffer> {
+    const chunks: Buffer[] = [];
+    for await (const chunk of this.registry.read(DAEMON_OWNER, this.address + offset, BigInt(length))) chunks.push(chunk.data);
+    return chunks.length === 1 ? chunks[0] : Buffer.concat(chunks);
+  }
+
+  write(offset: bigint, data: Buffer): Promise<void> {
+    return this.registry.write(DAEMON_OWNER, this.address + offset, data);
+  }
+
+  async release(): Promise<void> {
+    await this.registry.unmap(DAEMON_OWNER, this.address, this.allocation.size);
+    await this.registry.freeAddress(DAEMON_OWNER, this.address, this.allocation.size);
+    await this.registry.release(this.holder, this.allocation.id);
+  }
+}
+
+/** An attached memfd (system memory), mapped by the daemon directly. */
+class MemfdMemory implements StoreMemory {
+  readonly allocationId = 0n;
+
+  private constructor(
+    private readonly fd: number,
+    private readonly address: bigint,
+    private readonly mapped: bigint,
+    readonly granularity: bigint,
+  ) {}
+
+  /** Takes ownership of fd. */
+  static map(fd: number, size: bigint, readOnly: boolean): MemfdMemory {
+    const page = BigInt(addon.pageSize());
+    const mapped = ((size + page - 1n) / page) * page;
+    let address = 0n;
+    try {
+      address = addon.hostReserve(mapped, page, 0n);
+      addon.hostMap(address, mapped, fd, 0n);
+      addon.hostProtect(address, mapped, readOnly ? HOST_ACCESS.READ : HOST_ACCESS.READWRITE);
+      if (readOnly) addon.hostMemfdSealReadOnly(fd);
+      return new MemfdMemory(fd, address, mapped, page);
+    } catch (error) {
+      if (address !== 0n) {
+        addon.hostUnmap(address, mapped);
+        addon.hostFreeAddress(address, mapped);
+      }
+      addon.close(fd);
+      throw error;
+    }
+  }
+
+  async exportFd(): Promise<number> {
+    return addon.dup(this.fd);
+  }
+
+  read(offset: bigint, length: number): Promise<Buffer> {
+    return addon.hostCopyFromAddress(this.address + offset, length);
+  }
+
+  write(offset: bigint, data: Buffer): Promise<void> {
+    return addon.hostCopyToAddress(this.address + offset, data);
+  }
+
+  async release(): Promise<void> {
+    addon.hostUnmap(this.address, this.mapped);
+    addon.hostFreeAddress(this.address, this.mapped);
+    addon.close(this.fd);
+  }
+}
+
+export interface StoreRecord {
+  readonly id: bigint;
+  name: string;
+  readonly owner: bigint;
+  readonly target: StoreTarget;
+  readonly device: number;
+  readonly size: bigint;
+  readonly readOnly: boolean;
+  readonly attached: boolean;
+  readonly hasDeleter: boolean;
+  readonly memory: StoreMemory;
+  state: StoreState;
+  // Invariant: opens per session; no entry holds 0.
+  readonly opens: Map<bigint, number>;
+  // Invariant: daemon operations on the store that started and have not settled.
+  inFlight: number;
+  drainWaiters: Array<() => void>;
+  released: boolean;
+}
+
+export interface StoreEvent {
+  sequence: bigint;
+  kind: StoreEventKind;
+  store: StoreRecord;
+  session: bigint;
+}
+
+/** Events kept for Watch's replay. */
+const EVENT_LOG_SIZE = 4096;
+
+export class StoreRegistry extends EventEmitter {
+  private nextId = 1n;
+  private nextSequence = 1n;
+  // Invariant: every store not yet released; names of stores not detached are unique.
+  private readonly stores = new Map<bigint, StoreRecord>();
+  private readonly events: StoreEvent[] = [];
+
+  constructor(private readonly registry: Registry) {
+    super();
+    this.setMaxListeners(0);
+  }
+
+  list(): StoreRecord[] {
+    return [...this.stores.values()];
+  }
+
+  /** Events after `since`, oldest first. */
+  eventsSince(since: bigint): StoreEvent[] {
+    return this.events.filter((event) => event.sequence > since);
+  }
+
+  /**
+   * A store of an allocation the caller may touch. The store holds its own reference.
+   * @throws NOT_FOUND UNKNOWN_ALLOCATION; ALREADY_EXISTS NAME_TAKEN; PERMISSION_DENIED NOT_OWNER
+   */
+  async create(caller: bigint, args: { allocationId: bigint; name: string; readOnly: boolean; handOver: boolean }): Promise<StoreRecord> {
+    this.checkName(args.name);
+    const id = this.nextId++;
+    const holder = STORE_HOLDER_BASE + id;
+    const allocation = this.registry.holdAllocation(caller, args.allocationId, holder);
+    let memory: StoreMemory;
+    try {
+      if (args.readOnly) this.registry.backend.sealReadOnly(allocation.handle);
+      memory = await AllocationMemory.map(this.registry, allocation, holder, args.readOnly);
+    } catch (error) {
+      await this.registry.release(holder, allocation.id);
+      throw error;
+    }
+    const target: StoreTarget = allocation.location.type === 'DEVICE' && this.registry.backend.name === 'cuda' ? 'FBMEM' : allocation.location.type === 'DEVICE' ? 'SYSMEM' : 'ZCMEM';
+    return this.add(caller, {
+      id,
+      name: args.name,
+      owner: args.handOver ? DAEMON_OWNER : caller,
+      target,
+      device: allocation.device,
+      size: allocation.size,
+      readOnly: args.readOnly,
+      attached: false,
+      hasDeleter: false,
+      memory,
+    });
+  }
+
+  /**
+   * A store of external memory the caller sent: a memfd (SYSMEM) or CUDA memory (ZCMEM, FBMEM). Takes ownership of fd.
+   * @throws FAILED_PRECONDITION NO_CUDA_BACKEND; OUT_OF_RANGE UNKNOWN_DEVICE; INVALID_ARGUMENT BAD_DESCRIPTOR, ZERO_SIZE
+   */
+  async attach(
+    caller: bigint,
+    fd: number,
+    args: { target: StoreTarget; device: number; size: bigint; readOnly: boolean; name: string; hasDeleter: boolean },
+  ): Promise<StoreRecord> {
+    try {
+      this.checkName(args.name);
+      if (args.target !== 'SYSMEM' && this.registry.backend.name !== 'cuda') {
+        throw failedPrecondition('NO_CUDA_BACKEND', `${args.target} stores need the cuda backend; this daemon runs the ${this.registry.backend.name} backend`);
+      }
+      if (args.device >= this.registry.devices.length) {
+        throw outOfRange('UNKNOWN_DEVICE', `device ${args.device} does not exist (the daemon has ${this.registry.devices.length} device(s))`);
+      }
+      if (args.size === 0n) throw invalidArgument('ZERO_SIZE', 'an attached allocation must have a size above 0');
+    } catch (error) {
+      addon.close(fd);
+      throw error;
+    }
+    const id = this.nextId++;
+    let memory: StoreMemory;
+    if (args.target === 'SYSMEM') {
+      let info;
+      try {
+        info = addon.hostFdInfo(fd);
+      } catch (error) {
+        addon.close(fd);
+        throw invalidArgument('BAD_DESCRIPTOR', `the descriptor cannot be read: ${(error as Error).message}`);
+      }
+      if (!info.memfd || info.size < args.size) {
+        addon.close(fd);
+        throw invalidArgument('BAD_DESCRIPTOR', `a SYSMEM attachment is a memfd of at least ${args.size} bytes (this one: ${info.memfd ? `${info.size} bytes` : 'not a memfd'})`);
+      }
+      memory = MemfdMemory.map(fd, args.size, args.readOnly);
+    } else {
+      const imported = this.registry.backend.importHandle({ fd }, args.size);
+      const allocation = this.registry.addImported(caller, imported.handle, imported.size, imported.device, imported.location);
+      const holder = STORE_HOLDER_BASE + id;
+      this.registry.holdAllocation(caller, allocation.id, holder);
+      await this.registry.release(caller, allocation.id);
+      memory = await AllocationMemory.map(this.registry, allocation, holder, args.readOnly);
+    }
+    return this.add(caller, {
+      id,
+      name: args.name,
+      owner: caller,
+      target: args.target,
+      device: args.device,
+      size: args.size,
+      readOnly: args.readOnly,
+      attached: true,
+      hasDeleter: args.hasDeleter,
+      memory,
+    });
+  }
+
+  /**
+   * The store by id, or by name among stores not detached.
+   * @throws NOT_FOUND UNKNOWN_STORE
+   */
+  find(ref: { id: bigint; name: string }): StoreRecord {
+    const store =
+      ref.id !== 0n
+        ? this.stores.get(ref.id)
+        : [...this.stores.values()].find((candidate) => candidate.name === ref.name && ref.name !== '' && candidate.state !== 'DETACHED');
+    if (store === undefined) {
+      throw notFound('UNKNOWN_STORE', ref.id !== 0n ? `store ${ref.id} does not exist` : `no store is named ${JSON.stringify(ref.name)}`);
+    }
+    return store;
+  }
+
+  /**
+   * A descriptor of the store for the session, counted as one open.
+   * @throws FAILED_PRECONDITION STORE_DETACHED, STORE_READ_ONLY
+   */
+  async open(session: bigint, store: StoreRecord, writable: boolean): Promise<number> {
+    this.checkLive(store, 'open');
+    if (writable && store.readOnly) {
+      throw failedPrecondition('STORE_READ_ONLY', `store ${store.id} is read-only; open it without writable`);
+    }
+    const fd = await this.use(store, () => store.memory.exportFd());
+    store.opens.set(session, (store.opens.get(session) ?? 0) + 1);
+    this.record('OPENED', store, session);
+    return fd;
+  }
+
+  /**
+   * Drops one open of the session; frees a detached store nobody uses any more.
+   * @throws FAILED_PRECONDITION NOT_OPEN
+   */
+  async close(session: bigint, store: StoreRecord): Promise<number> {
+    const count = store.opens.get(session) ?? 0;
+    if (count === 0) throw failedPrecondition('NOT_OPEN', `session ${session} has no open of store ${store.id}`);
+    if (count === 1) store.opens.delete(session);
+    else store.opens.set(session, count - 1);
+    this.record('CLOSED', store, session);
+    await this.releaseIfUnused(store);
+    return this.openCount(store);
+  }
+
+  /**
+   * Detach as Legate defines it: no new opens, then waits for every daemon
+   * operation on the store; the memory goes once nobody has it open.
+   * @throws PERMISSION_DENIED NOT_OWNER; FAILED_PRECONDITION STORE_DETACHED
+   */
+  async detach(caller: bigint, store: StoreRecord): Promise<StoreRecord> {
+    if (store.owner !== caller && store.owner !== DAEMON_OWNER) {
+      throw permissionDenied('NOT_OWNER', `store ${store.id} belongs to session ${store.owner}; only its owner detaches it`);
+    }
+    if (store.state !== 'LIVE') throw failedPrecondition('STORE_DETACHED', `store ${store.id} is already ${store.state.toLowerCase()}`);
+    await this.detachNow(store, caller);
+    return store;
+  }
+
+  /**
+   * A session is gone: its opens close, and its own stores detach (they go
+   * when others close them too).
+   */
+  async reclaim(session: bigint): Promise<void> {
+    for (const store of [...this.stores.values()]) {
+      if (store.opens.delete(session)) this.record('CLOSED', store, session);
+      if (store.owner === session && store.state === 'LIVE') await this.detachNow(store, session);
+      else await this.releaseIfUnused(store);
+    }
+  }
+
+  /**
+   * Runs a daemon operation on a live store, counted for Detach to wait on.
+   * @throws FAILED_PRECONDITION STORE_DETACHED
+   */
+  async use<T>(store: StoreRecord, operation: () => Promise<T>): Promise<T> {
+    this.checkLive(store, 'use');
+    store.inFlight++;
+    try {
+      return await operation();
+    } finally {
+      store.inFlight--;
+      if (store.inFlight === 0) for (const wake of store.drainWaiters.splice(0)) wake();
+    }
+  }
+
+  /** @throws OUT_OF_RANGE BEYOND_STORE; FAILED_PRECONDITION STORE_READ_ONLY (for writes) */
+  checkRange(store: StoreRecord, offset: bigint, length: bigint, write: boolean): void {
+    if (write && store.readOnly) throw failedPrecondition('STORE_READ_ONLY', `store ${store.id} is read-only: the daemon never writes it`);
+    if (length === 0n) throw invalidArgument('ZERO_SIZE', 'length must be greater than 0');
+    if (offset + length > store.size) {
+      throw outOfRange('BEYOND_STORE', `[${offset}, ${offset + length}) runs past the end of store ${store.id} (${store.size} bytes)`);
+    }
+  }
+
+  /** Reads a store range in chunks, each counted as an operation in flight. */
+  async *read(store: StoreRecord, offset: bigint, length: bigint): AsyncGenerator<{ offset: bigint; data: Buffer }> {
+    this.checkRange(store, offset, length, false);
+    for (let done = 0n; done < length; done += BigInt(IO_CHUNK_BYTES)) {
+      const chunk = length - done < BigInt(IO_CHUNK_BYTES) ? length - done : BigInt(IO_CHUNK_BYTES);
+      yield { offset: done, data: await this.use(store, () => store.memory.read(offset + done, Number(chunk))) };
+    }
+  }
+
+  /** Writes through to the store's memory: resolved once the bytes are there. */
+  async write(store: StoreRecord, offset: bigint, data: Buffer): Promise<void> {
+    this.checkRange(store, offset, BigInt(data.length), true);
+    await this.use(store, () => store.memory.write(offset, data));
+  }
+
+  private add(caller: bigint, fields: Omit<StoreRecord, 'state' | 'opens' | 'inFlight' | 'drainWaiters' | 'released'>): StoreRecord {
+    const store: StoreRecord = { ...fields, state: 'LIVE', opens: new Map(), inFlight: 0, drainWaiters: [], released: false };
+    this.stores.set(store.id, store);
+    this.record('CREATED', store, caller);
+    return store;
+  }
+
+  private async detachNow(store: StoreRecord, caller: bigint): Promise<void> {
+    store.state = 'DETACHING';
+    if (store.inFlight > 0) await new Promise<void>((resolve) => store.drainWaiters.push(resolve));
+    store.state = 'DETACHED';
+    this.record('DETACHED', store, caller);
+    await this.releaseIfUnused(store);
+  }
+
+  private openCount(store: StoreRecord): number {
+    let total = 0;
+    for (const count of store.opens.values()) total += count;
+    return total;
+  }
+
+  private async releaseIfUnused(store: StoreRecord): Promise<void> {
+    if (store.released || store.state !== 'DETACHED' || this.openCount(store) > 0 || store.inFlight > 0) return;
+    store.released = true;
+    this.stores.delete(store.id);
+    await store.memory.release();
+    this.record('RELEASED', store, DAEMON_OWNER);
+  }
+
+  private checkLive(store: StoreRecord, what: string): void {
+    if (store.state !== 'LIVE') {
+      throw failedPrecondition('STORE_DETACHED', `store ${store.id} is ${store.state.toLowerCase()}: no new ${what}`);
+    }
+  }
+
+  private checkName(name: string): void {
+    if (name.length > 255) throw invalidArgument('BAD_NAME', `a store name has at most 255 characters, not ${name.length}`);
+    if (name !== '' && [...this.stores.values()].some((store) => store.name === name && store.state !== 'DETACHED')) {
+      throw alreadyExists('NAME_TAKEN', `a store named ${JSON.stringify(name)} exists; detach it first`);
+    }
+  }
+
+  private record(kind: StoreEventKind, store: StoreRecord, session: bigint): void {
+    const event: StoreEvent = { sequence: this.nextSequence++, kind, store, session };
+    this.events.push(event);
+    if (this.events.length > EVENT_LOG_SIZE) this.events.shift();
+    this.emit('event', event);
+  }
+}
