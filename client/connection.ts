@@ -19,6 +19,8 @@ import type { Stats__Output } from '../generated/vmmd/v1/Stats';
 import type { VirtualMemoryClient } from '../generated/vmmd/v1/VirtualMemory';
 import { CallSettings, Input, unaryCall } from './rpc';
 import { ClientSession } from './session';
+import { StoresApi } from './stores';
+import type { StoresClient } from '../generated/vmmd/v1/Stores';
 import { VirtualMemoryApi } from './vmm';
 
 export interface ConnectOptions {
@@ -76,6 +78,7 @@ export class VmmdClient extends EventEmitter {
     readonly devices: DevicesApi,
     readonly vmm: VirtualMemoryApi,
     readonly admin: AdminApi,
+    readonly stores: StoresApi,
     private readonly channels: grpc.Client[],
   ) {
     super();
@@ -112,6 +115,7 @@ export async function connect(options: ConnectOptions = {}): Promise<VmmdClient>
   // One channel for all services: grpc-js shares the subchannel when target and options match.
   const vmmClient = new v1.VirtualMemory(target, credentials, { channelOverride: devicesClient.getChannel() });
   const adminClient = new v1.Admin(target, credentials, { channelOverride: devicesClient.getChannel() });
+  const storesClient = new v1.Stores(target, credentials, { channelOverride: devicesClient.getChannel() });
   const settings: CallSettings = {
     metadata: () => {
       const metadata = new grpc.Metadata();
@@ -130,5 +134,6 @@ export async function connect(options: ConnectOptions = {}): Promise<VmmdClient>
     throw error;
   }
   const vmm = new VirtualMemoryApi(vmmClient as VirtualMemoryClient, settings, session, backend);
-  return new VmmdClient(session, socketDir, backend, devices, vmm, new AdminApi(adminClient, settings), [devicesClient]);
+  const stores = new StoresApi(storesClient as StoresClient, settings, session, backend);
+  return new VmmdClient(session, socketDir, backend, devices, vmm, new AdminApi(adminClient, settings), stores, [devicesClient]);
 }

@@ -27,3 +27,7 @@ export { DEFAULT_POOL, sizeClass } from './emm/pool';
 export type { PoolSettings } from './emm/pool';
 export { VmmdMemoryManager } from './emm/vmmd-manager';
 export type { ManagerStats, VmmdManagerContext } from './emm/vmmd-manager';
+export { OpenedStore, StoresApi } from './stores';
+export type { StoreName } from './stores';
+export { AttachedStore, ExternalAllocation, LocalDeviceMemory, onDeleterError, SharedHostMemory } from './external';
+export type { ExternalOptions } from './external';
