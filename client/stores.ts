@@ -98,7 +98,7 @@ export class StoresApi {
     const info = opened.store!;
     const fd = await this.session.takeTransfer(opened.transferId);
     const readOnly = info.readOnly || !(options.writable ?? true);
-    const size = BigInt(info.size);
+    const size = BigInt(opened.mappedSize);
     const granularity = BigInt(opened.granularity);
     let memory: ImportedMemory;
     try {

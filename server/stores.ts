@@ -22,6 +22,8 @@ const STORE_HOLDER_BASE = 1n << 62n;
 interface StoreMemory {
   readonly allocationId: bigint;
   readonly granularity: bigint;
+  /** Bytes an opener maps: the allocation's whole size. */
+  readonly mappedSize: bigint;
   exportFd(): Promise<number>;
   read(offset: bigint, length: number): Promise<Buffer>;
   write(offset: bigint, data: Buffer): Promise<void>;
@@ -45,17 +47,26 @@ class AllocationMemory implements StoreMemory {
     return this.allocation.granularity;
   }
 
+  get mappedSize(): bigint {
+    return this.allocation.size;
+  }
+
+  /**
+   * Maps the allocation in a daemon-owned reservation. Everything is done as
+   * the store's holder: it holds a reference to the allocation, and anyone may
+   * act on daemon-owned reservations.
+   */
   static async map(registry: Registry, allocation: AllocationRecord, holder: bigint, readOnly: boolean): Promise<AllocationMemory> {
     const size = allocation.size;
     const reservation = registry.reserve(DAEMON_OWNER, { size, alignment: 0n, address: 0n });
     try {
-      await registry.map(DAEMON_OWNER, { address: reservation.address, size, offset: 0n, allocationId: allocation.id });
-      await registry.setAccess(DAEMON_OWNER, reservation.address, size, [
+      await registry.map(holder, { address: reservation.address, size, offset: 0n, allocationId: allocation.id });
+      await registry.setAccess(holder, reservation.address, size, [
         { location: { type: 'DEVICE', id: allocation.device }, access: readOnly ? 1 : 3 },
       ]);
     } catch (error) {
-      await registry.unmap(DAEMON_OWNER, reservation.address, size).catch(() => undefined);
-      await registry.freeAddress(DAEMON_OWNER, reservation.address, size);
+      await registry.unmap(holder, reservation.address, size).catch(() => undefined);
+      await registry.freeAddress(holder, reservation.address, size);
       throw error;
     }
     return new AllocationMemory(registry, allocation, holder, reservation.address);
@@ -68,17 +79,17 @@ class AllocationMemory implements StoreMemory {
 
   async read(offset: bigint, length: number): Promise<Buffer> {
     const chunks: Buffer[] = [];
-    for await (const chunk of this.registry.read(DAEMON_OWNER, this.address + offset, BigInt(length))) chunks.push(chunk.data);
+    for await (const chunk of this.registry.read(this.holder, this.address + offset, BigInt(length))) chunks.push(chunk.data);
     return chunks.length === 1 ? chunks[0] : Buffer.concat(chunks);
   }
 
   write(offset: bigint, data: Buffer): Promise<void> {
-    return this.registry.write(DAEMON_OWNER, this.address + offset, data);
+    return this.registry.write(this.holder, this.address + offset, data);
   }
 
   async release(): Promise<void> {
-    await this.registry.unmap(DAEMON_OWNER, this.address, this.allocation.size);
-    await this.registry.freeAddress(DAEMON_OWNER, this.address, this.allocation.size);
+    await this.registry.unmap(this.holder, this.address, this.allocation.size);
+    await this.registry.freeAddress(this.holder, this.address, this.allocation.size);
     await this.registry.release(this.holder, this.allocation.id);
   }
 }
@@ -93,6 +104,10 @@ class MemfdMemory implements StoreMemory {
     private readonly mapped: bigint,
     readonly granularity: bigint,
   ) {}
+
+  get mappedSize(): bigint {
+    return this.mapped;
+  }
 
   /** Takes ownership of fd. */
   static map(fd: number, size: bigint, readOnly: boolean): MemfdMemory {
@@ -189,8 +204,15 @@ export class StoreRegistry extends EventEmitter {
    * A store of an allocation the caller may touch. The store holds its own reference.
    * @throws NOT_FOUND UNKNOWN_ALLOCATION; ALREADY_EXISTS NAME_TAKEN; PERMISSION_DENIED NOT_OWNER
    */
-  async create(caller: bigint, args: { allocationId: bigint; name: string; readOnly: boolean; handOver: boolean }): Promise<StoreRecord> {
+  async create(
+    caller: bigint,
+    args: { allocationId: bigint; name: string; readOnly: boolean; handOver: boolean; size: bigint },
+  ): Promise<StoreRecord> {
     this.checkName(args.name);
+    const allocationSize = this.registry.allocation(args.allocationId).size;
+    if (args.size > allocationSize) {
+      throw outOfRange('BEYOND_ALLOCATION', `store size ${args.size} exceeds allocation ${args.allocationId} of ${allocationSize} bytes`);
+    }
     const id = this.nextId++;
     const holder = STORE_HOLDER_BASE + id;
     const allocation = this.registry.holdAllocation(caller, args.allocationId, holder);
@@ -209,7 +231,7 @@ export class StoreRegistry extends EventEmitter {
       owner: args.handOver ? DAEMON_OWNER : caller,
       target,
       device: allocation.device,
-      size: allocation.size,
+      size: args.size === 0n ? allocation.size : args.size,
       readOnly: args.readOnly,
       attached: false,
       hasDeleter: false,

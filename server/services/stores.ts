@@ -77,6 +77,7 @@ export class StoresService {
         name: request.name,
         readOnly: request.readOnly,
         handOver: request.handOver,
+        size: u64(request.size),
       }),
     );
   }
@@ -111,7 +112,12 @@ export class StoresService {
     } finally {
       addon.close(fd);
     }
-    return { store: this.toWire(store), transferId, granularity: String(store.memory.granularity) };
+    return {
+      store: this.toWire(store),
+      transferId,
+      granularity: String(store.memory.granularity),
+      mappedSize: String(store.memory.mappedSize),
+    };
   }
 
   async close(request: CloseRequest__Output, context: CallContext): Promise<CloseResponse> {
