@@ -45,7 +45,7 @@ export abstract class ImportedMemory implements AsyncDisposable {
    * Copies `length` bytes at `offset` out of the memory.
    * @throws VmmdError OUT_OF_RANGE BEYOND_ALLOCATION, FAILED_PRECONDITION CLOSED
    */
-  read(offset: number | bigint, length: number | bigint): Promise<Buffer> {
+  async read(offset: number | bigint, length: number | bigint): Promise<Buffer> {
     this.checkRange(BigInt(offset), BigInt(length));
     return this.copyOut(BigInt(offset), BigInt(length));
   }
@@ -54,7 +54,7 @@ export abstract class ImportedMemory implements AsyncDisposable {
    * Copies bytes into the memory at `offset`.
    * @throws VmmdError FAILED_PRECONDITION READ_ONLY, CLOSED; OUT_OF_RANGE BEYOND_ALLOCATION
    */
-  write(offset: number | bigint, data: Uint8Array): Promise<void> {
+  async write(offset: number | bigint, data: Uint8Array): Promise<void> {
     this.checkRange(BigInt(offset), BigInt(data.byteLength));
     if (this.readOnly) throw new VmmdError('READ_ONLY', Status.FAILED_PRECONDITION, `allocation ${this.allocationId} is mapped read-only here`);
     return this.copyIn(BigInt(offset), Buffer.from(data.buffer, data.byteOffset, data.byteLength));

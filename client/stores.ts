@@ -143,12 +143,15 @@ export class StoresApi {
     };
   }
 
-  /** Bytes of a store (or daemon-mapped memory). */
-  async read(span: Input<Span>, length: bigint | number): Promise<Buffer> {
+  /** Bytes of a store (or daemon-mapped memory); `onChunk` sees each chunk as it arrives (and may slow the stream). */
+  async read(span: Input<Span>, length: bigint | number, onChunk?: (chunk: Buffer) => void | Promise<void>): Promise<Buffer> {
     const call = this.client.Read(toWire({ span, length }) as never, this.settings.metadata(), { deadline: Date.now() + this.settings.deadlineMs });
     const chunks: Buffer[] = [];
     try {
-      for await (const chunk of call as AsyncIterable<DataChunk__Output>) chunks.push(chunk.data);
+      for await (const chunk of call as AsyncIterable<DataChunk__Output>) {
+        chunks.push(chunk.data);
+        await onChunk?.(chunk.data);
+      }
     } catch (error) {
       throw VmmdError.fromServiceError(error as grpc.ServiceError);
     }

@@ -9,7 +9,7 @@
 import { EventEmitter } from 'node:events';
 import { addon, HOST_ACCESS } from '../native';
 import { alreadyExists, failedPrecondition, invalidArgument, notFound, outOfRange, permissionDenied } from './errors';
-import { AllocationRecord, DAEMON_OWNER, IO_CHUNK_BYTES, Registry } from './registry';
+import { AllocationRecord, DAEMON_OWNER, Registry } from './registry';
 
 export type StoreTarget = 'SYSMEM' | 'ZCMEM' | 'FBMEM';
 export type StoreState = 'LIVE' | 'DETACHING' | 'DETACHED';
@@ -373,14 +373,30 @@ export class StoreRegistry extends EventEmitter {
    * @throws FAILED_PRECONDITION STORE_DETACHED
    */
   async use<T>(store: StoreRecord, operation: () => Promise<T>): Promise<T> {
-    this.checkLive(store, 'use');
-    store.inFlight++;
+    const end = this.begin(store);
     try {
       return await operation();
     } finally {
+      end();
+    }
+  }
+
+  /**
+   * Counts one daemon operation on a live store (a whole Read, Write, Fill or
+   * Copy, however many chunks), until the returned function runs.
+   * @throws FAILED_PRECONDITION STORE_DETACHED
+   */
+  begin(store: StoreRecord): () => void {
+    this.checkLive(store, 'operations');
+    store.inFlight++;
+    let ended = false;
+    return () => {
+      if (ended) return;
+      ended = true;
       store.inFlight--;
       if (store.inFlight === 0) for (const wake of store.drainWaiters.splice(0)) wake();
-    }
+      if (store.state === 'DETACHED') void this.releaseIfUnused(store);
+    };
   }
 
   /** @throws OUT_OF_RANGE BEYOND_STORE; FAILED_PRECONDITION STORE_READ_ONLY (for writes) */
@@ -392,19 +408,16 @@ export class StoreRegistry extends EventEmitter {
     }
   }
 
-  /** Reads a store range in chunks, each counted as an operation in flight. */
-  async *read(store: StoreRecord, offset: bigint, length: bigint): AsyncGenerator<{ offset: bigint; data: Buffer }> {
+  /** Reads a store range chunk by chunk; the caller has begun the operation. */
+  async readChunk(store: StoreRecord, offset: bigint, length: bigint): Promise<Buffer> {
     this.checkRange(store, offset, length, false);
-    for (let done = 0n; done < length; done += BigInt(IO_CHUNK_BYTES)) {
-      const chunk = length - done < BigInt(IO_CHUNK_BYTES) ? length - done : BigInt(IO_CHUNK_BYTES);
-      yield { offset: done, data: await this.use(store, () => store.memory.read(offset + done, Number(chunk))) };
-    }
+    return store.memory.read(offset, Number(length));
   }
 
-  /** Writes through to the store's memory: resolved once the bytes are there. */
-  async write(store: StoreRecord, offset: bigint, data: Buffer): Promise<void> {
+  /** Writes through to the store's memory: resolved once the bytes are there. The caller has begun the operation. */
+  async writeChunk(store: StoreRecord, offset: bigint, data: Buffer): Promise<void> {
     this.checkRange(store, offset, BigInt(data.length), true);
-    await this.use(store, () => store.memory.write(offset, data));
+    await store.memory.write(offset, data);
   }
 
   private add(caller: bigint, fields: Omit<StoreRecord, 'state' | 'opens' | 'inFlight' | 'drainWaiters' | 'released'>): StoreRecord {

@@ -34,11 +34,12 @@ async function withContext<T>(
   metadata: grpc.Metadata,
   method: string,
   run: (context: CallContext) => Promise<T>,
+  tracked = true,
 ): Promise<T> {
   const session = deps.sessions.authenticate(metadataToken(metadata));
   const log = session?.log ?? deps.log;
   const context: CallContext = { caller: session?.id ?? DAEMON_OWNER, session, log: log.child({ method }) };
-  return session === undefined ? run(context) : session.track(() => run(context));
+  return session === undefined || !tracked ? run(context) : session.track(() => run(context));
 }
 
 function fail(deps: HandlerDeps, method: string, error: unknown): Partial<grpc.ServiceError> {
@@ -73,18 +74,29 @@ function drain(call: grpc.ServerWritableStream<unknown, unknown>): Promise<void>
   });
 }
 
+/**
+ * @param options.tracked false for streams that never end by themselves (Watch):
+ *   a session's reclaim waits for its tracked calls, and must not wait for those.
+ */
 export function serverStream<Req, Res>(
   deps: HandlerDeps,
   method: string,
   body: (request: Req, context: CallContext) => AsyncIterable<Res>,
+  options: { tracked?: boolean } = {},
 ): grpc.handleServerStreamingCall<Req, Res> {
   return (call) => {
-    withContext(deps, call.metadata, method, async (context) => {
-      for await (const message of body(call.request, context)) {
-        if (call.cancelled) return;
-        if (!call.write(message)) await drain(call as grpc.ServerWritableStream<unknown, unknown>);
-      }
-    }).then(
+    withContext(
+      deps,
+      call.metadata,
+      method,
+      async (context) => {
+        for await (const message of body(call.request, context)) {
+          if (call.cancelled) return;
+          if (!call.write(message)) await drain(call as grpc.ServerWritableStream<unknown, unknown>);
+        }
+      },
+      options.tracked ?? true,
+    ).then(
       () => call.end(),
       // grpc-js turns an 'error' event on a server stream into the call's status.
       (error) => call.emit('error', fail(deps, method, error)),

@@ -174,17 +174,14 @@ export class StoresService {
   }
 
   private async readAt(place: Place, caller: bigint, offset: bigint, length: bigint): Promise<Buffer> {
-    if ('store' in place) {
-      this.stores.checkRange(place.store, place.offset + offset, length, false);
-      return this.stores.use(place.store, () => place.store.memory.read(place.offset + offset, Number(length)));
-    }
+    if ('store' in place) return this.stores.readChunk(place.store, place.offset + offset, length);
     const chunks: Buffer[] = [];
     for await (const chunk of this.registry.read(caller, place.address + offset, length)) chunks.push(chunk.data);
     return Buffer.concat(chunks);
   }
 
   private async writeAt(place: Place, caller: bigint, offset: bigint, data: Buffer): Promise<void> {
-    if ('store' in place) return this.stores.write(place.store, place.offset + offset, data);
+    if ('store' in place) return this.stores.writeChunk(place.store, place.offset + offset, data);
     return this.registry.write(caller, place.address + offset, data);
   }
 
@@ -194,24 +191,51 @@ export class StoresService {
     else this.registry.checkIo(caller, place.address, length, write);
   }
 
+  /** Counts the whole operation on every store it touches: Detach waits for it to end. */
+  private begin(...places: Place[]): () => void {
+    const ends: Array<() => void> = [];
+    try {
+      for (const place of places) if ('store' in place) ends.push(this.stores.begin(place.store));
+    } catch (error) {
+      for (const end of ends) end();
+      throw error;
+    }
+    return () => {
+      for (const end of ends) end();
+    };
+  }
+
   async *read(request: DataReadRequest__Output, context: CallContext): AsyncGenerator<DataChunk> {
     const place = this.place(request.span);
     const length = u64(request.length);
     this.checkPlace(place, context.caller, length, false);
-    for (let done = 0n; done < length; done += CHUNK) {
-      const size = length - done < CHUNK ? length - done : CHUNK;
-      yield { offset: String(done), data: await this.readAt(place, context.caller, done, size) };
+    const end = this.begin(place);
+    try {
+      for (let done = 0n; done < length; done += CHUNK) {
+        const size = length - done < CHUNK ? length - done : CHUNK;
+        yield { offset: String(done), data: await this.readAt(place, context.caller, done, size) };
+      }
+    } finally {
+      end();
     }
   }
 
   async write(requests: AsyncIterable<DataWriteRequest__Output>, context: CallContext): Promise<DataWriteResponse> {
     let place: Place | undefined;
+    let end: (() => void) | undefined;
     let written = 0n;
-    for await (const request of requests) {
-      place ??= this.place(request.span);
-      if (request.data.length === 0) continue;
-      await this.writeAt(place, context.caller, written, request.data);
-      written += BigInt(request.data.length);
+    try {
+      for await (const request of requests) {
+        if (place === undefined) {
+          place = this.place(request.span);
+          end = this.begin(place);
+        }
+        if (request.data.length === 0) continue;
+        await this.writeAt(place, context.caller, written, request.data);
+        written += BigInt(request.data.length);
+      }
+    } finally {
+      end?.();
     }
     if (written === 0n) throw invalidArgument('ZERO_SIZE', 'Write received no bytes');
     return { bytesWritten: String(written) };
@@ -223,9 +247,14 @@ export class StoresService {
     const length = u64(request.length);
     this.checkPlace(place, context.caller, length, true);
     const pattern = Buffer.alloc(Number(length < CHUNK ? length : CHUNK), request.value);
-    for (let done = 0n; done < length; done += CHUNK) {
-      const size = length - done < CHUNK ? length - done : CHUNK;
-      await this.writeAt(place, context.caller, done, pattern.subarray(0, Number(size)));
+    const end = this.begin(place);
+    try {
+      for (let done = 0n; done < length; done += CHUNK) {
+        const size = length - done < CHUNK ? length - done : CHUNK;
+        await this.writeAt(place, context.caller, done, pattern.subarray(0, Number(size)));
+      }
+    } finally {
+      end();
     }
     return { bytesWritten: String(length) };
   }
@@ -236,9 +265,14 @@ export class StoresService {
     const length = u64(request.length);
     this.checkPlace(source, context.caller, length, false);
     this.checkPlace(target, context.caller, length, true);
-    for (let done = 0n; done < length; done += CHUNK) {
-      const size = length - done < CHUNK ? length - done : CHUNK;
-      await this.writeAt(target, context.caller, done, await this.readAt(source, context.caller, done, size));
+    const end = this.begin(source, target);
+    try {
+      for (let done = 0n; done < length; done += CHUNK) {
+        const size = length - done < CHUNK ? length - done : CHUNK;
+        await this.writeAt(target, context.caller, done, await this.readAt(source, context.caller, done, size));
+      }
+    } finally {
+      end();
     }
     return { bytesWritten: String(length) };
   }
@@ -258,7 +292,7 @@ export class StoresService {
       Close: unary(deps, 'Close', (r: CloseRequest__Output, c) => this.close(r, c)),
       Detach: unary(deps, 'Detach', (r: DetachRequest__Output, c) => this.detach(r, c)),
       List: unary(deps, 'List', () => this.list()),
-      Watch: serverStream(deps, 'Watch', (r: WatchRequest__Output) => this.watch(r)),
+      Watch: serverStream(deps, 'Watch', (r: WatchRequest__Output) => this.watch(r), { tracked: false }),
       Read: serverStream(deps, 'Read', (r: DataReadRequest__Output, c) => this.read(r, c)),
       Write: clientStream(deps, 'Write', (requests: AsyncIterable<DataWriteRequest__Output>, c) => this.write(requests, c)),
       Fill: unary(deps, 'Fill', (r: FillRequest__Output, c) => this.fill(r, c)),
