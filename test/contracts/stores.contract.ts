@@ -9,7 +9,7 @@ import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import * as grpc from '@grpc/grpc-js';
-import { connect, ExternalAllocation, SharedHostMemory, VmmdClient } from '../../client';
+import { connect, ExternalAllocation, LocalDeviceMemory, SharedHostMemory, VmmdClient } from '../../client';
 import { addon, HOST_ACCESS } from '../../native';
 import { call, eventually, MiB, Peer, TestDaemon } from '../e2e/harness';
 
@@ -94,6 +94,39 @@ export function storesContract(backend: 'host' | 'cuda'): void {
       const sysmem = ExternalAllocation.createSysmem(memory, 4096, { readOnly: true });
       expect([sysmem.readOnly(), sysmem.target(), sysmem.ptr(), sysmem.size()]).toEqual([true, 'SYSMEM', memory.address, 4096n]);
       memory.free();
+    });
+  });
+
+  (backend === 'cuda' ? describe : describe.skip)('device memory of the client (cuda)', () => {
+    it.each([
+      ['FBMEM', undefined],
+      ['ZCMEM', 0],
+    ] as const)('attaches %s the client made, another process reads it, the deleter frees it once', async (target, hostNuma) => {
+      const owner = await client();
+      const memory = LocalDeviceMemory.allocate(0, 2n * MiB, { hostNuma });
+      await memory.write(0n, Buffer.from(`${target} bytes`));
+      let runs = 0;
+      const create = target === 'FBMEM' ? ExternalAllocation.createFbmem : ExternalAllocation.createZcmem;
+      const attached = await create(0, memory, 2n * MiB, {
+        deleter: async () => {
+          runs++;
+          await memory.free();
+        },
+      }).attach(owner, { name: `client-${target}` });
+      expect(attached.store).toMatchObject({ target: `STORE_TARGET_${target}`, attached: true });
+      const reader = await Peer.start(daemon.dir);
+      try {
+        const opened = await reader.do({ op: 'storeOpen', name: `client-${target}` });
+        expect((await owner.stores.read({ storeId: attached.store.id }, 11)).toString()).toBe(`${target} bytes`);
+        await owner.stores.write({ storeId: attached.store.id, offset: 100n }, Buffer.from('through'));
+        expect((await memory.read(100n, 7n)).toString()).toBe('through');
+        await attached.detach(owner);
+        await reader.do({ op: 'storeClose', handle: opened.handle });
+      } finally {
+        await reader.stop();
+      }
+      await attached.gone;
+      expect(runs).toBe(1);
     });
   });
 
