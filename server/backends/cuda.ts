@@ -29,6 +29,11 @@ function handleBits(kinds: HandleKind[]): number {
 
 export class CudaBackend implements Backend {
   readonly name = 'cuda' as const;
+  // NOTE: the driver refuses to export memory that was itself imported from a
+  // descriptor (CUDA_ERROR_INVALID_VALUE, seen on driver 580), so an import
+  // keeps a duplicate of its descriptor and exports hand out duplicates of it.
+  // Invariant: one descriptor per imported handle not yet released.
+  private readonly importedFds = new Map<bigint, number>();
 
   private constructor(private readonly deviceList: DeviceInfo[]) {}
 
@@ -141,6 +146,11 @@ export class CudaBackend implements Backend {
   }
 
   release(handle: BackendHandle): Promise<void> {
+    const fd = this.importedFds.get(BigInt(handle));
+    if (fd !== undefined) {
+      this.importedFds.delete(BigInt(handle));
+      addon.close(fd);
+    }
     return addon.cudaRelease(0, BigInt(handle));
   }
 
@@ -168,7 +178,9 @@ export class CudaBackend implements Backend {
     );
   }
 
-  exportHandle(handle: BackendHandle): Promise<number> {
+  async exportHandle(handle: BackendHandle): Promise<number> {
+    const fd = this.importedFds.get(BigInt(handle));
+    if (fd !== undefined) return addon.dup(fd);
     return addon.cudaExportFd(0, BigInt(handle));
   }
 
@@ -184,10 +196,11 @@ export class CudaBackend implements Backend {
     try {
       handle = 'fd' in source ? addon.cudaImportFd(source.fd) : addon.cudaImportFabric(source.fabric);
     } catch (error) {
-      throw codedError('BAD_DESCRIPTOR', `the ${'fd' in source ? 'descriptor' : 'fabric handle'} is not CUDA memory: ${(error as Error).message}`);
-    } finally {
       if ('fd' in source) addon.close(source.fd);
+      throw codedError('BAD_DESCRIPTOR', `the ${'fd' in source ? 'descriptor' : 'fabric handle'} is not CUDA memory: ${(error as Error).message}`);
     }
+    // Kept for exports (see importedFds); released with the handle.
+    if ('fd' in source) this.importedFds.set(handle, source.fd);
     const properties = addon.cudaAllocationProperties(handle);
     const location: MemLocation =
       properties.locationType === CU_LOCATION.DEVICE
@@ -195,7 +208,7 @@ export class CudaBackend implements Backend {
         : { type: properties.locationType === CU_LOCATION.HOST ? 'HOST' : 'HOST_NUMA', id: properties.locationId };
     const granularity = this.granularity(location).minimum;
     if (size === 0n || size % granularity !== 0n) {
-      void addon.cudaRelease(0, handle);
+      void this.release(handle);
       throw codedError('BAD_DESCRIPTOR', `importing CUDA memory needs its size, a positive multiple of ${granularity}; got ${size}`);
     }
     return { handle, size, device: location.type === 'DEVICE' ? location.id : 0, location };
