@@ -6,8 +6,9 @@
  * reset() or deferCleanup() calls the base's.
  */
 import { status as Status } from '@grpc/grpc-js';
-import { addon, HOST_ACCESS } from '../../native';
+import { addon } from '../../native';
 import { VmmdError } from '../errors';
+import { SharedHostMemory } from '../external';
 import { DEFAULT_DEFERRED_FREE, DeferredFreeSettings, PendingDeallocations } from './deallocations';
 import { IpcHandle, ManagerContext, MappedMemory, MemoryInfo, MemoryPointer, PinnedMemory } from './memory';
 
@@ -80,30 +81,12 @@ export abstract class HostOnlyMemoryManager extends BaseMemoryManager {
   async memhostalloc(size: bigint | number, options: HostAllocOptions = {}): Promise<MappedMemory | PinnedMemory> {
     const bytes = toBigInt(size);
     if (bytes <= 0n) throw new VmmdError('ZERO_SIZE', Status.INVALID_ARGUMENT, `memhostalloc size ${bytes} must be greater than 0`);
-    const page = BigInt(addon.pageSize());
-    const mapped = ((bytes + page - 1n) / page) * page;
-    const fd = addon.hostMemfdCreate('vmmd:host', mapped);
-    let address = 0n;
+    // A memfd, so the memory is shareable like any SYSMEM buffer.
+    const shared = SharedHostMemory.allocate(bytes);
     try {
-      address = addon.hostReserve(mapped, page, 0n);
-      addon.hostMap(address, mapped, fd, 0n);
-      addon.hostProtect(address, mapped, HOST_ACCESS.READWRITE);
+      return this.pin(shared.address, bytes, options.mapped ?? false, shared, shared.buffer, () => shared.free());
     } catch (error) {
-      if (address !== 0n) addon.hostFreeAddress(address, mapped);
-      addon.close(fd);
-      throw VmmdError.from(error);
-    }
-    addon.close(fd);
-    const buffer = addon.hostArrayBuffer(address, Number(bytes));
-    const unmap = () => {
-      addon.hostDetachArrayBuffer(buffer);
-      addon.hostUnmap(address, mapped);
-      addon.hostFreeAddress(address, mapped);
-    };
-    try {
-      return this.pin(address, bytes, options.mapped ?? false, buffer, buffer, unmap);
-    } catch (error) {
-      unmap();
+      shared.free();
       throw error;
     }
   }

@@ -27,13 +27,9 @@ import {
 } from '../../client';
 import type { VmmdManagerContext } from '../../client';
 import { addon } from '../../native';
-import { MiB, Peer, TestDaemon } from '../e2e/harness';
+import { MiB, Peer, TestDaemon, packageRoot } from '../e2e/harness';
 
-const ROOT = (() => {
-  let dir = __dirname;
-  while (!fs.existsSync(path.join(dir, 'package.json'))) dir = path.dirname(dir);
-  return dir;
-})();
+const ROOT = packageRoot();
 
 /** A manager that adds device memory only, as NBEP 7 lets a HostOnly subclass do. */
 class HostOnlyTestManager extends HostOnlyMemoryManager {

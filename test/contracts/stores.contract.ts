@@ -11,13 +11,9 @@ import * as path from 'node:path';
 import * as grpc from '@grpc/grpc-js';
 import { connect, ExternalAllocation, LocalDeviceMemory, SharedHostMemory, VmmdClient } from '../../client';
 import { addon, HOST_ACCESS } from '../../native';
-import { call, eventually, MiB, Peer, TestDaemon } from '../e2e/harness';
+import { call, eventually, MiB, Peer, TestDaemon, packageRoot } from '../e2e/harness';
 
-const ROOT = (() => {
-  let dir = __dirname;
-  while (!fs.existsSync(path.join(dir, 'package.json'))) dir = path.dirname(dir);
-  return dir;
-})();
+const ROOT = packageRoot();
 
 function vmmctl(dir: string, args: string[]): Promise<{ code: number; stdout: string; stderr: string }> {
   return new Promise((resolve) =>

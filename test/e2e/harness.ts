@@ -13,8 +13,8 @@ import { socketPaths } from '../../common/paths';
 import { loadProtos } from '../../common/proto';
 import type { Stats__Output } from '../../generated/vmmd/v1/Stats';
 
-/** The package root, from test/e2e in the sources or dist/test/e2e when compiled. */
-function packageRoot(): string {
+/** The package root, from the sources or from dist/ when compiled. */
+export function packageRoot(): string {
   let dir = __dirname;
   while (!fs.existsSync(path.join(dir, 'package.json'))) dir = path.dirname(dir);
   return dir;
