@@ -44,6 +44,16 @@ export const LOADER_OPTIONS: protoLoader.Options = (() => {
 
 export type VmmdProto = AdminProto & DevicesProto & VirtualMemoryProto & StoresProto;
 
+/**
+ * What reflection describes: the vmmd services and grpc.health.v1, so that
+ * `grpcurl list` shows (and `describe` resolves) everything the daemon serves.
+ */
+export function reflectedDefinition(): protoLoader.PackageDefinition {
+  const healthProto = require.resolve('grpc-health-check/proto/health/v1/health.proto');
+  const healthRoot = path.resolve(path.dirname(healthProto), '..', '..');
+  return protoLoader.loadSync([...PROTO_FILES, 'health/v1/health.proto'], { ...LOADER_OPTIONS, includeDirs: [PROTO_DIR, healthRoot] });
+}
+
 let loaded: { definition: protoLoader.PackageDefinition; proto: VmmdProto } | undefined;
 
 /** The package definition (for reflection) and the loaded gRPC object. */

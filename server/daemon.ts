@@ -3,10 +3,12 @@
  * server, started and stopped together.
  */
 import * as grpc from '@grpc/grpc-js';
+import { ReflectionService } from '@grpc/reflection';
+import { HealthImplementation } from 'grpc-health-check';
 import * as fs from 'node:fs';
 import type { Logger } from 'pino';
 import { socketPaths } from '../common/paths';
-import { loadProtos } from '../common/proto';
+import { loadProtos, reflectedDefinition } from '../common/proto';
 import { addon, isNativeError } from '../native';
 import type { Backend } from './backends/backend';
 import { selectBackend } from './backends/select';
@@ -22,6 +24,9 @@ import { StoreRegistry } from './stores';
 
 // eslint-disable-next-line @typescript-eslint/no-require-imports
 export const VERSION: string = require('../../package.json').version;
+
+/** The health service answers for the whole server ('') and for each vmmd service. */
+const HEALTH_SERVICES = ['', 'vmmd.v1.Devices', 'vmmd.v1.VirtualMemory', 'vmmd.v1.Stores', 'vmmd.v1.Admin'];
 
 export class DaemonStartError extends Error {
   constructor(message: string) {
@@ -62,6 +67,7 @@ export class Daemon {
     private readonly log: Logger,
     readonly paths: { grpc: string; session: string },
     private readonly admin: AdminService,
+    private readonly health: HealthImplementation,
   ) {}
 
   /** @throws DaemonStartError, BackendUnavailableError, or the socket's error */
@@ -79,6 +85,10 @@ export class Daemon {
 
     const server = new grpc.Server({ 'grpc.max_receive_message_length': 16 << 20 });
     const { proto } = loadProtos();
+    // grpcurl's view: reflection (v1 and v1alpha) over the vmmd protos and health.
+    new ReflectionService(reflectedDefinition()).addToServer(server);
+    const health = new HealthImplementation(Object.fromEntries(HEALTH_SERVICES.map((name) => [name, 'NOT_SERVING'])));
+    health.addToServer(server);
     const deps: HandlerDeps = { sessions, log };
     new DevicesService(registry).addToServer(server, proto, deps);
     new VirtualMemoryService(registry, sessions).addToServer(server, proto, deps);
@@ -90,16 +100,18 @@ export class Daemon {
         error ? reject(error) : resolve(),
       ),
     );
+    for (const name of HEALTH_SERVICES) health.setStatus(name, 'SERVING');
     log.info(
       { backend: backend.name, socketDir: config.socketDir, devices: registry.devices.length, version: VERSION },
       'vmmd serving',
     );
-    return new Daemon(config, backend, registry, sessions, server, log, paths, admin);
+    return new Daemon(config, backend, registry, sessions, server, log, paths, admin, health);
   }
 
   /** Stops serving: refuses new calls, lets in-flight ones finish, reclaims every session. */
   async stop(graceMs = 5_000): Promise<void> {
     this.log.info('vmmd stopping');
+    for (const name of HEALTH_SERVICES) this.health.setStatus(name, 'NOT_SERVING');
     const drained = new Promise<void>((resolve) => this.server.tryShutdown(() => resolve()));
     const timeout = new Promise<void>((resolve) => setTimeout(resolve, graceMs).unref());
     await Promise.race([drained, timeout]);

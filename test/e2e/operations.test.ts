@@ -1,0 +1,151 @@
+/**
+ * Running it for real: what grpcurl does through reflection, health
+ * transitions, and SIGTERM draining a call in flight.
+ */
+import * as grpc from '@grpc/grpc-js';
+import * as protoLoader from '@grpc/proto-loader';
+import * as path from 'node:path';
+import * as protobuf from 'protobufjs';
+// eslint-disable-next-line @typescript-eslint/no-require-imports
+const descriptor = require('protobufjs/ext/descriptor');
+import { connect } from '../../client';
+import { socketPaths } from '../../common/paths';
+import { call, eventually, MiB, packageRoot, TestDaemon } from './harness';
+
+const ROOT = packageRoot();
+
+function reflectionClient(dir: string, version: 'v1' | 'v1alpha'): any {
+  const file = path.join(ROOT, 'node_modules', '@grpc', 'reflection', 'build', 'proto', 'grpc', 'reflection', version, 'reflection.proto');
+  const loaded = grpc.loadPackageDefinition(protoLoader.loadSync(file, { keepCase: true, longs: String, defaults: true })) as any;
+  const Service = loaded.grpc.reflection[version].ServerReflection;
+  return new Service(`unix://${socketPaths(dir).grpc}`, grpc.credentials.createInsecure());
+}
+
+/** One request on a fresh reflection stream, as grpcurl sends them. */
+function ask(client: any, request: object): Promise<any> {
+  return new Promise((resolve, reject) => {
+    const stream = client.ServerReflectionInfo();
+    stream.on('data', (response: any) => {
+      resolve(response);
+      stream.end();
+    });
+    stream.on('error', reject);
+    stream.write(request);
+  });
+}
+
+let daemon: TestDaemon;
+
+afterEach(async () => {
+  if (daemon.process.exitCode === null) await daemon.stop();
+});
+
+describe('reflection, as grpcurl uses it', () => {
+  it('lists, resolves each service file and its dependencies by name, describes, and invokes from JSON', async () => {
+    daemon = await TestDaemon.start();
+    const reflection = reflectionClient(daemon.dir, 'v1');
+    const listed = await ask(reflection, { list_services: '' });
+    const services: string[] = listed.list_services_response.service.map((s: { name: string }) => s.name);
+    expect(services).toEqual(
+      expect.arrayContaining([
+        'vmmd.v1.Devices',
+        'vmmd.v1.VirtualMemory',
+        'vmmd.v1.Stores',
+        'vmmd.v1.Admin',
+        'grpc.health.v1.Health',
+      ]),
+    );
+
+    // Resolve every vmmd service's file, then every dependency by file name, until nothing is missing.
+    const files = new Map<string, any>();
+    const missing: string[] = [];
+    for (const service of services.filter((name) => name.startsWith('vmmd.'))) {
+      const answer = await ask(reflection, { file_containing_symbol: service });
+      for (const bytes of answer.file_descriptor_response.file_descriptor_proto) {
+        const file = descriptor.FileDescriptorProto.decode(bytes);
+        files.set(file.name, file);
+        missing.push(...(file.dependency ?? []));
+      }
+    }
+    while (missing.length > 0) {
+      const name = missing.pop()!;
+      if (files.has(name)) continue;
+      const answer = await ask(reflection, { file_by_filename: name });
+      for (const bytes of answer.file_descriptor_response.file_descriptor_proto) {
+        const file = descriptor.FileDescriptorProto.decode(bytes);
+        files.set(file.name, file);
+        missing.push(...(file.dependency ?? []));
+      }
+    }
+    // Every file a service needs, and every file those depend on, resolved by name.
+    expect(files.size).toBeGreaterThan(0);
+    for (const file of files.values()) for (const dependency of file.dependency ?? []) expect(files.has(dependency)).toBe(true);
+
+    // Describe, as `grpcurl describe` does.
+    const root = (protobuf.Root as any).fromDescriptor({ file: [...files.values()] }) as protobuf.Root;
+    const vmm = root.lookupService('vmmd.v1.VirtualMemory');
+    expect(Object.keys(vmm.methods)).toEqual(expect.arrayContaining(['Reserve', 'Map', 'Export', 'Read', 'Write']));
+    const reserveRequest = root.lookupType('vmmd.v1.ReserveRequest');
+    expect(Object.keys(reserveRequest.fields)).toEqual(['size', 'alignment', 'address']);
+
+    // Invoke from JSON, with nothing but the reflected descriptors.
+    const method = vmm.methods.Reserve;
+    const requestType = root.lookupType(method.requestType);
+    const responseType = root.lookupType(method.responseType);
+    const generic = new grpc.Client(`unix://${socketPaths(daemon.dir).grpc}`, grpc.credentials.createInsecure());
+    const response = await new Promise<any>((resolve, reject) =>
+      generic.makeUnaryRequest(
+        '/vmmd.v1.VirtualMemory/Reserve',
+        (value: object) => Buffer.from(requestType.encode(requestType.fromObject(value)).finish()),
+        (bytes: Buffer) => responseType.toObject(responseType.decode(bytes), { longs: String }),
+        JSON.parse('{"size": "4194304"}'),
+        (error, value) => (error ? reject(error) : resolve(value)),
+      ),
+    );
+    expect(response).toMatchObject({ size: '4194304', ownerSession: '0' });
+    generic.close();
+
+    // The older v1alpha protocol answers too.
+    const alpha = reflectionClient(daemon.dir, 'v1alpha');
+    expect((await ask(alpha, { list_services: '' })).list_services_response.service.length).toBe(services.length);
+    alpha.close();
+    reflection.close();
+  });
+});
+
+describe('health and shutdown', () => {
+  it('serves, turns NOT_SERVING when SIGTERM arrives, drains a call in flight and exits 0', async () => {
+    daemon = await TestDaemon.start();
+    const healthFile = path.join(ROOT, 'node_modules', 'grpc-health-check', 'proto', 'health', 'v1', 'health.proto');
+    const Health = (grpc.loadPackageDefinition(protoLoader.loadSync(healthFile, { enums: String })) as any).grpc.health.v1.Health;
+    const health = new Health(`unix://${socketPaths(daemon.dir).grpc}`, grpc.credentials.createInsecure());
+    expect(await call(health, 'Check', { service: '' })).toEqual({ status: 'SERVING' });
+    expect(await call(health, 'Check', { service: 'vmmd.v1.VirtualMemory' })).toEqual({ status: 'SERVING' });
+    const statuses: string[] = [];
+    const watch = health.Watch({ service: '' });
+    watch.on('data', (update: { status: string }) => statuses.push(update.status));
+    watch.on('error', () => undefined);
+    await eventually(() => (statuses.includes('SERVING') ? true : undefined));
+
+    // A slow reader keeps a Read in flight across the SIGTERM.
+    const client = await connect({ socketDir: daemon.dir });
+    const allocation = await client.vmm.create({ size: 32n * MiB });
+    const reservation = await client.vmm.reserve({ size: 32n * MiB });
+    await client.vmm.map({ address: reservation.address, size: 32n * MiB, allocationId: allocation.id });
+    await client.vmm.setAccess({ address: reservation.address, size: 32n * MiB, descriptors: [{ location: { type: 'LOCATION_TYPE_DEVICE', id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' }] });
+    let received = 0;
+    const reading = client.stores.read({ address: reservation.address }, 32n * MiB, async (chunk) => {
+      received += chunk.length;
+      await new Promise((resolve) => setTimeout(resolve, 20));
+    });
+    await eventually(() => (received > 0 ? true : undefined));
+    daemon.process.kill('SIGTERM');
+    await eventually(() => (statuses.includes('NOT_SERVING') ? true : undefined), 5_000, 'NOT_SERVING');
+    expect((await reading).length).toBe(Number(32n * MiB));
+    const code = await new Promise((resolve) => daemon.process.once('exit', resolve));
+    expect(code).toBe(0);
+    watch.cancel();
+    health.close();
+    client.close();
+  }, 30_000);
+});
