@@ -71,6 +71,10 @@ export class ClientSession extends EventEmitter {
       connection.once('message', (message: SeqpacketMessage) => {
         if (message.fd >= 0) addon.close(message.fd);
         const hello = decodeMessage(message.data);
+        if (typeof hello !== 'string' && hello.type === 'error') {
+          fail(new VmmdError(hello.code, Status.PERMISSION_DENIED, `vmmd refused the session: ${hello.message}`));
+          return;
+        }
         if (typeof hello === 'string' || hello.type !== 'hello' || hello.protocol !== PROTOCOL_VERSION) {
           fail(new VmmdError('BAD_GREETING', Status.UNAVAILABLE, `vmmd at ${path} greeted with an unexpected message`));
           return;

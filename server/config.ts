@@ -1,12 +1,22 @@
 /**
- * The daemon's configuration from flags and environment. Invalid values fail
- * at start with the flag named.
+ * The daemon's configuration: one table of settings, each read from a flag,
+ * else its environment variable, else the JSON config file (--config), else
+ * its default. Invalid values fail at start with the key named. `--help` is
+ * generated from the same table.
  */
+import * as fs from 'node:fs';
 import * as os from 'node:os';
 import { parseArgs } from 'node:util';
 import { defaultSocketDir } from '../common/paths';
 
 export type BackendChoice = 'auto' | 'host' | 'cuda';
+
+export interface TlsConfig {
+  cert: string;
+  key: string;
+  /** With a CA, clients must present a certificate it signed (mutual TLS). */
+  ca?: string;
+}
 
 export interface DaemonConfig {
   backend: BackendChoice;
@@ -14,32 +24,24 @@ export interface DaemonConfig {
   hostCapacity: bigint;
   hostGranularity: bigint;
   logLevel: string;
+  /** Group given the socket directory and sockets (mode 0750 / 0660); none: owner only (0700 / 0600). */
+  socketGroup?: number;
+  /** Peers allowed on the session socket, by uid or primary gid; both empty: everyone who can reach it. */
+  allowUids: number[];
+  allowGids: number[];
+  /** Bytes a uid, and a session, may hold in allocations at once (0: no limit). */
+  quotaPerUid: bigint;
+  quotaPerSession: bigint;
+  /** How long Import and Attach wait for a descriptor not yet received. */
+  transferWaitMs: number;
+  /** Prometheus metrics on 127.0.0.1:PORT (0: off). */
+  metricsPort: number;
+  /** An extra gRPC listener over TCP, TLS only, never carrying descriptors ('' : off). */
+  tcpListen: string;
+  tls?: TlsConfig;
+  /** How long SIGTERM waits for calls in flight before cutting them. */
+  shutdownGraceMs: number;
 }
-
-export const USAGE = `Usage: vmmd [options]
-
-Serves GPU virtual memory over gRPC on DIR/vmmd.sock, with descriptors passed
-on the session socket DIR/vmmd.session.sock.
-
-Options (each also read from the environment variable shown):
-  --backend auto|host|cuda   memory backend; auto takes cuda when libcuda.so.1
-                             loads and a device exists, host otherwise
-                             [VMMD_BACKEND, default auto]
-  --socket-dir DIR           directory of the two sockets [VMMD_SOCKET_DIR,
-                             default /run/vmmd when writable, else
-                             $XDG_RUNTIME_DIR/vmmd, else /tmp/vmmd-$UID]
-  --host-capacity BYTES      memory the host backend may create in all
-                             [VMMD_HOST_CAPACITY, default half the machine's RAM]
-  --host-granularity BYTES   host backend granularity, a power of two and a
-                             multiple of the page size [VMMD_HOST_GRANULARITY,
-                             default 2MiB, as CUDA's]
-  --log-level LEVEL          trace|debug|info|warn|error|fatal|silent
-                             [VMMD_LOG_LEVEL, default info]
-  -h, --help                 show this help
-  -v, --version              show the version
-
-BYTES takes a plain number or a suffix: K/KiB, M/MiB, G/GiB, T/TiB (powers of
-1024) or KB, MB, GB, TB (powers of 1000).`;
 
 export class ConfigError extends Error {
   constructor(message: string) {
@@ -75,24 +77,83 @@ export function parseBytes(key: string, text: string): bigint {
   return BigInt(match[1]) * unit;
 }
 
+function parseInteger(key: string, text: string, min: number, max: number): number {
+  if (!/^\s*\d+\s*$/.test(text) || Number(text) < min || Number(text) > max) {
+    throw new ConfigError(`${key}: "${text}" is not an integer from ${min} to ${max}`);
+  }
+  return Number(text);
+}
+
+function parseIdList(key: string, text: string): number[] {
+  if (text.trim() === '') return [];
+  return text.split(',').map((part) => parseInteger(key, part, 0, 2 ** 32 - 2));
+}
+
 const LOG_LEVELS = ['trace', 'debug', 'info', 'warn', 'error', 'fatal', 'silent'];
+
+interface Setting {
+  flag: string;
+  env: string;
+  help: string;
+  placeholder: string;
+}
+
+/** Every setting: the config file uses the camelCase names. */
+const SETTINGS: Record<string, Setting> = {
+  backend: { flag: 'backend', env: 'VMMD_BACKEND', placeholder: 'auto|host|cuda', help: 'memory backend; auto takes cuda when libcuda.so.1 loads and a device exists [auto]' },
+  socketDir: { flag: 'socket-dir', env: 'VMMD_SOCKET_DIR', placeholder: 'DIR', help: 'directory of vmmd.sock and vmmd.session.sock [/run/vmmd when writable, else $XDG_RUNTIME_DIR/vmmd, else /tmp/vmmd-$UID]' },
+  socketGroup: { flag: 'socket-group', env: 'VMMD_SOCKET_GROUP', placeholder: 'GID', help: 'group of the socket directory (0750) and sockets (0660); unset: owner only (0700, 0600)' },
+  allowUids: { flag: 'allow-uids', env: 'VMMD_ALLOW_UIDS', placeholder: 'LIST', help: 'comma-separated uids allowed on the session socket (with --allow-gids: either matches) [all who reach it]' },
+  allowGids: { flag: 'allow-gids', env: 'VMMD_ALLOW_GIDS', placeholder: 'LIST', help: 'comma-separated primary gids allowed on the session socket' },
+  quotaPerUid: { flag: 'quota-per-uid', env: 'VMMD_QUOTA_PER_UID', placeholder: 'BYTES', help: 'allocation bytes each uid may hold at once [0: no limit]' },
+  quotaPerSession: { flag: 'quota-per-session', env: 'VMMD_QUOTA_PER_SESSION', placeholder: 'BYTES', help: 'allocation bytes each session may hold at once [0: no limit]' },
+  hostCapacity: { flag: 'host-capacity', env: 'VMMD_HOST_CAPACITY', placeholder: 'BYTES', help: "memory the host backend may create in all [half the machine's RAM]" },
+  hostGranularity: { flag: 'host-granularity', env: 'VMMD_HOST_GRANULARITY', placeholder: 'BYTES', help: 'host backend granularity, a power of two and a page multiple [2MiB, as CUDA]' },
+  transferWaitMs: { flag: 'transfer-wait-ms', env: 'VMMD_TRANSFER_WAIT_MS', placeholder: 'MS', help: 'how long Import and Attach wait for a descriptor [5000]' },
+  metricsPort: { flag: 'metrics-port', env: 'VMMD_METRICS_PORT', placeholder: 'PORT', help: 'serve Prometheus metrics on 127.0.0.1:PORT/metrics [0: off]' },
+  tcpListen: { flag: 'tcp-listen', env: 'VMMD_TCP_LISTEN', placeholder: 'HOST:PORT', help: 'also serve gRPC over TCP, TLS only, without sessions or descriptors [off]' },
+  tlsCert: { flag: 'tls-cert', env: 'VMMD_TLS_CERT', placeholder: 'FILE', help: "the TCP listener's certificate chain (PEM)" },
+  tlsKey: { flag: 'tls-key', env: 'VMMD_TLS_KEY', placeholder: 'FILE', help: "the TCP listener's private key (PEM)" },
+  tlsCa: { flag: 'tls-ca', env: 'VMMD_TLS_CA', placeholder: 'FILE', help: 'require client certificates signed by this CA (mutual TLS)' },
+  shutdownGraceMs: { flag: 'shutdown-grace-ms', env: 'VMMD_SHUTDOWN_GRACE_MS', placeholder: 'MS', help: 'on SIGTERM, how long calls in flight may finish [10000]' },
+  logLevel: { flag: 'log-level', env: 'VMMD_LOG_LEVEL', placeholder: 'LEVEL', help: `${LOG_LEVELS.join('|')} [info]` },
+};
+
+export const USAGE = (() => {
+  const lines = Object.values(SETTINGS).map((setting) => {
+    const left = `  --${setting.flag} ${setting.placeholder}`;
+    return `${left.padEnd(34)}${setting.help}\n${' '.repeat(34)}[env ${setting.env}]`;
+  });
+  return `Usage: vmmd [options]
+
+Serves GPU virtual memory over gRPC on DIR/vmmd.sock, with descriptors passed
+on the session socket DIR/vmmd.session.sock. Each option is read from its flag,
+else its environment variable, else the JSON file of --config (same names in
+camelCase, e.g. {"hostCapacity": "8GiB", "allowUids": [1000]}), else its default.
+
+Options:
+  --config FILE                   a JSON file of settings [env VMMD_CONFIG]
+${lines.join('\n')}
+  -h, --help                      show this help
+  -v, --version                   show the version
+
+BYTES takes a plain number or a suffix: K/KiB, M/MiB, G/GiB, T/TiB (powers of
+1024) or KB, MB, GB, TB (powers of 1000).`;
+})();
 
 export type ParsedCommand = { kind: 'help' } | { kind: 'version' } | { kind: 'run'; config: DaemonConfig };
 
-/** @throws ConfigError naming the offending flag or variable */
+/** @throws ConfigError naming the offending flag, variable or config file key */
 export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSize: number): ParsedCommand {
-  let values;
+  let values: Record<string, string | boolean | undefined>;
   try {
     ({ values } = parseArgs({
       args: argv,
       options: {
-        backend: { type: 'string' },
-        'socket-dir': { type: 'string' },
-        'host-capacity': { type: 'string' },
-        'host-granularity': { type: 'string' },
-        'log-level': { type: 'string' },
+        config: { type: 'string' },
         help: { type: 'boolean', short: 'h' },
         version: { type: 'boolean', short: 'v' },
+        ...Object.fromEntries(Object.values(SETTINGS).map((setting) => [setting.flag, { type: 'string' as const }])),
       },
       strict: true,
       allowPositionals: false,
@@ -103,34 +164,115 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
   if (values.help) return { kind: 'help' };
   if (values.version) return { kind: 'version' };
 
-  const pick = (flag: string, variable: string): [string, string | undefined] => {
-    const fromFlag = (values as Record<string, string | undefined>)[flag];
-    return fromFlag !== undefined ? [`--${flag}`, fromFlag] : [variable, env[variable]];
+  const configFile = (values.config as string | undefined) ?? env.VMMD_CONFIG;
+  let file: Record<string, unknown> = {};
+  if (configFile !== undefined) {
+    let text: string;
+    try {
+      text = fs.readFileSync(configFile, 'utf8');
+    } catch (error) {
+      throw new ConfigError(`--config: cannot read ${configFile}: ${(error as Error).message}`);
+    }
+    try {
+      file = JSON.parse(text);
+    } catch (error) {
+      throw new ConfigError(`${configFile}: not JSON: ${(error as Error).message}`);
+    }
+    if (typeof file !== 'object' || file === null || Array.isArray(file)) throw new ConfigError(`${configFile}: must hold a JSON object`);
+    for (const key of Object.keys(file)) {
+      if (!(key in SETTINGS)) throw new ConfigError(`${configFile}: unknown key "${key}" (known: ${Object.keys(SETTINGS).join(', ')})`);
+    }
+  }
+
+  /** The setting's text and where it came from, for messages. */
+  const pick = (name: keyof typeof SETTINGS): [string, string | undefined] => {
+    const setting = SETTINGS[name];
+    const fromFlag = values[setting.flag] as string | undefined;
+    if (fromFlag !== undefined) return [`--${setting.flag}`, fromFlag];
+    if (env[setting.env] !== undefined) return [setting.env, env[setting.env]];
+    if (file[name] !== undefined) {
+      const value = file[name];
+      const text = Array.isArray(value) ? value.join(',') : String(value);
+      return [`${configFile}: ${name}`, text];
+    }
+    return [name, undefined];
   };
 
-  const [backendKey, backend = 'auto'] = pick('backend', 'VMMD_BACKEND');
+  const [backendKey, backend = 'auto'] = pick('backend');
   if (backend !== 'auto' && backend !== 'host' && backend !== 'cuda') {
     throw new ConfigError(`${backendKey}: "${backend}" is not one of auto, host, cuda`);
   }
 
-  const [granularityKey, granularityText] = pick('host-granularity', 'VMMD_HOST_GRANULARITY');
+  const [granularityKey, granularityText] = pick('hostGranularity');
   const hostGranularity = granularityText === undefined ? 2n << 20n : parseBytes(granularityKey, granularityText);
   if (hostGranularity <= 0n || (hostGranularity & (hostGranularity - 1n)) !== 0n || hostGranularity % BigInt(pageSize) !== 0n) {
     throw new ConfigError(`${granularityKey}: ${hostGranularity} must be a power of two and a multiple of the page size ${pageSize}`);
   }
 
-  const [capacityKey, capacityText] = pick('host-capacity', 'VMMD_HOST_CAPACITY');
+  const [capacityKey, capacityText] = pick('hostCapacity');
   const defaultCapacity = (BigInt(os.totalmem()) / 2n / hostGranularity) * hostGranularity;
   const hostCapacity = capacityText === undefined ? defaultCapacity : parseBytes(capacityKey, capacityText);
   if (hostCapacity < hostGranularity) {
     throw new ConfigError(`${capacityKey}: ${hostCapacity} must be at least the granularity ${hostGranularity}`);
   }
 
-  const [logKey, logLevel = 'info'] = pick('log-level', 'VMMD_LOG_LEVEL');
+  const [logKey, logLevel = 'info'] = pick('logLevel');
   if (!LOG_LEVELS.includes(logLevel)) throw new ConfigError(`${logKey}: "${logLevel}" is not one of ${LOG_LEVELS.join(', ')}`);
 
-  const [socketKey, socketDir = defaultSocketDir(env)] = pick('socket-dir', 'VMMD_SOCKET_DIR');
+  const [socketKey, socketDir = defaultSocketDir(env)] = pick('socketDir');
   if (socketDir === '') throw new ConfigError(`${socketKey}: the socket directory must not be empty`);
 
-  return { kind: 'run', config: { backend, socketDir, hostCapacity, hostGranularity, logLevel } };
+  const [groupKey, groupText] = pick('socketGroup');
+  const socketGroup = groupText === undefined ? undefined : parseInteger(groupKey, groupText, 0, 2 ** 32 - 2);
+
+  const [uidsKey, uidsText = ''] = pick('allowUids');
+  const [gidsKey, gidsText = ''] = pick('allowGids');
+
+  const bytesOr0 = (name: 'quotaPerUid' | 'quotaPerSession') => {
+    const [key, text] = pick(name);
+    return text === undefined ? 0n : parseBytes(key, text);
+  };
+  const integer = (name: 'transferWaitMs' | 'metricsPort' | 'shutdownGraceMs', fallback: number, max: number) => {
+    const [key, text] = pick(name);
+    return text === undefined ? fallback : parseInteger(key, text, 0, max);
+  };
+
+  const [tcpKey, tcpListen = ''] = pick('tcpListen');
+  const [certKey, cert] = pick('tlsCert');
+  const [keyKey, key] = pick('tlsKey');
+  const [, ca] = pick('tlsCa');
+  let tls: TlsConfig | undefined;
+  if (tcpListen !== '') {
+    if (!/^[^:]+:\d{1,5}$/.test(tcpListen) && !/^\[[0-9a-fA-F:]+\]:\d{1,5}$/.test(tcpListen)) {
+      throw new ConfigError(`${tcpKey}: "${tcpListen}" is not HOST:PORT`);
+    }
+    if (cert === undefined || key === undefined) {
+      throw new ConfigError(`${tcpKey}: the TCP listener is TLS only: set --tls-cert and --tls-key too`);
+    }
+    for (const [name, path] of [[certKey, cert], [keyKey, key], ['--tls-ca', ca]] as const) {
+      if (path !== undefined && !fs.existsSync(path)) throw new ConfigError(`${name}: ${path} does not exist`);
+    }
+    tls = { cert, key, ...(ca === undefined ? {} : { ca }) };
+  }
+
+  return {
+    kind: 'run',
+    config: {
+      backend,
+      socketDir,
+      hostCapacity,
+      hostGranularity,
+      logLevel,
+      socketGroup,
+      allowUids: parseIdList(uidsKey, uidsText),
+      allowGids: parseIdList(gidsKey, gidsText),
+      quotaPerUid: bytesOr0('quotaPerUid'),
+      quotaPerSession: bytesOr0('quotaPerSession'),
+      transferWaitMs: integer('transferWaitMs', 5_000, 600_000),
+      metricsPort: integer('metricsPort', 0, 65_535),
+      tcpListen,
+      tls,
+      shutdownGraceMs: integer('shutdownGraceMs', 10_000, 600_000),
+    },
+  };
 }

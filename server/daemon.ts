@@ -13,6 +13,7 @@ import { addon, isNativeError } from '../native';
 import type { Backend } from './backends/backend';
 import { selectBackend } from './backends/select';
 import type { DaemonConfig } from './config';
+import { Quotas } from './quotas';
 import { Registry } from './registry';
 import { AdminService } from './services/admin';
 import { DevicesService } from './services/devices';
@@ -33,6 +34,37 @@ export class DaemonStartError extends Error {
     super(message);
     this.name = 'DaemonStartError';
   }
+}
+
+/**
+ * Creates the socket directory owner-only (0700), or for a group (0750) when
+ * one is configured. An existing directory keeps its mode unless a group is set.
+ */
+function prepareSocketDir(config: DaemonConfig): void {
+  const existed = fs.existsSync(config.socketDir);
+  const mode = config.socketGroup === undefined ? 0o700 : 0o750;
+  fs.mkdirSync(config.socketDir, { recursive: true, mode });
+  if (config.socketGroup !== undefined) {
+    fs.chownSync(config.socketDir, process.getuid!(), config.socketGroup);
+    fs.chmodSync(config.socketDir, mode);
+  } else if (!existed) {
+    fs.chmodSync(config.socketDir, mode);
+  }
+}
+
+/** Sockets owner-only (0600), or read-write for the configured group (0660). */
+function restrictSockets(config: DaemonConfig, paths: { grpc: string; session: string }): void {
+  for (const path of [paths.grpc, paths.session]) {
+    if (config.socketGroup !== undefined) fs.chownSync(path, process.getuid!(), config.socketGroup);
+    fs.chmodSync(path, config.socketGroup === undefined ? 0o600 : 0o660);
+  }
+}
+
+/** Why a peer may not open a session under the allow lists, or undefined. */
+export function authorize(config: Pick<DaemonConfig, 'allowUids' | 'allowGids'>, peer: { uid: number; gid: number }): string | undefined {
+  if (config.allowUids.length === 0 && config.allowGids.length === 0) return undefined;
+  if (config.allowUids.includes(peer.uid) || config.allowGids.includes(peer.gid)) return undefined;
+  return `uid ${peer.uid} (gid ${peer.gid}) is not allowed: allowed uids [${config.allowUids.join(', ')}], gids [${config.allowGids.join(', ')}]`;
 }
 
 /**
@@ -73,12 +105,18 @@ export class Daemon {
   /** @throws DaemonStartError, BackendUnavailableError, or the socket's error */
   static async start(config: DaemonConfig, log: Logger, sessionOptions: SessionOptions = DEFAULT_SESSION_OPTIONS): Promise<Daemon> {
     const backend = await selectBackend(config, log);
-    const registry = new Registry(backend);
+    let sessions: SessionManager | undefined;
+    const quotas = new Quotas({ perUid: config.quotaPerUid, perSession: config.quotaPerSession }, (session) => sessions?.uidOf(session));
+    const registry = new Registry(backend, (owner, bytes) => quotas.charge(owner, bytes));
     const paths = socketPaths(config.socketDir);
-    fs.mkdirSync(config.socketDir, { recursive: true, mode: 0o755 });
+    prepareSocketDir(config);
     clearStaleSockets(paths);
 
-    const sessions = new SessionManager(registry, log, sessionOptions);
+    sessions = new SessionManager(registry, log, {
+      ...sessionOptions,
+      transferWaitMs: config.transferWaitMs,
+      authorize: (peer) => authorize(config, peer),
+    });
     const stores = new StoreRegistry(registry);
     sessions.onReclaim((session) => stores.reclaim(session));
     sessions.listen(paths.session);
@@ -100,6 +138,19 @@ export class Daemon {
         error ? reject(error) : resolve(),
       ),
     );
+    restrictSockets(config, paths);
+    if (config.tcpListen !== '' && config.tls !== undefined) {
+      const tls = config.tls;
+      const credentials = grpc.ServerCredentials.createSsl(
+        tls.ca === undefined ? null : fs.readFileSync(tls.ca),
+        [{ cert_chain: fs.readFileSync(tls.cert), private_key: fs.readFileSync(tls.key) }],
+        tls.ca !== undefined,
+      );
+      await new Promise<void>((resolve, reject) =>
+        server.bindAsync(config.tcpListen, credentials, (error) => (error ? reject(error) : resolve())),
+      );
+      log.info({ address: config.tcpListen, mutualTls: tls.ca !== undefined }, 'serving gRPC over TCP with TLS (no sessions, no descriptors)');
+    }
     for (const name of HEALTH_SERVICES) health.setStatus(name, 'SERVING');
     log.info(
       { backend: backend.name, socketDir: config.socketDir, devices: registry.devices.length, version: VERSION },
@@ -109,7 +160,7 @@ export class Daemon {
   }
 
   /** Stops serving: refuses new calls, lets in-flight ones finish, reclaims every session. */
-  async stop(graceMs = 5_000): Promise<void> {
+  async stop(graceMs = this.config.shutdownGraceMs): Promise<void> {
     this.log.info('vmmd stopping');
     for (const name of HEALTH_SERVICES) this.health.setStatus(name, 'NOT_SERVING');
     const drained = new Promise<void>((resolve) => this.server.tryShutdown(() => resolve()));

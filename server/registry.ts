@@ -69,6 +69,8 @@ export interface AllocationRecord {
   busy: number;
   shareKey?: string;
   freed: boolean;
+  /** Gives back the quota this allocation was charged (when freed). */
+  refund?: () => void;
 }
 
 export interface MappingRecord {
@@ -168,7 +170,13 @@ export class Registry {
   private readonly deviceList: DeviceInfo[];
   private readonly reservationGranularity: bigint;
 
-  constructor(readonly backend: Backend) {
+  /**
+   * @param charge takes quota for a new allocation (throwing when there is none) and returns its refund
+   */
+  constructor(
+    readonly backend: Backend,
+    private readonly charge: (owner: bigint, bytes: bigint) => () => void = () => () => undefined,
+  ) {
     this.deviceList = backend.devices();
     // A reservation may hold memory of any device, so it follows the coarsest one.
     this.reservationGranularity = this.deviceList.reduce(
@@ -290,8 +298,18 @@ export class Registry {
     this.checkAligned('allocation size', args.size, granularity);
     // Descriptors always work; fabric comes on top where asked for.
     const handleTypes: HandleKind[] = args.handleType === 'FABRIC' ? ['POSIX_FD', 'FABRIC'] : ['POSIX_FD'];
-    const handle = this.backend.create(device, args.location, args.size, handleTypes);
-    return this.addAllocation(caller, handle, args.size, device, args.location, handleTypes, false, granularity);
+    // Charged and checked in one synchronous step with the creation: concurrent requests cannot overshoot.
+    const refund = this.charge(caller, args.size);
+    let handle: BackendHandle;
+    try {
+      handle = this.backend.create(device, args.location, args.size, handleTypes);
+    } catch (error) {
+      refund();
+      throw error;
+    }
+    const record = this.addAllocation(caller, handle, args.size, device, args.location, handleTypes, false, granularity);
+    record.refund = refund;
+    return record;
   }
 
   /** Records imported memory; the caller holds its one handle reference. */
@@ -762,6 +780,7 @@ export class Registry {
     if (this.referenceCount(allocation) > 0) return false;
     allocation.freed = true;
     this.allocations.delete(allocation.id);
+    allocation.refund?.();
     await this.backend.release(allocation.handle, allocation.size, allocation.imported);
     return true;
   }

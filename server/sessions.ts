@@ -19,6 +19,8 @@ import { deadlineExceeded, failedPrecondition, unauthenticated, unavailable } fr
 import type { Registry } from './registry';
 
 export interface SessionOptions {
+  /** Why a peer may not open a session, or undefined when it may. */
+  authorize?: (peer: Credentials) => string | undefined;
   /** How long Import waits for a descriptor the client has not sent yet. */
   transferWaitMs: number;
   /** How long a received, unclaimed descriptor is kept before it is closed. */
@@ -206,8 +208,24 @@ export class SessionManager extends EventEmitter {
     await Promise.all([...this.reclaims]);
   }
 
+  /** The uid of a session's peer. */
+  uidOf(session: bigint): number | undefined {
+    return this.sessions.get(session)?.peer.uid;
+  }
+
   private open(connection: SeqpacketConnection): void {
     const peer = connection.peer ?? { pid: 0, uid: -1, gid: -1 };
+    const refusal = this.options.authorize?.(peer);
+    if (refusal !== undefined) {
+      this.log.warn({ peerPid: peer.pid, peerUid: peer.uid, peerGid: peer.gid }, `session refused: ${refusal}`);
+      try {
+        connection.send(encodeMessage({ type: 'error', code: 'PERMISSION_DENIED', message: refusal }));
+      } catch {
+        // the peer left already
+      }
+      connection.close();
+      return;
+    }
     const session = new Session(this.nextId++, peer, connection, this.log);
     this.sessions.set(session.id, session);
     this.byToken.set(session.token, session);

@@ -7,7 +7,7 @@
 import * as grpc from '@grpc/grpc-js';
 import type { Logger } from 'pino';
 import { SESSION_METADATA_KEY } from '../../common/protocol';
-import { toServiceError } from '../errors';
+import { toServiceError, unauthenticated } from '../errors';
 import { DAEMON_OWNER } from '../registry';
 import type { Session, SessionManager } from '../sessions';
 
@@ -35,8 +35,16 @@ async function withContext<T>(
   method: string,
   run: (context: CallContext) => Promise<T>,
   tracked = true,
+  peer?: string,
 ): Promise<T> {
-  const session = deps.sessions.authenticate(metadataToken(metadata));
+  const token = metadataToken(metadata);
+  // Sessions live on the Unix socket: a token arriving over TCP is refused, never honoured.
+  // grpc-js names a Unix-socket peer 'unknown' (no remote address), a TCP peer 'address:port'.
+  const overTcp = peer !== undefined && peer !== 'unknown' && !peer.startsWith('unix:');
+  if (token !== undefined && overTcp) {
+    throw unauthenticated('TCP_SESSION', 'sessions and descriptors exist only over the Unix socket; call without a session token over TCP');
+  }
+  const session = deps.sessions.authenticate(token);
   const log = session?.log ?? deps.log;
   const context: CallContext = { caller: session?.id ?? DAEMON_OWNER, session, log: log.child({ method }) };
   return session === undefined || !tracked ? run(context) : session.track(() => run(context));
@@ -54,7 +62,7 @@ export function unary<Req, Res>(
   body: (request: Req, context: CallContext) => Promise<Res> | Res,
 ): grpc.handleUnaryCall<Req, Res> {
   return (call, callback) => {
-    withContext(deps, call.metadata, method, async (context) => body(call.request, context)).then(
+    withContext(deps, call.metadata, method, async (context) => body(call.request, context), true, call.getPeer()).then(
       (response) => callback(null, response),
       (error) => callback(fail(deps, method, error) as grpc.ServiceError),
     );
@@ -96,6 +104,7 @@ export function serverStream<Req, Res>(
         }
       },
       options.tracked ?? true,
+      call.getPeer(),
     ).then(
       () => call.end(),
       // grpc-js turns an 'error' event on a server stream into the call's status.
@@ -110,7 +119,7 @@ export function clientStream<Req, Res>(
   body: (requests: AsyncIterable<Req>, context: CallContext) => Promise<Res>,
 ): grpc.handleClientStreamingCall<Req, Res> {
   return (call, callback) => {
-    withContext(deps, call.metadata, method, (context) => body(call as AsyncIterable<Req>, context)).then(
+    withContext(deps, call.metadata, method, (context) => body(call as AsyncIterable<Req>, context), true, call.getPeer()).then(
       (response) => callback(null, response),
       (error) => callback(fail(deps, method, error) as grpc.ServiceError),
     );
