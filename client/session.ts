@@ -58,10 +58,14 @@ export class ClientSession extends EventEmitter {
       );
     }
     return new Promise((resolve, reject) => {
+      let settled = false;
       const fail = (error: VmmdError) => {
+        // Settle first: closing emits 'close', whose handler would settle with a vaguer error.
+        if (settled) return;
+        settled = true;
         clearTimeout(timer);
-        connection.close();
         reject(error);
+        connection.close();
       };
       const timer = setTimeout(
         () => fail(new VmmdError('NO_GREETING', Status.DEADLINE_EXCEEDED, `vmmd at ${path} sent no greeting within ${timeoutMs} ms`)),
@@ -79,6 +83,7 @@ export class ClientSession extends EventEmitter {
           fail(new VmmdError('BAD_GREETING', Status.UNAVAILABLE, `vmmd at ${path} greeted with an unexpected message`));
           return;
         }
+        settled = true;
         clearTimeout(timer);
         connection.removeAllListeners();
         resolve(new ClientSession(connection, hello));

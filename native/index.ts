@@ -91,6 +91,10 @@ export interface Addon {
   seqpacketRecv(fd: number, maxLength: number): Received | null;
   shutdownSocket(fd: number): void;
   peerCredentials(fd: number): Credentials;
+  /** One datagram to a Unix socket path ('@name': abstract), as sd_notify sends. */
+  unixDgramSend(path: string, data: Buffer): void;
+  /** A bound, non-blocking datagram socket (read it with seqpacketRecv). */
+  unixDgramBind(path: string): number;
   Poller: new (fd: number, callback: (status: number, events: number) => void) => Poller;
   /** Opens libcuda.so.1 once; never throws. */
   cudaLoad(): CudaLoadResult;

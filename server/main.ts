@@ -3,6 +3,7 @@ import pino from 'pino';
 import { addon } from '../native';
 import { ConfigError, parseCommandLine, USAGE } from './config';
 import { Daemon, VERSION } from './daemon';
+import { Notifier } from './notify';
 
 export async function main(argv: string[]): Promise<number> {
   let command;
@@ -32,6 +33,7 @@ export async function main(argv: string[]): Promise<number> {
   };
   process.once('SIGTERM', () => onSignal('SIGTERM'));
   process.once('SIGINT', () => onSignal('SIGINT'));
+  const notifier = new Notifier(process.env, log);
   let daemon: Daemon;
   try {
     daemon = await Daemon.start(command.config, log);
@@ -39,11 +41,17 @@ export async function main(argv: string[]): Promise<number> {
     log.fatal({ err: error }, `vmmd cannot start: ${(error as Error).message}`);
     return 1;
   }
+  notifier.ready(`serving ${daemon.backend.name} memory on ${command.config.socketDir}`);
   return new Promise<number>((resolve) => {
     onSignal = (signal) => {
       log.info({ signal }, 'signal received');
+      notifier.stopping();
       daemon.stop().then(
-        () => resolve(0),
+        () => {
+          // pino writes synchronously to stdout: nothing is left unflushed here.
+          log.flush();
+          resolve(0);
+        },
         (error) => {
           log.error({ err: error }, 'stopping failed');
           resolve(1);

@@ -7,6 +7,7 @@
 #include <uv.h>
 
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -195,6 +196,50 @@ Napi::Value SeqpacketRecv(const Napi::CallbackInfo& info) {
   return out;
 }
 
+// The address of a datagram socket: a path, or (leading '@') an abstract name, as NOTIFY_SOCKET gives it.
+socklen_t DatagramAddress(Napi::Env env, const std::string& path, sockaddr_un* address) {
+  std::memset(address, 0, sizeof(*address));
+  address->sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof(address->sun_path)) {
+    throw ErrnoError(env, ENAMETOOLONG, "socket address '" + path + "'");
+  }
+  std::memcpy(address->sun_path, path.c_str(), path.size());
+  if (path[0] == '@') address->sun_path[0] = '\0';
+  return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + path.size());
+}
+
+// unixDgramSend(path, data): one datagram, as sd_notify(3) sends to NOTIFY_SOCKET.
+Napi::Value UnixDgramSend(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  std::string path = info[0].As<Napi::String>().Utf8Value();
+  Napi::Buffer<uint8_t> data = info[1].As<Napi::Buffer<uint8_t>>();
+  sockaddr_un address;
+  socklen_t length = DatagramAddress(env, path, &address);
+  int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) ThrowErrno(env, "socket(AF_UNIX, SOCK_DGRAM)");
+  ssize_t sent = sendto(fd, data.Data(), data.Length(), MSG_NOSIGNAL, reinterpret_cast<sockaddr*>(&address), length);
+  int err = errno;
+  close(fd);
+  if (sent < 0) throw ErrnoError(env, err, "sendto(" + path + ")");
+  return env.Undefined();
+}
+
+// unixDgramBind(path) -> fd: a datagram socket to receive on (tests stand in for systemd with it).
+Napi::Value UnixDgramBind(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  std::string path = info[0].As<Napi::String>().Utf8Value();
+  sockaddr_un address;
+  socklen_t length = DatagramAddress(env, path, &address);
+  int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) ThrowErrno(env, "socket(AF_UNIX, SOCK_DGRAM)");
+  if (bind(fd, reinterpret_cast<sockaddr*>(&address), length) != 0) {
+    int err = errno;
+    close(fd);
+    throw ErrnoError(env, err, "bind(" + path + ")");
+  }
+  return Napi::Number::New(env, fd);
+}
+
 Napi::Value ShutdownSocket(const Napi::CallbackInfo& info) {
   int fd = FdArg(info, 0, "fd");
   if (shutdown(fd, SHUT_RDWR) != 0 && errno != ENOTCONN) ThrowErrno(info.Env(), "shutdown");
@@ -304,6 +349,8 @@ void InitFdPassing(Napi::Env env, Napi::Object exports) {
   exports.Set("seqpacketSend", Napi::Function::New(env, SeqpacketSend, "seqpacketSend"));
   exports.Set("seqpacketRecv", Napi::Function::New(env, SeqpacketRecv, "seqpacketRecv"));
   exports.Set("shutdownSocket", Napi::Function::New(env, ShutdownSocket, "shutdownSocket"));
+  exports.Set("unixDgramSend", Napi::Function::New(env, UnixDgramSend, "unixDgramSend"));
+  exports.Set("unixDgramBind", Napi::Function::New(env, UnixDgramBind, "unixDgramBind"));
   exports.Set("peerCredentials", Napi::Function::New(env, PeerCredentials, "peerCredentials"));
   exports.Set("Poller", Poller::Define(env));
 }

@@ -78,12 +78,14 @@ export class TestDaemon {
     this.exited = new Promise((resolve) => process.once('exit', (code) => resolve(code)));
   }
 
-  static async start(extraArgs: string[] = [], backend: 'host' | 'cuda' = 'host'): Promise<TestDaemon> {
-    const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-e2e-'));
+  static async start(extraArgs: string[] = [], backend: 'host' | 'cuda' = 'host', env: NodeJS.ProcessEnv = {}): Promise<TestDaemon> {
+    // A --socket-dir among the extra arguments names the directory; else a fresh temporary one.
+    const named = extraArgs.indexOf('--socket-dir');
+    const dir = named >= 0 ? extraArgs[named + 1] : fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-e2e-'));
     const child = spawn(
       process.execPath,
-      [DAEMON, '--backend', backend, '--socket-dir', dir, '--host-capacity', '256MiB', '--log-level', 'warn', ...extraArgs],
-      { stdio: ['ignore', 'pipe', 'pipe'] },
+      [DAEMON, '--backend', backend, '--socket-dir', dir, '--host-capacity', '256MiB', '--log-level', 'warn', ...extraArgs.filter((_, i) => named < 0 || (i !== named && i !== named + 1))],
+      { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, ...env } },
     );
     const daemon = new TestDaemon(child, dir);
     for (const stream of [child.stdout!, child.stderr!]) {
@@ -150,8 +152,9 @@ export class Peer {
     );
   }
 
-  static async start(dir: string): Promise<Peer> {
-    const child = spawn(process.execPath, [PEER], { stdio: ['pipe', 'pipe', 'pipe'], env: { ...process.env, VMMD_SOCKET_DIR: dir } });
+  /** A client process in `dir`, running as another uid/gid when given (needs root). */
+  static async start(dir: string, as: { uid?: number; gid?: number } = {}): Promise<Peer> {
+    const child = spawn(process.execPath, [PEER], { stdio: ['pipe', 'pipe', 'pipe'], env: { ...process.env, VMMD_SOCKET_DIR: dir }, ...as });
     const peer = new Peer(child);
     await peer.do({ op: 'connect' });
     return peer;

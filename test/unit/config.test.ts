@@ -53,3 +53,36 @@ describe('parseCommandLine', () => {
     expect(parseCommandLine(['-v'], {}, PAGE).kind).toBe('version');
   });
 });
+
+describe('the config file', () => {
+  const fs = require('node:fs') as typeof import('node:fs');
+  const os = require('node:os') as typeof import('node:os');
+  const path = require('node:path') as typeof import('node:path');
+  function file(content: string): string {
+    const name = path.join(fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-config-')), 'vmmd.json');
+    fs.writeFileSync(name, content);
+    return name;
+  }
+
+  it('gives settings below flags and environment', () => {
+    const config = file(JSON.stringify({ hostCapacity: '64MiB', allowUids: [0, 1000], quotaPerSession: '8MiB', logLevel: 'warn' }));
+    const parsed = run(['--config', config, '--log-level', 'error']);
+    expect(parsed).toMatchObject({ hostCapacity: 64n << 20n, allowUids: [0, 1000], quotaPerSession: 8n << 20n, logLevel: 'error' });
+    expect(run([], { VMMD_CONFIG: config, VMMD_HOST_CAPACITY: '128MiB' }).hostCapacity).toBe(128n << 20n);
+  });
+
+  it.each([
+    ['{"hostCapacity": "lots"}', /vmmd\.json: hostCapacity: "lots" is not a byte count/],
+    ['{"colour": "blue"}', /unknown key "colour"/],
+    ['not json', /not JSON/],
+    ['[1]', /must hold a JSON object/],
+    ['{"allowUids": ["root"]}', /allowUids: "root" is not an integer/],
+    ['{"tcpListen": "0.0.0.0:7000"}', /tcpListen: the TCP listener is TLS only/],
+  ])('refuses %s, naming the key', (content, message) => {
+    expect(() => run(['--config', file(content)])).toThrow(message);
+  });
+
+  it('refuses a config file that cannot be read', () => {
+    expect(() => run(['--config', '/nonexistent/vmmd.json'])).toThrow(/--config: cannot read/);
+  });
+});
