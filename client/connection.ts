@@ -16,6 +16,12 @@ import type { ListDevicesResponse__Output } from '../generated/vmmd/v1/ListDevic
 import type { MemoryInfo__Output } from '../generated/vmmd/v1/MemoryInfo';
 import type { GetStatsRequest } from '../generated/vmmd/v1/GetStatsRequest';
 import type { Stats__Output } from '../generated/vmmd/v1/Stats';
+import type { ClearCachesResponse__Output } from '../generated/vmmd/v1/ClearCachesResponse';
+import type { ListObjectsRequest } from '../generated/vmmd/v1/ListObjectsRequest';
+import type { ListObjectsResponse__Output } from '../generated/vmmd/v1/ListObjectsResponse';
+import type { ListSessionsResponse__Output } from '../generated/vmmd/v1/ListSessionsResponse';
+import type { Report__Output } from '../generated/vmmd/v1/Report';
+import type { VersionInfo__Output } from '../generated/vmmd/v1/VersionInfo';
 import type { VirtualMemoryClient } from '../generated/vmmd/v1/VirtualMemory';
 import { CallSettings, Input, unaryCall } from './rpc';
 import { ClientSession } from './session';
@@ -61,6 +67,26 @@ export class AdminApi {
 
   getStats(request: Input<GetStatsRequest> = {}): Promise<Stats__Output> {
     return unaryCall(this.client, this.client.GetStats, request, this.settings);
+  }
+
+  async getReport(): Promise<unknown> {
+    return JSON.parse((await unaryCall<object, Report__Output>(this.client, this.client.GetReport, {}, this.settings)).json);
+  }
+
+  listSessions(): Promise<ListSessionsResponse__Output> {
+    return unaryCall<object, ListSessionsResponse__Output>(this.client, this.client.ListSessions, {}, this.settings);
+  }
+
+  listObjects(request: Input<ListObjectsRequest> = {}): Promise<ListObjectsResponse__Output> {
+    return unaryCall<ListObjectsRequest, ListObjectsResponse__Output>(this.client, this.client.ListObjects, request, this.settings);
+  }
+
+  clearCaches(): Promise<ClearCachesResponse__Output> {
+    return unaryCall<object, ClearCachesResponse__Output>(this.client, this.client.ClearCaches, {}, this.settings);
+  }
+
+  getVersion(): Promise<VersionInfo__Output> {
+    return unaryCall<object, VersionInfo__Output>(this.client, this.client.GetVersion, {}, this.settings);
   }
 }
 

@@ -29,3 +29,12 @@ const args = [
 // The file names go first: yargs lets an array option swallow the words after it.
 args.splice(1, 0, ...files);
 execFileSync(process.execPath, args, { stdio: 'inherit', cwd: root });
+
+// What `Admin.GetVersion` reports as the build: the commit this tree was built from.
+let commit = 'unknown';
+try {
+  commit = execFileSync('git', ['rev-parse', '--short', 'HEAD'], { cwd: root, stdio: ['ignore', 'pipe', 'ignore'] }).toString().trim();
+} catch {
+  // not a git checkout (a bundle, a container build): 'unknown'
+}
+fs.writeFileSync(path.join(outDir, 'build-info.json'), `${JSON.stringify({ commit, built: new Date().toISOString() })}\n`);

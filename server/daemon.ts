@@ -13,6 +13,7 @@ import { addon, isNativeError } from '../native';
 import type { Backend } from './backends/backend';
 import { selectBackend } from './backends/select';
 import type { DaemonConfig } from './config';
+import { Metrics } from './metrics';
 import { Quotas } from './quotas';
 import { Registry } from './registry';
 import { AdminService } from './services/admin';
@@ -100,6 +101,7 @@ export class Daemon {
     readonly paths: { grpc: string; session: string },
     private readonly admin: AdminService,
     private readonly health: HealthImplementation,
+    private readonly metrics: Metrics,
   ) {}
 
   /** @throws DaemonStartError, BackendUnavailableError, or the socket's error */
@@ -121,17 +123,23 @@ export class Daemon {
     sessions.onReclaim((session) => stores.reclaim(session));
     sessions.listen(paths.session);
 
+    // grpc-js's own log goes through pino, at the daemon's level.
+    grpc.setLogger({
+      error: (...args: unknown[]) => log.child({ component: 'grpc-js' }).warn(args.map(String).join(' ')),
+    });
+    grpc.setLogVerbosity(log.isLevelEnabled('debug') ? grpc.logVerbosity.DEBUG : grpc.logVerbosity.ERROR);
     const server = new grpc.Server({ 'grpc.max_receive_message_length': 16 << 20 });
     const { proto } = loadProtos();
     // grpcurl's view: reflection (v1 and v1alpha) over the vmmd protos and health.
     new ReflectionService(reflectedDefinition()).addToServer(server);
     const health = new HealthImplementation(Object.fromEntries(HEALTH_SERVICES.map((name) => [name, 'NOT_SERVING'])));
     health.addToServer(server);
-    const deps: HandlerDeps = { sessions, log };
+    const metrics = new Metrics(registry, () => sessions!, stores);
+    const deps: HandlerDeps = { sessions, log, observe: (method, status, code, seconds) => metrics.observe(method, status, code, seconds) };
     new DevicesService(registry).addToServer(server, proto, deps);
     new VirtualMemoryService(registry, sessions).addToServer(server, proto, deps);
     new StoresService(registry, stores, sessions).addToServer(server, proto, deps);
-    const admin = new AdminService(registry, sessions, VERSION);
+    const admin = new AdminService({ registry, sessions, stores, quotas, metrics, version: VERSION });
     admin.addToServer(server, proto, deps);
     await new Promise<void>((resolve, reject) =>
       server.bindAsync(`unix://${paths.grpc}`, grpc.ServerCredentials.createInsecure(), (error) =>
@@ -151,12 +159,13 @@ export class Daemon {
       );
       log.info({ address: config.tcpListen, mutualTls: tls.ca !== undefined }, 'serving gRPC over TCP with TLS (no sessions, no descriptors)');
     }
+    if (config.metricsPort > 0) await metrics.serve(config.metricsPort, log);
     for (const name of HEALTH_SERVICES) health.setStatus(name, 'SERVING');
     log.info(
       { backend: backend.name, socketDir: config.socketDir, devices: registry.devices.length, version: VERSION },
       'vmmd serving',
     );
-    return new Daemon(config, backend, registry, sessions, server, log, paths, admin, health);
+    return new Daemon(config, backend, registry, sessions, server, log, paths, admin, health, metrics);
   }
 
   /** Stops serving: refuses new calls, lets in-flight ones finish, reclaims every session. */
@@ -171,6 +180,7 @@ export class Daemon {
     for (const path of [this.paths.grpc, this.paths.session]) fs.rmSync(path, { force: true });
     this.backend.close();
     this.admin.close();
+    this.metrics.close();
     this.log.info('vmmd stopped');
   }
 }

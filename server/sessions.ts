@@ -138,6 +138,24 @@ export class SessionManager extends EventEmitter {
     return this.sessions.size;
   }
 
+  list(): Session[] {
+    return [...this.sessions.values()];
+  }
+
+  /** Closes every received descriptor nobody claimed; returns how many. */
+  closePendingTransfers(): number {
+    let closed = 0;
+    for (const session of this.sessions.values()) {
+      for (const pending of session.received.values()) {
+        clearTimeout(pending.timer);
+        addon.close(pending.fd);
+        closed++;
+      }
+      session.received.clear();
+    }
+    return closed;
+  }
+
   pendingTransfers(): number {
     let total = 0;
     for (const session of this.sessions.values()) total += session.received.size;

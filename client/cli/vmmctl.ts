@@ -15,6 +15,11 @@ import { VmmdError } from '../errors';
 const USAGE = `Usage: vmmctl [--socket-dir DIR] [--json] COMMAND
   devices                       the daemon's devices
   stats                         objects, bytes and sessions the daemon holds
+  sessions                      open sessions: peer pid, uid, gid and what they hold
+  objects [SESSION]             reservations, allocations, mappings, stores (of one session)
+  report                        everything, as JSON
+  clear-caches                  close descriptors sent and never claimed
+  version                       the daemon's version, build and runtime
   store load NAME FILE          fill a new read-only store from FILE (--mutable: writable; --host: host memory on cuda)
   store dump NAME FILE          write the store's bytes to FILE
   store ls                      list stores
@@ -141,6 +146,17 @@ export async function main(argv: string[]): Promise<number> {
       print((await client.devices.listDevices()).devices.map((d) => ({ index: d.index, name: d.name, uuid: d.uuid, total: d.totalBytes, free: d.freeBytes, granularity: d.granularityMinimum })));
     } else if (command === 'stats') {
       print([{ ...(await client.admin.getStats()) }]);
+    } else if (command === 'sessions') {
+      print((await client.admin.listSessions()).sessions.map((s) => ({ ...s })));
+    } else if (command === 'objects') {
+      print((await client.admin.listObjects({ ownerSession: sub ?? '0' })).objects.map((o) => ({ ...o, address: o.address === '0' ? '' : `0x${BigInt(o.address).toString(16)}` })));
+    } else if (command === 'report') {
+      process.stdout.write(`${JSON.stringify(await client.admin.getReport(), null, 2)}\n`);
+    } else if (command === 'clear-caches') {
+      const cleared = await client.admin.clearCaches();
+      process.stdout.write(values.json ? `${JSON.stringify(cleared)}\n` : `closed ${cleared.transfersClosed} unclaimed descriptor(s)\n`);
+    } else if (command === 'version') {
+      print([{ ...(await client.admin.getVersion()) }]);
     } else if (command === 'store' && sub === 'load' && rest.length === 2) {
       process.stdout.write(`${await load(client, rest[0], rest[1], { mutable: values.mutable ?? false, host: values.host ?? false })}\n`);
     } else if (command === 'store' && sub === 'dump' && rest.length === 2) {

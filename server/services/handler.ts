@@ -22,6 +22,27 @@ export interface CallContext {
 export interface HandlerDeps {
   sessions: SessionManager;
   log: Logger;
+  /** Sees every call's method, status name, error code and duration (metrics). */
+  observe?: (method: string, status: string, code: string | undefined, seconds: number) => void;
+}
+
+/** Wraps a call's promise so that its outcome and duration are observed. */
+function observed<T>(deps: HandlerDeps, method: string, promise: Promise<T>): Promise<T> {
+  if (deps.observe === undefined) return promise;
+  const start = process.hrtime.bigint();
+  const seconds = () => Number(process.hrtime.bigint() - start) / 1e9;
+  return promise.then(
+    (value) => {
+      deps.observe!(method, 'OK', undefined, seconds());
+      return value;
+    },
+    (error) => {
+      const wire = toServiceError(error);
+      const status = grpc.status[wire.code ?? grpc.status.UNKNOWN] ?? 'UNKNOWN';
+      deps.observe!(method, status, String(wire.metadata?.get('vmmd-error-code')[0] ?? ''), seconds());
+      throw error;
+    },
+  );
 }
 
 function metadataToken(metadata: grpc.Metadata): string | undefined {
@@ -62,7 +83,7 @@ export function unary<Req, Res>(
   body: (request: Req, context: CallContext) => Promise<Res> | Res,
 ): grpc.handleUnaryCall<Req, Res> {
   return (call, callback) => {
-    withContext(deps, call.metadata, method, async (context) => body(call.request, context), true, call.getPeer()).then(
+    observed(deps, method, withContext(deps, call.metadata, method, async (context) => body(call.request, context), true, call.getPeer())).then(
       (response) => callback(null, response),
       (error) => callback(fail(deps, method, error) as grpc.ServiceError),
     );
@@ -119,7 +140,7 @@ export function clientStream<Req, Res>(
   body: (requests: AsyncIterable<Req>, context: CallContext) => Promise<Res>,
 ): grpc.handleClientStreamingCall<Req, Res> {
   return (call, callback) => {
-    withContext(deps, call.metadata, method, (context) => body(call as AsyncIterable<Req>, context), true, call.getPeer()).then(
+    observed(deps, method, withContext(deps, call.metadata, method, (context) => body(call as AsyncIterable<Req>, context), true, call.getPeer())).then(
       (response) => callback(null, response),
       (error) => callback(fail(deps, method, error) as grpc.ServiceError),
     );

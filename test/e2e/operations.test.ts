@@ -4,12 +4,14 @@
  */
 import * as grpc from '@grpc/grpc-js';
 import * as protoLoader from '@grpc/proto-loader';
+import * as http from 'node:http';
 import * as path from 'node:path';
 import * as protobuf from 'protobufjs';
 // eslint-disable-next-line @typescript-eslint/no-require-imports
 const descriptor = require('protobufjs/ext/descriptor');
 import { connect } from '../../client';
 import { socketPaths } from '../../common/paths';
+import { addon } from '../../native';
 import { call, eventually, MiB, packageRoot, TestDaemon } from './harness';
 
 const ROOT = packageRoot();
@@ -115,7 +117,8 @@ describe('reflection, as grpcurl uses it', () => {
 
 describe('health and shutdown', () => {
   it('serves, turns NOT_SERVING when SIGTERM arrives, drains a call in flight and exits 0', async () => {
-    daemon = await TestDaemon.start();
+    // The health watch is itself a call in flight: a short grace bounds how long it holds the exit.
+    daemon = await TestDaemon.start(['--shutdown-grace-ms', '3000']);
     const healthFile = path.join(ROOT, 'node_modules', 'grpc-health-check', 'proto', 'health', 'v1', 'health.proto');
     const Health = (grpc.loadPackageDefinition(protoLoader.loadSync(healthFile, { enums: String })) as any).grpc.health.v1.Health;
     const health = new Health(`unix://${socketPaths(daemon.dir).grpc}`, grpc.credentials.createInsecure());
@@ -148,4 +151,59 @@ describe('health and shutdown', () => {
     health.close();
     client.close();
   }, 30_000);
+});
+
+describe('Admin and metrics', () => {
+  it('reports sessions, objects, bytes per owner, calls and the build; clears unclaimed descriptors', async () => {
+    daemon = await TestDaemon.start();
+    const client = await connect({ socketDir: daemon.dir });
+    const allocation = await client.vmm.create({ size: 2n * MiB });
+    const reservation = await client.vmm.reserve({ size: 4n * MiB });
+    await client.vmm.map({ address: reservation.address, size: 2n * MiB, allocationId: allocation.id });
+    const sessions = await call(daemon.raw.admin, 'ListSessions', {});
+    expect(sessions.sessions).toEqual([
+      expect.objectContaining({ id: client.session.id, pid: process.pid, uid: process.getuid!(), allocations: '1', allocatedBytes: String(2n * MiB), reservations: '1' }),
+    ]);
+    const objects = (await call(daemon.raw.admin, 'ListObjects', { ownerSession: client.session.id })).objects;
+    expect(objects.map((o: { kind: string }) => o.kind).sort()).toEqual(['allocation', 'mapping', 'reservation']);
+    const report = JSON.parse((await call(daemon.raw.admin, 'GetReport', {})).json);
+    expect(report.bytesByOwner).toEqual({ [`session ${client.session.id}`]: String(2n * MiB) });
+    expect(report.calls.Create).toEqual({ OK: 1 });
+    expect(report.devices[0]).toMatchObject({ kind: 'HOST', granularityMinimum: String(2n * MiB) });
+    const version = await call(daemon.raw.admin, 'GetVersion', {});
+    expect(version).toMatchObject({ version: '0.1.0', backend: 'host', node: process.version });
+    expect(version.commit).not.toBe('');
+    const fd = addon.hostMemfdCreate('stray', 2n * MiB);
+    client.session.sendDescriptor(fd);
+    addon.close(fd);
+    await eventually(async () => ((await daemon.stats()).pendingTransfers === 1 ? true : undefined));
+    expect(await call(daemon.raw.admin, 'ClearCaches', {})).toEqual({ transfersClosed: 1 });
+    expect((await daemon.stats()).pendingTransfers).toBe(0);
+    client.close();
+  });
+
+  it('serves Prometheus metrics on 127.0.0.1 when asked', async () => {
+    const port = 20000 + Math.floor(Math.random() * 20000);
+    daemon = await TestDaemon.start(['--metrics-port', String(port), '--quota-per-session', '2MiB']);
+    const client = await connect({ socketDir: daemon.dir });
+    const allocation = await client.vmm.create({ size: 2n * MiB });
+    await expect(client.vmm.create({ size: 2n * MiB })).rejects.toMatchObject({ code: 'QUOTA_EXCEEDED' });
+    await client.vmm.import(allocation.id).then((memory) => memory.close());
+    const text = await new Promise<string>((resolve, reject) =>
+      http.get(`http://127.0.0.1:${port}/metrics`, (response) => {
+        let body = '';
+        response.on('data', (chunk) => (body += chunk));
+        response.on('end', () => resolve(body));
+      }).on('error', reject),
+    );
+    expect(text).toMatch(/vmmd_rpc_duration_seconds_count\{method="Create",status="OK"\} 1/);
+    expect(text).toMatch(/vmmd_rpc_duration_seconds_count\{method="Create",status="RESOURCE_EXHAUSTED"\} 1/);
+    expect(text).toMatch(/vmmd_quota_refusals_total 1/);
+    expect(text).toMatch(/vmmd_exports_total 1/);
+    expect(text).toMatch(/vmmd_sessions 1/);
+    expect(text).toMatch(/vmmd_memory_bytes\{device="0",owner_kind="session",origin="created"\} 2097152/);
+    expect(text).toMatch(/vmmd_objects\{kind="allocation",owner_kind="session"\} 1/);
+    expect(text).toMatch(/vmmd_process_/);
+    client.close();
+  });
 });
