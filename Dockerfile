@@ -1,20 +1,14 @@
 # vmmd in a container. Build: docker build -t vmmd .
 # Run (host backend):  docker run --rm -v /run/vmmd:/run/vmmd vmmd
-# Run (GPU, once the cuda backend lands): add --gpus all
+# Run (GPU): add --gpus all
 # Clients in other containers mount the same /run/vmmd and set VMMD_SOCKET_DIR=/run/vmmd.
 
 FROM node:20-bookworm AS build
 WORKDIR /app
-COPY package.json package-lock.json binding.gyp tsconfig.json ./
-COPY scripts scripts
-COPY proto proto
-COPY native native
-COPY common common
-COPY server server
-COPY client client
-COPY test test
-COPY bin bin
-# npm ci builds the addon (node-gyp) and the TypeScript (prepare).
+# The whole tree (.dockerignore keeps node_modules, build output and .git out).
+COPY . .
+# npm ci builds the addon (node-gyp, no CUDA toolkit needed: libcuda is opened at run time)
+# and the TypeScript (prepare); then only production dependencies stay.
 RUN npm ci && npm prune --omit=dev
 
 FROM node:20-bookworm-slim
@@ -27,4 +21,5 @@ COPY --from=build /app/dist dist
 COPY --from=build /app/proto proto
 COPY --from=build /app/bin bin
 VOLUME /run/vmmd
+HEALTHCHECK --interval=30s --timeout=5s CMD ["node", "bin/vmmctl.js", "--socket-dir", "/run/vmmd", "version"]
 ENTRYPOINT ["node", "bin/vmmd.js", "--socket-dir", "/run/vmmd"]
