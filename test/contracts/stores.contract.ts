@@ -181,6 +181,7 @@ export function storesContract(backend: 'host' | 'cuda'): void {
     });
 
     it('is told even when the owner process is killed: the store goes with the last reader', async () => {
+      await eventually(async () => ((await daemon.stats()).sessions === 0 ? true : undefined), 10_000, 'earlier sessions to be reclaimed');
       const before = await daemon.stats();
       const owner = await Peer.start(daemon.dir);
       const allocation = await owner.do({ op: 'call', api: 'vmm', method: 'create', args: { size: String(2n * MiB) } });
@@ -305,6 +306,8 @@ export function storesContract(backend: 'host' | 'cuda'): void {
 
   describe('lifetimes and names', () => {
     it("frees a session's stores with it, and keeps daemon-owned ones", async () => {
+      // Earlier tests' sessions may still be reclaiming (slower on cuda): start from none.
+      await eventually(async () => ((await daemon.stats()).sessions === 0 ? true : undefined), 10_000, 'earlier sessions to be reclaimed');
       const before = await daemon.stats();
       const owner = await client();
       await mutableStore(owner, 2n * MiB, 'mine');
