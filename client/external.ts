@@ -8,7 +8,6 @@ import { status as Status } from '@grpc/grpc-js';
 import { addon, CU_HANDLE, CU_LOCATION, HOST_ACCESS } from '../native';
 import type { VmmdClient } from './connection';
 import { VmmdError } from './errors';
-import type { StoreTarget } from '../generated/vmmd/v1/StoreTarget';
 import type { Store__Output } from '../generated/vmmd/v1/Store';
 
 /**

@@ -40,3 +40,54 @@ export function unaryCall<Req, Res>(
     });
   });
 }
+
+/** Largest message a client stream sends. */
+export const STREAM_CHUNK_BYTES = 1 << 20;
+
+/**
+ * Collects a server stream of `{ data }` messages into one Buffer; `onChunk`
+ * sees each chunk as it arrives (and may slow the stream down).
+ */
+export async function collectStream(
+  call: AsyncIterable<{ data: Buffer }>,
+  onChunk?: (chunk: Buffer) => void | Promise<void>,
+): Promise<Buffer> {
+  const chunks: Buffer[] = [];
+  try {
+    for await (const message of call) {
+      chunks.push(message.data);
+      await onChunk?.(message.data);
+    }
+  } catch (error) {
+    throw VmmdError.fromServiceError(error as grpc.ServiceError);
+  }
+  return Buffer.concat(chunks);
+}
+
+/**
+ * Sends `data` over a client stream in chunks, waiting for 'drain' when
+ * grpc-js asks to, so a large write never sits in memory twice; then ends it.
+ * `message` builds each message from the chunk's offset and bytes.
+ */
+export function writeChunks<M>(
+  call: grpc.ClientWritableStream<M>,
+  data: Uint8Array,
+  message: (offset: number, chunk: Buffer) => M,
+  onProgress?: (written: number) => void,
+): void {
+  const bytes = Buffer.from(data.buffer, data.byteOffset, data.byteLength);
+  let offset = 0;
+  const pump = () => {
+    do {
+      const more = call.write(message(offset, bytes.subarray(offset, offset + STREAM_CHUNK_BYTES)));
+      offset += STREAM_CHUNK_BYTES;
+      onProgress?.(Math.min(offset, bytes.length));
+      if (!more && offset < bytes.length) {
+        call.once('drain', pump);
+        return;
+      }
+    } while (offset < bytes.length);
+    call.end();
+  };
+  pump();
+}

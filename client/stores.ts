@@ -18,10 +18,8 @@ import type { StoresClient } from '../generated/vmmd/v1/Stores';
 import type { StoreTarget } from '../generated/vmmd/v1/StoreTarget';
 import { VmmdError } from './errors';
 import { CudaImportedMemory, HostImportedMemory, ImportedMemory } from './local-memory';
-import { CallSettings, Input, toWire, unaryCall } from './rpc';
+import { CallSettings, collectStream, Input, toWire, unaryCall, writeChunks } from './rpc';
 import type { ClientSession } from './session';
-
-const CHUNK = 1 << 20;
 
 /** A store name or id. */
 export type StoreName = string | bigint | { id?: bigint | string; name?: string };
@@ -146,16 +144,7 @@ export class StoresApi {
   /** Bytes of a store (or daemon-mapped memory); `onChunk` sees each chunk as it arrives (and may slow the stream). */
   async read(span: Input<Span>, length: bigint | number, onChunk?: (chunk: Buffer) => void | Promise<void>): Promise<Buffer> {
     const call = this.client.Read(toWire({ span, length }) as never, this.settings.metadata(), { deadline: Date.now() + this.settings.deadlineMs });
-    const chunks: Buffer[] = [];
-    try {
-      for await (const chunk of call as AsyncIterable<DataChunk__Output>) {
-        chunks.push(chunk.data);
-        await onChunk?.(chunk.data);
-      }
-    } catch (error) {
-      throw VmmdError.fromServiceError(error as grpc.ServiceError);
-    }
-    return Buffer.concat(chunks);
+    return collectStream(call as AsyncIterable<DataChunk__Output>, onChunk);
   }
 
   /** Writes bytes through to a store: resolved once they are in its memory. */
@@ -164,21 +153,7 @@ export class StoresApi {
       const call = this.client.Write(this.settings.metadata(), { deadline: Date.now() + this.settings.deadlineMs }, (error, response) =>
         error ? reject(VmmdError.fromServiceError(error)) : resolve(response!),
       );
-      const bytes = Buffer.from(data.buffer, data.byteOffset, data.byteLength);
-      let offset = 0;
-      const pump = () => {
-        do {
-          const more = call.write({ span: offset === 0 ? (toWire(span) as Span) : undefined, data: bytes.subarray(offset, offset + CHUNK) });
-          offset += CHUNK;
-          onProgress?.(Math.min(offset, bytes.length));
-          if (!more && offset < bytes.length) {
-            call.once('drain', pump);
-            return;
-          }
-        } while (offset < bytes.length);
-        call.end();
-      };
-      pump();
+      writeChunks(call, data, (offset, chunk) => ({ span: offset === 0 ? (toWire(span) as Span) : undefined, data: chunk }), onProgress);
     });
   }
 

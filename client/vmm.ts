@@ -4,7 +4,6 @@
  * process, importDescriptor() hands one of this process's descriptors to the
  * daemon.
  */
-import * as grpc from '@grpc/grpc-js';
 import type { Allocation__Output } from '../generated/vmmd/v1/Allocation';
 import type { CreateRequest } from '../generated/vmmd/v1/CreateRequest';
 import type { ExportRequest } from '../generated/vmmd/v1/ExportRequest';
@@ -31,11 +30,8 @@ import type { WriteResponse__Output } from '../generated/vmmd/v1/WriteResponse';
 import { addon } from '../native';
 import { VmmdError } from './errors';
 import { CudaImportedMemory, HostImportedMemory, ImportedMemory, mapFabricHandle } from './local-memory';
-import { CallSettings, Input, toWire, unaryCall } from './rpc';
+import { CallSettings, collectStream, Input, toWire, unaryCall, writeChunks } from './rpc';
 import type { ClientSession } from './session';
-
-/** Largest Write message the client sends. */
-const WRITE_CHUNK_BYTES = 1 << 20;
 
 export interface ImportOptions {
   /** Needed for another session's allocation: the key its owner got from share(). */
@@ -173,16 +169,10 @@ export class VirtualMemoryApi {
 
   /** Reads bytes at a mapped address the daemon may read. @throws VmmdError NOT_MAPPED, NO_ACCESS, NOT_FULLY_MAPPED */
   async read(address: bigint | string, length: bigint | number): Promise<Buffer> {
-    const chunks: Buffer[] = [];
     const call = this.client.Read(toWire({ address, length }) as never, this.settings.metadata(), {
       deadline: Date.now() + this.settings.deadlineMs,
     });
-    try {
-      for await (const message of call as AsyncIterable<ReadResponse__Output>) chunks.push(message.data);
-    } catch (error) {
-      throw VmmdError.fromServiceError(error as grpc.ServiceError);
-    }
-    return Buffer.concat(chunks);
+    return collectStream(call as AsyncIterable<ReadResponse__Output>);
   }
 
   /** Writes bytes at a mapped address the daemon may write. @throws VmmdError NOT_MAPPED, NO_ACCESS, NOT_FULLY_MAPPED */
@@ -192,23 +182,7 @@ export class VirtualMemoryApi {
         if (error) reject(VmmdError.fromServiceError(error));
         else resolve(response as WriteResponse__Output);
       });
-      const bytes = Buffer.from(data.buffer, data.byteOffset, data.byteLength);
-      let offset = 0;
-      // Sends chunk after chunk, waiting for 'drain' when grpc-js asks to, so a
-      // large write never sits in memory twice.
-      const pump = () => {
-        do {
-          const chunk = bytes.subarray(offset, offset + WRITE_CHUNK_BYTES);
-          const more = call.write({ address: offset === 0 ? String(address) : '0', data: chunk });
-          offset += WRITE_CHUNK_BYTES;
-          if (!more && offset < bytes.length) {
-            call.once('drain', pump);
-            return;
-          }
-        } while (offset < bytes.length);
-        call.end();
-      };
-      pump();
+      writeChunks(call, data, (offset, chunk) => ({ address: offset === 0 ? String(address) : '0', data: chunk }));
     });
   }
 }

@@ -107,6 +107,11 @@ export interface Backend {
   close(): void;
 }
 
+/** An error with a string code, as the addon throws them (the codes server/errors.ts maps). */
+export function codedError(code: string, message: string, extra: Record<string, unknown> = {}): Error {
+  return Object.assign(new Error(message), { code }, extra);
+}
+
 export function sameLocation(a: MemLocation, b: MemLocation): boolean {
   return a.type === b.type && a.id === b.id;
 }

@@ -9,6 +9,7 @@ import {
   AccessGrant,
   Backend,
   BackendHandle,
+  codedError,
   DeviceInfo,
   HandleKind,
   ImportedHandle,
@@ -17,9 +18,6 @@ import {
   MemoryInfo,
 } from './backend';
 
-function codedError(code: string, message: string): Error {
-  return Object.assign(new Error(message), { code });
-}
 
 const locationType = (location: MemLocation) => CU_LOCATION[location.type];
 

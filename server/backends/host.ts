@@ -8,6 +8,7 @@ import {
   AccessGrant,
   Backend,
   BackendHandle,
+  codedError,
   DeviceInfo,
   ImportedHandle,
   ImportSource,
@@ -22,10 +23,6 @@ export interface HostBackendOptions {
   granularity: bigint;
 }
 
-/** An error with a string code, as the addon throws them. */
-function codedError(code: string, message: string, extra: Record<string, unknown> = {}): Error {
-  return Object.assign(new Error(message), { code }, extra);
-}
 
 export class HostBackend implements Backend {
   readonly name = 'host' as const;

@@ -7,7 +7,7 @@
 import * as grpc from '@grpc/grpc-js';
 import type { Logger } from 'pino';
 import { SESSION_METADATA_KEY } from '../../common/protocol';
-import { toServiceError, unauthenticated } from '../errors';
+import { failedPrecondition, toServiceError, unauthenticated } from '../errors';
 import { DAEMON_OWNER } from '../registry';
 import type { Session, SessionManager } from '../sessions';
 
@@ -43,6 +43,20 @@ function observed<T>(deps: HandlerDeps, method: string, promise: Promise<T>): Pr
       throw error;
     },
   );
+}
+
+/**
+ * The caller's session, for calls whose descriptors travel on the session socket.
+ * @throws FAILED_PRECONDITION NO_SESSION
+ */
+export function requireSession(context: CallContext, what: string): Session {
+  if (context.session === undefined) {
+    throw failedPrecondition(
+      'NO_SESSION',
+      `${what} needs a session: descriptors travel only over the session socket (see docs/PROTOCOL.md)`,
+    );
+  }
+  return context.session;
 }
 
 function metadataToken(metadata: grpc.Metadata): string | undefined {

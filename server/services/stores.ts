@@ -21,11 +21,11 @@ import type { StoreRef__Output } from '../../generated/vmmd/v1/StoreRef';
 import type { WatchRequest__Output } from '../../generated/vmmd/v1/WatchRequest';
 import type { VmmdProto } from '../../common/proto';
 import { addon } from '../../native';
-import { failedPrecondition, invalidArgument } from '../errors';
+import { invalidArgument } from '../errors';
 import { IO_CHUNK_BYTES, Registry } from '../registry';
 import type { SessionManager } from '../sessions';
 import { StoreEvent, StoreRecord, StoreRegistry, StoreTarget } from '../stores';
-import { CallContext, clientStream, HandlerDeps, serverStream, unary } from './handler';
+import { CallContext, clientStream, HandlerDeps, requireSession, serverStream, unary } from './handler';
 import { u64 } from './wire';
 
 const TARGETS: Record<string, StoreTarget | undefined> = {
@@ -83,7 +83,7 @@ export class StoresService {
   }
 
   async attach(request: AttachRequest__Output, context: CallContext): Promise<Store> {
-    const session = this.session(context, 'Attach');
+    const session = requireSession(context, 'Attach');
     const target = TARGETS[String(request.target)];
     if (target === undefined) throw invalidArgument('BAD_ENUM', `target ${JSON.stringify(request.target)} is not a StoreTarget`);
     if (u64(request.transferId) === 0n) throw invalidArgument('BAD_TRANSFER', 'transfer_id must be set (ids start at 1)');
@@ -100,7 +100,7 @@ export class StoresService {
   }
 
   async open(request: OpenRequest__Output, context: CallContext): Promise<OpenResponse> {
-    const session = this.session(context, 'Open');
+    const session = requireSession(context, 'Open');
     const store = this.ref(request.store);
     const fd = await this.stores.open(context.caller, store, request.writable);
     let transferId: string;
@@ -275,13 +275,6 @@ export class StoresService {
       end();
     }
     return { bytesWritten: String(length) };
-  }
-
-  private session(context: CallContext, what: string) {
-    if (context.session === undefined) {
-      throw failedPrecondition('NO_SESSION', `${what} needs a session: descriptors travel only over the session socket`);
-    }
-    return context.session;
   }
 
   addToServer(server: grpc.Server, proto: VmmdProto, deps: HandlerDeps): void {

@@ -31,21 +31,11 @@ import type { WriteResponse } from '../../generated/vmmd/v1/WriteResponse';
 import type { VmmdProto } from '../../common/proto';
 import { addon } from '../../native';
 import type { ImportSource } from '../backends/backend';
-import { failedPrecondition, invalidArgument, outOfRange } from '../errors';
+import { invalidArgument, outOfRange } from '../errors';
 import type { AllocationRecord, Registry, ReservationRecord } from '../registry';
-import type { Session, SessionManager } from '../sessions';
-import { CallContext, clientStream, HandlerDeps, serverStream, unary } from './handler';
+import type { SessionManager } from '../sessions';
+import { CallContext, clientStream, HandlerDeps, requireSession, serverStream, unary } from './handler';
 import { accessGrant, DeviceResolver, handleType, location, toWireAccess, toWireHandleType, toWireLocation, u64 } from './wire';
-
-function requireSession(context: CallContext, what: string): Session {
-  if (context.session === undefined) {
-    throw failedPrecondition(
-      'NO_SESSION',
-      `${what} needs a session: descriptors travel only over the session socket (see docs/PROTOCOL.md)`,
-    );
-  }
-  return context.session;
-}
 
 export class VirtualMemoryService {
   private readonly resolveDevice: DeviceResolver;
