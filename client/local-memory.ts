@@ -104,7 +104,7 @@ export class HostImportedMemory extends ImportedMemory {
       addon.hostMap(address, size, fd, 0n);
       mapped = true;
       addon.hostProtect(address, size, readOnly ? HOST_ACCESS.READ : HOST_ACCESS.READWRITE);
-      return new HostImportedMemory(allocationId, address, size, readOnly, addon.hostArrayBuffer(address, Number(size)));
+      return new HostImportedMemory(allocationId, address, size, readOnly);
     } catch (error) {
       if (mapped) addon.hostUnmap(address, size);
       if (address !== 0n) addon.hostFreeAddress(address, size);
@@ -114,32 +114,34 @@ export class HostImportedMemory extends ImportedMemory {
     }
   }
 
-  private constructor(allocationId: bigint, address: bigint, size: bigint, readOnly: boolean, view: ArrayBuffer) {
+  private constructor(allocationId: bigint, address: bigint, size: bigint, readOnly: boolean) {
     super(allocationId, address, size, 0, readOnly);
-    this.view = view;
   }
 
+  // Made on first use: V8 counts an external buffer's bytes as memory pressure,
+  // and a large one would make every cold allocation pay for a garbage collection.
   override get buffer(): ArrayBuffer {
     this.checkOpen();
-    return this.view!;
+    this.view ??= addon.hostArrayBuffer(this.address, Number(this.size));
+    return this.view;
   }
 
   async close(): Promise<void> {
     if (this.closed) return;
     this.closed = true;
     // Detach first: a view left attached to unmapped pages would crash the process on access.
-    addon.hostDetachArrayBuffer(this.view!);
+    if (this.view !== undefined) addon.hostDetachArrayBuffer(this.view);
     this.view = undefined;
     addon.hostUnmap(this.address, this.size);
     addon.hostFreeAddress(this.address, this.size);
   }
 
   protected async copyOut(offset: bigint, length: bigint): Promise<Buffer> {
-    return Buffer.from(new Uint8Array(this.view!, Number(offset), Number(length)));
+    return Buffer.from(new Uint8Array(this.buffer, Number(offset), Number(length)));
   }
 
   protected async copyIn(offset: bigint, data: Buffer): Promise<void> {
-    new Uint8Array(this.view!).set(data, Number(offset));
+    new Uint8Array(this.buffer).set(data, Number(offset));
   }
 }
 
@@ -189,7 +191,10 @@ export class CudaImportedMemory extends ImportedMemory {
       throw new VmmdError('LOCAL_MAP_FAILED', Status.INTERNAL, `cannot map the exported memory here: ${(error as Error).message}`);
     } finally {
       if ('fd' in source) addon.close(source.fd);
-      if (handle !== undefined) await addon.cudaRelease(device, handle);
+      // The mapping holds the memory: the handle's release need not be waited for (a driver thread does it).
+      if (handle !== undefined) {
+        addon.cudaRelease(device, handle).catch((error: Error) => process.emitWarning(`vmmd: releasing an imported handle failed: ${error.message}`));
+      }
     }
   }
 

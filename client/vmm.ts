@@ -140,17 +140,40 @@ export class VirtualMemoryApi {
       shareKey: options.shareKey ?? '',
       handleType: options.fabric ? 'HANDLE_TYPE_FABRIC' : 'HANDLE_TYPE_POSIX_FD',
     });
+    if (options.fabric) {
+      const device = localDevice(exported.device, exported.deviceUuid);
+      return mapFabricHandle(exported.fabricHandle, BigInt(exported.size), BigInt(exported.granularity), device, {
+        allocationId: BigInt(exported.allocationId),
+        readOnly,
+      });
+    }
+    return this.mapExported(exported, readOnly, options.hostAccess ?? false);
+  }
+
+  /**
+   * A new allocation, owned by this session and mapped into this process, in
+   * one round trip (the Allocate RPC: create and export). close() unmaps it
+   * here; release() through the daemon frees it.
+   * @throws VmmdError from Create (OUT_OF_MEMORY, NOT_ALIGNED…), TRANSFER_NOT_RECEIVED, NO_CUDA, LOCAL_MAP_FAILED
+   */
+  async allocate(request: Input<CreateRequest>, options: { hostAccess?: boolean } = {}): Promise<ImportedMemory> {
+    const exported = await unaryCall<CreateRequest, ExportResponse__Output>(this.client, this.client.Allocate, request, this.settings);
+    try {
+      return await this.mapExported(exported, false, options.hostAccess ?? false);
+    } catch (error) {
+      await this.release({ allocationId: exported.allocationId }).catch(() => undefined);
+      throw error;
+    }
+  }
+
+  /** Claims an exported descriptor from the session socket and maps it here. */
+  private async mapExported(exported: ExportResponse__Output, readOnly: boolean, hostAccess: boolean): Promise<ImportedMemory> {
     const id = BigInt(exported.allocationId);
     const size = BigInt(exported.size);
     const granularity = BigInt(exported.granularity);
-    if (options.fabric) {
-      const device = localDevice(exported.device, exported.deviceUuid);
-      return mapFabricHandle(exported.fabricHandle, size, granularity, device, { allocationId: id, readOnly });
-    }
     const fd = await this.session.takeTransfer(exported.transferId);
     if (this.backend === 'cuda') {
-      const hostNuma =
-        options.hostAccess && exported.location?.type === 'LOCATION_TYPE_HOST_NUMA' ? exported.location.id : undefined;
+      const hostNuma = hostAccess && exported.location?.type === 'LOCATION_TYPE_HOST_NUMA' ? exported.location.id : undefined;
       const device = localDevice(exported.device, exported.deviceUuid);
       return CudaImportedMemory.map(id, { fd }, size, granularity, device, readOnly, hostNuma);
     }

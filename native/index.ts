@@ -121,6 +121,9 @@ export interface Addon {
   /** Page-locks client memory; returns its device pointer when mapped, else 0n. */
   cudaHostRegister(device: number, address: bigint, size: bigint, mapped: boolean): bigint;
   cudaHostUnregister(device: number, address: bigint): void;
+  /** Legacy cuMemAlloc / cuMemFree: the benchmarks' in-process reference, not used by vmmd. */
+  cudaMemAlloc(device: number, size: bigint): bigint;
+  cudaMemFree(device: number, pointer: bigint): void;
   hostLock(address: bigint, size: bigint): void;
   hostUnlock(address: bigint, size: bigint): void;
   /** The address of the first byte of an ArrayBuffer or of a view of one. */

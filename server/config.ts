@@ -41,6 +41,37 @@ export interface DaemonConfig {
   tls?: TlsConfig;
   /** How long SIGTERM waits for calls in flight before cutting them. */
   shutdownGraceMs: number;
+  /** Allocations created and exported ahead, per device ('auto': the backend's default). */
+  stock: StockLevel[] | 'auto';
+}
+
+export interface StockLevel {
+  size: bigint;
+  depth: number;
+}
+
+/** What --stock auto means: on cuda, a few of the sizes cold allocations ask for most (the client's 2 MiB granule and 32 MiB pool chunk); none on host, where creating is a memfd. */
+export function defaultStock(backend: 'host' | 'cuda'): StockLevel[] {
+  return backend === 'cuda'
+    ? [
+        { size: 2n << 20n, depth: 4 },
+        { size: 32n << 20n, depth: 2 },
+      ]
+    : [];
+}
+
+/** "2MiB:4,32MiB:2" → levels; "none" → []; "auto" stays. @throws ConfigError naming the key */
+export function parseStock(key: string, text: string): StockLevel[] | 'auto' {
+  const trimmed = text.trim();
+  if (trimmed === 'auto') return 'auto';
+  if (trimmed === 'none' || trimmed === '') return [];
+  return trimmed.split(',').map((part) => {
+    const match = /^([^:]+):(.+)$/.exec(part.trim());
+    if (!match) throw new ConfigError(`${key}: "${part}" is not SIZE:DEPTH (e.g. 2MiB:4)`);
+    const size = parseBytes(key, match[1]);
+    if (size === 0n) throw new ConfigError(`${key}: the size in "${part}" must be greater than 0`);
+    return { size, depth: parseInteger(key, match[2], 1, 64) };
+  });
 }
 
 export class ConfigError extends Error {
@@ -116,6 +147,7 @@ const SETTINGS: Record<string, Setting> = {
   tlsKey: { flag: 'tls-key', env: 'VMMD_TLS_KEY', placeholder: 'FILE', help: "the TCP listener's private key (PEM)" },
   tlsCa: { flag: 'tls-ca', env: 'VMMD_TLS_CA', placeholder: 'FILE', help: 'require client certificates signed by this CA (mutual TLS)' },
   shutdownGraceMs: { flag: 'shutdown-grace-ms', env: 'VMMD_SHUTDOWN_GRACE_MS', placeholder: 'MS', help: 'on SIGTERM, how long calls in flight may finish [10000]' },
+  stock: { flag: 'stock', env: 'VMMD_STOCK', placeholder: 'LIST', help: 'allocations created and exported ahead per device, SIZE:DEPTH,… or none; sizes not a multiple of a device\'s granularity are skipped [auto: 2MiB:4,32MiB:2 on cuda, none on host]' },
   logLevel: { flag: 'log-level', env: 'VMMD_LOG_LEVEL', placeholder: 'LEVEL', help: `${LOG_LEVELS.join('|')} [info]` },
 };
 
@@ -255,9 +287,13 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
     tls = { cert, key, ...(ca === undefined ? {} : { ca }) };
   }
 
+  const [stockKey, stockText = 'auto'] = pick('stock');
+  const stock = parseStock(stockKey, stockText);
+
   return {
     kind: 'run',
     config: {
+      stock,
       backend,
       socketDir,
       hostCapacity,

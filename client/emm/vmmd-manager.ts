@@ -268,15 +268,10 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     return new MemoryPointer(this.context, taken.chunk.base + taken.offset, bytes, taken.chunk, finalizer);
   }
 
+  /** A new allocation of the daemon's, mapped here: one Allocate round trip. */
   private async lease(size: bigint, location: { type: 'LOCATION_TYPE_DEVICE' | 'LOCATION_TYPE_HOST_NUMA'; id: number }): Promise<Lease> {
-    const allocation = await this.client.vmm.create({ size, location });
-    try {
-      const memory = await this.client.vmm.import(allocation.id, { hostAccess: location.type === 'LOCATION_TYPE_HOST_NUMA' });
-      return { allocationId: BigInt(allocation.id), memory };
-    } catch (error) {
-      await this.client.vmm.release({ allocationId: allocation.id }).catch(() => undefined);
-      throw error;
-    }
+    const memory = await this.client.vmm.allocate({ size, location }, { hostAccess: location.type === 'LOCATION_TYPE_HOST_NUMA' });
+    return { allocationId: memory.allocationId, memory };
   }
 
   private giveBlock(generation: number, block: PoolBlock<Lease>): void {

@@ -102,6 +102,9 @@ struct Api {
   Result (*cuMemHostRegister_v2)(void*, size_t, unsigned int);
   Result (*cuMemHostUnregister)(void*);
   Result (*cuMemHostGetDevicePointer_v2)(DevicePtr*, void*, unsigned int);
+  // Legacy allocation: only the benchmarks' in-process reference uses it.
+  Result (*cuMemAlloc_v2)(DevicePtr*, size_t);
+  Result (*cuMemFree_v2)(DevicePtr);
 };
 
 constexpr unsigned int HOST_REGISTER_PORTABLE = 0x01;

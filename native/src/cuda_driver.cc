@@ -124,6 +124,8 @@ std::string LoadDriver() {
       {"cuMemHostRegister_v2", reinterpret_cast<void**>(&a.cuMemHostRegister_v2)},
       {"cuMemHostUnregister", reinterpret_cast<void**>(&a.cuMemHostUnregister)},
       {"cuMemHostGetDevicePointer_v2", reinterpret_cast<void**>(&a.cuMemHostGetDevicePointer_v2)},
+      {"cuMemAlloc_v2", reinterpret_cast<void**>(&a.cuMemAlloc_v2)},
+      {"cuMemFree_v2", reinterpret_cast<void**>(&a.cuMemFree_v2)},
   };
   for (const Entry& entry : entries) {
     *entry.slot = dlsym(driver.library, entry.name);
@@ -297,6 +299,26 @@ Napi::Value CudaDevices(const Napi::CallbackInfo& info) {
     out.Set(index, entry);
   }
   return out;
+}
+
+// cudaMemAlloc(device, size) -> device pointer: legacy cuMemAlloc, the benchmarks' reference.
+Napi::Value CudaMemAlloc(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  DeviceArg(info, 0);
+  uint64_t size = U64Arg(info, 1, "size");
+  cu::DevicePtr pointer = 0;
+  Check(env, driver.api.cuMemAlloc_v2(&pointer, size), Sized("cuMemAlloc", size));
+  return Big(env, pointer);
+}
+
+// cudaMemFree(device, pointer)
+Napi::Value CudaMemFree(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  DeviceArg(info, 0);
+  Check(env, driver.api.cuMemFree_v2(U64Arg(info, 1, "pointer")), "cuMemFree");
+  return env.Undefined();
 }
 
 // cudaMemGetInfo(device) -> { free, total }
@@ -625,6 +647,8 @@ void InitCudaDriver(Napi::Env env, Napi::Object exports) {
   exports.Set("cudaCanAccessPeer", Napi::Function::New(env, CudaCanAccessPeer, "cudaCanAccessPeer"));
   exports.Set("cudaHostRegister", Napi::Function::New(env, CudaHostRegister, "cudaHostRegister"));
   exports.Set("cudaHostUnregister", Napi::Function::New(env, CudaHostUnregister, "cudaHostUnregister"));
+  exports.Set("cudaMemAlloc", Napi::Function::New(env, CudaMemAlloc, "cudaMemAlloc"));
+  exports.Set("cudaMemFree", Napi::Function::New(env, CudaMemFree, "cudaMemFree"));
 }
 
 }  // namespace vmmd

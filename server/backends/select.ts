@@ -3,10 +3,11 @@
  * a device exists, host otherwise, and says why in one log line.
  */
 import type { Logger } from 'pino';
-import type { DaemonConfig } from '../config';
+import { DaemonConfig, defaultStock } from '../config';
 import type { Backend } from './backend';
 import { CudaBackend } from './cuda';
 import { HostBackend } from './host';
+import { StockedBackend } from './stock';
 
 export class BackendUnavailableError extends Error {
   constructor(message: string) {
@@ -15,8 +16,23 @@ export class BackendUnavailableError extends Error {
   }
 }
 
-/** @throws BackendUnavailableError when cuda is asked for and cannot run */
+/**
+ * The backend, behind a stock of allocations created and exported ahead when
+ * the configuration has one for it (server/backends/stock.ts); the stock is
+ * full when this resolves.
+ * @throws BackendUnavailableError when cuda is asked for and cannot run
+ */
 export async function selectBackend(config: DaemonConfig, log: Logger): Promise<Backend> {
+  const backend = await chooseBackend(config, log);
+  const levels = config.stock === 'auto' ? defaultStock(backend.name) : config.stock;
+  if (levels.length === 0) return backend;
+  const stocked = new StockedBackend(backend, levels, log.child({ component: 'stock' }));
+  await stocked.fill();
+  log.info({ stock: stocked.stats().levels }, 'memory stocked: allocations created and exported ahead');
+  return stocked;
+}
+
+async function chooseBackend(config: DaemonConfig, log: Logger): Promise<Backend> {
   const host = () => new HostBackend({ capacity: config.hostCapacity, granularity: config.hostGranularity });
   switch (config.backend) {
     case 'host':

@@ -2,6 +2,7 @@
 import * as grpc from '@grpc/grpc-js';
 import { IntervalHistogram, monitorEventLoopDelay } from 'node:perf_hooks';
 import type { ClearCachesResponse } from '../../generated/vmmd/v1/ClearCachesResponse';
+import { StockedBackend } from '../backends/stock';
 import type { GetStatsRequest__Output } from '../../generated/vmmd/v1/GetStatsRequest';
 import type { ListObjectsRequest__Output } from '../../generated/vmmd/v1/ListObjectsRequest';
 import type { ListObjectsResponse } from '../../generated/vmmd/v1/ListObjectsResponse';
@@ -56,6 +57,8 @@ export class AdminService {
       version: this.deps.version,
       eventLoopDelayMaxUs: String(Math.round(this.loopDelay.max / 1000)),
       eventLoopDelayP99Us: String(Math.round(this.loopDelay.percentile(99) / 1000)),
+      rssBytes: String(process.memoryUsage.rss()),
+      heapUsedBytes: String(process.memoryUsage().heapUsed),
     };
     if (request?.resetEventLoopDelay) this.loopDelay.reset();
     return result;
@@ -163,6 +166,7 @@ export class AdminService {
       quotas: this.deps.quotas.used(),
       quotaRefusals: this.deps.quotas.refusals,
       calls,
+      stock: registry.backend instanceof StockedBackend ? registry.backend.stats() : null,
     };
     return { json: JSON.stringify(report, null, 2) };
   }

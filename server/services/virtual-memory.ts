@@ -30,10 +30,10 @@ import type { WriteRequest__Output } from '../../generated/vmmd/v1/WriteRequest'
 import type { WriteResponse } from '../../generated/vmmd/v1/WriteResponse';
 import type { VmmdProto } from '../../common/proto';
 import { addon } from '../../native';
-import type { ImportSource } from '../backends/backend';
+import type { HandleKind, ImportSource } from '../backends/backend';
 import { invalidArgument, outOfRange } from '../errors';
 import type { AllocationRecord, Registry, ReservationRecord } from '../registry';
-import type { SessionManager } from '../sessions';
+import type { Session, SessionManager } from '../sessions';
 import { CallContext, clientStream, HandlerDeps, requireSession, serverStream, unary } from './handler';
 import { accessGrant, DeviceResolver, handleType, location, toWireAccess, toWireHandleType, toWireLocation, u64 } from './wire';
 
@@ -124,11 +124,37 @@ export class VirtualMemoryService {
     const kind = handleType(request.handleType);
     // A descriptor needs a session to travel on; fabric bytes travel in the response.
     const session = kind === 'POSIX_FD' ? requireSession(context, 'Export') : undefined;
-    const { allocation, fd, fabric } = await this.registry.exportHandle(context.caller, {
+    const exported = await this.registry.exportHandle(context.caller, {
       allocationId: u64(request.allocationId),
       handleType: kind,
       shareKey: request.shareKey,
     });
+    return this.handOver(session, kind, exported);
+  }
+
+  /** Create, then Export to the calling session; the allocation is released again if the export fails. */
+  async allocate(request: CreateRequest__Output, context: CallContext): Promise<ExportResponse> {
+    const session = requireSession(context, 'Allocate');
+    const record = this.registry.create(context.caller, {
+      size: u64(request.size),
+      location: location(request.location, this.resolveDevice),
+      handleType: handleType(request.handleType),
+    });
+    try {
+      const exported = await this.registry.exportHandle(context.caller, { allocationId: record.id, handleType: 'POSIX_FD', shareKey: '' });
+      return this.handOver(session, 'POSIX_FD', exported);
+    } catch (error) {
+      await this.registry.release(context.caller, record.id).catch((cause) => context.log.error({ err: cause }, 'Allocate: the rollback failed'));
+      throw error;
+    }
+  }
+
+  /** Sends an exported descriptor on the session socket (closing the daemon's copy) and describes the export. */
+  private handOver(
+    session: Session | undefined,
+    kind: HandleKind,
+    { allocation, fd, fabric }: { allocation: AllocationRecord; fd?: number; fabric?: Buffer },
+  ): ExportResponse {
     let transferId = '0';
     if (session !== undefined && fd !== undefined) {
       try {
@@ -215,6 +241,7 @@ export class VirtualMemoryService {
       SetAccess: unary(deps, 'SetAccess', (r: SetAccessRequest__Output, c) => this.setAccess(r, c)),
       GetAccess: unary(deps, 'GetAccess', (r: GetAccessRequest__Output) => this.getAccess(r)),
       Export: unary(deps, 'Export', (r: ExportRequest__Output, c) => this.export(r, c)),
+      Allocate: unary(deps, 'Allocate', (r: CreateRequest__Output, c) => this.allocate(r, c)),
       Share: unary(deps, 'Share', (r: ShareRequest__Output, c) => this.share(r, c)),
       Import: unary(deps, 'Import', (r: ImportRequest__Output, c) => this.import(r, c)),
       GetProperties: unary(deps, 'GetProperties', (r: GetPropertiesRequest__Output) => this.getProperties(r)),

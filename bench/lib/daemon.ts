@@ -1,0 +1,60 @@
+/**
+ * A daemon of the benchmark's own: a child process on a temporary socket
+ * directory, with a connected client; stop() ends both.
+ */
+import { ChildProcess, spawn } from 'node:child_process';
+import * as fs from 'node:fs';
+import * as os from 'node:os';
+import * as path from 'node:path';
+import { connect, VmmdClient } from '../../client';
+
+/** The package root, from dist/bench/lib or bench/lib. */
+export const packageRoot = (() => {
+  let dir = __dirname;
+  while (!fs.existsSync(path.join(dir, 'package.json'))) dir = path.dirname(dir);
+  return dir;
+})();
+
+export interface BenchDaemon {
+  dir: string;
+  client: VmmdClient;
+  process: ChildProcess;
+  /** A new client of the same daemon (its own session). */
+  connect(): Promise<VmmdClient>;
+  stop(): Promise<void>;
+}
+
+export async function connectWhenReady(socketDir: string, child?: ChildProcess): Promise<VmmdClient> {
+  for (let attempt = 0; ; attempt++) {
+    try {
+      return await connect({ socketDir });
+    } catch (error) {
+      if (attempt > 200 || child?.exitCode !== null && child?.exitCode !== undefined) throw error;
+      await new Promise((resolve) => setTimeout(resolve, 50));
+    }
+  }
+}
+
+export async function startDaemon(backend: string, extraArgs: string[] = []): Promise<BenchDaemon> {
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-bench-'));
+  const child = spawn(
+    process.execPath,
+    [path.join(packageRoot, 'bin', 'vmmd.js'), '--backend', backend, '--socket-dir', dir, '--log-level', 'warn', ...extraArgs],
+    { stdio: ['ignore', 'inherit', 'inherit'] },
+  );
+  const client = await connectWhenReady(dir, child);
+  return {
+    dir,
+    client,
+    process: child,
+    connect: () => connect({ socketDir: dir }),
+    async stop() {
+      client.close();
+      if (child.exitCode === null) {
+        child.kill('SIGTERM');
+        await new Promise((resolve) => child.once('exit', resolve));
+      }
+      fs.rmSync(dir, { recursive: true, force: true });
+    },
+  };
+}

@@ -1,0 +1,76 @@
+/**
+ * The benchmarks, side by side with their references, in one run:
+ *   node dist/bench/run.js [--backend host|cuda] [--quick] [--only id,id] [--json FILE]
+ * `npm run bench` runs it on the host backend; scripts/gpu-bench.sh runs it
+ * with --backend cuda on a GPU host, next to CuPy and Numba (bench/reference/).
+ * Prints each section's table and the targets; --json writes everything with
+ * the machine, date, commit and command (bench/report.js turns results into BENCHMARKS.md).
+ */
+import * as fs from 'node:fs';
+import * as os from 'node:os';
+import BUILD from '../generated/build-info.json';
+import { startDaemon } from './lib/daemon';
+import { markdownTable, Section } from './lib/stats';
+import { cold, handoff, pooled } from './sections/allocations';
+import { concurrency } from './sections/concurrency';
+import { rpcFloor } from './sections/rpc-floor';
+import { scale } from './sections/scale';
+import { streaming } from './sections/streaming';
+
+function option(name: string): string | undefined {
+  const at = process.argv.indexOf(`--${name}`);
+  return at > 0 ? process.argv[at + 1] : undefined;
+}
+
+export function machine(): string {
+  const cpus = os.cpus();
+  return `${cpus[0]?.model.trim() ?? 'unknown cpu'}, ${cpus.length} cores, ${Math.round(os.totalmem() / 2 ** 30)} GiB, Linux ${os.release()}`;
+}
+
+async function main() {
+  const backend = option('backend') ?? 'host';
+  const quick = process.argv.includes('--quick');
+  const only = option('only')?.split(',');
+  const jsonFile = option('json');
+  const wanted = (id: string) => only === undefined || only.includes(id);
+  const started = Date.now();
+  const daemon = await startDaemon(backend);
+  const sections: Section[] = [];
+  const run = async (id: string, body: () => Promise<Section>) => {
+    if (!wanted(id)) return;
+    const sectionStart = Date.now();
+    const section = await body();
+    sections.push(section);
+    console.log(`\n## ${section.title} (${((Date.now() - sectionStart) / 1000).toFixed(1)} s)\n`);
+    console.log(markdownTable(section.rows));
+    for (const target of section.targets ?? []) console.log(`target ${target.met ? 'MET' : 'MISSED'}: ${target.target}: ${target.measured} (limit ${target.limit})`);
+  };
+  try {
+    await run('rpc-floor', () => rpcFloor(daemon, quick ? 1000 : 3000));
+    await run('pooled', () => pooled(daemon.client, quick ? 20_000 : 100_000));
+    await run('cold', () => cold(daemon.client, quick ? 100 : 300));
+    await run('handoff', () => handoff(daemon.client, quick ? 200 : 1000));
+    await run('streaming', () => streaming(daemon.client, 256, quick ? 3 : 5));
+    await run('scale', () => scale(daemon, quick ? [100, 10_000] : [100, 10_000, 100_000], quick ? 200 : 300));
+    await run('concurrency', () => concurrency(daemon, [1, 4, 16], quick ? 1000 : 3000));
+  } finally {
+    await daemon.stop();
+  }
+  const report = {
+    backend,
+    machine: machine(),
+    node: process.version,
+    date: new Date().toISOString(),
+    commit: BUILD.commit,
+    command: `node dist/bench/run.js ${process.argv.slice(2).join(' ')}`.trim(),
+    seconds: Math.round((Date.now() - started) / 1000),
+    sections,
+  };
+  console.log(`\nbench: ${report.seconds} s, ${sections.flatMap((s) => s.targets ?? []).filter((t) => !t.met).length} target(s) missed`);
+  if (jsonFile !== undefined) fs.writeFileSync(jsonFile, `${JSON.stringify(report, null, 2)}\n`);
+}
+
+main().catch((error) => {
+  console.error(error);
+  process.exit(1);
+});

@@ -1,0 +1,238 @@
+/**
+ * Memory created and exported ahead of time: a backend in front of another
+ * that keeps, per device and size, a few allocations already created, each
+ * with its descriptor already exported. A Create of a stocked size (device
+ * memory, descriptor handles) takes one from the shelf and its first Export
+ * returns the ready descriptor, so a cold Allocate costs neither driver call
+ * on its path; the shelf refills after the reply, off the request's path.
+ *
+ * Stocked memory is the daemon's, not any session's: it is not in the
+ * registry and counts against no quota until a Create takes it. It is given
+ * back when memory runs short (a refill stops below REFILL_HEADROOM free
+ * sizes, a failed Create empties every shelf of its device) and at close().
+ */
+import type { Logger } from 'pino';
+import { addon } from '../../native';
+import type {
+  AccessGrant,
+  Backend,
+  BackendHandle,
+  DeviceInfo,
+  HandleKind,
+  ImportedHandle,
+  ImportSource,
+  MemLocation,
+  MemoryInfo,
+} from './backend';
+
+export interface StockLevel {
+  /** Bytes of each allocation (a multiple of the device's granularity). */
+  size: bigint;
+  /** How many the shelf holds when full. */
+  depth: number;
+}
+
+interface Item {
+  handle: BackendHandle;
+  fd: number;
+}
+
+interface Shelf {
+  device: number;
+  size: bigint;
+  depth: number;
+  items: Item[];
+  refilling: boolean;
+}
+
+/** A refill stops when the device has less free than this many times the shelf's size. */
+const REFILL_HEADROOM = 4n;
+
+export interface StockStats {
+  levels: Array<{ device: number; size: string; depth: number; held: number }>;
+  hits: number;
+  misses: number;
+  created: number;
+  refillFailures: number;
+}
+
+const isOutOfMemory = (error: unknown) => {
+  const code = (error as { code?: unknown })?.code;
+  return code === 'CUDA_ERROR_OUT_OF_MEMORY' || code === 'OUT_OF_MEMORY' || code === 'ENOMEM';
+};
+
+export class StockedBackend implements Backend {
+  // Invariant: one shelf per (device, size) of the levels; items are created, exported, and in no registry.
+  private readonly shelves = new Map<string, Shelf>();
+  // Invariant: the ready descriptor of every stocked handle handed out and not yet exported nor released.
+  private readonly ready = new Map<BackendHandle, number>();
+  private closed = false;
+  private readonly counters = { hits: 0, misses: 0, created: 0, refillFailures: 0 };
+
+  constructor(
+    private readonly inner: Backend,
+    levels: StockLevel[],
+    private readonly log: Logger,
+  ) {
+    for (const device of inner.devices()) {
+      for (const level of levels) {
+        if (level.depth <= 0 || level.size % device.granularityMinimum !== 0n) continue;
+        this.shelves.set(`${device.index}:${level.size}`, { device: device.index, size: level.size, depth: level.depth, items: [], refilling: false });
+      }
+    }
+  }
+
+  get name() {
+    return this.inner.name;
+  }
+
+  /** Fills every shelf; resolves when they are full (or a refill gave up). */
+  async fill(): Promise<void> {
+    await Promise.all([...this.shelves.values()].map((shelf) => this.refill(shelf)));
+  }
+
+  stats(): StockStats {
+    return {
+      levels: [...this.shelves.values()].map((shelf) => ({ device: shelf.device, size: String(shelf.size), depth: shelf.depth, held: shelf.items.length })),
+      ...this.counters,
+    };
+  }
+
+  create(device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): BackendHandle {
+    const shelf =
+      location.type === 'DEVICE' && handleTypes.length === 1 && handleTypes[0] === 'POSIX_FD' ? this.shelves.get(`${device}:${size}`) : undefined;
+    if (shelf !== undefined) {
+      const item = shelf.items.pop();
+      setImmediate(() => void this.refill(shelf));
+      if (item !== undefined) {
+        this.counters.hits++;
+        this.ready.set(item.handle, item.fd);
+        return item.handle;
+      }
+      this.counters.misses++;
+    }
+    try {
+      return this.inner.create(device, location, size, handleTypes);
+    } catch (error) {
+      // Stocked memory yields to sessions': the next Create finds it free.
+      if (isOutOfMemory(error)) this.empty(device);
+      throw error;
+    }
+  }
+
+  async exportHandle(handle: BackendHandle): Promise<number> {
+    const fd = this.ready.get(handle);
+    if (fd === undefined) return this.inner.exportHandle(handle);
+    this.ready.delete(handle);
+    return fd;
+  }
+
+  release(handle: BackendHandle, size: bigint, imported: boolean): Promise<void> {
+    const fd = this.ready.get(handle);
+    if (fd !== undefined) {
+      this.ready.delete(handle);
+      addon.close(fd);
+    }
+    return this.inner.release(handle, size, imported);
+  }
+
+  close(): void {
+    this.closed = true;
+    for (const device of this.inner.devices()) this.empty(device.index);
+    for (const fd of this.ready.values()) addon.close(fd);
+    this.ready.clear();
+    this.inner.close();
+  }
+
+  /** Gives back every stocked allocation of a device. */
+  private empty(device: number): void {
+    for (const shelf of this.shelves.values()) {
+      if (shelf.device !== device) continue;
+      for (const item of shelf.items.splice(0)) this.discard(shelf, item);
+    }
+  }
+
+  private discard(shelf: Shelf, item: Item): void {
+    addon.close(item.fd);
+    this.inner.release(item.handle, shelf.size, false).catch((error) => this.log.error({ err: error }, 'stock: releasing stocked memory failed'));
+  }
+
+  private async refill(shelf: Shelf): Promise<void> {
+    if (shelf.refilling) return;
+    shelf.refilling = true;
+    try {
+      while (!this.closed && shelf.items.length < shelf.depth) {
+        if (this.inner.memoryInfo(shelf.device).freeBytes < REFILL_HEADROOM * shelf.size) return;
+        const handle = this.inner.create(shelf.device, { type: 'DEVICE', id: shelf.device }, shelf.size, ['POSIX_FD']);
+        let fd: number;
+        try {
+          fd = await this.inner.exportHandle(handle);
+        } catch (error) {
+          await this.inner.release(handle, shelf.size, false);
+          throw error;
+        }
+        this.counters.created++;
+        if (this.closed) this.discard(shelf, { handle, fd });
+        else shelf.items.push({ handle, fd });
+        // One per turn of the event loop: a refill never holds it for long.
+        await new Promise((resolve) => setImmediate(resolve));
+      }
+    } catch (error) {
+      this.counters.refillFailures++;
+      this.log.warn({ err: error, device: shelf.device, size: String(shelf.size) }, 'stock: a refill failed; the shelf stays short');
+    } finally {
+      shelf.refilling = false;
+    }
+  }
+
+  // ---- everything else is the inner backend's ----
+
+  devices(): DeviceInfo[] {
+    return this.inner.devices();
+  }
+  memoryInfo(device: number): MemoryInfo {
+    return this.inner.memoryInfo(device);
+  }
+  granularity(location: MemLocation): { minimum: bigint; recommended: bigint } {
+    return this.inner.granularity(location);
+  }
+  canAccessPeer(device: number, owner: number): boolean {
+    return this.inner.canAccessPeer(device, owner);
+  }
+  reserve(size: bigint, alignment: bigint, hint: bigint): bigint {
+    return this.inner.reserve(size, alignment, hint);
+  }
+  freeAddress(address: bigint, size: bigint): void {
+    this.inner.freeAddress(address, size);
+  }
+  retainHandle(address: bigint, handle: BackendHandle): BackendHandle {
+    return this.inner.retainHandle(address, handle);
+  }
+  releaseReference(handle: BackendHandle): Promise<void> {
+    return this.inner.releaseReference(handle);
+  }
+  map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint): void {
+    this.inner.map(address, size, handle, offset);
+  }
+  unmap(address: bigint, size: bigint): Promise<void> {
+    return this.inner.unmap(address, size);
+  }
+  setAccess(address: bigint, size: bigint, grants: AccessGrant[]): void {
+    this.inner.setAccess(address, size, grants);
+  }
+  sealReadOnly(handle: BackendHandle): void {
+    this.inner.sealReadOnly(handle);
+  }
+  exportFabric(handle: BackendHandle): Promise<Buffer> {
+    return this.inner.exportFabric(handle);
+  }
+  importHandle(source: ImportSource, size: bigint): ImportedHandle {
+    return this.inner.importHandle(source, size);
+  }
+  readBytes(address: bigint, length: number, device: number): Promise<Buffer> {
+    return this.inner.readBytes(address, length, device);
+  }
+  writeBytes(address: bigint, data: Buffer, device: number): Promise<void> {
+    return this.inner.writeBytes(address, data, device);
+  }
+}
