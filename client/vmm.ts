@@ -51,8 +51,12 @@ export interface ImportOptions {
  */
 function localDevice(daemonIndex: number, uuid: string): number {
   if (uuid === '' || !addon.cudaLoad().loaded) return daemonIndex;
-  return addon.cudaDevices().find((device) => device.uuid === uuid)?.index ?? daemonIndex;
+  // A process's devices do not change: asked of the driver once (a dozen calls per device).
+  localDevices ??= new Map(addon.cudaDevices().map((device) => [device.uuid, device.index]));
+  return localDevices.get(uuid) ?? daemonIndex;
 }
+
+let localDevices: Map<string, number> | undefined;
 
 export class VirtualMemoryApi {
   constructor(

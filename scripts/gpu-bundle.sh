@@ -5,7 +5,8 @@
 #   .gpu/vmmd.tar.xz     package.json, bin/, dist/ (compiled code and tests),
 #                        proto/, the built addon, and node_modules with the
 #                        production dependencies plus jest (no TypeScript)
-# Then: scripts/gpu-test.sh on the GPU host (it unpacks and runs the suite).
+# Then, on the GPU host: scripts/gpu-test.sh (the test suite) or scripts/gpu-bench.sh
+# (the benchmarks); each unpacks the bundle with gpu-unpack.sh.
 # Needs `npm ci` done here; x86-64 only (the addon is built here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +19,8 @@ trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/vmmd/build/Release" "$stage/vmmd/test"
 cp -r package.json package-lock.json bin dist proto jest.gpu.config.js "$stage/vmmd/"
 cp test/summary-reporter.js test/setup-symbols.js "$stage/vmmd/test/"
+mkdir -p "$stage/vmmd/bench"
+cp -r bench/echo.proto bench/reference "$stage/vmmd/bench/"
 cp build/Release/vmmd_native.node "$stage/vmmd/build/Release/"
 # Production dependencies and jest's runtime; no compiler, no type packages.
 cp -r node_modules "$stage/vmmd/node_modules"
@@ -26,5 +29,5 @@ rm -rf "$stage/vmmd/node_modules/"{typescript,ts-jest,@types,.cache} "$stage/vmm
 rm -rf .gpu && mkdir -p .gpu
 xz -T2 -c "$(command -v node)" > .gpu/node.xz
 tar -C "$stage" -cf - vmmd | xz -T2 -6 > .gpu/vmmd.tar.xz
-cp scripts/gpu-test.sh .gpu/
+cp scripts/gpu-unpack.sh scripts/gpu-test.sh scripts/gpu-bench.sh .gpu/
 du -sh .gpu/* | sed 's/^/gpu-bundle: /'

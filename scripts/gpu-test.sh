@@ -3,13 +3,11 @@
 # Usage: scripts/gpu-test.sh [BUNDLE_DIR [OUTPUT_DIR]]  (defaults: .gpu, $OUT or ./gpu-results)
 # The output goes to OUTPUT_DIR/gpu-tests.log with the date, device and driver.
 set -uo pipefail
-bundle=$(cd "${1:-.gpu}" && pwd)
+here=$(cd "$(dirname "$0")" && pwd)
 out=${2:-${OUT:-gpu-results}}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
-work=$(mktemp -d)
-xz -dc "$bundle/node.xz" > "$work/node" && chmod +x "$work/node"
-tar -C "$work" -xJf "$bundle/vmmd.tar.xz"
+work=$("$here/gpu-unpack.sh" "${1:-.gpu}") || exit 1
 export PATH="$work:$PATH"
 cd "$work/vmmd"
 {

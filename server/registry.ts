@@ -161,6 +161,14 @@ function indexAfter(list: ReadonlyArray<{ address: bigint }>, address: bigint): 
   return low;
 }
 
+/** Objects a long loop (a session's reclaim) handles before it lets the event loop serve others. */
+const YIELD_EVERY = 64;
+
+/** Every YIELD_EVERY-th call waits one turn of the event loop: awaits that resolve at once never yield. */
+function breathe(count: number): Promise<void> | undefined {
+  return count % YIELD_EVERY === 0 ? new Promise((resolve) => setImmediate(resolve)) : undefined;
+}
+
 export class Registry {
   private nextId = 1n;
   private readonly reservations = new Map<bigint, ReservationRecord>();
@@ -640,7 +648,9 @@ export class Registry {
    */
   async reclaim(owner: bigint): Promise<void> {
     const reservations = this.reservationsByAddress.filter((reservation) => reservation.owner === owner);
+    let done = 0;
     for (const reservation of reservations) {
+      await breathe(++done);
       await reservation.queue.run(async () => {
         if (reservation.freed) return;
         while (reservation.mappings.length > 0) {
@@ -651,6 +661,7 @@ export class Registry {
       });
     }
     for (const allocation of [...this.allocations.values()]) {
+      await breathe(++done);
       const held = allocation.references.get(owner);
       if (held !== undefined) await this.dropReferences(allocation, owner, held);
       if (allocation.owner === owner) allocation.owner = DAEMON_OWNER;
@@ -801,7 +812,9 @@ export class Registry {
   private dropReservation(reservation: ReservationRecord): void {
     reservation.freed = true;
     this.reservations.delete(reservation.id);
-    this.reservationsByAddress.splice(this.reservationsByAddress.indexOf(reservation), 1);
+    const index = this.reservationIndexAfter(reservation.address) - 1;
+    if (this.reservationsByAddress[index] !== reservation) throw new Error(`registry: reservation ${reservation.id} is not in the address index`);
+    this.reservationsByAddress.splice(index, 1);
   }
 
   private mayAct(caller: bigint, owner: bigint): boolean {

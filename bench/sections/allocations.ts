@@ -8,8 +8,12 @@
 import type { VmmdClient } from '../../client';
 import { VmmdMemoryManager } from '../../client/emm/vmmd-manager';
 import type { MemoryPointer } from '../../client/emm/memory';
+import { CudaImportedMemory, HostImportedMemory } from '../../client/local-memory';
 import { addon, CU_LOCATION, HOST_ACCESS } from '../../native';
-import { ratio, Row, sample, sampleSync, Section, summarize } from '../lib/stats';
+import { execFileSync } from 'node:child_process';
+import * as path from 'node:path';
+import { packageRoot } from '../lib/daemon';
+import { ratio, Row, sample, sampleSync, Section, summarize, Target } from '../lib/stats';
 
 const KiB = 1024n;
 const MiB = 1024n * KiB;
@@ -33,6 +37,18 @@ export async function manager(client: VmmdClient, cold: boolean): Promise<VmmdMe
 
 export const POOLED_SIZES = [1n * KiB, 64n * KiB, 1n * MiB];
 
+/** CuPy's MemoryPool and Numba's default allocator, by bench/reference/cupy_numba.py, in this run. */
+function pythonReferences(iterations: number): { rows: Row[]; errors: string[] } {
+  const script = path.join(packageRoot, 'bench', 'reference', 'cupy_numba.py');
+  try {
+    const output = execFileSync('python3', [script, POOLED_SIZES.join(','), String(iterations)], { encoding: 'utf8', timeout: 300_000, stdio: ['ignore', 'pipe', 'inherit'] });
+    const parsed = JSON.parse(output) as { rows: Row[]; errors: string[] };
+    return { rows: parsed.rows.map((row) => ({ ...row, size: sizeName(BigInt(row.size as number)) })), errors: parsed.errors };
+  } catch (error) {
+    return { rows: [], errors: [`python3 ${script}: ${(error as Error).message.split('\n')[0]}`] };
+  }
+}
+
 export async function pooled(client: VmmdClient, iterations: number): Promise<Section> {
   const emm = await manager(client, false);
   const rows: Row[] = [];
@@ -45,7 +61,28 @@ export async function pooled(client: VmmdClient, iterations: number): Promise<Se
     rows.push({ allocator: 'vmmd NBEP 7 manager (pooled)', size: sizeName(size), ...summarize(samples) });
   }
   await emm.reset();
-  return { id: 'pooled', title: 'Pooled memalloc + free through the NBEP 7 manager', rows };
+  const notes: string[] = [];
+  const targets: Target[] = [];
+  const worst = Math.max(...rows.map((row) => row.p50_us as number));
+  targets.push({ target: 'pooled memalloc + free p50 under 2 µs', measured: `${worst} µs (worst size)`, limit: '2 µs', met: worst < 2 });
+  if (client.backend === 'cuda') {
+    const references = pythonReferences(iterations);
+    rows.push(...references.rows);
+    notes.push(...references.errors);
+    for (const size of POOLED_SIZES) {
+      const ours = rows.find((row) => row.size === sizeName(size) && String(row.allocator).startsWith('vmmd'));
+      const cupy = references.rows.find((row) => row.size === sizeName(size) && String(row.allocator).startsWith('CuPy'));
+      if (ours && cupy) {
+        targets.push({
+          target: `pooled ${sizeName(size)}: p50 at or below CuPy MemoryPool's`,
+          measured: `${ours.p50_us} µs vs ${cupy.p50_us} µs`,
+          limit: `${cupy.p50_us} µs`,
+          met: (ours.p50_us as number) <= (cupy.p50_us as number),
+        });
+      }
+    }
+  }
+  return { id: 'pooled', title: 'Pooled memalloc + free through the NBEP 7 manager', rows, targets, notes };
 }
 
 export const COLD_SIZES: Array<[bigint, number]> = [
@@ -134,10 +171,33 @@ export async function handoff(client: VmmdClient, iterations: number): Promise<S
   const size = 2n * MiB;
   const allocation = await client.vmm.create({ size });
   const samples = await sample(iterations, () => client.vmm.import(allocation.id), { warmup: 20, after: (memory) => memory.close() });
+  // Where the time goes: the same steps, each timed alone.
+  const parts = { export: [] as number[], descriptor: [] as number[], map: [] as number[] };
+  for (let i = 0; i < iterations; i++) {
+    const t0 = performance.now();
+    const exported = await client.vmm.export({ allocationId: allocation.id, handleType: 'HANDLE_TYPE_POSIX_FD' });
+    const t1 = performance.now();
+    const fd = await client.session.takeTransfer(exported.transferId);
+    const t2 = performance.now();
+    const memory =
+      client.backend === 'cuda'
+        ? await CudaImportedMemory.map(BigInt(allocation.id), { fd }, size, BigInt(exported.granularity), 0, false)
+        : HostImportedMemory.map(BigInt(allocation.id), fd, size, BigInt(exported.granularity), false);
+    const t3 = performance.now();
+    await memory.close();
+    parts.export.push((t1 - t0) * 1000);
+    parts.descriptor.push((t2 - t1) * 1000);
+    parts.map.push((t3 - t2) * 1000);
+  }
   await client.vmm.release({ allocationId: allocation.id });
   return {
     id: 'handoff',
     title: 'Descriptor handoff: export → received → imported and mapped (2 MiB)',
-    rows: [{ step: 'Export RPC + descriptor on the session socket + import + map + access', size: sizeName(size), ...summarize(samples) }],
+    rows: [
+      { step: 'whole: Export RPC, descriptor on the session socket, import, map, access', size: sizeName(size), ...summarize(samples) },
+      { step: 'part: Export RPC (the daemon exports on a driver thread)', size: sizeName(size), ...summarize(parts.export) },
+      { step: 'part: descriptor claimed from the session socket', size: sizeName(size), ...summarize(parts.descriptor) },
+      { step: 'part: import, reserve, map, set access in this process', size: sizeName(size), ...summarize(parts.map) },
+    ],
   };
 }

@@ -35,14 +35,15 @@ export async function scale(daemon: BenchDaemon, levels: number[], iterations: n
   const results: Array<{ objects: number; p50: number }> = [];
   try {
     for (const level of levels) {
-      const baseline = liveObjects(await client.admin.getStats());
-      const wanted = Math.max(0, level - baseline);
-      const allocations = Math.min(Math.floor(wanted / 2), allocationCap) - live.allocations;
-      const reservations = wanted - Math.min(Math.floor(wanted / 2), allocationCap) - live.reservations;
+      const others = liveObjects(await client.admin.getStats()) - live.reservations - live.allocations;
+      const wanted = Math.max(0, level - others);
+      const targetAllocations = Math.min(Math.floor(wanted / 2), allocationCap);
+      const allocations = Math.max(0, targetAllocations - live.allocations);
+      const reservations = Math.max(0, wanted - targetAllocations - live.reservations);
       const started = performance.now();
-      await concurrently(Math.max(0, allocations), 64, () => filler.vmm.create({ size: granule }));
-      await concurrently(Math.max(0, reservations), 64, () => filler.vmm.reserve({ size: granule }));
-      live = { reservations: live.reservations + Math.max(0, reservations), allocations: live.allocations + Math.max(0, allocations) };
+      await concurrently(allocations, 64, () => filler.vmm.create({ size: granule }));
+      await concurrently(reservations, 64, () => filler.vmm.reserve({ size: granule }));
+      live = { reservations: live.reservations + reservations, allocations: live.allocations + allocations };
       const fillSeconds = (performance.now() - started) / 1000;
       const objects = liveObjects(await client.admin.getStats());
       const times = { create: [] as number[], map: [] as number[], setAccess: [] as number[], unmap: [] as number[], release: [] as number[] };
@@ -85,6 +86,9 @@ export async function scale(daemon: BenchDaemon, levels: number[], iterations: n
   } finally {
     await client.vmm.freeAddress({ address: standing.address, size: granule }).catch(() => undefined);
     filler.close();
+    // The daemon reclaims the filler's objects; later sections start from a quiet daemon.
+    const deadline = Date.now() + 120_000;
+    while (liveObjects(await client.admin.getStats()) > 10 && Date.now() < deadline) await new Promise((resolve) => setTimeout(resolve, 200));
   }
   const first = results[0];
   const last = results[results.length - 1];

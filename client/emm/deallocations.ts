@@ -16,44 +16,58 @@ export const DEFAULT_DEFERRED_FREE: DeferredFreeSettings = { count: 10, ratio: 0
 
 interface Pending {
   free: () => void | Promise<void>;
-  size: bigint;
+  size: number;
 }
 
+const DONE: Promise<void> = Promise.resolve();
+
 export class PendingDeallocations {
-  // Invariant: bytes is the sum of the sizes in queue.
+  // Invariant: bytes is the sum of the sizes in queue (a number: the hot path allocates no bigint).
   private queue: Pending[] = [];
-  private bytes = 0n;
+  private bytes = 0;
+  private maxPendingBytes = 0;
   private holds = 0;
   private flushing: Promise<void> = Promise.resolve();
+
+  private deviceBytes: bigint;
 
   constructor(
     private readonly settings: DeferredFreeSettings,
     /** The device's memory in bytes: the base of `ratio`. */
-    public capacity: bigint,
-  ) {}
+    capacity: bigint,
+  ) {
+    this.deviceBytes = capacity;
+    this.capacity = capacity;
+  }
+
+  get capacity(): bigint {
+    return this.deviceBytes;
+  }
+
+  set capacity(bytes: bigint) {
+    this.deviceBytes = bytes;
+    this.maxPendingBytes = Math.floor(Number(bytes) * this.settings.ratio);
+  }
 
   get pendingCount(): number {
     return this.queue.length;
   }
 
   get pendingBytes(): bigint {
-    return this.bytes;
+    return BigInt(this.bytes);
   }
 
   get held(): boolean {
     return this.holds > 0;
   }
 
-  private get maxPendingBytes(): bigint {
-    return BigInt(Math.floor(Number(this.capacity) * this.settings.ratio));
-  }
-
   /** Queues a free; flushes when a limit is passed and no hold is active. */
-  add(free: () => void | Promise<void>, size: bigint): Promise<void> {
-    this.queue.push({ free, size });
-    this.bytes += size;
+  add(free: () => void | Promise<void>, size: bigint | number): Promise<void> {
+    const bytes = Number(size);
+    this.queue.push({ free, size: bytes });
+    this.bytes += bytes;
     if (this.queue.length > this.settings.count || this.bytes > this.maxPendingBytes) return this.flush();
-    return Promise.resolve();
+    return DONE;
   }
 
   /** Runs every queued free, in order, unless a hold is active. */
@@ -61,10 +75,14 @@ export class PendingDeallocations {
     if (this.held) return Promise.resolve();
     const batch = this.queue;
     this.queue = [];
-    this.bytes = 0n;
+    this.bytes = 0;
     if (batch.length === 0) return this.flushing;
     this.flushing = this.flushing.then(async () => {
-      for (const item of batch) await item.free();
+      for (const item of batch) {
+        const done = item.free();
+        // Pooled blocks go back synchronously; only frees that reach the daemon are awaited.
+        if (done !== undefined) await done;
+      }
     });
     return this.flushing;
   }
@@ -85,6 +103,6 @@ export class PendingDeallocations {
   /** Drops every queued free without running it (reset: the memory goes another way). */
   discard(): void {
     this.queue = [];
-    this.bytes = 0n;
+    this.bytes = 0;
   }
 }

@@ -21,14 +21,17 @@ export interface MemoryInfo {
   total: bigint;
 }
 
-export type Finalizer = () => void | Promise<void>;
+/** What frees memory: a function, or an object whose run() does (one allocation where a closure pair would be two). */
+export type Finalizer = (() => void | Promise<void>) | { run(): void | Promise<void> };
 
-// Dropped pointers free through this registry; `held` is unregistered when free() runs first.
-const dropped = new FinalizationRegistry<{ finalizer: Finalizer; onError: (error: unknown) => void }>((held) => {
+const runFinalizer = (finalizer: Finalizer) => (typeof finalizer === 'function' ? finalizer() : finalizer.run());
+
+// Dropped pointers free through this registry; a pointer is its own unregister token (held weakly).
+const dropped = new FinalizationRegistry<Finalizer>((finalizer) => {
   try {
-    void Promise.resolve(held.finalizer()).catch(held.onError);
+    void Promise.resolve(runFinalizer(finalizer)).catch((error) => finalizerErrors(error));
   } catch (error) {
-    held.onError(error);
+    finalizerErrors(error);
   }
 });
 
@@ -46,7 +49,6 @@ export function onFinalizerError(handler: (error: unknown) => void): void {
 export class MemoryPointer implements Disposable {
   private finalizer: Finalizer | undefined;
   private released = false;
-  private readonly token = {};
 
   constructor(
     readonly context: ManagerContext,
@@ -56,7 +58,7 @@ export class MemoryPointer implements Disposable {
     finalizer?: Finalizer,
   ) {
     this.finalizer = finalizer;
-    if (finalizer !== undefined) dropped.register(this, { finalizer, onError: (error) => finalizerErrors(error) }, this.token);
+    if (finalizer !== undefined) dropped.register(this, finalizer, this);
   }
 
   /** NBEP 7's device_pointer. */
@@ -79,8 +81,8 @@ export class MemoryPointer implements Disposable {
     const finalizer = this.finalizer;
     this.finalizer = undefined;
     if (finalizer === undefined) return;
-    dropped.unregister(this.token);
-    return finalizer();
+    dropped.unregister(this);
+    return runFinalizer(finalizer);
   }
 
   /**

@@ -9,6 +9,7 @@
 
 /** Numba's allocations are 256-byte aligned; so are all of the pool's. */
 export const POOL_ALIGNMENT = 256n;
+const ALIGNMENT = 256;
 
 export interface PoolSettings {
   /** Bytes of each chunk leased from the daemon (rounded up to the granularity). */
@@ -19,27 +20,37 @@ export interface PoolSettings {
 
 export const DEFAULT_POOL: PoolSettings = { chunkSize: 32n << 20n, largeThreshold: 16n << 20n };
 
+/**
+ * The size class of a request in bytes, as a number: the pool's hot path
+ * stays in doubles (exact below 2^53; chunks are far smaller) and allocates
+ * nothing.
+ */
+export function sizeClassBytes(size: number): number {
+  if (size <= ALIGNMENT) return ALIGNMENT;
+  // The largest power of two below `size` (clz32 while it fits in 32 bits).
+  const power = size <= 2 ** 32 ? 2 ** (31 - Math.clz32(size - 1)) : 2 ** Math.floor(Math.log2(size - 1));
+  const step = Math.max(ALIGNMENT, power / 4);
+  return Math.ceil(size / step) * step;
+}
+
 /** The size class of a request: what the pool really hands out for it. */
 export function sizeClass(size: bigint): bigint {
-  if (size <= POOL_ALIGNMENT) return POOL_ALIGNMENT;
-  let power = POOL_ALIGNMENT;
-  while (power * 2n < size) power *= 2n;
-  let step = power / 4n;
-  if (step < POOL_ALIGNMENT) step = POOL_ALIGNMENT;
-  return ((size + step - 1n) / step) * step;
+  return BigInt(sizeClassBytes(Number(size)));
 }
 
 interface FreeRun {
-  offset: bigint;
-  size: bigint;
+  offset: number;
+  size: number;
 }
 
 export class Chunk<T> {
   // Invariant: sorted by offset, inside [0, size), never overlapping nor touching
   // (touching runs are merged).
   readonly free: FreeRun[];
-  used = 0n;
+  used = 0;
   blocks = 0;
+  /** The chunk's bytes as a number (offsets and sizes inside it are numbers). */
+  readonly length: number;
 
   constructor(
     /** What the chunk lives in (the manager's lease). */
@@ -47,16 +58,18 @@ export class Chunk<T> {
     readonly base: bigint,
     readonly size: bigint,
   ) {
-    this.free = [{ offset: 0n, size }];
+    this.length = Number(size);
+    this.free = [{ offset: 0, size: this.length }];
   }
 
   /** Takes `size` bytes from the first free run that holds them; undefined when none does. */
-  take(size: bigint): bigint | undefined {
-    for (let index = 0; index < this.free.length; index++) {
-      const run = this.free[index];
+  take(size: number): number | undefined {
+    const free = this.free;
+    for (let index = 0; index < free.length; index++) {
+      const run = free[index];
       if (run.size < size) continue;
       const offset = run.offset;
-      if (run.size === size) this.free.splice(index, 1);
+      if (run.size === size) free.splice(index, 1);
       else {
         run.offset += size;
         run.size -= size;
@@ -69,16 +82,17 @@ export class Chunk<T> {
   }
 
   /** Gives [offset, +size) back, merged with free neighbours. */
-  give(offset: bigint, size: bigint): void {
+  give(offset: number, size: number): void {
+    const free = this.free;
     let low = 0;
-    let high = this.free.length;
+    let high = free.length;
     while (low < high) {
       const middle = (low + high) >>> 1;
-      if (this.free[middle].offset < offset) low = middle + 1;
+      if (free[middle].offset < offset) low = middle + 1;
       else high = middle;
     }
-    const before = this.free[low - 1];
-    const after = this.free[low];
+    const before = free[low - 1];
+    const after = free[low];
     if ((before && before.offset + before.size > offset) || (after && offset + size > after.offset)) {
       throw new Error(`pool: [${offset}, +${size}) overlaps free space: freed twice?`);
     }
@@ -86,14 +100,14 @@ export class Chunk<T> {
     const joinsAfter = after !== undefined && offset + size === after.offset;
     if (joinsBefore && joinsAfter) {
       before.size += size + after.size;
-      this.free.splice(low, 1);
+      free.splice(low, 1);
     } else if (joinsBefore) {
       before.size += size;
     } else if (joinsAfter) {
       after.offset = offset;
       after.size += size;
     } else {
-      this.free.splice(low, 0, { offset, size });
+      free.splice(low, 0, { offset, size });
     }
     this.used -= size;
     this.blocks--;
@@ -105,34 +119,35 @@ export class Chunk<T> {
 
   /** Checks the invariant (debugging mode): free runs sorted, apart, and adding up with `used`. */
   check(): void {
-    let total = 0n;
+    let total = 0;
     for (let index = 0; index < this.free.length; index++) {
       const run = this.free[index];
       const next = this.free[index + 1];
-      if (run.size <= 0n || run.offset < 0n || run.offset + run.size > this.size) throw new Error('pool: a free run is out of its chunk');
+      if (run.size <= 0 || run.offset < 0 || run.offset + run.size > this.length) throw new Error('pool: a free run is out of its chunk');
       if (next && run.offset + run.size >= next.offset) throw new Error('pool: free runs overlap or touch');
       total += run.size;
     }
-    if (total + this.used !== this.size) throw new Error(`pool: free ${total} + used ${this.used} is not the chunk's ${this.size}`);
+    if (total + this.used !== this.length) throw new Error(`pool: free ${total} + used ${this.used} is not the chunk's ${this.length}`);
   }
 }
 
 export interface PoolBlock<T> {
   chunk: Chunk<T>;
-  offset: bigint;
-  size: bigint;
+  offset: number;
+  size: number;
 }
 
 export class Pool<T> {
   // Invariant: sorted by base address, never overlapping.
   readonly chunks: Chunk<T>[] = [];
 
-  /** A block of a size class from the chunks held, or undefined when none has room. */
-  take(size: bigint): PoolBlock<T> | undefined {
-    const rounded = sizeClass(size);
-    for (const chunk of this.chunks) {
-      const offset = chunk.take(rounded);
-      if (offset !== undefined) return { chunk, offset, size: rounded };
+  /** A block of `size`'s class from the chunks held, or undefined when none has room. */
+  take(size: number): PoolBlock<T> | undefined {
+    const rounded = sizeClassBytes(size);
+    const chunks = this.chunks;
+    for (let index = 0; index < chunks.length; index++) {
+      const offset = chunks[index].take(rounded);
+      if (offset !== undefined) return { chunk: chunks[index], offset, size: rounded };
     }
     return undefined;
   }
@@ -167,13 +182,13 @@ export class Pool<T> {
 
   occupancy(): { chunks: number; bytes: bigint; used: bigint; blocks: number } {
     let bytes = 0n;
-    let used = 0n;
+    let used = 0;
     let blocks = 0;
     for (const chunk of this.chunks) {
       bytes += chunk.size;
       used += chunk.used;
       blocks += chunk.blocks;
     }
-    return { chunks: this.chunks.length, bytes, used, blocks };
+    return { chunks: this.chunks.length, bytes, used: BigInt(used), blocks };
   }
 }

@@ -14,7 +14,7 @@ import { HostAllocOptions, HostOnlyMemoryManager } from './base';
 import { DEFAULT_DEFERRED_FREE, DeferredFreeSettings } from './deallocations';
 import { IpcHandle, ManagerContext, MappedMemory, MemoryInfo, MemoryPointer, PinnedMemory } from './memory';
 import { noteAllocation } from './plugin';
-import { Chunk, DEFAULT_POOL, Pool, PoolBlock, PoolSettings, sizeClass } from './pool';
+import { Chunk, DEFAULT_POOL, Pool, PoolBlock, PoolSettings, sizeClassBytes } from './pool';
 
 export interface VmmdManagerContext extends ManagerContext {
   readonly client: VmmdClient;
@@ -46,6 +46,8 @@ const isOutOfMemory = (error: unknown) => error instanceof VmmdError && error.st
 export class VmmdMemoryManager extends HostOnlyMemoryManager {
   private readonly client: VmmdClient;
   private readonly settings: PoolSettings;
+  // Requests up to this many bytes come from the pool (the threshold as a number, for the hot path).
+  private readonly largeThresholdBytes: number;
   private readonly pool = new Pool<Lease>();
   // Invariant: every large allocation handed out and not yet given back, by address.
   private readonly large = new Map<bigint, Lease>();
@@ -64,6 +66,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     super(context, context.deferred ?? DEFAULT_DEFERRED_FREE);
     this.client = context.client;
     this.settings = context.pool ?? DEFAULT_POOL;
+    this.largeThresholdBytes = Number(this.settings.largeThreshold);
   }
 
   /** Reads the device's size and granularity once; later calls return at once. */
@@ -87,8 +90,23 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
    * @throws VmmdError INVALID_ARGUMENT ZERO_SIZE; RESOURCE_EXHAUSTED (errorCode OUT_OF_MEMORY) when even
    *   after flushing deferred frees and returning empty chunks there is no room
    */
-  async memalloc(size: bigint | number): Promise<MemoryPointer> {
-    const bytes = BigInt(size);
+  memalloc(size: bigint | number): Promise<MemoryPointer> {
+    // The hot path: a block of a chunk already held, with no await and no bigint arithmetic.
+    if (this.granularity !== 0n) {
+      const bytes = Number(size);
+      if (bytes > 0 && sizeClassBytes(bytes) <= this.largeThresholdBytes) {
+        const block = this.pool.take(bytes);
+        if (block !== undefined) {
+          this.counters.memalloc++;
+          noteAllocation();
+          return Promise.resolve(this.pooledPointer(block, typeof size === 'bigint' ? size : BigInt(size)));
+        }
+      }
+    }
+    return this.memallocSlow(BigInt(size));
+  }
+
+  private async memallocSlow(bytes: bigint): Promise<MemoryPointer> {
     if (bytes <= 0n) throw new VmmdError('ZERO_SIZE', Status.INVALID_ARGUMENT, `memalloc size ${bytes} must be greater than 0`);
     await this.initialize();
     this.counters.memalloc++;
@@ -234,7 +252,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
 
   private async allocate(bytes: bigint): Promise<MemoryPointer> {
     const generation = this.generation;
-    if (sizeClass(bytes) > this.settings.largeThreshold) {
+    if (sizeClassBytes(Number(bytes)) > this.largeThresholdBytes) {
       const lease = await this.lease(this.roundToGranularity(bytes), this.location());
       this.large.set(lease.memory.address, lease);
       this.counters.large++;
@@ -244,7 +262,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
       };
       return new MemoryPointer(this.context, lease.memory.address, bytes, lease, finalizer);
     }
-    let block = this.pool.take(bytes);
+    let block = this.pool.take(Number(bytes));
     while (block === undefined) {
       if (this.leasing === undefined) {
         this.leasing = (async () => {
@@ -256,16 +274,22 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
         });
       }
       await this.leasing;
-      block = this.pool.take(bytes);
+      block = this.pool.take(Number(bytes));
     }
+    return this.pooledPointer(block, bytes);
+  }
+
+  /** The pointer to a pooled block; its free goes through the deferred frees back to the pool. */
+  private pooledPointer(block: PoolBlock<Lease>, bytes: bigint): MemoryPointer {
     this.counters.pooled++;
-    const taken: PoolBlock<Lease> = block;
-    const finalizer = () => {
-      this.counters.frees++;
-      return this.deallocations.add(() => this.giveBlock(generation, taken), taken.size);
-    };
     this.check();
-    return new MemoryPointer(this.context, taken.chunk.base + taken.offset, bytes, taken.chunk, finalizer);
+    return new MemoryPointer(this.context, block.chunk.base + BigInt(block.offset), bytes, block.chunk, new PooledFree(this, this.generation, block));
+  }
+
+  /** Called by PooledFree when a pooled pointer is freed. */
+  freeBlock(generation: number, block: PoolBlock<Lease>): Promise<void> {
+    this.counters.frees++;
+    return this.deallocations.add(() => this.giveBlock(generation, block), block.size);
   }
 
   /** A new allocation of the daemon's, mapped here: one Allocate round trip. */
@@ -322,5 +346,18 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
 
   private check(): void {
     if (this.context.checks) for (const chunk of this.pool.chunks) chunk.check();
+  }
+}
+
+/** A pooled pointer's finalizer: one object, not two closures, per allocation. */
+class PooledFree {
+  constructor(
+    private readonly manager: VmmdMemoryManager,
+    private readonly generation: number,
+    private readonly block: PoolBlock<Lease>,
+  ) {}
+
+  run(): Promise<void> {
+    return this.manager.freeBlock(this.generation, this.block);
   }
 }
