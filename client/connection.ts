@@ -25,6 +25,9 @@ import type { VersionInfo__Output } from '../generated/vmmd/v1/VersionInfo';
 import type { VirtualMemoryClient } from '../generated/vmmd/v1/VirtualMemory';
 import { CallSettings, Input, unaryCall } from './rpc';
 import { ClientSession } from './session';
+import { DEFAULT_STAGING_BYTES } from './staging';
+import { addon } from '../native';
+import { VmmdError } from './errors';
 import { StoresApi } from './stores';
 import type { StoresClient } from '../generated/vmmd/v1/Stores';
 import { VirtualMemoryApi } from './vmm';
@@ -36,6 +39,11 @@ export interface ConnectOptions {
   deadlineMs?: number;
   /** How long to wait for the daemon's greeting, ms (default 5 s). */
   connectTimeoutMs?: number;
+  /**
+   * Bytes of the staging buffer that large Read/Write calls go through (the
+   * bulk path; two halves, so it should be even). 0 streams everything over gRPC. Default 32 MiB, mapped on first use.
+   */
+  stagingBytes?: number;
 }
 
 export class DevicesApi {
@@ -116,6 +124,7 @@ export class VmmdClient extends EventEmitter {
   /** Ends the session: the daemon reclaims everything it owns. Local mappings stay valid. */
   close(): void {
     this.closing = true;
+    this.vmm.closeStaging();
     this.session.close();
     for (const channel of this.channels) channel.close();
   }
@@ -130,6 +139,14 @@ export class VmmdClient extends EventEmitter {
  * @throws VmmdError UNAVAILABLE DAEMON_UNREACHABLE when no daemon serves the socket directory
  */
 export async function connect(options: ConnectOptions = {}): Promise<VmmdClient> {
+  const stagingBytes = options.stagingBytes ?? DEFAULT_STAGING_BYTES;
+  if (!Number.isSafeInteger(stagingBytes) || stagingBytes < 0 || stagingBytes % (2 * addon.pageSize()) !== 0) {
+    throw new VmmdError(
+      'BAD_STAGING_SIZE',
+      grpc.status.INVALID_ARGUMENT,
+      `stagingBytes ${stagingBytes} must be 0 or a positive multiple of twice the page size (${2 * addon.pageSize()})`,
+    );
+  }
   const socketDir = options.socketDir ?? defaultSocketDir();
   const paths = socketPaths(socketDir);
   const session = await ClientSession.open(paths.session, options.connectTimeoutMs ?? 5_000);
@@ -159,7 +176,7 @@ export async function connect(options: ConnectOptions = {}): Promise<VmmdClient>
     devicesClient.close();
     throw error;
   }
-  const vmm = new VirtualMemoryApi(vmmClient as VirtualMemoryClient, settings, session, backend);
+  const vmm = new VirtualMemoryApi(vmmClient as VirtualMemoryClient, settings, session, backend, stagingBytes);
   const stores = new StoresApi(storesClient as StoresClient, settings, session, backend);
   return new VmmdClient(session, socketDir, backend, devices, vmm, new AdminApi(adminClient, settings), stores, [devicesClient]);
 }

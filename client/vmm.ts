@@ -32,6 +32,7 @@ import { VmmdError } from './errors';
 import { CudaImportedMemory, HostImportedMemory, ImportedMemory, mapFabricHandle } from './local-memory';
 import { CallSettings, collectStream, Input, toWire, unaryCall, writeChunks } from './rpc';
 import type { ClientSession } from './session';
+import { DEFAULT_STAGING_BYTES, STAGED_MIN_BYTES, StagingBuffer } from './staging';
 
 export interface ImportOptions {
   /** Needed for another session's allocation: the key its owner got from share(). */
@@ -59,12 +60,28 @@ function localDevice(daemonIndex: number, uuid: string): number {
 let localDevices: Map<string, number> | undefined;
 
 export class VirtualMemoryApi {
+  // Large reads and writes go through it (undefined: stream everything over gRPC).
+  private readonly staging?: StagingBuffer;
+
   constructor(
     private readonly client: VirtualMemoryClient,
     private readonly settings: CallSettings,
     private readonly session: ClientSession,
     private readonly backend: string,
-  ) {}
+    stagingBytes = DEFAULT_STAGING_BYTES,
+  ) {
+    if (stagingBytes > 0) {
+      this.staging = new StagingBuffer(stagingBytes, {
+        open: async (fd) => {
+          await unaryCall(this.client, this.client.OpenStaging, { transferId: this.session.sendDescriptor(fd) }, this.settings);
+        },
+        read: (address, length, offset) =>
+          unaryCall(this.client, this.client.ReadStaged, { address, length, stagingOffset: offset }, this.settings),
+        write: (address, length, offset) =>
+          unaryCall(this.client, this.client.WriteStaged, { address, length, stagingOffset: offset }, this.settings),
+      });
+    }
+  }
 
   /** @throws VmmdError INVALID_ARGUMENT ZERO_SIZE, NOT_ALIGNED, BAD_ALIGNMENT */
   reserve(request: Input<ReserveRequest>): Promise<Reservation__Output> {
@@ -194,16 +211,44 @@ export class VirtualMemoryApi {
     return this.importTransfer({ transferId, device: options.device ?? 0, size: options.size ?? 0n });
   }
 
-  /** Reads bytes at a mapped address the daemon may read. @throws VmmdError NOT_MAPPED, NO_ACCESS, NOT_FULLY_MAPPED */
+  /**
+   * Reads bytes at a mapped address the daemon may read: through the staging
+   * buffer from STAGED_MIN_BYTES up, else streamed over gRPC.
+   * @throws VmmdError NOT_MAPPED, NO_ACCESS, NOT_FULLY_MAPPED
+   */
   async read(address: bigint | string, length: bigint | number): Promise<Buffer> {
+    if (this.staging !== undefined && Number(length) >= STAGED_MIN_BYTES && !this.session.closed) {
+      return this.staging.read(BigInt(address), Number(length));
+    }
     const call = this.client.Read(toWire({ address, length }) as never, this.settings.metadata(), {
       deadline: Date.now() + this.settings.deadlineMs,
     });
     return collectStream(call as AsyncIterable<ReadResponse__Output>);
   }
 
-  /** Writes bytes at a mapped address the daemon may write. @throws VmmdError NOT_MAPPED, NO_ACCESS, NOT_FULLY_MAPPED */
-  write(address: bigint | string, data: Uint8Array): Promise<WriteResponse__Output> {
+  /**
+   * As read(), into `into` (its whole length): no new buffer, for callers that read repeatedly.
+   * @returns `into`, as a Buffer
+   */
+  async readInto(address: bigint | string, into: Uint8Array): Promise<Buffer> {
+    const target = Buffer.from(into.buffer, into.byteOffset, into.byteLength);
+    if (this.staging !== undefined && into.byteLength >= STAGED_MIN_BYTES && !this.session.closed) {
+      return this.staging.read(BigInt(address), into.byteLength, target);
+    }
+    (await this.read(address, into.byteLength)).copy(target);
+    return target;
+  }
+
+  /**
+   * Writes bytes to a mapped address the daemon may write: through the
+   * staging buffer from STAGED_MIN_BYTES up, else streamed over gRPC.
+   * @throws VmmdError NOT_MAPPED, NO_ACCESS, NOT_FULLY_MAPPED
+   */
+  async write(address: bigint | string, data: Uint8Array): Promise<WriteResponse__Output> {
+    if (this.staging !== undefined && data.byteLength >= STAGED_MIN_BYTES && !this.session.closed) {
+      await this.staging.write(BigInt(address), data);
+      return { bytesWritten: String(data.byteLength) };
+    }
     return new Promise((resolve, reject) => {
       const call = this.client.Write(this.settings.metadata(), { deadline: Date.now() + this.settings.deadlineMs }, (error, response) => {
         if (error) reject(VmmdError.fromServiceError(error));
@@ -211,5 +256,10 @@ export class VirtualMemoryApi {
       });
       writeChunks(call, data, (offset, chunk) => ({ address: offset === 0 ? String(address) : '0', data: chunk }));
     });
+  }
+
+  /** Unmaps the staging buffer here (the session's end unmaps the daemon's side). */
+  closeStaging(): void {
+    this.staging?.close();
   }
 }

@@ -77,7 +77,8 @@ export interface Addon {
   hostMap(address: bigint, size: bigint, fd: number, offset: bigint): void;
   hostUnmap(address: bigint, size: bigint): void;
   hostProtect(address: bigint, size: bigint, access: number): void;
-  hostCopyFromAddress(address: bigint, length: number): Promise<Buffer>;
+  /** Copies out on a worker thread, into a new Buffer or into `into`. */
+  hostCopyFromAddress(address: bigint, length: number, into?: Buffer): Promise<Buffer>;
   hostCopyToAddress(address: bigint, data: Buffer): Promise<void>;
   hostArrayBuffer(address: bigint, size: number): ArrayBuffer;
   hostDetachArrayBuffer(buffer: ArrayBuffer): void;
@@ -116,7 +117,7 @@ export interface Addon {
   cudaAllocationProperties(handle: bigint): { locationType: number; locationId: number; requestedHandleTypes: number };
   cudaRetainHandle(address: bigint): bigint;
   cudaCopyToDevice(device: number, address: bigint, data: Buffer): Promise<void>;
-  cudaCopyFromDevice(device: number, address: bigint, length: bigint): Promise<Buffer>;
+  cudaCopyFromDevice(device: number, address: bigint, length: bigint, into?: Buffer): Promise<Buffer>;
   cudaCanAccessPeer(device: number, peer: number): boolean;
   /** Page-locks client memory; returns its device pointer when mapped, else 0n. */
   cudaHostRegister(device: number, address: bigint, size: bigint, mapped: boolean): bigint;

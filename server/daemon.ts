@@ -22,6 +22,7 @@ import { HandlerDeps } from './services/handler';
 import { VirtualMemoryService } from './services/virtual-memory';
 import { StoresService } from './services/stores';
 import { DEFAULT_SESSION_OPTIONS, SessionManager, SessionOptions } from './sessions';
+import { StagingBuffers } from './staging';
 import { StoreRegistry } from './stores';
 
 // eslint-disable-next-line @typescript-eslint/no-require-imports
@@ -121,6 +122,8 @@ export class Daemon {
     });
     const stores = new StoreRegistry(registry);
     sessions.onReclaim((session) => stores.reclaim(session));
+    const staging = new StagingBuffers();
+    sessions.onReclaim((session) => staging.close(session));
     sessions.listen(paths.session);
 
     // grpc-js's own log goes through pino, at the daemon's level.
@@ -137,7 +140,7 @@ export class Daemon {
     const metrics = new Metrics(registry, () => sessions!, stores);
     const deps: HandlerDeps = { sessions, log, observe: (method, status, code, seconds) => metrics.observe(method, status, code, seconds) };
     new DevicesService(registry).addToServer(server, proto, deps);
-    new VirtualMemoryService(registry, sessions).addToServer(server, proto, deps);
+    new VirtualMemoryService(registry, sessions, staging).addToServer(server, proto, deps);
     new StoresService(registry, stores, sessions).addToServer(server, proto, deps);
     const admin = new AdminService({ registry, sessions, stores, quotas, metrics, version: VERSION });
     admin.addToServer(server, proto, deps);

@@ -625,6 +625,24 @@ export class Registry {
     }
   }
 
+  /**
+   * Reads a range the daemon may read straight into `into` (a staging buffer's
+   * bytes), in the reservation's queue: the bulk path, with no Buffer in between.
+   */
+  async readInto(caller: bigint, address: bigint, into: Buffer): Promise<void> {
+    const length = BigInt(into.length);
+    const reservation = this.checkIo(caller, address, length, false);
+    await reservation.queue.run(async () => {
+      const segments = this.checkIoInQueue(reservation, address, length, false);
+      await Promise.all(
+        segments.map((segment) => {
+          const start = Number(segment.address - address);
+          return this.backend.readBytes(segment.address, Number(segment.length), segment.device, into.subarray(start, start + Number(segment.length)));
+        }),
+      );
+    });
+  }
+
   /** Writes bytes to a range the daemon may write, in the reservation's queue. */
   async write(caller: bigint, address: bigint, data: Buffer): Promise<void> {
     const reservation = this.checkIo(caller, address, BigInt(data.length), true);

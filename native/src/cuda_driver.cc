@@ -565,7 +565,14 @@ Napi::Value CudaCopyFromDevice(const Napi::CallbackInfo& info) {
   int device = DeviceArg(info, 0);
   uint64_t address = U64Arg(info, 1, "address");
   uint64_t length = U64Arg(info, 2, "length");
-  Napi::Buffer<uint8_t> buffer = Napi::Buffer<uint8_t>::New(env, static_cast<size_t>(length));
+  Napi::Buffer<uint8_t> buffer;
+  if (info.Length() > 3 && !info[3].IsUndefined()) {
+    if (!info[3].IsBuffer()) ThrowArg(env, "into must be a Buffer");
+    buffer = info[3].As<Napi::Buffer<uint8_t>>();
+    if (buffer.Length() < length) ThrowArg(env, "into is shorter than length");
+  } else {
+    buffer = Napi::Buffer<uint8_t>::New(env, static_cast<size_t>(length));
+  }
   auto keep = std::make_shared<Napi::Reference<Napi::Buffer<uint8_t>>>(Napi::Persistent(buffer));
   uint8_t* target = buffer.Data();
   return CudaWorker::Queue(

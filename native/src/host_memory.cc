@@ -183,12 +183,19 @@ class CopyWorker : public Napi::AsyncWorker {
   bool resolveWithBuffer_;
 };
 
-// hostCopyFromAddress(address, length) -> Promise<Buffer>
+// hostCopyFromAddress(address, length[, into]) -> Promise<Buffer>: a new Buffer, or `into` (at least length bytes) filled.
 Napi::Value HostCopyFromAddress(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   void* address = AddressArg(info, 0);
   uint64_t length = U64Arg(info, 1, "length");
-  Napi::Buffer<uint8_t> buffer = Napi::Buffer<uint8_t>::New(env, static_cast<size_t>(length));
+  Napi::Buffer<uint8_t> buffer;
+  if (info.Length() > 2 && !info[2].IsUndefined()) {
+    if (!info[2].IsBuffer()) ThrowArg(env, "into must be a Buffer");
+    buffer = info[2].As<Napi::Buffer<uint8_t>>();
+    if (buffer.Length() < length) ThrowArg(env, "into is shorter than length");
+  } else {
+    buffer = Napi::Buffer<uint8_t>::New(env, static_cast<size_t>(length));
+  }
   auto* worker = new CopyWorker(env, buffer.Data(), address, static_cast<size_t>(length),
                                 Napi::Persistent(buffer), true);
   Napi::Promise promise = worker->Promise();

@@ -100,8 +100,8 @@ export interface Backend {
    * @throws an error with code BAD_DESCRIPTOR when the source is not memory of this backend
    */
   importHandle(source: ImportSource, size: bigint): ImportedHandle;
-  /** Copies out of mapped memory, through `device` (which has access to it). */
-  readBytes(address: bigint, length: number, device: number): Promise<Buffer>;
+  /** Copies out of mapped memory, through `device` (which has access to it), into a new Buffer or into `into`. */
+  readBytes(address: bigint, length: number, device: number, into?: Buffer): Promise<Buffer>;
   /** Copies into mapped memory, through `device` (which has write access to it). */
   writeBytes(address: bigint, data: Buffer, device: number): Promise<void>;
   close(): void;

@@ -212,8 +212,8 @@ export class CudaBackend implements Backend {
     return { handle, size, device: location.type === 'DEVICE' ? location.id : 0, location };
   }
 
-  readBytes(address: bigint, length: number, device: number): Promise<Buffer> {
-    return addon.cudaCopyFromDevice(device, address, BigInt(length));
+  readBytes(address: bigint, length: number, device: number, into?: Buffer): Promise<Buffer> {
+    return addon.cudaCopyFromDevice(device, address, BigInt(length), into);
   }
 
   writeBytes(address: bigint, data: Buffer, device: number): Promise<void> {

@@ -148,8 +148,8 @@ export class HostBackend implements Backend {
     }
   }
 
-  readBytes(address: bigint, length: number): Promise<Buffer> {
-    return addon.hostCopyFromAddress(address, length);
+  readBytes(address: bigint, length: number, _device: number, into?: Buffer): Promise<Buffer> {
+    return addon.hostCopyFromAddress(address, length, into);
   }
 
   writeBytes(address: bigint, data: Buffer): Promise<void> {

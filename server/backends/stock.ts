@@ -229,8 +229,8 @@ export class StockedBackend implements Backend {
   importHandle(source: ImportSource, size: bigint): ImportedHandle {
     return this.inner.importHandle(source, size);
   }
-  readBytes(address: bigint, length: number, device: number): Promise<Buffer> {
-    return this.inner.readBytes(address, length, device);
+  readBytes(address: bigint, length: number, device: number, into?: Buffer): Promise<Buffer> {
+    return this.inner.readBytes(address, length, device, into);
   }
   writeBytes(address: bigint, data: Buffer, device: number): Promise<void> {
     return this.inner.writeBytes(address, data, device);

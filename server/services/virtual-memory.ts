@@ -34,6 +34,11 @@ import type { HandleKind, ImportSource } from '../backends/backend';
 import { invalidArgument, outOfRange } from '../errors';
 import type { AllocationRecord, Registry, ReservationRecord } from '../registry';
 import type { Session, SessionManager } from '../sessions';
+import type { StagingBuffers } from '../staging';
+import type { OpenStagingRequest__Output } from '../../generated/vmmd/v1/OpenStagingRequest';
+import type { StagingBuffer } from '../../generated/vmmd/v1/StagingBuffer';
+import type { StagedCopy__Output } from '../../generated/vmmd/v1/StagedCopy';
+import type { StagedCopyResponse } from '../../generated/vmmd/v1/StagedCopyResponse';
 import { CallContext, clientStream, HandlerDeps, requireSession, serverStream, unary } from './handler';
 import { accessGrant, DeviceResolver, handleType, location, toWireAccess, toWireHandleType, toWireLocation, u64 } from './wire';
 
@@ -43,6 +48,7 @@ export class VirtualMemoryService {
   constructor(
     private readonly registry: Registry,
     private readonly sessions: SessionManager,
+    private readonly staging: StagingBuffers,
   ) {
     this.resolveDevice = (uuid, field) => registry.deviceByUuid(uuid, field);
   }
@@ -230,6 +236,27 @@ export class VirtualMemoryService {
     return { bytesWritten: String(written) };
   }
 
+  async openStaging(request: OpenStagingRequest__Output, context: CallContext): Promise<StagingBuffer> {
+    const session = requireSession(context, 'OpenStaging');
+    if (u64(request.transferId) === 0n) throw invalidArgument('BAD_TRANSFER', 'transfer_id must be set (ids start at 1)');
+    const fd = await this.sessions.takeTransfer(session, String(u64(request.transferId)));
+    return { size: String(await this.staging.open(session.id, fd)) };
+  }
+
+  async readStaged(request: StagedCopy__Output, context: CallContext): Promise<StagedCopyResponse> {
+    const session = requireSession(context, 'ReadStaged');
+    const length = u64(request.length);
+    await this.staging.use(session.id, u64(request.stagingOffset), length, (view) => this.registry.readInto(context.caller, u64(request.address), view));
+    return { bytes: String(length) };
+  }
+
+  async writeStaged(request: StagedCopy__Output, context: CallContext): Promise<StagedCopyResponse> {
+    const session = requireSession(context, 'WriteStaged');
+    const length = u64(request.length);
+    await this.staging.use(session.id, u64(request.stagingOffset), length, (view) => this.registry.write(context.caller, u64(request.address), view));
+    return { bytes: String(length) };
+  }
+
   addToServer(server: grpc.Server, proto: VmmdProto, deps: HandlerDeps): void {
     server.addService(proto.vmmd.v1.VirtualMemory.service, {
       Reserve: unary(deps, 'Reserve', (r: ReserveRequest__Output, c) => this.reserve(r, c)),
@@ -247,6 +274,9 @@ export class VirtualMemoryService {
       GetProperties: unary(deps, 'GetProperties', (r: GetPropertiesRequest__Output) => this.getProperties(r)),
       RetainHandle: unary(deps, 'RetainHandle', (r: RetainHandleRequest__Output, c) => this.retainHandle(r, c)),
       Read: serverStream(deps, 'Read', (r: ReadRequest__Output, c) => this.read(r, c)),
+      OpenStaging: unary(deps, 'OpenStaging', (r: OpenStagingRequest__Output, c) => this.openStaging(r, c)),
+      ReadStaged: unary(deps, 'ReadStaged', (r: StagedCopy__Output, c) => this.readStaged(r, c)),
+      WriteStaged: unary(deps, 'WriteStaged', (r: StagedCopy__Output, c) => this.writeStaged(r, c)),
       Write: clientStream(deps, 'Write', (requests: AsyncIterable<WriteRequest__Output>, c) => this.write(requests, c)),
     });
   }

@@ -112,9 +112,9 @@ export class RecordingBackend implements Backend {
     return imported;
   }
 
-  readBytes(address: bigint, length: number, device: number) {
+  readBytes(address: bigint, length: number, device: number, into?: Buffer) {
     this.calls.push('read');
-    return this.inner.readBytes(address, length, device);
+    return this.inner.readBytes(address, length, device, into);
   }
 
   writeBytes(address: bigint, data: Buffer, device: number) {

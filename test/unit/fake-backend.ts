@@ -191,9 +191,12 @@ export class FakeBackend implements Backend {
     return pieces;
   }
 
-  async readBytes(address: bigint, length: number, _device = 0): Promise<Buffer> {
+  async readBytes(address: bigint, length: number, _device = 0, into?: Buffer): Promise<Buffer> {
     this.calls.push('read');
-    return Buffer.concat(this.bytesAt(address, length, 1).map((p) => p.buffer.subarray(p.start, p.start + p.count)));
+    const bytes = Buffer.concat(this.bytesAt(address, length, 1).map((p) => p.buffer.subarray(p.start, p.start + p.count)));
+    if (into === undefined) return bytes;
+    bytes.copy(into);
+    return into;
   }
 
   async writeBytes(address: bigint, data: Buffer, _device = 0): Promise<void> {

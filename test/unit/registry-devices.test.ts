@@ -4,9 +4,9 @@ import { FakeBackend, GRANULARITY } from './fake-backend';
 
 class DeviceSpy extends FakeBackend {
   readonly copies: string[] = [];
-  override async readBytes(address: bigint, length: number, device: number): Promise<Buffer> {
+  override async readBytes(address: bigint, length: number, device: number, into?: Buffer): Promise<Buffer> {
     this.copies.push(`read ${length} via ${device}`);
-    return super.readBytes(address, length);
+    return super.readBytes(address, length, device, into);
   }
   override async writeBytes(address: bigint, data: Buffer, device: number): Promise<void> {
     this.copies.push(`write ${data.length} via ${device}`);

@@ -1,0 +1,117 @@
+/**
+ * The client's staging buffer: a memfd mapped here and, once sent on the
+ * session socket (OpenStaging), in the daemon too. Large reads and writes go
+ * through it in two halves, so that copying one half here overlaps the
+ * daemon's copy of the other; only offsets travel over gRPC. One staged
+ * transfer at a time per session (they share the buffer).
+ */
+import { addon, HOST_ACCESS } from '../native';
+
+/** Reads and writes from this size up take the staging buffer; smaller ones stream over gRPC. */
+export const STAGED_MIN_BYTES = 256 * 1024;
+/** The default staging buffer: two halves of 16 MiB (mapped on first use only). */
+export const DEFAULT_STAGING_BYTES = 32 << 20;
+
+export interface StagedCalls {
+  /** Sends the memfd on the session socket and names it in OpenStaging. */
+  open(fd: number): Promise<void>;
+  /** Mapped memory at `address` → staging at `offset`. */
+  read(address: bigint, length: number, offset: number): Promise<unknown>;
+  /** Staging at `offset` → mapped memory at `address`. */
+  write(address: bigint, length: number, offset: number): Promise<unknown>;
+}
+
+export class StagingBuffer {
+  private bytes?: Buffer;
+  private address = 0n;
+  private opening?: Promise<void>;
+  // One staged transfer at a time: each waits for the one before.
+  private queue: Promise<unknown> = Promise.resolve();
+
+  constructor(
+    private readonly size: number,
+    private readonly calls: StagedCalls,
+  ) {}
+
+  /** Copies `length` bytes at `address` out of the daemon's memory, into `into` when given. */
+  read(address: bigint, length: number, into?: Buffer): Promise<Buffer> {
+    return this.serialized(async () => {
+      const staging = await this.mapped();
+      const half = this.size / 2;
+      const out = into ?? Buffer.allocUnsafe(length);
+      let pending = this.calls.read(address, Math.min(half, length), 0);
+      for (let offset = 0, slot = 0; offset < length; slot = 1 - slot) {
+        const count = Math.min(half, length - offset);
+        await pending;
+        const next = offset + count;
+        if (next < length) pending = this.calls.read(address + BigInt(next), Math.min(half, length - next), (1 - slot) * half);
+        staging.copy(out, offset, slot * half, slot * half + count);
+        offset = next;
+      }
+      return out;
+    });
+  }
+
+  /** Copies `data` into the daemon's memory at `address`. */
+  write(address: bigint, data: Uint8Array): Promise<void> {
+    return this.serialized(async () => {
+      const staging = await this.mapped();
+      const half = this.size / 2;
+      const source = Buffer.from(data.buffer, data.byteOffset, data.byteLength);
+      const inFlight: Array<Promise<unknown> | undefined> = [undefined, undefined];
+      for (let offset = 0, slot = 0; offset < source.length; slot = 1 - slot) {
+        const count = Math.min(half, source.length - offset);
+        // The half is free again once the daemon's copy out of it is done.
+        await inFlight[slot];
+        source.copy(staging, slot * half, offset, offset + count);
+        inFlight[slot] = this.calls.write(address + BigInt(offset), count, slot * half);
+        offset += count;
+      }
+      await Promise.all(inFlight);
+    });
+  }
+
+  /** Unmaps the buffer here (the daemon unmaps its side with the session). */
+  close(): void {
+    if (this.bytes === undefined) return;
+    addon.hostDetachArrayBuffer(this.bytes.buffer as ArrayBuffer);
+    addon.hostUnmap(this.address, BigInt(this.size));
+    addon.hostFreeAddress(this.address, BigInt(this.size));
+    this.bytes = undefined;
+    this.opening = undefined;
+  }
+
+  private serialized<T>(body: () => Promise<T>): Promise<T> {
+    const run = this.queue.then(body, body);
+    this.queue = run.catch(() => undefined);
+    return run;
+  }
+
+  /** Creates, maps and opens the buffer on first use. */
+  private async mapped(): Promise<Buffer> {
+    this.opening ??= (async () => {
+      const size = BigInt(this.size);
+      const fd = addon.hostMemfdCreate('vmmd:staging', size);
+      let address = 0n;
+      try {
+        address = addon.hostReserve(size, BigInt(addon.pageSize()), 0n);
+        addon.hostMap(address, size, fd, 0n);
+        addon.hostProtect(address, size, HOST_ACCESS.READWRITE);
+        await this.calls.open(fd);
+      } catch (error) {
+        if (address !== 0n) {
+          addon.hostUnmap(address, size);
+          addon.hostFreeAddress(address, size);
+        }
+        this.opening = undefined;
+        throw error;
+      } finally {
+        addon.close(fd);
+      }
+      this.address = address;
+      this.bytes = Buffer.from(addon.hostArrayBuffer(address, this.size));
+    })();
+    await this.opening;
+    return this.bytes!;
+  }
+}

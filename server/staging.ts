@@ -1,0 +1,96 @@
+/**
+ * Staging buffers: the bulk path of Read and Write. A session sends a memfd
+ * of its own on the session socket; the daemon maps it, and ReadStaged /
+ * WriteStaged copy between mapped memory and it on worker threads, so that
+ * bytes never cross gRPC (whose HTTP/2 framing in JavaScript tops out near
+ * 0.3 GB/s, bench/grpc-stream-floor.js). One buffer per session; it goes
+ * with the session.
+ */
+import { addon, HOST_ACCESS } from '../native';
+import { failedPrecondition, invalidArgument, outOfRange, RpcError } from './errors';
+
+/** The largest staging buffer a session may open. */
+export const MAX_STAGING_BYTES = 1n << 30n;
+
+interface Staging {
+  fd: number;
+  address: bigint;
+  size: bigint;
+  buffer: ArrayBuffer;
+  // Invariant: copies in flight; the mapping is released only when none is.
+  busy: number;
+  closing?: () => void;
+}
+
+export class StagingBuffers {
+  // Invariant: one mapped staging buffer per session id.
+  private readonly bySession = new Map<bigint, Staging>();
+
+  /**
+   * Maps `fd` (taken over: closed on failure too) as the session's staging buffer, replacing any earlier one.
+   * @throws INVALID_ARGUMENT BAD_DESCRIPTOR (not a memfd, empty, not page-sized, larger than MAX_STAGING_BYTES)
+   */
+  async open(session: bigint, fd: number): Promise<bigint> {
+    let address = 0n;
+    let size = 0n;
+    try {
+      const info = addon.hostFdInfo(fd);
+      size = info.size;
+      const page = BigInt(addon.pageSize());
+      if (!info.memfd) throw invalidArgument('BAD_DESCRIPTOR', 'a staging buffer must be a memfd');
+      if (size === 0n || size % page !== 0n || size > MAX_STAGING_BYTES) {
+        throw invalidArgument('BAD_DESCRIPTOR', `a staging buffer's size ${size} must be a positive multiple of ${page} bytes, at most ${MAX_STAGING_BYTES}`);
+      }
+      if (info.readOnlySealed) throw invalidArgument('BAD_DESCRIPTOR', 'a staging buffer must be writable (this memfd is sealed read-only)');
+      address = addon.hostReserve(size, page, 0n);
+      addon.hostMap(address, size, fd, 0n);
+      addon.hostProtect(address, size, HOST_ACCESS.READWRITE);
+    } catch (error) {
+      if (address !== 0n) addon.hostFreeAddress(address, size);
+      addon.close(fd);
+      if (error instanceof RpcError) throw error;
+      throw invalidArgument('BAD_DESCRIPTOR', `the staging descriptor cannot be mapped: ${(error as Error).message}`);
+    }
+    await this.close(session);
+    this.bySession.set(session, { fd, address, size, buffer: addon.hostArrayBuffer(address, Number(size)), busy: 0 });
+    return size;
+  }
+
+  /**
+   * Runs `copy` on [offset, +length) of the session's staging buffer, as a Buffer view.
+   * @throws FAILED_PRECONDITION NO_STAGING; OUT_OF_RANGE BEYOND_STAGING; INVALID_ARGUMENT ZERO_SIZE
+   */
+  async use<T>(session: bigint, offset: bigint, length: bigint, copy: (view: Buffer) => Promise<T>): Promise<T> {
+    const staging = this.bySession.get(session);
+    if (staging === undefined) {
+      throw failedPrecondition('NO_STAGING', 'this session has no staging buffer: call OpenStaging first');
+    }
+    if (length === 0n) throw invalidArgument('ZERO_SIZE', 'a staged copy needs a length greater than 0');
+    if (offset + length > staging.size) {
+      throw outOfRange('BEYOND_STAGING', `[${offset}, +${length}) is outside the staging buffer of ${staging.size} bytes`);
+    }
+    staging.busy++;
+    try {
+      return await copy(Buffer.from(staging.buffer, Number(offset), Number(length)));
+    } finally {
+      staging.busy--;
+      if (staging.busy === 0) staging.closing?.();
+    }
+  }
+
+  /** Unmaps the session's staging buffer once no copy uses it. */
+  async close(session: bigint): Promise<void> {
+    const staging = this.bySession.get(session);
+    if (staging === undefined) return;
+    this.bySession.delete(session);
+    if (staging.busy > 0) await new Promise<void>((resolve) => (staging.closing = resolve));
+    addon.hostDetachArrayBuffer(staging.buffer);
+    addon.hostUnmap(staging.address, staging.size);
+    addon.hostFreeAddress(staging.address, staging.size);
+    addon.close(staging.fd);
+  }
+
+  get count(): number {
+    return this.bySession.size;
+  }
+}
