@@ -69,10 +69,12 @@ export class StockedBackend implements Backend {
   private closed = false;
   private readonly counters = { hits: 0, misses: 0, created: 0, refillFailures: 0 };
 
+  /** @param closeDescriptor closes a descriptor the stock exported (tests give fakes their own) */
   constructor(
     private readonly inner: Backend,
     levels: StockLevel[],
     private readonly log: Logger,
+    private readonly closeDescriptor: (fd: number) => void = (fd) => addon.close(fd),
   ) {
     for (const device of inner.devices()) {
       for (const level of levels) {
@@ -131,7 +133,7 @@ export class StockedBackend implements Backend {
     const fd = this.ready.get(handle);
     if (fd !== undefined) {
       this.ready.delete(handle);
-      addon.close(fd);
+      this.closeDescriptor(fd);
     }
     return this.inner.release(handle, size, imported);
   }
@@ -139,7 +141,7 @@ export class StockedBackend implements Backend {
   close(): void {
     this.closed = true;
     for (const device of this.inner.devices()) this.empty(device.index);
-    for (const fd of this.ready.values()) addon.close(fd);
+    for (const fd of this.ready.values()) this.closeDescriptor(fd);
     this.ready.clear();
     this.inner.close();
   }
@@ -153,7 +155,7 @@ export class StockedBackend implements Backend {
   }
 
   private discard(shelf: Shelf, item: Item): void {
-    addon.close(item.fd);
+    this.closeDescriptor(item.fd);
     this.inner.release(item.handle, shelf.size, false).catch((error) => this.log.error({ err: error }, 'stock: releasing stocked memory failed'));
   }
 

@@ -1,0 +1,127 @@
+/** The stock of allocations created and exported ahead (server/backends/stock.ts), over the fake backend. */
+import pino from 'pino';
+import { parseStock } from '../../server/config';
+import { StockedBackend } from '../../server/backends/stock';
+import { Registry } from '../../server/registry';
+import { FakeBackend, MiB } from './fake-backend';
+
+const DEVICE = { type: 'DEVICE' as const, id: 0 };
+const quiet = pino({ level: 'silent' });
+
+function stocked(levels = [{ size: 2n * MiB, depth: 2 }], capacity = 64n * MiB) {
+  const fake = new FakeBackend({ capacity });
+  const closed: number[] = [];
+  const stock = new StockedBackend(fake, levels, quiet, (fd) => closed.push(fd));
+  return { fake, stock, closed };
+}
+
+const settle = () => new Promise((resolve) => setTimeout(resolve, 20));
+
+describe('a stock', () => {
+  it('fills its shelves with created and exported allocations', async () => {
+    const { fake, stock } = stocked([{ size: 2n * MiB, depth: 3 }, { size: 8n * MiB, depth: 1 }]);
+    await stock.fill();
+    expect(stock.stats().levels).toEqual([
+      { device: 0, size: String(2n * MiB), depth: 3, held: 3 },
+      { device: 0, size: String(8n * MiB), depth: 1, held: 1 },
+    ]);
+    expect(fake.calls.filter((call) => call === 'create')).toHaveLength(4);
+    expect(fake.calls.filter((call) => call === 'export')).toHaveLength(4);
+  });
+
+  it('skips sizes that are not a multiple of the granularity', () => {
+    const { stock } = stocked([{ size: 3n * MiB, depth: 2 }]);
+    expect(stock.stats().levels).toEqual([]);
+  });
+
+  it('hands out a stocked handle whose first export is the ready descriptor, then refills', async () => {
+    const { fake, stock } = stocked();
+    await stock.fill();
+    fake.calls.length = 0;
+    const handle = stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
+    expect(fake.calls).toEqual([]);
+    expect(await stock.exportHandle(handle)).toBe(1000 + Number(handle));
+    expect(fake.calls).toEqual([]);
+    // A second export is a new one.
+    await stock.exportHandle(handle);
+    expect(fake.calls).toEqual(['export']);
+    await settle();
+    expect(stock.stats()).toMatchObject({ hits: 1, misses: 0, levels: [{ held: 2 }] });
+  });
+
+  it('creates on the spot when the shelf is empty, or for sizes, locations and handle types it does not stock', async () => {
+    const { fake, stock } = stocked([{ size: 2n * MiB, depth: 1 }]);
+    await stock.fill();
+    stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
+    fake.calls.length = 0;
+    stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
+    stock.create(0, DEVICE, 4n * MiB, ['POSIX_FD']);
+    stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD', 'FABRIC']);
+    stock.create(0, { type: 'HOST_NUMA', id: 0 }, 2n * MiB, ['POSIX_FD']);
+    expect(fake.calls.filter((call) => call === 'create')).toHaveLength(4);
+    expect(stock.stats().misses).toBe(1);
+  });
+
+  it("closes a handed-out handle's ready descriptor when it is released unexported", async () => {
+    const { stock, closed } = stocked();
+    await stock.fill();
+    const handle = stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
+    await stock.release(handle, 2n * MiB, false);
+    expect(closed).toEqual([1000 + Number(handle)]);
+  });
+
+  it('stops refilling below its headroom, and empties the device when a Create runs out of memory', async () => {
+    const { fake, stock } = stocked([{ size: 2n * MiB, depth: 4 }], 12n * MiB);
+    await stock.fill();
+    // 12 MiB: after three, 6 MiB are free, less than four sizes (8 MiB): the refill stops.
+    expect(stock.stats().levels[0].held).toBe(3);
+    expect(() => stock.create(0, DEVICE, 12n * MiB, ['POSIX_FD'])).toThrow(/out of memory/);
+    expect(stock.stats().levels[0].held).toBe(0);
+    await settle();
+    // The stocked memory went back: the same Create now fits.
+    expect(fake.memoryInfo().freeBytes).toBe(12n * MiB);
+    expect(() => stock.create(0, DEVICE, 12n * MiB, ['POSIX_FD'])).not.toThrow();
+  });
+
+  it('gives everything back at close, and refills nothing after', async () => {
+    const { fake, stock, closed } = stocked();
+    await stock.fill();
+    const handle = stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
+    stock.close();
+    await settle();
+    // The one still stocked, and the ready descriptor of the one handed out; the refill it asked for never ran.
+    expect(closed).toHaveLength(2);
+    expect(stock.stats().levels[0].held).toBe(0);
+    await stock.release(handle, 2n * MiB, false);
+    expect(fake.memoryInfo().freeBytes).toBe(64n * MiB);
+  });
+
+  it('is invisible to the registry: stocked memory is no object, and Create and Export keep their rules', async () => {
+    const { stock } = stocked();
+    await stock.fill();
+    const registry = new Registry(stock);
+    expect(registry.stats().allocations).toBe(0);
+    const record = registry.create(5n, { size: 2n * MiB, location: DEVICE, handleType: 'POSIX_FD' });
+    await expect(registry.exportHandle(6n, { allocationId: record.id, handleType: 'POSIX_FD', shareKey: '' })).rejects.toMatchObject({ code: 'NOT_OWNER' });
+    const exported = await registry.exportHandle(5n, { allocationId: record.id, handleType: 'POSIX_FD', shareKey: '' });
+    expect(exported.fd).toBe(1000 + Number(record.handle));
+    expect(() => registry.create(5n, { size: 3n * MiB, location: DEVICE, handleType: 'POSIX_FD' })).toThrow(/not a multiple/);
+  });
+});
+
+describe('--stock', () => {
+  it.each([
+    ['auto', 'auto'],
+    ['none', []],
+    ['2MiB:4', [{ size: 2n * MiB, depth: 4 }]],
+    [' 2MiB:4, 32MiB:1 ', [{ size: 2n * MiB, depth: 4 }, { size: 32n * MiB, depth: 1 }]],
+  ])('%s', (text, expected) => expect(parseStock('--stock', text)).toEqual(expected));
+
+  it.each([
+    ['2MiB', /"2MiB" is not SIZE:DEPTH/],
+    ['2MiB:0', /"0" is not an integer from 1 to 64/],
+    ['2MiB:65', /from 1 to 64/],
+    ['0:2', /must be greater than 0/],
+    ['2XB:1', /"2XB" is not a byte count/],
+  ])('refuses %s', (text, message) => expect(() => parseStock('--stock', text)).toThrow(message));
+});
