@@ -1,6 +1,7 @@
 /**
  * The benchmarks, side by side with their references, in one run:
  *   node dist/bench/run.js [--backend host|cuda] [--quick] [--only id,id] [--json FILE]
+ *                          [--daemon-args 'ARGS'] [--profile DIR (the daemon's CPU profile)]
  * `npm run bench` runs it on the host backend; scripts/gpu-bench.sh runs it
  * with --backend cuda on a GPU host, next to CuPy and Numba (bench/reference/).
  * Prints each section's table and the targets; --json writes everything with
@@ -13,6 +14,7 @@ import { startDaemon } from './lib/daemon';
 import { markdownTable, Section } from './lib/stats';
 import { cold, handoff, pooled } from './sections/allocations';
 import { concurrency } from './sections/concurrency';
+import { rpcCosts } from './sections/rpc-costs';
 import { rpcFloor } from './sections/rpc-floor';
 import { scale } from './sections/scale';
 import { streaming } from './sections/streaming';
@@ -34,7 +36,7 @@ async function main() {
   const jsonFile = option('json');
   const wanted = (id: string) => only === undefined || only.includes(id);
   const started = Date.now();
-  const daemon = await startDaemon(backend);
+  const daemon = await startDaemon(backend, option('daemon-args')?.split(' ').filter(Boolean) ?? [], option('profile'));
   const sections: Section[] = [];
   const run = async (id: string, body: () => Promise<Section>) => {
     if (!wanted(id)) return;
@@ -49,6 +51,7 @@ async function main() {
     await run('rpc-floor', () => rpcFloor(daemon, quick ? 1000 : 3000));
     await run('pooled', () => pooled(daemon.client, quick ? 20_000 : 100_000));
     await run('cold', () => cold(daemon.client, quick ? 100 : 300));
+    await run('rpc-costs', () => rpcCosts(daemon.client, quick ? 200 : 500));
     await run('handoff', () => handoff(daemon.client, quick ? 200 : 1000));
     await run('streaming', () => streaming(daemon.client, 256, quick ? 3 : 5));
     await run('scale', () => scale(daemon, quick ? [100, 10_000] : [100, 10_000, 100_000], quick ? 200 : 300));

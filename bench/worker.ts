@@ -56,10 +56,10 @@ async function main() {
   }
   await coldManager.reset();
   await pooledManager.reset();
-  process.send!({ report }, () => {
-    client.close();
-    process.exit(0);
-  });
+  client.close();
+  // The parent disconnects once it has the report: exiting first could lose it.
+  process.once('disconnect', () => process.exit(0));
+  process.send!({ report });
 }
 
 main().catch((error) => {

@@ -178,13 +178,18 @@ export class VirtualMemoryApi {
    * @throws VmmdError from Create (OUT_OF_MEMORY, NOT_ALIGNED…), TRANSFER_NOT_RECEIVED, NO_CUDA, LOCAL_MAP_FAILED
    */
   async allocate(request: Input<CreateRequest>, options: { hostAccess?: boolean } = {}): Promise<ImportedMemory> {
-    const exported = await unaryCall<CreateRequest, ExportResponse__Output>(this.client, this.client.Allocate, request, this.settings);
+    const exported = await this.allocateRaw(request);
     try {
       return await this.mapExported(exported, false, options.hostAccess ?? false);
     } catch (error) {
       await this.release({ allocationId: exported.allocationId }).catch(() => undefined);
       throw error;
     }
+  }
+
+  /** The raw Allocate call: the descriptor waits on the session socket under the returned transfer id. */
+  allocateRaw(request: Input<CreateRequest>): Promise<ExportResponse__Output> {
+    return unaryCall(this.client, this.client.Allocate, request, this.settings);
   }
 
   /** Claims an exported descriptor from the session socket and maps it here. */

@@ -106,6 +106,8 @@ export interface Addon {
   cudaFreeAddress(address: bigint, size: bigint): void;
   cudaCreate(device: number, locationType: number, locationId: number, size: bigint, handleTypes: number): bigint;
   cudaRelease(device: number, handle: bigint): Promise<void>;
+  /** cuMemCreate and its POSIX-fd export in one job on a driver thread. */
+  cudaCreateExported(device: number, locationType: number, locationId: number, size: bigint, handleTypes: number): Promise<{ handle: bigint; fd: number }>;
   cudaMap(address: bigint, size: bigint, offset: bigint, handle: bigint): void;
   cudaUnmap(device: number, address: bigint, size: bigint): Promise<void>;
   cudaSetAccess(address: bigint, size: bigint, descriptors: Array<{ type: number; id: number; flags: number }>): void;

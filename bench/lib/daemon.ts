@@ -35,11 +35,12 @@ export async function connectWhenReady(socketDir: string, child?: ChildProcess):
   }
 }
 
-export async function startDaemon(backend: string, extraArgs: string[] = []): Promise<BenchDaemon> {
+/** @param profileDir where the daemon writes a V8 CPU profile (--cpu-prof) when it stops */
+export async function startDaemon(backend: string, extraArgs: string[] = [], profileDir?: string): Promise<BenchDaemon> {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-bench-'));
   const child = spawn(
     process.execPath,
-    [path.join(packageRoot, 'bin', 'vmmd.js'), '--backend', backend, '--socket-dir', dir, '--log-level', 'warn', ...extraArgs],
+    [...(profileDir ? ['--cpu-prof', `--cpu-prof-dir=${profileDir}`] : []), path.join(packageRoot, 'bin', 'vmmd.js'), '--backend', backend, '--socket-dir', dir, '--log-level', 'warn', ...extraArgs],
     { stdio: ['ignore', 'inherit', 'inherit'] },
   );
   const client = await connectWhenReady(dir, child);

@@ -130,6 +130,45 @@ function inProcessSteps(backend: string, size: bigint): { run: () => Promise<() 
   };
 }
 
+/** Each driver call of the in-process steps, timed alone (cuda), or each system call (host). */
+async function stepBreakdown(backend: string, size: bigint, count: number): Promise<Row[]> {
+  const steps: Record<string, number[]> = {};
+  const time = async <T>(name: string, body: () => T | Promise<T>): Promise<T> => {
+    const start = performance.now();
+    const value = await body();
+    (steps[name] ??= []).push((performance.now() - start) * 1000);
+    return value;
+  };
+  for (let i = 0; i < count; i++) {
+    if (backend === 'cuda') {
+      const handle = await time('cuMemCreate', () => addon.cudaCreate(0, CU_LOCATION.DEVICE, 0, size, 1));
+      const fd = await time('cuMemExportToShareableHandle (on a driver thread)', () => addon.cudaExportFd(0, handle));
+      const imported = await time('cuMemImportFromShareableHandle', () => addon.cudaImportFd(fd));
+      const address = await time('cuMemAddressReserve', () => addon.cudaReserve(size, 0n, 0n));
+      await time('cuMemMap', () => addon.cudaMap(address, size, 0n, imported));
+      await time('cuMemSetAccess', () => addon.cudaSetAccess(address, size, [{ type: CU_LOCATION.DEVICE, id: 0, flags: 3 }]));
+      await time('cuMemUnmap (on a driver thread)', () => addon.cudaUnmap(0, address, size));
+      await time('cuMemAddressFree', () => addon.cudaFreeAddress(address, size));
+      await time('cuMemRelease (on a driver thread)', () => addon.cudaRelease(0, imported));
+      await addon.cudaRelease(0, handle);
+      addon.close(fd);
+    } else {
+      const fd = await time('memfd_create + ftruncate', () => addon.hostMemfdCreate('bench', size));
+      const exported = await time('dup (export)', () => addon.dup(fd));
+      const address = await time('mmap PROT_NONE (reserve)', () => addon.hostReserve(size, 2n * MiB, 0n));
+      await time('mmap MAP_FIXED (map)', () => addon.hostMap(address, size, exported, 0n));
+      await time('mprotect (set access)', () => addon.hostProtect(address, size, HOST_ACCESS.READWRITE));
+      await time('munmap + free', () => {
+        addon.hostUnmap(address, size);
+        addon.hostFreeAddress(address, size);
+      });
+      addon.close(exported);
+      addon.close(fd);
+    }
+  }
+  return Object.entries(steps).map(([name, samples]) => ({ path: `  step: ${name}`, size: sizeName(size), ...summarize(samples), p50_vs_in_process: null }));
+}
+
 export async function cold(client: VmmdClient, iterations: number): Promise<Section> {
   const emm = await manager(client, true);
   const rows: Row[] = [];
@@ -146,6 +185,7 @@ export async function cold(client: VmmdClient, iterations: number): Promise<Sect
       rows.push({ path: 'cuMemAlloc in one process', size: sizeName(size), ...memAlloc, p50_vs_in_process: ratio(memAlloc.p50_us, local.p50_us) });
     }
     if (size === 2n * MiB) {
+      rows.push(...(await stepBreakdown(client.backend, size, count)));
       targets.push({
         target: 'cold 2 MiB memalloc across processes, p50 < 400 µs (GPU host)',
         measured: `${daemon.p50_us} µs (${client.backend})`,

@@ -385,6 +385,38 @@ Napi::Value CudaCreate(const Napi::CallbackInfo& info) {
   return Big(env, handle);
 }
 
+// cudaCreateExported(device, locationType, locationId, size, handleTypes) -> Promise<{ handle, fd }>:
+// cuMemCreate and its POSIX-fd export in one job on a driver thread (the stock's refill, off the event loop).
+// On a failed export the new handle is released before the promise rejects.
+Napi::Value CudaCreateExported(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  int device = DeviceArg(info, 0);
+  cu::MemAllocationProp prop = Prop(info[1].As<Napi::Number>().Int32Value(), info[2].As<Napi::Number>().Int32Value(),
+                                    info[4].As<Napi::Number>().Int32Value());
+  uint64_t size = U64Arg(info, 3, "size");
+  struct Made {
+    cu::GenericHandle handle = 0;
+    int fd = -1;
+  };
+  auto made = std::make_shared<Made>();
+  return CudaWorker::Queue(
+      env, device, Sized("cuMemCreate+cuMemExportToShareableHandle", size),
+      [prop, size, made] {
+        cu::Result result = driver.api.cuMemCreate(&made->handle, size, &prop, 0);
+        if (result != cu::SUCCESS) return result;
+        result = driver.api.cuMemExportToShareableHandle(&made->fd, made->handle, cu::HANDLE_POSIX_FD, 0);
+        if (result != cu::SUCCESS) driver.api.cuMemRelease(made->handle);
+        return result;
+      },
+      [made](Napi::Env env) {
+        Napi::Object out = Napi::Object::New(env);
+        out.Set("handle", Big(env, made->handle));
+        out.Set("fd", Napi::Number::New(env, made->fd));
+        return Napi::Value(out);
+      });
+}
+
 // cudaRelease(device, handle) -> Promise<void>
 Napi::Value CudaRelease(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
@@ -654,6 +686,7 @@ void InitCudaDriver(Napi::Env env, Napi::Object exports) {
   exports.Set("cudaCanAccessPeer", Napi::Function::New(env, CudaCanAccessPeer, "cudaCanAccessPeer"));
   exports.Set("cudaHostRegister", Napi::Function::New(env, CudaHostRegister, "cudaHostRegister"));
   exports.Set("cudaHostUnregister", Napi::Function::New(env, CudaHostUnregister, "cudaHostUnregister"));
+  exports.Set("cudaCreateExported", Napi::Function::New(env, CudaCreateExported, "cudaCreateExported"));
   exports.Set("cudaMemAlloc", Napi::Function::New(env, CudaMemAlloc, "cudaMemAlloc"));
   exports.Set("cudaMemFree", Napi::Function::New(env, CudaMemFree, "cudaMemFree"));
 }

@@ -72,6 +72,11 @@ export interface Backend {
   freeAddress(address: bigint, size: bigint): void;
   /** @throws an error with code OUT_OF_MEMORY or CUDA_ERROR_OUT_OF_MEMORY */
   create(device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): BackendHandle;
+  /**
+   * create() and exportHandle() together, off the event loop where the
+   * backend can (cuda: one job on a driver thread). What the stock refills with.
+   */
+  createExported(device: number, location: MemLocation, size: bigint): Promise<{ handle: BackendHandle; fd: number }>;
   /** Frees the handle's last reference (the memory goes once unmapped everywhere). */
   release(handle: BackendHandle, size: bigint, imported: boolean): Promise<void>;
   /**

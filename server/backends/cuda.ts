@@ -143,6 +143,10 @@ export class CudaBackend implements Backend {
     }
   }
 
+  async createExported(device: number, location: MemLocation, size: bigint): Promise<{ handle: BackendHandle; fd: number }> {
+    return addon.cudaCreateExported(device, locationType(location), location.id, size, handleBits(['POSIX_FD']));
+  }
+
   release(handle: BackendHandle): Promise<void> {
     const fd = this.importedFds.get(BigInt(handle));
     if (fd !== undefined) {

@@ -84,6 +84,11 @@ export class HostBackend implements Backend {
     return fd;
   }
 
+  async createExported(device: number, location: MemLocation, size: bigint): Promise<{ handle: BackendHandle; fd: number }> {
+    const handle = this.create(device, location, size);
+    return { handle, fd: addon.dup(Number(handle)) };
+  }
+
   async release(handle: BackendHandle, size: bigint, imported: boolean): Promise<void> {
     addon.close(Number(handle));
     if (!imported) this.createdBytes -= size;

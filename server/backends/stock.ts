@@ -47,6 +47,8 @@ interface Shelf {
 
 /** A refill stops when the device has less free than this many times the shelf's size. */
 const REFILL_HEADROOM = 4n;
+/** How long a device's free bytes are trusted before the backend is asked again. */
+const FREE_BYTES_TTL_MS = 100;
 
 export interface StockStats {
   levels: Array<{ device: number; size: string; depth: number; held: number }>;
@@ -67,6 +69,8 @@ export class StockedBackend implements Backend {
   // Invariant: the ready descriptor of every stocked handle handed out and not yet exported nor released.
   private readonly ready = new Map<BackendHandle, number>();
   private closed = false;
+  // The last free bytes asked of each device, and when; refills count down what they take.
+  private readonly free = new Map<number, { bytes: bigint; at: number }>();
   private readonly counters = { hits: 0, misses: 0, created: 0, refillFailures: 0 };
 
   /** @param closeDescriptor closes a descriptor the stock exported (tests give fakes their own) */
@@ -117,7 +121,10 @@ export class StockedBackend implements Backend {
       return this.inner.create(device, location, size, handleTypes);
     } catch (error) {
       // Stocked memory yields to sessions': the next Create finds it free.
-      if (isOutOfMemory(error)) this.empty(device);
+      if (isOutOfMemory(error)) {
+        this.empty(device);
+        this.free.delete(device);
+      }
       throw error;
     }
   }
@@ -164,20 +171,13 @@ export class StockedBackend implements Backend {
     shelf.refilling = true;
     try {
       while (!this.closed && shelf.items.length < shelf.depth) {
-        if (this.inner.memoryInfo(shelf.device).freeBytes < REFILL_HEADROOM * shelf.size) return;
-        const handle = this.inner.create(shelf.device, { type: 'DEVICE', id: shelf.device }, shelf.size, ['POSIX_FD']);
-        let fd: number;
-        try {
-          fd = await this.inner.exportHandle(handle);
-        } catch (error) {
-          await this.inner.release(handle, shelf.size, false);
-          throw error;
-        }
+        if (this.freeBytes(shelf.device) < REFILL_HEADROOM * shelf.size) return;
+        // Created and exported on a driver thread: a refill costs the event loop nothing but this turn.
+        const item = await this.inner.createExported(shelf.device, { type: 'DEVICE', id: shelf.device }, shelf.size);
         this.counters.created++;
-        if (this.closed) this.discard(shelf, { handle, fd });
-        else shelf.items.push({ handle, fd });
-        // One per turn of the event loop: a refill never holds it for long.
-        await new Promise((resolve) => setImmediate(resolve));
+        this.free.set(shelf.device, { bytes: (this.free.get(shelf.device)?.bytes ?? 0n) - shelf.size, at: this.free.get(shelf.device)?.at ?? 0 });
+        if (this.closed) this.discard(shelf, item);
+        else shelf.items.push(item);
       }
     } catch (error) {
       this.counters.refillFailures++;
@@ -187,10 +187,23 @@ export class StockedBackend implements Backend {
     }
   }
 
+  /** The device's free bytes, asked of the backend at most every FREE_BYTES_TTL_MS (cuMemGetInfo is not cheap under load). */
+  private freeBytes(device: number): bigint {
+    const now = performance.now();
+    const known = this.free.get(device);
+    if (known !== undefined && now - known.at < FREE_BYTES_TTL_MS) return known.bytes;
+    const bytes = this.inner.memoryInfo(device).freeBytes;
+    this.free.set(device, { bytes, at: now });
+    return bytes;
+  }
+
   // ---- everything else is the inner backend's ----
 
   devices(): DeviceInfo[] {
     return this.inner.devices();
+  }
+  createExported(device: number, location: MemLocation, size: bigint): Promise<{ handle: BackendHandle; fd: number }> {
+    return this.inner.createExported(device, location, size);
   }
   memoryInfo(device: number): MemoryInfo {
     return this.inner.memoryInfo(device);

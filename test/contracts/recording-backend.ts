@@ -112,6 +112,13 @@ export class RecordingBackend implements Backend {
     return imported;
   }
 
+  async createExported(device: number, location: MemLocation, size: bigint) {
+    this.calls.push('createExported');
+    const made = await this.inner.createExported(device, location, size);
+    this.liveHandles++;
+    return made;
+  }
+
   readBytes(address: bigint, length: number, device: number, into?: Buffer) {
     this.calls.push('read');
     return this.inner.readBytes(address, length, device, into);

@@ -27,7 +27,7 @@ describeGpu('fast paths on the cuda backend', () => {
 
   it('stocks 2 MiB and 32 MiB allocations by default, and Allocate takes them', async () => {
     const report = (await client.admin.getReport()) as { stock: { levels: Array<{ size: string; held: number }>; hits: number } };
-    expect(report.stock.levels.filter((level) => level.size === String(2n * MiB))[0].held).toBe(4);
+    expect(report.stock.levels.filter((level) => level.size === String(2n * MiB))[0].held).toBe(8);
     const memory = await client.vmm.allocate({ size: 2n * MiB });
     const bytes = Buffer.alloc(1 << 20, 0x5c);
     await memory.write(4096, bytes);

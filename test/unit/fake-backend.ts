@@ -127,6 +127,11 @@ export class FakeBackend implements Backend {
     return handle;
   }
 
+  async createExported(device: number, location: MemLocation, size: bigint): Promise<{ handle: BackendHandle; fd: number }> {
+    const handle = this.create(device, location, size);
+    return { handle, fd: await this.exportHandle(handle) };
+  }
+
   async release(handle: BackendHandle): Promise<void> {
     this.calls.push('release');
     const memory = this.memory.get(Number(handle));
