@@ -5,7 +5,7 @@
  */
 import { EventEmitter } from 'node:events';
 import { status as Status } from '@grpc/grpc-js';
-import { decodeMessage, encodeMessage, HelloMessage, PROTOCOL_VERSION, SessionMessage } from '../common/protocol';
+import { AllocatedMessage, AllocateMessage, decodeMessage, encodeMessage, HelloMessage, PROTOCOL_VERSION, SessionMessage } from '../common/protocol';
 import { addon } from '../native';
 import { SeqpacketConnection, SeqpacketMessage } from '../native/seqpacket';
 import { VmmdError } from './errors';
@@ -30,6 +30,12 @@ export class ClientSession extends EventEmitter {
   private readonly received = new Map<string, { fd: number; timer: NodeJS.Timeout }>();
   private readonly waiters = new Map<string, Waiter>();
   private nextTransfer = 1n;
+  // Pings in flight by nonce.
+  private readonly pings = new Map<string, () => void>();
+  private nextPing = 1;
+  // Allocate requests in flight by request id.
+  private readonly requests = new Map<string, { resolve(answer: { message: AllocatedMessage; fd: number }): void; reject(error: Error): void; timer: NodeJS.Timeout }>();
+  private nextRequest = 1n;
 
   private constructor(
     private readonly connection: SeqpacketConnection,
@@ -127,6 +133,46 @@ export class ClientSession extends EventEmitter {
     return transfer;
   }
 
+  /**
+   * Allocate on the session socket: a new allocation of this session and its
+   * descriptor (the caller owns it), in one round trip.
+   * @throws VmmdError as the Allocate RPC (OUT_OF_MEMORY, NOT_ALIGNED…), DEADLINE_EXCEEDED NO_ANSWER, UNAVAILABLE SESSION_LOST
+   */
+  allocate(size: bigint, location?: AllocateMessage['location'], timeoutMs = 30_000): Promise<{ message: AllocatedMessage; fd: number }> {
+    const request = String(this.nextRequest++);
+    return new Promise((resolve, reject) => {
+      const timer = setTimeout(() => {
+        this.requests.delete(request);
+        reject(new VmmdError('NO_ANSWER', Status.DEADLINE_EXCEEDED, `the daemon did not answer allocate request ${request} within ${timeoutMs} ms`));
+      }, timeoutMs);
+      this.requests.set(request, { resolve, reject, timer });
+      try {
+        this.send({ type: 'allocate', request, size: String(size), ...(location === undefined ? {} : { location }) });
+      } catch (error) {
+        clearTimeout(timer);
+        this.requests.delete(request);
+        reject(error);
+      }
+    });
+  }
+
+  /**
+   * One round trip on the session socket (the daemon answers ping with pong).
+   * @throws VmmdError UNAVAILABLE SESSION_LOST
+   */
+  ping(): Promise<void> {
+    const nonce = String(this.nextPing++);
+    return new Promise((resolve, reject) => {
+      this.pings.set(nonce, resolve);
+      try {
+        this.send({ type: 'ping', nonce });
+      } catch (error) {
+        this.pings.delete(nonce);
+        reject(error);
+      }
+    });
+  }
+
   close(): void {
     this.connection.close();
   }
@@ -164,7 +210,29 @@ export class ClientSession extends EventEmitter {
       this.received.set(message.transfer, { fd: raw.fd, timer });
       return;
     }
+    if (typeof message !== 'string' && (message.type === 'allocated' || (message.type === 'error' && message.request !== undefined))) {
+      const pending = this.requests.get(message.request!);
+      if (pending !== undefined) {
+        clearTimeout(pending.timer);
+        this.requests.delete(message.request!);
+        if (message.type === 'allocated' && raw.fd >= 0) {
+          pending.resolve({ message, fd: raw.fd });
+          return;
+        }
+        pending.reject(
+          message.type === 'error'
+            ? new VmmdError(message.code, (message.status ?? Status.UNKNOWN) as Status, message.message)
+            : new VmmdError('NO_DESCRIPTOR', Status.INTERNAL, `the daemon's answer to allocate request ${message.request} carried no descriptor`),
+        );
+      }
+    }
     if (raw.fd >= 0) addon.close(raw.fd);
+    if (typeof message !== 'string' && message.type === 'pong' && message.nonce !== undefined) {
+      const resolve = this.pings.get(message.nonce);
+      this.pings.delete(message.nonce);
+      resolve?.();
+      return;
+    }
     if (typeof message !== 'string' && message.type === 'error') this.emit('daemon-error', message);
   }
 
@@ -174,6 +242,12 @@ export class ClientSession extends EventEmitter {
       waiter.reject(this.lost());
     }
     this.waiters.clear();
+    this.pings.clear();
+    for (const pending of this.requests.values()) {
+      clearTimeout(pending.timer);
+      pending.reject(this.lost());
+    }
+    this.requests.clear();
     for (const pending of this.received.values()) {
       clearTimeout(pending.timer);
       addon.close(pending.fd);

@@ -32,6 +32,7 @@ import { VmmdError } from './errors';
 import { CudaImportedMemory, HostImportedMemory, ImportedMemory, mapFabricHandle } from './local-memory';
 import { CallSettings, collectStream, Input, toWire, unaryCall, writeChunks } from './rpc';
 import type { ClientSession } from './session';
+import type { AllocateMessage } from '../common/protocol';
 import { DEFAULT_STAGING_BYTES, STAGED_MIN_BYTES, StagingBuffer } from './staging';
 
 export interface ImportOptions {
@@ -58,6 +59,27 @@ function localDevice(daemonIndex: number, uuid: string): number {
 }
 
 let localDevices: Map<string, number> | undefined;
+
+/** What mapping an exported allocation needs to know of it. */
+type Exported = Pick<ExportResponse__Output, 'allocationId' | 'size' | 'granularity' | 'device' | 'deviceUuid'> & {
+  location?: { type: string; id: number } | null;
+};
+
+/**
+ * A CreateRequest's location as the session socket's allocate message names
+ * it; null when the message cannot (a location by UUID, HOST, or anything
+ * unusual), and the RPC takes the request.
+ */
+function sessionLocation(location: Input<CreateRequest>['location']): AllocateMessage['location'] | null {
+  if (location === undefined || location === null) return undefined;
+  const wire = location as { type?: unknown; id?: unknown; deviceUuid?: unknown };
+  if (wire.deviceUuid !== undefined && wire.deviceUuid !== '') return null;
+  const id = wire.id === undefined ? 0 : Number(wire.id);
+  if (!Number.isInteger(id) || id < 0) return null;
+  if (wire.type === 'LOCATION_TYPE_DEVICE' || wire.type === undefined) return { type: 'DEVICE', id };
+  if (wire.type === 'LOCATION_TYPE_HOST_NUMA') return { type: 'HOST_NUMA', id };
+  return null;
+}
 
 export class VirtualMemoryApi {
   // Large reads and writes go through it (undefined: stream everything over gRPC).
@@ -178,9 +200,28 @@ export class VirtualMemoryApi {
    * @throws VmmdError from Create (OUT_OF_MEMORY, NOT_ALIGNED…), TRANSFER_NOT_RECEIVED, NO_CUDA, LOCAL_MAP_FAILED
    */
   async allocate(request: Input<CreateRequest>, options: { hostAccess?: boolean } = {}): Promise<ImportedMemory> {
-    const exported = await this.allocateRaw(request);
+    // The session socket when the request fits its message (the default handle type); else the RPC.
+    const location = sessionLocation(request.location);
+    let exported: Exported;
+    let fd: number;
+    if (location !== null && (request.handleType === undefined || request.handleType === 'HANDLE_TYPE_POSIX_FD') && request.size !== undefined) {
+      const answer = await this.session.allocate(BigInt(request.size as bigint | string | number), location);
+      fd = answer.fd;
+      exported = {
+        allocationId: answer.message.allocation,
+        size: answer.message.size,
+        granularity: answer.message.granularity,
+        device: answer.message.device,
+        deviceUuid: answer.message.deviceUuid,
+        location: { type: `LOCATION_TYPE_${answer.message.location.type}`, id: answer.message.location.id },
+      };
+    } else {
+      const response = await this.allocateRaw(request);
+      exported = response;
+      fd = await this.session.takeTransfer(response.transferId);
+    }
     try {
-      return await this.mapExported(exported, false, options.hostAccess ?? false);
+      return await this.mapDescriptor(exported, fd, false, options.hostAccess ?? false);
     } catch (error) {
       await this.release({ allocationId: exported.allocationId }).catch(() => undefined);
       throw error;
@@ -194,10 +235,14 @@ export class VirtualMemoryApi {
 
   /** Claims an exported descriptor from the session socket and maps it here. */
   private async mapExported(exported: ExportResponse__Output, readOnly: boolean, hostAccess: boolean): Promise<ImportedMemory> {
+    return this.mapDescriptor(exported, await this.session.takeTransfer(exported.transferId), readOnly, hostAccess);
+  }
+
+  /** Maps a descriptor of an exported allocation here (taking it over). */
+  private async mapDescriptor(exported: Exported, fd: number, readOnly: boolean, hostAccess: boolean): Promise<ImportedMemory> {
     const id = BigInt(exported.allocationId);
     const size = BigInt(exported.size);
     const granularity = BigInt(exported.granularity);
-    const fd = await this.session.takeTransfer(exported.transferId);
     if (this.backend === 'cuda') {
       const hostNuma = hostAccess && exported.location?.type === 'LOCATION_TYPE_HOST_NUMA' ? exported.location.id : undefined;
       const device = localDevice(exported.device, exported.deviceUuid);

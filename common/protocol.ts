@@ -30,12 +30,41 @@ export interface TransferMessage {
   size?: string;
 }
 
-/** Daemon → client: a message the daemon could not accept. */
+/** Daemon → client: a message the daemon could not accept, or a request it refused. */
 export interface ErrorMessage {
   type: 'error';
   code: string;
   message: string;
   transfer?: string;
+  /** The refused request's id (allocate). */
+  request?: string;
+  /** The gRPC status the same refusal has over gRPC. */
+  status?: number;
+}
+
+/**
+ * Client → daemon: the Allocate RPC on the session socket (the cold path's
+ * fast lane: one SEQPACKET round trip, and the descriptor comes with the answer).
+ */
+export interface AllocateMessage {
+  type: 'allocate';
+  /** The client's id for the request, echoed in the answer (a decimal uint64 string above 0). */
+  request: string;
+  size: string;
+  /** Default: device 0. */
+  location?: { type: 'DEVICE' | 'HOST_NUMA'; id: number };
+}
+
+/** Daemon → client: the allocation made for `request`; its descriptor is attached. */
+export interface AllocatedMessage {
+  type: 'allocated';
+  request: string;
+  allocation: string;
+  size: string;
+  device: number;
+  deviceUuid: string;
+  granularity: string;
+  location: { type: 'DEVICE' | 'HOST' | 'HOST_NUMA'; id: number };
 }
 
 export interface PingMessage {
@@ -48,7 +77,16 @@ export interface PongMessage {
   nonce?: string;
 }
 
-export type SessionMessage = HelloMessage | TransferMessage | ErrorMessage | PingMessage | PongMessage;
+export type SessionMessage =
+  | HelloMessage
+  | TransferMessage
+  | ErrorMessage
+  | PingMessage
+  | PongMessage
+  | AllocateMessage
+  | AllocatedMessage;
+
+const DECIMAL_U64 = /^(0|[1-9][0-9]{0,19})$/;
 
 /** Transfer ids are decimal uint64 strings, 1 or more, without leading zeros. */
 export const TRANSFER_ID_PATTERN = /^[1-9][0-9]{0,19}$/;
@@ -76,7 +114,24 @@ export function decodeMessage(data: Buffer): SessionMessage | string {
     case 'error':
     case 'ping':
     case 'pong':
+    case 'allocated':
       return value as SessionMessage;
+    case 'allocate': {
+      const { request, size, location } = value as { request?: unknown; size?: unknown; location?: unknown };
+      if (typeof request !== 'string' || !TRANSFER_ID_PATTERN.test(request) || BigInt(request) >= 1n << 64n) {
+        return `allocate: request ${JSON.stringify(request)?.slice(0, 64)} is not a decimal uint64 string above 0`;
+      }
+      if (typeof size !== 'string' || !DECIMAL_U64.test(size) || BigInt(size) >= 1n << 64n) {
+        return `allocate: size ${JSON.stringify(size)?.slice(0, 64)} is not a decimal uint64 string`;
+      }
+      if (location !== undefined) {
+        const { type: kind, id } = (location ?? {}) as { type?: unknown; id?: unknown };
+        if (typeof location !== 'object' || location === null || (kind !== 'DEVICE' && kind !== 'HOST_NUMA') || !Number.isInteger(id) || (id as number) < 0 || (id as number) > 0x7fffffff) {
+          return 'allocate: location must be {"type": "DEVICE" or "HOST_NUMA", "id": an integer from 0}';
+        }
+      }
+      return value as AllocateMessage;
+    }
     case 'transfer': {
       const transfer = (value as { transfer?: unknown }).transfer;
       if (typeof transfer !== 'string' || !TRANSFER_ID_PATTERN.test(transfer) || BigInt(transfer) >= 1n << 64n) {

@@ -8,6 +8,8 @@ import { randomBytes } from 'node:crypto';
 import { EventEmitter } from 'node:events';
 import type { Logger } from 'pino';
 import {
+  AllocatedMessage,
+  AllocateMessage,
   decodeMessage,
   encodeMessage,
   PROTOCOL_VERSION,
@@ -15,7 +17,8 @@ import {
 } from '../common/protocol';
 import { addon, Credentials } from '../native';
 import { SeqpacketConnection, SeqpacketListener, SeqpacketMessage } from '../native/seqpacket';
-import { deadlineExceeded, failedPrecondition, unauthenticated, unavailable } from './errors';
+import { status as Status } from '@grpc/grpc-js';
+import { deadlineExceeded, ERROR_CODE_KEY, failedPrecondition, toServiceError, unauthenticated, unavailable } from './errors';
 import type { Registry } from './registry';
 
 export interface SessionOptions {
@@ -111,6 +114,14 @@ export class SessionManager extends EventEmitter {
   private readonly byToken = new Map<string, Session>();
   private readonly sessions = new Map<bigint, Session>();
   private readonly reclaims = new Set<Promise<void>>();
+
+  // Answers requests that arrive on session sockets (allocate): set by the service that owns the rule.
+  private allocateHandler?: (session: Session, message: AllocateMessage) => Promise<{ reply: AllocatedMessage; fd: number }>;
+
+  /** Who answers `allocate` messages (the VirtualMemory service, with Allocate's rules). */
+  answerAllocate(handler: (session: Session, message: AllocateMessage) => Promise<{ reply: AllocatedMessage; fd: number }>): void {
+    this.allocateHandler = handler;
+  }
 
   /** Runs before the registry reclaims a session's objects (stores drop its opens first). */
   private readonly reclaimers: Array<(session: bigint) => Promise<void>> = [];
@@ -300,6 +311,13 @@ export class SessionManager extends EventEmitter {
       case 'transfer':
         this.onTransfer(session, message.transfer, raw.fd);
         return;
+      case 'allocate':
+        if (raw.fd >= 0) {
+          this.refuse(session, raw.fd, 'UNEXPECTED_DESCRIPTOR', 'only transfer messages may carry a descriptor');
+          return;
+        }
+        void this.onAllocate(session, message);
+        return;
       case 'ping':
         if (raw.fd >= 0) {
           this.refuse(session, raw.fd, 'UNEXPECTED_DESCRIPTOR', 'only transfer messages may carry a descriptor');
@@ -313,6 +331,34 @@ export class SessionManager extends EventEmitter {
         return;
       default:
         this.refuse(session, raw.fd, 'BAD_MESSAGE', `clients may not send "${message.type}" messages`);
+    }
+  }
+
+  /** Answers an allocate request: the allocation with its descriptor, or the refusal as gRPC would give it. */
+  private async onAllocate(session: Session, message: AllocateMessage): Promise<void> {
+    const handler = this.allocateHandler;
+    try {
+      if (handler === undefined) throw unavailable('NOT_SERVING', 'the daemon does not answer allocate requests yet');
+      const { reply, fd } = await session.track(() => handler(session, message));
+      try {
+        session.send(reply, fd);
+      } finally {
+        // The kernel holds its own reference while the descriptor is in flight.
+        addon.close(fd);
+      }
+    } catch (error) {
+      const wire = toServiceError(error);
+      try {
+        session.send({
+          type: 'error',
+          request: message.request,
+          status: wire.code ?? Status.UNKNOWN,
+          code: String(wire.metadata?.get(ERROR_CODE_KEY)[0] ?? 'INTERNAL'),
+          message: wire.details ?? String(error),
+        });
+      } catch {
+        // Not reading its socket: its request times out on its side. The allocation, if made, is the session's and goes with it.
+      }
     }
   }
 

@@ -16,6 +16,13 @@ export async function rpcCosts(client: VmmdClient, iterations: number): Promise<
   const rows: Row[] = [];
   const add = (call: string, samples: number[]) => rows.push({ call, ...summarize(samples) });
   add('GetGranularity', await sample(iterations, () => client.devices.getGranularity()));
+  if (client.backend === 'cuda') {
+    // Does a CUDA context in this (client) process slow its RPCs down? Measured, not assumed.
+    addon.cudaLoad();
+    const pointer = addon.cudaMemAlloc(0, 2n * MiB);
+    addon.cudaMemFree(0, pointer);
+    add('GetGranularity, once this process has a CUDA context', await sample(iterations, () => client.devices.getGranularity()));
+  }
   const times = { reserve: [] as number[], free: [] as number[], create: [] as number[], create4: [] as number[], map: [] as number[], access: [] as number[], unmap: [] as number[], release: [] as number[], exportCall: [] as number[], allocate: [] as number[] };
   const at = () => performance.now() * 1000;
   for (let i = 0; i < iterations + 20; i++) {

@@ -43,12 +43,13 @@ export async function rpcFloor(daemon: BenchDaemon, iterations: number): Promise
   const raw = (client: grpc.Client, name: string) => (client as unknown as Record<string, RawMethod>)[name];
   try {
     // Interleaved rounds, so that drift of the machine hits every row alike.
-    const names = ['echo', 'GetVersion', 'GetGranularity', 'client GetGranularity'] as const;
+    const names = ['echo', 'GetVersion', 'GetGranularity', 'client GetGranularity', 'session ping'] as const;
     const bodies: Record<(typeof names)[number], () => Promise<unknown>> = {
       echo: rawCall(echo, raw(echo, 'Echo'), { payload: Buffer.alloc(0) }, metadata),
       GetVersion: rawCall(admin, raw(admin, 'GetVersion'), {}, metadata),
       GetGranularity: rawCall(devices, raw(devices, 'GetGranularity'), {}, metadata),
       'client GetGranularity': () => daemon.client.devices.getGranularity(),
+      'session ping': () => daemon.client.session.ping(),
     };
     const samples = Object.fromEntries(names.map((name) => [name, [] as number[]])) as Record<(typeof names)[number], number[]>;
     const rounds = 5;
@@ -59,7 +60,14 @@ export async function rpcFloor(daemon: BenchDaemon, iterations: number): Promise
     const rows = names.map((name) => {
       const summary = summarize(samples[name]);
       return {
-        call: name === 'echo' ? 'bare grpc-js echo (reference)' : name.startsWith('client') ? `vmmd client library: ${name.slice(7)}` : `daemon ${name} (raw grpc-js client)`,
+        call:
+          name === 'echo'
+            ? 'bare grpc-js echo (reference)'
+            : name === 'session ping'
+              ? 'session socket ping/pong (SEQPACKET, no gRPC)'
+              : name.startsWith('client')
+                ? `vmmd client library: ${name.slice(7)}`
+                : `daemon ${name} (raw grpc-js client)`,
         ...summary,
         p50_vs_echo: ratio(summary.p50_us, echoSummary.p50_us),
       };

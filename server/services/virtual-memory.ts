@@ -29,6 +29,7 @@ import type { UnmapResponse } from '../../generated/vmmd/v1/UnmapResponse';
 import type { WriteRequest__Output } from '../../generated/vmmd/v1/WriteRequest';
 import type { WriteResponse } from '../../generated/vmmd/v1/WriteResponse';
 import type { VmmdProto } from '../../common/proto';
+import type { AllocatedMessage, AllocateMessage } from '../../common/protocol';
 import { addon } from '../../native';
 import type { HandleKind, ImportSource } from '../backends/backend';
 import { invalidArgument, outOfRange } from '../errors';
@@ -51,6 +52,7 @@ export class VirtualMemoryService {
     private readonly staging: StagingBuffers,
   ) {
     this.resolveDevice = (uuid, field) => registry.deviceByUuid(uuid, field);
+    sessions.answerAllocate((session, message) => this.allocateForSession(session, message));
   }
 
   toWireAllocation(record: AllocationRecord): Allocation {
@@ -141,14 +143,45 @@ export class VirtualMemoryService {
   /** Create, then Export to the calling session; the allocation is released again if the export fails. */
   async allocate(request: CreateRequest__Output, context: CallContext): Promise<ExportResponse> {
     const session = requireSession(context, 'Allocate');
+    const exported = await this.createExported(context, request);
+    return this.handOver(session, 'POSIX_FD', exported);
+  }
+
+  /**
+   * Allocate on the session socket: the same rules, the answer and the
+   * descriptor in one message (what the client library's cold allocations use).
+   */
+  async allocateForSession(session: Session, message: AllocateMessage): Promise<{ reply: AllocatedMessage; fd: number }> {
+    const context: CallContext = { caller: session.id, session, log: session.log };
+    const request = {
+      size: message.size,
+      location: message.location === undefined ? null : { type: `LOCATION_TYPE_${message.location.type}`, id: message.location.id, deviceUuid: '' },
+      handleType: 'HANDLE_TYPE_POSIX_FD',
+    } as CreateRequest__Output;
+    const { allocation, fd } = await this.createExported(context, request);
+    return {
+      reply: {
+        type: 'allocated',
+        request: message.request,
+        allocation: String(allocation.id),
+        size: String(allocation.size),
+        device: allocation.device,
+        deviceUuid: this.registry.devices[allocation.device]?.uuid ?? '',
+        granularity: String(allocation.granularity),
+        location: { type: allocation.location.type, id: allocation.location.id },
+      },
+      fd: fd!,
+    };
+  }
+
+  private async createExported(context: CallContext, request: CreateRequest__Output) {
     const record = this.registry.create(context.caller, {
       size: u64(request.size),
       location: location(request.location, this.resolveDevice),
       handleType: handleType(request.handleType),
     });
     try {
-      const exported = await this.registry.exportHandle(context.caller, { allocationId: record.id, handleType: 'POSIX_FD', shareKey: '' });
-      return this.handOver(session, 'POSIX_FD', exported);
+      return await this.registry.exportHandle(context.caller, { allocationId: record.id, handleType: 'POSIX_FD', shareKey: '' });
     } catch (error) {
       await this.registry.release(context.caller, record.id).catch((cause) => context.log.error({ err: cause }, 'Allocate: the rollback failed'));
       throw error;

@@ -102,8 +102,32 @@ describe('with a stock of 2 MiB allocations', () => {
     expect(daemon.openFds()).toBe(fds);
   });
 
+  it('answers allocate on the session socket with the same rules as the RPC, and changes nothing when it refuses', async () => {
+    const c = await client();
+    const before = objectsOf(await daemon.stats());
+    const fds = daemon.openFds();
+    await expect(c.session.allocate(MiB)).rejects.toMatchObject({ status: grpc.status.INVALID_ARGUMENT, code: 'NOT_ALIGNED' });
+    await expect(c.session.allocate(0n)).rejects.toMatchObject({ status: grpc.status.INVALID_ARGUMENT, code: 'ZERO_SIZE' });
+    await expect(c.session.allocate(2n * MiB, { type: 'DEVICE', id: 7 })).rejects.toMatchObject({ status: grpc.status.OUT_OF_RANGE });
+    expect(objectsOf(await daemon.stats())).toEqual(before);
+    expect(daemon.openFds()).toBe(fds);
+    // Out of memory: refused as well, and the stock gives its memory back (it refills on the next Create).
+    await expect(c.session.allocate(1n << 50n)).rejects.toMatchObject({ status: grpc.status.RESOURCE_EXHAUSTED, code: 'OUT_OF_MEMORY' });
+    expect(objectsOf(await daemon.stats())).toEqual(before);
+    const report = (await c.admin.getReport()) as { stock: { levels: Array<{ held: number }> } };
+    expect(report.stock.levels[0].held).toBe(0);
+    const { message, fd } = await c.session.allocate(2n * MiB);
+    expect(message).toMatchObject({ type: 'allocated', size: String(2n * MiB), granularity: String(2n * MiB), device: 0, location: { type: 'DEVICE', id: 0 } });
+    expect(addon.hostFdInfo(fd)).toMatchObject({ memfd: true, size: 2n * MiB });
+    addon.close(fd);
+    expect((await c.vmm.getProperties({ allocationId: message.allocation })).ownerSession).toBe(c.session.id);
+    await c.vmm.release({ allocationId: message.allocation });
+  });
+
   it("releases a stocked allocation's ready descriptor when it is released without an export", async () => {
     const c = await client();
+    // A Create of the stocked size starts a refill (the shelf may be empty after an earlier test's out-of-memory).
+    await c.vmm.release({ allocationId: (await c.vmm.create({ size: 2n * MiB })).id });
     await eventually(async () => {
       const report = (await c.admin.getReport()) as { stock: { levels: Array<{ held: number }> } };
       return report.stock.levels[0].held === 2 ? true : undefined;
@@ -125,6 +149,30 @@ describe('with a stock of 2 MiB allocations', () => {
       const now = objectsOf(await daemon.stats());
       return JSON.stringify(now) === JSON.stringify(before) ? true : undefined;
     }, 10_000, 'objects back to the baseline');
+  });
+});
+
+describe('allocate on the session socket under a quota', () => {
+  let daemon: TestDaemon;
+  beforeAll(async () => {
+    daemon = await TestDaemon.start(['--quota-per-session', '4MiB']);
+  });
+  afterAll(async () => {
+    expect(await daemon.stop()).toBe(0);
+  });
+
+  it('charges the quota as Create does, concurrent requests included', async () => {
+    const c = await connect({ socketDir: daemon.dir });
+    try {
+      const results = await Promise.allSettled([1, 2, 3, 4].map(() => c.vmm.allocate({ size: 2n * MiB })));
+      expect(results.filter((result) => result.status === 'fulfilled')).toHaveLength(2);
+      for (const result of results.filter((result) => result.status === 'rejected')) {
+        expect((result as PromiseRejectedResult).reason).toMatchObject({ status: grpc.status.RESOURCE_EXHAUSTED, errorCode: 3 });
+      }
+      expect((await daemon.stats()).allocatedBytes).toBe(String(4n * MiB));
+    } finally {
+      c.close();
+    }
   });
 });
 
