@@ -14,8 +14,11 @@ export interface DeferredFreeSettings {
 
 export const DEFAULT_DEFERRED_FREE: DeferredFreeSettings = { count: 10, ratio: 0.2 };
 
+/** A queued free: a function, or an object whose release() frees (pooled blocks queue themselves: nothing to allocate). */
+export type PendingFree = (() => void | Promise<void>) | { release(): void | Promise<void> };
+
 interface Pending {
-  free: () => void | Promise<void>;
+  free: PendingFree;
   size: number;
 }
 
@@ -62,7 +65,7 @@ export class PendingDeallocations {
   }
 
   /** Queues a free; flushes when a limit is passed and no hold is active. */
-  add(free: () => void | Promise<void>, size: bigint | number): Promise<void> {
+  add(free: PendingFree, size: bigint | number): Promise<void> {
     const bytes = Number(size);
     this.queue.push({ free, size: bytes });
     this.bytes += bytes;
@@ -79,7 +82,7 @@ export class PendingDeallocations {
     if (batch.length === 0) return this.flushing;
     this.flushing = this.flushing.then(async () => {
       for (const item of batch) {
-        const done = item.free();
+        const done = typeof item.free === 'function' ? item.free() : item.free.release();
         // Pooled blocks go back synchronously; only frees that reach the daemon are awaited.
         if (done !== undefined) await done;
       }

@@ -286,22 +286,23 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     return new MemoryPointer(this.context, block.chunk.base + BigInt(block.offset), bytes, block.chunk, new PooledFree(this, this.generation, block));
   }
 
-  /** Called by PooledFree when a pooled pointer is freed. */
-  freeBlock(generation: number, block: PoolBlock<Lease>): Promise<void> {
+  /** Called by PooledFree when a pooled pointer is freed: the block waits in the deferred frees. */
+  freeBlock(pending: PooledFree): Promise<void> {
     this.counters.frees++;
-    return this.deallocations.add(() => this.giveBlock(generation, block), block.size);
+    return this.deallocations.add(pending, pending.block.size);
+  }
+
+  /** Called by PooledFree when the deferred frees run: the block goes back to the pool. */
+  giveBlock(generation: number, block: PoolBlock<Lease>): void {
+    if (generation !== this.generation) return;
+    this.pool.give(block);
+    this.check();
   }
 
   /** A new allocation of the daemon's, mapped here: one Allocate round trip. */
   private async lease(size: bigint, location: { type: 'LOCATION_TYPE_DEVICE' | 'LOCATION_TYPE_HOST_NUMA'; id: number }): Promise<Lease> {
     const memory = await this.client.vmm.allocate({ size, location }, { hostAccess: location.type === 'LOCATION_TYPE_HOST_NUMA' });
     return { allocationId: memory.allocationId, memory };
-  }
-
-  private giveBlock(generation: number, block: PoolBlock<Lease>): void {
-    if (generation !== this.generation) return;
-    this.pool.give(block);
-    this.check();
   }
 
   private async giveBackLarge(generation: number, lease: Lease): Promise<void> {
@@ -349,15 +350,24 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   }
 }
 
-/** A pooled pointer's finalizer: one object, not two closures, per allocation. */
+/**
+ * A pooled pointer's finalizer and its place in the deferred frees: one
+ * object per allocation, where closures would be two more.
+ */
 class PooledFree {
   constructor(
     private readonly manager: VmmdMemoryManager,
     private readonly generation: number,
-    private readonly block: PoolBlock<Lease>,
+    readonly block: PoolBlock<Lease>,
   ) {}
 
+  /** The pointer was freed (or collected): queue the block. */
   run(): Promise<void> {
-    return this.manager.freeBlock(this.generation, this.block);
+    return this.manager.freeBlock(this);
+  }
+
+  /** The deferred frees run: the block goes back to the pool. */
+  release(): void {
+    this.manager.giveBlock(this.generation, this.block);
   }
 }
