@@ -35,6 +35,19 @@ const dropped = new FinalizationRegistry<Finalizer>((finalizer) => {
   }
 });
 
+// Pointers not yet registered: registration waits for the next turn of the event
+// loop, so that the many pointers freed as soon as they are made (temporaries)
+// never pay for register and unregister (most of a pooled allocation's cost).
+// Until then the set holds them, so none can be collected unregistered.
+const young = new Set<MemoryPointer>();
+let registering = false;
+
+function registerYoung(): void {
+  registering = false;
+  for (const pointer of young) pointer.register();
+  young.clear();
+}
+
 /** Called when a finalizer run by the garbage collector fails: there is no caller to tell. */
 let finalizerErrors: (error: unknown) => void = (error) => process.emitWarning(`vmmd: a finalizer failed: ${(error as Error)?.message ?? error}`);
 
@@ -58,7 +71,18 @@ export class MemoryPointer implements Disposable {
     finalizer?: Finalizer,
   ) {
     this.finalizer = finalizer;
-    if (finalizer !== undefined) dropped.register(this, finalizer, this);
+    if (finalizer !== undefined) {
+      young.add(this);
+      if (!registering) {
+        registering = true;
+        setImmediate(registerYoung);
+      }
+    }
+  }
+
+  /** Puts the pointer under the garbage collector's watch (after its first turn of the event loop). */
+  register(): void {
+    if (this.finalizer !== undefined) dropped.register(this, this.finalizer, this);
   }
 
   /** NBEP 7's device_pointer. */
@@ -81,7 +105,7 @@ export class MemoryPointer implements Disposable {
     const finalizer = this.finalizer;
     this.finalizer = undefined;
     if (finalizer === undefined) return;
-    dropped.unregister(this);
+    if (!young.delete(this)) dropped.unregister(this);
     return runFinalizer(finalizer);
   }
 

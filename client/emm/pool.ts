@@ -28,7 +28,7 @@ export const DEFAULT_POOL: PoolSettings = { chunkSize: 32n << 20n, largeThreshol
 export function sizeClassBytes(size: number): number {
   if (size <= ALIGNMENT) return ALIGNMENT;
   // The largest power of two below `size` (clz32 while it fits in 32 bits).
-  const power = size <= 2 ** 32 ? 2 ** (31 - Math.clz32(size - 1)) : 2 ** Math.floor(Math.log2(size - 1));
+  const power = size <= 2 ** 31 ? 1 << (31 - Math.clz32(size - 1)) : 2 ** Math.floor(Math.log2(size - 1));
   const step = Math.max(ALIGNMENT, power / 4);
   return Math.ceil(size / step) * step;
 }
@@ -143,7 +143,11 @@ export class Pool<T> {
 
   /** A block of `size`'s class from the chunks held, or undefined when none has room. */
   take(size: number): PoolBlock<T> | undefined {
-    const rounded = sizeClassBytes(size);
+    return this.takeClass(sizeClassBytes(size));
+  }
+
+  /** take() for a size already rounded to its class. */
+  takeClass(rounded: number): PoolBlock<T> | undefined {
     const chunks = this.chunks;
     for (let index = 0; index < chunks.length; index++) {
       const offset = chunks[index].take(rounded);

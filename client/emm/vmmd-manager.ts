@@ -94,8 +94,9 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     // The hot path: a block of a chunk already held, with no await and no bigint arithmetic.
     if (this.granularity !== 0n) {
       const bytes = Number(size);
-      if (bytes > 0 && sizeClassBytes(bytes) <= this.largeThresholdBytes) {
-        const block = this.pool.take(bytes);
+      const rounded = sizeClassBytes(bytes);
+      if (bytes > 0 && rounded <= this.largeThresholdBytes) {
+        const block = this.pool.takeClass(rounded);
         if (block !== undefined) {
           this.counters.memalloc++;
           noteAllocation();
