@@ -665,25 +665,42 @@ export class Registry {
    * others pass to the daemon.
    */
   async reclaim(owner: bigint): Promise<void> {
+    // Every object is tried: one that fails (ENOMEM from munmap at vm.max_map_count, a driver error)
+    // must not leave the others behind. The failures are reported together at the end.
+    const failures: unknown[] = [];
+    const attempt = async (body: () => Promise<void>) => {
+      try {
+        await body();
+      } catch (error) {
+        failures.push(error);
+      }
+    };
     const reservations = this.reservationsByAddress.filter((reservation) => reservation.owner === owner);
     let done = 0;
     for (const reservation of reservations) {
       await breathe(++done);
-      await reservation.queue.run(async () => {
-        if (reservation.freed) return;
-        while (reservation.mappings.length > 0) {
-          await this.unmapInQueue(reservation, reservation.mappings[reservation.mappings.length - 1]);
-        }
-        this.backend.freeAddress(reservation.address, reservation.size);
-        this.dropReservation(reservation);
-      });
+      await attempt(() =>
+        reservation.queue.run(async () => {
+          if (reservation.freed) return;
+          while (reservation.mappings.length > 0) {
+            await this.unmapInQueue(reservation, reservation.mappings[reservation.mappings.length - 1]);
+          }
+          this.backend.freeAddress(reservation.address, reservation.size);
+          this.dropReservation(reservation);
+        }),
+      );
     }
     for (const allocation of [...this.allocations.values()]) {
       await breathe(++done);
-      const held = allocation.references.get(owner);
-      if (held !== undefined) await this.dropReferences(allocation, owner, held);
-      if (allocation.owner === owner) allocation.owner = DAEMON_OWNER;
-      await this.freeIfUnused(allocation);
+      await attempt(async () => {
+        const held = allocation.references.get(owner);
+        if (held !== undefined) await this.dropReferences(allocation, owner, held);
+        if (allocation.owner === owner) allocation.owner = DAEMON_OWNER;
+        await this.freeIfUnused(allocation);
+      });
+    }
+    if (failures.length > 0) {
+      throw new AggregateError(failures, `reclaiming owner ${owner}: ${failures.length} object(s) could not be freed (first: ${(failures[0] as Error)?.message})`);
     }
   }
 

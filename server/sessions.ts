@@ -420,11 +420,13 @@ export class SessionManager extends EventEmitter {
     session.received.clear();
     const reclaim = (async () => {
       await session.drained();
-      try {
-        for (const reclaimer of this.reclaimers) await reclaimer(session.id);
-        await this.registry.reclaim(session.id);
-      } catch (error) {
-        session.log.error({ err: error }, 'reclaiming the session failed');
+      // Each step runs whatever the one before it did: a failure is logged, never a reason to leave objects behind.
+      for (const step of [...this.reclaimers, (id: bigint) => this.registry.reclaim(id)]) {
+        try {
+          await step(session.id);
+        } catch (error) {
+          session.log.error({ err: error, failures: (error as AggregateError).errors?.length }, 'reclaiming the session failed in part');
+        }
       }
       this.byToken.delete(session.token);
       this.sessions.delete(session.id);

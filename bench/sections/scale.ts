@@ -4,6 +4,7 @@
  * allocations of one granule (allocations capped at a quarter of the device's
  * memory, so that a GPU does not run out), made by a second session.
  */
+import * as fs from 'node:fs';
 import type { VmmdClient } from '../../client';
 import type { Stats__Output } from '../../generated/vmmd/v1/Stats';
 import type { BenchDaemon } from '../lib/daemon';
@@ -12,6 +13,17 @@ import { ratio, Row, sample, Section, summarize } from '../lib/stats';
 const RW = [{ location: { type: 'LOCATION_TYPE_DEVICE' as const, id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' as const }];
 
 const liveObjects = (stats: Stats__Output) => Number(stats.reservations) + Number(stats.allocations) + Number(stats.mappings);
+
+/** This process's soft limit on open files (the daemon it started inherits it). */
+function openFileLimit(): number {
+  try {
+    const line = fs.readFileSync('/proc/self/limits', 'utf8').split('\n').find((text) => text.startsWith('Max open files'));
+    const soft = Number(line?.split(/\s{2,}/)[1]);
+    return Number.isFinite(soft) ? soft : 1024;
+  } catch {
+    return 1024;
+  }
+}
 
 /** Runs `count` calls of `body`, `width` at a time. */
 async function concurrently(count: number, width: number, body: (index: number) => Promise<unknown>): Promise<void> {
@@ -28,7 +40,9 @@ export async function scale(daemon: BenchDaemon, levels: number[], iterations: n
   const filler: VmmdClient = await daemon.connect();
   const granule = BigInt((await client.devices.getGranularity()).minimum);
   const info = await client.devices.getMemoryInfo();
-  const allocationCap = Number(BigInt(info.totalBytes) / 4n / granule);
+  // A quarter of device memory at most; on the host backend each allocation is a descriptor, so also half the fd limit.
+  let allocationCap = Number(BigInt(info.totalBytes) / 4n / granule);
+  if (client.backend === 'host') allocationCap = Math.min(allocationCap, Math.floor(openFileLimit() / 2));
   const standing = await client.vmm.reserve({ size: granule });
   let live = { reservations: 0, allocations: 0 };
   const rows: Row[] = [];
@@ -104,6 +118,9 @@ export async function scale(daemon: BenchDaemon, levels: number[], iterations: n
         met: last.p50 <= first.p50 * 1.2,
       },
     ],
-    notes: ['Live objects: reservations and unmapped allocations of one granule, owned by another session (allocations at most a quarter of device memory).'],
+    notes: [
+      'Live objects: reservations and unmapped allocations of one granule, owned by another session (allocations at most a quarter of device memory; on the host backend at most half the open-file limit, each being a memfd).',
+      'On the host backend reservations are mmaps, so vm.max_map_count (65530 by default) bounds the live objects; the top level there is 60% of it.',
+    ],
   };
 }
