@@ -7,6 +7,7 @@
  * Prints each section's table and the targets; --json writes everything with
  * the machine, date, commit and command (bench/report.js turns results into BENCHMARKS.md).
  */
+import { execFileSync } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as os from 'node:os';
 import BUILD from '../generated/build-info.json';
@@ -44,6 +45,15 @@ function scaleLevels(backend: string, quick: boolean): number[] {
     // not Linux: keep the default
   }
   return [100, 10_000, Math.min(100_000, Math.floor((maps * 0.6) / 1000) * 1000)];
+}
+
+/** The GPU as nvidia-smi names it, with the driver (cuda runs). */
+function gpuName(): string | undefined {
+  try {
+    return execFileSync('nvidia-smi', ['--query-gpu=name,driver_version', '--format=csv,noheader'], { encoding: 'utf8' }).trim().split('\n').join('; ');
+  } catch {
+    return undefined;
+  }
 }
 
 async function main() {
@@ -85,6 +95,7 @@ async function main() {
   const report = {
     backend,
     machine: machine(),
+    gpu: backend === 'cuda' ? gpuName() : undefined,
     node: process.version,
     date: new Date().toISOString(),
     commit: BUILD.commit,
