@@ -7,11 +7,12 @@
  * Prints each section's table and the targets; --json writes everything with
  * the machine, date, commit and command (bench/report.js turns results into BENCHMARKS.md).
  */
-import { execFileSync } from 'node:child_process';
+import { execFileSync, spawn } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as os from 'node:os';
+import * as path from 'node:path';
 import BUILD from '../generated/build-info.json';
-import { startDaemon } from './lib/daemon';
+import { attachDaemon, BenchDaemon, startDaemon } from './lib/daemon';
 import { markdownTable, Section } from './lib/stats';
 import { cold, handoff, pooled } from './sections/allocations';
 import { concurrency } from './sections/concurrency';
@@ -56,6 +57,27 @@ function gpuName(): string | undefined {
   }
 }
 
+interface SectionArgs {
+  backend: string;
+  quick: boolean;
+}
+
+/** Every section, in the order they run. */
+const SECTIONS: Record<string, (daemon: BenchDaemon, args: SectionArgs) => Promise<Section>> = {
+  'rpc-floor': (daemon, { quick }) => rpcFloor(daemon, quick ? 1000 : 3000),
+  pooled: (daemon, { quick }) => pooled(daemon.client, quick ? 20_000 : 100_000),
+  cold: (daemon, { quick }) => cold(daemon.client, quick ? 100 : 300),
+  'rpc-costs': (daemon, { quick }) => rpcCosts(daemon.client, quick ? 200 : 500),
+  handoff: (daemon, { quick }) => handoff(daemon.client, quick ? 200 : 1000),
+  streaming: (daemon, { quick }) => streaming(daemon.client, 256, quick ? 3 : 5),
+  scale: (daemon, { backend, quick }) => scale(daemon, scaleLevels(backend, quick), quick ? 200 : 300),
+  concurrency: (daemon, { backend, quick }) => concurrency(daemon, [1, 4, 16], quick ? 1000 : backend === 'host' ? 2000 : 3000),
+  'rpc-floor-again': async (daemon, { quick }) => {
+    const section = await rpcFloor(daemon, quick ? 1000 : 3000);
+    return { ...section, id: 'rpc-floor-again', title: 'RPC floor again, after every other section (drift of the machine over the run)', targets: [] };
+  },
+};
+
 async function main() {
   const backend = option('backend') ?? 'host';
   const quick = process.argv.includes('--quick');
@@ -63,32 +85,38 @@ async function main() {
   const jsonFile = option('json');
   const wanted = (id: string) => only === undefined || only.includes(id);
   const started = Date.now();
+  const sectionArgs = { backend, quick };
+  // A section runs in a client process of its own (as an application would be), against this one daemon:
+  // what one section leaves in a process (heap, driver state) must not slow the next one down.
+  const child = option('section');
+  if (child !== undefined) {
+    const attached = await attachDaemon(option('socket-dir')!, Number(option('daemon-pid')));
+    try {
+      const section = await SECTIONS[child](attached, sectionArgs);
+      fs.writeFileSync(option('out')!, JSON.stringify(section));
+    } finally {
+      await attached.stop();
+    }
+    process.exit(0);
+  }
   const daemon = await startDaemon(backend, option('daemon-args')?.split(' ').filter(Boolean) ?? [], option('profile'));
   const sections: Section[] = [];
-  const run = async (id: string, body: () => Promise<Section>) => {
-    if (!wanted(id)) return;
-    const sectionStart = Date.now();
-    const section = await body();
-    sections.push(section);
-    console.log(`\n## ${section.title} (${((Date.now() - sectionStart) / 1000).toFixed(1)} s)\n`);
-    console.log(markdownTable(section.rows));
-    for (const target of section.targets ?? []) console.log(`target ${target.met ? 'MET' : 'MISSED'}: ${target.target}: ${target.measured} (limit ${target.limit})`);
-  };
   try {
-    // Cold and its breakdown first: measured in a fresh client process (the later sections leave this one slower; see
-    // the last row of the scale section's notes and BENCHMARKS.md).
-    await run('rpc-floor', () => rpcFloor(daemon, quick ? 1000 : 3000));
-    await run('cold', () => cold(daemon.client, quick ? 100 : 300));
-    await run('rpc-costs', () => rpcCosts(daemon.client, quick ? 200 : 500));
-    await run('handoff', () => handoff(daemon.client, quick ? 200 : 1000));
-    await run('pooled', () => pooled(daemon.client, quick ? 20_000 : 100_000));
-    await run('streaming', () => streaming(daemon.client, 256, quick ? 3 : 5));
-    await run('scale', () => scale(daemon, scaleLevels(backend, quick), quick ? 200 : 300));
-    await run('concurrency', () => concurrency(daemon, [1, 4, 16], quick ? 1000 : backend === 'host' ? 2000 : 3000));
-    await run('rpc-floor-again', async () => {
-      const section = await rpcFloor(daemon, quick ? 1000 : 3000);
-      return { ...section, id: 'rpc-floor-again', title: 'RPC floor again, at the end of the run (the same client process)', targets: [] };
-    });
+    for (const id of Object.keys(SECTIONS)) {
+      if (!wanted(id)) continue;
+      const sectionStart = Date.now();
+      const out = path.join(daemon.dir, `${id}.json`);
+      const code = await new Promise<number | null>((resolve) => {
+        const args = [__filename, '--section', id, '--socket-dir', daemon.dir, '--daemon-pid', String(daemon.pid), '--out', out, '--backend', backend];
+        spawn(process.execPath, quick ? [...args, '--quick'] : args, { stdio: 'inherit' }).once('exit', resolve);
+      });
+      if (code !== 0) throw new Error(`bench: section ${id} failed (exit ${code})`);
+      const section = JSON.parse(fs.readFileSync(out, 'utf8')) as Section;
+      sections.push(section);
+      console.log(`\n## ${section.title} (${((Date.now() - sectionStart) / 1000).toFixed(1)} s)\n`);
+      console.log(markdownTable(section.rows));
+      for (const target of section.targets ?? []) console.log(`target ${target.met ? 'MET' : 'MISSED'}: ${target.target}: ${target.measured} (limit ${target.limit})`);
+    }
   } finally {
     await daemon.stop();
   }

@@ -18,7 +18,8 @@ export const packageRoot = (() => {
 export interface BenchDaemon {
   dir: string;
   client: VmmdClient;
-  process: ChildProcess;
+  /** The daemon process's id. */
+  pid: number;
   /** A new client of the same daemon (its own session). */
   connect(): Promise<VmmdClient>;
   stop(): Promise<void>;
@@ -47,7 +48,7 @@ export async function startDaemon(backend: string, extraArgs: string[] = [], pro
   return {
     dir,
     client,
-    process: child,
+    pid: child.pid!,
     connect: () => connect({ socketDir: dir }),
     async stop() {
       client.close();
@@ -56,6 +57,20 @@ export async function startDaemon(backend: string, extraArgs: string[] = [], pro
         await new Promise((resolve) => child.once('exit', resolve));
       }
       fs.rmSync(dir, { recursive: true, force: true });
+    },
+  };
+}
+
+/** A daemon another process started (a section run in its own client process): stop() only disconnects. */
+export async function attachDaemon(dir: string, pid: number): Promise<BenchDaemon> {
+  const client = await connect({ socketDir: dir });
+  return {
+    dir,
+    client,
+    pid,
+    connect: () => connect({ socketDir: dir }),
+    async stop() {
+      client.close();
     },
   };
 }

@@ -80,7 +80,7 @@ export async function concurrency(daemon: BenchDaemon, counts: number[], phaseMs
     "Event-loop delay: Node's monitorEventLoopDelay in the daemon (1 ms timer), reset at the start of each phase. It counts every late timer, whoever delayed it: the daemon's own work, garbage collection, or the OS running the clients instead (compare the pooled rows, where the daemon has nothing to do).",
   ];
   // What an operator can do about the OS's share: run the daemon above its clients (systemd Nice=-10).
-  const pid = daemon.process.pid!;
+  const pid = daemon.pid;
   let reniced: Row | undefined;
   try {
     os.setPriority(pid, -10);
