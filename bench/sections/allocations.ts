@@ -57,7 +57,8 @@ export async function pooled(client: VmmdClient, iterations: number): Promise<Se
     const samples = await sample(iterations, async () => {
       pointer = await emm.memalloc(size);
       await pointer.free();
-    }, { warmup: 2000 });
+      // A long warm-up: the JIT settles and V8's young generation grows to its working size, as in a running program.
+    }, { warmup: 100_000 });
     rows.push({ allocator: 'vmmd NBEP 7 manager (pooled)', size: sizeName(size), ...summarize(samples) });
   }
   await emm.reset();
@@ -175,9 +176,9 @@ export async function cold(client: VmmdClient, iterations: number): Promise<Sect
   const targets = [];
   for (const [size, share] of COLD_SIZES) {
     const count = Math.max(10, Math.round(iterations * share));
-    const daemon = summarize(await sample(count, () => emm.memalloc(size), { warmup: 5, after: (pointer) => pointer.free() }));
+    const daemon = summarize(await sample(count, () => emm.memalloc(size), { warmup: 50, after: (pointer) => pointer.free() }));
     const steps = inProcessSteps(client.backend, size);
-    const local = summarize(await sample(count, steps.run, { warmup: 5, after: (teardown) => teardown() }));
+    const local = summarize(await sample(count, steps.run, { warmup: 50, after: (teardown) => teardown() }));
     rows.push({ path: 'vmmd memalloc across processes', size: sizeName(size), ...daemon, p50_vs_in_process: ratio(daemon.p50_us, local.p50_us) });
     rows.push({ path: 'same steps in one process', size: sizeName(size), ...local, p50_vs_in_process: 1 });
     if (client.backend === 'cuda') {
