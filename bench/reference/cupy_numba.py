@@ -6,7 +6,7 @@
 - Numba's default allocator: current_context().memalloc(size) then .free()
   (cuMemAlloc with Numba's deferred frees, as a kernel's temporaries get).
 
-Each pair is timed alone with perf_counter_ns after a warm-up.
+Each pair is timed alone with perf_counter_ns after a warm-up (as many pairs as are timed for CuPy, as for vmmd).
   python3 bench/reference/cupy_numba.py SIZE[,SIZE...] ITERATIONS   -> JSON on stdout
 """
 import json
@@ -54,7 +54,7 @@ def main():
                 pointer = pool.malloc(size)
                 del pointer
 
-            rows.append({"allocator": f"CuPy MemoryPool {cupy.__version__}", "size": size, **timed(iterations, cupy_pair)})
+            rows.append({"allocator": f"CuPy MemoryPool {cupy.__version__}", "size": size, **timed(iterations, cupy_pair, warmup=iterations)})
         pool.free_all_blocks()
     except Exception as error:  # reported, not fatal: the other reference may still run
         errors.append(f"cupy: {error!r}")
