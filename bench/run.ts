@@ -64,19 +64,24 @@ interface SectionArgs {
 
 /** Every section, in the order they run. */
 const SECTIONS: Record<string, (daemon: BenchDaemon, args: SectionArgs) => Promise<Section>> = {
-  'rpc-floor': (daemon, { quick }) => rpcFloor(daemon, quick ? 1000 : 3000),
-  pooled: (daemon, { quick }) => pooled(daemon.client, quick ? 20_000 : 100_000),
-  cold: (daemon, { quick }) => cold(daemon.client, quick ? 100 : 300),
-  'rpc-costs': (daemon, { quick }) => rpcCosts(daemon.client, quick ? 200 : 500),
-  handoff: (daemon, { quick }) => handoff(daemon.client, quick ? 200 : 1000),
-  streaming: (daemon, { quick }) => streaming(daemon.client, 256, quick ? 3 : 5),
-  scale: (daemon, { backend, quick }) => scale(daemon, scaleLevels(backend, quick), quick ? 200 : 300),
-  concurrency: (daemon, { backend, quick }) => concurrency(daemon, [1, 4, 16], quick ? 1000 : backend === 'host' ? 2000 : 3000),
-  'rpc-floor-again': async (daemon, { quick }) => {
-    const section = await rpcFloor(daemon, quick ? 1000 : 3000);
+  'rpc-floor': (daemon, args) => rpcFloor(daemon, count(args, 1000, 2000, 3000)),
+  pooled: (daemon, args) => pooled(daemon.client, count(args, 20_000, 100_000, 100_000)),
+  cold: (daemon, args) => cold(daemon.client, count(args, 100, 200, 300)),
+  'rpc-costs': (daemon, args) => rpcCosts(daemon.client, count(args, 200, 300, 500)),
+  handoff: (daemon, args) => handoff(daemon.client, count(args, 200, 500, 1000)),
+  streaming: (daemon, args) => streaming(daemon.client, 256, count(args, 3, 5, 5)),
+  scale: (daemon, args) => scale(daemon, scaleLevels(args.backend, args.quick), count(args, 200, 200, 300)),
+  concurrency: (daemon, args) => concurrency(daemon, [1, 4, 16], count(args, 1000, 2000, 3000)),
+  'rpc-floor-again': async (daemon, args) => {
+    const section = await rpcFloor(daemon, count(args, 1000, 2000, 3000));
     return { ...section, id: 'rpc-floor-again', title: 'RPC floor again, after every other section (drift of the machine over the run)', targets: [] };
   },
 };
+
+/** Iterations: --quick, the host backend (npm run bench stays within 3 minutes on 2 cores), the GPU host. */
+function count(args: SectionArgs, quick: number, host: number, gpu: number): number {
+  return args.quick ? quick : args.backend === 'host' ? host : gpu;
+}
 
 async function main() {
   const backend = option('backend') ?? 'host';

@@ -34,24 +34,35 @@ async function mapped(client: VmmdClient, size: bigint, access = RW) {
   return reservation.address;
 }
 
-describe('with a stock of 2 MiB allocations', () => {
-  let daemon: TestDaemon;
-  const clients: VmmdClient[] = [];
-  const client = async (options: { stagingBytes?: number } = {}) => {
-    const made = await connect({ socketDir: daemon.dir, ...options });
-    clients.push(made);
-    return made;
-  };
-
+/** A daemon for a describe block, and clients of it that each test's end closes. */
+function daemonWithClients(args: string[] = []) {
+  const state = { daemon: undefined as unknown as TestDaemon, clients: [] as VmmdClient[] };
   beforeAll(async () => {
-    daemon = await TestDaemon.start(['--stock', '2MiB:2']);
-  });
-  afterEach(async () => {
-    for (const made of clients.splice(0)) made.close();
-    await eventually(async () => ((await daemon.stats()).sessions === 0 ? true : undefined), 10_000, 'sessions to close');
+    state.daemon = await TestDaemon.start(args);
   });
   afterAll(async () => {
-    expect(await daemon.stop()).toBe(0);
+    expect(await state.daemon.stop()).toBe(0);
+  });
+  const client = async (options: { stagingBytes?: number } = {}) => {
+    const made = await connect({ socketDir: state.daemon.dir, ...options });
+    state.clients.push(made);
+    return made;
+  };
+  const closeClients = () => {
+    for (const made of state.clients.splice(0)) made.close();
+  };
+  return { state, client, closeClients };
+}
+
+describe('with a stock of 2 MiB allocations', () => {
+  const { state, client, closeClients } = daemonWithClients(['--stock', '2MiB:2']);
+  let daemon: TestDaemon;
+  beforeAll(() => {
+    daemon = state.daemon;
+  });
+  afterEach(async () => {
+    closeClients();
+    await eventually(async () => ((await daemon.stats()).sessions === 0 ? true : undefined), 10_000, 'sessions to close');
   });
 
   it('reports the stock, full, in GetReport', async () => {
@@ -177,23 +188,12 @@ describe('allocate on the session socket under a quota', () => {
 });
 
 describe('bulk Read and Write through the staging buffer', () => {
+  const { state, client, closeClients } = daemonWithClients();
   let daemon: TestDaemon;
-  const clients: VmmdClient[] = [];
-  const client = async (options: { stagingBytes?: number } = {}) => {
-    const made = await connect({ socketDir: daemon.dir, ...options });
-    clients.push(made);
-    return made;
-  };
-
-  beforeAll(async () => {
-    daemon = await TestDaemon.start();
+  beforeAll(() => {
+    daemon = state.daemon;
   });
-  afterEach(() => {
-    for (const made of clients.splice(0)) made.close();
-  });
-  afterAll(async () => {
-    expect(await daemon.stop()).toBe(0);
-  });
+  afterEach(closeClients);
 
   it('round-trips bytes of any length and offset, staged and streamed alike', async () => {
     const staged = await client({ stagingBytes: 1 << 20 });
