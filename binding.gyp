@@ -5,6 +5,7 @@
       "sources": [
         "native/src/addon.cc",
         "native/src/errors.cc",
+        "native/src/faults.cc",
         "native/src/host_memory.cc",
         "native/src/fd_passing.cc",
         "native/src/cuda_driver.cc"

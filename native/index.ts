@@ -97,6 +97,13 @@ export interface Addon {
   /** A bound, non-blocking datagram socket (read it with seqpacketRecv). */
   unixDgramBind(path: string): number;
   Poller: new (fd: number, callback: (status: number, events: number) => void) => Poller;
+  /**
+   * Fault injection (tests): "name:N:ERROR,…" makes the N-th call of an OS or
+   * driver function fail once with ERROR; "" turns it off. VMMD_FAULTS sets
+   * the same at load. See native/src/faults.h for the names.
+   */
+  faultsSet(plan: string): void;
+  faultsState(): { active: boolean; calls: Record<string, number>; pending: string[] };
   /** Opens libcuda.so.1 once; never throws. */
   cudaLoad(): CudaLoadResult;
   cudaDevices(): CudaDeviceInfo[];

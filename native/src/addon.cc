@@ -2,12 +2,14 @@
 #include <napi.h>
 
 #include "cuda_driver.h"
+#include "faults.h"
 #include "fd_passing.h"
 #include "host_memory.h"
 
 namespace {
 
 Napi::Object Init(Napi::Env env, Napi::Object exports) {
+  vmmd::faults::Init(env, exports);
   vmmd::InitHostMemory(env, exports);
   vmmd::InitFdPassing(env, exports);
   vmmd::InitCudaDriver(env, exports);

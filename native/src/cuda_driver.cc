@@ -14,6 +14,7 @@
 
 #include "cuda_api.h"
 #include "errors.h"
+#include "faults.h"
 
 #if __has_include(<cuda.h>)
 #include <cuda.h>
@@ -70,6 +71,13 @@ Napi::Error CudaError(Napi::Env env, cu::Result result, const std::string& call)
 
 void Check(Napi::Env env, cu::Result result, const std::string& call) {
   if (result != cu::SUCCESS) throw CudaError(env, result, call);
+}
+
+// A driver call, unless fault injection makes this one fail (faults.h).
+template <typename Call>
+cu::Result Injected(const char* name, Call call) {
+  int error = faults::Hit(name);
+  return error != 0 ? static_cast<cu::Result>(error) : call();
 }
 
 std::string Sized(const char* call, uint64_t size) { return std::string(call) + "(" + std::to_string(size) + ")"; }
@@ -358,7 +366,7 @@ Napi::Value CudaReserve(const Napi::CallbackInfo& info) {
   uint64_t hint = U64Arg(info, 2, "hint");
   Check(env, UseDevice(0), "cuCtxSetCurrent");
   cu::DevicePtr address = 0;
-  Check(env, driver.api.cuMemAddressReserve(&address, size, alignment, hint, 0), Sized("cuMemAddressReserve", size));
+  Check(env, Injected("cuMemAddressReserve", [&] { return driver.api.cuMemAddressReserve(&address, size, alignment, hint, 0); }), Sized("cuMemAddressReserve", size));
   return Big(env, address);
 }
 
@@ -381,7 +389,7 @@ Napi::Value CudaCreate(const Napi::CallbackInfo& info) {
                                     info[4].As<Napi::Number>().Int32Value());
   uint64_t size = U64Arg(info, 3, "size");
   cu::GenericHandle handle = 0;
-  Check(env, driver.api.cuMemCreate(&handle, size, &prop, 0), Sized("cuMemCreate", size));
+  Check(env, Injected("cuMemCreate", [&] { return driver.api.cuMemCreate(&handle, size, &prop, 0); }), Sized("cuMemCreate", size));
   return Big(env, handle);
 }
 
@@ -403,9 +411,9 @@ Napi::Value CudaCreateExported(const Napi::CallbackInfo& info) {
   return CudaWorker::Queue(
       env, device, Sized("cuMemCreate+cuMemExportToShareableHandle", size),
       [prop, size, made] {
-        cu::Result result = driver.api.cuMemCreate(&made->handle, size, &prop, 0);
+        cu::Result result = Injected("cuMemCreate", [&] { return driver.api.cuMemCreate(&made->handle, size, &prop, 0); });
         if (result != cu::SUCCESS) return result;
-        result = driver.api.cuMemExportToShareableHandle(&made->fd, made->handle, cu::HANDLE_POSIX_FD, 0);
+        result = Injected("cuMemExportToShareableHandle", [&] { return driver.api.cuMemExportToShareableHandle(&made->fd, made->handle, cu::HANDLE_POSIX_FD, 0); });
         if (result != cu::SUCCESS) driver.api.cuMemRelease(made->handle);
         return result;
       },
@@ -435,7 +443,7 @@ Napi::Value CudaMap(const Napi::CallbackInfo& info) {
   uint64_t offset = U64Arg(info, 2, "offset");
   uint64_t handle = U64Arg(info, 3, "handle");
   Check(env, UseDevice(0), "cuCtxSetCurrent");
-  Check(env, driver.api.cuMemMap(address, size, offset, handle, 0), Sized("cuMemMap", size));
+  Check(env, Injected("cuMemMap", [&] { return driver.api.cuMemMap(address, size, offset, handle, 0); }), Sized("cuMemMap", size));
   return env.Undefined();
 }
 
@@ -465,7 +473,7 @@ Napi::Value CudaSetAccess(const Napi::CallbackInfo& info) {
     descriptors[i].flags = static_cast<cu::AccessFlags>(entry.Get("flags").As<Napi::Number>().Int32Value());
   }
   Check(env, UseDevice(0), "cuCtxSetCurrent");
-  Check(env, driver.api.cuMemSetAccess(address, size, descriptors.data(), descriptors.size()),
+  Check(env, Injected("cuMemSetAccess", [&] { return driver.api.cuMemSetAccess(address, size, descriptors.data(), descriptors.size()); }),
         Sized("cuMemSetAccess", size));
   return env.Undefined();
 }
@@ -492,7 +500,7 @@ Napi::Value CudaExportFd(const Napi::CallbackInfo& info) {
   auto fd = std::make_shared<int>(-1);
   return CudaWorker::Queue(
       env, device, "cuMemExportToShareableHandle(POSIX_FD)",
-      [handle, fd] { return driver.api.cuMemExportToShareableHandle(fd.get(), handle, cu::HANDLE_POSIX_FD, 0); },
+      [handle, fd] { return Injected("cuMemExportToShareableHandle", [&] { return driver.api.cuMemExportToShareableHandle(fd.get(), handle, cu::HANDLE_POSIX_FD, 0); }); },
       [fd](Napi::Env env) { return Napi::Number::New(env, *fd); });
 }
 
@@ -505,7 +513,7 @@ Napi::Value CudaExportFabric(const Napi::CallbackInfo& info) {
   auto fabric = std::make_shared<cu::FabricHandle>();
   return CudaWorker::Queue(
       env, device, "cuMemExportToShareableHandle(FABRIC)",
-      [handle, fabric] { return driver.api.cuMemExportToShareableHandle(fabric.get(), handle, cu::HANDLE_FABRIC, 0); },
+      [handle, fabric] { return Injected("cuMemExportToShareableHandle", [&] { return driver.api.cuMemExportToShareableHandle(fabric.get(), handle, cu::HANDLE_FABRIC, 0); }); },
       [fabric](Napi::Env env) {
         return Napi::Buffer<uint8_t>::Copy(env, fabric->data, sizeof(fabric->data)).As<Napi::Value>();
       });
@@ -536,7 +544,7 @@ Napi::Value CudaImportFabric(const Napi::CallbackInfo& info) {
   std::memcpy(fabric.data, info[0].As<Napi::Buffer<uint8_t>>().Data(), sizeof(fabric.data));
   Check(env, UseDevice(0), "cuCtxSetCurrent");
   cu::GenericHandle handle = 0;
-  Check(env, driver.api.cuMemImportFromShareableHandle(&handle, &fabric, cu::HANDLE_FABRIC),
+  Check(env, Injected("cuMemImportFromShareableHandle", [&] { return driver.api.cuMemImportFromShareableHandle(&handle, &fabric, cu::HANDLE_FABRIC); }),
         "cuMemImportFromShareableHandle(FABRIC)");
   return Big(env, handle);
 }

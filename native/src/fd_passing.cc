@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "errors.h"
+#include "faults.h"
 
 namespace vmmd {
 namespace {
@@ -128,7 +129,7 @@ Napi::Value SeqpacketSend(const Napi::CallbackInfo& info) {
   }
   ssize_t sent;
   do {
-    sent = sendmsg(fd, &message, MSG_NOSIGNAL | MSG_DONTWAIT);
+    sent = faults::Inject("sendmsg") ? -1 : sendmsg(fd, &message, MSG_NOSIGNAL | MSG_DONTWAIT);
   } while (sent < 0 && errno == EINTR);
   if (sent < 0) {
     if (errno == EAGAIN || errno == EWOULDBLOCK) return Napi::Boolean::New(env, false);

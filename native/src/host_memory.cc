@@ -10,6 +10,7 @@
 #include <string>
 
 #include "errors.h"
+#include "faults.h"
 
 #ifndef F_SEAL_FUTURE_WRITE
 #define F_SEAL_FUTURE_WRITE 0x0010
@@ -32,7 +33,7 @@ Napi::Value HostMemfdCreate(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   std::string name = info[0].As<Napi::String>().Utf8Value();
   uint64_t size = U64Arg(info, 1, "size");
-  int fd = memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  int fd = faults::Inject("memfd_create") ? -1 : memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) ThrowErrno(env, Sized("memfd_create", size));
   if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
     int err = errno;
@@ -96,7 +97,7 @@ Napi::Value HostReserve(const Napi::CallbackInfo& info) {
     if (fixed == reinterpret_cast<void*>(hint)) return Napi::BigInt::New(env, static_cast<uint64_t>(hint));
     if (fixed != MAP_FAILED) munmap(fixed, size);  // old kernels treat the flag as a hint
   }
-  void* base = mmap(nullptr, span, PROT_NONE, flags, -1, 0);
+  void* base = faults::Inject("mmap:reserve") ? MAP_FAILED : mmap(nullptr, span, PROT_NONE, flags, -1, 0);
   if (base == MAP_FAILED) ThrowErrno(env, Sized("mmap", size));
   uintptr_t start = reinterpret_cast<uintptr_t>(base);
   uintptr_t aligned = (start + alignment - 1) & ~(static_cast<uintptr_t>(alignment) - 1);
@@ -120,7 +121,7 @@ Napi::Value HostMap(const Napi::CallbackInfo& info) {
   uint64_t size = U64Arg(info, 1, "size");
   int fd = FdArg(info, 2, "fd");
   uint64_t offset = U64Arg(info, 3, "offset");
-  void* mapped = mmap(address, size, PROT_NONE, MAP_SHARED | MAP_FIXED, fd, static_cast<off_t>(offset));
+  void* mapped = faults::Inject("mmap:map") ? MAP_FAILED : mmap(address, size, PROT_NONE, MAP_SHARED | MAP_FIXED, fd, static_cast<off_t>(offset));
   if (mapped == MAP_FAILED) ThrowErrno(info.Env(), Sized("mmap", size));
   return info.Env().Undefined();
 }
@@ -142,7 +143,7 @@ Napi::Value HostProtect(const Napi::CallbackInfo& info) {
   int prot = PROT_NONE;
   if (access & 1) prot |= PROT_READ;
   if (access & 2) prot |= PROT_WRITE;
-  if (mprotect(address, size, prot) != 0) ThrowErrno(info.Env(), Sized("mprotect", size));
+  if (faults::Inject("mprotect") || mprotect(address, size, prot) != 0) ThrowErrno(info.Env(), Sized("mprotect", size));
   return info.Env().Undefined();
 }
 
@@ -266,7 +267,7 @@ Napi::Value PageSize(const Napi::CallbackInfo& info) {
 
 Napi::Value Dup(const Napi::CallbackInfo& info) {
   int fd = FdArg(info, 0, "fd");
-  int copy = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  int copy = faults::Inject("dup") ? -1 : fcntl(fd, F_DUPFD_CLOEXEC, 0);
   if (copy < 0) ThrowErrno(info.Env(), "dup(" + std::to_string(fd) + ")");
   return Napi::Number::New(info.Env(), copy);
 }
