@@ -43,6 +43,9 @@ export class SeqpacketConnection extends EventEmitter {
     return new SeqpacketConnection(addon.seqpacketConnect(path));
   }
 
+  /** Why the connection closed itself (a failed receive), if it did; undefined for EOF or close(). */
+  closeReason?: string;
+
   get isClosed(): boolean {
     return this.closed;
   }
@@ -85,6 +88,7 @@ export class SeqpacketConnection extends EventEmitter {
   private onReadable(status: number, events: number): void {
     if (this.closed) return;
     if (status < 0) {
+      this.closeReason = `poll failed with status ${status}`;
       this.close();
       return;
     }
@@ -94,7 +98,8 @@ export class SeqpacketConnection extends EventEmitter {
       let received;
       try {
         received = addon.seqpacketRecv(this.fd, MAX_MESSAGE_BYTES);
-      } catch {
+      } catch (error) {
+        this.closeReason = (error as Error).message;
         this.close();
         return;
       }

@@ -408,6 +408,9 @@ export class SessionManager extends EventEmitter {
   private onClose(session: Session): void {
     if (session.closing) return;
     session.closing = true;
+    if (session.connection.closeReason !== undefined) {
+      session.log.warn({ reason: session.connection.closeReason }, 'the session socket failed; closing the session');
+    }
     for (const [transfer, waiter] of session.waiters) {
       clearTimeout(waiter.timer);
       waiter.reject(unavailable('SESSION_CLOSED', `session ${session.id} closed before transfer ${transfer} arrived`));

@@ -1,6 +1,7 @@
 #include "fd_passing.h"
 
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -141,6 +142,14 @@ Napi::Value SeqpacketSend(const Napi::CallbackInfo& info) {
 // seqpacketRecv(fd, maxLength) -> null when nothing waits; { eof: true } when
 // the peer closed; else { data, fd, extraFds, truncated }. A message longer
 // than maxLength is cut (truncated: true); descriptors beyond the first are
+
+// Whether the peer of a connected socket has hung up (closed or shut down its side).
+bool PeerHungUp(int fd) {
+  pollfd entry = {fd, POLLRDHUP, 0};
+  if (poll(&entry, 1, 0) < 0) return true;
+  return (entry.revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0;
+}
+
 // closed here and counted in extraFds, so a hostile peer cannot leak them.
 Napi::Value SeqpacketRecv(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
@@ -185,7 +194,10 @@ Napi::Value SeqpacketRecv(const Napi::CallbackInfo& info) {
     }
   }
   Napi::Object out = Napi::Object::New(env);
-  if (received == 0 && firstFd < 0) {
+  // SEQPACKET: 0 bytes is the end of the stream, or an empty record that the
+  // peer sent (a bad message, not a hang-up; nothing in recvmsg's flags tells
+  // them apart). Only a peer that hung up shows POLLHUP / POLLRDHUP.
+  if (received == 0 && firstFd < 0 && PeerHungUp(fd)) {
     out.Set("eof", Napi::Boolean::New(env, true));
     return out;
   }

@@ -58,6 +58,17 @@ describe('SEQPACKET with descriptors', () => {
     expect(message.data.length).toBe(MAX_MESSAGE_BYTES);
   });
 
+  it('takes an empty record for an empty message, not for the peer hanging up (found by the hostile-input suite)', async () => {
+    const received = nextMessage(server);
+    client.send(Buffer.alloc(0));
+    const message = await received;
+    expect(message.data.length).toBe(0);
+    expect(server.isClosed).toBe(false);
+    const next = nextMessage(server);
+    client.send(Buffer.from('still here'));
+    expect((await next).data.toString()).toBe('still here');
+  });
+
   it('emits close when the peer goes away', async () => {
     const closed = new Promise((resolve) => server.once('close', resolve));
     client.close();
