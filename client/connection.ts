@@ -114,11 +114,35 @@ export class VmmdClient extends EventEmitter {
     readonly admin: AdminApi,
     readonly stores: StoresApi,
     private readonly channels: grpc.Client[],
+    private readonly options: ConnectOptions = {},
   ) {
     super();
     session.on('close', () => {
-      if (!this.closing) this.emit('session-lost', session);
+      if (this.closing) return;
+      this.lost = true;
+      this.emit(
+        'session-lost',
+        new VmmdError(
+          'SESSION_LOST',
+          grpc.status.UNAVAILABLE,
+          `session ${session.id} with vmmd at ${socketDir} ended: the daemon went away; everything the session held in the daemon is gone (memory mapped in this process stays valid); reconnect() opens a new session`,
+        ),
+      );
     });
+  }
+
+  /** True once the daemon ended the session without close() (it stopped or crashed). */
+  lost = false;
+
+  /**
+   * A new session with the daemon at the same socket directory, with the same
+   * options (after a restart of the daemon, say). This client stays closed;
+   * memory this process mapped earlier stays valid.
+   * @throws VmmdError UNAVAILABLE DAEMON_UNREACHABLE while no daemon serves the directory
+   */
+  reconnect(): Promise<VmmdClient> {
+    this.close();
+    return connect({ ...this.options, socketDir: this.socketDir });
   }
 
   /** Ends the session: the daemon reclaims everything it owns. Local mappings stay valid. */
@@ -178,5 +202,5 @@ export async function connect(options: ConnectOptions = {}): Promise<VmmdClient>
   }
   const vmm = new VirtualMemoryApi(vmmClient as VirtualMemoryClient, settings, session, backend, stagingBytes);
   const stores = new StoresApi(storesClient as StoresClient, settings, session, backend);
-  return new VmmdClient(session, socketDir, backend, devices, vmm, new AdminApi(adminClient, settings), stores, [devicesClient]);
+  return new VmmdClient(session, socketDir, backend, devices, vmm, new AdminApi(adminClient, settings), stores, [devicesClient], options);
 }
