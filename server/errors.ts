@@ -50,6 +50,8 @@ const NATIVE_STATUS: Record<string, Status> = {
   ENFILE: Status.RESOURCE_EXHAUSTED,
   ENOSPC: Status.RESOURCE_EXHAUSTED,
   ETOOMANYREFS: Status.RESOURCE_EXHAUSTED,
+  // The kernel had no buffer for a session-socket message (found by fault injection: it was INTERNAL).
+  ENOBUFS: Status.RESOURCE_EXHAUSTED,
   BAD_DESCRIPTOR: Status.INVALID_ARGUMENT,
   EAGAIN: Status.UNAVAILABLE,
   EPIPE: Status.UNAVAILABLE,

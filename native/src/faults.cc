@@ -36,6 +36,7 @@ const std::map<std::string, int>& ErrorNames() {
       {"EAGAIN", EAGAIN},
       {"EPERM", EPERM},
       {"ENOSPC", ENOSPC},
+      {"ENOBUFS", ENOBUFS},
       {"CUDA_ERROR_INVALID_VALUE", 1},
       {"CUDA_ERROR_OUT_OF_MEMORY", 2},
       {"CUDA_ERROR_NOT_PERMITTED", 800},

@@ -66,7 +66,7 @@ Napi::Value HostFdInfo(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   int fd = FdArg(info, 0, "fd");
   struct stat st;
-  if (fstat(fd, &st) != 0) ThrowErrno(env, "fstat");
+  if (faults::Inject("fstat") || fstat(fd, &st) != 0) ThrowErrno(env, "fstat");
   int seals = fcntl(fd, F_GET_SEALS);
   int flags = fcntl(fd, F_GETFL);
   Napi::Object out = Napi::Object::New(env);

@@ -28,6 +28,9 @@ interface Case {
   status: grpc.status;
 }
 
+/** A memfd of this process's, to attach as a SYSMEM store. */
+const sysmem = () => addon.hostMemfdCreate('attached', 2n * MiB);
+
 const cases: Case[] = [
   {
     plan: 'memfd_create:1:ENOMEM',
@@ -80,6 +83,26 @@ const cases: Case[] = [
       return { allocation, address };
     },
     operation: (c, { address }) => c.vmm.setAccess({ address, size: 2n * MiB, descriptors: RW }),
+    status: grpc.status.RESOURCE_EXHAUSTED,
+  },
+  {
+    plan: 'fstat:1:EBADF',
+    what: 'Attach of a descriptor, when the descriptor cannot be inspected',
+    operation: async (c) => {
+      const fd = sysmem();
+      try {
+        return await c.stores.attachDescriptor(fd, { target: 'STORE_TARGET_SYSMEM', device: 0, size: 2n * MiB, readOnly: false });
+      } finally {
+        addon.close(fd);
+      }
+    },
+    status: grpc.status.INVALID_ARGUMENT,
+  },
+  {
+    plan: 'sendmsg:2:ENOBUFS', // call 1 is the session's greeting
+    what: 'Export, when the descriptor cannot be sent on the session socket',
+    prepare: async (c) => ({ allocation: (await c.vmm.create({ size: 2n * MiB })).id }),
+    operation: (c, { allocation }) => c.vmm.import(allocation),
     status: grpc.status.RESOURCE_EXHAUSTED,
   },
 ];
