@@ -5,7 +5,7 @@
  * daemon's copy of the other; only offsets travel over gRPC. One staged
  * transfer at a time per session (they share the buffer).
  */
-import { addon, HOST_ACCESS } from '../native';
+import { SharedHostMemory } from './external';
 
 /** Reads and writes from this size up take the staging buffer; smaller ones stream over gRPC. */
 export const STAGED_MIN_BYTES = 256 * 1024;
@@ -22,8 +22,8 @@ export interface StagedCalls {
 }
 
 export class StagingBuffer {
-  private bytes?: Buffer;
-  private address = 0n;
+  // A memfd mapped here; the daemon maps the same pages once OpenStaging took it.
+  private memory?: SharedHostMemory;
   private opening?: Promise<void>;
   // One staged transfer at a time: each waits for the one before.
   private queue: Promise<unknown> = Promise.resolve();
@@ -73,11 +73,8 @@ export class StagingBuffer {
 
   /** Unmaps the buffer here (the daemon unmaps its side with the session). */
   close(): void {
-    if (this.bytes === undefined) return;
-    addon.hostDetachArrayBuffer(this.bytes.buffer as ArrayBuffer);
-    addon.hostUnmap(this.address, BigInt(this.size));
-    addon.hostFreeAddress(this.address, BigInt(this.size));
-    this.bytes = undefined;
+    this.memory?.free();
+    this.memory = undefined;
     this.opening = undefined;
   }
 
@@ -90,28 +87,17 @@ export class StagingBuffer {
   /** Creates, maps and opens the buffer on first use. */
   private async mapped(): Promise<Buffer> {
     this.opening ??= (async () => {
-      const size = BigInt(this.size);
-      const fd = addon.hostMemfdCreate('vmmd:staging', size);
-      let address = 0n;
+      const memory = SharedHostMemory.allocate(this.size);
       try {
-        address = addon.hostReserve(size, BigInt(addon.pageSize()), 0n);
-        addon.hostMap(address, size, fd, 0n);
-        addon.hostProtect(address, size, HOST_ACCESS.READWRITE);
-        await this.calls.open(fd);
+        await this.calls.open(memory.fd);
       } catch (error) {
-        if (address !== 0n) {
-          addon.hostUnmap(address, size);
-          addon.hostFreeAddress(address, size);
-        }
+        memory.free();
         this.opening = undefined;
         throw error;
-      } finally {
-        addon.close(fd);
       }
-      this.address = address;
-      this.bytes = Buffer.from(addon.hostArrayBuffer(address, this.size));
+      this.memory = memory;
     })();
     await this.opening;
-    return this.bytes!;
+    return Buffer.from(this.memory!.buffer);
   }
 }

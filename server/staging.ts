@@ -6,15 +6,15 @@
  * 0.3 GB/s, bench/grpc-stream-floor.js). One buffer per session; it goes
  * with the session.
  */
-import { addon, HOST_ACCESS } from '../native';
+import { addon } from '../native';
 import { failedPrecondition, invalidArgument, outOfRange, RpcError } from './errors';
+import { MemfdMemory } from './stores';
 
 /** The largest staging buffer a session may open. */
 export const MAX_STAGING_BYTES = 1n << 30n;
 
 interface Staging {
-  fd: number;
-  address: bigint;
+  memory: MemfdMemory;
   size: bigint;
   buffer: ArrayBuffer;
   // Invariant: copies in flight; the mapping is released only when none is.
@@ -31,8 +31,8 @@ export class StagingBuffers {
    * @throws INVALID_ARGUMENT BAD_DESCRIPTOR (not a memfd, empty, not page-sized, larger than MAX_STAGING_BYTES)
    */
   async open(session: bigint, fd: number): Promise<bigint> {
-    let address = 0n;
-    let size = 0n;
+    let memory: MemfdMemory;
+    let size: bigint;
     try {
       const info = addon.hostFdInfo(fd);
       size = info.size;
@@ -42,17 +42,19 @@ export class StagingBuffers {
         throw invalidArgument('BAD_DESCRIPTOR', `a staging buffer's size ${size} must be a positive multiple of ${page} bytes, at most ${MAX_STAGING_BYTES}`);
       }
       if (info.readOnlySealed) throw invalidArgument('BAD_DESCRIPTOR', 'a staging buffer must be writable (this memfd is sealed read-only)');
-      address = addon.hostReserve(size, page, 0n);
-      addon.hostMap(address, size, fd, 0n);
-      addon.hostProtect(address, size, HOST_ACCESS.READWRITE);
     } catch (error) {
-      if (address !== 0n) addon.hostFreeAddress(address, size);
       addon.close(fd);
       if (error instanceof RpcError) throw error;
+      throw invalidArgument('BAD_DESCRIPTOR', `the staging descriptor cannot be inspected: ${(error as Error).message}`);
+    }
+    try {
+      // Takes fd over, and closes it if the mapping fails.
+      memory = MemfdMemory.map(fd, size, false);
+    } catch (error) {
       throw invalidArgument('BAD_DESCRIPTOR', `the staging descriptor cannot be mapped: ${(error as Error).message}`);
     }
     await this.close(session);
-    this.bySession.set(session, { fd, address, size, buffer: addon.hostArrayBuffer(address, Number(size)), busy: 0 });
+    this.bySession.set(session, { memory, size, buffer: addon.hostArrayBuffer(memory.address, Number(size)), busy: 0 });
     return size;
   }
 
@@ -85,12 +87,6 @@ export class StagingBuffers {
     this.bySession.delete(session);
     if (staging.busy > 0) await new Promise<void>((resolve) => (staging.closing = resolve));
     addon.hostDetachArrayBuffer(staging.buffer);
-    addon.hostUnmap(staging.address, staging.size);
-    addon.hostFreeAddress(staging.address, staging.size);
-    addon.close(staging.fd);
-  }
-
-  get count(): number {
-    return this.bySession.size;
+    await staging.memory.release();
   }
 }

@@ -94,13 +94,14 @@ class AllocationMemory implements StoreMemory {
   }
 }
 
-/** An attached memfd (system memory), mapped by the daemon directly. */
-class MemfdMemory implements StoreMemory {
+/** A memfd of a client's (an attached store, a staging buffer), mapped by the daemon directly. */
+export class MemfdMemory implements StoreMemory {
   readonly allocationId = 0n;
 
   private constructor(
     private readonly fd: number,
-    private readonly address: bigint,
+    /** Where the daemon mapped it. */
+    readonly address: bigint,
     private readonly mapped: bigint,
     readonly granularity: bigint,
   ) {}
