@@ -614,13 +614,8 @@ export class Registry {
     const reservation = this.checkIo(caller, address, length, false);
     for (let offset = 0n; offset < length; offset += BigInt(IO_CHUNK_BYTES)) {
       const chunk = length - offset < BigInt(IO_CHUNK_BYTES) ? length - offset : BigInt(IO_CHUNK_BYTES);
-      const data = await reservation.queue.run(async () => {
-        const segments = this.checkIoInQueue(reservation, address + offset, chunk, false);
-        const parts = await Promise.all(
-          segments.map((segment) => this.backend.readBytes(segment.address, Number(segment.length), segment.device)),
-        );
-        return parts.length === 1 ? parts[0] : Buffer.concat(parts);
-      });
+      const data = Buffer.allocUnsafe(Number(chunk));
+      await this.copySegments(reservation, address + offset, data, false);
       yield { offset, data };
     }
   }
@@ -630,28 +625,29 @@ export class Registry {
    * bytes), in the reservation's queue: the bulk path, with no Buffer in between.
    */
   async readInto(caller: bigint, address: bigint, into: Buffer): Promise<void> {
-    const length = BigInt(into.length);
-    const reservation = this.checkIo(caller, address, length, false);
-    await reservation.queue.run(async () => {
-      const segments = this.checkIoInQueue(reservation, address, length, false);
-      await Promise.all(
-        segments.map((segment) => {
-          const start = Number(segment.address - address);
-          return this.backend.readBytes(segment.address, Number(segment.length), segment.device, into.subarray(start, start + Number(segment.length)));
-        }),
-      );
-    });
+    await this.copySegments(this.checkIo(caller, address, BigInt(into.length), false), address, into, false);
   }
 
   /** Writes bytes to a range the daemon may write, in the reservation's queue. */
   async write(caller: bigint, address: bigint, data: Buffer): Promise<void> {
-    const reservation = this.checkIo(caller, address, BigInt(data.length), true);
-    await reservation.queue.run(async () => {
-      const segments = this.checkIoInQueue(reservation, address, BigInt(data.length), true);
+    await this.copySegments(this.checkIo(caller, address, BigInt(data.length), true), address, data, true);
+  }
+
+  /**
+   * In the reservation's queue: checks [address, +bytes) again, then copies
+   * each device's segment of it between the mapped memory and `bytes`
+   * (out of the memory, or into it with `write`), through that device.
+   */
+  private copySegments(reservation: ReservationRecord, address: bigint, bytes: Buffer, write: boolean): Promise<void> {
+    return reservation.queue.run(async () => {
+      const segments = this.checkIoInQueue(reservation, address, BigInt(bytes.length), write);
       await Promise.all(
         segments.map((segment) => {
           const start = Number(segment.address - address);
-          return this.backend.writeBytes(segment.address, data.subarray(start, start + Number(segment.length)), segment.device);
+          const part = bytes.subarray(start, start + Number(segment.length));
+          return write
+            ? this.backend.writeBytes(segment.address, part, segment.device)
+            : this.backend.readBytes(segment.address, part.length, segment.device, part);
         }),
       );
     });
