@@ -92,81 +92,56 @@ export const COLD_SIZES: Array<[bigint, number]> = [
   [1n * GiB, 0.15],
 ];
 
-/** The daemon's steps in this process: create, export, import, reserve, map, set access. Torn down untimed. */
-function inProcessSteps(backend: string, size: bigint): { run: () => Promise<() => Promise<void>> } {
+/** Runs one named step of the in-process path: the whole is timed by the caller, or each step alone. */
+type Step = <T>(name: string, body: () => T | Promise<T>) => Promise<T>;
+
+const untimed: Step = async (_name, body) => body();
+
+/**
+ * The daemon's steps in this process: create, export, import, reserve, map,
+ * set access; returns the teardown (unmap, free, release), through `step` too.
+ */
+async function inProcessSteps(backend: string, size: bigint, step: Step = untimed): Promise<() => Promise<void>> {
   if (backend === 'cuda') {
-    const access = [{ type: CU_LOCATION.DEVICE, id: 0, flags: 3 }];
-    return {
-      run: async () => {
-        const handle = addon.cudaCreate(0, CU_LOCATION.DEVICE, 0, size, 1);
-        const fd = await addon.cudaExportFd(0, handle);
-        const imported = addon.cudaImportFd(fd);
-        const address = addon.cudaReserve(size, 0n, 0n);
-        addon.cudaMap(address, size, 0n, imported);
-        addon.cudaSetAccess(address, size, access);
-        return async () => {
-          await addon.cudaUnmap(0, address, size);
-          addon.cudaFreeAddress(address, size);
-          await addon.cudaRelease(0, imported);
-          await addon.cudaRelease(0, handle);
-          addon.close(fd);
-        };
-      },
+    const handle = await step('cuMemCreate', () => addon.cudaCreate(0, CU_LOCATION.DEVICE, 0, size, 1));
+    const fd = await step('cuMemExportToShareableHandle (on a driver thread)', () => addon.cudaExportFd(0, handle));
+    const imported = await step('cuMemImportFromShareableHandle', () => addon.cudaImportFd(fd));
+    const address = await step('cuMemAddressReserve', () => addon.cudaReserve(size, 0n, 0n));
+    await step('cuMemMap', () => addon.cudaMap(address, size, 0n, imported));
+    await step('cuMemSetAccess', () => addon.cudaSetAccess(address, size, [{ type: CU_LOCATION.DEVICE, id: 0, flags: 3 }]));
+    return async () => {
+      await step('cuMemUnmap (on a driver thread)', () => addon.cudaUnmap(0, address, size));
+      await step('cuMemAddressFree', () => addon.cudaFreeAddress(address, size));
+      await step('cuMemRelease (on a driver thread)', () => addon.cudaRelease(0, imported));
+      await addon.cudaRelease(0, handle);
+      addon.close(fd);
     };
   }
-  return {
-    run: async () => {
-      const fd = addon.hostMemfdCreate('bench', size);
-      const exported = addon.dup(fd);
-      const address = addon.hostReserve(size, 2n * MiB, 0n);
-      addon.hostMap(address, size, exported, 0n);
-      addon.hostProtect(address, size, HOST_ACCESS.READWRITE);
-      return async () => {
-        addon.hostUnmap(address, size);
-        addon.hostFreeAddress(address, size);
-        addon.close(exported);
-        addon.close(fd);
-      };
-    },
+  const fd = await step('memfd_create + ftruncate', () => addon.hostMemfdCreate('bench', size));
+  const exported = await step('dup (export)', () => addon.dup(fd));
+  const address = await step('mmap PROT_NONE (reserve)', () => addon.hostReserve(size, 2n * MiB, 0n));
+  await step('mmap MAP_FIXED (map)', () => addon.hostMap(address, size, exported, 0n));
+  await step('mprotect (set access)', () => addon.hostProtect(address, size, HOST_ACCESS.READWRITE));
+  return async () => {
+    await step('munmap + free', () => {
+      addon.hostUnmap(address, size);
+      addon.hostFreeAddress(address, size);
+    });
+    addon.close(exported);
+    addon.close(fd);
   };
 }
 
 /** Each driver call of the in-process steps, timed alone (cuda), or each system call (host). */
 async function stepBreakdown(backend: string, size: bigint, count: number): Promise<Row[]> {
   const steps: Record<string, number[]> = {};
-  const time = async <T>(name: string, body: () => T | Promise<T>): Promise<T> => {
+  const timed: Step = async (name, body) => {
     const start = performance.now();
     const value = await body();
     (steps[name] ??= []).push((performance.now() - start) * 1000);
     return value;
   };
-  for (let i = 0; i < count; i++) {
-    if (backend === 'cuda') {
-      const handle = await time('cuMemCreate', () => addon.cudaCreate(0, CU_LOCATION.DEVICE, 0, size, 1));
-      const fd = await time('cuMemExportToShareableHandle (on a driver thread)', () => addon.cudaExportFd(0, handle));
-      const imported = await time('cuMemImportFromShareableHandle', () => addon.cudaImportFd(fd));
-      const address = await time('cuMemAddressReserve', () => addon.cudaReserve(size, 0n, 0n));
-      await time('cuMemMap', () => addon.cudaMap(address, size, 0n, imported));
-      await time('cuMemSetAccess', () => addon.cudaSetAccess(address, size, [{ type: CU_LOCATION.DEVICE, id: 0, flags: 3 }]));
-      await time('cuMemUnmap (on a driver thread)', () => addon.cudaUnmap(0, address, size));
-      await time('cuMemAddressFree', () => addon.cudaFreeAddress(address, size));
-      await time('cuMemRelease (on a driver thread)', () => addon.cudaRelease(0, imported));
-      await addon.cudaRelease(0, handle);
-      addon.close(fd);
-    } else {
-      const fd = await time('memfd_create + ftruncate', () => addon.hostMemfdCreate('bench', size));
-      const exported = await time('dup (export)', () => addon.dup(fd));
-      const address = await time('mmap PROT_NONE (reserve)', () => addon.hostReserve(size, 2n * MiB, 0n));
-      await time('mmap MAP_FIXED (map)', () => addon.hostMap(address, size, exported, 0n));
-      await time('mprotect (set access)', () => addon.hostProtect(address, size, HOST_ACCESS.READWRITE));
-      await time('munmap + free', () => {
-        addon.hostUnmap(address, size);
-        addon.hostFreeAddress(address, size);
-      });
-      addon.close(exported);
-      addon.close(fd);
-    }
-  }
+  for (let i = 0; i < count; i++) await (await inProcessSteps(backend, size, timed))();
   return Object.entries(steps).map(([name, samples]) => ({ path: `  step: ${name}`, size: sizeName(size), ...summarize(samples), p50_vs_in_process: null }));
 }
 
@@ -177,8 +152,7 @@ export async function cold(client: VmmdClient, iterations: number): Promise<Sect
   for (const [size, share] of COLD_SIZES) {
     const count = Math.max(10, Math.round(iterations * share));
     const daemon = summarize(await sample(count, () => emm.memalloc(size), { warmup: 50, after: (pointer) => pointer.free() }));
-    const steps = inProcessSteps(client.backend, size);
-    const local = summarize(await sample(count, steps.run, { warmup: 50, after: (teardown) => teardown() }));
+    const local = summarize(await sample(count, () => inProcessSteps(client.backend, size), { warmup: 50, after: (teardown) => teardown() }));
     rows.push({ path: 'vmmd memalloc across processes', size: sizeName(size), ...daemon, p50_vs_in_process: ratio(daemon.p50_us, local.p50_us) });
     rows.push({ path: 'same steps in one process', size: sizeName(size), ...local, p50_vs_in_process: 1 });
     if (client.backend === 'cuda') {

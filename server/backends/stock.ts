@@ -175,7 +175,9 @@ export class StockedBackend implements Backend {
         // Created and exported on a driver thread: a refill costs the event loop nothing but this turn.
         const item = await this.inner.createExported(shelf.device, { type: 'DEVICE', id: shelf.device }, shelf.size);
         this.counters.created++;
-        this.free.set(shelf.device, { bytes: (this.free.get(shelf.device)?.bytes ?? 0n) - shelf.size, at: this.free.get(shelf.device)?.at ?? 0 });
+        // What this refill took, until the driver is asked again.
+        const known = this.free.get(shelf.device);
+        if (known !== undefined) known.bytes -= shelf.size;
         if (this.closed) this.discard(shelf, item);
         else shelf.items.push(item);
       }
