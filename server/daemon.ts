@@ -108,6 +108,7 @@ export class Daemon {
   /** @throws DaemonStartError, BackendUnavailableError, or the socket's error */
   static async start(config: DaemonConfig, log: Logger, sessionOptions: SessionOptions = DEFAULT_SESSION_OPTIONS): Promise<Daemon> {
     const backend = await selectBackend(config, log);
+    armFaults(process.env.VMMD_FAULTS, log);
     let sessions: SessionManager | undefined;
     const quotas = new Quotas({ perUid: config.quotaPerUid, perSession: config.quotaPerSession }, (session) => sessions?.uidOf(session));
     const registry = new Registry(backend, (owner, bytes) => quotas.charge(owner, bytes));
@@ -120,7 +121,7 @@ export class Daemon {
       transferWaitMs: config.transferWaitMs,
       authorize: (peer) => authorize(config, peer),
     });
-    const stores = new StoreRegistry(registry);
+    const stores = new StoreRegistry(registry, log);
     sessions.onReclaim((session) => stores.reclaim(session));
     const staging = new StagingBuffers();
     sessions.onReclaim((session) => staging.close(session));
@@ -186,4 +187,16 @@ export class Daemon {
     this.metrics.close();
     this.log.info('vmmd stopped');
   }
+}
+
+/**
+ * Fault injection (tests only; native/src/faults.h): the plan was checked when
+ * the addon loaded, and counts restart here, once the backend is open, so that
+ * "the N-th call" means the N-th call made for requests, whatever the device
+ * and fabric probes at start called.
+ */
+function armFaults(plan: string | undefined, log: Logger): void {
+  if (plan === undefined || plan === '') return;
+  addon.faultsSet(plan);
+  log.warn({ faults: plan }, 'fault injection armed (VMMD_FAULTS): these calls will fail on purpose');
 }

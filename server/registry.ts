@@ -335,6 +335,12 @@ export class Registry {
   async release(caller: bigint, allocationId: bigint): Promise<ReleaseResult> {
     const allocation = this.allocation(allocationId);
     const total = this.referenceCount(allocation);
+    if (total === 0 && allocation.mappingCount === 0 && allocation.busy === 0) {
+      // Every reference was dropped but freeing failed (a driver error): this Release tries again.
+      this.checkCanAct(caller, allocation.owner, `allocation ${allocationId}`);
+      const freed = await this.freeIfUnused(allocation);
+      return { freed, handleReferences: 0, mappingCount: 0 };
+    }
     if (total === 0) {
       throw failedPrecondition(
         'ALREADY_RELEASED',
@@ -365,7 +371,8 @@ export class Registry {
    */
   allocation(allocationId: bigint): AllocationRecord {
     const allocation = this.allocations.get(allocationId);
-    if (allocation === undefined) {
+    // (One being freed is already gone for callers.)
+    if (allocation === undefined || allocation.freed) {
       throw notFound('UNKNOWN_ALLOCATION', `allocation ${allocationId} does not exist (never created, or freed)`);
     }
     return allocation;
@@ -382,6 +389,19 @@ export class Registry {
     }
     allocation.references.set(holder, (allocation.references.get(holder) ?? 0) + 1);
     return allocation;
+  }
+
+  /**
+   * Drops every reference `holder` (a store) has on an allocation, and frees it
+   * if nobody else references or maps it. Safe to repeat after a failure: a
+   * repeat drops what is left and tries the free again.
+   */
+  async dropHolder(holder: bigint, allocationId: bigint): Promise<void> {
+    const allocation = this.allocations.get(allocationId);
+    if (allocation === undefined || allocation.freed) return;
+    const held = allocation.references.get(holder);
+    if (held !== undefined) await this.dropReferences(allocation, holder, held);
+    await this.freeIfUnused(allocation);
   }
 
   referenceCount(allocation: AllocationRecord): number {
@@ -807,23 +827,39 @@ export class Registry {
   }
 
   /** Drops `count` of the holder's references, and as many retained backend references as there are. */
+  /**
+   * Drops a holder's references. The driver's references go first: when one
+   * fails, the holder keeps its references and a retry drops the rest (the
+   * driver references already dropped are not dropped twice).
+   */
   private async dropReferences(allocation: AllocationRecord, holder: bigint, count: number): Promise<void> {
+    const retained = Math.min(count, allocation.backendRetains);
+    for (let i = 0; i < retained; i++) {
+      await this.backend.releaseReference(allocation.handle);
+      allocation.backendRetains--;
+    }
     const left = (allocation.references.get(holder) ?? 0) - count;
     if (left <= 0) allocation.references.delete(holder);
     else allocation.references.set(holder, left);
-    for (let i = 0; i < count && allocation.backendRetains > 0; i++) {
-      allocation.backendRetains--;
-      await this.backend.releaseReference(allocation.handle);
-    }
   }
 
+  /**
+   * Frees an allocation nobody references or maps. Recorded as freed only once
+   * the backend has freed it: when that fails the allocation stays, accounted
+   * and charged, and the next Release or reclaim tries again.
+   */
   private async freeIfUnused(allocation: AllocationRecord): Promise<boolean> {
     if (allocation.freed || allocation.busy > 0 || allocation.mappingCount > 0) return false;
     if (this.referenceCount(allocation) > 0) return false;
     allocation.freed = true;
+    try {
+      await this.backend.release(allocation.handle, allocation.size, allocation.imported);
+    } catch (error) {
+      allocation.freed = false;
+      throw error;
+    }
     this.allocations.delete(allocation.id);
     allocation.refund?.();
-    await this.backend.release(allocation.handle, allocation.size, allocation.imported);
     return true;
   }
 

@@ -7,6 +7,7 @@
  * and are handed out read-only.
  */
 import { EventEmitter } from 'node:events';
+import type { Logger } from 'pino';
 import { addon, HOST_ACCESS } from '../native';
 import { alreadyExists, failedPrecondition, invalidArgument, notFound, outOfRange, permissionDenied } from './errors';
 import { AllocationRecord, DAEMON_OWNER, Registry } from './registry';
@@ -27,11 +28,16 @@ interface StoreMemory {
   exportFd(): Promise<number>;
   read(offset: bigint, length: number): Promise<Buffer>;
   write(offset: bigint, data: Buffer): Promise<void>;
+  /** Undoes what the daemon holds, step by step; after a failure, a repeat resumes at the step that failed. */
   release(): Promise<void>;
 }
 
 /** A registry allocation, mapped by the daemon with READ or READWRITE access for its device. */
 class AllocationMemory implements StoreMemory {
+  // What release has still to undo (a failed release resumes here).
+  private mapped = true;
+  private reserved = true;
+
   private constructor(
     private readonly registry: Registry,
     private readonly allocation: AllocationRecord,
@@ -66,7 +72,7 @@ class AllocationMemory implements StoreMemory {
       ]);
     } catch (error) {
       await registry.unmap(holder, reservation.address, size).catch(() => undefined);
-      await registry.freeAddress(holder, reservation.address, size);
+      await registry.freeAddress(holder, reservation.address, size).catch(() => undefined);
       throw error;
     }
     return new AllocationMemory(registry, allocation, holder, reservation.address);
@@ -88,15 +94,25 @@ class AllocationMemory implements StoreMemory {
   }
 
   async release(): Promise<void> {
-    await this.registry.unmap(this.holder, this.address, this.allocation.size);
-    await this.registry.freeAddress(this.holder, this.address, this.allocation.size);
-    await this.registry.release(this.holder, this.allocation.id);
+    if (this.mapped) {
+      await this.registry.unmap(this.holder, this.address, this.allocation.size);
+      this.mapped = false;
+    }
+    if (this.reserved) {
+      await this.registry.freeAddress(this.holder, this.address, this.allocation.size);
+      this.reserved = false;
+    }
+    await this.registry.dropHolder(this.holder, this.allocation.id);
   }
 }
 
 /** A memfd of a client's (an attached store, a staging buffer), mapped by the daemon directly. */
 export class MemfdMemory implements StoreMemory {
   readonly allocationId = 0n;
+  // What release has still to undo (a failed release resumes here).
+  private mappedHere = true;
+  private reserved = true;
+  private open = true;
 
   private constructor(
     private readonly fd: number,
@@ -122,11 +138,14 @@ export class MemfdMemory implements StoreMemory {
       if (readOnly) addon.hostMemfdSealReadOnly(fd);
       return new MemfdMemory(fd, address, mapped, page);
     } catch (error) {
-      if (address !== 0n) {
-        addon.hostUnmap(address, mapped);
-        addon.hostFreeAddress(address, mapped);
+      try {
+        if (address !== 0n) {
+          addon.hostUnmap(address, mapped);
+          addon.hostFreeAddress(address, mapped);
+        }
+      } finally {
+        addon.close(fd);
       }
-      addon.close(fd);
       throw error;
     }
   }
@@ -144,9 +163,18 @@ export class MemfdMemory implements StoreMemory {
   }
 
   async release(): Promise<void> {
-    addon.hostUnmap(this.address, this.mapped);
-    addon.hostFreeAddress(this.address, this.mapped);
-    addon.close(this.fd);
+    if (this.mappedHere) {
+      addon.hostUnmap(this.address, this.mapped);
+      this.mappedHere = false;
+    }
+    if (this.reserved) {
+      addon.hostFreeAddress(this.address, this.mapped);
+      this.reserved = false;
+    }
+    if (this.open) {
+      this.open = false;
+      addon.close(this.fd);
+    }
   }
 }
 
@@ -167,7 +195,10 @@ export interface StoreRecord {
   // Invariant: daemon operations on the store that started and have not settled.
   inFlight: number;
   drainWaiters: Array<() => void>;
-  released: boolean;
+  /** Its memory is being freed, or was. */
+  releasing: boolean;
+  /** Why freeing its memory failed last (a driver or OS error); the next Detach, close or session end tries again. */
+  releaseFailure?: string;
 }
 
 export interface StoreEvent {
@@ -187,7 +218,10 @@ export class StoreRegistry extends EventEmitter {
   private readonly stores = new Map<bigint, StoreRecord>();
   private readonly events: StoreEvent[] = [];
 
-  constructor(private readonly registry: Registry) {
+  constructor(
+    private readonly registry: Registry,
+    private readonly log?: Logger,
+  ) {
     super();
     this.setMaxListeners(0);
   }
@@ -222,7 +256,7 @@ export class StoreRegistry extends EventEmitter {
       if (args.readOnly) this.registry.backend.sealReadOnly(allocation.handle);
       memory = await AllocationMemory.map(this.registry, allocation, holder, args.readOnly);
     } catch (error) {
-      await this.registry.release(holder, allocation.id);
+      await this.registry.dropHolder(holder, allocation.id);
       throw error;
     }
     const target: StoreTarget = allocation.location.type === 'DEVICE' && this.registry.backend.name === 'cuda' ? 'FBMEM' : allocation.location.type === 'DEVICE' ? 'SYSMEM' : 'ZCMEM';
@@ -283,7 +317,13 @@ export class StoreRegistry extends EventEmitter {
       const holder = STORE_HOLDER_BASE + id;
       this.registry.holdAllocation(caller, allocation.id, holder);
       await this.registry.release(caller, allocation.id);
-      memory = await AllocationMemory.map(this.registry, allocation, holder, args.readOnly);
+      try {
+        memory = await AllocationMemory.map(this.registry, allocation, holder, args.readOnly);
+      } catch (error) {
+        // The import goes with the store that could not be made (found by fault injection: it stayed).
+        await this.registry.dropHolder(holder, allocation.id);
+        throw error;
+      }
     }
     return this.add(caller, {
       id,
@@ -339,18 +379,25 @@ export class StoreRegistry extends EventEmitter {
     if (count === 1) store.opens.delete(session);
     else store.opens.set(session, count - 1);
     this.record('CLOSED', store, session);
-    await this.releaseIfUnused(store);
+    await this.releaseOrLog(store);
     return this.openCount(store);
   }
 
   /**
    * Detach as Legate defines it: no new opens, then waits for every daemon
-   * operation on the store; the memory goes once nobody has it open.
-   * @throws PERMISSION_DENIED NOT_OWNER; FAILED_PRECONDITION STORE_DETACHED
+   * operation on the store; the memory goes once nobody has it open. When
+   * freeing fails the store stays detached, its memory accounted, and the
+   * error says so; Detach again tries the free again (so do the last close
+   * and the end of any session).
+   * @throws PERMISSION_DENIED NOT_OWNER; FAILED_PRECONDITION STORE_DETACHED; the free's error
    */
   async detach(caller: bigint, store: StoreRecord): Promise<StoreRecord> {
     if (store.owner !== caller && store.owner !== DAEMON_OWNER) {
       throw permissionDenied('NOT_OWNER', `store ${store.id} belongs to session ${store.owner}; only its owner detaches it`);
+    }
+    if (store.state === 'DETACHED' && store.releaseFailure !== undefined) {
+      await this.release(store);
+      return store;
     }
     if (store.state !== 'LIVE') throw failedPrecondition('STORE_DETACHED', `store ${store.id} is already ${store.state.toLowerCase()}`);
     await this.detachNow(store, caller);
@@ -362,10 +409,18 @@ export class StoreRegistry extends EventEmitter {
    * when others close them too).
    */
   async reclaim(session: bigint): Promise<void> {
+    const failures: unknown[] = [];
     for (const store of [...this.stores.values()]) {
       if (store.opens.delete(session)) this.record('CLOSED', store, session);
-      if (store.owner === session && store.state === 'LIVE') await this.detachNow(store, session);
-      else await this.releaseIfUnused(store);
+      try {
+        if (store.owner === session && store.state === 'LIVE') await this.detachNow(store, session);
+        else await this.release(store);
+      } catch (error) {
+        failures.push(error);
+      }
+    }
+    if (failures.length > 0) {
+      throw new AggregateError(failures, `reclaiming the stores of session ${session}: ${failures.length} could not be freed (first: ${(failures[0] as Error).message})`);
     }
   }
 
@@ -396,7 +451,7 @@ export class StoreRegistry extends EventEmitter {
       ended = true;
       store.inFlight--;
       if (store.inFlight === 0) for (const wake of store.drainWaiters.splice(0)) wake();
-      if (store.state === 'DETACHED') void this.releaseIfUnused(store);
+      if (store.state === 'DETACHED') void this.releaseOrLog(store);
     };
   }
 
@@ -421,8 +476,8 @@ export class StoreRegistry extends EventEmitter {
     await store.memory.write(offset, data);
   }
 
-  private add(caller: bigint, fields: Omit<StoreRecord, 'state' | 'opens' | 'inFlight' | 'drainWaiters' | 'released'>): StoreRecord {
-    const store: StoreRecord = { ...fields, state: 'LIVE', opens: new Map(), inFlight: 0, drainWaiters: [], released: false };
+  private add(caller: bigint, fields: Omit<StoreRecord, 'state' | 'opens' | 'inFlight' | 'drainWaiters' | 'releasing' | 'releaseFailure'>): StoreRecord {
+    const store: StoreRecord = { ...fields, state: 'LIVE', opens: new Map(), inFlight: 0, drainWaiters: [], releasing: false };
     this.stores.set(store.id, store);
     this.record('CREATED', store, caller);
     return store;
@@ -433,7 +488,7 @@ export class StoreRegistry extends EventEmitter {
     if (store.inFlight > 0) await new Promise<void>((resolve) => store.drainWaiters.push(resolve));
     store.state = 'DETACHED';
     this.record('DETACHED', store, caller);
-    await this.releaseIfUnused(store);
+    await this.release(store);
   }
 
   private openCount(store: StoreRecord): number {
@@ -442,12 +497,36 @@ export class StoreRegistry extends EventEmitter {
     return total;
   }
 
-  private async releaseIfUnused(store: StoreRecord): Promise<void> {
-    if (store.released || store.state !== 'DETACHED' || this.openCount(store) > 0 || store.inFlight > 0) return;
-    store.released = true;
+  /**
+   * Frees a detached store nobody uses. A store is forgotten only once its
+   * memory is freed: when a step fails it stays (detached, accounted, with
+   * releaseFailure) and the error is thrown; a repeat resumes at that step.
+   */
+  private async release(store: StoreRecord): Promise<void> {
+    if (store.releasing || store.state !== 'DETACHED' || this.openCount(store) > 0 || store.inFlight > 0) return;
+    store.releasing = true;
+    try {
+      await store.memory.release();
+    } catch (error) {
+      store.releasing = false;
+      store.releaseFailure = (error as Error).message;
+      throw Object.assign(
+        new Error(`store ${store.id} is detached, but its memory could not be freed yet: ${store.releaseFailure}; Detach it again to retry`),
+        { code: (error as { code?: unknown }).code },
+      );
+    }
+    store.releaseFailure = undefined;
     this.stores.delete(store.id);
-    await store.memory.release();
     this.record('RELEASED', store, DAEMON_OWNER);
+  }
+
+  /** release, where nobody waits for the answer: a failure is logged, and retried at the next Detach, close or session end. */
+  private async releaseOrLog(store: StoreRecord): Promise<void> {
+    try {
+      await this.release(store);
+    } catch (error) {
+      this.log?.error({ err: error, store: String(store.id) }, 'freeing a detached store failed; it is retried');
+    }
   }
 
   private checkLive(store: StoreRecord, what: string): void {

@@ -376,7 +376,7 @@ Napi::Value CudaFreeAddress(const Napi::CallbackInfo& info) {
   uint64_t address = U64Arg(info, 0, "address");
   uint64_t size = U64Arg(info, 1, "size");
   Check(env, UseDevice(0), "cuCtxSetCurrent");
-  Check(env, driver.api.cuMemAddressFree(address, size), Sized("cuMemAddressFree", size));
+  Check(env, Injected("cuMemAddressFree", [&] { return driver.api.cuMemAddressFree(address, size); }), Sized("cuMemAddressFree", size));
   return env.Undefined();
 }
 
@@ -431,7 +431,7 @@ Napi::Value CudaRelease(const Napi::CallbackInfo& info) {
   RequireDriver(env);
   int device = DeviceArg(info, 0);
   uint64_t handle = U64Arg(info, 1, "handle");
-  return CudaWorker::Queue(env, device, "cuMemRelease", [handle] { return driver.api.cuMemRelease(handle); }, nullptr);
+  return CudaWorker::Queue(env, device, "cuMemRelease", [handle] { return Injected("cuMemRelease", [&] { return driver.api.cuMemRelease(handle); }); }, nullptr);
 }
 
 // cudaMap(address, size, offset, handle)
@@ -455,7 +455,7 @@ Napi::Value CudaUnmap(const Napi::CallbackInfo& info) {
   uint64_t address = U64Arg(info, 1, "address");
   uint64_t size = U64Arg(info, 2, "size");
   return CudaWorker::Queue(env, device, Sized("cuMemUnmap", size),
-                           [address, size] { return driver.api.cuMemUnmap(address, size); }, nullptr);
+                           [address, size] { return Injected("cuMemUnmap", [&] { return driver.api.cuMemUnmap(address, size); }); }, nullptr);
 }
 
 // cudaSetAccess(address, size, [{ type, id, flags }])
@@ -527,8 +527,9 @@ Napi::Value CudaImportFd(const Napi::CallbackInfo& info) {
   Check(env, UseDevice(0), "cuCtxSetCurrent");
   cu::GenericHandle handle = 0;
   Check(env,
-        driver.api.cuMemImportFromShareableHandle(&handle, reinterpret_cast<void*>(static_cast<intptr_t>(fd)),
-                                                  cu::HANDLE_POSIX_FD),
+        Injected("cuMemImportFromShareableHandle", [&] {
+          return driver.api.cuMemImportFromShareableHandle(&handle, reinterpret_cast<void*>(static_cast<intptr_t>(fd)), cu::HANDLE_POSIX_FD);
+        }),
         "cuMemImportFromShareableHandle(POSIX_FD)");
   return Big(env, handle);
 }

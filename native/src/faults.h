@@ -3,10 +3,10 @@
 // OS or driver function fail once with ERROR, an errno name ("ENOMEM",
 // "EMFILE") for OS functions or a CUresult name ("CUDA_ERROR_OUT_OF_MEMORY")
 // for driver ones. Names are the functions' own, with the use for mmap
-// ("memfd_create", "mmap:reserve", "mmap:map", "mprotect", "dup", "fstat", "sendmsg",
-// "cuMemCreate", "cuMemExportToShareableHandle",
+// ("memfd_create", "mmap:reserve", "mmap:map", "mmap:unmap", "munmap", "mprotect", "dup",
+// "fstat", "sendmsg", "cuMemCreate", "cuMemExportToShareableHandle",
 // "cuMemImportFromShareableHandle", "cuMemAddressReserve", "cuMemMap",
-// "cuMemSetAccess"). Thread-safe: driver calls also run on worker threads.
+// "cuMemSetAccess", "cuMemUnmap", "cuMemRelease", "cuMemAddressFree"). Thread-safe: driver calls also run on worker threads.
 #pragma once
 
 #include <napi.h>

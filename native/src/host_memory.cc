@@ -110,7 +110,7 @@ Napi::Value HostReserve(const Napi::CallbackInfo& info) {
 Napi::Value HostFreeAddress(const Napi::CallbackInfo& info) {
   void* address = AddressArg(info, 0);
   uint64_t size = U64Arg(info, 1, "size");
-  if (munmap(address, size) != 0) ThrowErrno(info.Env(), Sized("munmap", size));
+  if (faults::Inject("munmap") || munmap(address, size) != 0) ThrowErrno(info.Env(), Sized("munmap", size));
   return info.Env().Undefined();
 }
 
@@ -130,7 +130,7 @@ Napi::Value HostMap(const Napi::CallbackInfo& info) {
 Napi::Value HostUnmap(const Napi::CallbackInfo& info) {
   void* address = AddressArg(info, 0);
   uint64_t size = U64Arg(info, 1, "size");
-  void* reserved = mmap(address, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+  void* reserved = faults::Inject("mmap:unmap") ? MAP_FAILED : mmap(address, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
   if (reserved == MAP_FAILED) ThrowErrno(info.Env(), Sized("mmap", size));
   return info.Env().Undefined();
 }

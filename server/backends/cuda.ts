@@ -147,13 +147,14 @@ export class CudaBackend implements Backend {
     return addon.cudaCreateExported(device, locationType(location), location.id, size, handleBits(['POSIX_FD']));
   }
 
-  release(handle: BackendHandle): Promise<void> {
+  async release(handle: BackendHandle): Promise<void> {
+    await addon.cudaRelease(0, BigInt(handle));
+    // Only once the driver has freed it: a release that fails keeps the handle exportable.
     const fd = this.importedFds.get(BigInt(handle));
     if (fd !== undefined) {
       this.importedFds.delete(BigInt(handle));
       addon.close(fd);
     }
-    return addon.cudaRelease(0, BigInt(handle));
   }
 
   retainHandle(address: bigint): BackendHandle {
@@ -199,6 +200,7 @@ export class CudaBackend implements Backend {
       handle = 'fd' in source ? addon.cudaImportFd(source.fd) : addon.cudaImportFabric(source.fabric);
     } catch (error) {
       if ('fd' in source) addon.close(source.fd);
+      if (isNativeError(error, 'CUDA_ERROR_OUT_OF_MEMORY')) throw error;
       throw codedError('BAD_DESCRIPTOR', `the ${'fd' in source ? 'descriptor' : 'fabric handle'} is not CUDA memory: ${(error as Error).message}`);
     }
     // Kept for exports (see importedFds); released with the handle.

@@ -13,8 +13,24 @@ export class RecordingBackend implements Backend {
   liveReservations = 0;
   /** While set, unmaps wait for it: tests use it to hold an unmap in flight. */
   unmapGate?: Promise<void>;
+  /** Calls to fail once, with their error (as an injected driver fault would). */
+  private readonly failures = new Map<string, Error>();
 
   constructor(readonly inner: Backend) {}
+
+  /** The next call named fails with `error` before reaching the backend. */
+  failOnce(call: 'release' | 'releaseReference' | 'unmap' | 'freeAddress', error: Error): void {
+    this.failures.set(call, error);
+  }
+
+  private record(call: string): void {
+    this.calls.push(call);
+    const failure = this.failures.get(call);
+    if (failure !== undefined) {
+      this.failures.delete(call);
+      throw failure;
+    }
+  }
 
   get name() {
     return this.inner.name;
@@ -44,7 +60,7 @@ export class RecordingBackend implements Backend {
   }
 
   freeAddress(address: bigint, size: bigint) {
-    this.calls.push('freeAddress');
+    this.record('freeAddress');
     this.inner.freeAddress(address, size);
     this.liveReservations--;
   }
@@ -57,7 +73,7 @@ export class RecordingBackend implements Backend {
   }
 
   async release(handle: BackendHandle, size: bigint, imported: boolean) {
-    this.calls.push('release');
+    this.record('release');
     await this.inner.release(handle, size, imported);
     this.liveHandles--;
   }
@@ -68,7 +84,7 @@ export class RecordingBackend implements Backend {
   }
 
   async releaseReference(handle: BackendHandle) {
-    this.calls.push('releaseReference');
+    this.record('releaseReference');
     await this.inner.releaseReference(handle);
   }
 
@@ -79,7 +95,7 @@ export class RecordingBackend implements Backend {
   }
 
   async unmap(address: bigint, size: bigint) {
-    this.calls.push('unmap');
+    this.record('unmap');
     if (this.unmapGate) await this.unmapGate;
     await this.inner.unmap(address, size);
     this.liveMappings--;

@@ -434,6 +434,28 @@ describe('Release', () => {
     const allocation = create(A);
     await expectRefused(() => registry.release(B, allocation.id), Status.PERMISSION_DENIED, 'NOT_OWNER');
   });
+  it('keeps an allocation the backend failed to free, accounted, and frees it at the next Release', async () => {
+    const allocation = create(A);
+    const driverError = Object.assign(new Error('cuMemRelease: CUDA_ERROR_UNKNOWN'), { code: 'CUDA_ERROR_UNKNOWN' });
+    backend.failOnce('release', driverError);
+    await expect(registry.release(A, allocation.id)).rejects.toBe(driverError);
+    expect(registry.allocation(allocation.id)).toBe(allocation);
+    expect(registry.stats()).toMatchObject({ allocations: 1, allocatedBytes: GRANULARITY });
+    expect(backend.liveHandles).toBe(1);
+    await expectRefused(() => registry.release(B, allocation.id), Status.PERMISSION_DENIED, 'NOT_OWNER');
+    expect(await registry.release(A, allocation.id)).toEqual({ freed: true, handleReferences: 0, mappingCount: 0 });
+    expect(backend.liveHandles).toBe(0);
+  });
+  it('keeps a retained reference the backend failed to drop', async () => {
+    const { address, size, allocation } = await mapped();
+    registry.retainHandle(A, address);
+    await registry.unmap(A, address, size);
+    backend.failOnce('releaseReference', new Error('cuMemRelease failed'));
+    await expect(registry.release(A, allocation.id)).rejects.toThrow('cuMemRelease failed');
+    expect(registry.referenceCount(registry.allocation(allocation.id))).toBe(2);
+    expect((await registry.release(A, allocation.id)).freed).toBe(false);
+    expect(await registry.release(A, allocation.id)).toEqual({ freed: true, handleReferences: 0, mappingCount: 0 });
+  });
   it('lets a holder of a retained reference release only that reference', async () => {
     const reservation = reserve(DAEMON_OWNER);
     const allocation = create(A);
