@@ -8,6 +8,21 @@ import { addon, CU_LOCATION, HOST_ACCESS } from '../native';
 import { VmmdError } from './errors';
 
 /**
+ * Why mapping memory here failed, with the status that fits: memory sealed
+ * read-only (it backs a read-only store) refuses write access with EPERM or
+ * EACCES; running out of memory or map slots is RESOURCE_EXHAUSTED.
+ */
+function localMapFailed(error: unknown, readOnly: boolean): VmmdError {
+  const code = String((error as { code?: unknown })?.code ?? '');
+  const message = `cannot map the exported memory here: ${(error as Error).message}`;
+  if (!readOnly && (code === 'EPERM' || code === 'EACCES')) {
+    return new VmmdError('LOCAL_MAP_FAILED', Status.PERMISSION_DENIED, `${message} (the memory is sealed read-only: it backs a read-only store; import it with readOnly)`);
+  }
+  if (code === 'ENOMEM' || code === 'EMFILE' || code === 'CUDA_ERROR_OUT_OF_MEMORY') return new VmmdError('LOCAL_MAP_FAILED', Status.RESOURCE_EXHAUSTED, message);
+  return new VmmdError('LOCAL_MAP_FAILED', Status.INTERNAL, message);
+}
+
+/**
  * An allocation mapped into this process. `address` is valid until close():
  * a host address on the host backend, a device pointer in this process's
  * context on the cuda backend.
@@ -94,7 +109,7 @@ export class HostImportedMemory extends ImportedMemory {
    * Maps a memfd: reserve, map, set access, as the daemon does. Takes
    * ownership of fd (the mapping keeps the pages, so the descriptor is closed
    * once mapped). Rolls back on failure.
-   * @throws VmmdError INTERNAL LOCAL_MAP_FAILED
+   * @throws VmmdError LOCAL_MAP_FAILED (PERMISSION_DENIED for sealed memory asked writable, RESOURCE_EXHAUSTED, INTERNAL)
    */
   static map(allocationId: bigint, fd: number, size: bigint, granularity: bigint, readOnly: boolean): HostImportedMemory {
     let address = 0n;
@@ -108,7 +123,7 @@ export class HostImportedMemory extends ImportedMemory {
     } catch (error) {
       if (mapped) addon.hostUnmap(address, size);
       if (address !== 0n) addon.hostFreeAddress(address, size);
-      throw new VmmdError('LOCAL_MAP_FAILED', Status.INTERNAL, `cannot map the exported memory here: ${(error as Error).message}`);
+      throw localMapFailed(error, readOnly);
     } finally {
       addon.close(fd);
     }
@@ -154,7 +169,7 @@ export class CudaImportedMemory extends ImportedMemory {
    * Imports the handle into this process's CUDA context, reserves, maps and
    * sets access for `device`; the descriptor is closed and the handle
    * released once mapped (the mapping keeps the memory). Rolls back on failure.
-   * @throws VmmdError FAILED_PRECONDITION NO_CUDA, INTERNAL LOCAL_MAP_FAILED
+   * @throws VmmdError FAILED_PRECONDITION NO_CUDA; LOCAL_MAP_FAILED (see HostImportedMemory.map)
    */
   static async map(
     allocationId: bigint,
@@ -188,7 +203,7 @@ export class CudaImportedMemory extends ImportedMemory {
     } catch (error) {
       if (mapped) await addon.cudaUnmap(device, address, size);
       if (address !== 0n) addon.cudaFreeAddress(address, size);
-      throw new VmmdError('LOCAL_MAP_FAILED', Status.INTERNAL, `cannot map the exported memory here: ${(error as Error).message}`);
+      throw localMapFailed(error, readOnly);
     } finally {
       if ('fd' in source) addon.close(source.fd);
       // The mapping holds the memory: the handle's release need not be waited for (a driver thread does it).
@@ -237,7 +252,7 @@ export class CudaImportedMemory extends ImportedMemory {
 /**
  * Maps CUDA memory from fabric bytes (ExportResponse.fabric_handle) into this
  * process, with no session and no descriptor.
- * @throws VmmdError FAILED_PRECONDITION NO_CUDA, INTERNAL LOCAL_MAP_FAILED
+ * @throws VmmdError FAILED_PRECONDITION NO_CUDA; LOCAL_MAP_FAILED (see HostImportedMemory.map)
  */
 export function mapFabricHandle(
   fabric: Buffer,

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the GPU test suite from the bundle that scripts/gpu-bundle.sh made.
 # Usage: scripts/gpu-test.sh [BUNDLE_DIR [OUTPUT_DIR]]  (defaults: .gpu, $OUT or ./gpu-results)
-# The output goes to OUTPUT_DIR/gpu-tests.log with the date, device and driver.
+# The output goes to OUTPUT_DIR/gpu-tests.log with the date, device and driver, and
+# the reliability figures to OUTPUT_DIR/figures.jsonl.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${2:-${OUT:-gpu-results}}
@@ -10,6 +11,9 @@ out=$(cd "$out" && pwd)
 work=$("$here/gpu-unpack.sh" "${1:-.gpu}") || exit 1
 export PATH="$work:$PATH"
 cd "$work/vmmd"
+# The reliability figures of the GPU tests (crashes, faults, security), one JSON line each.
+export VMMD_FIGURES="$out/figures.jsonl"
+rm -f "$VMMD_FIGURES"
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo "host: $(uname -srm), $(nproc) cores"

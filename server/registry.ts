@@ -68,6 +68,8 @@ export interface AllocationRecord {
   // Operations in flight that use the handle (export); freeing waits for them.
   busy: number;
   shareKey?: string;
+  /** The read-only store made of it, if any: from then on nothing writes it through the daemon (for good, as the host's seal). */
+  readOnlyStore?: bigint;
   freed: boolean;
   /** Gives back the quota this allocation was charged (when freed). */
   refund?: () => void;
@@ -404,6 +406,16 @@ export class Registry {
     await this.freeIfUnused(allocation);
   }
 
+  /**
+   * Makes an allocation read-only for good, for the read-only store `store`:
+   * the backend seals it where it can (host memfds), and the registry refuses
+   * write access and writes to it from then on, to every caller.
+   */
+  sealReadOnly(allocation: AllocationRecord, store: bigint): void {
+    this.backend.sealReadOnly(allocation.handle);
+    allocation.readOnlyStore ??= store;
+  }
+
   referenceCount(allocation: AllocationRecord): number {
     let total = 0;
     for (const count of allocation.references.values()) total += count;
@@ -563,6 +575,9 @@ export class Registry {
       this.checkLive(reservation, address, 'NOT_MAPPED');
       const mappings = this.wholeMappingsCovering(reservation, address, size);
       for (const mapping of mappings) {
+        if (mapping.allocation.readOnlyStore !== undefined && grants.some((grant) => grant.access === ACCESS_READWRITE)) {
+          throw readOnlyMemory(mapping.allocation, `grant READWRITE access to ${range(mapping.address, mapping.size)}`);
+        }
         for (const grant of grants) {
           if (grant.location.type !== 'DEVICE' || grant.access === 0) continue;
           if (!this.backend.canAccessPeer(grant.location.id, mapping.allocation.device)) {
@@ -1021,6 +1036,7 @@ export class Registry {
     const end = address + length;
     const segments: Array<{ address: bigint; length: bigint; device: number }> = [];
     for (const mapping of this.mappingsCovering(reservation, address, length)) {
+      if (write && mapping.allocation.readOnlyStore !== undefined) throw readOnlyMemory(mapping.allocation, `write ${range(mapping.address, mapping.size)}`);
       const key = locationKey({ type: 'DEVICE', id: mapping.allocation.device });
       const access = mapping.access.get(key) ?? 0;
       if ((access & needed) !== needed) {
@@ -1038,3 +1054,9 @@ export class Registry {
     return segments;
   }
 }
+
+const readOnlyMemory = (allocation: AllocationRecord, what: string) =>
+  failedPrecondition(
+    'READ_ONLY_MEMORY',
+    `cannot ${what}: allocation ${allocation.id} backs read-only store ${allocation.readOnlyStore}, and nothing writes it through the daemon`,
+  );

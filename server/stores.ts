@@ -253,7 +253,7 @@ export class StoreRegistry extends EventEmitter {
     const allocation = this.registry.holdAllocation(caller, args.allocationId, holder);
     let memory: StoreMemory;
     try {
-      if (args.readOnly) this.registry.backend.sealReadOnly(allocation.handle);
+      if (args.readOnly) this.registry.sealReadOnly(allocation, id);
       memory = await AllocationMemory.map(this.registry, allocation, holder, args.readOnly);
     } catch (error) {
       await this.registry.dropHolder(holder, allocation.id);
@@ -317,6 +317,7 @@ export class StoreRegistry extends EventEmitter {
       const holder = STORE_HOLDER_BASE + id;
       this.registry.holdAllocation(caller, allocation.id, holder);
       await this.registry.release(caller, allocation.id);
+      if (args.readOnly) this.registry.sealReadOnly(allocation, id);
       try {
         memory = await AllocationMemory.map(this.registry, allocation, holder, args.readOnly);
       } catch (error) {

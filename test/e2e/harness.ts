@@ -45,6 +45,7 @@ export interface RawClients {
   devices: grpc.Client & Record<string, any>;
   vmm: grpc.Client & Record<string, any>;
   admin: grpc.Client & Record<string, any>;
+  stores: grpc.Client & Record<string, any>;
   close(): void;
 }
 
@@ -56,7 +57,8 @@ export function rawClients(dir: string): RawClients {
   const devices = new proto.vmmd.v1.Devices(target, credentials) as any;
   const vmm = new proto.vmmd.v1.VirtualMemory(target, credentials, { channelOverride: devices.getChannel() }) as any;
   const admin = new proto.vmmd.v1.Admin(target, credentials, { channelOverride: devices.getChannel() }) as any;
-  return { devices, vmm, admin, close: () => devices.close() };
+  const stores = new proto.vmmd.v1.Stores(target, credentials, { channelOverride: devices.getChannel() }) as any;
+  return { devices, vmm, admin, stores, close: () => devices.close() };
 }
 
 /** A unary call on a raw client as a promise; rejects with the grpc-js error. */
@@ -156,7 +158,14 @@ export class Peer {
   static async start(dir: string, as: { uid?: number; gid?: number } = {}): Promise<Peer> {
     const child = spawn(process.execPath, [PEER], { stdio: ['pipe', 'pipe', 'pipe'], env: { ...process.env, VMMD_SOCKET_DIR: dir }, ...as });
     const peer = new Peer(child);
-    await peer.do({ op: 'connect' });
+    try {
+      await peer.do({ op: 'connect' });
+    } catch (error) {
+      // A peer refused its session would wait on stdin for good, and keep jest from exiting.
+      child.kill('SIGKILL');
+      await peer.exited;
+      throw error;
+    }
     return peer;
   }
 
