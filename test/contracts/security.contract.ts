@@ -9,6 +9,7 @@ import * as grpc from '@grpc/grpc-js';
 import { createHash, randomBytes } from 'node:crypto';
 import * as fs from 'node:fs';
 import { connect, VmmdClient } from '../../client';
+import { LocalDeviceMemory } from '../../client/external';
 import { SESSION_METADATA_KEY } from '../../common/protocol';
 import type { AccessDescriptor } from '../../generated/vmmd/v1/AccessDescriptor';
 import { addon, HOST_ACCESS } from '../../native';
@@ -144,11 +145,13 @@ export function securityContract(backend: Backend, options: { full: boolean }): 
     const a = await client();
     const b = await client();
     const tally = new Tally();
-    const fd = addon.hostMemfdCreate('transfer', SIZE);
+    // Memory of the backend's kind: a memfd, or CUDA memory this process made.
+    const local = backend === 'cuda' ? LocalDeviceMemory.allocate(0, SIZE) : undefined;
+    const fd = local !== undefined ? await local.exportFd() : addon.hostMemfdCreate('transfer', SIZE);
     const first = a.session.sendDescriptor(fd);
     await eventually(async () => ((await daemon!.stats()).pendingTransfers === 1 ? true : undefined));
     await tally.refused(() => b.vmm.importTransfer({ transferId: first }), [grpc.status.DEADLINE_EXCEEDED], 'TRANSFER_NOT_RECEIVED');
-    const imported = await a.vmm.importTransfer({ transferId: first });
+    const imported = await a.vmm.importTransfer({ transferId: first, size: SIZE });
     await tally.refused(() => a.vmm.importTransfer({ transferId: first }), [grpc.status.FAILED_PRECONDITION], 'TRANSFER_USED');
     await tally.refused(() => b.vmm.importTransfer({ transferId: first }), [grpc.status.DEADLINE_EXCEEDED, grpc.status.FAILED_PRECONDITION]);
     // Transfer ids are numbered per session: another session's id names nothing of its owner's.
@@ -168,6 +171,7 @@ export function securityContract(backend: Backend, options: { full: boolean }): 
     }
     addon.close(fd);
     await a.vmm.release({ allocationId: imported.id });
+    await local?.free();
     expect((await daemon.stats()).pendingTransfers).toBe(0);
     figures.transfers = { attempts: tally.attempts, refused: tally.attempts, claimedByTheirOwner: 1, ...tally.statuses };
   });

@@ -1,0 +1,70 @@
+/**
+ * Load: many client processes doing mixed operations at once (allocate,
+ * create/map/access/staged and streamed read-write/unmap/free, import, stores).
+ * No unexpected error, exact accounting at the end (objects, bytes and
+ * descriptors back to the baseline), and the daemon's memory growth bounded.
+ * 32 clients for 60 s with VMMD_RELIABILITY=full (npm run reliability), 8 for 10 s in CI.
+ */
+import { spawn } from 'node:child_process';
+import * as path from 'node:path';
+import { eventually, packageRoot, TestDaemon } from '../e2e/harness';
+import { figure } from './figures';
+
+const LOAD = path.join(packageRoot(), 'dist', 'test', 'reliability', 'fixtures', 'load.js');
+/** The daemon may grow this much over the run (caches warming, V8's heap settling); a leak per operation would pass it. */
+const GROWTH_LIMIT_MIB = 96;
+
+/** The scenario, on either backend (test/gpu/load-cuda.test.ts runs it on cuda). */
+export async function loadScenario(backend: 'host' | 'cuda', CLIENTS: number, SECONDS: number, daemonArgs: string[] = []): Promise<void> {
+  const daemon = await TestDaemon.start(daemonArgs, backend);
+  try {
+    const baseline = await daemon.stats();
+    const baselineFds = daemon.openFds();
+    const reports = await Promise.all(
+      Array.from(
+        { length: CLIENTS },
+        (_, index) =>
+          new Promise<{ ops: number; errors: Record<string, number>; first?: { op: number; kind: number; message: string } }>((resolve, reject) => {
+            const child = spawn(process.execPath, [LOAD, String(index + 1), String(SECONDS * 1000)], {
+              stdio: ['ignore', 'pipe', 'pipe'],
+              env: { ...process.env, VMMD_SOCKET_DIR: daemon.dir },
+            });
+            let out = '';
+            let err = '';
+            child.stdout!.on('data', (chunk) => (out += chunk));
+            child.stderr!.on('data', (chunk) => (err += chunk));
+            child.once('exit', (code) => (code === 0 ? resolve(JSON.parse(out)) : reject(new Error(`a load client exited with ${code}: ${err}`))));
+          }),
+      ),
+    );
+    const atEnd = await daemon.stats();
+    await eventually(async () => ((await daemon.stats()).sessions === 0 ? true : undefined), 20_000, 'the sessions to close');
+    const after = await daemon.stats();
+    const errors: Record<string, number> = {};
+    for (const report of reports) for (const [code, count] of Object.entries(report.errors)) errors[code] = (errors[code] ?? 0) + count;
+    const firsts = reports.map((report, index) => ({ client: index + 1, ...report.first })).filter((entry) => entry.message !== undefined);
+    expect({ errors, firsts }).toEqual({ errors: {}, firsts: [] });
+    for (const key of ['reservations', 'allocations', 'mappings', 'reservedBytes', 'allocatedBytes', 'mappedBytes', 'pendingTransfers'] as const) {
+      expect(after[key]).toEqual(baseline[key]);
+    }
+    await eventually(() => (daemon.openFds() === baselineFds ? true : undefined), 10_000, `daemon fds back to ${baselineFds}`);
+    const growthMiB = (Number(atEnd.rssBytes) - Number(baseline.rssBytes)) / 2 ** 20;
+    expect(growthMiB).toBeLessThan(GROWTH_LIMIT_MIB);
+    const ops = reports.reduce((sum, report) => sum + report.ops, 0);
+    figure(`load (${backend}${daemonArgs.length > 0 ? ` ${daemonArgs.join(' ')}` : ''})`, {
+      backend,
+      clients: CLIENTS,
+      seconds: SECONDS,
+      operations: ops,
+      operations_per_second: Math.round(ops / SECONDS),
+      unexpected_errors: Object.values(errors).reduce((sum, count) => sum + count, 0),
+      objects_left: 0,
+      descriptors_left: 0,
+      daemon_rss_MiB_before: Math.round(Number(baseline.rssBytes) / 2 ** 20),
+      daemon_rss_MiB_at_end: Math.round(Number(atEnd.rssBytes) / 2 ** 20),
+      daemon_heap_MiB_at_end: Math.round(Number(atEnd.heapUsedBytes) / 2 ** 20),
+    });
+  } finally {
+    expect(await daemon.stop()).toBe(0);
+  }
+}
