@@ -19,7 +19,7 @@ import { LocalDeviceMemory } from '../../client/external';
 import type { AccessDescriptor } from '../../generated/vmmd/v1/AccessDescriptor';
 import type { StoreTarget } from '../../generated/vmmd/v1/StoreTarget';
 import { addon } from '../../native';
-import { eventually, MiB, TestDaemon } from '../e2e/harness';
+import { eventually, MiB, objectsOf, TestDaemon } from '../e2e/harness';
 import { figure } from '../reliability/figures';
 
 type Backend = 'host' | 'cuda';
@@ -27,11 +27,6 @@ type Prepared = Record<string, string>;
 
 const RW: AccessDescriptor[] = [{ location: { type: 'LOCATION_TYPE_DEVICE', id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' }];
 const SIZE = 2n * MiB;
-
-function objectsOf(stats: Awaited<ReturnType<TestDaemon['stats']>>) {
-  const { reservations, allocations, mappings, reservedBytes, allocatedBytes, importedBytes, mappedBytes, pendingTransfers } = stats;
-  return { reservations, allocations, mappings, reservedBytes, allocatedBytes, importedBytes, mappedBytes, pendingTransfers };
-}
 
 interface Case {
   /** VMMD_FAULTS for the daemon. */

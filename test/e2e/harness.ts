@@ -191,3 +191,9 @@ export class Peer {
     await this.exited;
   }
 }
+
+/** What a daemon holds, from its stats: objects, bytes and unclaimed descriptors (not sessions or timings). */
+export function objectsOf(stats: Awaited<ReturnType<TestDaemon['stats']>>) {
+  const { reservations, allocations, mappings, reservedBytes, allocatedBytes, importedBytes, mappedBytes, pendingTransfers } = stats;
+  return { reservations, allocations, mappings, reservedBytes, allocatedBytes, importedBytes, mappedBytes, pendingTransfers };
+}
