@@ -41,6 +41,12 @@ export interface Poller {
   unref(): void;
 }
 
+/** memfd seal bits (fcntl F_GET_SEALS / F_ADD_SEALS). */
+export const MEMFD_SEALS = { SEAL: 0x1, SHRINK: 0x2, GROW: 0x4, WRITE: 0x8, FUTURE_WRITE: 0x10 } as const;
+
+/** Access modes of a descriptor (F_GETFL & O_ACCMODE). */
+export const ACCESS_MODE = { O_RDONLY: 0, O_WRONLY: 1, O_RDWR: 2 } as const;
+
 /** Access bits for hostProtect: read 1, write 2. */
 export const HOST_ACCESS = { NONE: 0, READ: 1, READWRITE: 3 } as const;
 
@@ -71,6 +77,10 @@ export const CU_HANDLE = { POSIX_FD: 0x1, FABRIC: 0x8 } as const;
 export interface Addon {
   hostMemfdCreate(name: string, size: bigint): number;
   hostMemfdSealReadOnly(fd: number): void;
+  /** Diagnostic (tests): a memfd with no seals, sealable only with allowSealing (MFD_ALLOW_SEALING). */
+  _memfdCreate(name: string, size: bigint, allowSealing: boolean): number;
+  /** F_ADD_SEALS with these bits (MEMFD_SEALS). */
+  hostMemfdAddSeals(fd: number, seals: number): void;
   hostFdInfo(fd: number): FdInfo;
   hostReserve(size: bigint, alignment: bigint, hint: bigint): bigint;
   hostFreeAddress(address: bigint, size: bigint): void;
@@ -92,6 +102,8 @@ export interface Addon {
   seqpacketRecv(fd: number, maxLength: number): Received | null;
   shutdownSocket(fd: number): void;
   peerCredentials(fd: number): Credentials;
+  /** RLIMIT_NOFILE, after setting the soft limit to `soft` when given. */
+  descriptorLimit(soft?: number): { soft: number; hard: number };
   /** One datagram to a Unix socket path ('@name': abstract), as sd_notify sends. */
   unixDgramSend(path: string, data: Buffer): void;
   /** A bound, non-blocking datagram socket (read it with seqpacketRecv). */

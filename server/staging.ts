@@ -7,7 +7,8 @@
  * with the session.
  */
 import { addon } from '../native';
-import { failedPrecondition, invalidArgument, outOfRange, RpcError } from './errors';
+import { admitClientMemfd } from './client-memfd';
+import { failedPrecondition, invalidArgument, outOfRange } from './errors';
 import { MemfdMemory } from './stores';
 
 /** The largest staging buffer a session may open. */
@@ -28,24 +29,20 @@ export class StagingBuffers {
 
   /**
    * Maps `fd` (taken over: closed on failure too) as the session's staging buffer, replacing any earlier one.
-   * @throws INVALID_ARGUMENT BAD_DESCRIPTOR (not a memfd, empty, not page-sized, larger than MAX_STAGING_BYTES)
+   * @throws INVALID_ARGUMENT BAD_DESCRIPTOR (admitClientMemfd's rules; empty, not page-sized, larger than MAX_STAGING_BYTES)
    */
   async open(session: bigint, fd: number): Promise<bigint> {
     let memory: MemfdMemory;
     let size: bigint;
     try {
-      const info = addon.hostFdInfo(fd);
-      size = info.size;
+      size = admitClientMemfd(fd, { what: 'a staging buffer', writable: true }).size;
       const page = BigInt(addon.pageSize());
-      if (!info.memfd) throw invalidArgument('BAD_DESCRIPTOR', 'a staging buffer must be a memfd');
       if (size === 0n || size % page !== 0n || size > MAX_STAGING_BYTES) {
         throw invalidArgument('BAD_DESCRIPTOR', `a staging buffer's size ${size} must be a positive multiple of ${page} bytes, at most ${MAX_STAGING_BYTES}`);
       }
-      if (info.readOnlySealed) throw invalidArgument('BAD_DESCRIPTOR', 'a staging buffer must be writable (this memfd is sealed read-only)');
     } catch (error) {
       addon.close(fd);
-      if (error instanceof RpcError) throw error;
-      throw invalidArgument('BAD_DESCRIPTOR', `the staging descriptor cannot be inspected: ${(error as Error).message}`);
+      throw error;
     }
     try {
       // Takes fd over, and closes it if the mapping fails.

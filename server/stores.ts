@@ -9,6 +9,7 @@
 import { EventEmitter } from 'node:events';
 import type { Logger } from 'pino';
 import { addon, HOST_ACCESS } from '../native';
+import { admitClientMemfd } from './client-memfd';
 import { alreadyExists, failedPrecondition, invalidArgument, notFound, outOfRange, permissionDenied } from './errors';
 import { AllocationRecord, DAEMON_OWNER, Registry } from './registry';
 
@@ -301,14 +302,14 @@ export class StoreRegistry extends EventEmitter {
     if (args.target === 'SYSMEM') {
       let info;
       try {
-        info = addon.hostFdInfo(fd);
+        info = admitClientMemfd(fd, { what: 'a SYSMEM attachment', writable: !args.readOnly, sealReadOnly: args.readOnly });
       } catch (error) {
         addon.close(fd);
-        throw invalidArgument('BAD_DESCRIPTOR', `the descriptor cannot be read: ${(error as Error).message}`);
+        throw error;
       }
-      if (!info.memfd || info.size < args.size) {
+      if (info.size < args.size) {
         addon.close(fd);
-        throw invalidArgument('BAD_DESCRIPTOR', `a SYSMEM attachment is a memfd of at least ${args.size} bytes (this one: ${info.memfd ? `${info.size} bytes` : 'not a memfd'})`);
+        throw invalidArgument('BAD_DESCRIPTOR', `a SYSMEM attachment is a memfd of at least ${args.size} bytes (this one: ${info.size} bytes)`);
       }
       memory = MemfdMemory.map(fd, args.size, args.readOnly);
     } else {

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -43,6 +44,22 @@ Napi::Object Credentials(Napi::Env env, int fd) {
   out.Set("pid", Napi::Number::New(env, cred.pid));
   out.Set("uid", Napi::Number::New(env, cred.uid));
   out.Set("gid", Napi::Number::New(env, cred.gid));
+  return out;
+}
+
+// descriptorLimit(soft?) -> { soft, hard }: RLIMIT_NOFILE, after setting the
+// soft limit when one is given (how far is the TypeScript layer's choice).
+Napi::Value DescriptorLimit(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  rlimit limit;
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) ThrowErrno(env, "getrlimit(RLIMIT_NOFILE)");
+  if (info.Length() > 0 && !info[0].IsUndefined()) {
+    limit.rlim_cur = static_cast<rlim_t>(info[0].As<Napi::Number>().Int64Value());
+    if (setrlimit(RLIMIT_NOFILE, &limit) != 0) ThrowErrno(env, "setrlimit(RLIMIT_NOFILE)");
+  }
+  Napi::Object out = Napi::Object::New(env);
+  out.Set("soft", Napi::Number::New(env, static_cast<double>(limit.rlim_cur)));
+  out.Set("hard", Napi::Number::New(env, static_cast<double>(limit.rlim_max)));
   return out;
 }
 
@@ -364,6 +381,7 @@ void InitFdPassing(Napi::Env env, Napi::Object exports) {
   exports.Set("shutdownSocket", Napi::Function::New(env, ShutdownSocket, "shutdownSocket"));
   exports.Set("unixDgramSend", Napi::Function::New(env, UnixDgramSend, "unixDgramSend"));
   exports.Set("unixDgramBind", Napi::Function::New(env, UnixDgramBind, "unixDgramBind"));
+  exports.Set("descriptorLimit", Napi::Function::New(env, DescriptorLimit, "descriptorLimit"));
   exports.Set("peerCredentials", Napi::Function::New(env, PeerCredentials, "peerCredentials"));
   exports.Set("Poller", Poller::Define(env));
 }

@@ -50,6 +50,23 @@ Napi::Value HostMemfdCreate(const Napi::CallbackInfo& info) {
   return Napi::Number::New(env, fd);
 }
 
+// _memfdCreate(name, size, allowSealing) -> fd: a memfd with no seals, as any
+// program may make one (tests: the descriptors a careless or hostile client sends).
+Napi::Value DiagnosticMemfdCreate(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  std::string name = info[0].As<Napi::String>().Utf8Value();
+  uint64_t size = U64Arg(info, 1, "size");
+  bool allowSealing = info[2].ToBoolean().Value();
+  int fd = memfd_create(name.c_str(), MFD_CLOEXEC | (allowSealing ? MFD_ALLOW_SEALING : 0));
+  if (fd < 0) ThrowErrno(env, Sized("memfd_create", size));
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    int err = errno;
+    close(fd);
+    throw ErrnoError(env, err, Sized("ftruncate", size));
+  }
+  return Napi::Number::New(env, fd);
+}
+
 // hostMemfdSealReadOnly(fd): no new writable mappings and no write(2) through
 // any descriptor of this file; existing writable mappings keep working.
 Napi::Value HostMemfdSealReadOnly(const Napi::CallbackInfo& info) {
@@ -57,6 +74,15 @@ Napi::Value HostMemfdSealReadOnly(const Napi::CallbackInfo& info) {
   if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE) != 0) {
     ThrowErrno(info.Env(), "fcntl(F_ADD_SEALS)");
   }
+  return info.Env().Undefined();
+}
+
+// hostMemfdAddSeals(fd, seals): F_ADD_SEALS as asked. Which seals a client's
+// memfd needs is the TypeScript layer's rule (server/client-memfd.ts).
+Napi::Value HostMemfdAddSeals(const Napi::CallbackInfo& info) {
+  int fd = FdArg(info, 0, "fd");
+  int seals = info[1].As<Napi::Number>().Int32Value();
+  if (faults::Inject("fcntl:seal") || fcntl(fd, F_ADD_SEALS, seals) != 0) ThrowErrno(info.Env(), "fcntl(F_ADD_SEALS)");
   return info.Env().Undefined();
 }
 
@@ -283,6 +309,8 @@ Napi::Value Close(const Napi::CallbackInfo& info) {
 void InitHostMemory(Napi::Env env, Napi::Object exports) {
   exports.Set("hostMemfdCreate", Napi::Function::New(env, HostMemfdCreate, "hostMemfdCreate"));
   exports.Set("hostMemfdSealReadOnly", Napi::Function::New(env, HostMemfdSealReadOnly, "hostMemfdSealReadOnly"));
+  exports.Set("hostMemfdAddSeals", Napi::Function::New(env, HostMemfdAddSeals, "hostMemfdAddSeals"));
+  exports.Set("_memfdCreate", Napi::Function::New(env, DiagnosticMemfdCreate, "_memfdCreate"));
   exports.Set("hostFdInfo", Napi::Function::New(env, HostFdInfo, "hostFdInfo"));
   exports.Set("hostReserve", Napi::Function::New(env, HostReserve, "hostReserve"));
   exports.Set("hostFreeAddress", Napi::Function::New(env, HostFreeAddress, "hostFreeAddress"));

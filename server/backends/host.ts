@@ -15,6 +15,7 @@ import {
   MemLocation,
   MemoryInfo,
 } from './backend';
+import { admitClientMemfd } from '../client-memfd';
 
 export interface HostBackendOptions {
   /** Bytes the backend may create in all; creation past it is OUT_OF_MEMORY. */
@@ -132,10 +133,8 @@ export class HostBackend implements Backend {
     if (!('fd' in source)) throw codedError('BAD_DESCRIPTOR', 'the host backend imports descriptors, not fabric handles');
     const fd = source.fd;
     try {
-      const info = addon.hostFdInfo(fd);
-      if (!info.memfd) {
-        throw codedError('BAD_DESCRIPTOR', 'the descriptor is not host memory of vmmd (not a memfd)');
-      }
+      // Mapped writable later (SetAccess READWRITE), copied from by the daemon: the rules of client memfds.
+      const info = admitClientMemfd(fd, { what: 'an imported descriptor', writable: true });
       if (info.size === 0n || info.size % this.options.granularity !== 0n) {
         throw codedError(
           'BAD_DESCRIPTOR',
