@@ -1,0 +1,204 @@
+"""The CUDA driver through cuda-bindings (`pip install vmmd[cuda]`), imported
+on first use only: import, reserve, map and set access in this process, as
+NVIDIA's memMapIPCDrv sample does; each sequence undoes its own steps on
+failure. Everything runs in the device's primary context, the one Numba, CuPy
+and PyTorch use."""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Dict, List, Optional
+
+from .errors import STATUS, VmmdError
+
+_lock = threading.Lock()
+_driver: Any = None
+_contexts: Dict[int, Any] = {}
+_uuids: Optional[Dict[str, int]] = None
+
+
+def driver() -> Any:
+    """cuda.bindings.driver, initialised. Raises VmmdError FAILED_PRECONDITION NO_CUDA."""
+    global _driver
+    if _driver is not None:
+        return _driver
+    with _lock:
+        if _driver is not None:
+            return _driver
+        try:
+            from cuda.bindings import driver as cu  # cuda-bindings >= 12.6
+        except ImportError:
+            try:
+                from cuda import cuda as cu  # type: ignore[no-redef]  # older cuda-python
+            except ImportError as error:
+                raise VmmdError(
+                    "NO_CUDA",
+                    STATUS["FAILED_PRECONDITION"],
+                    f"cuda-bindings is not installed ({error}): pip install 'vmmd[cuda]', or use the host backend",
+                ) from None
+        (result,) = cu.cuInit(0)
+        if result != cu.CUresult.CUDA_SUCCESS:
+            raise VmmdError("NO_CUDA", STATUS["FAILED_PRECONDITION"], f"cuInit failed: {_name(cu, result)}")
+        _driver = cu
+        return cu
+
+
+def _name(cu: Any, result: Any) -> str:
+    try:
+        _, name = cu.cuGetErrorName(result)
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:
+        return str(result)
+
+
+def check(result: Any, call: str) -> None:
+    cu = driver()
+    if result != cu.CUresult.CUDA_SUCCESS:
+        name = _name(cu, result)
+        status = STATUS["RESOURCE_EXHAUSTED"] if name == "CUDA_ERROR_OUT_OF_MEMORY" else STATUS["INTERNAL"]
+        raise VmmdError(name, status, f"{name}: {call}")
+
+
+def format_uuid(raw: bytes) -> str:
+    """The daemon's spelling of a device UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)."""
+    h = raw[:16].hex()
+    return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def local_device(daemon_index: int, uuid: str) -> int:
+    """This process's index of the daemon's device: the same UUID where this
+    process sees it (CUDA_VISIBLE_DEVICES may order devices differently),
+    else the daemon's index."""
+    global _uuids
+    if not uuid:
+        return daemon_index
+    cu = driver()
+    if _uuids is None:
+        found: Dict[str, int] = {}
+        result, count = cu.cuDeviceGetCount()
+        check(result, "cuDeviceGetCount")
+        for index in range(count):
+            result, dev = cu.cuDeviceGet(index)
+            check(result, "cuDeviceGet")
+            result, raw = cu.cuDeviceGetUuid(dev)
+            if result == cu.CUresult.CUDA_SUCCESS:
+                found[format_uuid(bytes(raw.bytes))] = index
+        _uuids = found
+    return _uuids.get(uuid, daemon_index)
+
+
+def ensure_context(device: int) -> None:
+    """Makes a context of `device` current on this thread: the current one if
+    it is that device's, else the device's primary context (retained for the
+    process's life, as CuPy and PyTorch do)."""
+    cu = driver()
+    result, ctx = cu.cuCtxGetCurrent()
+    if result == cu.CUresult.CUDA_SUCCESS and int(ctx) != 0:
+        result, current = cu.cuCtxGetDevice()
+        if result == cu.CUresult.CUDA_SUCCESS and int(current) == device:
+            return
+    primary = _contexts.get(device)
+    if primary is None:
+        result, dev = cu.cuDeviceGet(device)
+        check(result, f"cuDeviceGet({device})")
+        result, primary = cu.cuDevicePrimaryCtxRetain(dev)
+        check(result, f"cuDevicePrimaryCtxRetain({device})")
+        _contexts[device] = primary
+    (result,) = cu.cuCtxSetCurrent(primary)
+    check(result, "cuCtxSetCurrent")
+
+
+def _access(cu: Any, device: int, read_only: bool, host_numa: Optional[int]) -> List[Any]:
+    flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ if read_only else cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    descs = []
+    desc = cu.CUmemAccessDesc()
+    desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = device
+    desc.flags = flags
+    descs.append(desc)
+    if host_numa is not None:
+        # Host (NUMA) memory also opens to the CPU at the same address.
+        host = cu.CUmemAccessDesc()
+        host.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
+        host.location.id = host_numa
+        host.flags = flags
+        descs.append(host)
+    return descs
+
+
+def import_and_map(fd: int, size: int, granularity: int, device: int, read_only: bool, host_numa: Optional[int] = None) -> int:
+    """Imports a POSIX-fd handle, reserves, maps and sets access for `device`;
+    returns the address. Takes ownership of fd (closed here); the import
+    handle is released once mapped (the mapping keeps the memory)."""
+    try:
+        cu = driver()
+        ensure_context(device)
+        result, handle = cu.cuMemImportFromShareableHandle(fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        check(result, f"cuMemImportFromShareableHandle(fd {fd})")
+    finally:
+        os.close(fd)
+    address = 0
+    mapped = False
+    try:
+        result, pointer = cu.cuMemAddressReserve(size, granularity, 0, 0)
+        check(result, f"cuMemAddressReserve({size})")
+        address = int(pointer)
+        (result,) = cu.cuMemMap(address, size, 0, handle, 0)
+        check(result, f"cuMemMap({size})")
+        mapped = True
+        descs = _access(cu, device, read_only, host_numa)
+        (result,) = cu.cuMemSetAccess(address, size, descs, len(descs))
+        check(result, f"cuMemSetAccess({size})")
+        return address
+    except BaseException:
+        if mapped:
+            cu.cuMemUnmap(address, size)
+        if address:
+            cu.cuMemAddressFree(address, size)
+        raise
+    finally:
+        cu.cuMemRelease(handle)
+
+
+def unmap(address: int, size: int, device: int) -> None:
+    """Unmaps and frees the address range (no context needed; safe at exit
+    while the driver is loaded). Work queued on the memory must be done."""
+    cu = _driver
+    if cu is None:
+        return
+    (result,) = cu.cuMemUnmap(address, size)
+    check(result, f"cuMemUnmap({size})")
+    (result,) = cu.cuMemAddressFree(address, size)
+    check(result, f"cuMemAddressFree({size})")
+
+
+def copy_to_device(device: int, address: int, data: memoryview) -> None:
+    cu = driver()
+    ensure_context(device)
+    (result,) = cu.cuMemcpyHtoD(address, data, data.nbytes)
+    check(result, f"cuMemcpyHtoD({data.nbytes})")
+
+
+def copy_from_device(device: int, address: int, length: int) -> bytes:
+    cu = driver()
+    ensure_context(device)
+    out = bytearray(length)
+    (result,) = cu.cuMemcpyDtoH(out, address, length)
+    check(result, f"cuMemcpyDtoH({length})")
+    return bytes(out)
+
+
+def synchronize(device: int) -> None:
+    cu = driver()
+    ensure_context(device)
+    (result,) = cu.cuCtxSynchronize()
+    check(result, "cuCtxSynchronize")
+
+
+def memory_info(device: int) -> tuple:
+    """(free, total) bytes of `device`, as the driver sees them here."""
+    cu = driver()
+    ensure_context(device)
+    result, free, total = cu.cuMemGetInfo()
+    check(result, "cuMemGetInfo")
+    return int(free), int(total)

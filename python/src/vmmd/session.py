@@ -1,0 +1,323 @@
+"""The client's side of the session socket (docs/PROTOCOL.md): the greeting
+with the session token, the inbox of descriptors the daemon sent by transfer
+id, descriptors sent to the daemon, and allocate/ping on the socket."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .errors import STATUS, VmmdError
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 4096
+# A descriptor the daemon sent and nobody claimed is closed after this long.
+UNCLAIMED_TRANSFER_S = 30.0
+
+
+class _Pending:
+    """One answer awaited by a caller (an allocate request, a ping)."""
+
+    __slots__ = ("event", "message", "fd", "error")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.message: Optional[Dict[str, Any]] = None
+        self.fd = -1
+        self.error: Optional[VmmdError] = None
+
+
+class ClientSession:
+    """One session: the lease on everything this process creates through vmmd.
+
+    A reader thread takes every message the daemon sends: descriptors go to
+    the inbox (keyed by transfer id) until take_transfer() claims them,
+    answers to allocate and ping wake their callers, and error messages go to
+    the `on_daemon_error` callbacks. The connection closing (the daemon
+    stopped) fails everything waiting with SESSION_LOST.
+    """
+
+    def __init__(self, sock: socket.socket, hello: Dict[str, Any]) -> None:
+        self._sock = sock
+        self.id: str = str(hello["session"])
+        self.token: str = str(hello["token"])
+        self.pid: int = int(hello.get("pid", 0))
+        self.on_daemon_error: List[Callable[[Dict[str, Any]], None]] = []
+        self.on_close: List[Callable[[], None]] = []
+        self._lock = threading.Condition()
+        # Invariant: every fd in _inbox is owned by the session until claimed or expired.
+        self._inbox: Dict[str, Tuple[int, float]] = {}
+        self._requests: Dict[str, _Pending] = {}
+        self._send_lock = threading.Lock()
+        self._next_transfer = 1
+        self._next_request = 1
+        self._closed = False
+        self._closing = False
+        self._reader = threading.Thread(target=self._read_loop, name=f"vmmd-session-{self.id}", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def open(cls, path: str, timeout: float = 5.0) -> "ClientSession":
+        """Connects and waits for the daemon's greeting.
+
+        Raises VmmdError UNAVAILABLE DAEMON_UNREACHABLE, DEADLINE_EXCEEDED NO_GREETING,
+        PERMISSION_DENIED (the daemon refused the session), UNAVAILABLE BAD_GREETING."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.connect(path)
+        except OSError as error:
+            sock.close()
+            raise VmmdError("DAEMON_UNREACHABLE", STATUS["UNAVAILABLE"], f"cannot reach vmmd at {path}: {error.strerror or error}") from None
+        sock.settimeout(timeout)
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES * 2, 4)
+        except socket.timeout:
+            sock.close()
+            raise VmmdError("NO_GREETING", STATUS["DEADLINE_EXCEEDED"], f"vmmd at {path} sent no greeting within {timeout} s") from None
+        except OSError as error:
+            sock.close()
+            raise VmmdError("DAEMON_UNREACHABLE", STATUS["UNAVAILABLE"], f"vmmd at {path}: {error}") from None
+        for fd in fds:
+            os.close(fd)
+        if not data:
+            sock.close()
+            raise VmmdError("DAEMON_UNREACHABLE", STATUS["UNAVAILABLE"], f"vmmd at {path} closed the session socket")
+        try:
+            hello = json.loads(data.decode("utf-8"))
+        except ValueError:
+            hello = None
+        if isinstance(hello, dict) and hello.get("type") == "error":
+            sock.close()
+            raise VmmdError(str(hello.get("code")), STATUS["PERMISSION_DENIED"], f"vmmd refused the session: {hello.get('message')}")
+        if not isinstance(hello, dict) or hello.get("type") != "hello" or hello.get("protocol") != PROTOCOL_VERSION:
+            sock.close()
+            raise VmmdError("BAD_GREETING", STATUS["UNAVAILABLE"], f"vmmd at {path} greeted with an unexpected message")
+        sock.settimeout(None)
+        return cls(sock, hello)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    # -- descriptors -------------------------------------------------------
+
+    def take_transfer(self, transfer: str | int, timeout: float = 5.0) -> int:
+        """The descriptor the daemon sent as `transfer`; the caller owns it.
+
+        Raises VmmdError DEADLINE_EXCEEDED TRANSFER_NOT_RECEIVED, UNAVAILABLE SESSION_LOST."""
+        key = str(transfer)
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while True:
+                held = self._inbox.pop(key, None)
+                if held is not None:
+                    return held[0]
+                if self._closed:
+                    raise self._lost()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise VmmdError("TRANSFER_NOT_RECEIVED", STATUS["DEADLINE_EXCEEDED"], f"descriptor {key} did not arrive within {timeout} s")
+                self._lock.wait(left)
+
+    def pending_transfers(self) -> List[str]:
+        """Transfer ids received and not claimed yet."""
+        with self._lock:
+            return list(self._inbox)
+
+    def send_descriptor(self, fd: int) -> str:
+        """Sends a descriptor (the caller keeps its own) and returns its
+        transfer id, to be named in an Import, Attach or OpenStaging call.
+        Ids are picked and sent under one lock, so they rise in sending order.
+
+        Raises VmmdError UNAVAILABLE SESSION_LOST."""
+        with self._send_lock:
+            transfer = str(self._next_transfer)
+            self._next_transfer += 1
+            self._send({"type": "transfer", "transfer": transfer}, fd)
+            return transfer
+
+    # -- requests ----------------------------------------------------------
+
+    def allocate(self, size: int, location: Optional[Dict[str, Any]] = None, timeout: float = 30.0) -> Tuple[Dict[str, Any], int]:
+        """Allocate on the session socket: a new allocation of this session
+        and its descriptor (the caller owns it), in one round trip.
+
+        Raises VmmdError as the Allocate RPC (OUT_OF_MEMORY, NOT_ALIGNED…),
+        DEADLINE_EXCEEDED NO_ANSWER, UNAVAILABLE SESSION_LOST."""
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or size >= 1 << 64:
+            raise VmmdError("BAD_SIZE", STATUS["INVALID_ARGUMENT"], f"allocation size {size!r} is not an integer in [0, 2^64)")
+        message: Dict[str, Any] = {"type": "allocate", "size": str(size)}
+        if location is not None:
+            message["location"] = location
+        pending = self._request(message, timeout, "allocate")
+        assert pending.message is not None
+        return pending.message, pending.fd
+
+    def ping(self, timeout: float = 5.0) -> float:
+        """One round trip on the session socket; returns its seconds."""
+        start = time.perf_counter()
+        self._request({"type": "ping"}, timeout, "ping", key="nonce")
+        return time.perf_counter() - start
+
+    def _request(self, message: Dict[str, Any], timeout: float, what: str, key: str = "request") -> _Pending:
+        pending = _Pending()
+        with self._send_lock:
+            request = str(self._next_request)
+            self._next_request += 1
+            message[key] = request
+            with self._lock:
+                if self._closed:
+                    raise self._lost()
+                self._requests[f"{key}:{request}"] = pending
+            try:
+                self._send(message)
+            except VmmdError:
+                with self._lock:
+                    self._requests.pop(f"{key}:{request}", None)
+                raise
+        if not pending.event.wait(timeout):
+            with self._lock:
+                self._requests.pop(f"{key}:{request}", None)
+            if pending.fd >= 0:
+                os.close(pending.fd)
+            raise VmmdError("NO_ANSWER", STATUS["DEADLINE_EXCEEDED"], f"the daemon did not answer {what} request {request} within {timeout} s")
+        if pending.error is not None:
+            raise pending.error
+        return pending
+
+    # -- lifetime ----------------------------------------------------------
+
+    def close(self) -> None:
+        """Ends the session: the daemon reclaims everything it owns."""
+        self._closing = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if threading.current_thread() is not self._reader:
+            self._reader.join(5)
+        self._finish()
+
+    def __enter__(self) -> "ClientSession":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- internals ---------------------------------------------------------
+
+    def _lost(self) -> VmmdError:
+        return VmmdError("SESSION_LOST", STATUS["UNAVAILABLE"], f"session {self.id} with vmmd is closed")
+
+    def _send(self, message: Dict[str, Any], fd: int = -1) -> None:
+        if self._closed:
+            raise self._lost()
+        data = json.dumps(message, separators=(",", ":")).encode("utf-8")
+        try:
+            if fd >= 0:
+                socket.send_fds(self._sock, [data], [fd])
+            else:
+                self._sock.send(data)
+        except OSError as error:
+            raise VmmdError("SESSION_LOST", STATUS["UNAVAILABLE"], f"the session socket failed: {error}") from None
+
+    def _read_loop(self) -> None:
+        while True:
+            try:
+                data, fds, _, _ = socket.recv_fds(self._sock, MAX_MESSAGE_BYTES * 2, 4)
+            except OSError:
+                break
+            if not data:
+                for fd in fds:
+                    os.close(fd)
+                break
+            try:
+                self._dispatch(data, fds)
+            except Exception:  # a bad message from the daemon must not stop the reader
+                for fd in fds:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+        self._finish()
+
+    def _dispatch(self, data: bytes, fds: List[int]) -> None:
+        # At most one descriptor per message; extras are closed.
+        fd = fds[0] if fds else -1
+        for extra in fds[1:]:
+            os.close(extra)
+        try:
+            message = json.loads(data.decode("utf-8"))
+        except ValueError:
+            message = None
+        if not isinstance(message, dict):
+            if fd >= 0:
+                os.close(fd)
+            return
+        kind = message.get("type")
+        now = time.monotonic()
+        with self._lock:
+            self._expire(now)
+            if kind == "transfer" and fd >= 0 and isinstance(message.get("transfer"), str):
+                old = self._inbox.pop(message["transfer"], None)
+                if old is not None:
+                    os.close(old[0])
+                self._inbox[message["transfer"]] = (fd, now)
+                self._lock.notify_all()
+                return
+            key = None
+            if kind in ("allocated", "error") and message.get("request") is not None:
+                key = f"request:{message['request']}"
+            elif kind == "pong" and message.get("nonce") is not None:
+                key = f"nonce:{message['nonce']}"
+            pending = self._requests.pop(key, None) if key is not None else None
+        if pending is not None:
+            if kind == "allocated" and fd >= 0:
+                pending.message, pending.fd = message, fd
+                fd = -1
+            elif kind == "error":
+                pending.error = VmmdError(str(message.get("code")), int(message.get("status") or STATUS["UNKNOWN"]), str(message.get("message")))
+            elif kind == "allocated":
+                pending.error = VmmdError("NO_DESCRIPTOR", STATUS["INTERNAL"], f"the daemon's answer to allocate request {message.get('request')} carried no descriptor")
+            else:
+                pending.message = message
+            pending.event.set()
+        if fd >= 0:
+            os.close(fd)
+        if pending is None and kind == "error":
+            for callback in list(self.on_daemon_error):
+                callback(message)
+
+    def _expire(self, now: float) -> None:
+        for transfer, (fd, since) in list(self._inbox.items()):
+            if now - since > UNCLAIMED_TRANSFER_S:
+                del self._inbox[transfer]
+                os.close(fd)
+
+    def _finish(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for fd, _ in self._inbox.values():
+                os.close(fd)
+            self._inbox.clear()
+            requests = list(self._requests.values())
+            self._requests.clear()
+            self._lock.notify_all()
+        for pending in requests:
+            pending.error = self._lost()
+            pending.event.set()
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        if not self._closing:
+            for callback in list(self.on_close):
+                callback()

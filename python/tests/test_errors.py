@@ -1,0 +1,89 @@
+"""Errors carry the daemon's code and the gRPC status; bad input changes nothing."""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+import vmmd
+
+from conftest import MiB, Daemon
+
+
+def refused(call, code: str, status: str):  # type: ignore[no-untyped-def]
+    with pytest.raises(vmmd.VmmdError) as raised:
+        call()
+    error = raised.value
+    assert (error.code, error.status_name) == (code, status), error
+    assert error.message and code in str(error)
+    return error
+
+
+def test_rpc_refusals_carry_code_and_status_and_change_nothing(daemon: Daemon, client: vmmd.VmmdClient) -> None:
+    before = daemon.stats()
+    error = refused(lambda: client.vmm.create(size=3 * MiB), "NOT_ALIGNED", "INVALID_ARGUMENT")
+    assert error.status == 3 and "0x300000" in error.message
+    refused(lambda: client.vmm.create(size=0), "ZERO_SIZE", "INVALID_ARGUMENT")
+    refused(lambda: client.vmm.create(size=512 * MiB), "OUT_OF_MEMORY", "RESOURCE_EXHAUSTED").out_of_memory
+    refused(lambda: client.vmm.release(allocation_id=999999), "UNKNOWN_ALLOCATION", "NOT_FOUND")
+    refused(lambda: client.devices.get_memory_info(device=7), "UNKNOWN_DEVICE", "OUT_OF_RANGE")
+    refused(lambda: client.vmm.unmap(address=1 << 40, size=2 * MiB), "NOT_MAPPED", "NOT_FOUND")
+    refused(lambda: client.stores.open("no-such-store"), "UNKNOWN_STORE", "NOT_FOUND")
+    after = daemon.stats()
+    assert (after.allocations, after.reservations, after.allocated_bytes) == (before.allocations, before.reservations, before.allocated_bytes)
+
+
+def test_socket_refusals_carry_the_rpc_code_and_status(client: vmmd.VmmdClient) -> None:
+    refused(lambda: client.vmm.allocate(MiB), "NOT_ALIGNED", "INVALID_ARGUMENT")
+    refused(lambda: client.vmm.allocate(512 * MiB), "OUT_OF_MEMORY", "RESOURCE_EXHAUSTED")
+    refused(lambda: client.session.allocate(-1), "BAD_SIZE", "INVALID_ARGUMENT")
+
+
+def test_another_sessions_allocation_needs_its_share_key(daemon: Daemon, client: vmmd.VmmdClient) -> None:
+    allocation = client.vmm.create(size=2 * MiB)
+    with daemon.connect() as other:
+        refused(lambda: other.vmm.import_(allocation.id), "NOT_OWNER", "PERMISSION_DENIED")
+        refused(lambda: other.vmm.import_(allocation.id, share_key="guess"), "BAD_SHARE_KEY", "PERMISSION_DENIED")
+        refused(lambda: other.vmm.share(allocation_id=allocation.id), "NOT_OWNER", "PERMISSION_DENIED")
+
+
+def test_local_memory_rules(client: vmmd.VmmdClient) -> None:
+    memory = client.vmm.allocate(2 * MiB)
+    refused(lambda: memory.read(2 * MiB - 1, 2), "BEYOND_ALLOCATION", "OUT_OF_RANGE")
+    refused(lambda: memory.write(-1, b"x"), "BEYOND_ALLOCATION", "OUT_OF_RANGE")
+    refused(lambda: memory.buffer and memory.view("<f8", (1 << 20,)), "BEYOND_ALLOCATION", "OUT_OF_RANGE")
+    view = memory.buffer
+    refused(memory.close, "VIEWS_ALIVE", "FAILED_PRECONDITION")
+    view.release()
+    memory.close()
+    refused(lambda: memory.read(0, 1), "CLOSED", "FAILED_PRECONDITION")
+    refused(lambda: memory.buffer, "CLOSED", "FAILED_PRECONDITION")
+    memory.close()  # twice is fine
+
+
+def test_read_only_memory_refuses_writes_here_and_in_the_daemon(client: vmmd.VmmdClient) -> None:
+    store = client.stores.attach_bytes(b"constant", name="ro-errors", read_only=True)
+    refused(lambda: client.stores.open("ro-errors", writable=True), "STORE_READ_ONLY", "FAILED_PRECONDITION")
+    with client.stores.open(store.id) as opened:
+        refused(lambda: opened.memory.write(0, b"x"), "READ_ONLY", "FAILED_PRECONDITION")
+        with pytest.raises(TypeError):
+            opened.memory.buffer[0] = 1  # a read-only buffer: refused, never a fault
+        refused(lambda: client.stores.write({"store_id": store.id}, b"x"), "STORE_READ_ONLY", "FAILED_PRECONDITION")
+        assert opened.memory.read(0, 8) == b"constant"
+
+
+def test_a_name_is_unique(client: vmmd.VmmdClient) -> None:
+    client.stores.attach_bytes(b"one", name="unique-name")
+    refused(lambda: client.stores.attach_bytes(b"two", name="unique-name"), "NAME_TAKEN", "ALREADY_EXISTS")
+
+
+def test_bad_client_options_are_refused_before_connecting(daemon: Daemon) -> None:
+    error = refused(lambda: daemon.connect(staging_bytes=1000), "BAD_STAGING_SIZE", "INVALID_ARGUMENT")
+    assert "1000" in error.message
+    refused(lambda: daemon.connect().vmm.create(size="big"), "BAD_REQUEST", "INVALID_ARGUMENT")
+
+
+def test_errors_pickle_across_processes() -> None:
+    error = vmmd.VmmdError("NOT_ALIGNED", 3, "size 5")
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.code, copy.status, copy.message) == ("NOT_ALIGNED", 3, "size 5")

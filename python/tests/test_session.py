@@ -1,0 +1,165 @@
+"""Sessions and the descriptor inbox (docs/PROTOCOL.md), from Python."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+
+import grpc
+import pytest
+
+import vmmd
+from vmmd import _proto
+from vmmd.session import ClientSession
+
+from conftest import MiB, Daemon, eventually
+
+
+def test_hello_gives_a_session_with_a_token_and_this_process_credentials(daemon: Daemon) -> None:
+    with daemon.connect() as client:
+        assert re.fullmatch(r"[0-9a-f]{64}", client.session.token)
+        assert client.session.pid == os.getpid()
+        sessions = {s.id: s for s in client.admin.list_sessions().sessions}
+        assert sessions[int(client.session.id)].pid == os.getpid()
+        assert client.backend == "host"
+
+
+def test_ping_round_trips_on_the_session_socket(client: vmmd.VmmdClient) -> None:
+    assert 0 < client.session.ping() < 5
+
+
+def test_objects_belong_to_the_session_and_go_with_it(daemon: Daemon) -> None:
+    before = daemon.stats()
+    client = daemon.connect()
+    allocation = client.vmm.create(size=2 * MiB)
+    assert allocation.owner_session == int(client.session.id)
+    client.vmm.reserve(size=4 * MiB)
+    assert daemon.stats().allocations == before.allocations + 1
+    token = client.session.token
+    client.close()
+    eventually(lambda: daemon.stats().allocations == before.allocations and daemon.stats().reservations == before.reservations, what="reclaim")
+    # The token of a closed session names no session any more.
+    with pytest.raises(grpc.RpcError) as raised:
+        daemon.raw["Devices"]["ListDevices"](_proto.message("ListDevicesRequest")(), metadata=[("vmmd-session-token", token)], timeout=5)
+    assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_call_without_a_session_cannot_receive_descriptors(daemon: Daemon, client: vmmd.VmmdClient) -> None:
+    allocation = client.vmm.create(size=2 * MiB)
+    key = client.vmm.share(allocation_id=allocation.id).share_key
+    with pytest.raises(grpc.RpcError) as raised:
+        daemon.raw["VirtualMemory"]["Export"](_proto.message("ExportRequest")(allocation_id=allocation.id, share_key=key), timeout=5)
+    assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert ("vmmd-error-code", "NO_SESSION") in raised.value.trailing_metadata()
+
+
+def test_exported_descriptors_wait_in_the_inbox_until_claimed(client: vmmd.VmmdClient) -> None:
+    allocation = client.vmm.create(size=2 * MiB)
+    exported = client.vmm.export(allocation_id=allocation.id)
+    eventually(lambda: str(exported.transfer_id) in client.session.pending_transfers(), what="the descriptor")
+    fd = client.session.take_transfer(exported.transfer_id)
+    try:
+        assert os.fstat(fd).st_size == 2 * MiB
+    finally:
+        os.close(fd)
+    assert str(exported.transfer_id) not in client.session.pending_transfers()
+    # Claimed once: a second claim waits for a descriptor that never comes.
+    with pytest.raises(vmmd.VmmdError) as raised:
+        client.session.take_transfer(exported.transfer_id, timeout=0.2)
+    assert (raised.value.code, raised.value.status_name) == ("TRANSFER_NOT_RECEIVED", "DEADLINE_EXCEEDED")
+
+
+def test_a_descriptor_sent_by_the_client_becomes_an_allocation(client: vmmd.VmmdClient) -> None:
+    fd = vmmd.sealed_memfd("test", 2 * MiB)
+    try:
+        os.pwrite(fd, b"from python", 0)
+        allocation = client.vmm.import_descriptor(fd, size=2 * MiB)
+    finally:
+        os.close(fd)
+    assert allocation.imported and allocation.owner_session == int(client.session.id)
+    with client.vmm.import_(allocation.id) as memory:
+        assert memory.read(0, 11) == b"from python"
+
+
+def test_transfer_ids_rise_and_a_replayed_id_is_refused(daemon: Daemon) -> None:
+    """A raw session: the daemon refuses a transfer id that is not above every id sent before."""
+    with daemon.connect() as client:
+        errors: list = []
+        client.session.on_daemon_error.append(errors.append)
+        first = client.session.send_descriptor(vmmd.sealed_memfd("a", 2 * MiB))
+        assert first == "1" and client.session.send_descriptor(vmmd.sealed_memfd("b", 2 * MiB)) == "2"
+        fd = vmmd.sealed_memfd("replay", 2 * MiB)
+        socket.send_fds(client.session._sock, [json.dumps({"type": "transfer", "transfer": "1"}).encode()], [fd])
+        os.close(fd)
+        eventually(lambda: errors, what="the daemon's error message")
+        assert errors[0]["code"] == "TRANSFER_USED"
+        # The session stays open.
+        assert client.session.ping() > 0
+
+
+def test_bad_messages_are_answered_and_change_nothing(daemon: Daemon) -> None:
+    with daemon.connect() as client:
+        errors: list = []
+        client.session.on_daemon_error.append(errors.append)
+        before = daemon.stats()
+        client.session._sock.send(b"not json")
+        client.session._sock.send(json.dumps({"type": "allocate", "request": "01", "size": "2097152"}).encode())
+        eventually(lambda: len(errors) == 2, what="two error messages")
+        assert [e["code"] for e in errors] == ["BAD_MESSAGE", "BAD_MESSAGE"]
+        assert daemon.stats().allocations == before.allocations
+        assert client.session.ping() > 0
+
+
+def test_allocate_on_the_session_socket_maps_memory_here(client: vmmd.VmmdClient) -> None:
+    memory = client.vmm.allocate(4 * MiB)
+    assert memory.size == 4 * MiB
+    memory.write(4 * MiB - 3, b"end")
+    properties = client.vmm.get_properties(allocation_id=memory.allocation_id)
+    assert properties.owner_session == int(client.session.id) and properties.size == 4 * MiB
+    # The daemon sees the same pages (its Read of a mapping of the allocation).
+    reservation = client.vmm.reserve(size=4 * MiB)
+    client.vmm.map(address=reservation.address, size=4 * MiB, allocation_id=memory.allocation_id)
+    client.vmm.set_access(address=reservation.address, size=4 * MiB, descriptors=[{"location": {"type": "LOCATION_TYPE_DEVICE"}, "flags": "ACCESS_FLAGS_READWRITE"}])
+    assert client.vmm.read(reservation.address + 4 * MiB - 3, 3) == b"end"
+    memory.close()
+
+
+def test_the_daemon_going_away_ends_the_session(tmp_path: object) -> None:
+    daemon = Daemon()
+    try:
+        client = daemon.connect()
+        lost: list = []
+        client.on_session_lost.append(lost.append)
+        memory = client.vmm.allocate(2 * MiB)
+        memory.write(0, b"kept")
+        daemon.process.kill()
+        daemon.process.wait()
+        eventually(lambda: lost, what="session-lost")
+        assert lost[0].code == "SESSION_LOST" and client.lost
+        with pytest.raises(vmmd.VmmdError) as raised:
+            client.session.ping()
+        assert raised.value.code == "SESSION_LOST"
+        # Memory mapped here stays valid.
+        assert memory.read(0, 4) == b"kept"
+        memory.close()
+        client.close()
+    finally:
+        daemon.stop()
+
+
+def test_connect_to_no_daemon_is_unavailable(tmp_path: object) -> None:
+    with pytest.raises(vmmd.VmmdError) as raised:
+        vmmd.connect(str(tmp_path))
+    assert (raised.value.code, raised.value.status, raised.value.status_name) == ("DAEMON_UNREACHABLE", 14, "UNAVAILABLE")
+    assert str(tmp_path) in raised.value.message
+
+
+def test_socket_dir_comes_from_the_environment(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VMMD_SOCKET_DIR", daemon.dir)
+    assert vmmd.default_socket_dir() == daemon.dir
+    with vmmd.connect() as client:
+        assert client.socket_dir == daemon.dir
+    monkeypatch.delenv("VMMD_SOCKET_DIR")
+    assert vmmd.default_socket_dir({"XDG_RUNTIME_DIR": "/nonexistent"}) in ("/run/vmmd", f"/tmp/vmmd-{os.getuid()}", os.path.join(os.environ.get("TMPDIR", "/tmp"), f"vmmd-{os.getuid()}"))
