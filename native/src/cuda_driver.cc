@@ -5,7 +5,12 @@
 #include "cuda_driver.h"
 
 #include <dlfcn.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -78,6 +83,29 @@ template <typename Call>
 cu::Result Injected(const char* name, Call call) {
   int error = faults::Hit(name);
   return error != 0 ? static_cast<cu::Result>(error) : call();
+}
+
+// VMMD_DRIVER_TRACE=1: one stderr line per driver call made on a worker thread, with its
+// begin and end on CLOCK_MONOTONIC (comparable across processes of one host), pid, thread
+// id and result. A diagnostic for ordering questions (which copy ran before which unmap).
+const bool traceDriver = [] {
+  const char* value = std::getenv("VMMD_DRIVER_TRACE");
+  return value != nullptr && value[0] != '\0' && value[0] != '0';
+}();
+
+uint64_t MonotonicNs() {
+  timespec now{};
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  return static_cast<uint64_t>(now.tv_sec) * 1000000000ull + static_cast<uint64_t>(now.tv_nsec);
+}
+
+void TraceCall(const std::string& call, uint64_t address, uint64_t begin, uint64_t end, int result) {
+  char line[256];
+  int length = snprintf(line, sizeof(line), "vmmd-trace pid=%d tid=%ld begin=%llu end=%llu result=%d address=0x%llx call=%s\n",
+                        getpid(), static_cast<long>(syscall(SYS_gettid)), static_cast<unsigned long long>(begin),
+                        static_cast<unsigned long long>(end), result, static_cast<unsigned long long>(address), call.c_str());
+  // One write per line: lines of concurrent threads and processes do not interleave.
+  if (length > 0) (void)!write(STDERR_FILENO, line, static_cast<size_t>(length) < sizeof(line) ? length : sizeof(line) - 1);
 }
 
 std::string Sized(const char* call, uint64_t size) { return std::string(call) + "(" + std::to_string(size) + ")"; }
@@ -217,16 +245,19 @@ class CudaWorker : public Napi::AsyncWorker {
         make_(std::move(make)) {}
 
   static Napi::Promise Queue(Napi::Env env, int device, std::string call, std::function<cu::Result()> work,
-                             std::function<Napi::Value(Napi::Env)> make) {
+                             std::function<Napi::Value(Napi::Env)> make, uint64_t address = 0) {
     auto* worker = new CudaWorker(env, device, std::move(call), std::move(work), std::move(make));
+    worker->address_ = address;  // for the trace only
     Napi::Promise promise = worker->deferred_.Promise();
     worker->Napi::AsyncWorker::Queue();
     return promise;
   }
 
   void Execute() override {
+    uint64_t begin = traceDriver ? MonotonicNs() : 0;
     result_ = UseDevice(device_);
     if (result_ == cu::SUCCESS) result_ = work_();
+    if (traceDriver) TraceCall(call_, address_, begin, MonotonicNs(), result_);
   }
 
   void OnOK() override {
@@ -252,6 +283,7 @@ class CudaWorker : public Napi::AsyncWorker {
   std::function<cu::Result()> work_;
   std::function<Napi::Value(Napi::Env)> make_;
   cu::Result result_ = cu::SUCCESS;
+  uint64_t address_ = 0;
 };
 
 Napi::BigInt Big(Napi::Env env, uint64_t value) { return Napi::BigInt::New(env, value); }
@@ -455,7 +487,8 @@ Napi::Value CudaUnmap(const Napi::CallbackInfo& info) {
   uint64_t address = U64Arg(info, 1, "address");
   uint64_t size = U64Arg(info, 2, "size");
   return CudaWorker::Queue(env, device, Sized("cuMemUnmap", size),
-                           [address, size] { return Injected("cuMemUnmap", [&] { return driver.api.cuMemUnmap(address, size); }); }, nullptr);
+                           [address, size] { return Injected("cuMemUnmap", [&] { return driver.api.cuMemUnmap(address, size); }); }, nullptr,
+                           address);
 }
 
 // cudaSetAccess(address, size, [{ type, id, flags }])
@@ -596,7 +629,8 @@ Napi::Value CudaCopyToDevice(const Napi::CallbackInfo& info) {
       [keep](Napi::Env env) {
         keep->Reset();
         return env.Undefined();
-      });
+      },
+      address);
 }
 
 // cudaCopyFromDevice(device, address, length) -> Promise<Buffer>
@@ -623,7 +657,8 @@ Napi::Value CudaCopyFromDevice(const Napi::CallbackInfo& info) {
         Napi::Value value = keep->Value();
         keep->Reset();
         return value;
-      });
+      },
+      address);
 }
 
 // cudaCanAccessPeer(device, peer) -> boolean
