@@ -8,6 +8,7 @@ import { status as Status } from '@grpc/grpc-js';
 import { addon, CU_HANDLE, CU_LOCATION, HOST_ACCESS } from '../native';
 import type { VmmdClient } from './connection';
 import { VmmdError } from './errors';
+import { InFlight } from './in-flight';
 import type { Store__Output } from '../generated/vmmd/v1/Store';
 
 /**
@@ -68,6 +69,8 @@ export class SharedHostMemory {
 
 /** CUDA memory this process made itself (cuMemCreate, exportable): what createFbmem and createZcmem take. */
 export class LocalDeviceMemory {
+  private readonly copies = new InFlight();
+
   private constructor(
     readonly device: number,
     readonly handle: bigint,
@@ -97,16 +100,19 @@ export class LocalDeviceMemory {
     return addon.cudaExportFd(this.device, this.handle);
   }
 
+  /** Resolves once the bytes are in device memory. */
   write(offset: bigint, data: Buffer): Promise<void> {
-    return addon.cudaCopyToDevice(this.device, this.address + offset, data);
+    return this.copies.track(addon.cudaCopyToDevice(this.device, this.address + offset, data));
   }
 
   read(offset: bigint, length: bigint): Promise<Buffer> {
-    return addon.cudaCopyFromDevice(this.device, this.address + offset, length);
+    return this.copies.track(addon.cudaCopyFromDevice(this.device, this.address + offset, length));
   }
 
+  /** Unmaps (after every copy started here and this process's queued GPU work), frees the range, releases. */
   async free(): Promise<void> {
-    await addon.cudaUnmap(this.device, this.address, this.size);
+    await this.copies.drain();
+    await addon.cudaUnmap(this.device, this.address, this.size, true);
     addon.cudaFreeAddress(this.address, this.size);
     await addon.cudaRelease(this.device, this.handle);
   }

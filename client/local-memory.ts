@@ -6,6 +6,7 @@
 import { status as Status } from '@grpc/grpc-js';
 import { addon, CU_LOCATION, HOST_ACCESS } from '../native';
 import { VmmdError } from './errors';
+import { InFlight } from './in-flight';
 
 /**
  * Why mapping memory here failed, with the status that fits: memory sealed
@@ -29,6 +30,8 @@ function localMapFailed(error: unknown, readOnly: boolean): VmmdError {
  */
 export abstract class ImportedMemory implements AsyncDisposable {
   protected closed = false;
+  private closing: Promise<void> | undefined;
+  private readonly copies = new InFlight();
 
   constructor(
     readonly allocationId: bigint,
@@ -62,21 +65,36 @@ export abstract class ImportedMemory implements AsyncDisposable {
    */
   async read(offset: number | bigint, length: number | bigint): Promise<Buffer> {
     this.checkRange(BigInt(offset), BigInt(length));
-    return this.copyOut(BigInt(offset), BigInt(length));
+    return this.copies.track(this.copyOut(BigInt(offset), BigInt(length)));
   }
 
   /**
-   * Copies bytes into the memory at `offset`.
+   * Copies bytes into the memory at `offset`; resolves once they are in the
+   * memory (on cuda: the copy engine has written them, not merely staged them).
    * @throws VmmdError FAILED_PRECONDITION READ_ONLY, CLOSED; OUT_OF_RANGE BEYOND_ALLOCATION
    */
   async write(offset: number | bigint, data: Uint8Array): Promise<void> {
     this.checkRange(BigInt(offset), BigInt(data.byteLength));
     if (this.readOnly) throw new VmmdError('READ_ONLY', Status.FAILED_PRECONDITION, `allocation ${this.allocationId} is mapped read-only here`);
-    return this.copyIn(BigInt(offset), Buffer.from(data.buffer, data.byteOffset, data.byteLength));
+    return this.copies.track(this.copyIn(BigInt(offset), Buffer.from(data.buffer, data.byteOffset, data.byteLength)));
   }
 
-  /** Unmaps the memory from this process. */
-  abstract close(): Promise<void>;
+  /**
+   * Unmaps the memory from this process, once every read and write started on
+   * it has finished (they are never cut off by the unmap); reads and writes
+   * started after close() fail with CLOSED. Every call returns the same promise.
+   */
+  close(): Promise<void> {
+    if (this.closing === undefined) {
+      this.closed = true;
+      // Nothing in flight: unmap now, in this turn, as callers that do not await close() expect.
+      this.closing = this.copies.idle ? this.unmapHere() : this.copies.drain().then(() => this.unmapHere());
+    }
+    return this.closing;
+  }
+
+  /** Unmaps and frees the address range; called once, with no copy in flight. */
+  protected abstract unmapHere(): Promise<void>;
 
   async [Symbol.asyncDispose](): Promise<void> {
     await this.close();
@@ -141,9 +159,7 @@ export class HostImportedMemory extends ImportedMemory {
     return this.view;
   }
 
-  async close(): Promise<void> {
-    if (this.closed) return;
-    this.closed = true;
+  protected async unmapHere(): Promise<void> {
     // Detach first: a view left attached to unmapped pages would crash the process on access.
     if (this.view !== undefined) addon.hostDetachArrayBuffer(this.view);
     this.view = undefined;
@@ -231,12 +247,11 @@ export class CudaImportedMemory extends ImportedMemory {
     return this.view;
   }
 
-  async close(): Promise<void> {
-    if (this.closed) return;
-    this.closed = true;
+  protected async unmapHere(): Promise<void> {
     if (this.view !== undefined) addon.hostDetachArrayBuffer(this.view);
     this.view = undefined;
-    await addon.cudaUnmap(this.device, this.address, this.size);
+    // Synchronized first, as cuMemFree is: this process's kernels may still use the range.
+    await addon.cudaUnmap(this.device, this.address, this.size, true);
     addon.cudaFreeAddress(this.address, this.size);
   }
 

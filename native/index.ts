@@ -128,7 +128,11 @@ export interface Addon {
   /** cuMemCreate and its POSIX-fd export in one job on a driver thread. */
   cudaCreateExported(device: number, locationType: number, locationId: number, size: bigint, handleTypes: number): Promise<{ handle: bigint; fd: number }>;
   cudaMap(address: bigint, size: bigint, offset: bigint, handle: bigint): void;
-  cudaUnmap(device: number, address: bigint, size: bigint): Promise<void>;
+  /**
+   * cuMemUnmap on a driver thread; with `synchronize`, cuCtxSynchronize first (as cuMemFree
+   * does), for memory this process's own kernels or copies may still be using.
+   */
+  cudaUnmap(device: number, address: bigint, size: bigint, synchronize?: boolean): Promise<void>;
   cudaSetAccess(address: bigint, size: bigint, descriptors: Array<{ type: number; id: number; flags: number }>): void;
   cudaGetAccess(address: bigint, locationType: number, locationId: number): number;
   cudaExportFd(device: number, handle: bigint): Promise<number>;
@@ -137,6 +141,7 @@ export interface Addon {
   cudaImportFabric(fabric: Buffer): bigint;
   cudaAllocationProperties(handle: bigint): { locationType: number; locationId: number; requestedHandleTypes: number };
   cudaRetainHandle(address: bigint): bigint;
+  /** Resolves once the bytes are in device memory (the DMA has landed), not when they are staged. */
   cudaCopyToDevice(device: number, address: bigint, data: Buffer): Promise<void>;
   cudaCopyFromDevice(device: number, address: bigint, length: bigint, into?: Buffer): Promise<Buffer>;
   cudaCanAccessPeer(device: number, peer: number): boolean;

@@ -14,6 +14,7 @@ namespace cu {
 using Result = int;
 using Device = int;
 using Context = struct OpaqueContext*;
+using Stream = struct OpaqueStream*;
 using DevicePtr = unsigned long long;
 using GenericHandle = unsigned long long;
 
@@ -83,6 +84,9 @@ struct Api {
   Result (*cuDeviceCanAccessPeer)(int*, Device, Device);
   Result (*cuDevicePrimaryCtxRetain)(Context*, Device);
   Result (*cuCtxSetCurrent)(Context);
+  Result (*cuCtxSynchronize)();
+  Result (*cuStreamCreate)(Stream*, unsigned int);
+  Result (*cuStreamSynchronize)(Stream);
   Result (*cuMemGetInfo_v2)(size_t*, size_t*);
   Result (*cuMemAddressReserve)(DevicePtr*, size_t, size_t, DevicePtr, unsigned long long);
   Result (*cuMemAddressFree)(DevicePtr, size_t);
@@ -97,8 +101,8 @@ struct Api {
   Result (*cuMemGetAllocationGranularity)(size_t*, const MemAllocationProp*, int);
   Result (*cuMemGetAllocationPropertiesFromHandle)(MemAllocationProp*, GenericHandle);
   Result (*cuMemRetainAllocationHandle)(GenericHandle*, void*);
-  Result (*cuMemcpyHtoD_v2)(DevicePtr, const void*, size_t);
   Result (*cuMemcpyDtoH_v2)(void*, DevicePtr, size_t);
+  Result (*cuMemcpyHtoDAsync_v2)(DevicePtr, const void*, size_t, Stream);
   Result (*cuMemHostRegister_v2)(void*, size_t, unsigned int);
   Result (*cuMemHostUnregister)(void*);
   Result (*cuMemHostGetDevicePointer_v2)(DevicePtr*, void*, unsigned int);

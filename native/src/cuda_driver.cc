@@ -141,6 +141,9 @@ std::string LoadDriver() {
       {"cuDeviceCanAccessPeer", reinterpret_cast<void**>(&a.cuDeviceCanAccessPeer)},
       {"cuDevicePrimaryCtxRetain", reinterpret_cast<void**>(&a.cuDevicePrimaryCtxRetain)},
       {"cuCtxSetCurrent", reinterpret_cast<void**>(&a.cuCtxSetCurrent)},
+      {"cuCtxSynchronize", reinterpret_cast<void**>(&a.cuCtxSynchronize)},
+      {"cuStreamCreate", reinterpret_cast<void**>(&a.cuStreamCreate)},
+      {"cuStreamSynchronize", reinterpret_cast<void**>(&a.cuStreamSynchronize)},
       {"cuMemGetInfo_v2", reinterpret_cast<void**>(&a.cuMemGetInfo_v2)},
       {"cuMemAddressReserve", reinterpret_cast<void**>(&a.cuMemAddressReserve)},
       {"cuMemAddressFree", reinterpret_cast<void**>(&a.cuMemAddressFree)},
@@ -155,8 +158,8 @@ std::string LoadDriver() {
       {"cuMemGetAllocationGranularity", reinterpret_cast<void**>(&a.cuMemGetAllocationGranularity)},
       {"cuMemGetAllocationPropertiesFromHandle", reinterpret_cast<void**>(&a.cuMemGetAllocationPropertiesFromHandle)},
       {"cuMemRetainAllocationHandle", reinterpret_cast<void**>(&a.cuMemRetainAllocationHandle)},
-      {"cuMemcpyHtoD_v2", reinterpret_cast<void**>(&a.cuMemcpyHtoD_v2)},
       {"cuMemcpyDtoH_v2", reinterpret_cast<void**>(&a.cuMemcpyDtoH_v2)},
+      {"cuMemcpyHtoDAsync_v2", reinterpret_cast<void**>(&a.cuMemcpyHtoDAsync_v2)},
       {"cuMemHostRegister_v2", reinterpret_cast<void**>(&a.cuMemHostRegister_v2)},
       {"cuMemHostUnregister", reinterpret_cast<void**>(&a.cuMemHostUnregister)},
       {"cuMemHostGetDevicePointer_v2", reinterpret_cast<void**>(&a.cuMemHostGetDevicePointer_v2)},
@@ -229,6 +232,33 @@ cu::MemAllocationProp Prop(int locationType, int locationId, int handleTypes) {
   prop.location.type = static_cast<cu::LocationType>(locationType);
   prop.location.id = locationId;
   return prop;
+}
+
+// This worker thread's own stream on `device` (whose context is current), made on first use
+// and kept for the thread's life (worker threads live as long as the process). Blocking
+// (flags 0): it waits for work queued on the legacy default stream, as a synchronous copy does.
+cu::Result CopyStream(int device, cu::Stream* stream) {
+  thread_local std::vector<cu::Stream> streams;
+  if (streams.size() < driver.contexts.size()) streams.resize(driver.contexts.size(), nullptr);
+  if (streams[device] == nullptr) {
+    cu::Result result = driver.api.cuStreamCreate(&streams[device], 0);
+    if (result != cu::SUCCESS) return result;
+  }
+  *stream = streams[device];
+  return cu::SUCCESS;
+}
+
+// Copies host bytes into device memory and returns only once they are there. NOTE (issue 15):
+// cuMemcpyHtoD from pageable memory returns as soon as the bytes are staged for DMA, before
+// the DMA lands (the driver API's "API synchronization behavior"); a caller that unmapped the
+// range then faulted the context under the copy engine (CUDA_ERROR_LAUNCH_FAILED at the next
+// copy). An async copy on this thread's stream and a synchronize of that stream wait for it.
+cu::Result CopyToDevice(int device, cu::DevicePtr address, const void* source, size_t length) {
+  cu::Stream stream = nullptr;
+  cu::Result result = CopyStream(device, &stream);
+  if (result == cu::SUCCESS) result = driver.api.cuMemcpyHtoDAsync_v2(address, source, length, stream);
+  if (result == cu::SUCCESS) result = driver.api.cuStreamSynchronize(stream);
+  return result;
 }
 
 // A driver call on a worker thread with the device's context current there.
@@ -479,16 +509,26 @@ Napi::Value CudaMap(const Napi::CallbackInfo& info) {
   return env.Undefined();
 }
 
-// cudaUnmap(device, address, size) -> Promise<void>
+// cudaUnmap(device, address, size, synchronize = false) -> Promise<void>
+// With synchronize, the device's context is synchronized first, as cuMemFree does: kernels
+// and copies this process queued on any stream may still be using the range.
 Napi::Value CudaUnmap(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   RequireDriver(env);
   int device = DeviceArg(info, 0);
   uint64_t address = U64Arg(info, 1, "address");
   uint64_t size = U64Arg(info, 2, "size");
-  return CudaWorker::Queue(env, device, Sized("cuMemUnmap", size),
-                           [address, size] { return Injected("cuMemUnmap", [&] { return driver.api.cuMemUnmap(address, size); }); }, nullptr,
-                           address);
+  bool synchronize = info.Length() > 3 && info[3].ToBoolean().Value();
+  return CudaWorker::Queue(
+      env, device, Sized(synchronize ? "cuCtxSynchronize+cuMemUnmap" : "cuMemUnmap", size),
+      [address, size, synchronize] {
+        if (synchronize) {
+          cu::Result result = driver.api.cuCtxSynchronize();
+          if (result != cu::SUCCESS) return result;
+        }
+        return Injected("cuMemUnmap", [&] { return driver.api.cuMemUnmap(address, size); });
+      },
+      nullptr, address);
 }
 
 // cudaSetAccess(address, size, [{ type, id, flags }])
@@ -625,7 +665,7 @@ Napi::Value CudaCopyToDevice(const Napi::CallbackInfo& info) {
   size_t length = data.Length();
   return CudaWorker::Queue(
       env, device, Sized("cuMemcpyHtoD", length),
-      [address, source, length] { return driver.api.cuMemcpyHtoD_v2(address, source, length); },
+      [device, address, source, length] { return CopyToDevice(device, address, source, length); },
       [keep](Napi::Env env) {
         keep->Reset();
         return env.Undefined();
