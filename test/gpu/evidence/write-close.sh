@@ -7,8 +7,10 @@
 #   test/gpu/evidence/write-close.sh BUNDLE_DIR OUT_DIR LABEL [ADDON.node]
 set -uo pipefail
 bundle=$1 out=$2 label=$3 addon=${4:-}
-here=$(cd "$(dirname "$0")/../../.." && pwd)
-work=$("$here/scripts/gpu-unpack.sh" "$bundle") || exit 1
+# gpu-unpack.sh beside this script (a copy in the bundle) or in the repository's scripts/.
+unpack=$(dirname "$0")/gpu-unpack.sh
+[ -x "$unpack" ] || unpack=$(dirname "$0")/../../../scripts/gpu-unpack.sh
+work=$("$unpack" "$bundle") || exit 1
 [ -n "$addon" ] && cp "$addon" "$work/vmmd/build/Release/vmmd_native.node"
 export PATH="$work:$PATH"
 cd "$work/vmmd"
