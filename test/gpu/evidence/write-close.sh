@@ -27,6 +27,14 @@ for n in 4 32; do
   wait $(jobs -p | grep -v "^$daemon$") 2>/dev/null
   failed=$(grep -L '"errors":{}' "$out/$label"/p$n-c*.json | wc -l)
   echo "$label: $n processes x 20 iterations: $failed clients with errors" | tee -a "$out/summary.txt"
+  # The first failing client's report and its driver calls up to its first failed one.
+  first=$(grep -L '"errors":{}' "$out/$label"/p$n-c*.json | head -1)
+  if [ -n "$first" ]; then
+    {
+      echo "== $label, $n processes: $(basename "$first"): $(cat "$first")"
+      awk '{ print } / result=[1-9]/ { exit }' "${first%.json}.trace" | tail -10
+    } >> "$out/excerpt.txt"
+  fi
 done
 # One client under compute-sanitizer while 15 others load the copy engine.
 for i in $(seq 15); do VMMD_SOCKET_DIR=$dir node dist/test/reliability/fixtures/write-close.js 20 awaited > /dev/null 2>&1 & done
@@ -35,4 +43,5 @@ VMMD_SOCKET_DIR=$dir timeout 120 compute-sanitizer --tool memcheck --print-limit
 echo "$label: sanitizer exit $?, $(grep -c 'Program hit' "$out/$label/sanitizer.log") API errors reported" | tee -a "$out/summary.txt"
 wait $(jobs -p | grep -v "^$daemon$") 2>/dev/null
 kill "$daemon"; wait "$daemon" 2>/dev/null
+tar -C "$out" -czf "$out/$label.tar.gz" "$label" && rm -rf "${out:?}/$label"
 rm -rf "$dir" "$work"
