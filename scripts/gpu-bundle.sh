@@ -5,8 +5,10 @@
 #   .gpu/vmmd.tar.xz     package.json, bin/, dist/ (compiled code and tests),
 #                        proto/, the built addon, and node_modules with the
 #                        production dependencies plus jest (no TypeScript)
-# Then, on the GPU host: scripts/gpu-test.sh (the test suite) or scripts/gpu-bench.sh
-# (the benchmarks); each unpacks the bundle with gpu-unpack.sh.
+# Then, on the GPU host: scripts/gpu-test.sh (the test suite), scripts/gpu-bench.sh
+# (the benchmarks) or scripts/gpu-python.sh (the Python client: its GPU tests, Numba's
+# suite under vmmd.numba, shared weights, Python benchmarks); each unpacks the bundle
+# with gpu-unpack.sh.
 # Needs `npm ci` done here; x86-64 only (the addon is built here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +24,13 @@ cp test/summary-reporter.js test/setup-symbols.js "$stage/vmmd/test/"
 mkdir -p "$stage/vmmd/bench"
 cp -r bench/echo.proto bench/reference "$stage/vmmd/bench/"
 cp build/Release/vmmd_native.node "$stage/vmmd/build/Release/"
+# The Python client (pure Python and the descriptor set generated from proto/;
+# its C allocation library is built there) and its GPU tests and benchmarks.
+mkdir -p "$stage/vmmd/python" "$stage/vmmd/test/gpu" "$stage/vmmd/bench"
+cp -r python/pyproject.toml python/setup.py python/README.md python/src python/tests "$stage/vmmd/python/"
+cp -r test/gpu/python "$stage/vmmd/test/gpu/"
+cp -r bench/python "$stage/vmmd/bench/"
+find "$stage/vmmd/python" "$stage/vmmd/test/gpu/python" "$stage/vmmd/bench/python" \( -name __pycache__ -o -name '*.egg-info' -o -name '*.so' \) -prune -exec rm -rf {} +
 # Production dependencies and jest's runtime; no compiler, no type packages.
 cp -r node_modules "$stage/vmmd/node_modules"
 rm -rf "$stage/vmmd/node_modules/"{typescript,ts-jest,@types,.cache} "$stage/vmmd/node_modules/.bin"
@@ -29,5 +38,5 @@ rm -rf "$stage/vmmd/node_modules/"{typescript,ts-jest,@types,.cache} "$stage/vmm
 rm -rf .gpu && mkdir -p .gpu
 xz -T2 -c "$(command -v node)" > .gpu/node.xz
 tar -C "$stage" -cf - vmmd | xz -T2 -6 > .gpu/vmmd.tar.xz
-cp scripts/gpu-unpack.sh scripts/gpu-test.sh scripts/gpu-bench.sh .gpu/
+cp scripts/gpu-unpack.sh scripts/gpu-test.sh scripts/gpu-bench.sh scripts/gpu-python.sh .gpu/
 du -sh .gpu/* | sed 's/^/gpu-bundle: /'

@@ -19,6 +19,7 @@ from .client import (
     VmmdClient,
     connect,
     sealed_memfd,
+    shared_client,
 )
 from .errors import VmmdError
 from .memory import ArrayView, CudaImportedMemory, HostImportedMemory, ImportedMemory
@@ -43,4 +44,5 @@ __all__ = [
     "connect",
     "default_socket_dir",
     "sealed_memfd",
+    "shared_client",
 ]

@@ -59,6 +59,16 @@ def check(result: Any, call: str) -> None:
         raise VmmdError(name, status, f"{name}: {call}")
 
 
+def native(obj: Any) -> int:
+    """The value of a driver handle (CUcontext, CUdevice, CUdeviceptr) as an int."""
+    try:
+        return int(obj)
+    except TypeError:
+        from cuda.bindings.utils import get_cuda_native_handle
+
+        return int(get_cuda_native_handle(obj))
+
+
 def format_uuid(raw: bytes) -> str:
     """The daemon's spelling of a device UUID (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)."""
     h = raw[:16].hex()
@@ -93,9 +103,9 @@ def ensure_context(device: int) -> None:
     process's life, as CuPy and PyTorch do)."""
     cu = driver()
     result, ctx = cu.cuCtxGetCurrent()
-    if result == cu.CUresult.CUDA_SUCCESS and int(ctx) != 0:
+    if result == cu.CUresult.CUDA_SUCCESS and native(ctx) != 0:
         result, current = cu.cuCtxGetDevice()
-        if result == cu.CUresult.CUDA_SUCCESS and int(current) == device:
+        if result == cu.CUresult.CUDA_SUCCESS and native(current) == device:
             return
     primary = _contexts.get(device)
     if primary is None:
@@ -142,7 +152,7 @@ def import_and_map(fd: int, size: int, granularity: int, device: int, read_only:
     try:
         result, pointer = cu.cuMemAddressReserve(size, granularity, 0, 0)
         check(result, f"cuMemAddressReserve({size})")
-        address = int(pointer)
+        address = native(pointer)
         (result,) = cu.cuMemMap(address, size, 0, handle, 0)
         check(result, f"cuMemMap({size})")
         mapped = True
@@ -173,17 +183,22 @@ def unmap(address: int, size: int, device: int) -> None:
 
 
 def copy_to_device(device: int, address: int, data: memoryview) -> None:
+    from .memory import buffer_address
+
     cu = driver()
     ensure_context(device)
-    (result,) = cu.cuMemcpyHtoD(address, data, data.nbytes)
+    # By address: every cuda-bindings version takes an int for a host pointer; `data` stays alive meanwhile.
+    (result,) = cu.cuMemcpyHtoD(address, buffer_address(data), data.nbytes)
     check(result, f"cuMemcpyHtoD({data.nbytes})")
 
 
 def copy_from_device(device: int, address: int, length: int) -> bytes:
     cu = driver()
     ensure_context(device)
+    from .memory import buffer_address
+
     out = bytearray(length)
-    (result,) = cu.cuMemcpyDtoH(out, address, length)
+    (result,) = cu.cuMemcpyDtoH(buffer_address(out) if length else 0, address, length)
     check(result, f"cuMemcpyDtoH({length})")
     return bytes(out)
 

@@ -622,3 +622,18 @@ def connect(socket_dir: Optional[str] = None, deadline: float = 30.0, connect_ti
         session.close()
         channel.close()
         raise
+
+
+_shared_lock = threading.Lock()
+_shared: Optional[VmmdClient] = None
+
+
+def shared_client() -> VmmdClient:
+    """This process's one session with the daemon, for the allocators that
+    Numba, CuPy and PyTorch load (made on first use with connect()'s
+    defaults; made again if the daemon went away)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None or _shared.session.closed:
+            _shared = connect()
+        return _shared

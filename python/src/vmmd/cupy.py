@@ -1,0 +1,102 @@
+"""CuPy arrays in vmmd memory, pooled:
+
+    import vmmd.cupy
+    vmmd.cupy.use()                # cupy.cuda.set_allocator(...) with a vmmd pool
+    x = cupy.arange(10)            # lives in a chunk the session leased from vmmd
+
+or, for one block of code, `with vmmd.cupy.using():`. Frees are CuPy's: a
+block goes back to the pool when the last array using it is gone (reuse is
+stream-ordered as with CuPy's own MemoryPool: the pool's memory is reused by
+later work on the same stream).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, Optional
+
+import cupy
+
+from .client import VmmdClient, shared_client
+from .pool import Block, DevicePool
+
+
+class _BlockOwner:
+    """Keeps a block handed to CuPy; gives it back when CuPy drops it."""
+
+    __slots__ = ("pool", "block")
+
+    def __init__(self, pool: DevicePool, block: Block) -> None:
+        self.pool = pool
+        self.block = block
+
+    def __del__(self) -> None:
+        self.pool.free(self.block)
+
+
+class VmmdAllocator:
+    """An allocator for cupy.cuda.set_allocator: malloc(size) → MemoryPointer
+    of vmmd memory. One pool per device, leased by `client` (default: this
+    process's shared session)."""
+
+    def __init__(self, client: Optional[VmmdClient] = None, chunk_size: int = 32 << 20, large_threshold: int = 16 << 20) -> None:
+        if client is None:
+            client = shared_client()
+        self.client = client
+        self._settings = (chunk_size, large_threshold)
+        self._pools: Dict[int, DevicePool] = {}
+        self._daemon_devices: Dict[str, int] = {d.uuid: int(d.index) for d in client.devices.list_devices().devices}
+
+    def pool(self, device: Optional[int] = None) -> DevicePool:
+        device = cupy.cuda.runtime.getDevice() if device is None else device
+        pool = self._pools.get(device)
+        if pool is None:
+            uuid = _device_uuid(device)
+            pool = self._pools[device] = DevicePool(self.client, device=self._daemon_devices.get(uuid, device), chunk_size=self._settings[0], large_threshold=self._settings[1])
+        return pool
+
+    def malloc(self, size: int) -> Any:
+        if size == 0:
+            return cupy.cuda.MemoryPointer(cupy.cuda.memory.Memory(0), 0)
+        device = cupy.cuda.runtime.getDevice()
+        pool = self.pool(device)
+        block = pool.allocate(size)
+        memory = cupy.cuda.UnownedMemory(block.address, size, _BlockOwner(pool, block), device_id=device)
+        return cupy.cuda.MemoryPointer(memory, 0)
+
+    __call__ = malloc
+
+    def free_all_blocks(self) -> int:
+        """Gives every empty chunk back to the daemon; returns the bytes."""
+        return sum(pool.trim() for pool in self._pools.values())
+
+    def stats(self) -> Dict[int, Dict[str, int]]:
+        return {device: pool.stats() for device, pool in self._pools.items()}
+
+
+def _device_uuid(device: int) -> str:
+    try:
+        raw = cupy.cuda.runtime.getDeviceProperties(device).get("uuid", b"")
+        from ._cuda import format_uuid
+
+        return format_uuid(bytes(raw)) if raw else ""
+    except Exception:
+        return ""
+
+
+_allocator: Optional[VmmdAllocator] = None
+
+
+def use(client: Optional[VmmdClient] = None, **settings: Any) -> VmmdAllocator:
+    """Makes vmmd CuPy's allocator (cupy.cuda.set_allocator) and returns it."""
+    global _allocator
+    _allocator = VmmdAllocator(client, **settings)
+    cupy.cuda.set_allocator(_allocator.malloc)
+    return _allocator
+
+
+@contextlib.contextmanager
+def using(client: Optional[VmmdClient] = None, **settings: Any) -> Iterator[VmmdAllocator]:
+    """vmmd as CuPy's allocator inside the block (cupy.cuda.using_allocator)."""
+    allocator = VmmdAllocator(client, **settings)
+    with cupy.cuda.using_allocator(allocator.malloc):
+        yield allocator

@@ -1,0 +1,302 @@
+"""The client-side pool (client/emm/pool.ts in Python): chunks leased from
+the daemon, mapped here once, carved into blocks. Requests round up to a size
+class (multiples of 256 bytes, then steps of a quarter of the power of two
+below them, so at most 25% is lost to rounding); a block comes from the first
+chunk with a free run long enough; freed blocks coalesce with free neighbours
+at once. Requests above the large threshold get an allocation of their own.
+
+Frees may come from finalizers and __del__ at any moment, on any thread, even
+while this thread is inside the pool: they are queued and applied under the
+lock by the next call that holds it, so a finalizer never blocks, never
+re-enters the pool's structures and never touches the driver."""
+from __future__ import annotations
+
+import bisect
+import collections
+import threading
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+from .errors import STATUS, VmmdError
+
+ALIGNMENT = 256
+
+
+def size_class(size: int) -> int:
+    """The size class of a request: what the pool really hands out for it."""
+    if size <= ALIGNMENT:
+        return ALIGNMENT
+    power = 1 << ((size - 1).bit_length() - 1)
+    step = max(ALIGNMENT, power // 4)
+    return -(-size // step) * step
+
+
+class Chunk:
+    """One lease of the daemon's memory, carved into blocks."""
+
+    __slots__ = ("memory", "base", "size", "free", "used", "blocks", "share_key")
+
+    def __init__(self, memory: Any, base: int, size: int) -> None:
+        self.memory = memory
+        self.base = base
+        self.size = size
+        # Invariant: sorted by offset, inside [0, size), never overlapping nor touching.
+        self.free: List[List[int]] = [[0, size]]
+        self.used = 0
+        self.blocks = 0
+        self.share_key: Optional[str] = None
+
+    def take(self, size: int) -> Optional[int]:
+        for index, run in enumerate(self.free):
+            if run[1] < size:
+                continue
+            offset = run[0]
+            if run[1] == size:
+                del self.free[index]
+            else:
+                run[0] += size
+                run[1] -= size
+            self.used += size
+            self.blocks += 1
+            return offset
+        return None
+
+    def give(self, offset: int, size: int) -> None:
+        index = bisect.bisect_left(self.free, [offset, 0])
+        before = self.free[index - 1] if index > 0 else None
+        after = self.free[index] if index < len(self.free) else None
+        if (before and before[0] + before[1] > offset) or (after and offset + size > after[0]):
+            raise VmmdError("DOUBLE_FREE", STATUS["FAILED_PRECONDITION"], f"pool: [{offset}, +{size}) of a chunk at 0x{self.base:x} overlaps free space: freed twice?")
+        joins_before = before is not None and before[0] + before[1] == offset
+        joins_after = after is not None and offset + size == after[0]
+        if joins_before and joins_after:
+            before[1] += size + after[1]  # type: ignore[index]
+            del self.free[index]
+        elif joins_before:
+            before[1] += size  # type: ignore[index]
+        elif joins_after:
+            after[0] = offset  # type: ignore[index]
+            after[1] += size  # type: ignore[index]
+        else:
+            self.free.insert(index, [offset, size])
+        self.used -= size
+        self.blocks -= 1
+
+    def check(self) -> None:
+        """The invariant (tests): free runs sorted, apart, adding up with `used`."""
+        total = 0
+        for index, (offset, size) in enumerate(self.free):
+            assert size > 0 and 0 <= offset and offset + size <= self.size, "a free run is out of its chunk"
+            if index + 1 < len(self.free):
+                assert offset + size < self.free[index + 1][0], "free runs overlap or touch"
+            total += size
+        assert total + self.used == self.size, f"free {total} + used {self.used} is not the chunk's {self.size}"
+
+
+class Block:
+    """Memory handed out by the pool: `address`, `size` (the request), and
+    where it lies (`chunk`, `offset`; a large block has a chunk of its own)."""
+
+    __slots__ = ("address", "size", "rounded", "chunk", "offset", "large", "__weakref__")
+
+    def __init__(self, chunk: Chunk, offset: int, size: int, rounded: int, large: bool) -> None:
+        self.chunk = chunk
+        self.offset = offset
+        self.address = chunk.base + offset
+        self.size = size
+        self.rounded = rounded
+        self.large = large
+
+    @property
+    def allocation_id(self) -> int:
+        return int(self.chunk.memory.allocation_id)
+
+
+class DevicePool:
+    """Pooled vmmd memory for one device of one client: allocate() and free()
+    blocks; chunks come from client.vmm.allocate() and go back to the daemon on
+    trim(), close(), or with the session when the process ends."""
+
+    def __init__(self, client: Any, device: int = 0, chunk_size: int = 32 << 20, large_threshold: int = 16 << 20, location: Optional[Dict[str, Any]] = None) -> None:
+        self.client = client
+        self.device = device
+        self.location = location if location is not None else {"type": "LOCATION_TYPE_DEVICE", "id": device}
+        granularity = int(client.devices.get_granularity(location=self.location).minimum)
+        self.granularity = granularity
+        self.chunk_size = -(-chunk_size // granularity) * granularity
+        self.large_threshold = min(large_threshold, self.chunk_size)
+        self._lock = threading.Lock()
+        # Invariant: chunks sorted by base, never overlapping; large ones are not in it.
+        self._chunks: List[Chunk] = []
+        self._bases: List[int] = []
+        self._large: Dict[int, Chunk] = {}
+        # Large allocations freed and kept for reuse (by lease size) until trim().
+        self._idle_large: List[Chunk] = []
+        # Bytes of idle large allocations above which the next allocate() trims (a free never does: it may run in a finalizer).
+        self.max_idle_bytes = 4 * self.chunk_size
+        self._returned: Deque[Block] = collections.deque()
+        self._closed = False
+        self.counters = collections.Counter()  # type: ignore[var-annotated]
+
+    # -- allocation --------------------------------------------------------
+
+    def allocate(self, size: int) -> Block:
+        """A block of at least `size` bytes, 256-byte aligned.
+        Raises VmmdError INVALID_ARGUMENT ZERO_SIZE; RESOURCE_EXHAUSTED when even
+        after returning empty chunks the daemon has no room."""
+        if not isinstance(size, int) or size <= 0:
+            raise VmmdError("ZERO_SIZE", STATUS["INVALID_ARGUMENT"], f"pool allocation of {size!r} bytes: the size must be an integer above 0")
+        if self._closed:
+            raise VmmdError("POOL_CLOSED", STATUS["FAILED_PRECONDITION"], "the pool was closed: its memory went back to the daemon")
+        rounded = size_class(size)
+        large = rounded > self.large_threshold
+        lease = -(-size // self.granularity) * self.granularity if large else self.chunk_size
+        with self._lock:
+            self._drain()
+            self.counters["allocate"] += 1
+            if not large:
+                for chunk in self._chunks:
+                    offset = chunk.take(rounded)
+                    if offset is not None:
+                        self.counters["pooled"] += 1
+                        return Block(chunk, offset, size, rounded, False)
+            else:
+                for index, chunk in enumerate(self._idle_large):
+                    if chunk.size == lease:
+                        del self._idle_large[index]
+                        self._large[chunk.base] = chunk
+                        self.counters["large_reused"] += 1
+                        return Block(chunk, 0, size, chunk.size, True)
+            idle = sum(chunk.size for chunk in self._idle_large)
+        if idle > self.max_idle_bytes:
+            self.trim()
+        # No room: lease (outside the lock: a daemon round trip).
+        memory = self._lease(lease)
+        chunk = Chunk(memory, int(memory.address), int(memory.size))
+        with self._lock:
+            if large:
+                chunk.take(chunk.size)
+                self._large[chunk.base] = chunk
+                self.counters["large"] += 1
+                return Block(chunk, 0, size, chunk.size, True)
+            index = bisect.bisect_left(self._bases, chunk.base)
+            self._chunks.insert(index, chunk)
+            self._bases.insert(index, chunk.base)
+            self.counters["chunks_leased"] += 1
+            offset = chunk.take(rounded)
+            assert offset is not None
+            return Block(chunk, offset, size, rounded, False)
+
+    def _lease(self, size: int) -> Any:
+        try:
+            return self.client.vmm.allocate(size, location=self.location)
+        except VmmdError as error:
+            if not error.out_of_memory:
+                raise
+            # Give back what is cached and try once more, as Numba does.
+            self.counters["out_of_memory_retries"] += 1
+            if self.trim() == 0:
+                raise
+            return self.client.vmm.allocate(size, location=self.location)
+
+    def free(self, block: Block) -> None:
+        """Gives a block back (safe from finalizers and __del__: queued, applied
+        by whoever holds the lock next, never blocking). After close() it does
+        nothing: the memory went back with the pool."""
+        if self._closed:
+            return
+        self._returned.append(block)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _drain(self) -> None:
+        # Invariant: called with the lock held.
+        while self._returned:
+            block = self._returned.popleft()
+            self.counters["frees"] += 1
+            if block.large:
+                chunk = self._large.pop(block.chunk.base, None)
+                if chunk is None:
+                    raise VmmdError("DOUBLE_FREE", STATUS["FAILED_PRECONDITION"], f"pool: the large block at 0x{block.address:x} was freed twice")
+                self._idle_large.append(chunk)
+                continue
+            block.chunk.give(block.offset, block.rounded)
+
+    # -- lookup ------------------------------------------------------------
+
+    def lookup(self, address: int) -> Optional[Tuple[Chunk, int]]:
+        """The chunk that holds `address` and the offset in it, if any."""
+        with self._lock:
+            index = bisect.bisect_right(self._bases, address) - 1
+            if index >= 0:
+                chunk = self._chunks[index]
+                if address < chunk.base + chunk.size:
+                    return chunk, address - chunk.base
+            for chunk in self._large.values():
+                if chunk.base <= address < chunk.base + chunk.size:
+                    return chunk, address - chunk.base
+        return None
+
+    def share_key(self, chunk: Chunk) -> str:
+        """The Share key of a chunk's allocation (asked of the daemon once)."""
+        if chunk.share_key is None:
+            chunk.share_key = str(self.client.vmm.share(allocation_id=int(chunk.memory.allocation_id)).share_key)
+        return chunk.share_key
+
+    # -- giving memory back ------------------------------------------------
+
+    def trim(self) -> int:
+        """Returns every empty chunk and idle large allocation to the daemon;
+        returns the bytes given back. Not from a finalizer (it calls the daemon and, on cuda, the driver)."""
+        with self._lock:
+            self._drain()
+            empty = [chunk for chunk in self._chunks if chunk.blocks == 0]
+            for chunk in empty:
+                index = self._chunks.index(chunk)
+                del self._chunks[index]
+                del self._bases[index]
+            empty += self._idle_large
+            self._idle_large = []
+            self._release(empty)
+        return sum(chunk.size for chunk in empty)
+
+    def close(self) -> None:
+        """Returns everything to the daemon, blocks in use too (reset)."""
+        with self._lock:
+            self._closed = True
+            self._returned.clear()
+            chunks = self._chunks + list(self._large.values()) + self._idle_large
+            self._chunks, self._bases, self._large, self._idle_large = [], [], {}, []
+            self._release(chunks)
+
+    def _release(self, chunks: List[Chunk]) -> None:
+        if not chunks:
+            return
+        if getattr(chunks[0].memory, "is_device_memory", False):
+            from . import _cuda
+
+            # Work queued on the memory must be done before it is unmapped.
+            _cuda.synchronize(chunks[0].memory.device)
+        for chunk in chunks:
+            self.counters["chunks_returned"] += 1
+            chunk.memory.close()
+            try:
+                self.client.vmm.release(allocation_id=int(chunk.memory.allocation_id))
+            except VmmdError as error:
+                if error.code != "SESSION_LOST":
+                    raise
+
+    def stats(self) -> Dict[str, int]:
+        with self._lock:
+            return {
+                "chunks": len(self._chunks),
+                "bytes": sum(c.size for c in self._chunks),
+                "used": sum(c.used for c in self._chunks),
+                "blocks": sum(c.blocks for c in self._chunks),
+                "large": len(self._large),
+                "large_bytes": sum(c.size for c in self._large.values()),
+                "idle_large_bytes": sum(c.size for c in self._idle_large),
+                "pending_frees": len(self._returned),
+            }

@@ -1,0 +1,146 @@
+"""PyTorch tensors in vmmd memory: a torch.cuda.MemPool whose segments come
+from vmmd, through torch.cuda.memory.CUDAPluggableAllocator and a small C
+library (_torch_allocator.c) that calls back into this module.
+
+    pool = vmmd.torch.mem_pool()
+    with torch.cuda.use_mem_pool(pool):
+        model.to("cuda")                 # the weights live in vmmd memory
+    spec = vmmd.torch.export_tensors(model.state_dict())   # picklable
+    # in another process:
+    tensors = vmmd.torch.import_tensors(spec)              # zero copies
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from . import _allocator_lib
+from .client import VmmdClient, shared_client
+from .errors import STATUS, VmmdError
+from .memory import ImportedMemory
+from .pool import Block, DevicePool
+
+class VmmdTorchAllocator:
+    """The pluggable allocator: malloc/free of PyTorch segments from
+    per-device vmmd pools. One per process (the C library holds one pair of
+    callbacks): use allocator()."""
+
+    def __init__(self, client: Optional[VmmdClient] = None, chunk_size: int = 64 << 20, large_threshold: int = 32 << 20) -> None:
+        self.client = client or shared_client()
+        self._settings = (chunk_size, large_threshold)
+        self._pools: Dict[int, DevicePool] = {}
+        # Invariant: every block handed to PyTorch and not yet freed, by address.
+        self._blocks: Dict[int, Tuple[DevicePool, Block]] = {}
+        self._lock = threading.Lock()
+        self._daemon_devices = {d.uuid: int(d.index) for d in self.client.devices.list_devices().devices}
+        # The callbacks stay referenced here: the C library calls them.
+        self.path, self._library, self._callbacks = _allocator_lib.load(self._malloc, self._free)
+        self.pluggable = torch.cuda.memory.CUDAPluggableAllocator(self.path, "vmmd_torch_malloc", "vmmd_torch_free")
+
+    def pool(self, device: int) -> DevicePool:
+        with self._lock:
+            pool = self._pools.get(device)
+            if pool is None:
+                uuid = f"GPU-{torch.cuda.get_device_properties(device).uuid}"
+                pool = self._pools[device] = DevicePool(self.client, device=self._daemon_devices.get(uuid, device), chunk_size=self._settings[0], large_threshold=self._settings[1])
+            return pool
+
+    def _malloc(self, size: int, device: int, stream: Any) -> int:
+        pool = self.pool(device)
+        block = pool.allocate(int(size))
+        with self._lock:
+            self._blocks[block.address] = (pool, block)
+        return block.address
+
+    def _free(self, pointer: int, size: int, device: int, stream: Any) -> None:
+        with self._lock:
+            entry = self._blocks.pop(int(pointer or 0), None)
+        if entry is not None:
+            entry[0].free(entry[1])
+
+    def locate(self, address: int) -> Tuple[int, int, str]:
+        """(allocation id, offset, share key) of an address in vmmd memory this allocator handed out.
+        Raises VmmdError NOT_FOUND NOT_VMMD_MEMORY."""
+        for pool in list(self._pools.values()):
+            found = pool.lookup(address)
+            if found is not None:
+                chunk, offset = found
+                return int(chunk.memory.allocation_id), offset, pool.share_key(chunk)
+        raise VmmdError("NOT_VMMD_MEMORY", STATUS["NOT_FOUND"], f"address 0x{address:x} is not in memory of the vmmd MemPool")
+
+    def stats(self) -> Dict[int, Dict[str, int]]:
+        return {device: pool.stats() for device, pool in self._pools.items()}
+
+
+_allocator: Optional[VmmdTorchAllocator] = None
+_allocator_lock = threading.Lock()
+
+
+def allocator(client: Optional[VmmdClient] = None, **settings: Any) -> VmmdTorchAllocator:
+    """This process's vmmd allocator for PyTorch (made on first call)."""
+    global _allocator
+    with _allocator_lock:
+        if _allocator is None:
+            _allocator = VmmdTorchAllocator(client, **settings)
+        return _allocator
+
+
+def mem_pool(client: Optional[VmmdClient] = None, **settings: Any) -> Any:
+    """A torch.cuda.MemPool backed by vmmd: inside torch.cuda.use_mem_pool(pool),
+    PyTorch's allocations come from vmmd memory."""
+    return torch.cuda.MemPool(allocator(client, **settings).pluggable.allocator())
+
+
+def export_tensors(tensors: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """A picklable description of tensors that live in the vmmd MemPool (the
+    allocation, offset and Share key of each), for import_tensors() in other
+    processes. This process's session must stay open while they import."""
+    if _allocator is None:
+        raise VmmdError("NO_MEMPOOL", STATUS["FAILED_PRECONDITION"], "no vmmd MemPool in this process: make one with vmmd.torch.mem_pool()")
+    spec = {}
+    for name, tensor in tensors.items():
+        if not tensor.is_cuda or not tensor.is_contiguous():
+            raise VmmdError("NOT_SHAREABLE", STATUS["INVALID_ARGUMENT"], f"tensor {name!r} must be a contiguous CUDA tensor")
+        allocation, offset, key = _allocator.locate(tensor.data_ptr())
+        spec[name] = {"allocation": allocation, "offset": offset, "share_key": key, "dtype": str(tensor.dtype).replace("torch.", ""), "shape": list(tensor.shape)}
+    return spec
+
+
+class _Interface:
+    def __init__(self, address: int, shape: Tuple[int, ...], typestr: str) -> None:
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (address, False), "version": 3, "strides": None, "stream": None}
+
+
+def import_tensors(spec: Dict[str, Dict[str, Any]], client: Optional[VmmdClient] = None, read_only: bool = False) -> Dict[str, Any]:
+    """Tensors another process exported (export_tensors), mapped here with zero
+    copies: each allocation is imported once. The mappings live as long as the
+    returned dict's `_vmmd_memory` entries are kept (the dict keeps them)."""
+    client = client or shared_client()
+    memories: Dict[int, ImportedMemory] = {}
+    tensors: Dict[str, Any] = {}
+    for name, entry in spec.items():
+        allocation = int(entry["allocation"])
+        memory = memories.get(allocation)
+        if memory is None:
+            memory = memories[allocation] = client.vmm.import_(allocation, share_key=entry["share_key"], read_only=read_only)
+        dtype = getattr(torch, entry["dtype"])
+        element = torch.empty((), dtype=dtype).element_size()
+        shape = tuple(entry["shape"])
+        count = 1
+        for extent in shape:
+            count *= extent
+        if int(entry["offset"]) + count * element > memory.size:
+            raise VmmdError("BEYOND_ALLOCATION", STATUS["OUT_OF_RANGE"], f"tensor {name!r} lies outside allocation {allocation}")
+        raw = torch.as_tensor(_Interface(memory.address + int(entry["offset"]), (count * element,), "|u1"), device=f"cuda:{memory.device}")
+        tensors[name] = raw.view(dtype).view(shape)
+    return _Tensors(tensors, memories)
+
+
+class _Tensors(dict):
+    """A dict of tensors that keeps the mappings they view."""
+
+    def __init__(self, tensors: Dict[str, Any], memories: Dict[int, ImportedMemory]) -> None:
+        super().__init__(tensors)
+        self.memories = memories

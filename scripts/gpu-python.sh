@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# The Python client on a GPU host, from the bundle that scripts/gpu-bundle.sh made:
+#   1. starts vmmd from the bundle on the cuda backend;
+#   2. the Python GPU tests (test/gpu/python, pytest);
+#   3. Numba's own CUDA tests (cudadrv; cudapy arrays, IPC, CUDA array interface)
+#      with NUMBA_CUDA_MEMORY_MANAGER=default and =vmmd.numba, side by side, and
+#      the difference of their pass sets;
+#   4. the shared-weights case (8 GiB store, 8 PyTorch openers; a MemPool model;
+#      the copy baseline);
+#   5. the Python benchmarks.
+# Every step logs, has a time limit, and the run goes on after a failure.
+# Usage: scripts/gpu-python.sh [BUNDLE_DIR [OUTPUT_DIR]]   (defaults: .gpu, $OUT or ./gpu-results)
+# Writes OUTPUT_DIR/python/: gpu-python.log (everything), steps.txt, pytest.log,
+# numba-compare.json (+ numba/default, numba/vmmd per module), shared-weights.json,
+# bench-python.json, daemon.log. Python: $PYTHON or python3, with torch, cupy,
+# numba-cuda, cuda-bindings, grpcio, protobuf and pytest installed; no network needed.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+out=${2:-${OUT:-gpu-results}}/python
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+work=$("$here/gpu-unpack.sh" "${1:-.gpu}") || exit 1
+export PATH="$work:$PATH"
+cd "$work/vmmd"
+PY=${PYTHON:-python3}
+exec > >(tee -a "$out/gpu-python.log") 2>&1
+: > "$out/steps.txt"
+
+step() { # step NAME SECONDS COMMAND...: runs with a time limit, logs start, end and exit status
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  echo "=== $name: start ($(date -u +%H:%M:%S), limit ${limit} s)"
+  timeout --kill-after=10 "$limit" "$@"
+  local rc=$?
+  echo "=== $name: exit $rc after $((SECONDS - start)) s"
+  echo "$name exit=$rc seconds=$((SECONDS - start))" >> "$out/steps.txt"
+  return 0
+}
+
+echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+echo "host: $(uname -srm), $(nproc) cores"
+nvidia-smi --query-gpu=name,uuid,driver_version,memory.total,memory.used --format=csv,noheader 2>&1 | sed 's/^/gpu: /'
+
+# What numba-cuda 0.30.4 needs on this image: numpy.row_stack (gone in numpy 2.5)
+# for kernels to compile, and a module `filecheck` for its test modules to load.
+shim="$work/pyshim"
+mkdir -p "$shim/filecheck"
+cat > "$shim/sitecustomize.py" <<'PY'
+import numpy
+if not hasattr(numpy, "row_stack"):
+    numpy.row_stack = numpy.vstack  # NOTE: numba-cuda 0.30.4 overloads np.row_stack, which numpy 2.5 removed
+PY
+for module in matcher options parser finput; do
+  cat > "$shim/filecheck/$module.py" <<'PY'
+# A stand-in for the filecheck package (absent here): numba-cuda's testing
+# module imports these names; tests that really use FileCheck fail alike
+# under either memory manager.
+class _Absent:
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError("filecheck is not installed on this host")
+Matcher = Options = Parser = FInput = _Absent
+def pattern_for_opts(*args, **kwargs):
+    raise RuntimeError("filecheck is not installed on this host")
+PY
+done
+touch "$shim/filecheck/__init__.py"
+export PYTHONPATH="$work/vmmd/python/src:$shim${PYTHONPATH:+:$PYTHONPATH}"
+export VMMD_CACHE_DIR="$work/cache"
+$PY - <<'PY'
+import importlib, sys
+print("python:", sys.version.split()[0])
+for name in ("numpy", "numba", "numba_cuda", "cupy", "torch", "cuda.bindings", "grpc", "google.protobuf", "pytest", "vmmd"):
+    try:
+        module = importlib.import_module(name)
+        print(f"  {name}: {getattr(module, '__version__', '?')}")
+    except Exception as error:
+        print(f"  {name}: not importable ({type(error).__name__}: {error})")
+PY
+step build-torch-allocator 60 $PY -c "from vmmd import _allocator_lib; print(_allocator_lib.library_path())"
+
+# 1. The daemon, cuda backend.
+sock="$work/sock"
+mkdir -p "$sock"
+node bin/vmmd.js --backend cuda --socket-dir "$sock" --log-level warn > "$out/daemon.log" 2>&1 &
+daemon=$!
+export VMMD_SOCKET_DIR="$sock"
+for _ in $(seq 1 150); do
+  $PY -c "import vmmd; vmmd.connect().close()" 2>/dev/null && break
+  kill -0 "$daemon" 2>/dev/null || { echo "vmmd exited:"; cat "$out/daemon.log"; break; }
+  sleep 0.2
+done
+$PY -c "import vmmd; c = vmmd.connect(); print('daemon:', c.backend, [(d.name, d.uuid) for d in c.devices.list_devices().devices]); c.close()"
+
+# 2. The Python GPU tests.
+step pytest 120 $PY -m pytest -p no:cacheprovider -v -rs test/gpu/python 2>&1 | tee "$out/pytest.log"
+
+# 3. Numba's suite, default and vmmd.numba at once, 5 modules at a time each.
+mkdir -p "$out/numba/default" "$out/numba/vmmd"
+modules=$($PY - <<'PY'
+import glob, os
+import numba.cuda.tests.cudadrv as drv, numba.cuda.tests.cudapy as py
+names = [f"numba.cuda.tests.cudadrv.{os.path.basename(p)[:-3]}" for p in sorted(glob.glob(os.path.join(os.path.dirname(drv.__file__), "test_*.py")))]
+for pattern in ("test_array*.py", "test_ipc.py", "test_cuda_array_interface.py"):
+    names += [f"numba.cuda.tests.cudapy.{os.path.basename(p)[:-3]}" for p in sorted(glob.glob(os.path.join(os.path.dirname(py.__file__), pattern)))]
+print(" ".join(names))
+PY
+)
+echo "numba modules: $modules"
+run_suite() { # run_suite MANAGER DIR: every module in its own process, 5 at a time, 150 s each
+  printf '%s\n' $modules | xargs -P 5 -I{} sh -c "touch '$out/numba/$2/{}.started'; NUMBA_CUDA_MEMORY_MANAGER=$1 timeout --kill-after=5 150 $PY test/gpu/python/numba_suite.py '$out/numba/$2/{}.json' {} > '$out/numba/$2/{}.log' 2>&1"
+}
+step numba-suites 240 bash -c "$(declare -f run_suite); modules='$modules'; out='$out'; PY='$PY'; run_suite default default & run_suite vmmd.numba vmmd & wait"
+step numba-compare 60 $PY test/gpu/python/compare_numba.py "$out/numba/default" "$out/numba/vmmd" "$out/numba-compare.json"
+
+# 4. Shared weights: 8 GiB, 8 PyTorch openers; a MemPool model; the copy baseline.
+step shared-weights 240 $PY test/gpu/python/shared_weights.py "$out" --gib "${VMMD_SHARED_GIB:-8}" --openers "${VMMD_OPENERS:-8}" --work "$work"
+
+# 5. Benchmarks.
+step bench 150 $PY bench/python/bench_python.py "$out/bench-python.json"
+
+kill "$daemon" 2>/dev/null
+wait "$daemon" 2>/dev/null
+echo "=== steps"
+cat "$out/steps.txt"
+echo "results in $out"
