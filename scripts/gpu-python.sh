@@ -81,7 +81,7 @@ step build-torch-allocator 60 $PY -c "from vmmd import _allocator_lib; print(_al
 # 1. The daemon, cuda backend.
 sock="$work/sock"
 mkdir -p "$sock"
-node bin/vmmd.js --backend cuda --socket-dir "$sock" --log-level warn > "$out/daemon.log" 2>&1 &
+node bin/vmmd.js --backend "${VMMD_BACKEND:-cuda}" --socket-dir "$sock" --log-level warn > "$out/daemon.log" 2>&1 &
 daemon=$!
 export VMMD_SOCKET_DIR="$sock"
 for _ in $(seq 1 150); do

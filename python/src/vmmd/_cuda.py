@@ -85,14 +85,21 @@ def local_device(daemon_index: int, uuid: str) -> int:
     cu = driver()
     if _uuids is None:
         found: Dict[str, int] = {}
-        result, count = cu.cuDeviceGetCount()
-        check(result, "cuDeviceGetCount")
-        for index in range(count):
-            result, dev = cu.cuDeviceGet(index)
-            check(result, "cuDeviceGet")
-            result, raw = cu.cuDeviceGetUuid(dev)
-            if result == cu.CUresult.CUDA_SUCCESS:
-                found[format_uuid(bytes(raw.bytes))] = index
+        try:
+            result, count = cu.cuDeviceGetCount()
+            check(result, "cuDeviceGetCount")
+            get_uuid = getattr(cu, "cuDeviceGetUuid", None) or getattr(cu, "cuDeviceGetUuid_v2", None)
+            for index in range(count if get_uuid is not None else 0):
+                result, dev = cu.cuDeviceGet(index)
+                check(result, "cuDeviceGet")
+                result, raw = get_uuid(dev)
+                if result == cu.CUresult.CUDA_SUCCESS:
+                    value = raw.bytes
+                    found[format_uuid(value if isinstance(value, bytes) else bytes(ord(ch) & 0xFF for ch in value))] = index
+        except Exception as error:  # the index is right unless CUDA_VISIBLE_DEVICES reorders
+            import warnings
+
+            warnings.warn(f"vmmd: cannot read device UUIDs ({error}); using the daemon's device indices", RuntimeWarning, stacklevel=2)
         _uuids = found
     return _uuids.get(uuid, daemon_index)
 
@@ -103,7 +110,7 @@ def ensure_context(device: int) -> None:
     process's life, as CuPy and PyTorch do)."""
     cu = driver()
     result, ctx = cu.cuCtxGetCurrent()
-    if result == cu.CUresult.CUDA_SUCCESS and native(ctx) != 0:
+    if result == cu.CUresult.CUDA_SUCCESS and ctx is not None and native(ctx) != 0:
         result, current = cu.cuCtxGetDevice()
         if result == cu.CUresult.CUDA_SUCCESS and native(current) == device:
             return

@@ -25,7 +25,7 @@ _set = descriptor_pb2.FileDescriptorSet.FromString(
     importlib.resources.files(__package__).joinpath("vmmd.binpb").read_bytes()
 )
 for _file in _set.file:  # protoc writes dependencies first
-    _pool.Add(_file)
+    _pool.AddSerializedFile(_file.SerializeToString())
 
 _classes: Dict[str, Any] = {}
 

@@ -35,6 +35,7 @@ try:
 except AttributeError:  # Numba's built-in CUDA target with its ctypes binding
     from cuda.bindings import driver as binding  # type: ignore[no-redef]
 
+
 def _free_block(handle: Tuple[DevicePool, Block]) -> None:
     pool, block = handle
     pool.free(block)

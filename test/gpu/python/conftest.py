@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from typing import Any, Dict, Iterator, Optional
 
@@ -51,10 +52,16 @@ def client() -> Iterator[vmmd.VmmdClient]:
 def run_python(code: str, env: Optional[Dict[str, str]] = None, timeout: float = 180) -> Any:
     """Runs `code` in a new Python process (the same interpreter and
     environment); its last stdout line is JSON, returned parsed."""
-    result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
-    )
+    # A file, not -c: multiprocessing's spawn re-imports the main module by path.
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
+        script.write(textwrap.dedent(code))
+    try:
+        result = subprocess.run(
+            [sys.executable, script.name],
+            capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})},
+        )
+    finally:
+        os.unlink(script.name)
     if result.returncode != 0:
         raise AssertionError(f"child failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])

@@ -28,9 +28,13 @@ def log(message: str) -> None:
 
 
 def gpu_used_mib() -> int:
-    """Device memory in use on GPU 0 as nvidia-smi reports it (MiB)."""
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"], capture_output=True, text=True, timeout=30)
-    return int(out.stdout.strip().splitlines()[0])
+    """Device memory in use on GPU 0 as nvidia-smi reports it (MiB); -1 where it cannot tell."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"], capture_output=True, text=True, timeout=30)
+        return int(out.stdout.strip().splitlines()[0])
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired) as error:
+        log(f"nvidia-smi: {error}")
+        return -1
 
 
 def write_file(path: str, size: int) -> int:
@@ -43,7 +47,9 @@ def write_file(path: str, size: int) -> int:
         written, index = 0, 0
         while written < size:
             words = min(CHUNK_WORDS, (size - written) // 4)
-            chunk = (base[:words] + numpy.uint32(index * 7919)).view(numpy.int32)
+            if words == 0:
+                break
+            chunk = (base[:words] + numpy.uint32(index * 7919 % (1 << 32))).view(numpy.int32)
             total += int(chunk.sum(dtype=numpy.int64))
             f.write(chunk.tobytes())
             written += words * 4
@@ -152,7 +158,7 @@ def main() -> int:
     work = args.work or args.out
     report: Dict[str, Any] = {"gib": args.gib, "openers": args.openers, "phases": {}, "errors": []}
     path = os.path.join(work, "weights.bin")
-    size = int(args.gib * (1 << 30))
+    size = int(args.gib * (1 << 30)) // 4 * 4  # whole int32 words
 
     def phase(name: str, body: Any) -> Any:
         log(f"{name}: start")

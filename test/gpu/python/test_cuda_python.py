@@ -84,42 +84,47 @@ NUMBA = {"NUMBA_CUDA_MEMORY_MANAGER": "vmmd.numba"}
 def test_numba_allocates_through_vmmd_and_its_ipc_opens_in_another_process() -> None:
     pytest.importorskip("numba.cuda")
     answer = run_python("""
-        import json, multiprocessing as mp, pickle, numpy as np
+        import concurrent.futures, json, multiprocessing as mp
+        import numpy as np
         from numba import cuda
-        import vmmd
-        ctx = cuda.current_context()
-        manager = ctx.memory_manager
-        a = cuda.to_device(np.arange(1000, dtype=np.int64))
+
+        def child(handle):
+            with handle as array:
+                return array.copy_to_host().tolist()
+
+        def child_raw(raw, size):
+            with cuda.open_ipc_array(raw, shape=size // 8, dtype=np.int64) as array:
+                return array.copy_to_host().tolist()
+
         @cuda.jit
         def double(x):
             i = cuda.grid(1)
             if i < x.size:
                 x[i] *= 2
-        double[4, 256](a)
-        host = a.copy_to_host()
-        info = ctx.get_memory_info()
-        with vmmd.connect() as c:
-            daemon = c.devices.get_memory_info(device=0)
-        handle = a.get_ipc_handle()
-        raw = ctx.get_ipc_handle(a.gpu_data)
-        def child(h):
-            with h as array:
-                return array.copy_to_host().tolist()
-        def child_raw(b, size):
-            with cuda.open_ipc_array(b, shape=size // 8, dtype=np.int64) as array:
-                return array.copy_to_host().tolist()
-        import concurrent.futures
-        with concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-            opened = pool.submit(child, handle).result(120)
-            opened_raw = pool.submit(child_raw, raw.handle.reserved, raw.size).result(120)
-        print(json.dumps({
-            "manager": type(manager).__module__ + "." + type(manager).__name__,
-            "doubled": bool((host == np.arange(1000) * 2).all()),
-            "stats": manager.stats(),
-            "info_total": info.total, "daemon_total": daemon.total_bytes,
-            "ipc": opened == (np.arange(1000) * 2).tolist(),
-            "ipc_raw": opened_raw == (np.arange(1000) * 2).tolist(),
-        }))
+
+        if __name__ == "__main__":
+            import vmmd
+            ctx = cuda.current_context()
+            manager = ctx.memory_manager
+            a = cuda.to_device(np.arange(1000, dtype=np.int64))
+            double[4, 256](a)
+            host = a.copy_to_host()
+            info = ctx.get_memory_info()
+            with vmmd.connect() as c:
+                daemon = c.devices.get_memory_info(device=0)
+            handle = a.get_ipc_handle()
+            raw = ctx.get_ipc_handle(a.gpu_data)
+            with concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+                opened = pool.submit(child, handle).result(120)
+                opened_raw = pool.submit(child_raw, raw.handle.reserved, raw.size).result(120)
+            expected = (np.arange(1000) * 2).tolist()
+            print(json.dumps({
+                "manager": type(manager).__module__ + "." + type(manager).__name__,
+                "doubled": bool((host == np.arange(1000) * 2).all()),
+                "stats": manager.stats(),
+                "info_total": info.total, "daemon_total": daemon.total_bytes,
+                "ipc": opened == expected, "ipc_raw": opened_raw == expected,
+            }))
     """, env=NUMBA)
     assert answer["manager"] == "vmmd.numba.VmmdNumbaMemoryManager"
     assert answer["doubled"] and answer["stats"]["chunks"] >= 1 and answer["stats"]["pooled"] >= 1
