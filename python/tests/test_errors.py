@@ -24,7 +24,8 @@ def test_rpc_refusals_carry_code_and_status_and_change_nothing(daemon: Daemon, c
     error = refused(lambda: client.vmm.create(size=3 * MiB), "NOT_ALIGNED", "INVALID_ARGUMENT")
     assert error.status == 3 and "0x300000" in error.message
     refused(lambda: client.vmm.create(size=0), "ZERO_SIZE", "INVALID_ARGUMENT")
-    refused(lambda: client.vmm.create(size=512 * MiB), "OUT_OF_MEMORY", "RESOURCE_EXHAUSTED").out_of_memory
+    oom = refused(lambda: client.vmm.create(size=512 * MiB), "OUT_OF_MEMORY", "RESOURCE_EXHAUSTED")
+    assert oom.out_of_memory and oom.error_code == 3 and error.error_code == 2
     refused(lambda: client.vmm.release(allocation_id=999999), "UNKNOWN_ALLOCATION", "NOT_FOUND")
     refused(lambda: client.devices.get_memory_info(device=7), "UNKNOWN_DEVICE", "OUT_OF_RANGE")
     refused(lambda: client.vmm.unmap(address=1 << 40, size=2 * MiB), "NOT_MAPPED", "NOT_FOUND")

@@ -36,6 +36,11 @@ class VmmdError(Exception):
         """Memory or quota exhaustion (RESOURCE_EXHAUSTED, or an OUT_OF_MEMORY code)."""
         return self.status == STATUS["RESOURCE_EXHAUSTED"] or "OUT_OF_MEMORY" in self.code
 
+    @property
+    def error_code(self) -> int:
+        """Futhark's error code, as the TypeScript client's errorCode: OUT_OF_MEMORY (3) or PROGRAM_ERROR (2)."""
+        return 3 if self.out_of_memory else 2
+
     def __reduce__(self) -> Any:
         return (VmmdError, (self.code, self.status, self.message))
 
