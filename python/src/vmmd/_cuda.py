@@ -13,7 +13,6 @@ from .errors import STATUS, VmmdError
 
 _lock = threading.Lock()
 _driver: Any = None
-_contexts: Dict[int, Any] = {}
 _uuids: Optional[Dict[str, int]] = None
 
 
@@ -106,21 +105,20 @@ def local_device(daemon_index: int, uuid: str) -> int:
 
 def ensure_context(device: int) -> None:
     """Makes a context of `device` current on this thread: the current one if
-    it is that device's, else the device's primary context (retained for the
-    process's life, as CuPy and PyTorch do)."""
+    it is that device's, else the device's primary context (the one Numba,
+    CuPy and PyTorch use). The primary context is retained each time, not
+    remembered: a device reset (numba.cuda.close()) makes a new one."""
     cu = driver()
     result, ctx = cu.cuCtxGetCurrent()
     if result == cu.CUresult.CUDA_SUCCESS and ctx is not None and native(ctx) != 0:
         result, current = cu.cuCtxGetDevice()
         if result == cu.CUresult.CUDA_SUCCESS and native(current) == device:
             return
-    primary = _contexts.get(device)
-    if primary is None:
-        result, dev = cu.cuDeviceGet(device)
-        check(result, f"cuDeviceGet({device})")
-        result, primary = cu.cuDevicePrimaryCtxRetain(dev)
-        check(result, f"cuDevicePrimaryCtxRetain({device})")
-        _contexts[device] = primary
+    result, dev = cu.cuDeviceGet(device)
+    check(result, f"cuDeviceGet({device})")
+    result, primary = cu.cuDevicePrimaryCtxRetain(dev)
+    check(result, f"cuDevicePrimaryCtxRetain({device})")
+    # The retain is kept (a count the driver holds until exit), as CuPy and PyTorch keep theirs.
     (result,) = cu.cuCtxSetCurrent(primary)
     check(result, "cuCtxSetCurrent")
 
