@@ -10,6 +10,8 @@
 #   5. the Python benchmarks.
 # Every step logs, has a time limit, and the run goes on after a failure.
 # Usage: scripts/gpu-python.sh [BUNDLE_DIR [OUTPUT_DIR]]   (defaults: .gpu, $OUT or ./gpu-results)
+# VMMD_STEPS picks steps (default "pytest numba weights bench"): two calls of
+# "pytest numba" and "weights bench" each stay well inside a 10-minute limit.
 # Writes OUTPUT_DIR/python/: gpu-python.log (everything), steps.txt, pytest.log,
 # numba-compare.json (+ numba/default, numba/vmmd per module), shared-weights.json,
 # bench-python.json, daemon.log. Python: $PYTHON or python3, with torch, cupy,
@@ -25,6 +27,9 @@ cd "$work/vmmd"
 PY=${PYTHON:-python3}
 exec > >(tee -a "$out/gpu-python.log") 2>&1
 : > "$out/steps.txt"
+
+steps=" ${VMMD_STEPS:-pytest numba weights bench} "
+want() { [[ $steps == *" $1 "* ]]; }
 
 step() { # step NAME SECONDS COMMAND...: runs with a time limit, logs start, end and exit status
   local name=$1 limit=$2; shift 2
@@ -92,9 +97,12 @@ done
 $PY -c "import vmmd; c = vmmd.connect(); print('daemon:', c.backend, [(d.name, d.uuid) for d in c.devices.list_devices().devices]); c.close()"
 
 # 2. The Python GPU tests.
-step pytest 120 $PY -m pytest -p no:cacheprovider -v -rs test/gpu/python 2>&1 | tee "$out/pytest.log"
+if want pytest; then
+  step pytest 120 $PY -m pytest -p no:cacheprovider -v -rs test/gpu/python 2>&1 | tee "$out/pytest.log"
+fi
 
 # 3. Numba's suite, default and vmmd.numba at once, 5 modules at a time each.
+if want numba; then
 mkdir -p "$out/numba/default" "$out/numba/vmmd"
 modules=$($PY - <<'PY'
 import glob, os
@@ -111,12 +119,13 @@ run_suite() { # run_suite MANAGER DIR: every module in its own process, 5 at a t
 }
 step numba-suites 240 bash -c "$(declare -f run_suite); modules='$modules'; out='$out'; PY='$PY'; run_suite default default & run_suite vmmd.numba vmmd & wait"
 step numba-compare 60 $PY test/gpu/python/compare_numba.py "$out/numba/default" "$out/numba/vmmd" "$out/numba-compare.json"
+fi
 
 # 4. Shared weights: 8 GiB, 8 PyTorch openers; a MemPool model; the copy baseline.
-step shared-weights 240 $PY test/gpu/python/shared_weights.py "$out" --gib "${VMMD_SHARED_GIB:-8}" --openers "${VMMD_OPENERS:-8}" --work "$work"
+want weights && step shared-weights 240 $PY test/gpu/python/shared_weights.py "$out" --gib "${VMMD_SHARED_GIB:-8}" --openers "${VMMD_OPENERS:-8}" --work "$work"
 
 # 5. Benchmarks.
-step bench 150 $PY bench/python/bench_python.py "$out/bench-python.json"
+want bench && step bench 150 $PY bench/python/bench_python.py "$out/bench-python.json"
 
 kill "$daemon" 2>/dev/null
 wait "$daemon" 2>/dev/null

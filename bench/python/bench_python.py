@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 import time
 from typing import Any, Dict
 

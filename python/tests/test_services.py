@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import re
-import threading
 
 import pytest
 
 import vmmd
 from vmmd import _proto
 
-from conftest import MiB, Daemon, eventually
+from conftest import MiB, Daemon
 
 RW = [{"location": {"type": "LOCATION_TYPE_DEVICE", "id": 0}, "flags": "ACCESS_FLAGS_READWRITE"}]
 

@@ -5,14 +5,12 @@ import json
 import os
 import re
 import socket
-import time
 
 import grpc
 import pytest
 
 import vmmd
 from vmmd import _proto
-from vmmd.session import ClientSession
 
 from conftest import MiB, Daemon, eventually
 

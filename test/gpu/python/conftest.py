@@ -22,7 +22,7 @@ def _why_not() -> Optional[str]:
     if not os.environ.get("VMMD_SOCKET_DIR"):
         return "VMMD_SOCKET_DIR names no daemon: run scripts/gpu-python.sh, which starts vmmd --backend cuda"
     try:
-        from cuda.bindings import driver  # noqa: F401
+        from cuda.bindings import driver  # noqa: F401  (the test needs it)
     except ImportError as error:
         return f"cuda-bindings is not installed ({error})"
     try:

@@ -1,0 +1,185 @@
+"""A stand-in for cuda.bindings.driver with the calls vmmd._cuda makes, on
+host memory: "device memory" is the memfd the daemon exported, reserved,
+mapped and protected with mmap/mprotect, copied with memmove. It checks the
+client's call sequence, argument shapes and rollback on a machine without a
+GPU; the real driver runs in test/gpu/python."""
+from __future__ import annotations
+
+import ctypes
+import enum
+import mmap
+import os
+import types
+from typing import Any, Dict, List
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+MAP_FIXED = 0x10
+MAP_NORESERVE = 0x4000
+
+
+class CUresult(enum.IntEnum):
+    CUDA_SUCCESS = 0
+    CUDA_ERROR_INVALID_VALUE = 1
+    CUDA_ERROR_OUT_OF_MEMORY = 2
+
+
+class CUmemAllocationHandleType(enum.IntEnum):
+    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+
+
+class CUmemLocationType(enum.IntEnum):
+    CU_MEM_LOCATION_TYPE_DEVICE = 1
+    CU_MEM_LOCATION_TYPE_HOST_NUMA = 3
+
+
+class CUmemAccess_flags(enum.IntEnum):
+    CU_MEM_ACCESS_FLAGS_PROT_READ = 1
+    CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
+
+
+class CUmemAccessDesc:
+    def __init__(self) -> None:
+        self.location = types.SimpleNamespace(type=None, id=None)
+        self.flags = None
+
+
+class Handle:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+
+def build() -> types.ModuleType:
+    """A fresh module; `calls` records every call, `fail` names a call to fail once."""
+    m = types.ModuleType("cuda.bindings.driver")
+    m.CUresult = CUresult  # type: ignore[attr-defined]
+    m.CUmemAllocationHandleType = CUmemAllocationHandleType  # type: ignore[attr-defined]
+    m.CUmemLocationType = CUmemLocationType  # type: ignore[attr-defined]
+    m.CUmemAccess_flags = CUmemAccess_flags  # type: ignore[attr-defined]
+    m.CUmemAccessDesc = CUmemAccessDesc  # type: ignore[attr-defined]
+    calls: List[str] = []
+    fail: Dict[str, CUresult] = {}
+    live: Dict[str, set] = {"handles": set(), "reservations": set(), "mappings": set()}
+    m.calls, m.fail, m.live = calls, fail, live  # type: ignore[attr-defined]
+    current = {"context": 0}
+
+    def api(function: Any) -> Any:
+        def call(*args: Any) -> Any:
+            calls.append(function.__name__)
+            if function.__name__ in fail:
+                return (fail.pop(function.__name__),) + (None,) * (function.__code__.co_posonlyargcount)
+            return function(*args)
+
+        call.__name__ = function.__name__
+        setattr(m, function.__name__, call)
+        return call
+
+    @api
+    def cuInit(flags: int) -> Any:
+        return (CUresult.CUDA_SUCCESS,)
+
+    @api
+    def cuGetErrorName(result: Any) -> Any:
+        return (CUresult.CUDA_SUCCESS, CUresult(result).name.encode())
+
+    @api
+    def cuDeviceGetCount() -> Any:
+        return (CUresult.CUDA_SUCCESS, 1)
+
+    @api
+    def cuDeviceGet(index: int) -> Any:
+        return (CUresult.CUDA_SUCCESS, index)
+
+    @api
+    def cuDeviceGetUuid(device: int) -> Any:
+        return (CUresult.CUDA_SUCCESS, types.SimpleNamespace(bytes=bytes(range(16))))
+
+    @api
+    def cuCtxGetCurrent() -> Any:
+        return (CUresult.CUDA_SUCCESS, current["context"])
+
+    @api
+    def cuCtxGetDevice() -> Any:
+        return (CUresult.CUDA_SUCCESS, 0)
+
+    @api
+    def cuDevicePrimaryCtxRetain(device: int) -> Any:
+        return (CUresult.CUDA_SUCCESS, 0x1000 + device)
+
+    @api
+    def cuCtxSetCurrent(context: int) -> Any:
+        current["context"] = context
+        return (CUresult.CUDA_SUCCESS,)
+
+    @api
+    def cuCtxSynchronize() -> Any:
+        return (CUresult.CUDA_SUCCESS,)
+
+    @api
+    def cuMemGetInfo() -> Any:
+        return (CUresult.CUDA_SUCCESS, 1 << 30, 2 << 30)
+
+    @api
+    def cuMemImportFromShareableHandle(fd: int, kind: Any) -> Any:
+        assert isinstance(fd, int) and kind == CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        handle = Handle(os.dup(fd))
+        live["handles"].add(handle)
+        return (CUresult.CUDA_SUCCESS, handle)
+
+    @api
+    def cuMemRelease(handle: Handle) -> Any:
+        live["handles"].discard(handle)
+        os.close(handle.fd)
+        return (CUresult.CUDA_SUCCESS,)
+
+    @api
+    def cuMemAddressReserve(size: int, alignment: int, address: int, flags: int) -> Any:
+        assert size % alignment == 0
+        pointer = libc.mmap(None, size, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+        live["reservations"].add((pointer, size))
+        return (CUresult.CUDA_SUCCESS, pointer)
+
+    @api
+    def cuMemAddressFree(address: int, size: int) -> Any:
+        live["reservations"].remove((address, size))
+        libc.munmap(address, size)
+        return (CUresult.CUDA_SUCCESS,)
+
+    @api
+    def cuMemMap(address: int, size: int, offset: int, handle: Handle, flags: int) -> Any:
+        assert isinstance(address, int) and offset == 0 and handle in live["handles"]
+        pointer = libc.mmap(address, size, 0, mmap.MAP_SHARED | MAP_FIXED, handle.fd, 0)
+        assert pointer == address
+        live["mappings"].add((address, size))
+        return (CUresult.CUDA_SUCCESS,)
+
+    @api
+    def cuMemUnmap(address: int, size: int) -> Any:
+        live["mappings"].remove((address, size))
+        libc.mmap(address, size, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0)
+        return (CUresult.CUDA_SUCCESS,)
+
+    @api
+    def cuMemSetAccess(address: int, size: int, descs: List[CUmemAccessDesc], count: int) -> Any:
+        assert count == len(descs) and (address, size) in live["mappings"]
+        assert descs[0].location.type == CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        writable = descs[0].flags == CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        libc.mprotect(address, size, mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+        return (CUresult.CUDA_SUCCESS,)
+
+    @api
+    def cuMemcpyHtoD(device: int, host: int, count: int) -> Any:
+        assert isinstance(device, int) and isinstance(host, int)
+        ctypes.memmove(device, host, count)
+        return (CUresult.CUDA_SUCCESS,)
+
+    @api
+    def cuMemcpyDtoH(host: int, device: int, count: int) -> Any:
+        assert isinstance(device, int) and isinstance(host, int)
+        ctypes.memmove(host, device, count)
+        return (CUresult.CUDA_SUCCESS,)
+
+    return m
