@@ -1,7 +1,6 @@
 /** The one error class of the client library. */
 import { Metadata, status as Status } from '@grpc/grpc-js';
-
-const ERROR_CODE_KEY = 'vmmd-error-code';
+import { ERROR_CODE_KEY } from '../common/protocol';
 
 /** Futhark's error codes: every VmmdError carries one as `errorCode`. */
 export enum ErrorCode {

@@ -6,18 +6,13 @@
 import { EventEmitter } from 'node:events';
 import { status as Status } from '@grpc/grpc-js';
 import { AllocatedMessage, AllocateMessage, decodeMessage, encodeMessage, HelloMessage, PROTOCOL_VERSION, SessionMessage } from '../common/protocol';
+import { TransferInbox } from '../common/transfer-inbox';
 import { addon } from '../native';
 import { SeqpacketConnection, SeqpacketMessage } from '../native/seqpacket';
 import { VmmdError } from './errors';
 
 /** How long a descriptor the daemon sent waits to be claimed before it is closed. */
 const UNCLAIMED_TRANSFER_MS = 30_000;
-
-interface Waiter {
-  resolve(fd: number): void;
-  reject(error: Error): void;
-  timer: NodeJS.Timeout;
-}
 
 /**
  * One session: the lease on everything this process creates through vmmd.
@@ -27,11 +22,20 @@ interface Waiter {
 export class ClientSession extends EventEmitter {
   readonly id: string;
   readonly token: string;
-  private readonly received = new Map<string, { fd: number; timer: NodeJS.Timeout }>();
-  private readonly waiters = new Map<string, Waiter>();
+  // Descriptors the daemon sent, until a call claims them.
+  private readonly inbox = new TransferInbox({
+    keepMs: UNCLAIMED_TRANSFER_MS,
+    increasing: false,
+    close: (fd) => addon.close(fd),
+    errors: {
+      notReceived: (transfer, waitMs) => new VmmdError('TRANSFER_NOT_RECEIVED', Status.DEADLINE_EXCEEDED, `descriptor ${transfer} did not arrive within ${waitMs} ms`),
+      used: (transfer) => new VmmdError('TRANSFER_USED', Status.FAILED_PRECONDITION, `descriptor ${transfer} is already being claimed`),
+      closed: () => this.lost(),
+    },
+  });
   private nextTransfer = 1n;
   // Pings in flight by nonce.
-  private readonly pings = new Map<string, () => void>();
+  private readonly pings = new Map<string, { resolve(): void; reject(error: Error): void }>();
   private nextPing = 1;
   // Allocate requests in flight by request id.
   private readonly requests = new Map<string, { resolve(answer: { message: AllocatedMessage; fd: number }): void; reject(error: Error): void; timer: NodeJS.Timeout }>();
@@ -106,20 +110,8 @@ export class ClientSession extends EventEmitter {
    * @throws VmmdError DEADLINE_EXCEEDED TRANSFER_NOT_RECEIVED, UNAVAILABLE SESSION_LOST
    */
   takeTransfer(transfer: string, timeoutMs = 5_000): Promise<number> {
-    const pending = this.received.get(transfer);
-    if (pending !== undefined) {
-      clearTimeout(pending.timer);
-      this.received.delete(transfer);
-      return Promise.resolve(pending.fd);
-    }
     if (this.closed) return Promise.reject(this.lost());
-    return new Promise((resolve, reject) => {
-      const timer = setTimeout(() => {
-        this.waiters.delete(transfer);
-        reject(new VmmdError('TRANSFER_NOT_RECEIVED', Status.DEADLINE_EXCEEDED, `descriptor ${transfer} did not arrive within ${timeoutMs} ms`));
-      }, timeoutMs);
-      this.waiters.set(transfer, { resolve, reject, timer });
-    });
+    return this.inbox.take(transfer, timeoutMs);
   }
 
   /**
@@ -158,12 +150,12 @@ export class ClientSession extends EventEmitter {
 
   /**
    * One round trip on the session socket (the daemon answers ping with pong).
-   * @throws VmmdError UNAVAILABLE SESSION_LOST
+   * @throws VmmdError UNAVAILABLE SESSION_LOST (also when the session closes before the pong)
    */
   ping(): Promise<void> {
     const nonce = String(this.nextPing++);
     return new Promise((resolve, reject) => {
-      this.pings.set(nonce, resolve);
+      this.pings.set(nonce, { resolve, reject });
       try {
         this.send({ type: 'ping', nonce });
       } catch (error) {
@@ -195,19 +187,7 @@ export class ClientSession extends EventEmitter {
   private onMessage(raw: SeqpacketMessage): void {
     const message = decodeMessage(raw.data);
     if (typeof message !== 'string' && message.type === 'transfer' && raw.fd >= 0) {
-      const waiter = this.waiters.get(message.transfer);
-      if (waiter !== undefined) {
-        clearTimeout(waiter.timer);
-        this.waiters.delete(message.transfer);
-        waiter.resolve(raw.fd);
-        return;
-      }
-      const timer = setTimeout(() => {
-        this.received.delete(message.transfer);
-        addon.close(raw.fd);
-      }, UNCLAIMED_TRANSFER_MS);
-      timer.unref();
-      this.received.set(message.transfer, { fd: raw.fd, timer });
+      this.inbox.deliver(message.transfer, raw.fd);
       return;
     }
     if (typeof message !== 'string' && (message.type === 'allocated' || (message.type === 'error' && message.request !== undefined))) {
@@ -228,31 +208,23 @@ export class ClientSession extends EventEmitter {
     }
     if (raw.fd >= 0) addon.close(raw.fd);
     if (typeof message !== 'string' && message.type === 'pong' && message.nonce !== undefined) {
-      const resolve = this.pings.get(message.nonce);
+      const ping = this.pings.get(message.nonce);
       this.pings.delete(message.nonce);
-      resolve?.();
+      ping?.resolve();
       return;
     }
     if (typeof message !== 'string' && message.type === 'error') this.emit('daemon-error', message);
   }
 
   private onClose(): void {
-    for (const waiter of this.waiters.values()) {
-      clearTimeout(waiter.timer);
-      waiter.reject(this.lost());
-    }
-    this.waiters.clear();
+    this.inbox.close();
+    for (const ping of this.pings.values()) ping.reject(this.lost());
     this.pings.clear();
     for (const pending of this.requests.values()) {
       clearTimeout(pending.timer);
       pending.reject(this.lost());
     }
     this.requests.clear();
-    for (const pending of this.received.values()) {
-      clearTimeout(pending.timer);
-      addon.close(pending.fd);
-    }
-    this.received.clear();
     this.emit('close');
   }
 }

@@ -21,11 +21,11 @@ import { DevicesService } from './services/devices';
 import { HandlerDeps } from './services/handler';
 import { VirtualMemoryService } from './services/virtual-memory';
 import { StoresService } from './services/stores';
+import { SessionDispatcher } from './session-dispatcher';
 import { DEFAULT_SESSION_OPTIONS, SessionManager, SessionOptions } from './sessions';
 import { StagingBuffers } from './staging';
 import { StoreRegistry } from './stores';
 
-// eslint-disable-next-line @typescript-eslint/no-require-imports
 export const VERSION: string = require('../../package.json').version;
 
 /** The health service answers for the whole server ('') and for each vmmd service. */
@@ -109,23 +109,21 @@ export class Daemon {
   static async start(config: DaemonConfig, log: Logger, sessionOptions: SessionOptions = DEFAULT_SESSION_OPTIONS): Promise<Daemon> {
     const backend = await selectBackend(config, log);
     armFaults(process.env.VMMD_FAULTS, log);
-    let sessions: SessionManager | undefined;
-    const quotas = new Quotas({ perUid: config.quotaPerUid, perSession: config.quotaPerSession }, (session) => sessions?.uidOf(session));
-    const registry = new Registry(backend, (owner, bytes) => quotas.charge(owner, bytes));
-    const paths = socketPaths(config.socketDir);
-    prepareSocketDir(config);
-    clearStaleSockets(paths);
-
-    sessions = new SessionManager(registry, log, {
+    const sessions = new SessionManager(log, {
       ...sessionOptions,
       transferWaitMs: config.transferWaitMs,
       authorize: (peer) => authorize(config, peer),
     });
+    const quotas = new Quotas({ perUid: config.quotaPerUid, perSession: config.quotaPerSession }, (session) => sessions.uidOf(session));
+    const registry = new Registry(backend, (upstream) => quotas.around(upstream));
+    const paths = socketPaths(config.socketDir);
+    prepareSocketDir(config);
+    clearStaleSockets(paths);
+
     const stores = new StoreRegistry(registry, log);
-    sessions.onReclaim((session) => stores.reclaim(session));
     const staging = new StagingBuffers();
-    sessions.onReclaim((session) => staging.close(session));
-    sessions.listen(paths.session);
+    // The session socket's requests go straight to the registry; a closed session's stores and staging go before its objects.
+    sessions.listen(paths.session, new SessionDispatcher({ registry, reclaimers: [(session) => stores.reclaim(session), (session) => staging.close(session)] }));
 
     // grpc-js's own log goes through pino, at the daemon's level.
     grpc.setLogger({
@@ -138,7 +136,7 @@ export class Daemon {
     new ReflectionService(reflectedDefinition()).addToServer(server);
     const health = new HealthImplementation(Object.fromEntries(HEALTH_SERVICES.map((name) => [name, 'NOT_SERVING'])));
     health.addToServer(server);
-    const metrics = new Metrics(registry, () => sessions!, stores);
+    const metrics = new Metrics(registry, () => sessions, stores);
     const deps: HandlerDeps = { sessions, log, observe: (method, status, code, seconds) => metrics.observe(method, status, code, seconds) };
     new DevicesService(registry).addToServer(server, proto, deps);
     new VirtualMemoryService(registry, sessions, staging).addToServer(server, proto, deps);

@@ -4,9 +4,9 @@
  */
 import { Metadata, status as Status, ServiceError } from '@grpc/grpc-js';
 import type { Logger } from 'pino';
+import { ERROR_CODE_KEY } from '../common/protocol';
 
-/** Metadata key (trailers) carrying the error's string code. */
-export const ERROR_CODE_KEY = 'vmmd-error-code';
+export { ERROR_CODE_KEY };
 
 /**
  * A refused request: a gRPC status, a stable string code naming the rule

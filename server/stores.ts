@@ -260,7 +260,7 @@ export class StoreRegistry extends EventEmitter {
       await this.registry.dropHolder(holder, allocation.id);
       throw error;
     }
-    const target: StoreTarget = allocation.location.type === 'DEVICE' && this.registry.backend.name === 'cuda' ? 'FBMEM' : allocation.location.type === 'DEVICE' ? 'SYSMEM' : 'ZCMEM';
+    const target: StoreTarget = allocation.location.type === 'DEVICE' && this.registry.backend.capabilities.gpuMemory ? 'FBMEM' : allocation.location.type === 'DEVICE' ? 'SYSMEM' : 'ZCMEM';
     return this.add(caller, {
       id,
       name: args.name,
@@ -286,7 +286,7 @@ export class StoreRegistry extends EventEmitter {
   ): Promise<StoreRecord> {
     try {
       this.checkName(args.name);
-      if (args.target !== 'SYSMEM' && this.registry.backend.name !== 'cuda') {
+      if (args.target !== 'SYSMEM' && !this.registry.backend.capabilities.gpuMemory) {
         throw failedPrecondition('NO_CUDA_BACKEND', `${args.target} stores need the cuda backend; this daemon runs the ${this.registry.backend.name} backend`);
       }
       if (args.device >= this.registry.devices.length) {
@@ -313,8 +313,7 @@ export class StoreRegistry extends EventEmitter {
       }
       memory = MemfdMemory.map(fd, args.size, args.readOnly);
     } else {
-      const imported = this.registry.backend.importHandle({ fd }, args.size);
-      const allocation = this.registry.addImported(caller, imported.handle, imported.size, imported.device, imported.location);
+      const allocation = this.registry.importHandle(caller, { fd }, args.size);
       const holder = STORE_HOLDER_BASE + id;
       this.registry.holdAllocation(caller, allocation.id, holder);
       await this.registry.release(caller, allocation.id);

@@ -72,7 +72,6 @@ export function memoryManagerClass<C extends ManagerContext>(fallback: MemoryMan
   if (!name) return fallback;
   let loaded: Record<string, unknown>;
   try {
-    // eslint-disable-next-line @typescript-eslint/no-require-imports
     loaded = require(name.startsWith('.') ? path.resolve(name) : name);
   } catch (error) {
     throw new VmmdError('BAD_MEMORY_MANAGER', Status.FAILED_PRECONDITION, `${MEMORY_MANAGER_VARIABLE}=${name} cannot be loaded: ${(error as Error).message}`);

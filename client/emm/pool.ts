@@ -8,7 +8,6 @@
  */
 
 /** Numba's allocations are 256-byte aligned; so are all of the pool's. */
-export const POOL_ALIGNMENT = 256n;
 const ALIGNMENT = 256;
 
 export interface PoolSettings {

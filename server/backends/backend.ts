@@ -16,7 +16,6 @@ export type HandleKind = 'POSIX_FD' | 'FABRIC';
 
 /** Access flags, as bits: READ 1, READWRITE 3. */
 export type Access = 0 | 1 | 3;
-export const ACCESS_NONE: Access = 0;
 export const ACCESS_READ: Access = 1;
 export const ACCESS_READWRITE: Access = 3;
 
@@ -59,8 +58,18 @@ export interface ImportedHandle {
   location: MemLocation;
 }
 
+/** What differs between backends, asked by capability rather than by name. */
+export interface BackendCapabilities {
+  /** Host memory may name NUMA nodes other than 0 (cuda's HOST_NUMA ids); the host backend has node 0 only. */
+  readonly hostNumaNodes: boolean;
+  /** DEVICE memory is a GPU's own (frame buffer: FBMEM stores, ZCMEM); on the host backend it is system memory. */
+  readonly gpuMemory: boolean;
+}
+
 export interface Backend {
+  /** For logs and reports only: code asks `capabilities`. */
   readonly name: 'host' | 'cuda';
+  readonly capabilities: BackendCapabilities;
   devices(): DeviceInfo[];
   memoryInfo(device: number): MemoryInfo;
   /** Granularity of memory at a location (cuMemGetAllocationGranularity). */
@@ -115,10 +124,6 @@ export interface Backend {
 /** An error with a string code, as the addon throws them (the codes server/errors.ts maps). */
 export function codedError(code: string, message: string, extra: Record<string, unknown> = {}): Error {
   return Object.assign(new Error(message), { code }, extra);
-}
-
-export function sameLocation(a: MemLocation, b: MemLocation): boolean {
-  return a.type === b.type && a.id === b.id;
 }
 
 export function describeLocation(location: MemLocation): string {

@@ -92,6 +92,10 @@ export class StockedBackend implements Backend {
     return this.inner.name;
   }
 
+  get capabilities() {
+    return this.inner.capabilities;
+  }
+
   /** Fills every shelf; resolves when they are full (or a refill gave up). */
   async fill(): Promise<void> {
     await Promise.all([...this.shelves.values()].map((shelf) => this.refill(shelf)));

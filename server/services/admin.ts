@@ -75,7 +75,7 @@ export class AdminService {
           uid: session.peer.uid,
           gid: session.peer.gid,
           callsInFlight: session.inFlightCalls,
-          pendingTransfers: session.received.size,
+          pendingTransfers: session.inbox.held,
           allocations: String(owned.length),
           allocatedBytes: String(owned.reduce((total, allocation) => total + BigInt(allocation.size), 0n)),
           reservations: String(snapshot.reservations.filter((reservation) => reservation.owner === String(session.id)).length),

@@ -6,9 +6,9 @@
  */
 import * as grpc from '@grpc/grpc-js';
 import type { Logger } from 'pino';
-import { SESSION_METADATA_KEY } from '../../common/protocol';
+import { ERROR_CODE_KEY, SESSION_METADATA_KEY } from '../../common/protocol';
 import { failedPrecondition, toServiceError, unauthenticated } from '../errors';
-import { DAEMON_OWNER } from '../registry';
+import { DAEMON_OWNER } from '../registry/records';
 import type { Session, SessionManager } from '../sessions';
 
 /** Who is calling: a session, or nobody (owner 0, the daemon). */
@@ -26,23 +26,24 @@ export interface HandlerDeps {
   observe?: (method: string, status: string, code: string | undefined, seconds: number) => void;
 }
 
-/** Wraps a call's promise so that its outcome and duration are observed. */
-function observed<T>(deps: HandlerDeps, method: string, promise: Promise<T>): Promise<T> {
-  if (deps.observe === undefined) return promise;
+/**
+ * Runs a call, observes its outcome and duration, and translates a failure
+ * once into what goes on the wire (for the callback, or the stream's error).
+ */
+async function settle<T>(deps: HandlerDeps, method: string, promise: Promise<T>): Promise<{ value?: T; error?: Partial<grpc.ServiceError> }> {
   const start = process.hrtime.bigint();
   const seconds = () => Number(process.hrtime.bigint() - start) / 1e9;
-  return promise.then(
-    (value) => {
-      deps.observe!(method, 'OK', undefined, seconds());
-      return value;
-    },
-    (error) => {
-      const wire = toServiceError(error);
-      const status = grpc.status[wire.code ?? grpc.status.UNKNOWN] ?? 'UNKNOWN';
-      deps.observe!(method, status, String(wire.metadata?.get('vmmd-error-code')[0] ?? ''), seconds());
-      throw error;
-    },
-  );
+  try {
+    const value = await promise;
+    deps.observe?.(method, 'OK', undefined, seconds());
+    return { value };
+  } catch (caught) {
+    const error = toServiceError(caught, deps.log.child({ method }));
+    deps.log.debug({ method, status: error.code, details: error.details }, 'call refused');
+    const status = grpc.status[error.code ?? grpc.status.UNKNOWN] ?? 'UNKNOWN';
+    deps.observe?.(method, status, String(error.metadata?.get(ERROR_CODE_KEY)[0] ?? ''), seconds());
+    return { error };
+  }
 }
 
 /**
@@ -85,21 +86,14 @@ async function withContext<T>(
   return session === undefined || !tracked ? run(context) : session.track(() => run(context));
 }
 
-function fail(deps: HandlerDeps, method: string, error: unknown): Partial<grpc.ServiceError> {
-  const serviceError = toServiceError(error, deps.log.child({ method }));
-  deps.log.debug({ method, status: serviceError.code, details: serviceError.details }, 'call refused');
-  return serviceError;
-}
-
 export function unary<Req, Res>(
   deps: HandlerDeps,
   method: string,
   body: (request: Req, context: CallContext) => Promise<Res> | Res,
 ): grpc.handleUnaryCall<Req, Res> {
   return (call, callback) => {
-    observed(deps, method, withContext(deps, call.metadata, method, async (context) => body(call.request, context), true, call.getPeer())).then(
-      (response) => callback(null, response),
-      (error) => callback(fail(deps, method, error) as grpc.ServiceError),
+    void settle(deps, method, withContext(deps, call.metadata, method, async (context) => body(call.request, context), true, call.getPeer())).then(
+      ({ value, error }) => (error === undefined ? callback(null, value) : callback(error as grpc.ServiceError)),
     );
   };
 }
@@ -128,7 +122,7 @@ export function serverStream<Req, Res>(
   options: { tracked?: boolean } = {},
 ): grpc.handleServerStreamingCall<Req, Res> {
   return (call) => {
-    withContext(
+    const run = withContext(
       deps,
       call.metadata,
       method,
@@ -140,11 +134,9 @@ export function serverStream<Req, Res>(
       },
       options.tracked ?? true,
       call.getPeer(),
-    ).then(
-      () => call.end(),
-      // grpc-js turns an 'error' event on a server stream into the call's status.
-      (error) => call.emit('error', fail(deps, method, error)),
     );
+    // grpc-js turns an 'error' event on a server stream into the call's status.
+    void settle(deps, method, run).then(({ error }) => (error === undefined ? call.end() : call.emit('error', error)));
   };
 }
 
@@ -154,9 +146,8 @@ export function clientStream<Req, Res>(
   body: (requests: AsyncIterable<Req>, context: CallContext) => Promise<Res>,
 ): grpc.handleClientStreamingCall<Req, Res> {
   return (call, callback) => {
-    observed(deps, method, withContext(deps, call.metadata, method, (context) => body(call as AsyncIterable<Req>, context), true, call.getPeer())).then(
-      (response) => callback(null, response),
-      (error) => callback(fail(deps, method, error) as grpc.ServiceError),
+    void settle(deps, method, withContext(deps, call.metadata, method, (context) => body(call as AsyncIterable<Req>, context), true, call.getPeer())).then(
+      ({ value, error }) => (error === undefined ? callback(null, value as Res) : callback(error as grpc.ServiceError)),
     );
   };
 }

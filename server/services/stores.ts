@@ -105,7 +105,7 @@ export class StoresService {
     const fd = await this.stores.open(context.caller, store, request.writable);
     let transferId: string;
     try {
-      transferId = this.sessions.sendTransfer(session, fd, { allocation: store.memory.allocationId, size: store.size });
+      transferId = session.sendTransfer(fd, { allocation: store.memory.allocationId, size: store.size });
     } catch (error) {
       await this.stores.close(context.caller, store);
       throw error;

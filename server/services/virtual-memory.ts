@@ -29,11 +29,10 @@ import type { UnmapResponse } from '../../generated/vmmd/v1/UnmapResponse';
 import type { WriteRequest__Output } from '../../generated/vmmd/v1/WriteRequest';
 import type { WriteResponse } from '../../generated/vmmd/v1/WriteResponse';
 import type { VmmdProto } from '../../common/proto';
-import type { AllocatedMessage, AllocateMessage } from '../../common/protocol';
 import { addon } from '../../native';
 import type { HandleKind, ImportSource } from '../backends/backend';
-import { invalidArgument, outOfRange } from '../errors';
-import type { AllocationRecord, Registry, ReservationRecord } from '../registry';
+import { invalidArgument } from '../errors';
+import type { AllocationRecord, Exported, Registry, ReservationRecord } from '../registry';
 import type { Session, SessionManager } from '../sessions';
 import type { StagingBuffers } from '../staging';
 import type { OpenStagingRequest__Output } from '../../generated/vmmd/v1/OpenStagingRequest';
@@ -52,7 +51,6 @@ export class VirtualMemoryService {
     private readonly staging: StagingBuffers,
   ) {
     this.resolveDevice = (uuid, field) => registry.deviceByUuid(uuid, field);
-    sessions.answerAllocate((session, message) => this.allocateForSession(session, message));
   }
 
   toWireAllocation(record: AllocationRecord): Allocation {
@@ -124,8 +122,8 @@ export class VirtualMemoryService {
     return {};
   }
 
-  getAccess(request: GetAccessRequest__Output): GetAccessResponse {
-    return { flags: toWireAccess(this.registry.getAccess(u64(request.address), location(request.location, this.resolveDevice))) };
+  getAccess(request: GetAccessRequest__Output, context: CallContext): GetAccessResponse {
+    return { flags: toWireAccess(this.registry.getAccess(context.caller, u64(request.address), location(request.location, this.resolveDevice))) };
   }
 
   async export(request: ExportRequest__Output, context: CallContext): Promise<ExportResponse> {
@@ -143,61 +141,21 @@ export class VirtualMemoryService {
   /** Create, then Export to the calling session; the allocation is released again if the export fails. */
   async allocate(request: CreateRequest__Output, context: CallContext): Promise<ExportResponse> {
     const session = requireSession(context, 'Allocate');
-    const exported = await this.createExported(context, request);
+    const args = { size: u64(request.size), location: location(request.location, this.resolveDevice), handleType: handleType(request.handleType) };
+    const exported = await this.registry.createExported(context.caller, args, (cause) => context.log.error({ err: cause }, 'Allocate: the rollback failed'));
     return this.handOver(session, 'POSIX_FD', exported);
-  }
-
-  /**
-   * Allocate on the session socket: the same rules, the answer and the
-   * descriptor in one message (what the client library's cold allocations use).
-   */
-  async allocateForSession(session: Session, message: AllocateMessage): Promise<{ reply: AllocatedMessage; fd: number }> {
-    const context: CallContext = { caller: session.id, session, log: session.log };
-    const request = {
-      size: message.size,
-      location: message.location === undefined ? null : { type: `LOCATION_TYPE_${message.location.type}`, id: message.location.id, deviceUuid: '' },
-      handleType: 'HANDLE_TYPE_POSIX_FD',
-    } as CreateRequest__Output;
-    const { allocation, fd } = await this.createExported(context, request);
-    return {
-      reply: {
-        type: 'allocated',
-        request: message.request,
-        allocation: String(allocation.id),
-        size: String(allocation.size),
-        device: allocation.device,
-        deviceUuid: this.registry.devices[allocation.device]?.uuid ?? '',
-        granularity: String(allocation.granularity),
-        location: { type: allocation.location.type, id: allocation.location.id },
-      },
-      fd: fd!,
-    };
-  }
-
-  private async createExported(context: CallContext, request: CreateRequest__Output) {
-    const record = this.registry.create(context.caller, {
-      size: u64(request.size),
-      location: location(request.location, this.resolveDevice),
-      handleType: handleType(request.handleType),
-    });
-    try {
-      return await this.registry.exportHandle(context.caller, { allocationId: record.id, handleType: 'POSIX_FD', shareKey: '' });
-    } catch (error) {
-      await this.registry.release(context.caller, record.id).catch((cause) => context.log.error({ err: cause }, 'Allocate: the rollback failed'));
-      throw error;
-    }
   }
 
   /** Sends an exported descriptor on the session socket (closing the daemon's copy) and describes the export. */
   private handOver(
     session: Session | undefined,
     kind: HandleKind,
-    { allocation, fd, fabric }: { allocation: AllocationRecord; fd?: number; fabric?: Buffer },
+    { allocation, fd, fabric }: Exported,
   ): ExportResponse {
     let transferId = '0';
     if (session !== undefined && fd !== undefined) {
       try {
-        transferId = this.sessions.sendTransfer(session, fd, { allocation: allocation.id, size: allocation.size });
+        transferId = session.sendTransfer(fd, { allocation: allocation.id, size: allocation.size });
       } finally {
         // The kernel holds its own reference while the descriptor is in flight.
         addon.close(fd);
@@ -222,9 +180,7 @@ export class VirtualMemoryService {
 
   async import(request: ImportRequest__Output, context: CallContext): Promise<Allocation> {
     const kind = handleType(request.handleType);
-    if (request.device >= this.registry.devices.length) {
-      throw outOfRange('UNKNOWN_DEVICE', `device ${request.device} does not exist (the daemon has ${this.registry.devices.length} device(s))`);
-    }
+    this.registry.deviceTable.checkIndex(request.device);
     const size = u64(request.size);
     let source: ImportSource;
     if (kind === 'FABRIC') {
@@ -237,17 +193,15 @@ export class VirtualMemoryService {
       if (u64(request.transferId) === 0n) throw invalidArgument('BAD_TRANSFER', 'transfer_id must be set (ids start at 1)');
       source = { fd: await this.sessions.takeTransfer(session, String(u64(request.transferId))) };
     }
-    const imported = this.registry.backend.importHandle(source, size);
-    const record = this.registry.addImported(context.caller, imported.handle, imported.size, imported.device, imported.location);
-    return this.toWireAllocation(record);
+    return this.toWireAllocation(this.registry.importHandle(context.caller, source, size));
   }
 
-  getProperties(request: GetPropertiesRequest__Output): Allocation {
-    return this.toWireAllocation(this.registry.allocation(u64(request.allocationId)));
+  getProperties(request: GetPropertiesRequest__Output, context: CallContext): Allocation {
+    return this.toWireAllocation(this.registry.inspectAllocation(context.caller, u64(request.allocationId)));
   }
 
-  retainHandle(request: RetainHandleRequest__Output, context: CallContext): Allocation {
-    return this.toWireAllocation(this.registry.retainHandle(context.caller, u64(request.address)));
+  async retainHandle(request: RetainHandleRequest__Output, context: CallContext): Promise<Allocation> {
+    return this.toWireAllocation(await this.registry.retainHandle(context.caller, u64(request.address)));
   }
 
   async *read(request: ReadRequest__Output, context: CallContext): AsyncGenerator<ReadResponse> {
@@ -299,12 +253,12 @@ export class VirtualMemoryService {
       Map: unary(deps, 'Map', (r: MapRequest__Output, c) => this.map(r, c)),
       Unmap: unary(deps, 'Unmap', (r: UnmapRequest__Output, c) => this.unmap(r, c)),
       SetAccess: unary(deps, 'SetAccess', (r: SetAccessRequest__Output, c) => this.setAccess(r, c)),
-      GetAccess: unary(deps, 'GetAccess', (r: GetAccessRequest__Output) => this.getAccess(r)),
+      GetAccess: unary(deps, 'GetAccess', (r: GetAccessRequest__Output, c) => this.getAccess(r, c)),
       Export: unary(deps, 'Export', (r: ExportRequest__Output, c) => this.export(r, c)),
       Allocate: unary(deps, 'Allocate', (r: CreateRequest__Output, c) => this.allocate(r, c)),
       Share: unary(deps, 'Share', (r: ShareRequest__Output, c) => this.share(r, c)),
       Import: unary(deps, 'Import', (r: ImportRequest__Output, c) => this.import(r, c)),
-      GetProperties: unary(deps, 'GetProperties', (r: GetPropertiesRequest__Output) => this.getProperties(r)),
+      GetProperties: unary(deps, 'GetProperties', (r: GetPropertiesRequest__Output, c) => this.getProperties(r, c)),
       RetainHandle: unary(deps, 'RetainHandle', (r: RetainHandleRequest__Output, c) => this.retainHandle(r, c)),
       Read: serverStream(deps, 'Read', (r: ReadRequest__Output, c) => this.read(r, c)),
       OpenStaging: unary(deps, 'OpenStaging', (r: OpenStagingRequest__Output, c) => this.openStaging(r, c)),

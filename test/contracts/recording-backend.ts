@@ -36,6 +36,10 @@ export class RecordingBackend implements Backend {
     return this.inner.name;
   }
 
+  get capabilities() {
+    return this.inner.capabilities;
+  }
+
   devices() {
     return this.inner.devices();
   }

@@ -376,21 +376,21 @@ describe('SetAccess', () => {
       await registry.map(A, { address: reservation.address + offset, size: GRANULARITY, offset: 0n, allocationId: allocation.id });
     }
     await registry.setAccess(A, reservation.address, 2n * GRANULARITY, RW);
-    expect(registry.getAccess(reservation.address + GRANULARITY, DEVICE0)).toBe(3);
+    expect(registry.getAccess(A, reservation.address + GRANULARITY, DEVICE0)).toBe(3);
     await registry.setAccess(A, reservation.address, GRANULARITY, [{ location: DEVICE0, access: 0 }]);
-    expect(registry.getAccess(reservation.address, DEVICE0)).toBe(0);
-    expect(registry.getAccess(reservation.address + GRANULARITY, DEVICE0)).toBe(3);
+    expect(registry.getAccess(A, reservation.address, DEVICE0)).toBe(0);
+    expect(registry.getAccess(A, reservation.address + GRANULARITY, DEVICE0)).toBe(3);
   });
 });
 
 describe('GetAccess', () => {
   it('refuses an unmapped address', async () => {
     const reservation = reserve();
-    await expectRefused(() => registry.getAccess(reservation.address, DEVICE0), Status.NOT_FOUND, 'NOT_MAPPED');
+    await expectRefused(() => registry.getAccess(A, reservation.address, DEVICE0), Status.NOT_FOUND, 'NOT_MAPPED');
   });
   it('answers NONE right after map, as the driver does', async () => {
     const { address } = await mapped();
-    expect(registry.getAccess(address, DEVICE0)).toBe(0);
+    expect(registry.getAccess(A, address, DEVICE0)).toBe(0);
   });
 });
 
@@ -474,7 +474,7 @@ describe('RetainHandle', () => {
   it('retains a released but mapped allocation, as the driver allows', async () => {
     const { address, allocation } = await mapped();
     await registry.release(A, allocation.id);
-    expect(registry.retainHandle(A, address).id).toBe(allocation.id);
+    expect((await registry.retainHandle(A, address)).id).toBe(allocation.id);
     expect(registry.referenceCount(allocation)).toBe(1);
   });
 });

@@ -118,7 +118,9 @@ export function securityContract(backend: Backend, options: { full: boolean }): 
       await tally.refused(() => b.vmm.setAccess({ address, size: SIZE, descriptors: access('ACCESS_FLAGS_READWRITE') }), DENIED, 'NOT_OWNER');
       await tally.refused(() => b.vmm.setAccess({ address, size: SIZE, descriptors: access('ACCESS_FLAGS_NONE') }), DENIED, 'NOT_OWNER');
       await tally.refused(() => b.vmm.retainHandle({ address }), DENIED, 'NOT_OWNER');
+      await tally.refused(() => b.vmm.getAccess({ address, location: { type: 'LOCATION_TYPE_DEVICE', id: 0 } }), DENIED, 'NOT_OWNER');
       for (const allocation of [v.mapped.id, v.unmapped.id]) {
+        await tally.refused(() => b.vmm.getProperties({ allocationId: allocation }), DENIED, 'NOT_OWNER');
         await tally.refused(() => b.vmm.release({ allocationId: allocation }), DENIED, 'NOT_OWNER');
         await tally.refused(() => b.vmm.export({ allocationId: allocation }), DENIED, 'NOT_OWNER');
         await tally.refused(() => b.vmm.export({ allocationId: allocation, shareKey: randomBytes(32).toString('hex') }), DENIED, 'BAD_SHARE_KEY');
@@ -140,7 +142,7 @@ export function securityContract(backend: Backend, options: { full: boolean }): 
     expect(objectsOf(await daemon.stats())).toEqual(objectsOf(before));
     expect(checksum(await a.vmm.read(address, Number(SIZE)))).toBe(v.checksum);
     expect((await a.vmm.getAccess({ address, location: { type: 'LOCATION_TYPE_DEVICE', id: 0 } })).flags).toBe('ACCESS_FLAGS_READWRITE');
-    expect(tally.attempts).toBe(rounds * 30);
+    expect(tally.attempts).toBe(rounds * 33);
     figures.isolation = { attempts: tally.attempts, refused: tally.attempts, ...tally.statuses, victimChecksumIntact: true };
   });
 

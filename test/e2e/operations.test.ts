@@ -7,7 +7,6 @@ import * as protoLoader from '@grpc/proto-loader';
 import * as http from 'node:http';
 import * as path from 'node:path';
 import * as protobuf from 'protobufjs';
-// eslint-disable-next-line @typescript-eslint/no-require-imports
 const descriptor = require('protobufjs/ext/descriptor');
 import { connect } from '../../client';
 import { socketPaths } from '../../common/paths';

@@ -41,7 +41,6 @@ describeGpu('the cuda backend', () => {
       expect(device.fabricStatus).not.toBe('');
       expect(device.handleTypes.includes('HANDLE_TYPE_FABRIC')).toBe(device.fabricUsable);
     }
-    // eslint-disable-next-line no-console
     console.log(`devices: ${JSON.stringify(devices, null, 1)}`);
   });
 
@@ -135,7 +134,6 @@ describeGpu('the cuda backend', () => {
       const sorted = [...values].sort((a, b) => a - b);
       return `${values.length} answered, p50 ${sorted[sorted.length >> 1] ?? '-'} µs, max ${sorted[sorted.length - 1] ?? '-'} µs`;
     };
-    // eslint-disable-next-line no-console
     console.log(
       `${count} exports took ${exportMs.toFixed(1)} ms, then ${count} unmaps: ${batchMs.toFixed(1)} ms in all. ` +
         `Meanwhile GetStats: ${summary(answered.stats)}; ListDevices: ${summary(answered.devices)}; ` +
@@ -148,7 +146,6 @@ describeGpu('the cuda backend', () => {
   it('hands fabric allocations out as bytes that a process without a descriptor maps, where the host permits fabric', async () => {
     const { devices } = await client.devices.listDevices();
     if (!devices[0].fabricUsable) {
-      // eslint-disable-next-line no-console
       console.warn(`fabric test skipped: ${devices[0].fabricStatus}`);
       await expect(client.vmm.create({ size: 2n * MiB, handleType: 'HANDLE_TYPE_FABRIC' })).rejects.toMatchObject({
         code: 'UNSUPPORTED_HANDLE_TYPE',

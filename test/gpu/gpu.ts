@@ -7,7 +7,6 @@ import { addon } from '../../native';
 export const cuda = addon.cudaLoad();
 
 if (!cuda.loaded) {
-  // eslint-disable-next-line no-console
   console.warn(`test/gpu skipped: ${cuda.reason}`);
 }
 

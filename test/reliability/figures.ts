@@ -8,7 +8,6 @@ import * as fs from 'node:fs';
 
 export function figure(name: string, values: Record<string, string | number | boolean>): void {
   const line = JSON.stringify({ name, ...values, date: new Date().toISOString() });
-  // eslint-disable-next-line no-console
   console.log(`figure ${line}`);
   const file = process.env.VMMD_FIGURES;
   if (file) fs.appendFileSync(file, `${line}\n`);

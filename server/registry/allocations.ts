@@ -1,0 +1,356 @@
+/**
+ * Allocations: physical memory's lifecycle in the registry. Creation and
+ * adoption (through the allocation source and its adaptors), handle
+ * references by holder, export, share keys, and the free that happens once
+ * nothing references or maps the memory any more.
+ */
+import { randomBytes, timingSafeEqual } from 'node:crypto';
+import type { Backend, BackendHandle, HandleKind, ImportSource, MemLocation } from '../backends/backend';
+import { failedPrecondition, invalidArgument, notFound, permissionDenied } from '../errors';
+import type { DeviceTable } from './devices';
+import {
+  AllocationRecord,
+  checkAligned,
+  checkCanAct,
+  CreateArgs,
+  DAEMON_OWNER,
+  ExportArgs,
+  Exported,
+  hex,
+  IdSequence,
+  mayAct,
+  ownerName,
+  ReleaseResult,
+} from './records';
+import type { AllocationSource } from './source';
+
+export class Allocations {
+  // Invariant: every allocation not yet freed by the backend, by id.
+  private readonly records = new Map<bigint, AllocationRecord>();
+
+  constructor(
+    private readonly backend: Backend,
+    private readonly source: AllocationSource,
+    private readonly devices: DeviceTable,
+    private readonly ids: IdSequence,
+  ) {}
+
+  all(): IterableIterator<AllocationRecord> {
+    return this.records.values();
+  }
+
+  /**
+   * Creates physical memory owned by the caller, with one handle reference.
+   * @throws INVALID_ARGUMENT ZERO_SIZE, NOT_ALIGNED; OUT_OF_RANGE UNKNOWN_DEVICE;
+   *   FAILED_PRECONDITION UNSUPPORTED_HANDLE_TYPE; RESOURCE_EXHAUSTED OUT_OF_MEMORY, QUOTA_EXCEEDED
+   */
+  create(caller: bigint, args: CreateArgs): AllocationRecord {
+    const device = this.devices.deviceOf(args.location);
+    const info = this.devices.list[device];
+    if (args.size === 0n) throw invalidArgument('ZERO_SIZE', 'allocation size must be greater than 0');
+    if (!info.handleTypes.includes(args.handleType)) {
+      throw failedPrecondition(
+        'UNSUPPORTED_HANDLE_TYPE',
+        `device ${device} cannot export ${args.handleType} handles (supported: ${info.handleTypes.join(', ')})`,
+      );
+    }
+    const granularity = this.backend.granularity(args.location).minimum;
+    checkAligned('allocation size', args.size, granularity);
+    // Descriptors always work; fabric comes on top where asked for.
+    const handleTypes: HandleKind[] = args.handleType === 'FABRIC' ? ['POSIX_FD', 'FABRIC'] : ['POSIX_FD'];
+    // Charged (by the quota adaptor) and checked in one synchronous step with the creation: concurrent requests cannot overshoot.
+    const handle = this.source.create(caller, device, args.location, args.size, handleTypes);
+    return this.add(caller, handle, args.size, device, args.location, handleTypes, false, granularity);
+  }
+
+  /**
+   * Create, then export a descriptor of it for the caller (Allocate, the
+   * session socket's allocate); the allocation is released again if the export fails.
+   * @throws as create and exportHandle
+   */
+  async createExported(caller: bigint, args: CreateArgs, onRollbackFailure: (error: unknown) => void): Promise<Exported> {
+    const record = this.create(caller, args);
+    try {
+      return await this.exportHandle(caller, { allocationId: record.id, handleType: 'POSIX_FD', shareKey: '' });
+    } catch (error) {
+      await this.release(caller, record.id).catch(onRollbackFailure);
+      throw error;
+    }
+  }
+
+  /**
+   * Adopts memory a peer handed over (Import, Attach); the caller holds its one handle reference.
+   * @throws OUT_OF_RANGE UNKNOWN_DEVICE; the backend's BAD_DESCRIPTOR
+   */
+  importHandle(caller: bigint, source: ImportSource, size: bigint): AllocationRecord {
+    const imported = this.source.adopt(caller, source, size);
+    const granularity = this.backend.granularity(imported.location).minimum;
+    return this.add(caller, imported.handle, imported.size, imported.device, imported.location, ['POSIX_FD'], true, granularity);
+  }
+
+  /**
+   * Drops one handle reference: the caller's own, else (when the caller may act
+   * for the owner) the owner's. Memory is freed once no reference and no mapping is left.
+   * @throws NOT_FOUND UNKNOWN_ALLOCATION; FAILED_PRECONDITION ALREADY_RELEASED, NO_REFERENCE;
+   *   PERMISSION_DENIED NOT_OWNER
+   */
+  async release(caller: bigint, allocationId: bigint): Promise<ReleaseResult> {
+    const allocation = this.get(allocationId);
+    const total = this.referenceCount(allocation);
+    if (total === 0 && allocation.mappingCount === 0 && allocation.busy === 0) {
+      // Every reference was dropped but freeing failed (a driver error): this Release tries again.
+      checkCanAct(caller, allocation.owner, `allocation ${allocationId}`);
+      const freed = await this.freeIfUnused(allocation);
+      return { freed, handleReferences: 0, mappingCount: 0 };
+    }
+    if (total === 0) {
+      throw failedPrecondition(
+        'ALREADY_RELEASED',
+        `allocation ${allocationId} was already released; its memory lives until its ${allocation.mappingCount} mapping(s) are unmapped`,
+      );
+    }
+    let holder: bigint;
+    if (allocation.references.has(caller)) {
+      holder = caller;
+    } else {
+      checkCanAct(caller, allocation.owner, `allocation ${allocationId}`);
+      if (!allocation.references.has(allocation.owner)) {
+        throw failedPrecondition('NO_REFERENCE', `${ownerName(caller)} holds no handle reference to allocation ${allocationId}`);
+      }
+      holder = allocation.owner;
+    }
+    await this.dropReferences(allocation, holder, 1);
+    const freed = await this.freeIfUnused(allocation);
+    return { freed, handleReferences: this.referenceCount(allocation), mappingCount: allocation.mappingCount };
+  }
+
+  /**
+   * The allocation with this id, whoever owns it.
+   * @throws NOT_FOUND UNKNOWN_ALLOCATION
+   */
+  get(allocationId: bigint): AllocationRecord {
+    const allocation = this.records.get(allocationId);
+    // (One being freed is already gone for callers.)
+    if (allocation === undefined || allocation.freed) {
+      throw notFound('UNKNOWN_ALLOCATION', `allocation ${allocationId} does not exist (never created, or freed)`);
+    }
+    return allocation;
+  }
+
+  /**
+   * The allocation with this id, for a caller that owns it, may act for its
+   * owner, or holds a reference to it (GetProperties); a call without a
+   * session (an operator's) may look at any.
+   * @throws NOT_FOUND UNKNOWN_ALLOCATION; PERMISSION_DENIED NOT_OWNER
+   */
+  inspect(caller: bigint, allocationId: bigint): AllocationRecord {
+    const allocation = this.get(allocationId);
+    if (caller !== DAEMON_OWNER) this.checkMayUse(caller, allocation);
+    return allocation;
+  }
+
+  /**
+   * A live allocation (one with a handle reference left).
+   * @throws NOT_FOUND UNKNOWN_ALLOCATION; FAILED_PRECONDITION ALREADY_RELEASED
+   */
+  live(allocationId: bigint): AllocationRecord {
+    const allocation = this.get(allocationId);
+    if (this.referenceCount(allocation) === 0) {
+      throw failedPrecondition('ALREADY_RELEASED', `allocation ${allocationId} was released; it can no longer be mapped or exported`);
+    }
+    return allocation;
+  }
+
+  /** @throws PERMISSION_DENIED NOT_OWNER unless the caller may act for the owner or holds a reference */
+  checkMayUse(caller: bigint, allocation: AllocationRecord): void {
+    if (!mayAct(caller, allocation.owner) && !allocation.references.has(caller)) {
+      throw permissionDenied('NOT_OWNER', `allocation ${allocation.id} belongs to ${ownerName(allocation.owner)}`);
+    }
+  }
+
+  /**
+   * A handle reference held by `holder` (a store) on an allocation the caller may touch.
+   * @throws NOT_FOUND UNKNOWN_ALLOCATION; FAILED_PRECONDITION ALREADY_RELEASED; PERMISSION_DENIED NOT_OWNER
+   */
+  hold(caller: bigint, allocationId: bigint, holder: bigint): AllocationRecord {
+    const allocation = this.live(allocationId);
+    this.checkMayUse(caller, allocation);
+    allocation.references.set(holder, (allocation.references.get(holder) ?? 0) + 1);
+    return allocation;
+  }
+
+  /**
+   * Drops every reference `holder` (a store) has on an allocation, and frees it
+   * if nobody else references or maps it. Safe to repeat after a failure: a
+   * repeat drops what is left and tries the free again.
+   */
+  async dropHolder(holder: bigint, allocationId: bigint): Promise<void> {
+    const allocation = this.records.get(allocationId);
+    if (allocation === undefined || allocation.freed) return;
+    const held = allocation.references.get(holder);
+    if (held !== undefined) await this.dropReferences(allocation, holder, held);
+    await this.freeIfUnused(allocation);
+  }
+
+  /**
+   * Makes an allocation read-only for good, for the read-only store `store`:
+   * the backend seals it where it can (host memfds), and the registry refuses
+   * write access and writes to it from then on, to every caller.
+   */
+  sealReadOnly(allocation: AllocationRecord, store: bigint): void {
+    this.backend.sealReadOnly(allocation.handle);
+    allocation.readOnlyStore ??= store;
+  }
+
+  referenceCount(allocation: AllocationRecord): number {
+    let total = 0;
+    for (const count of allocation.references.values()) total += count;
+    return total;
+  }
+
+  /**
+   * A key that lets any session export the allocation (Share).
+   * @throws NOT_FOUND UNKNOWN_ALLOCATION; PERMISSION_DENIED NOT_OWNER; FAILED_PRECONDITION ALREADY_RELEASED
+   */
+  share(caller: bigint, allocationId: bigint): string {
+    const allocation = this.live(allocationId);
+    checkCanAct(caller, allocation.owner, `allocation ${allocationId}`);
+    allocation.shareKey ??= randomBytes(24).toString('base64url');
+    return allocation.shareKey;
+  }
+
+  /**
+   * Checks that the caller may export the allocation and pins it while the
+   * backend makes the descriptor (owned by the caller) or the fabric bytes.
+   * @throws NOT_FOUND UNKNOWN_ALLOCATION; FAILED_PRECONDITION ALREADY_RELEASED, UNSUPPORTED_HANDLE_TYPE;
+   *   PERMISSION_DENIED NOT_OWNER, BAD_SHARE_KEY
+   */
+  async exportHandle(caller: bigint, args: ExportArgs): Promise<Exported> {
+    const allocation = this.live(args.allocationId);
+    if (!mayAct(caller, allocation.owner) && !allocation.references.has(caller)) {
+      if (args.shareKey === '') {
+        throw permissionDenied(
+          'NOT_OWNER',
+          `allocation ${allocation.id} belongs to ${ownerName(allocation.owner)}; its owner can Share it and hand you the key`,
+        );
+      }
+      if (!this.shareKeyMatches(allocation, args.shareKey)) {
+        throw permissionDenied('BAD_SHARE_KEY', `the share key does not open allocation ${allocation.id}`);
+      }
+    }
+    if (!allocation.handleTypes.includes(args.handleType)) {
+      throw failedPrecondition(
+        'UNSUPPORTED_HANDLE_TYPE',
+        `allocation ${allocation.id} was created for ${allocation.handleTypes.join(', ')} handles, not ${args.handleType}`,
+      );
+    }
+    allocation.busy++;
+    try {
+      if (args.handleType === 'FABRIC') return { allocation, fabric: await this.backend.exportFabric(allocation.handle) };
+      return { allocation, fd: await this.backend.exportHandle(allocation.handle) };
+    } finally {
+      allocation.busy--;
+      await this.freeIfUnused(allocation);
+    }
+  }
+
+  /**
+   * One more reference, held by the caller, taken from the driver by the
+   * address `allocation` is mapped at (RetainHandle).
+   * @throws Error when the driver names another handle at that address (nothing is kept)
+   */
+  async retainAt(caller: bigint, allocation: AllocationRecord, address: bigint): Promise<AllocationRecord> {
+    const handle: BackendHandle = this.backend.retainHandle(address, allocation.handle);
+    if (handle !== allocation.handle) {
+      // The driver and the registry disagree about what is mapped here: refuse rather than guess.
+      await this.backend.releaseReference(handle);
+      throw new Error(`the backend maps handle ${handle} at ${hex(address)}, the registry ${allocation.handle}`);
+    }
+    allocation.backendRetains++;
+    allocation.references.set(caller, (allocation.references.get(caller) ?? 0) + 1);
+    return allocation;
+  }
+
+  /**
+   * Drops what an owner holds: its references, and its ownership (passed to
+   * the daemon while others still reference or map the memory).
+   */
+  async reclaimFrom(owner: bigint, allocation: AllocationRecord): Promise<void> {
+    const held = allocation.references.get(owner);
+    if (held !== undefined) await this.dropReferences(allocation, owner, held);
+    if (allocation.owner === owner) allocation.owner = DAEMON_OWNER;
+    await this.freeIfUnused(allocation);
+  }
+
+  /**
+   * Frees an allocation nobody references or maps. Recorded as freed only once
+   * the source has freed it: when that fails the allocation stays, accounted
+   * and charged, and the next Release or reclaim tries again.
+   */
+  async freeIfUnused(allocation: AllocationRecord): Promise<boolean> {
+    if (allocation.freed || allocation.busy > 0 || allocation.mappingCount > 0) return false;
+    if (this.referenceCount(allocation) > 0) return false;
+    allocation.freed = true;
+    try {
+      await this.source.release(allocation);
+    } catch (error) {
+      allocation.freed = false;
+      throw error;
+    }
+    this.records.delete(allocation.id);
+    return true;
+  }
+
+  private add(
+    owner: bigint,
+    handle: BackendHandle,
+    size: bigint,
+    device: number,
+    location: MemLocation,
+    handleTypes: HandleKind[],
+    imported: boolean,
+    granularity: bigint,
+  ): AllocationRecord {
+    const record: AllocationRecord = {
+      id: this.ids.take(),
+      owner,
+      device,
+      location,
+      size,
+      handle,
+      handleTypes,
+      imported,
+      granularity,
+      references: new Map([[owner, 1]]),
+      backendRetains: 0,
+      mappingCount: 0,
+      busy: 0,
+      freed: false,
+    };
+    this.records.set(record.id, record);
+    return record;
+  }
+
+  /**
+   * Drops a holder's references. The driver's references go first: when one
+   * fails, the holder keeps its references and a retry drops the rest (the
+   * driver references already dropped are not dropped twice).
+   */
+  private async dropReferences(allocation: AllocationRecord, holder: bigint, count: number): Promise<void> {
+    const retained = Math.min(count, allocation.backendRetains);
+    for (let i = 0; i < retained; i++) {
+      await this.backend.releaseReference(allocation.handle);
+      allocation.backendRetains--;
+    }
+    const left = (allocation.references.get(holder) ?? 0) - count;
+    if (left <= 0) allocation.references.delete(holder);
+    else allocation.references.set(holder, left);
+  }
+
+  private shareKeyMatches(allocation: AllocationRecord, key: string): boolean {
+    if (allocation.shareKey === undefined) return false;
+    const expected = Buffer.from(allocation.shareKey);
+    const given = Buffer.from(key);
+    return expected.length === given.length && timingSafeEqual(expected, given);
+  }
+}

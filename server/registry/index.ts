@@ -1,0 +1,96 @@
+/**
+ * The registry: every reservation, allocation and mapping the daemon holds,
+ * who owns it, and the rules of the CUDA VMM API, composed of parts with one
+ * job each (allocations, address space, I/O, reclaim and inspection) over an
+ * allocation source with its adaptors. Each request is validated before the
+ * backend sees it, because the driver's answer to misuse can be undefined
+ * behaviour; a refused request throws RpcError and changes nothing.
+ */
+import type { AccessGrant, Backend, DeviceInfo, ImportSource, MemLocation } from '../backends/backend';
+import { AllocationStatistics } from '../statistics';
+import { AddressSpace } from './address-space';
+import { Allocations } from './allocations';
+import { DeviceTable } from './devices';
+import { ByteIo } from './io';
+import { Inspection, RegistrySnapshot, RegistryStats } from './reclaim';
+import { CreateArgs, ExportArgs, IdSequence, MapArgs, ReserveArgs } from './records';
+import { AllocationSource, BackendSource } from './source';
+
+export { DAEMON_OWNER, IO_CHUNK_BYTES, MAX_RESERVATION_BYTES } from './records';
+export type { AllocationRecord, CreateArgs, Exported, MapArgs, MappingRecord, ReleaseResult, ReservationRecord, ReserveArgs } from './records';
+export type { RegistrySnapshot, RegistryStats } from './reclaim';
+export type { AllocationSource } from './source';
+
+export class Registry {
+  readonly deviceTable: DeviceTable;
+  readonly allocations: Allocations;
+  readonly space: AddressSpace;
+  readonly io: ByteIo;
+  readonly inspection: Inspection;
+  readonly statistics: AllocationStatistics;
+
+  /**
+   * @param adapt wraps the allocation source in policy adaptors (the daemon's quotas); statistics sit under them
+   */
+  constructor(
+    readonly backend: Backend,
+    adapt: (upstream: AllocationSource) => AllocationSource = (upstream) => upstream,
+  ) {
+    const ids = new IdSequence();
+    this.deviceTable = new DeviceTable(backend);
+    this.statistics = new AllocationStatistics(new BackendSource(backend));
+    this.allocations = new Allocations(backend, adapt(this.statistics), this.deviceTable, ids);
+    this.space = new AddressSpace(backend, this.allocations, this.deviceTable, ids);
+    this.io = new ByteIo(backend, this.space);
+    this.inspection = new Inspection(this.space, this.allocations, this.statistics);
+  }
+
+  get devices(): readonly DeviceInfo[] {
+    return this.deviceTable.list;
+  }
+
+  /** @throws OUT_OF_RANGE UNKNOWN_DEVICE */
+  deviceByUuid(uuid: string, field = 'device_uuid'): number {
+    return this.deviceTable.byUuid(uuid, field);
+  }
+
+  /** The granularity of memory at a location. @throws OUT_OF_RANGE UNKNOWN_DEVICE */
+  granularity(location: MemLocation): { minimum: bigint; recommended: bigint } {
+    this.deviceTable.deviceOf(location);
+    return this.backend.granularity(location);
+  }
+
+  // The operations, by the part that owns them (their rules and @throws are there).
+  reserve = (caller: bigint, args: ReserveArgs) => this.space.reserve(caller, args);
+  freeAddress = (caller: bigint, address: bigint, size: bigint) => this.space.freeAddress(caller, address, size);
+  map = (caller: bigint, args: MapArgs) => this.space.map(caller, args);
+  unmap = (caller: bigint, address: bigint, size: bigint) => this.space.unmap(caller, address, size);
+  setAccess = (caller: bigint, address: bigint, size: bigint, grants: AccessGrant[]) => this.space.setAccess(caller, address, size, grants);
+  getAccess = (caller: bigint, address: bigint, location: MemLocation) => this.space.getAccess(caller, address, location);
+  retainHandle = (caller: bigint, address: bigint) => this.space.retainHandle(caller, address);
+
+  create = (caller: bigint, args: CreateArgs) => this.allocations.create(caller, args);
+  importHandle = (caller: bigint, source: ImportSource, size: bigint) => this.allocations.importHandle(caller, source, size);
+  release = (caller: bigint, allocationId: bigint) => this.allocations.release(caller, allocationId);
+  allocation = (allocationId: bigint) => this.allocations.get(allocationId);
+  inspectAllocation = (caller: bigint, allocationId: bigint) => this.allocations.inspect(caller, allocationId);
+  createExported = (caller: bigint, args: CreateArgs, onRollbackFailure: (error: unknown) => void) =>
+    this.allocations.createExported(caller, args, onRollbackFailure);
+  holdAllocation = (caller: bigint, allocationId: bigint, holder: bigint) => this.allocations.hold(caller, allocationId, holder);
+  dropHolder = (holder: bigint, allocationId: bigint) => this.allocations.dropHolder(holder, allocationId);
+  referenceCount = (allocation: Parameters<Allocations['referenceCount']>[0]) => this.allocations.referenceCount(allocation);
+  sealReadOnly = (allocation: Parameters<Allocations['sealReadOnly']>[0], store: bigint) => this.allocations.sealReadOnly(allocation, store);
+  share = (caller: bigint, allocationId: bigint) => this.allocations.share(caller, allocationId);
+  exportHandle = (caller: bigint, args: ExportArgs) => this.allocations.exportHandle(caller, args);
+
+  checkIo = (caller: bigint, address: bigint, length: bigint, write: boolean) => this.io.check(caller, address, length, write);
+  read = (caller: bigint, address: bigint, length: bigint) => this.io.read(caller, address, length);
+  readInto = (caller: bigint, address: bigint, into: Buffer) => this.io.readInto(caller, address, into);
+  write = (caller: bigint, address: bigint, data: Buffer) => this.io.write(caller, address, data);
+
+  reclaim = (owner: bigint) => this.inspection.reclaim(owner);
+  stats = (): RegistryStats => this.inspection.stats();
+  snapshot = (): RegistrySnapshot => this.inspection.snapshot();
+  /** Bytes of live allocations the daemon created on a device. */
+  allocatedBytes = (device: number) => this.statistics.createdBytes(device);
+}

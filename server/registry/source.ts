@@ -1,0 +1,48 @@
+/**
+ * Where the allocation part gets physical memory: the backend, seen through
+ * adaptors in the style of RMM's resource adaptors (server/quotas.ts charges,
+ * server/statistics.ts counts). Every adaptor passes each call to its
+ * upstream and undoes its own step when the upstream fails.
+ */
+import type { Backend, BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from '../backends/backend';
+
+/** What an adaptor sees of an allocation being freed. */
+export interface SourcedAllocation {
+  readonly owner: bigint;
+  readonly handle: BackendHandle;
+  readonly size: bigint;
+  readonly device: number;
+  readonly imported: boolean;
+}
+
+export interface AllocationSource {
+  /**
+   * New physical memory for `owner`, with one backend reference.
+   * @throws RESOURCE_EXHAUSTED QUOTA_EXCEEDED (quota adaptor); the backend's OUT_OF_MEMORY
+   */
+  create(owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): BackendHandle;
+  /**
+   * Memory another process handed over (a received descriptor, fabric bytes), adopted for `owner`.
+   * @throws the backend's BAD_DESCRIPTOR
+   */
+  adopt(owner: bigint, source: ImportSource, size: bigint): ImportedHandle;
+  /** Frees the handle's last reference; memory made by create() or adopt(). */
+  release(allocation: SourcedAllocation): Promise<void>;
+}
+
+/** The backend itself, at the bottom of the chain. */
+export class BackendSource implements AllocationSource {
+  constructor(private readonly backend: Backend) {}
+
+  create(_owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): BackendHandle {
+    return this.backend.create(device, location, size, handleTypes);
+  }
+
+  adopt(_owner: bigint, source: ImportSource, size: bigint): ImportedHandle {
+    return this.backend.importHandle(source, size);
+  }
+
+  release(allocation: SourcedAllocation): Promise<void> {
+    return this.backend.release(allocation.handle, allocation.size, allocation.imported);
+  }
+}

@@ -1,0 +1,62 @@
+/**
+ * Statistics: an adaptor around the allocation source that counts live
+ * allocations and their bytes (created and adopted, in total and per device)
+ * as they come and go, so that Admin's stats and GetMemoryInfo never walk
+ * the registry.
+ */
+import type { BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from './backends/backend';
+import type { AllocationSource, SourcedAllocation } from './registry/source';
+
+export interface AllocationTotals {
+  allocations: number;
+  createdBytes: bigint;
+  importedBytes: bigint;
+}
+
+export class AllocationStatistics implements AllocationSource {
+  // Invariant: counts exactly the allocations made by create()/adopt() and not yet released.
+  private readonly counted: AllocationTotals = { allocations: 0, createdBytes: 0n, importedBytes: 0n };
+  // Invariant: bytes of created (not adopted) allocations by device; no entry holds 0.
+  private readonly createdByDevice = new Map<number, bigint>();
+
+  constructor(private readonly upstream: AllocationSource) {}
+
+  create(owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): BackendHandle {
+    const handle = this.upstream.create(owner, device, location, size, handleTypes);
+    this.count(device, size, false, 1);
+    return handle;
+  }
+
+  adopt(owner: bigint, source: ImportSource, size: bigint): ImportedHandle {
+    const imported = this.upstream.adopt(owner, source, size);
+    this.count(imported.device, imported.size, true, 1);
+    return imported;
+  }
+
+  async release(allocation: SourcedAllocation): Promise<void> {
+    await this.upstream.release(allocation);
+    this.count(allocation.device, allocation.size, allocation.imported, -1);
+  }
+
+  totals(): AllocationTotals {
+    return { ...this.counted };
+  }
+
+  /** Bytes of live allocations the daemon created on a device. */
+  createdBytes(device: number): bigint {
+    return this.createdByDevice.get(device) ?? 0n;
+  }
+
+  private count(device: number, size: bigint, imported: boolean, sign: 1 | -1): void {
+    const bytes = sign === 1 ? size : -size;
+    this.counted.allocations += sign;
+    if (imported) {
+      this.counted.importedBytes += bytes;
+      return;
+    }
+    this.counted.createdBytes += bytes;
+    const total = (this.createdByDevice.get(device) ?? 0n) + bytes;
+    if (total === 0n) this.createdByDevice.delete(device);
+    else this.createdByDevice.set(device, total);
+  }
+}

@@ -1,0 +1,101 @@
+/**
+ * The session socket's dispatcher: each request message checked and turned
+ * straight into the registry's own arguments; refusals name the value and
+ * the rule and change nothing.
+ */
+import pino from 'pino';
+import { Registry } from '../../server/registry';
+import { SessionDispatcher } from '../../server/session-dispatcher';
+import type { RequestMessage, Session } from '../../server/sessions';
+import { FakeBackend, GRANULARITY } from './fake-backend';
+
+const log = pino({ level: 'silent' });
+const session = { id: 7n, log } as unknown as Session;
+
+function setup() {
+  const backend = new FakeBackend();
+  const registry = new Registry(backend);
+  return { backend, registry, dispatcher: new SessionDispatcher({ registry, reclaimers: [] }) };
+}
+
+describe('session dispatcher', () => {
+  it.each([
+    ['{"type":"launch"}', 'BAD_MESSAGE', /unknown message type "launch"/],
+    ['{"type":"hello"}', 'BAD_MESSAGE', /clients may not send "hello" messages/],
+    ['{"type":"allocate","size":"2097152"}', 'BAD_MESSAGE', /allocate: request undefined is not a decimal uint64/],
+    ['{"type":"allocate","request":"1","size":2097152}', 'BAD_MESSAGE', /allocate: size 2097152 is not a decimal uint64 string/],
+    ['{"type":"allocate","request":"1","size":"-1"}', 'BAD_MESSAGE', /allocate: size "-1"/],
+    ['{"type":"allocate","request":"1","size":"18446744073709551616"}', 'BAD_MESSAGE', /allocate: size/],
+    ['{"type":"allocate","request":"1","size":"2097152","location":{"type":"HOST","id":0}}', 'BAD_MESSAGE', /location must be/],
+    ['{"type":"allocate","request":"1","size":"2097152","location":{"type":"DEVICE","id":-1}}', 'BAD_MESSAGE', /location must be/],
+    ['{"type":"allocate","request":"1","size":"2097152","location":null}', 'BAD_MESSAGE', /location must be/],
+    ['{"type":"constructor"}', 'BAD_MESSAGE', /unknown message type "constructor"/],
+  ])('refuses %s as a message (%s), with the reason, changing nothing', (text, code, reason) => {
+    const { dispatcher, registry, backend } = setup();
+    const before = registry.snapshot();
+    expect(() => dispatcher.answer(session, JSON.parse(text) as RequestMessage, -1)).toThrow(expect.objectContaining({ code, messageRefused: true, message: expect.stringMatching(reason) }));
+    expect(registry.snapshot()).toEqual(before);
+    expect(backend.calls).toEqual([]);
+  });
+
+  it('refuses a descriptor on anything but a transfer, before the registry is asked', () => {
+    const { dispatcher, backend } = setup();
+    expect(() => dispatcher.answer(session, { type: 'allocate', request: '1', size: String(GRANULARITY) }, 5)).toThrow(
+      expect.objectContaining({ code: 'UNEXPECTED_DESCRIPTOR', messageRefused: true }),
+    );
+    expect(backend.calls).toEqual([]);
+  });
+
+  it('answers allocate with the allocation the registry made for the session, and its descriptor', async () => {
+    const { dispatcher, registry } = setup();
+    const answer = await dispatcher.answer(session, { type: 'allocate', request: '3', size: String(GRANULARITY) }, -1);
+    const [allocation] = registry.snapshot().allocations;
+    expect(allocation).toMatchObject({ owner: '7', size: String(GRANULARITY) });
+    expect(answer.reply).toEqual({
+      type: 'allocated',
+      request: '3',
+      allocation: allocation.id,
+      size: String(GRANULARITY),
+      device: 0,
+      deviceUuid: registry.devices[0].uuid,
+      granularity: String(GRANULARITY),
+      location: { type: 'DEVICE', id: 0 },
+    });
+    expect(answer.fd).toBeGreaterThanOrEqual(0);
+  });
+
+  it('answers a refused allocate with the registry\'s own error (not a message refusal), changing nothing', async () => {
+    const { dispatcher, registry } = setup();
+    await expect(Promise.resolve().then(() => dispatcher.answer(session, { type: 'allocate', request: '4', size: '4096' }, -1))).rejects.toMatchObject({
+      code: 'NOT_ALIGNED',
+    });
+    expect(registry.snapshot().allocations).toEqual([]);
+  });
+
+  it('answers ping with pong and the nonce, cut to 64 characters', async () => {
+    const { dispatcher } = setup();
+    expect((await dispatcher.answer(session, { type: 'ping', nonce: 'x'.repeat(100) }, -1)).reply).toEqual({ type: 'pong', nonce: 'x'.repeat(64) });
+  });
+
+  it('reclaims a closed session in order, each step whatever the one before did', async () => {
+    const { registry } = setup();
+    const steps: string[] = [];
+    const dispatcher = new SessionDispatcher({
+      registry,
+      reclaimers: [
+        async () => {
+          steps.push('stores');
+          throw new Error('stores failed');
+        },
+        async () => {
+          steps.push('staging');
+        },
+      ],
+    });
+    registry.create(7n, { size: GRANULARITY, location: { type: 'DEVICE', id: 0 }, handleType: 'POSIX_FD' });
+    const quiet = { ...session, log: { error: () => steps.push('logged') } } as unknown as Session;
+    await dispatcher.reclaim(quiet);
+    expect(steps).toEqual(['stores', 'logged', 'staging']);
+    expect(registry.snapshot().allocations).toEqual([]);
+  });
+});
