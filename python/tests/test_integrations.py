@@ -103,3 +103,31 @@ def test_the_pytorch_allocation_library_calls_back_into_python(tmp_path: object,
     path, library, callbacks = _allocator_lib.load(lambda *a: 1 // 0, lambda *a: None)
     library.vmmd_torch_malloc.restype = ctypes.c_void_p
     assert library.vmmd_torch_malloc(1, 0, None) is None
+
+
+def test_dlpack_views_of_host_memory(client: vmmd.VmmdClient) -> None:
+    from vmmd import _dlpack
+
+    memory = client.vmm.allocate(2 * MiB)
+    view = memory.view("<f8", (4, 4))
+    assert view.__dlpack_device__() == (1, 0)
+    array = numpy.from_dlpack(view)
+    memory.write(0, numpy.arange(16, dtype="<f8").tobytes())
+    assert array.shape == (4, 4) and array[1, 1] == 5.0  # the same pages, no copy
+    assert _dlpack.alive() == 1
+    del array
+    import gc
+
+    gc.collect()
+    assert _dlpack.alive() == 0  # the consumer's deleter ran
+    unconsumed = view.__dlpack__()
+    assert _dlpack.alive() == 1
+    del unconsumed
+    gc.collect()
+    assert _dlpack.alive() == 0  # the capsule's destructor deleted it
+    store = client.stores.attach_bytes(b"\0" * 64, name="dlpack-ro", read_only=True)
+    with client.stores.open(store.id) as opened:
+        with pytest.raises(vmmd.VmmdError) as raised:
+            opened.view("<f8").__dlpack__()
+        assert raised.value.code == "READ_ONLY"
+    memory.close()

@@ -159,6 +159,23 @@ class ArrayView:
         self.memory._check_open()
         return dict(self._interface)
 
+    def __dlpack_device__(self) -> Tuple[int, int]:
+        from ._dlpack import KDL_CPU, KDL_CUDA
+
+        return (KDL_CUDA, self.memory.device) if self.memory.is_device_memory else (KDL_CPU, 0)
+
+    def __dlpack__(self, *, stream: Any = None, max_version: Any = None, dl_device: Any = None, copy: Any = None) -> Any:
+        """A DLPack capsule of the view (torch.from_dlpack, numpy.from_dlpack,
+        cupy.from_dlpack). The memory must stay mapped while the consumer uses it.
+        Raises VmmdError READ_ONLY for read-only memory, CLOSED."""
+        from ._dlpack import capsule
+
+        self.memory._check_open()
+        if copy:
+            raise BufferError("vmmd views are shared memory: DLPack with copy=True is not offered")
+        device_type, device_id = self.__dlpack_device__()
+        return capsule(self._interface, self, device_type, device_id)
+
 
 class HostImportedMemory(ImportedMemory):
     """Host backend: shared pages of a memfd. `buffer` is a memoryview of them;

@@ -206,3 +206,17 @@ time.sleep(600)
     while client.admin.get_stats().allocated_bytes != before:
         assert time.monotonic() < deadline, "the daemon did not reclaim the killed client's memory"
         time.sleep(0.05)
+
+
+def test_dlpack_gives_torch_and_cupy_the_device_memory(client: vmmd.VmmdClient) -> None:
+    torch = pytest.importorskip("torch")
+    memory = client.vmm.allocate(2 * MiB)
+    memory.write(0, struct.pack("<4f", 1.0, 2.0, 3.0, 4.0))
+    tensor = torch.from_dlpack(memory.view("<f4", (4,)))
+    assert tensor.device.type == "cuda" and tensor.data_ptr() == memory.address
+    assert tensor.tolist() == [1.0, 2.0, 3.0, 4.0]
+    tensor.mul_(2)
+    torch.cuda.synchronize()
+    assert memory.read(0, 16) == struct.pack("<4f", 2.0, 4.0, 6.0, 8.0)
+    del tensor
+    memory.close()
