@@ -8,7 +8,7 @@
  */
 import { status as Status } from '@grpc/grpc-js';
 import { connect, VmmdClient } from './connection';
-import { DeviceArray, TypedArray, TypedArrayClass } from './device-array';
+import { ArrayContext, DeviceArray, TypedArray, TypedArrayClass } from './device-array';
 import { VmmdError } from './errors';
 import type { BaseMemoryManager } from './emm/base';
 import { DEFAULT_DEFERRED_FREE, DeferredFreeSettings } from './emm/deallocations';
@@ -129,7 +129,7 @@ interface OperationProfile {
   maxUs: number;
 }
 
-export class Context {
+export class Context implements ArrayContext {
   private lastError: string | null = null;
   private readonly profile = new Map<string, OperationProfile>();
   // Invariant: every operation started through run() and not yet settled.

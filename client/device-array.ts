@@ -5,9 +5,16 @@
  * wrapped around memory that already exists.
  */
 import { status as Status } from '@grpc/grpc-js';
-import type { Context } from './context';
 import { VmmdError } from './errors';
 import type { MemoryPointer } from './emm/memory';
+
+/** What an array needs of the context that made it (client/context.ts's Context). */
+export interface ArrayContext {
+  read(pointer: bigint, length: number): Promise<Buffer>;
+  free(memory: MemoryPointer): Promise<void>;
+  /** Records the error for getError() and returns it to throw. */
+  noteError(operation: string, error: VmmdError): VmmdError;
+}
 
 export type TypedArray =
   | Int8Array
@@ -33,7 +40,7 @@ export class DeviceArray<T extends TypedArray> {
 
   /** @internal Made by Context.newArray and Context.wrapArray. */
   constructor(
-    private readonly context: Context,
+    private readonly context: ArrayContext,
     readonly memory: MemoryPointer,
     readonly dtype: TypedArrayClass<T>,
     readonly shape: readonly number[],

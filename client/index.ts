@@ -29,5 +29,6 @@ export { VmmdMemoryManager } from './emm/vmmd-manager';
 export type { ManagerStats, VmmdManagerContext } from './emm/vmmd-manager';
 export { OpenedStore, StoresApi } from './stores';
 export type { StoreName } from './stores';
-export { AttachedStore, ExternalAllocation, LocalDeviceMemory, onDeleterError, SharedHostMemory } from './external';
+export { AttachedStore, ExternalAllocation, onDeleterError } from './external';
+export { LocalDeviceMemory, SharedHostMemory } from './shared-memory';
 export type { ExternalOptions } from './external';

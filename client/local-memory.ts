@@ -4,7 +4,8 @@
  * mapped into this process's own CUDA context (a device pointer).
  */
 import { status as Status } from '@grpc/grpc-js';
-import { addon, CU_LOCATION, HOST_ACCESS } from '../native';
+import { addon } from '../native';
+import { detachView, DeviceMapping, HostMapping } from '../native/mapping';
 import { VmmdError } from './errors';
 import { InFlight } from './in-flight';
 
@@ -30,6 +31,8 @@ function localMapFailed(error: unknown, readOnly: boolean): VmmdError {
  */
 export abstract class ImportedMemory implements AsyncDisposable {
   protected closed = false;
+  /** The CPU view of the pages, where there is one. */
+  protected view: ArrayBuffer | undefined;
   private closing: Promise<void> | undefined;
   private readonly copies = new InFlight();
 
@@ -96,6 +99,14 @@ export abstract class ImportedMemory implements AsyncDisposable {
   /** Unmaps and frees the address range; called once, with no copy in flight. */
   protected abstract unmapHere(): Promise<void>;
 
+  /** What unmapHere() does with a mapping of native/mapping.ts: the view goes first. */
+  protected async unmapView(mapping: HostMapping | DeviceMapping): Promise<void> {
+    // Detach first: a view left attached to unmapped pages would crash the process on access.
+    if (this.view !== undefined) detachView(this.view);
+    this.view = undefined;
+    await mapping.unmap();
+  }
+
   async [Symbol.asyncDispose](): Promise<void> {
     await this.close();
   }
@@ -121,50 +132,40 @@ export abstract class ImportedMemory implements AsyncDisposable {
 
 /** Host backend: shared pages of a memfd, viewed by an ArrayBuffer. */
 export class HostImportedMemory extends ImportedMemory {
-  private view: ArrayBuffer | undefined;
-
   /**
-   * Maps a memfd: reserve, map, set access, as the daemon does. Takes
-   * ownership of fd (the mapping keeps the pages, so the descriptor is closed
-   * once mapped). Rolls back on failure.
+   * Maps a memfd (native/mapping.ts: reserve, map, protect, rolled back on
+   * failure). Takes ownership of fd: the mapping keeps the pages, so the
+   * descriptor is closed once mapped.
    * @throws VmmdError LOCAL_MAP_FAILED (PERMISSION_DENIED for sealed memory asked writable, RESOURCE_EXHAUSTED, INTERNAL)
    */
   static map(allocationId: bigint, fd: number, size: bigint, granularity: bigint, readOnly: boolean): HostImportedMemory {
-    let address = 0n;
-    let mapped = false;
     try {
-      address = addon.hostReserve(size, granularity, 0n);
-      addon.hostMap(address, size, fd, 0n);
-      mapped = true;
-      addon.hostProtect(address, size, readOnly ? HOST_ACCESS.READ : HOST_ACCESS.READWRITE);
-      return new HostImportedMemory(allocationId, address, size, readOnly);
+      return new HostImportedMemory(allocationId, HostMapping.map(fd, size, granularity, readOnly), readOnly);
     } catch (error) {
-      if (mapped) addon.hostUnmap(address, size);
-      if (address !== 0n) addon.hostFreeAddress(address, size);
       throw localMapFailed(error, readOnly);
     } finally {
       addon.close(fd);
     }
   }
 
-  private constructor(allocationId: bigint, address: bigint, size: bigint, readOnly: boolean) {
-    super(allocationId, address, size, 0, readOnly);
+  private constructor(
+    allocationId: bigint,
+    private readonly mapping: HostMapping,
+    readOnly: boolean,
+  ) {
+    super(allocationId, mapping.address, mapping.size, 0, readOnly);
+  }
+
+  protected unmapHere(): Promise<void> {
+    return this.unmapView(this.mapping);
   }
 
   // Made on first use: V8 counts an external buffer's bytes as memory pressure,
   // and a large one would make every cold allocation pay for a garbage collection.
   override get buffer(): ArrayBuffer {
     this.checkOpen();
-    this.view ??= addon.hostArrayBuffer(this.address, Number(this.size));
+    this.view ??= this.mapping.view();
     return this.view;
-  }
-
-  protected async unmapHere(): Promise<void> {
-    // Detach first: a view left attached to unmapped pages would crash the process on access.
-    if (this.view !== undefined) addon.hostDetachArrayBuffer(this.view);
-    this.view = undefined;
-    addon.hostUnmap(this.address, this.size);
-    addon.hostFreeAddress(this.address, this.size);
   }
 
   protected async copyOut(offset: bigint, length: bigint): Promise<Buffer> {
@@ -202,23 +203,15 @@ export class CudaImportedMemory extends ImportedMemory {
       throw new VmmdError('NO_CUDA', Status.FAILED_PRECONDITION, `this process cannot use CUDA: ${loaded.reason}`);
     }
     let handle: bigint | undefined;
-    let address = 0n;
-    let mapped = false;
+    let mapping: DeviceMapping | undefined;
     try {
       handle = 'fd' in source ? addon.cudaImportFd(source.fd) : addon.cudaImportFabric(source.fabric);
-      address = addon.cudaReserve(size, granularity, 0n);
-      addon.cudaMap(address, size, 0n, handle);
-      mapped = true;
-      const flags = readOnly ? 1 : 3;
-      const access: Array<{ type: number; id: number; flags: number }> = [{ type: CU_LOCATION.DEVICE, id: device, flags }];
       // Host (NUMA) memory also opens to the CPU at the same address: a view sees the bytes.
-      if (hostNuma !== undefined) access.push({ type: CU_LOCATION.HOST_NUMA, id: hostNuma, flags });
-      addon.cudaSetAccess(address, size, access);
-      const view = hostNuma === undefined ? undefined : addon.hostArrayBuffer(address, Number(size));
-      return new CudaImportedMemory(allocationId, address, size, device, readOnly, view);
+      // Unmaps synchronize first, as cuMemFree does: this process's kernels may still use the range.
+      mapping = await DeviceMapping.map(device, handle, size, granularity, { readOnly, hostNuma, synchronizeUnmap: true });
+      return new CudaImportedMemory(allocationId, mapping, readOnly, hostNuma === undefined ? undefined : mapping.view());
     } catch (error) {
-      if (mapped) await addon.cudaUnmap(device, address, size);
-      if (address !== 0n) addon.cudaFreeAddress(address, size);
+      await mapping?.unmap().catch(() => undefined);
       throw localMapFailed(error, readOnly);
     } finally {
       if ('fd' in source) addon.close(source.fd);
@@ -231,13 +224,16 @@ export class CudaImportedMemory extends ImportedMemory {
 
   private constructor(
     allocationId: bigint,
-    address: bigint,
-    size: bigint,
-    device: number,
+    private readonly mapping: DeviceMapping,
     readOnly: boolean,
-    private view: ArrayBuffer | undefined,
+    view: ArrayBuffer | undefined,
   ) {
-    super(allocationId, address, size, device, readOnly);
+    super(allocationId, mapping.address, mapping.size, mapping.device, readOnly);
+    this.view = view;
+  }
+
+  protected unmapHere(): Promise<void> {
+    return this.unmapView(this.mapping);
   }
 
   /** Host-located memory mapped with host access has a CPU view; device memory has none. */
@@ -245,14 +241,6 @@ export class CudaImportedMemory extends ImportedMemory {
     this.checkOpen();
     if (this.view === undefined) return super.buffer;
     return this.view;
-  }
-
-  protected async unmapHere(): Promise<void> {
-    if (this.view !== undefined) addon.hostDetachArrayBuffer(this.view);
-    this.view = undefined;
-    // Synchronized first, as cuMemFree is: this process's kernels may still use the range.
-    await addon.cudaUnmap(this.device, this.address, this.size, true);
-    addon.cudaFreeAddress(this.address, this.size);
   }
 
   protected copyOut(offset: bigint, length: bigint): Promise<Buffer> {

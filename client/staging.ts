@@ -5,7 +5,7 @@
  * daemon's copy of the other; only offsets travel over gRPC. One staged
  * transfer at a time per session (they share the buffer).
  */
-import { SharedHostMemory } from './external';
+import { SharedHostMemory } from './shared-memory';
 
 /** Reads and writes from this size up take the staging buffer; smaller ones stream over gRPC. */
 export const STAGED_MIN_BYTES = 256 * 1024;

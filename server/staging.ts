@@ -7,9 +7,10 @@
  * with the session.
  */
 import { addon } from '../native';
+import { detachView, pageSize } from '../native/mapping';
 import { admitClientMemfd } from './client-memfd';
 import { failedPrecondition, invalidArgument, outOfRange } from './errors';
-import { MemfdMemory } from './stores';
+import { MemfdMemory } from './store-memory';
 
 /** The largest staging buffer a session may open. */
 export const MAX_STAGING_BYTES = 1n << 30n;
@@ -36,7 +37,7 @@ export class StagingBuffers {
     let size: bigint;
     try {
       size = admitClientMemfd(fd, { what: 'a staging buffer', writable: true }).size;
-      const page = BigInt(addon.pageSize());
+      const page = pageSize();
       if (size === 0n || size % page !== 0n || size > MAX_STAGING_BYTES) {
         throw invalidArgument('BAD_DESCRIPTOR', `a staging buffer's size ${size} must be a positive multiple of ${page} bytes, at most ${MAX_STAGING_BYTES}`);
       }
@@ -51,7 +52,7 @@ export class StagingBuffers {
       throw invalidArgument('BAD_DESCRIPTOR', `the staging descriptor cannot be mapped: ${(error as Error).message}`);
     }
     await this.close(session);
-    this.bySession.set(session, { memory, size, buffer: addon.hostArrayBuffer(memory.address, Number(size)), busy: 0 });
+    this.bySession.set(session, { memory, size, buffer: memory.view(), busy: 0 });
     return size;
   }
 
@@ -83,7 +84,7 @@ export class StagingBuffers {
     if (staging === undefined) return;
     this.bySession.delete(session);
     if (staging.busy > 0) await new Promise<void>((resolve) => (staging.closing = resolve));
-    addon.hostDetachArrayBuffer(staging.buffer);
+    detachView(staging.buffer);
     await staging.memory.release();
   }
 }

@@ -8,10 +8,11 @@
  */
 import { EventEmitter } from 'node:events';
 import type { Logger } from 'pino';
-import { addon, HOST_ACCESS } from '../native';
+import { addon } from '../native';
 import { admitClientMemfd } from './client-memfd';
 import { alreadyExists, failedPrecondition, invalidArgument, notFound, outOfRange, permissionDenied } from './errors';
-import { AllocationRecord, DAEMON_OWNER, Registry } from './registry';
+import { DAEMON_OWNER, Registry } from './registry';
+import { AllocationMemory, MemfdMemory, StoreMemory } from './store-memory';
 
 export type StoreTarget = 'SYSMEM' | 'ZCMEM' | 'FBMEM';
 export type StoreState = 'LIVE' | 'DETACHING' | 'DETACHED';
@@ -19,165 +20,6 @@ export type StoreEventKind = 'CREATED' | 'OPENED' | 'CLOSED' | 'DETACHED' | 'REL
 
 /** Store holders in the registry: far above any session id. */
 const STORE_HOLDER_BASE = 1n << 62n;
-
-/** A store's memory as the daemon reaches it: mapped in the daemon, exportable as a descriptor. */
-interface StoreMemory {
-  readonly allocationId: bigint;
-  readonly granularity: bigint;
-  /** Bytes an opener maps: the allocation's whole size. */
-  readonly mappedSize: bigint;
-  exportFd(): Promise<number>;
-  read(offset: bigint, length: number): Promise<Buffer>;
-  write(offset: bigint, data: Buffer): Promise<void>;
-  /** Undoes what the daemon holds, step by step; after a failure, a repeat resumes at the step that failed. */
-  release(): Promise<void>;
-}
-
-/** A registry allocation, mapped by the daemon with READ or READWRITE access for its device. */
-class AllocationMemory implements StoreMemory {
-  // What release has still to undo (a failed release resumes here).
-  private mapped = true;
-  private reserved = true;
-
-  private constructor(
-    private readonly registry: Registry,
-    private readonly allocation: AllocationRecord,
-    private readonly holder: bigint,
-    private readonly address: bigint,
-  ) {}
-
-  get allocationId(): bigint {
-    return this.allocation.id;
-  }
-
-  get granularity(): bigint {
-    return this.allocation.granularity;
-  }
-
-  get mappedSize(): bigint {
-    return this.allocation.size;
-  }
-
-  /**
-   * Maps the allocation in a daemon-owned reservation. Everything is done as
-   * the store's holder: it holds a reference to the allocation, and anyone may
-   * act on daemon-owned reservations.
-   */
-  static async map(registry: Registry, allocation: AllocationRecord, holder: bigint, readOnly: boolean): Promise<AllocationMemory> {
-    const size = allocation.size;
-    const reservation = registry.reserve(DAEMON_OWNER, { size, alignment: 0n, address: 0n });
-    try {
-      await registry.map(holder, { address: reservation.address, size, offset: 0n, allocationId: allocation.id });
-      await registry.setAccess(holder, reservation.address, size, [
-        { location: { type: 'DEVICE', id: allocation.device }, access: readOnly ? 1 : 3 },
-      ]);
-    } catch (error) {
-      await registry.unmap(holder, reservation.address, size).catch(() => undefined);
-      await registry.freeAddress(holder, reservation.address, size).catch(() => undefined);
-      throw error;
-    }
-    return new AllocationMemory(registry, allocation, holder, reservation.address);
-  }
-
-  async exportFd(): Promise<number> {
-    const { fd } = await this.registry.exportHandle(this.holder, { allocationId: this.allocation.id, handleType: 'POSIX_FD', shareKey: '' });
-    return fd!;
-  }
-
-  async read(offset: bigint, length: number): Promise<Buffer> {
-    const chunks: Buffer[] = [];
-    for await (const chunk of this.registry.read(this.holder, this.address + offset, BigInt(length))) chunks.push(chunk.data);
-    return chunks.length === 1 ? chunks[0] : Buffer.concat(chunks);
-  }
-
-  write(offset: bigint, data: Buffer): Promise<void> {
-    return this.registry.write(this.holder, this.address + offset, data);
-  }
-
-  async release(): Promise<void> {
-    if (this.mapped) {
-      await this.registry.unmap(this.holder, this.address, this.allocation.size);
-      this.mapped = false;
-    }
-    if (this.reserved) {
-      await this.registry.freeAddress(this.holder, this.address, this.allocation.size);
-      this.reserved = false;
-    }
-    await this.registry.dropHolder(this.holder, this.allocation.id);
-  }
-}
-
-/** A memfd of a client's (an attached store, a staging buffer), mapped by the daemon directly. */
-export class MemfdMemory implements StoreMemory {
-  readonly allocationId = 0n;
-  // What release has still to undo (a failed release resumes here).
-  private mappedHere = true;
-  private reserved = true;
-  private open = true;
-
-  private constructor(
-    private readonly fd: number,
-    /** Where the daemon mapped it. */
-    readonly address: bigint,
-    private readonly mapped: bigint,
-    readonly granularity: bigint,
-  ) {}
-
-  get mappedSize(): bigint {
-    return this.mapped;
-  }
-
-  /** Takes ownership of fd. */
-  static map(fd: number, size: bigint, readOnly: boolean): MemfdMemory {
-    const page = BigInt(addon.pageSize());
-    const mapped = ((size + page - 1n) / page) * page;
-    let address = 0n;
-    try {
-      address = addon.hostReserve(mapped, page, 0n);
-      addon.hostMap(address, mapped, fd, 0n);
-      addon.hostProtect(address, mapped, readOnly ? HOST_ACCESS.READ : HOST_ACCESS.READWRITE);
-      if (readOnly) addon.hostMemfdSealReadOnly(fd);
-      return new MemfdMemory(fd, address, mapped, page);
-    } catch (error) {
-      try {
-        if (address !== 0n) {
-          addon.hostUnmap(address, mapped);
-          addon.hostFreeAddress(address, mapped);
-        }
-      } finally {
-        addon.close(fd);
-      }
-      throw error;
-    }
-  }
-
-  async exportFd(): Promise<number> {
-    return addon.dup(this.fd);
-  }
-
-  read(offset: bigint, length: number): Promise<Buffer> {
-    return addon.hostCopyFromAddress(this.address + offset, length);
-  }
-
-  write(offset: bigint, data: Buffer): Promise<void> {
-    return addon.hostCopyToAddress(this.address + offset, data);
-  }
-
-  async release(): Promise<void> {
-    if (this.mappedHere) {
-      addon.hostUnmap(this.address, this.mapped);
-      this.mappedHere = false;
-    }
-    if (this.reserved) {
-      addon.hostFreeAddress(this.address, this.mapped);
-      this.reserved = false;
-    }
-    if (this.open) {
-      this.open = false;
-      addon.close(this.fd);
-    }
-  }
-}
 
 export interface StoreRecord {
   readonly id: bigint;

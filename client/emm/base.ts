@@ -8,7 +8,7 @@
 import { status as Status } from '@grpc/grpc-js';
 import { addon } from '../../native';
 import { VmmdError } from '../errors';
-import { SharedHostMemory } from '../external';
+import { SharedHostMemory } from '../shared-memory';
 import { DEFAULT_DEFERRED_FREE, DeferredFreeSettings, PendingDeallocations } from './deallocations';
 import { IpcHandle, ManagerContext, MappedMemory, MemoryInfo, MemoryPointer, PinnedMemory } from './memory';
 

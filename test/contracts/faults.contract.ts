@@ -15,7 +15,7 @@
  */
 import * as grpc from '@grpc/grpc-js';
 import { connect, VmmdClient } from '../../client';
-import { LocalDeviceMemory } from '../../client/external';
+import { LocalDeviceMemory } from '../../client/shared-memory';
 import type { AccessDescriptor } from '../../generated/vmmd/v1/AccessDescriptor';
 import type { StoreTarget } from '../../generated/vmmd/v1/StoreTarget';
 import { addon } from '../../native';
@@ -45,7 +45,7 @@ interface Case {
 /** Memory of this process's to attach: a memfd (host) or CUDA memory this process made (cuda). */
 async function externalMemory(backend: Backend): Promise<{ fd: number; target: StoreTarget; free: () => Promise<void> }> {
   if (backend === 'host') return { fd: addon.hostMemfdCreate('attached', SIZE), target: 'STORE_TARGET_SYSMEM', free: async () => undefined };
-  const memory = LocalDeviceMemory.allocate(0, SIZE);
+  const memory = await LocalDeviceMemory.allocate(0, SIZE);
   return { fd: await memory.exportFd(), target: 'STORE_TARGET_FBMEM', free: () => memory.free() };
 }
 

@@ -9,7 +9,7 @@ import * as grpc from '@grpc/grpc-js';
 import { createHash, randomBytes } from 'node:crypto';
 import * as fs from 'node:fs';
 import { connect, VmmdClient } from '../../client';
-import { LocalDeviceMemory } from '../../client/external';
+import { LocalDeviceMemory } from '../../client/shared-memory';
 import { SESSION_METADATA_KEY } from '../../common/protocol';
 import type { AccessDescriptor } from '../../generated/vmmd/v1/AccessDescriptor';
 import { addon, HOST_ACCESS } from '../../native';
@@ -152,7 +152,7 @@ export function securityContract(backend: Backend, options: { full: boolean }): 
     const b = await client();
     const tally = new Tally();
     // Memory of the backend's kind: a memfd, or CUDA memory this process made.
-    const local = backend === 'cuda' ? LocalDeviceMemory.allocate(0, SIZE) : undefined;
+    const local = backend === 'cuda' ? await LocalDeviceMemory.allocate(0, SIZE) : undefined;
     const fd = local !== undefined ? await local.exportFd() : addon.hostMemfdCreate('transfer', SIZE);
     const first = a.session.sendDescriptor(fd);
     await eventually(async () => ((await daemon!.stats()).pendingTransfers === 1 ? true : undefined));

@@ -99,7 +99,7 @@ export function storesContract(backend: 'host' | 'cuda'): void {
       ['ZCMEM', 0],
     ] as const)('attaches %s the client made, another process reads it, the deleter frees it once', async (target, hostNuma) => {
       const owner = await client();
-      const memory = LocalDeviceMemory.allocate(0, 2n * MiB, { hostNuma });
+      const memory = await LocalDeviceMemory.allocate(0, 2n * MiB, { hostNuma });
       await memory.write(0n, Buffer.from(`${target} bytes`));
       let runs = 0;
       const create = target === 'FBMEM' ? ExternalAllocation.createFbmem : ExternalAllocation.createZcmem;

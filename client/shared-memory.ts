@@ -1,0 +1,128 @@
+/**
+ * Memory this process makes itself and hands to vmmd or other processes:
+ * SharedHostMemory (a memfd mapped here, with an ArrayBuffer view) and
+ * LocalDeviceMemory (CUDA memory created and mapped here). Both map through
+ * native/mapping.ts, the one local-mapping module.
+ */
+import { status as Status } from '@grpc/grpc-js';
+import { addon, CU_HANDLE, CU_LOCATION } from '../native';
+import { detachView, DeviceMapping, HostMapping, pageSize, roundUp } from '../native/mapping';
+import { VmmdError } from './errors';
+import { InFlight } from './in-flight';
+
+/**
+ * Host memory that other processes can map: a memfd, mapped here, with an
+ * ArrayBuffer view. What createSysmem and the staging buffers take.
+ */
+export class SharedHostMemory {
+  private view: ArrayBuffer | undefined;
+
+  private constructor(
+    readonly fd: number,
+    readonly size: bigint,
+    private readonly mapping: HostMapping,
+  ) {
+    this.view = mapping.view();
+  }
+
+  /** @throws VmmdError INVALID_ARGUMENT ZERO_SIZE; the mapping's failure (RESOURCE_EXHAUSTED ENOMEM…) */
+  static allocate(size: bigint | number): SharedHostMemory {
+    const bytes = BigInt(size);
+    if (bytes <= 0n) throw new VmmdError('ZERO_SIZE', Status.INVALID_ARGUMENT, `shared host memory of ${bytes} bytes`);
+    const page = pageSize();
+    const mapped = roundUp(bytes, page);
+    const fd = addon.hostMemfdCreate('vmmd:sysmem', mapped);
+    try {
+      return new SharedHostMemory(fd, bytes, HostMapping.map(fd, mapped, page, false));
+    } catch (error) {
+      addon.close(fd);
+      throw VmmdError.from(error);
+    }
+  }
+
+  /** Where the memory is mapped in this process. */
+  get address(): bigint {
+    return this.mapping.address;
+  }
+
+  get buffer(): ArrayBuffer {
+    if (this.view === undefined) throw new VmmdError('CLOSED', Status.FAILED_PRECONDITION, 'the shared host memory was freed');
+    return this.view;
+  }
+
+  get isClosed(): boolean {
+    return this.view === undefined;
+  }
+
+  /** Unmaps and closes: other mappings of the pages keep them. */
+  free(): void {
+    if (this.view === undefined) return;
+    detachView(this.view);
+    this.view = undefined;
+    try {
+      this.mapping.unmap();
+    } finally {
+      addon.close(this.fd);
+    }
+  }
+}
+
+/** CUDA memory this process made itself (cuMemCreate, exportable): what createFbmem and createZcmem take. */
+export class LocalDeviceMemory {
+  private readonly copies = new InFlight();
+
+  private constructor(
+    readonly device: number,
+    readonly handle: bigint,
+    readonly size: bigint,
+    private readonly mapping: DeviceMapping,
+  ) {}
+
+  /**
+   * Device memory (or, with hostNuma, host memory of that NUMA node) mapped here with read-write access for `device`.
+   * @throws VmmdError FAILED_PRECONDITION NO_CUDA; the driver's error (nothing is kept)
+   */
+  static async allocate(device: number, size: bigint, options: { hostNuma?: number } = {}): Promise<LocalDeviceMemory> {
+    const loaded = addon.cudaLoad();
+    if (!loaded.loaded) throw new VmmdError('NO_CUDA', Status.FAILED_PRECONDITION, `this process cannot use CUDA: ${loaded.reason}`);
+    const type = options.hostNuma === undefined ? CU_LOCATION.DEVICE : CU_LOCATION.HOST_NUMA;
+    const id = options.hostNuma ?? device;
+    const granularity = addon.cudaGranularity(type, id, CU_HANDLE.POSIX_FD, false);
+    const rounded = roundUp(size, granularity);
+    const handle = addon.cudaCreate(device, type, id, rounded, CU_HANDLE.POSIX_FD);
+    try {
+      return new LocalDeviceMemory(device, handle, rounded, await DeviceMapping.map(device, handle, rounded, granularity, { readOnly: false, synchronizeUnmap: true }));
+    } catch (error) {
+      await addon.cudaRelease(device, handle).catch(() => undefined);
+      throw error;
+    }
+  }
+
+  /** Where the memory is mapped in this process (a device pointer). */
+  get address(): bigint {
+    return this.mapping.address;
+  }
+
+  exportFd(): Promise<number> {
+    return addon.cudaExportFd(this.device, this.handle);
+  }
+
+  /** Resolves once the bytes are in device memory. */
+  write(offset: bigint, data: Buffer): Promise<void> {
+    return this.copies.track(addon.cudaCopyToDevice(this.device, this.address + offset, data));
+  }
+
+  read(offset: bigint, length: bigint): Promise<Buffer> {
+    return this.copies.track(addon.cudaCopyFromDevice(this.device, this.address + offset, length));
+  }
+
+  /**
+   * Unmaps (after every copy started here and this process's queued GPU work),
+   * frees the range, releases; after a failure, a repeat resumes where it failed.
+   */
+  async free(): Promise<void> {
+    await this.copies.drain();
+    await this.mapping.unmap();
+    await addon.cudaRelease(this.device, this.handle);
+  }
+}

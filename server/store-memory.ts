@@ -1,0 +1,168 @@
+/**
+ * A store's memory as the daemon reaches it: a registry allocation mapped
+ * through the registry (the backend), or a client's memfd mapped through the
+ * local-mapping module (native/mapping.ts), never through a side door. The
+ * staging buffers use the memfd kind too.
+ */
+import { addon } from '../native';
+import { HostMapping, pageSize, roundUp } from '../native/mapping';
+import { AllocationRecord, DAEMON_OWNER, Registry } from './registry';
+
+/** A store's memory as the daemon reaches it: mapped in the daemon, exportable as a descriptor. */
+export interface StoreMemory {
+  readonly allocationId: bigint;
+  readonly granularity: bigint;
+  /** Bytes an opener maps: the allocation's whole size. */
+  readonly mappedSize: bigint;
+  exportFd(): Promise<number>;
+  read(offset: bigint, length: number): Promise<Buffer>;
+  write(offset: bigint, data: Buffer): Promise<void>;
+  /** Undoes what the daemon holds, step by step; after a failure, a repeat resumes at the step that failed. */
+  release(): Promise<void>;
+}
+
+/** A registry allocation, mapped by the daemon with READ or READWRITE access for its device. */
+export class AllocationMemory implements StoreMemory {
+  // What release has still to undo (a failed release resumes here).
+  private mapped = true;
+  private reserved = true;
+
+  private constructor(
+    private readonly registry: Registry,
+    private readonly allocation: AllocationRecord,
+    private readonly holder: bigint,
+    private readonly address: bigint,
+  ) {}
+
+  get allocationId(): bigint {
+    return this.allocation.id;
+  }
+
+  get granularity(): bigint {
+    return this.allocation.granularity;
+  }
+
+  get mappedSize(): bigint {
+    return this.allocation.size;
+  }
+
+  /**
+   * Maps the allocation in a daemon-owned reservation. Everything is done as
+   * the store's holder: it holds a reference to the allocation, and anyone may
+   * act on daemon-owned reservations.
+   */
+  static async map(registry: Registry, allocation: AllocationRecord, holder: bigint, readOnly: boolean): Promise<AllocationMemory> {
+    const size = allocation.size;
+    const reservation = registry.reserve(DAEMON_OWNER, { size, alignment: 0n, address: 0n });
+    try {
+      await registry.map(holder, { address: reservation.address, size, offset: 0n, allocationId: allocation.id });
+      await registry.setAccess(holder, reservation.address, size, [
+        { location: { type: 'DEVICE', id: allocation.device }, access: readOnly ? 1 : 3 },
+      ]);
+    } catch (error) {
+      await registry.unmap(holder, reservation.address, size).catch(() => undefined);
+      await registry.freeAddress(holder, reservation.address, size).catch(() => undefined);
+      throw error;
+    }
+    return new AllocationMemory(registry, allocation, holder, reservation.address);
+  }
+
+  async exportFd(): Promise<number> {
+    const { fd } = await this.registry.exportHandle(this.holder, { allocationId: this.allocation.id, handleType: 'POSIX_FD', shareKey: '' });
+    return fd!;
+  }
+
+  async read(offset: bigint, length: number): Promise<Buffer> {
+    const chunks: Buffer[] = [];
+    for await (const chunk of this.registry.read(this.holder, this.address + offset, BigInt(length))) chunks.push(chunk.data);
+    return chunks.length === 1 ? chunks[0] : Buffer.concat(chunks);
+  }
+
+  write(offset: bigint, data: Buffer): Promise<void> {
+    return this.registry.write(this.holder, this.address + offset, data);
+  }
+
+  async release(): Promise<void> {
+    if (this.mapped) {
+      await this.registry.unmap(this.holder, this.address, this.allocation.size);
+      this.mapped = false;
+    }
+    if (this.reserved) {
+      await this.registry.freeAddress(this.holder, this.address, this.allocation.size);
+      this.reserved = false;
+    }
+    await this.registry.dropHolder(this.holder, this.allocation.id);
+  }
+}
+
+/**
+ * A memfd of a client's (an attached store, a staging buffer), mapped by the
+ * daemon through the local-mapping module (native/mapping.ts).
+ */
+export class MemfdMemory implements StoreMemory {
+  readonly allocationId = 0n;
+  // Whether the descriptor is still the daemon's to close (a failed release resumes here).
+  private open = true;
+
+  private constructor(
+    private readonly fd: number,
+    private readonly mapping: HostMapping,
+    readonly granularity: bigint,
+  ) {}
+
+  /** Where the daemon mapped it. */
+  get address(): bigint {
+    return this.mapping.address;
+  }
+
+  get mappedSize(): bigint {
+    return this.mapping.size;
+  }
+
+  /** An ArrayBuffer over the mapped pages (detach it with detachView() before release()). */
+  view(): ArrayBuffer {
+    return this.mapping.view();
+  }
+
+  /**
+   * Maps `size` bytes (rounded up to pages) of a memfd, sealed against writes for good when read-only.
+   * Takes ownership of fd: closed on failure too.
+   * @throws the addon's error (nothing stays mapped)
+   */
+  static map(fd: number, size: bigint, readOnly: boolean): MemfdMemory {
+    const page = pageSize();
+    let mapping: HostMapping | undefined;
+    try {
+      mapping = HostMapping.map(fd, roundUp(size, page), page, readOnly);
+      if (readOnly) addon.hostMemfdSealReadOnly(fd);
+      return new MemfdMemory(fd, mapping, page);
+    } catch (error) {
+      try {
+        mapping?.unmap();
+      } finally {
+        addon.close(fd);
+      }
+      throw error;
+    }
+  }
+
+  async exportFd(): Promise<number> {
+    return addon.dup(this.fd);
+  }
+
+  read(offset: bigint, length: number): Promise<Buffer> {
+    return addon.hostCopyFromAddress(this.address + offset, length);
+  }
+
+  write(offset: bigint, data: Buffer): Promise<void> {
+    return addon.hostCopyToAddress(this.address + offset, data);
+  }
+
+  async release(): Promise<void> {
+    this.mapping.unmap();
+    if (this.open) {
+      this.open = false;
+      addon.close(this.fd);
+    }
+  }
+}
