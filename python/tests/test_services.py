@@ -68,6 +68,12 @@ def test_virtual_memory_sequence(client: vmmd.VmmdClient) -> None:
     big = bytes(range(256)) * (3 * MiB // 256)
     assert client.vmm.write(reservation.address + 4096, big) == len(big)
     assert client.vmm.read(reservation.address + 4096, len(big)) == big
+    into = bytearray(len(big))
+    client.vmm.read_into(reservation.address + 4096, into)
+    assert into == big
+    small = bytearray(5)
+    client.vmm.read_into(reservation.address, small)
+    assert small == b"small"
     # The raw staged calls (the buffer is open now).
     client.vmm.write_staged(address=reservation.address, length=4096, staging_offset=0)
     assert client.vmm.read_staged(address=reservation.address, length=4096, staging_offset=0).bytes == 4096

@@ -84,6 +84,11 @@ class _Service:
         finally:
             call.cancel()
 
+    def unary_future(self, method: str, request: Request = None, **fields: Any) -> "_Future":
+        """The call started; result() waits for it (and raises VmmdError)."""
+        message = self._request(method, request, fields)
+        return _Future(self._calls[method].future(message, metadata=self._metadata(), timeout=self._deadline))
+
     def client_stream(self, method: str, messages: Iterable[Message]) -> Message:
         try:
             return self._calls[method](iter(messages), metadata=self._metadata(), timeout=self._deadline)
@@ -92,6 +97,19 @@ class _Service:
 
     def call(self, method: str) -> Any:
         return self._calls[method]
+
+
+class _Future:
+    """A unary call in flight."""
+
+    def __init__(self, future: Any) -> None:
+        self._future = future
+
+    def result(self) -> Message:
+        try:
+            return self._future.result()
+        except grpc.RpcError as error:
+            raise VmmdError.from_rpc(error) from None
 
 
 class DevicesApi:
@@ -168,30 +186,56 @@ class StagingBuffer:
         return self._map
 
     def read(self, address: int, length: int, into: Optional[memoryview] = None) -> memoryview:
+        """Copies `length` bytes at `address` out of the daemon's memory: the
+        daemon fills one half while this process copies the other out."""
         with self._lock:
-            staging = self._mapped()
+            staging = memoryview(self._mapped())
             half = self.size // 2
             out = into if into is not None else memoryview(bytearray(length))
-            offset = 0
-            slot = 0
-            while offset < length:
-                count = min(half, length - offset)
-                self._service.unary("ReadStaged", address=address + offset, length=count, staging_offset=slot * half)
-                out[offset : offset + count] = staging[slot * half : slot * half + count]
-                offset += count
-                slot = 1 - slot
+            pending: Optional[_Future] = self._service.unary_future("ReadStaged", address=address, length=min(half, length), staging_offset=0)
+            offset, slot = 0, 0
+            try:
+                while offset < length:
+                    count = min(half, length - offset)
+                    assert pending is not None
+                    pending.result()
+                    pending = None
+                    following = offset + count
+                    if following < length:
+                        pending = self._service.unary_future("ReadStaged", address=address + following, length=min(half, length - following), staging_offset=(1 - slot) * half)
+                    out[offset:following] = staging[slot * half : slot * half + count]
+                    offset, slot = following, 1 - slot
+            finally:
+                if pending is not None:  # a copy still in flight must finish before the buffer is reused
+                    try:
+                        pending.result()
+                    except VmmdError:
+                        pass
+                staging.release()
             return out
 
     def write(self, address: int, data: memoryview) -> None:
+        """Copies `data` into the daemon's memory at `address`: this process
+        fills one half while the daemon copies the other in."""
         with self._lock:
-            staging = self._mapped()
+            staging = memoryview(self._mapped())
             half = self.size // 2
-            offset = 0
-            while offset < data.nbytes:
-                count = min(half, data.nbytes - offset)
-                staging[0:count] = data[offset : offset + count]
-                self._service.unary("WriteStaged", address=address + offset, length=count, staging_offset=0)
-                offset += count
+            in_flight: List[Optional[_Future]] = [None, None]
+            offset, slot = 0, 0
+            try:
+                while offset < data.nbytes:
+                    count = min(half, data.nbytes - offset)
+                    # A half is free again once the daemon's copy out of it is done.
+                    if in_flight[slot] is not None:
+                        in_flight[slot].result()  # type: ignore[union-attr]
+                    staging[slot * half : slot * half + count] = data[offset : offset + count]
+                    in_flight[slot] = self._service.unary_future("WriteStaged", address=address + offset, length=count, staging_offset=slot * half)
+                    offset, slot = offset + count, 1 - slot
+            finally:
+                for future in in_flight:
+                    if future is not None:
+                        future.result()
+                staging.release()
 
     def close(self) -> None:
         with self._lock:
@@ -364,6 +408,20 @@ class VirtualMemoryApi:
             return bytes(self._staging.read(int(address), int(length)))
         chunks = [chunk.data for chunk in self._service.server_stream("Read", address=int(address), length=int(length))]
         return b"".join(chunks)
+
+    def read_into(self, address: int, into: Any) -> memoryview:
+        """As read(), into a writable buffer of the caller's (its whole length):
+        no new buffer, for callers that read repeatedly. Returns a view of `into`."""
+        target = memoryview(into).cast("B")
+        if target.readonly:
+            raise VmmdError("READ_ONLY_BUFFER", STATUS["INVALID_ARGUMENT"], "read_into needs a writable buffer (a bytearray, a numpy array…)")
+        if self._staging is not None and target.nbytes >= STAGED_MIN_BYTES and not self._session.closed:
+            return self._staging.read(int(address), target.nbytes, target)
+        offset = 0
+        for chunk in self._service.server_stream("Read", address=int(address), length=target.nbytes):
+            target[offset : offset + len(chunk.data)] = chunk.data
+            offset += len(chunk.data)
+        return target
 
     def write(self, address: int, data: Any) -> int:
         """Writes bytes to a mapped address the daemon may write (staged from
