@@ -26,7 +26,7 @@ import type { VirtualMemoryClient } from '../generated/vmmd/v1/VirtualMemory';
 import { CallSettings, Input, unaryCall } from './rpc';
 import { ClientSession } from './session';
 import { DEFAULT_STAGING_BYTES } from './staging';
-import { addon } from '../native';
+import { native } from '../native/client';
 import { VmmdError } from './errors';
 import { StoresApi } from './stores';
 import type { StoresClient } from '../generated/vmmd/v1/Stores';
@@ -164,11 +164,11 @@ export class VmmdClient extends EventEmitter {
  */
 export async function connect(options: ConnectOptions = {}): Promise<VmmdClient> {
   const stagingBytes = options.stagingBytes ?? DEFAULT_STAGING_BYTES;
-  if (!Number.isSafeInteger(stagingBytes) || stagingBytes < 0 || stagingBytes % (2 * addon.pageSize()) !== 0) {
+  if (!Number.isSafeInteger(stagingBytes) || stagingBytes < 0 || stagingBytes % (2 * native.pageSize()) !== 0) {
     throw new VmmdError(
       'BAD_STAGING_SIZE',
       grpc.status.INVALID_ARGUMENT,
-      `stagingBytes ${stagingBytes} must be 0 or a positive multiple of twice the page size (${2 * addon.pageSize()})`,
+      `stagingBytes ${stagingBytes} must be 0 or a positive multiple of twice the page size (${2 * native.pageSize()})`,
     );
   }
   const socketDir = options.socketDir ?? defaultSocketDir();

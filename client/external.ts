@@ -5,7 +5,7 @@
  * when the daemon says the store is gone and nobody uses it.
  */
 import { status as Status } from '@grpc/grpc-js';
-import { addon } from '../native';
+import { native } from '../native/client';
 import type { VmmdClient } from './connection';
 import { VmmdError } from './errors';
 import { LocalDeviceMemory, SharedHostMemory } from './shared-memory';
@@ -98,7 +98,7 @@ export class ExternalAllocation {
     if (this.device >= devices.length) {
       throw new VmmdError('UNKNOWN_DEVICE', Status.OUT_OF_RANGE, `device ${this.device} does not exist (the daemon has ${devices.length})`);
     }
-    const fd = this.memory instanceof SharedHostMemory ? addon.dup(this.memory.fd) : await this.memory.exportFd();
+    const fd = this.memory instanceof SharedHostMemory ? native.dup(this.memory.fd) : await this.memory.exportFd();
     let store: Store__Output;
     try {
       store = await client.stores.attachDescriptor(fd, {
@@ -110,7 +110,7 @@ export class ExternalAllocation {
         hasDeleter: this.deleter !== undefined,
       });
     } finally {
-      addon.close(fd);
+      native.close(fd);
     }
     const attached = new AttachedStore(store, this);
     attached.watch(client);

@@ -4,7 +4,7 @@
  * mapped into this process's own CUDA context (a device pointer).
  */
 import { status as Status } from '@grpc/grpc-js';
-import { addon } from '../native';
+import { native } from '../native/client';
 import { detachView, DeviceMapping, HostMapping } from '../native/mapping';
 import { VmmdError } from './errors';
 import { InFlight } from './in-flight';
@@ -144,7 +144,7 @@ export class HostImportedMemory extends ImportedMemory {
     } catch (error) {
       throw localMapFailed(error, readOnly);
     } finally {
-      addon.close(fd);
+      native.close(fd);
     }
   }
 
@@ -197,15 +197,15 @@ export class CudaImportedMemory extends ImportedMemory {
     readOnly: boolean,
     hostNuma?: number,
   ): Promise<CudaImportedMemory> {
-    const loaded = addon.cudaLoad();
+    const loaded = native.cudaLoad();
     if (!loaded.loaded) {
-      if ('fd' in source) addon.close(source.fd);
+      if ('fd' in source) native.close(source.fd);
       throw new VmmdError('NO_CUDA', Status.FAILED_PRECONDITION, `this process cannot use CUDA: ${loaded.reason}`);
     }
     let handle: bigint | undefined;
     let mapping: DeviceMapping | undefined;
     try {
-      handle = 'fd' in source ? addon.cudaImportFd(source.fd) : addon.cudaImportFabric(source.fabric);
+      handle = 'fd' in source ? await native.cudaImportFd(source.fd) : await native.cudaImportFabric(source.fabric);
       // Host (NUMA) memory also opens to the CPU at the same address: a view sees the bytes.
       // Unmaps synchronize first, as cuMemFree does: this process's kernels may still use the range.
       mapping = await DeviceMapping.map(device, handle, size, granularity, { readOnly, hostNuma, synchronizeUnmap: true });
@@ -214,10 +214,10 @@ export class CudaImportedMemory extends ImportedMemory {
       await mapping?.unmap().catch(() => undefined);
       throw localMapFailed(error, readOnly);
     } finally {
-      if ('fd' in source) addon.close(source.fd);
+      if ('fd' in source) native.close(source.fd);
       // The mapping holds the memory: the handle's release need not be waited for (a driver thread does it).
       if (handle !== undefined) {
-        addon.cudaRelease(device, handle).catch((error: Error) => process.emitWarning(`vmmd: releasing an imported handle failed: ${error.message}`));
+        native.cudaRelease(device, handle).catch((error: Error) => process.emitWarning(`vmmd: releasing an imported handle failed: ${error.message}`));
       }
     }
   }
@@ -244,11 +244,11 @@ export class CudaImportedMemory extends ImportedMemory {
   }
 
   protected copyOut(offset: bigint, length: bigint): Promise<Buffer> {
-    return addon.cudaCopyFromDevice(this.device, this.address + offset, length);
+    return native.cudaCopyFromDevice(this.device, this.address + offset, length);
   }
 
   protected copyIn(offset: bigint, data: Buffer): Promise<void> {
-    return addon.cudaCopyToDevice(this.device, this.address + offset, data);
+    return native.cudaCopyToDevice(this.device, this.address + offset, data);
   }
 }
 

@@ -7,7 +7,7 @@ import { EventEmitter } from 'node:events';
 import { status as Status } from '@grpc/grpc-js';
 import { AllocatedMessage, AllocateMessage, decodeMessage, encodeMessage, HelloMessage, PROTOCOL_VERSION, SessionMessage } from '../common/protocol';
 import { TransferInbox } from '../common/transfer-inbox';
-import { addon } from '../native';
+import { native } from '../native/client';
 import { SeqpacketConnection, SeqpacketMessage } from '../native/seqpacket';
 import { VmmdError } from './errors';
 
@@ -26,7 +26,7 @@ export class ClientSession extends EventEmitter {
   private readonly inbox = new TransferInbox({
     keepMs: UNCLAIMED_TRANSFER_MS,
     increasing: false,
-    close: (fd) => addon.close(fd),
+    close: (fd) => native.close(fd),
     errors: {
       notReceived: (transfer, waitMs) => new VmmdError('TRANSFER_NOT_RECEIVED', Status.DEADLINE_EXCEEDED, `descriptor ${transfer} did not arrive within ${waitMs} ms`),
       used: (transfer) => new VmmdError('TRANSFER_USED', Status.FAILED_PRECONDITION, `descriptor ${transfer} is already being claimed`),
@@ -83,7 +83,7 @@ export class ClientSession extends EventEmitter {
       );
       connection.once('close', () => fail(new VmmdError('DAEMON_UNREACHABLE', Status.UNAVAILABLE, `vmmd at ${path} closed the session socket`)));
       connection.once('message', (message: SeqpacketMessage) => {
-        if (message.fd >= 0) addon.close(message.fd);
+        if (message.fd >= 0) native.close(message.fd);
         const hello = decodeMessage(message.data);
         if (typeof hello !== 'string' && hello.type === 'error') {
           fail(new VmmdError(hello.code, Status.PERMISSION_DENIED, `vmmd refused the session: ${hello.message}`));
@@ -206,7 +206,7 @@ export class ClientSession extends EventEmitter {
         );
       }
     }
-    if (raw.fd >= 0) addon.close(raw.fd);
+    if (raw.fd >= 0) native.close(raw.fd);
     if (typeof message !== 'string' && message.type === 'pong' && message.nonce !== undefined) {
       const ping = this.pings.get(message.nonce);
       this.pings.delete(message.nonce);

@@ -5,7 +5,7 @@
  * native/mapping.ts, the one local-mapping module.
  */
 import { status as Status } from '@grpc/grpc-js';
-import { addon, CU_HANDLE, CU_LOCATION } from '../native';
+import { native, CU_HANDLE, CU_LOCATION } from '../native/client';
 import { detachView, DeviceMapping, HostMapping, pageSize, roundUp } from '../native/mapping';
 import { VmmdError } from './errors';
 import { InFlight } from './in-flight';
@@ -31,11 +31,11 @@ export class SharedHostMemory {
     if (bytes <= 0n) throw new VmmdError('ZERO_SIZE', Status.INVALID_ARGUMENT, `shared host memory of ${bytes} bytes`);
     const page = pageSize();
     const mapped = roundUp(bytes, page);
-    const fd = addon.hostMemfdCreate('vmmd:sysmem', mapped);
+    const fd = native.hostMemfdCreate('vmmd:sysmem', mapped);
     try {
       return new SharedHostMemory(fd, bytes, HostMapping.map(fd, mapped, page, false));
     } catch (error) {
-      addon.close(fd);
+      native.close(fd);
       throw VmmdError.from(error);
     }
   }
@@ -62,7 +62,7 @@ export class SharedHostMemory {
     try {
       this.mapping.unmap();
     } finally {
-      addon.close(this.fd);
+      native.close(this.fd);
     }
   }
 }
@@ -83,17 +83,17 @@ export class LocalDeviceMemory {
    * @throws VmmdError FAILED_PRECONDITION NO_CUDA; the driver's error (nothing is kept)
    */
   static async allocate(device: number, size: bigint, options: { hostNuma?: number } = {}): Promise<LocalDeviceMemory> {
-    const loaded = addon.cudaLoad();
+    const loaded = native.cudaLoad();
     if (!loaded.loaded) throw new VmmdError('NO_CUDA', Status.FAILED_PRECONDITION, `this process cannot use CUDA: ${loaded.reason}`);
     const type = options.hostNuma === undefined ? CU_LOCATION.DEVICE : CU_LOCATION.HOST_NUMA;
     const id = options.hostNuma ?? device;
-    const granularity = addon.cudaGranularity(type, id, CU_HANDLE.POSIX_FD, false);
+    const granularity = native.cudaGranularity(type, id, CU_HANDLE.POSIX_FD, false);
     const rounded = roundUp(size, granularity);
-    const handle = addon.cudaCreate(device, type, id, rounded, CU_HANDLE.POSIX_FD);
+    const handle = native.cudaCreate(device, type, id, rounded, CU_HANDLE.POSIX_FD);
     try {
       return new LocalDeviceMemory(device, handle, rounded, await DeviceMapping.map(device, handle, rounded, granularity, { readOnly: false, synchronizeUnmap: true }));
     } catch (error) {
-      await addon.cudaRelease(device, handle).catch(() => undefined);
+      await native.cudaRelease(device, handle).catch(() => undefined);
       throw error;
     }
   }
@@ -104,16 +104,16 @@ export class LocalDeviceMemory {
   }
 
   exportFd(): Promise<number> {
-    return addon.cudaExportFd(this.device, this.handle);
+    return native.cudaExportFd(this.device, this.handle);
   }
 
   /** Resolves once the bytes are in device memory. */
   write(offset: bigint, data: Buffer): Promise<void> {
-    return this.copies.track(addon.cudaCopyToDevice(this.device, this.address + offset, data));
+    return this.copies.track(native.cudaCopyToDevice(this.device, this.address + offset, data));
   }
 
   read(offset: bigint, length: bigint): Promise<Buffer> {
-    return this.copies.track(addon.cudaCopyFromDevice(this.device, this.address + offset, length));
+    return this.copies.track(native.cudaCopyFromDevice(this.device, this.address + offset, length));
   }
 
   /**
@@ -123,6 +123,6 @@ export class LocalDeviceMemory {
   async free(): Promise<void> {
     await this.copies.drain();
     await this.mapping.unmap();
-    await addon.cudaRelease(this.device, this.handle);
+    await native.cudaRelease(this.device, this.handle);
   }
 }

@@ -27,7 +27,7 @@ import type { UnmapResponse__Output } from '../generated/vmmd/v1/UnmapResponse';
 import type { VirtualMemoryClient } from '../generated/vmmd/v1/VirtualMemory';
 import type { ReadResponse__Output } from '../generated/vmmd/v1/ReadResponse';
 import type { WriteResponse__Output } from '../generated/vmmd/v1/WriteResponse';
-import { addon } from '../native';
+import { native } from '../native/client';
 import { VmmdError } from './errors';
 import { CudaImportedMemory, HostImportedMemory, ImportedMemory, mapFabricHandle } from './local-memory';
 import { CallSettings, collectStream, Input, toWire, unaryCall, writeChunks } from './rpc';
@@ -52,9 +52,9 @@ export interface ImportOptions {
  * the daemon's index.
  */
 function localDevice(daemonIndex: number, uuid: string): number {
-  if (uuid === '' || !addon.cudaLoad().loaded) return daemonIndex;
+  if (uuid === '' || !native.cudaLoad().loaded) return daemonIndex;
   // A process's devices do not change: asked of the driver once (a dozen calls per device).
-  localDevices ??= new Map(addon.cudaDevices().map((device) => [device.uuid, device.index]));
+  localDevices ??= new Map(native.cudaDevices().map((device) => [device.uuid, device.index]));
   return localDevices.get(uuid) ?? daemonIndex;
 }
 

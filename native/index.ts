@@ -137,8 +137,9 @@ export interface Addon {
   cudaGetAccess(address: bigint, locationType: number, locationId: number): number;
   cudaExportFd(device: number, handle: bigint): Promise<number>;
   cudaExportFabric(device: number, handle: bigint): Promise<Buffer>;
-  cudaImportFd(fd: number): bigint;
-  cudaImportFabric(fabric: Buffer): bigint;
+  /** On a driver thread; keep fd open until the promise settles. */
+  cudaImportFd(fd: number): Promise<bigint>;
+  cudaImportFabric(fabric: Buffer): Promise<bigint>;
   cudaAllocationProperties(handle: bigint): { locationType: number; locationId: number; requestedHandleTypes: number };
   cudaRetainHandle(address: bigint): bigint;
   /** Resolves once the bytes are in device memory (the DMA has landed), not when they are staged. */
@@ -173,7 +174,6 @@ function packageRoot(): string {
 function load(): Addon {
   const file = process.env.VMMD_ADDON ?? path.join(packageRoot(), ADDON_FILE);
   try {
-    // eslint-disable-next-line @typescript-eslint/no-require-imports
     return require(file) as Addon;
   } catch (cause) {
     const error = new Error(

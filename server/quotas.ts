@@ -99,7 +99,7 @@ class QuotaAdaptor implements AllocationSource {
     return handle;
   }
 
-  adopt(owner: bigint, source: ImportSource, size: bigint): ImportedHandle {
+  adopt(owner: bigint, source: ImportSource, size: bigint): Promise<ImportedHandle> {
     // NOTE: memory handed over by a peer is not charged yet (issue 14 charges it by its real size).
     return this.upstream.adopt(owner, source, size);
   }

@@ -27,8 +27,8 @@ export class AllocationStatistics implements AllocationSource {
     return handle;
   }
 
-  adopt(owner: bigint, source: ImportSource, size: bigint): ImportedHandle {
-    const imported = this.upstream.adopt(owner, source, size);
+  async adopt(owner: bigint, source: ImportSource, size: bigint): Promise<ImportedHandle> {
+    const imported = await this.upstream.adopt(owner, source, size);
     this.count(imported.device, imported.size, true, 1);
     return imported;
   }

@@ -155,7 +155,7 @@ export class StoreRegistry extends EventEmitter {
       }
       memory = MemfdMemory.map(fd, args.size, args.readOnly);
     } else {
-      const allocation = this.registry.importHandle(caller, { fd }, args.size);
+      const allocation = await this.registry.importHandle(caller, { fd }, args.size);
       const holder = STORE_HOLDER_BASE + id;
       this.registry.holdAllocation(caller, allocation.id, holder);
       await this.registry.release(caller, allocation.id);

@@ -6,7 +6,7 @@
  * reset() or deferCleanup() calls the base's.
  */
 import { status as Status } from '@grpc/grpc-js';
-import { addon } from '../../native';
+import { native } from '../../native/client';
 import { VmmdError } from '../errors';
 import { SharedHostMemory } from '../shared-memory';
 import { DEFAULT_DEFERRED_FREE, DeferredFreeSettings, PendingDeallocations } from './deallocations';
@@ -98,7 +98,7 @@ export abstract class HostOnlyMemoryManager extends BaseMemoryManager {
     options: { mapped?: boolean } = {},
   ): Promise<MappedMemory | PinnedMemory> {
     const bytes = toBigInt(size);
-    const base = addon.addressOf(owner);
+    const base = native.addressOf(owner);
     const length = BigInt(owner.byteLength);
     if (bytes <= 0n || pointer < base || pointer + bytes > base + length) {
       throw new VmmdError(
@@ -138,11 +138,11 @@ export abstract class HostOnlyMemoryManager extends BaseMemoryManager {
     let unpin: () => void;
     try {
       if (this.context.backend === 'cuda') {
-        devicePointer = addon.cudaHostRegister(this.context.device, address, size, mapped);
-        unpin = () => addon.cudaHostUnregister(this.context.device, address);
+        devicePointer = native.cudaHostRegister(this.context.device, address, size, mapped);
+        unpin = () => native.cudaHostUnregister(this.context.device, address);
       } else {
-        addon.hostLock(address, size);
-        unpin = () => addon.hostUnlock(address, size);
+        native.hostLock(address, size);
+        unpin = () => native.hostUnlock(address, size);
       }
     } catch (error) {
       // CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, ENOMEM past RLIMIT_MEMLOCK…: named, with errorCode 2 or 3.

@@ -9,7 +9,7 @@ import { status as Status } from '@grpc/grpc-js';
 import type { VmmdClient } from '../connection';
 import { VmmdError } from '../errors';
 import type { ImportedMemory } from '../local-memory';
-import { addon } from '../../native';
+import { native } from '../../native/client';
 import { HostAllocOptions, HostOnlyMemoryManager } from './base';
 import { DEFAULT_DEFERRED_FREE, DeferredFreeSettings } from './deallocations';
 import { IpcHandle, ManagerContext, MappedMemory, MemoryInfo, MemoryPointer, PinnedMemory } from './memory';
@@ -216,7 +216,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   async write(pointer: bigint, data: Uint8Array): Promise<void> {
     const found = this.find(pointer);
     if (found !== undefined) return found.lease.memory.write(pointer - found.base, data);
-    if (this.context.backend === 'cuda') return addon.cudaCopyToDevice(this.context.device, pointer, Buffer.from(data));
+    if (this.context.backend === 'cuda') return native.cudaCopyToDevice(this.context.device, pointer, Buffer.from(data));
     throw new VmmdError('NOT_MANAGED', Status.FAILED_PRECONDITION, `0x${pointer.toString(16)} is not memory of this manager`);
   }
 
@@ -224,7 +224,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   async read(pointer: bigint, length: bigint | number): Promise<Buffer> {
     const found = this.find(pointer);
     if (found !== undefined) return found.lease.memory.read(pointer - found.base, length);
-    if (this.context.backend === 'cuda') return addon.cudaCopyFromDevice(this.context.device, pointer, BigInt(length));
+    if (this.context.backend === 'cuda') return native.cudaCopyFromDevice(this.context.device, pointer, BigInt(length));
     throw new VmmdError('NOT_MANAGED', Status.FAILED_PRECONDITION, `0x${pointer.toString(16)} is not memory of this manager`);
   }
 

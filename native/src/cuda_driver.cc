@@ -592,35 +592,40 @@ Napi::Value CudaExportFabric(const Napi::CallbackInfo& info) {
       });
 }
 
-// cudaImportFd(fd) -> handle. The caller keeps (and closes) the fd.
+// cudaImportFd(fd) -> Promise<handle>, on a driver thread (an import can take hundreds of
+// microseconds). The caller keeps the fd, and closes it only once the promise settled.
 Napi::Value CudaImportFd(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   RequireDriver(env);
   int fd = FdArg(info, 0, "fd");
-  Check(env, UseDevice(0), "cuCtxSetCurrent");
-  cu::GenericHandle handle = 0;
-  Check(env,
-        Injected("cuMemImportFromShareableHandle", [&] {
-          return driver.api.cuMemImportFromShareableHandle(&handle, reinterpret_cast<void*>(static_cast<intptr_t>(fd)), cu::HANDLE_POSIX_FD);
-        }),
-        "cuMemImportFromShareableHandle(POSIX_FD)");
-  return Big(env, handle);
+  auto handle = std::make_shared<cu::GenericHandle>(0);
+  return CudaWorker::Queue(
+      env, 0, "cuMemImportFromShareableHandle(POSIX_FD)",
+      [fd, handle] {
+        return Injected("cuMemImportFromShareableHandle", [&] {
+          return driver.api.cuMemImportFromShareableHandle(handle.get(), reinterpret_cast<void*>(static_cast<intptr_t>(fd)), cu::HANDLE_POSIX_FD);
+        });
+      },
+      [handle](Napi::Env env) { return Big(env, *handle).As<Napi::Value>(); });
 }
 
-// cudaImportFabric(buffer) -> handle
+// cudaImportFabric(buffer) -> Promise<handle>, on a driver thread.
 Napi::Value CudaImportFabric(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   RequireDriver(env);
   if (!info[0].IsBuffer() || info[0].As<Napi::Buffer<uint8_t>>().Length() != sizeof(cu::FabricHandle)) {
     ThrowArg(env, "a fabric handle is 64 bytes");
   }
-  cu::FabricHandle fabric;
-  std::memcpy(fabric.data, info[0].As<Napi::Buffer<uint8_t>>().Data(), sizeof(fabric.data));
-  Check(env, UseDevice(0), "cuCtxSetCurrent");
-  cu::GenericHandle handle = 0;
-  Check(env, Injected("cuMemImportFromShareableHandle", [&] { return driver.api.cuMemImportFromShareableHandle(&handle, &fabric, cu::HANDLE_FABRIC); }),
-        "cuMemImportFromShareableHandle(FABRIC)");
-  return Big(env, handle);
+  // Copied on the main thread: the worker touches no JavaScript memory.
+  auto fabric = std::make_shared<cu::FabricHandle>();
+  std::memcpy(fabric->data, info[0].As<Napi::Buffer<uint8_t>>().Data(), sizeof(fabric->data));
+  auto handle = std::make_shared<cu::GenericHandle>(0);
+  return CudaWorker::Queue(
+      env, 0, "cuMemImportFromShareableHandle(FABRIC)",
+      [fabric, handle] {
+        return Injected("cuMemImportFromShareableHandle", [&] { return driver.api.cuMemImportFromShareableHandle(handle.get(), fabric.get(), cu::HANDLE_FABRIC); });
+      },
+      [handle](Napi::Env env) { return Big(env, *handle).As<Napi::Value>(); });
 }
 
 // cudaAllocationProperties(handle) -> { locationType, locationId, requestedHandleTypes }

@@ -86,20 +86,21 @@ export interface Backend {
    * backend can (cuda: one job on a driver thread). What the stock refills with.
    */
   createExported(device: number, location: MemLocation, size: bigint): Promise<{ handle: BackendHandle; fd: number }>;
-  /** Frees the handle's last reference (the memory goes once unmapped everywhere). */
-  release(handle: BackendHandle, size: bigint, imported: boolean): Promise<void>;
+  /** Frees the handle's last reference (the memory goes once unmapped everywhere); `device` is the memory's. */
+  release(handle: BackendHandle, size: bigint, imported: boolean, device: number): Promise<void>;
   /**
    * One more driver reference to the handle mapped at `address`
    * (cuMemRetainAllocationHandle); returns the handle the driver names.
    */
   retainHandle(address: bigint, handle: BackendHandle): BackendHandle;
   /** Drops one reference taken by retainHandle. */
-  releaseReference(handle: BackendHandle): Promise<void>;
+  releaseReference(handle: BackendHandle, device: number): Promise<void>;
   map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint): void;
-  unmap(address: bigint, size: bigint): Promise<void>;
+  /** `device`: the mapped memory's (cuda: the work runs in that device's primary context). */
+  unmap(address: bigint, size: bigint, device: number): Promise<void>;
   setAccess(address: bigint, size: bigint, grants: AccessGrant[]): void;
-  /** A new descriptor for the handle, owned by the caller. */
-  exportHandle(handle: BackendHandle): Promise<number>;
+  /** A new descriptor for the handle (memory of `device`), owned by the caller. */
+  exportHandle(handle: BackendHandle, device: number): Promise<number>;
   /**
    * From now on the memory cannot be mapped writable through any descriptor
    * (host: F_SEAL_FUTURE_WRITE). Backends that cannot enforce it (cuda:
@@ -107,13 +108,14 @@ export interface Backend {
    */
   sealReadOnly(handle: BackendHandle): void;
   /** The handle as fabric bytes (cuda, where the host permits fabric handles). */
-  exportFabric(handle: BackendHandle): Promise<Buffer>;
+  exportFabric(handle: BackendHandle, device: number): Promise<Buffer>;
   /**
    * A handle from a received descriptor (the backend takes ownership of fd) or
    * from fabric bytes. `size` is what the sender says it is (0: unknown).
+   * Off the event loop where the backend can (cuda: a driver thread).
    * @throws an error with code BAD_DESCRIPTOR when the source is not memory of this backend
    */
-  importHandle(source: ImportSource, size: bigint): ImportedHandle;
+  importHandle(source: ImportSource, size: bigint): Promise<ImportedHandle>;
   /** Copies out of mapped memory, through `device` (which has access to it), into a new Buffer or into `into`. */
   readBytes(address: bigint, length: number, device: number, into?: Buffer): Promise<Buffer>;
   /** Copies into mapped memory, through `device` (which has write access to it). */

@@ -148,8 +148,8 @@ export class CudaBackend implements Backend {
     return addon.cudaCreateExported(device, locationType(location), location.id, size, handleBits(['POSIX_FD']));
   }
 
-  async release(handle: BackendHandle): Promise<void> {
-    await addon.cudaRelease(0, BigInt(handle));
+  async release(handle: BackendHandle, _size: bigint, _imported: boolean, device: number): Promise<void> {
+    await addon.cudaRelease(device, BigInt(handle));
     // Only once the driver has freed it: a release that fails keeps the handle exportable.
     const fd = this.importedFds.get(BigInt(handle));
     if (fd !== undefined) {
@@ -162,16 +162,16 @@ export class CudaBackend implements Backend {
     return addon.cudaRetainHandle(address);
   }
 
-  releaseReference(handle: BackendHandle): Promise<void> {
-    return addon.cudaRelease(0, BigInt(handle));
+  releaseReference(handle: BackendHandle, device: number): Promise<void> {
+    return addon.cudaRelease(device, BigInt(handle));
   }
 
   map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint): void {
     addon.cudaMap(address, size, offset, BigInt(handle));
   }
 
-  unmap(address: bigint, size: bigint): Promise<void> {
-    return addon.cudaUnmap(0, address, size);
+  unmap(address: bigint, size: bigint, device: number): Promise<void> {
+    return addon.cudaUnmap(device, address, size);
   }
 
   setAccess(address: bigint, size: bigint, grants: AccessGrant[]): void {
@@ -182,23 +182,23 @@ export class CudaBackend implements Backend {
     );
   }
 
-  async exportHandle(handle: BackendHandle): Promise<number> {
+  async exportHandle(handle: BackendHandle, device: number): Promise<number> {
     const fd = this.importedFds.get(BigInt(handle));
     if (fd !== undefined) return addon.dup(fd);
-    return addon.cudaExportFd(0, BigInt(handle));
+    return addon.cudaExportFd(device, BigInt(handle));
   }
 
   // NOTE: CUDA has no seal: read-only stores reach importers with read-only access flags (the client library's).
   sealReadOnly(): void {}
 
-  exportFabric(handle: BackendHandle): Promise<Buffer> {
-    return addon.cudaExportFabric(0, BigInt(handle));
+  exportFabric(handle: BackendHandle, device: number): Promise<Buffer> {
+    return addon.cudaExportFabric(device, BigInt(handle));
   }
 
-  importHandle(source: ImportSource, size: bigint): ImportedHandle {
+  async importHandle(source: ImportSource, size: bigint): Promise<ImportedHandle> {
     let handle: bigint;
     try {
-      handle = 'fd' in source ? addon.cudaImportFd(source.fd) : addon.cudaImportFabric(source.fabric);
+      handle = 'fd' in source ? await addon.cudaImportFd(source.fd) : await addon.cudaImportFabric(source.fabric);
     } catch (error) {
       if ('fd' in source) addon.close(source.fd);
       if (isNativeError(error, 'CUDA_ERROR_OUT_OF_MEMORY')) throw error;
@@ -213,7 +213,7 @@ export class CudaBackend implements Backend {
         : { type: properties.locationType === CU_LOCATION.HOST ? 'HOST' : 'HOST_NUMA', id: properties.locationId };
     const granularity = this.granularity(location).minimum;
     if (size === 0n || size % granularity !== 0n) {
-      void this.release(handle);
+      await this.release(handle, size, true, location.type === 'DEVICE' ? location.id : 0);
       throw codedError('BAD_DESCRIPTOR', `importing CUDA memory needs its size, a positive multiple of ${granularity}; got ${size}`);
     }
     return { handle, size, device: location.type === 'DEVICE' ? location.id : 0, location };

@@ -130,7 +130,7 @@ export class HostBackend implements Backend {
     throw codedError('UNSUPPORTED_HANDLE_TYPE', 'the host backend has no fabric handles');
   }
 
-  importHandle(source: ImportSource, size: bigint): ImportedHandle {
+  async importHandle(source: ImportSource, size: bigint): Promise<ImportedHandle> {
     if (!('fd' in source)) throw codedError('BAD_DESCRIPTOR', 'the host backend imports descriptors, not fabric handles');
     const fd = source.fd;
     try {

@@ -133,20 +133,20 @@ export class StockedBackend implements Backend {
     }
   }
 
-  async exportHandle(handle: BackendHandle): Promise<number> {
+  async exportHandle(handle: BackendHandle, device: number): Promise<number> {
     const fd = this.ready.get(handle);
-    if (fd === undefined) return this.inner.exportHandle(handle);
+    if (fd === undefined) return this.inner.exportHandle(handle, device);
     this.ready.delete(handle);
     return fd;
   }
 
-  release(handle: BackendHandle, size: bigint, imported: boolean): Promise<void> {
+  release(handle: BackendHandle, size: bigint, imported: boolean, device: number): Promise<void> {
     const fd = this.ready.get(handle);
     if (fd !== undefined) {
       this.ready.delete(handle);
       this.closeDescriptor(fd);
     }
-    return this.inner.release(handle, size, imported);
+    return this.inner.release(handle, size, imported, device);
   }
 
   close(): void {
@@ -167,7 +167,7 @@ export class StockedBackend implements Backend {
 
   private discard(shelf: Shelf, item: Item): void {
     this.closeDescriptor(item.fd);
-    this.inner.release(item.handle, shelf.size, false).catch((error) => this.log.error({ err: error }, 'stock: releasing stocked memory failed'));
+    this.inner.release(item.handle, shelf.size, false, shelf.device).catch((error) => this.log.error({ err: error }, 'stock: releasing stocked memory failed'));
   }
 
   private async refill(shelf: Shelf): Promise<void> {
@@ -229,14 +229,14 @@ export class StockedBackend implements Backend {
   retainHandle(address: bigint, handle: BackendHandle): BackendHandle {
     return this.inner.retainHandle(address, handle);
   }
-  releaseReference(handle: BackendHandle): Promise<void> {
-    return this.inner.releaseReference(handle);
+  releaseReference(handle: BackendHandle, device: number): Promise<void> {
+    return this.inner.releaseReference(handle, device);
   }
   map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint): void {
     this.inner.map(address, size, handle, offset);
   }
-  unmap(address: bigint, size: bigint): Promise<void> {
-    return this.inner.unmap(address, size);
+  unmap(address: bigint, size: bigint, device: number): Promise<void> {
+    return this.inner.unmap(address, size, device);
   }
   setAccess(address: bigint, size: bigint, grants: AccessGrant[]): void {
     this.inner.setAccess(address, size, grants);
@@ -244,10 +244,10 @@ export class StockedBackend implements Backend {
   sealReadOnly(handle: BackendHandle): void {
     this.inner.sealReadOnly(handle);
   }
-  exportFabric(handle: BackendHandle): Promise<Buffer> {
-    return this.inner.exportFabric(handle);
+  exportFabric(handle: BackendHandle, device: number): Promise<Buffer> {
+    return this.inner.exportFabric(handle, device);
   }
-  importHandle(source: ImportSource, size: bigint): ImportedHandle {
+  importHandle(source: ImportSource, size: bigint): Promise<ImportedHandle> {
     return this.inner.importHandle(source, size);
   }
   readBytes(address: bigint, length: number, device: number, into?: Buffer): Promise<Buffer> {

@@ -308,7 +308,7 @@ export class AddressSpace {
   private async unmapInQueue(reservation: ReservationRecord, mapping: MappingRecord): Promise<boolean> {
     mapping.unmapping = true;
     try {
-      await this.backend.unmap(mapping.address, mapping.size);
+      await this.backend.unmap(mapping.address, mapping.size, mapping.allocation.device);
     } catch (error) {
       mapping.unmapping = false;
       throw error;

@@ -82,8 +82,8 @@ export class Allocations {
    * Adopts memory a peer handed over (Import, Attach); the caller holds its one handle reference.
    * @throws OUT_OF_RANGE UNKNOWN_DEVICE; the backend's BAD_DESCRIPTOR
    */
-  importHandle(caller: bigint, source: ImportSource, size: bigint): AllocationRecord {
-    const imported = this.source.adopt(caller, source, size);
+  async importHandle(caller: bigint, source: ImportSource, size: bigint): Promise<AllocationRecord> {
+    const imported = await this.source.adopt(caller, source, size);
     const granularity = this.backend.granularity(imported.location).minimum;
     return this.add(caller, imported.handle, imported.size, imported.device, imported.location, ['POSIX_FD'], true, granularity);
   }
@@ -246,8 +246,8 @@ export class Allocations {
     }
     allocation.busy++;
     try {
-      if (args.handleType === 'FABRIC') return { allocation, fabric: await this.backend.exportFabric(allocation.handle) };
-      return { allocation, fd: await this.backend.exportHandle(allocation.handle) };
+      if (args.handleType === 'FABRIC') return { allocation, fabric: await this.backend.exportFabric(allocation.handle, allocation.device) };
+      return { allocation, fd: await this.backend.exportHandle(allocation.handle, allocation.device) };
     } finally {
       allocation.busy--;
       await this.freeIfUnused(allocation);
@@ -263,7 +263,7 @@ export class Allocations {
     const handle: BackendHandle = this.backend.retainHandle(address, allocation.handle);
     if (handle !== allocation.handle) {
       // The driver and the registry disagree about what is mapped here: refuse rather than guess.
-      await this.backend.releaseReference(handle);
+      await this.backend.releaseReference(handle, allocation.device);
       throw new Error(`the backend maps handle ${handle} at ${hex(address)}, the registry ${allocation.handle}`);
     }
     allocation.backendRetains++;
@@ -339,7 +339,7 @@ export class Allocations {
   private async dropReferences(allocation: AllocationRecord, holder: bigint, count: number): Promise<void> {
     const retained = Math.min(count, allocation.backendRetains);
     for (let i = 0; i < retained; i++) {
-      await this.backend.releaseReference(allocation.handle);
+      await this.backend.releaseReference(allocation.handle, allocation.device);
       allocation.backendRetains--;
     }
     const left = (allocation.references.get(holder) ?? 0) - count;

@@ -25,7 +25,7 @@ export interface AllocationSource {
    * Memory another process handed over (a received descriptor, fabric bytes), adopted for `owner`.
    * @throws the backend's BAD_DESCRIPTOR
    */
-  adopt(owner: bigint, source: ImportSource, size: bigint): ImportedHandle;
+  adopt(owner: bigint, source: ImportSource, size: bigint): Promise<ImportedHandle>;
   /** Frees the handle's last reference; memory made by create() or adopt(). */
   release(allocation: SourcedAllocation): Promise<void>;
 }
@@ -38,11 +38,11 @@ export class BackendSource implements AllocationSource {
     return this.backend.create(device, location, size, handleTypes);
   }
 
-  adopt(_owner: bigint, source: ImportSource, size: bigint): ImportedHandle {
+  adopt(_owner: bigint, source: ImportSource, size: bigint): Promise<ImportedHandle> {
     return this.backend.importHandle(source, size);
   }
 
   release(allocation: SourcedAllocation): Promise<void> {
-    return this.backend.release(allocation.handle, allocation.size, allocation.imported);
+    return this.backend.release(allocation.handle, allocation.size, allocation.imported, allocation.device);
   }
 }

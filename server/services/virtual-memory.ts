@@ -193,7 +193,7 @@ export class VirtualMemoryService {
       if (u64(request.transferId) === 0n) throw invalidArgument('BAD_TRANSFER', 'transfer_id must be set (ids start at 1)');
       source = { fd: await this.sessions.takeTransfer(session, String(u64(request.transferId))) };
     }
-    return this.toWireAllocation(this.registry.importHandle(context.caller, source, size));
+    return this.toWireAllocation(await this.registry.importHandle(context.caller, source, size));
   }
 
   getProperties(request: GetPropertiesRequest__Output, context: CallContext): Allocation {

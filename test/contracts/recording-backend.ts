@@ -76,9 +76,9 @@ export class RecordingBackend implements Backend {
     return handle;
   }
 
-  async release(handle: BackendHandle, size: bigint, imported: boolean) {
+  async release(...args: Parameters<Backend['release']>) {
     this.record('release');
-    await this.inner.release(handle, size, imported);
+    await this.inner.release(...args);
     this.liveHandles--;
   }
 
@@ -87,9 +87,9 @@ export class RecordingBackend implements Backend {
     return this.inner.retainHandle(address, handle);
   }
 
-  async releaseReference(handle: BackendHandle) {
+  async releaseReference(...args: Parameters<Backend['releaseReference']>) {
     this.record('releaseReference');
-    await this.inner.releaseReference(handle);
+    await this.inner.releaseReference(...args);
   }
 
   map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint) {
@@ -98,10 +98,10 @@ export class RecordingBackend implements Backend {
     this.liveMappings++;
   }
 
-  async unmap(address: bigint, size: bigint) {
+  async unmap(...args: Parameters<Backend['unmap']>) {
     this.record('unmap');
     if (this.unmapGate) await this.unmapGate;
-    await this.inner.unmap(address, size);
+    await this.inner.unmap(...args);
     this.liveMappings--;
   }
 
@@ -110,9 +110,9 @@ export class RecordingBackend implements Backend {
     this.inner.setAccess(...args);
   }
 
-  exportHandle(handle: BackendHandle) {
+  exportHandle(...args: Parameters<Backend['exportHandle']>) {
     this.calls.push('export');
-    return this.inner.exportHandle(handle);
+    return this.inner.exportHandle(...args);
   }
 
   sealReadOnly(handle: BackendHandle) {
@@ -120,14 +120,14 @@ export class RecordingBackend implements Backend {
     this.inner.sealReadOnly(handle);
   }
 
-  exportFabric(handle: BackendHandle) {
+  exportFabric(...args: Parameters<Backend['exportFabric']>) {
     this.calls.push('exportFabric');
-    return this.inner.exportFabric(handle);
+    return this.inner.exportFabric(...args);
   }
 
-  importHandle(source: ImportSource, size: bigint) {
+  async importHandle(source: ImportSource, size: bigint) {
     this.calls.push('import');
-    const imported = this.inner.importHandle(source, size);
+    const imported = await this.inner.importHandle(source, size);
     this.liveHandles++;
     return imported;
   }

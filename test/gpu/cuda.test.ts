@@ -82,7 +82,7 @@ describeGpu('the cuda backend', () => {
     // In this process, through the driver directly: map, give the device and the host access, write on the device, read with the CPU.
     const exported = await client.vmm.export({ allocationId: allocation.id });
     const fd = await client.session.takeTransfer(exported.transferId);
-    const handle = addon.cudaImportFd(fd);
+    const handle = await addon.cudaImportFd(fd);
     addon.close(fd);
     const address = addon.cudaReserve(size, granularity, 0n);
     addon.cudaMap(address, size, 0n, handle);

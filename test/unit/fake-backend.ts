@@ -178,7 +178,7 @@ export class FakeBackend implements Backend {
     return 1000 + Number(handle);
   }
 
-  importHandle(_source: ImportSource, _size: bigint): ImportedHandle {
+  async importHandle(_source: ImportSource, _size: bigint): Promise<ImportedHandle> {
     this.calls.push('import');
     const handle = this.nextHandle++;
     this.memory.set(handle, { size: GRANULARITY, buffer: Buffer.alloc(Number(GRANULARITY)), imported: true });

@@ -40,10 +40,10 @@ describe('a stock', () => {
     fake.calls.length = 0;
     const handle = stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
     expect(fake.calls).toEqual([]);
-    expect(await stock.exportHandle(handle)).toBe(1000 + Number(handle));
+    expect(await stock.exportHandle(handle, 0)).toBe(1000 + Number(handle));
     expect(fake.calls).toEqual([]);
     // A second export is a new one.
-    await stock.exportHandle(handle);
+    await stock.exportHandle(handle, 0);
     expect(fake.calls).toEqual(['export']);
     await settle();
     expect(stock.stats()).toMatchObject({ hits: 1, misses: 0, levels: [{ held: 2 }] });
@@ -66,7 +66,7 @@ describe('a stock', () => {
     const { stock, closed } = stocked();
     await stock.fill();
     const handle = stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
-    await stock.release(handle, 2n * MiB, false);
+    await stock.release(handle, 2n * MiB, false, 0);
     expect(closed).toEqual([1000 + Number(handle)]);
   });
 
@@ -92,7 +92,7 @@ describe('a stock', () => {
     // The one still stocked, and the ready descriptor of the one handed out; the refill it asked for never ran.
     expect(closed).toHaveLength(2);
     expect(stock.stats().levels[0].held).toBe(0);
-    await stock.release(handle, 2n * MiB, false);
+    await stock.release(handle, 2n * MiB, false, 0);
     expect(fake.memoryInfo().freeBytes).toBe(64n * MiB);
   });
 
