@@ -14,9 +14,19 @@ const LOAD = path.join(packageRoot(), 'dist', 'test', 'reliability', 'fixtures',
 /** The daemon may grow this much over the run (caches warming, V8's heap settling); a leak per operation would pass it. */
 const GROWTH_LIMIT_MIB = 96;
 
+/**
+ * VMMD_LOAD_HEAP_MIB caps the daemon's V8 old space for the run (--max-old-space-size): garbage
+ * then cannot pass for growth, and a JavaScript leak past the cap kills the daemon (its exit
+ * code is checked); the RSS bound keeps watching native memory.
+ */
+function heapLimit(): NodeJS.ProcessEnv {
+  const mib = process.env.VMMD_LOAD_HEAP_MIB;
+  return mib === undefined ? {} : { NODE_OPTIONS: `${process.env.NODE_OPTIONS ?? ''} --max-old-space-size=${Number(mib)}`.trim() };
+}
+
 /** The scenario, on either backend (test/gpu/load-cuda.test.ts runs it on cuda). */
 export async function loadScenario(backend: 'host' | 'cuda', CLIENTS: number, SECONDS: number, daemonArgs: string[] = []): Promise<void> {
-  const daemon = await TestDaemon.start(daemonArgs, backend);
+  const daemon = await TestDaemon.start(daemonArgs, backend, heapLimit());
   try {
     const baseline = await daemon.stats();
     const baselineFds = daemon.openFds();
