@@ -13,6 +13,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "$(uname -m)" = x86_64 ] || { echo "gpu-bundle: build on x86-64, the GPU hosts are x86-64" >&2; exit 1; }
+# A clean dist/: files of sources since moved or deleted would otherwise ship and shadow the new ones.
+rm -rf dist
 npm run build >/dev/null || { echo "gpu-bundle: the build failed (npm run build)" >&2; exit 1; }
 [ -f build/Release/vmmd_native.node ] || { echo "gpu-bundle: the addon is not built; run npm ci" >&2; exit 1; }
 
