@@ -25,6 +25,7 @@ class CUresult(enum.IntEnum):
     CUDA_SUCCESS = 0
     CUDA_ERROR_INVALID_VALUE = 1
     CUDA_ERROR_OUT_OF_MEMORY = 2
+    CUDA_ERROR_LAUNCH_FAILED = 719
 
 
 class CUmemAllocationHandleType(enum.IntEnum):
@@ -65,10 +66,24 @@ def build() -> types.ModuleType:
     live: Dict[str, set] = {"handles": set(), "reservations": set(), "mappings": set()}
     m.calls, m.fail, m.live = calls, fail, live  # type: ignore[attr-defined]
     current = {"context": 0}
+    # As the real driver does from pageable memory, cuMemcpyHtoD returns once the bytes are
+    # staged; they land at the next synchronization (or device-to-host copy). An unmap of a
+    # range with bytes still in flight poisons the context: every later call fails with
+    # CUDA_ERROR_LAUNCH_FAILED (issue 15).
+    in_flight: List[Any] = []
+    poisoned: List[bool] = []
+    m.in_flight, m.poisoned = in_flight, poisoned  # type: ignore[attr-defined]
+
+    def land() -> None:
+        for device, data in in_flight:
+            ctypes.memmove(device, data, len(data))
+        in_flight.clear()
 
     def api(function: Any) -> Any:
         def call(*args: Any) -> Any:
             calls.append(function.__name__)
+            if poisoned and function.__name__ not in ("cuGetErrorName",):
+                return (CUresult.CUDA_ERROR_LAUNCH_FAILED,) + (None,) * (function.__code__.co_posonlyargcount)
             if function.__name__ in fail:
                 return (fail.pop(function.__name__),) + (None,) * (function.__code__.co_posonlyargcount)
             return function(*args)
@@ -116,7 +131,15 @@ def build() -> types.ModuleType:
 
     @api
     def cuCtxSynchronize() -> Any:
+        land()
         return (CUresult.CUDA_SUCCESS,)
+
+    @api
+    def cuStreamSynchronize(stream: Any) -> Any:
+        land()  # one legacy stream here: every copy is on it
+        return (CUresult.CUDA_SUCCESS,)
+
+    m.CUstream = lambda value=0: int(value)  # type: ignore[attr-defined]
 
     @api
     def cuMemGetInfo() -> Any:
@@ -158,6 +181,9 @@ def build() -> types.ModuleType:
 
     @api
     def cuMemUnmap(address: int, size: int) -> Any:
+        if any(address <= device < address + size for device, _ in in_flight):
+            in_flight.clear()
+            poisoned.append(True)  # the DMA faults under the unmap; the driver says so at the next call
         live["mappings"].remove((address, size))
         libc.mmap(address, size, 0, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0)
         return (CUresult.CUDA_SUCCESS,)
@@ -173,12 +199,13 @@ def build() -> types.ModuleType:
     @api
     def cuMemcpyHtoD(device: int, host: int, count: int) -> Any:
         assert isinstance(device, int) and isinstance(host, int)
-        ctypes.memmove(device, host, count)
+        in_flight.append((device, ctypes.string_at(host, count)))
         return (CUresult.CUDA_SUCCESS,)
 
     @api
     def cuMemcpyDtoH(host: int, device: int, count: int) -> Any:
         assert isinstance(device, int) and isinstance(host, int)
+        land()  # ordered after earlier copies on the legacy stream
         ctypes.memmove(host, device, count)
         return (CUresult.CUDA_SUCCESS,)
 

@@ -106,3 +106,55 @@ def test_weights_load_into_device_memory_and_open_elsewhere(daemon: Daemon, cuda
     with cuda_client.stores.open("cuda-path-weights") as opened:
         assert opened.memory.read(0, len(data)) == data
     cuda_client.stores.detach("cuda-path-weights")
+
+
+def test_a_write_has_landed_before_close_unmaps(cuda_client: vmmd.VmmdClient, driver: types.ModuleType) -> None:
+    """Issue 15: cuMemcpyHtoD from pageable memory returns once the bytes are staged; the
+    stand-in driver lands them only at a synchronization and poisons the context when a range
+    is unmapped under them, as the real one does. Write then close, with no read between."""
+    for round_ in range(3):
+        memory = cuda_client.vmm.allocate(2 * MiB)
+        memory.write(0, bytes([round_ + 1]) * 4096)
+        assert not driver.in_flight, "write() returned with its bytes still in flight"
+        memory.close()
+        cuda_client.vmm.release(allocation_id=memory.allocation_id)
+    assert not driver.poisoned, "an unmap ran under a copy: the context is poisoned"
+    again = cuda_client.vmm.allocate(2 * MiB)
+    again.write(0, b"still fine")
+    assert again.read(0, 10) == b"still fine"
+    again.close()
+
+
+def test_close_synchronizes_before_it_unmaps(cuda_client: vmmd.VmmdClient, driver: types.ModuleType) -> None:
+    """Kernels of this process may still use the range (CuPy, Numba, PyTorch launch on
+    their own streams): close() synchronizes the context first, as cuMemFree does."""
+    memory = cuda_client.vmm.allocate(2 * MiB)
+    memory.close()
+    assert driver.calls[-3:] == ["cuCtxSynchronize", "cuMemUnmap", "cuMemAddressFree"]
+
+
+def test_close_waits_for_a_copy_running_in_another_thread(cuda_client: vmmd.VmmdClient, driver: types.ModuleType) -> None:
+    import threading
+
+    memory = cuda_client.vmm.allocate(2 * MiB)
+    entered, release = threading.Event(), threading.Event()
+    original = driver.cuStreamSynchronize
+
+    def slow_synchronize(stream: object) -> object:
+        entered.set()
+        release.wait(5)
+        return original(stream)
+
+    driver.cuStreamSynchronize = slow_synchronize
+    writer = threading.Thread(target=memory.write, args=(0, b"x" * 4096))
+    writer.start()
+    assert entered.wait(5)
+    closer = threading.Thread(target=memory.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive(), "close() unmapped while a write was in flight"
+    release.set()
+    writer.join(5)
+    closer.join(5)
+    driver.cuStreamSynchronize = original
+    assert memory.closed and not driver.poisoned

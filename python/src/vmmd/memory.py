@@ -3,12 +3,13 @@ the host backend (shared pages, a memoryview), or CUDA memory mapped into this
 process's CUDA context (a device pointer with __cuda_array_interface__)."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
 import os
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 from .errors import STATUS, VmmdError
 
@@ -258,6 +259,9 @@ class CudaImportedMemory(ImportedMemory):
         super().__init__(allocation_id, address, size, device, read_only)
         self._host_view = host_view
         self._lock = threading.Lock()
+        # Invariant: _copies counts the reads and writes running in any thread; close() waits for 0.
+        self._copies = 0
+        self._idle = threading.Condition(self._lock)
 
     @classmethod
     def map(cls, allocation_id: int, fd: int, size: int, granularity: int, device: int, read_only: bool, host_numa: Optional[int] = None) -> "CudaImportedMemory":
@@ -291,20 +295,45 @@ class CudaImportedMemory(ImportedMemory):
         return {**self.array_interface(), "stream": None}
 
     def close(self) -> None:
+        """Unmaps, once every read and write running in any thread has finished
+        and the context has been synchronized (as cuMemFree does: kernels of this
+        process may still use the range); later reads and writes fail CLOSED."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            while self._copies > 0:
+                self._idle.wait()
         from . import _cuda
 
+        try:
+            _cuda.synchronize(self.device)
+        except VmmdError:
+            pass  # no usable context (interpreter exit, a reset device): nothing of ours can still run
         _cuda.unmap(self.address, self.size, self.device)
 
     def _copy_out(self, offset: int, length: int) -> bytes:
         from . import _cuda
 
-        return _cuda.copy_from_device(self.device, self.address + offset, length)
+        with self._copy():
+            return _cuda.copy_from_device(self.device, self.address + offset, length)
 
     def _copy_in(self, offset: int, data: memoryview) -> None:
         from . import _cuda
 
-        _cuda.copy_to_device(self.device, self.address + offset, data)
+        with self._copy():
+            _cuda.copy_to_device(self.device, self.address + offset, data)
+
+    @contextlib.contextmanager
+    def _copy(self) -> Iterator[None]:
+        """Counts a copy in flight for close(); refuses one that starts after close()."""
+        with self._lock:
+            self._check_open()
+            self._copies += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._copies -= 1
+                if self._copies == 0:
+                    self._idle.notify_all()
