@@ -13,6 +13,8 @@ export class RecordingBackend implements Backend {
   liveReservations = 0;
   /** While set, unmaps wait for it: tests use it to hold an unmap in flight. */
   unmapGate?: Promise<void>;
+  /** While set, writes wait for it before their copy: tests use it to hold a copy in flight. */
+  writeGate?: Promise<void>;
   /** Calls to fail once, with their error (as an injected driver fault would). */
   private readonly failures = new Map<string, Error>();
 
@@ -144,9 +146,11 @@ export class RecordingBackend implements Backend {
     return this.inner.readBytes(address, length, device, into);
   }
 
-  writeBytes(address: bigint, data: Buffer, device: number) {
+  async writeBytes(address: bigint, data: Buffer, device: number) {
     this.calls.push('write');
-    return this.inner.writeBytes(address, data, device);
+    if (this.writeGate) await this.writeGate;
+    await this.inner.writeBytes(address, data, device);
+    this.calls.push('write landed');
   }
 
   close() {

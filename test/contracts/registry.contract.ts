@@ -585,6 +585,42 @@ describe('serialization per reservation', () => {
   });
 });
 
+describe('copies and unmaps of one range (issue 15)', () => {
+  it('makes an unmap, a free of the address and a release wait for a write in flight, and the bytes land', async () => {
+    const { address, size, allocation, reservation } = await mapped();
+    await registry.setAccess(A, address, size, RW);
+    let open!: () => void;
+    backend.writeGate = new Promise((resolve) => (open = resolve));
+    const data = Buffer.alloc(4096, 7);
+    const writing = registry.write(A, address, data);
+    const unmapping = registry.unmap(A, address, size);
+    const releasing = registry.release(A, allocation.id);
+    await new Promise((resolve) => setImmediate(resolve));
+    expect(backend.calls.filter((call) => call === 'unmap')).toHaveLength(0);
+    open();
+    await writing;
+    await unmapping;
+    await releasing;
+    const order = backend.calls.filter((call) => call === 'write landed' || call === 'unmap');
+    expect(order).toEqual(['write landed', 'unmap']);
+    await registry.freeAddress(A, reservation.address, reservation.size);
+  });
+
+  it('a write queued behind an unmap of its range is refused, not run on unmapped memory', async () => {
+    const { address, size } = await mapped();
+    await registry.setAccess(A, address, size, RW);
+    let open!: () => void;
+    backend.unmapGate = new Promise((resolve) => (open = resolve));
+    const unmapping = registry.unmap(A, address, size);
+    const writing = registry.write(A, address, Buffer.alloc(16, 1)).catch((error) => error);
+    open();
+    await unmapping;
+    const refused = await writing;
+    expect(refused).toBeInstanceOf(RpcError);
+    expect(backend.calls).not.toContain('write');
+  });
+});
+
 describe('reclaim', () => {
   it("frees everything a session owns and leaves others' objects", async () => {
     await mapped(A);
