@@ -103,7 +103,8 @@ export class TestDaemon {
           return undefined;
         }
       },
-      15_000,
+      // A limit on waiting, not a speed check: on a loaded 2-core machine a start has taken over 15 s.
+      60_000,
       'the daemon to serve',
     );
     return daemon;
