@@ -10,7 +10,7 @@ venv=${VMMD_PYTHON_VENV:-.venv}
 if [ ! -x "$venv/bin/python" ]; then
   echo "test-python: making the venv $venv (python3 -m venv; pip install ./python[test])"
   python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet --disable-pip-version-check "./python[test]"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check --retries 0 "./python[test]"
 fi
 stamp=$(find python/pyproject.toml python/src -type f -newer "$venv/.vmmd-installed" 2>/dev/null | head -1 || true)
 if [ ! -f "$venv/.vmmd-installed" ] || [ -n "$stamp" ]; then
