@@ -5,10 +5,10 @@
  * descriptors back to the baseline), and the daemon's memory growth bounded.
  * 32 clients for 60 s with VMMD_RELIABILITY=full (npm run reliability), 8 for 10 s in CI.
  */
-import { spawn } from 'node:child_process';
 import * as path from 'node:path';
 import { eventually, packageRoot, TestDaemon } from '../e2e/harness';
 import { figure } from './figures';
+import { runReportingClient } from './report-client';
 
 const LOAD = path.join(packageRoot(), 'dist', 'test', 'reliability', 'fixtures', 'load.js');
 /** The daemon may grow this much over the run (caches warming, V8's heap settling); a leak per operation would pass it. */
@@ -43,20 +43,12 @@ export async function loadScenario(backend: 'host' | 'cuda', CLIENTS: number, SE
       );
     }, 5_000);
     const reports = await Promise.all(
-      Array.from(
-        { length: CLIENTS },
-        (_, index) =>
-          new Promise<{ ops: number; errors: Record<string, number>; first?: { op: number; kind: number; message: string } }>((resolve, reject) => {
-            const child = spawn(process.execPath, [LOAD, String(index + 1), String(SECONDS * 1000)], {
-              stdio: ['ignore', 'pipe', 'pipe'],
-              env: { ...process.env, VMMD_SOCKET_DIR: daemon.dir },
-            });
-            let out = '';
-            let err = '';
-            child.stdout!.on('data', (chunk) => (out += chunk));
-            child.stderr!.on('data', (chunk) => (err += chunk));
-            child.once('exit', (code) => (code === 0 ? resolve(JSON.parse(out)) : reject(new Error(`a load client exited with ${code}: ${err}`))));
-          }),
+      Array.from({ length: CLIENTS }, (_, index) =>
+        runReportingClient<{ ops: number; errors: Record<string, number>; first?: { op: number; kind: number; message: string } }>(
+          LOAD,
+          [String(index + 1), String(SECONDS * 1000)],
+          daemon.dir,
+        ),
       ),
     );
     clearInterval(sampler);

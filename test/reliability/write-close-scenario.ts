@@ -5,10 +5,10 @@
  * waits for copies in flight, so no client may see an error and every byte
  * read back through a second mapping must be what was written.
  */
-import { spawn } from 'node:child_process';
 import * as path from 'node:path';
 import { eventually, packageRoot, TestDaemon } from '../e2e/harness';
 import { figure } from './figures';
+import { runReportingClient } from './report-client';
 
 const FIXTURE = path.join(packageRoot(), 'dist', 'test', 'reliability', 'fixtures', 'write-close.js');
 
@@ -28,23 +28,7 @@ export async function writeCloseScenario(
   const daemon = await TestDaemon.start([], backend);
   try {
     const baseline = await daemon.stats();
-    const reports = await Promise.all(
-      Array.from(
-        { length: processes },
-        () =>
-          new Promise<Report>((resolve, reject) => {
-            const child = spawn(process.execPath, [FIXTURE, String(iterations), mode], {
-              stdio: ['ignore', 'pipe', 'pipe'],
-              env: { ...process.env, VMMD_SOCKET_DIR: daemon.dir },
-            });
-            let out = '';
-            let err = '';
-            child.stdout!.on('data', (chunk) => (out += chunk));
-            child.stderr!.on('data', (chunk) => (err += chunk));
-            child.once('exit', (code) => (code === 0 ? resolve(JSON.parse(out)) : reject(new Error(`a client exited with ${code}: ${err}`))));
-          }),
-      ),
-    );
+    const reports = await Promise.all(Array.from({ length: processes }, () => runReportingClient<Report>(FIXTURE, [String(iterations), mode], daemon.dir)));
     const failed = reports.map((report, index) => ({ client: index + 1, ...report })).filter((r) => Object.keys(r.errors).length > 0 || r.mismatches > 0);
     figure(`write then close (${backend}, ${mode})`, {
       backend,
