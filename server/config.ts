@@ -29,6 +29,15 @@ export interface DaemonConfig {
   /** Peers allowed on the session socket, by uid or primary gid; both empty: everyone who can reach it. */
   allowUids: number[];
   allowGids: number[];
+  /** Peers that may act daemon-wide (ClearCaches, GetReport, others' sessions and objects, calls without a session that change anything), by uid or primary gid. */
+  adminUids: number[];
+  adminGids: number[];
+  /** Sessions one uid may hold open at once. */
+  maxSessionsPerUid: number;
+  /** Received, unclaimed descriptors one uid's sessions may hold at once (each session: at most 64 too). */
+  maxTransfersPerUid: number;
+  /** How long a server stream (Read) waits for a reader that takes nothing before it ends the call. */
+  streamStallMs: number;
   /** Bytes a uid, and a session, may hold in allocations at once (0: no limit). */
   quotaPerUid: bigint;
   quotaPerSession: bigint;
@@ -136,6 +145,11 @@ const SETTINGS: Record<string, Setting> = {
   socketGroup: { flag: 'socket-group', env: 'VMMD_SOCKET_GROUP', placeholder: 'GID', help: 'group of the socket directory (0750) and sockets (0660); unset: owner only (0700, 0600)' },
   allowUids: { flag: 'allow-uids', env: 'VMMD_ALLOW_UIDS', placeholder: 'LIST', help: 'comma-separated uids allowed on the session socket (with --allow-gids: either matches) [all who reach it]' },
   allowGids: { flag: 'allow-gids', env: 'VMMD_ALLOW_GIDS', placeholder: 'LIST', help: 'comma-separated primary gids allowed on the session socket' },
+  adminUids: { flag: 'admin-uids', env: 'VMMD_ADMIN_UIDS', placeholder: 'LIST', help: 'comma-separated uids that may act daemon-wide: ClearCaches, GetReport, listing and detaching what other uids hold, calls without a session that change anything [0]' },
+  adminGids: { flag: 'admin-gids', env: 'VMMD_ADMIN_GIDS', placeholder: 'LIST', help: 'comma-separated primary gids that may act daemon-wide [none]' },
+  maxSessionsPerUid: { flag: 'max-sessions-per-uid', env: 'VMMD_MAX_SESSIONS_PER_UID', placeholder: 'N', help: 'sessions one uid may hold open at once [256]' },
+  maxTransfersPerUid: { flag: 'max-transfers-per-uid', env: 'VMMD_MAX_TRANSFERS_PER_UID', placeholder: 'N', help: "received descriptors not yet claimed that one uid's sessions may hold at once [1024]" },
+  streamStallMs: { flag: 'stream-stall-ms', env: 'VMMD_STREAM_STALL_MS', placeholder: 'MS', help: 'a server stream (Read) whose reader takes nothing this long is ended with RESOURCE_EXHAUSTED [30000]' },
   quotaPerUid: { flag: 'quota-per-uid', env: 'VMMD_QUOTA_PER_UID', placeholder: 'BYTES', help: 'allocation bytes each uid may hold at once [0: no limit]' },
   quotaPerSession: { flag: 'quota-per-session', env: 'VMMD_QUOTA_PER_SESSION', placeholder: 'BYTES', help: 'allocation bytes each session may hold at once [0: no limit]' },
   hostCapacity: { flag: 'host-capacity', env: 'VMMD_HOST_CAPACITY', placeholder: 'BYTES', help: "memory the host backend may create in all [half the machine's RAM]" },
@@ -264,10 +278,17 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
     const [key, text] = pick(name);
     return text === undefined ? 0n : parseBytes(key, text);
   };
-  const integer = (name: 'transferWaitMs' | 'metricsPort' | 'shutdownGraceMs', fallback: number, max: number) => {
+  const integer = (
+    name: 'transferWaitMs' | 'metricsPort' | 'shutdownGraceMs' | 'maxSessionsPerUid' | 'maxTransfersPerUid' | 'streamStallMs',
+    fallback: number,
+    max: number,
+    min = 0,
+  ) => {
     const [key, text] = pick(name);
-    return text === undefined ? fallback : parseInteger(key, text, 0, max);
+    return text === undefined ? fallback : parseInteger(key, text, min, max);
   };
+  const [adminUidsKey, adminUidsText = '0'] = pick('adminUids');
+  const [adminGidsKey, adminGidsText = ''] = pick('adminGids');
 
   const [tcpKey, tcpListen = ''] = pick('tcpListen');
   const [certKey, cert] = pick('tlsCert');
@@ -302,6 +323,11 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
       socketGroup,
       allowUids: parseIdList(uidsKey, uidsText),
       allowGids: parseIdList(gidsKey, gidsText),
+      adminUids: parseIdList(adminUidsKey, adminUidsText),
+      adminGids: parseIdList(adminGidsKey, adminGidsText),
+      maxSessionsPerUid: integer('maxSessionsPerUid', 256, 1_000_000, 1),
+      maxTransfersPerUid: integer('maxTransfersPerUid', 1024, 1_000_000, 1),
+      streamStallMs: integer('streamStallMs', 30_000, 3_600_000, 1),
       quotaPerUid: bytesOr0('quotaPerUid'),
       quotaPerSession: bytesOr0('quotaPerSession'),
       transferWaitMs: integer('transferWaitMs', 5_000, 600_000),

@@ -13,6 +13,8 @@ import { addon, isNativeError } from '../native';
 import type { Backend } from './backends/backend';
 import { selectBackend } from './backends/select';
 import type { DaemonConfig } from './config';
+import { AccessPolicy } from './access';
+import { GrpcUnixListener } from './grpc-unix';
 import { Metrics } from './metrics';
 import { Quotas } from './quotas';
 import { Registry } from './registry';
@@ -62,13 +64,6 @@ function restrictSockets(config: DaemonConfig, paths: { grpc: string; session: s
   }
 }
 
-/** Why a peer may not open a session under the allow lists, or undefined. */
-export function authorize(config: Pick<DaemonConfig, 'allowUids' | 'allowGids'>, peer: { uid: number; gid: number }): string | undefined {
-  if (config.allowUids.length === 0 && config.allowGids.length === 0) return undefined;
-  if (config.allowUids.includes(peer.uid) || config.allowGids.includes(peer.gid)) return undefined;
-  return `uid ${peer.uid} (gid ${peer.gid}) is not allowed: allowed uids [${config.allowUids.join(', ')}], gids [${config.allowGids.join(', ')}]`;
-}
-
 /**
  * Removes socket files no daemon answers on; refuses to start over a live one.
  * @throws DaemonStartError when another daemon serves the directory
@@ -98,6 +93,7 @@ export class Daemon {
     readonly registry: Registry,
     readonly sessions: SessionManager,
     private readonly server: grpc.Server,
+    private readonly unix: GrpcUnixListener,
     private readonly log: Logger,
     readonly paths: { grpc: string; session: string },
     private readonly admin: AdminService,
@@ -109,10 +105,11 @@ export class Daemon {
   static async start(config: DaemonConfig, log: Logger, sessionOptions: SessionOptions = DEFAULT_SESSION_OPTIONS): Promise<Daemon> {
     const backend = await selectBackend(config, log);
     armFaults(process.env.VMMD_FAULTS, log);
+    const access = new AccessPolicy(config);
     const sessions = new SessionManager(log, {
       ...sessionOptions,
       transferWaitMs: config.transferWaitMs,
-      authorize: (peer) => authorize(config, peer),
+      authorize: (peer) => access.refusal(peer),
     });
     const quotas = new Quotas({ perUid: config.quotaPerUid, perSession: config.quotaPerSession }, (session) => sessions.uidOf(session));
     const registry = new Registry(backend, (upstream) => quotas.around(upstream));
@@ -137,17 +134,14 @@ export class Daemon {
     const health = new HealthImplementation(Object.fromEntries(HEALTH_SERVICES.map((name) => [name, 'NOT_SERVING'])));
     health.addToServer(server);
     const metrics = new Metrics(registry, () => sessions, stores);
-    const deps: HandlerDeps = { sessions, log, observe: (method, status, code, seconds) => metrics.observe(method, status, code, seconds) };
+    const deps: HandlerDeps = { sessions, access, log, observe: (method, status, code, seconds) => metrics.observe(method, status, code, seconds) };
     new DevicesService(registry).addToServer(server, proto, deps);
     new VirtualMemoryService(registry, sessions, staging).addToServer(server, proto, deps);
     new StoresService(registry, stores, sessions).addToServer(server, proto, deps);
     const admin = new AdminService({ registry, sessions, stores, quotas, metrics, version: VERSION });
     admin.addToServer(server, proto, deps);
-    await new Promise<void>((resolve, reject) =>
-      server.bindAsync(`unix://${paths.grpc}`, grpc.ServerCredentials.createInsecure(), (error) =>
-        error ? reject(error) : resolve(),
-      ),
-    );
+    // Accepted here, not by grpc-js: each connection is attributed to its peer's uid (server/access.ts).
+    const unix = await GrpcUnixListener.listen(server, paths.grpc, log);
     restrictSockets(config, paths);
     if (config.tcpListen !== '' && config.tls !== undefined) {
       const tls = config.tls;
@@ -167,7 +161,7 @@ export class Daemon {
       { backend: backend.name, socketDir: config.socketDir, devices: registry.devices.length, version: VERSION },
       'vmmd serving',
     );
-    return new Daemon(config, backend, registry, sessions, server, log, paths, admin, health, metrics);
+    return new Daemon(config, backend, registry, sessions, server, unix, log, paths, admin, health, metrics);
   }
 
   /** Stops serving: refuses new calls, lets in-flight ones finish, reclaims every session. */
@@ -178,6 +172,7 @@ export class Daemon {
     const timeout = new Promise<void>((resolve) => setTimeout(resolve, graceMs).unref());
     await Promise.race([drained, timeout]);
     this.server.forceShutdown();
+    this.unix.close();
     await this.sessions.close();
     for (const path of [this.paths.grpc, this.paths.session]) fs.rmSync(path, { force: true });
     this.backend.close();

@@ -32,6 +32,8 @@ export interface StoreRecord {
   readonly attached: boolean;
   readonly hasDeleter: boolean;
   readonly memory: StoreMemory;
+  /** The uid that made it (attributed by its connection); who besides admins may detach it once it is the daemon's. */
+  creatorUid?: number;
   state: StoreState;
   // Invariant: opens per session; no entry holds 0.
   readonly opens: Map<bigint, number>;

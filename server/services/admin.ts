@@ -17,7 +17,8 @@ import type { Quotas } from '../quotas';
 import type { Registry } from '../registry';
 import type { SessionManager } from '../sessions';
 import type { StoreRegistry } from '../stores';
-import { HandlerDeps, unary } from './handler';
+import type { Session } from '../sessions';
+import { CallContext, HandlerDeps, unary } from './handler';
 import { u64 } from './wire';
 
 // Written by scripts/gen-types.js at build time; tsc copies it beside the compiled code.
@@ -64,10 +65,18 @@ export class AdminService {
     return result;
   }
 
-  listSessions(): ListSessionsResponse {
+  /** The sessions a caller may see: every one for an admin, else its own uid's. */
+  private visibleSessions(context?: CallContext): Session[] {
+    const who = context?.who;
+    const all = this.deps.sessions.list();
+    if (who === undefined || who.admin) return all;
+    return all.filter((session) => who.peer !== undefined && session.peer.uid === who.peer.uid);
+  }
+
+  listSessions(context?: CallContext): ListSessionsResponse {
     const snapshot = this.deps.registry.snapshot();
     return {
-      sessions: this.deps.sessions.list().map((session) => {
+      sessions: this.visibleSessions(context).map((session) => {
         const owned = snapshot.allocations.filter((allocation) => allocation.owner === String(session.id));
         return {
           id: String(session.id),
@@ -85,9 +94,11 @@ export class AdminService {
     };
   }
 
-  listObjects(request: ListObjectsRequest__Output): ListObjectsResponse {
+  /** Objects by owner; a caller who is not an admin sees only those of its own uid's sessions. */
+  listObjects(request: ListObjectsRequest__Output, context?: CallContext): ListObjectsResponse {
     const only = u64(request.ownerSession);
-    const wanted = (owner: string) => only === 0n || owner === String(only);
+    const mine = context?.who === undefined || context.who.admin ? undefined : new Set(this.visibleSessions(context).map((session) => String(session.id)));
+    const wanted = (owner: string) => (only === 0n || owner === String(only)) && (mine === undefined || mine.has(owner));
     const snapshot = this.deps.registry.snapshot();
     const objects: ObjectInfo[] = [];
     for (const reservation of snapshot.reservations) {
@@ -179,8 +190,8 @@ export class AdminService {
     server.addService(proto.vmmd.v1.Admin.service, {
       GetStats: unary(deps, 'GetStats', (request: GetStatsRequest__Output) => this.getStats(request)),
       GetReport: unary(deps, 'GetReport', () => this.getReport()),
-      ListSessions: unary(deps, 'ListSessions', () => this.listSessions()),
-      ListObjects: unary(deps, 'ListObjects', (request: ListObjectsRequest__Output) => this.listObjects(request)),
+      ListSessions: unary(deps, 'ListSessions', (_request: object, context) => this.listSessions(context)),
+      ListObjects: unary(deps, 'ListObjects', (request: ListObjectsRequest__Output, context) => this.listObjects(request, context)),
       ClearCaches: unary(deps, 'ClearCaches', () => this.clearCaches()),
       GetVersion: unary(deps, 'GetVersion', () => this.getVersion()),
     });

@@ -7,7 +7,8 @@
 import * as grpc from '@grpc/grpc-js';
 import type { Logger } from 'pino';
 import { ERROR_CODE_KEY, SESSION_METADATA_KEY } from '../../common/protocol';
-import { failedPrecondition, toServiceError, unauthenticated } from '../errors';
+import type { AccessPolicy, Caller } from '../access';
+import { failedPrecondition, toServiceError } from '../errors';
 import { DAEMON_OWNER } from '../registry/records';
 import type { Session, SessionManager } from '../sessions';
 
@@ -16,11 +17,15 @@ export interface CallContext {
   /** The owner id new objects get and permissions are checked against. */
   caller: bigint;
   session?: Session;
+  /** The connection's peer: its uid, whether it is an admin (server/access.ts). Absent for the session socket's own requests. */
+  who?: Caller;
   log: Logger;
 }
 
 export interface HandlerDeps {
   sessions: SessionManager;
+  /** Who may call what: checked before every call. */
+  access: AccessPolicy;
   log: Logger;
   /** Sees every call's method, status name, error code and duration (metrics). */
   observe?: (method: string, status: string, code: string | undefined, seconds: number) => void;
@@ -67,22 +72,17 @@ function metadataToken(metadata: grpc.Metadata): string | undefined {
 
 async function withContext<T>(
   deps: HandlerDeps,
-  metadata: grpc.Metadata,
+  call: { metadata: grpc.Metadata; getPeer(): string; getAuthContext(): { sslPeerCertificate?: unknown } },
   method: string,
   run: (context: CallContext) => Promise<T>,
   tracked = true,
-  peer?: string,
 ): Promise<T> {
-  const token = metadataToken(metadata);
-  // Sessions live on the Unix socket: a token arriving over TCP is refused, never honoured.
-  // grpc-js names a Unix-socket peer 'unknown' (no remote address), a TCP peer 'address:port'.
-  const overTcp = peer !== undefined && peer !== 'unknown' && !peer.startsWith('unix:');
-  if (token !== undefined && overTcp) {
-    throw unauthenticated('TCP_SESSION', 'sessions and descriptors exist only over the Unix socket; call without a session token over TCP');
-  }
-  const session = deps.sessions.authenticate(token);
+  const token = metadataToken(call.metadata);
+  const who = deps.access.identify(call.getPeer(), call.getAuthContext());
+  let session: Session | undefined;
+  deps.access.check(method, who, token, () => (session = deps.sessions.authenticate(token)));
   const log = session?.log ?? deps.log;
-  const context: CallContext = { caller: session?.id ?? DAEMON_OWNER, session, log: log.child({ method }) };
+  const context: CallContext = { caller: session?.id ?? DAEMON_OWNER, session, who, log: log.child({ method }) };
   return session === undefined || !tracked ? run(context) : session.track(() => run(context));
 }
 
@@ -92,7 +92,7 @@ export function unary<Req, Res>(
   body: (request: Req, context: CallContext) => Promise<Res> | Res,
 ): grpc.handleUnaryCall<Req, Res> {
   return (call, callback) => {
-    void settle(deps, method, withContext(deps, call.metadata, method, async (context) => body(call.request, context), true, call.getPeer())).then(
+    void settle(deps, method, withContext(deps, call, method, async (context) => body(call.request, context))).then(
       ({ value, error }) => (error === undefined ? callback(null, value) : callback(error as grpc.ServiceError)),
     );
   };
@@ -124,7 +124,7 @@ export function serverStream<Req, Res>(
   return (call) => {
     const run = withContext(
       deps,
-      call.metadata,
+      call,
       method,
       async (context) => {
         for await (const message of body(call.request, context)) {
@@ -133,7 +133,6 @@ export function serverStream<Req, Res>(
         }
       },
       options.tracked ?? true,
-      call.getPeer(),
     );
     // grpc-js turns an 'error' event on a server stream into the call's status.
     void settle(deps, method, run).then(({ error }) => (error === undefined ? call.end() : call.emit('error', error)));
@@ -146,7 +145,7 @@ export function clientStream<Req, Res>(
   body: (requests: AsyncIterable<Req>, context: CallContext) => Promise<Res>,
 ): grpc.handleClientStreamingCall<Req, Res> {
   return (call, callback) => {
-    void settle(deps, method, withContext(deps, call.metadata, method, (context) => body(call as AsyncIterable<Req>, context), true, call.getPeer())).then(
+    void settle(deps, method, withContext(deps, call, method, (context) => body(call as AsyncIterable<Req>, context))).then(
       ({ value, error }) => (error === undefined ? callback(null, value as Res) : callback(error as grpc.ServiceError)),
     );
   };

@@ -21,8 +21,8 @@ import type { StoreRef__Output } from '../../generated/vmmd/v1/StoreRef';
 import type { WatchRequest__Output } from '../../generated/vmmd/v1/WatchRequest';
 import type { VmmdProto } from '../../common/proto';
 import { addon } from '../../native';
-import { invalidArgument } from '../errors';
-import { IO_CHUNK_BYTES, Registry } from '../registry';
+import { invalidArgument, permissionDenied } from '../errors';
+import { DAEMON_OWNER, IO_CHUNK_BYTES, Registry } from '../registry';
 import type { SessionManager } from '../sessions';
 import { StoreEvent, StoreRecord, StoreRegistry, StoreTarget } from '../stores';
 import { CallContext, clientStream, HandlerDeps, requireSession, serverStream, unary } from './handler';
@@ -71,15 +71,15 @@ export class StoresService {
   }
 
   async createStore(request: CreateStoreRequest__Output, context: CallContext): Promise<Store> {
-    return this.toWire(
-      await this.stores.create(context.caller, {
-        allocationId: u64(request.allocationId),
-        name: request.name,
-        readOnly: request.readOnly,
-        handOver: request.handOver,
-        size: u64(request.size),
-      }),
-    );
+    const store = await this.stores.create(context.caller, {
+      allocationId: u64(request.allocationId),
+      name: request.name,
+      readOnly: request.readOnly,
+      handOver: request.handOver,
+      size: u64(request.size),
+    });
+    store.creatorUid = context.who?.peer?.uid;
+    return this.toWire(store);
   }
 
   async attach(request: AttachRequest__Output, context: CallContext): Promise<Store> {
@@ -96,6 +96,7 @@ export class StoresService {
       name: request.name,
       hasDeleter: request.hasDeleter,
     });
+    store.creatorUid = session.peer.uid;
     return this.toWire(store);
   }
 
@@ -125,8 +126,17 @@ export class StoresService {
     return { opens: await this.stores.close(context.caller, store) };
   }
 
+  /** @throws PERMISSION_DENIED NOT_OWNER (another session's store; a daemon-owned store another uid made, unless the caller is an admin) */
   async detach(request: DetachRequest__Output, context: CallContext): Promise<Store> {
-    return this.toWire(await this.stores.detach(context.caller, this.ref(request.store)));
+    const store = this.ref(request.store);
+    const who = context.who;
+    if (store.owner === DAEMON_OWNER && who?.peer !== undefined && !who.admin && store.creatorUid !== who.peer.uid) {
+      throw permissionDenied(
+        'NOT_OWNER',
+        `store ${store.id} was handed to the daemon by ${store.creatorUid === undefined ? 'an admin' : `uid ${store.creatorUid}`}; only that uid or an admin detaches it`,
+      );
+    }
+    return this.toWire(await this.stores.detach(context.caller, store));
   }
 
   list(): ListStoresResponse {

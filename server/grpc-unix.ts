@@ -1,0 +1,66 @@
+/**
+ * The gRPC Unix socket, accepted by the daemon itself so that every
+ * connection is attributed to its peer: SO_PEERCRED is read on each accepted
+ * socket and written into the socket's remote address, which grpc-js reports
+ * as each call's peer (server/access.ts reads it back). grpc-js serves the
+ * connections through a connection injector (Server.createConnectionInjector).
+ */
+import * as grpc from '@grpc/grpc-js';
+import * as net from 'node:net';
+import type { Logger } from 'pino';
+import { addon } from '../native';
+import { unixPeerAddress } from './access';
+
+/** How often a failing accept (EMFILE, ENFILE) is logged at most. */
+const ACCEPT_ERROR_LOG_MS = 10_000;
+
+export class GrpcUnixListener {
+  private constructor(private readonly server: net.Server, private readonly injector: grpc.ConnectionInjector) {}
+
+  /** Listens on `path` and hands every attributed connection to `grpcServer`. */
+  static async listen(grpcServer: grpc.Server, path: string, log: Logger): Promise<GrpcUnixListener> {
+    const injector = grpcServer.createConnectionInjector(grpc.ServerCredentials.createInsecure());
+    let lastErrorLog = 0;
+    let suppressed = 0;
+    const server = net.createServer({ allowHalfOpen: false, pauseOnConnect: false }, (socket) => {
+      const fd = (socket as unknown as { _handle?: { fd?: number } })._handle?.fd;
+      let address: string;
+      try {
+        if (fd === undefined || fd < 0) throw new Error('the accepted socket has no descriptor');
+        address = unixPeerAddress(addon.peerCredentials(fd));
+      } catch (error) {
+        log.warn({ err: error }, 'a gRPC connection without readable peer credentials was closed');
+        socket.destroy();
+        return;
+      }
+      // grpc-js reads the call's peer from the socket's remoteAddress (a Unix socket has none of its own).
+      Object.defineProperty(socket, 'remoteAddress', { value: address, configurable: true });
+      injector.injectConnection(socket);
+    });
+    // libuv already keeps a spare descriptor for EMFILE and closes waiting connections with it; this only keeps the log short.
+    server.on('error', (error: NodeJS.ErrnoException) => {
+      const now = Date.now();
+      if (now - lastErrorLog < ACCEPT_ERROR_LOG_MS) {
+        suppressed++;
+        return;
+      }
+      log.warn({ err: error, suppressedSinceLast: suppressed }, 'cannot accept a gRPC connection (logged at most every 10 s)');
+      lastErrorLog = now;
+      suppressed = 0;
+    });
+    await new Promise<void>((resolve, reject) => {
+      const failed = (error: Error) => reject(error);
+      server.once('error', failed);
+      server.listen(path, () => {
+        server.off('error', failed);
+        resolve();
+      });
+    });
+    return new GrpcUnixListener(server, injector);
+  }
+
+  close(): void {
+    this.server.close();
+    this.injector.destroy();
+  }
+}
