@@ -92,6 +92,20 @@ export type SessionMessage =
 /** Transfer ids are decimal uint64 strings, 1 or more, without leading zeros. */
 export const TRANSFER_ID_PATTERN = /^[1-9][0-9]{0,19}$/;
 
+/**
+ * The request id of a message that names one readably (an `allocate`), even
+ * when the rest of it is bad: a refusal echoes it so that the client's waiter
+ * for that id gets the answer instead of a timeout. Undefined when there is none.
+ */
+export function readableRequestId(data: Buffer): string | undefined {
+  try {
+    const request = (JSON.parse(data.toString('utf8')) as { request?: unknown } | null)?.request;
+    return typeof request === 'string' && TRANSFER_ID_PATTERN.test(request) && BigInt(request) < 1n << 64n ? request : undefined;
+  } catch {
+    return undefined;
+  }
+}
+
 export function encodeMessage(message: SessionMessage): Buffer {
   return Buffer.from(JSON.stringify(message), 'utf8');
 }

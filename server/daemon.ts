@@ -134,7 +134,7 @@ export class Daemon {
     const health = new HealthImplementation(Object.fromEntries(HEALTH_SERVICES.map((name) => [name, 'NOT_SERVING'])));
     health.addToServer(server);
     const metrics = new Metrics(registry, () => sessions, stores);
-    const deps: HandlerDeps = { sessions, access, log, observe: (method, status, code, seconds) => metrics.observe(method, status, code, seconds) };
+    const deps: HandlerDeps = { sessions, access, streamStallMs: config.streamStallMs, log, observe: (method, status, code, seconds) => metrics.observe(method, status, code, seconds) };
     new DevicesService(registry).addToServer(server, proto, deps);
     new VirtualMemoryService(registry, sessions, staging).addToServer(server, proto, deps);
     new StoresService(registry, stores, sessions).addToServer(server, proto, deps);

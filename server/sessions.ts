@@ -9,7 +9,7 @@
 import { randomBytes } from 'node:crypto';
 import type { Logger } from 'pino';
 import { status as Status } from '@grpc/grpc-js';
-import { decodeMessage, encodeMessage, PROTOCOL_VERSION, SessionMessage } from '../common/protocol';
+import { decodeMessage, encodeMessage, PROTOCOL_VERSION, readableRequestId, SessionMessage, TRANSFER_ID_PATTERN } from '../common/protocol';
 import { TransferInbox } from '../common/transfer-inbox';
 import { addon, Credentials } from '../native';
 import { SeqpacketConnection, SeqpacketListener, SeqpacketMessage } from '../native/seqpacket';
@@ -253,10 +253,10 @@ export class SessionManager {
     session.log.info('session opened');
   }
 
-  private refuse(session: Session, fd: number, code: string, message: string, transfer?: string): void {
+  private refuse(session: Session, fd: number, code: string, message: string, transfer?: string, request?: string): void {
     if (fd >= 0) addon.close(fd);
-    session.log.warn({ code, transfer }, message);
-    session.trySend({ type: 'error', code, message, ...(transfer === undefined ? {} : { transfer }) });
+    session.log.warn({ code, transfer, request }, message);
+    session.trySend({ type: 'error', code, message, ...(transfer === undefined ? {} : { transfer }), ...(request === undefined ? {} : { request }) });
   }
 
   private onMessage(session: Session, raw: SeqpacketMessage): void {
@@ -267,7 +267,7 @@ export class SessionManager {
     if (raw.truncated) return this.refuse(session, raw.fd, 'MESSAGE_TOO_LARGE', 'the message is longer than 4096 bytes');
     if (raw.extraFds > 0) return this.refuse(session, raw.fd, 'TOO_MANY_DESCRIPTORS', `a message may carry one descriptor, not ${raw.extraFds + 1}`);
     const message = decodeMessage(raw.data);
-    if (typeof message === 'string') return this.refuse(session, raw.fd, 'BAD_MESSAGE', message);
+    if (typeof message === 'string') return this.refuse(session, raw.fd, 'BAD_MESSAGE', message, undefined, readableRequestId(raw.data));
     if (message.type === 'transfer') return this.onTransfer(session, message.transfer, raw.fd);
     void this.answer(session, message as RequestMessage, raw.fd);
   }
@@ -280,7 +280,11 @@ export class SessionManager {
       // listen() set the services before the first connection.
       answer = await session.track(async () => this.services!.answer(session, message, fd));
     } catch (error) {
-      if ((error as { messageRefused?: boolean }).messageRefused) return this.refuse(session, fd, (error as RpcError).code, (error as RpcError).message);
+      if ((error as { messageRefused?: boolean }).messageRefused) {
+        // A malformed message names its request only when the id itself was readable.
+        const readable = request !== undefined && TRANSFER_ID_PATTERN.test(request) && BigInt(request) < 1n << 64n ? request : undefined;
+        return this.refuse(session, fd, (error as RpcError).code, (error as RpcError).message, undefined, readable);
+      }
       const wire = toServiceError(error, session.log);
       session.trySend({
         type: 'error',

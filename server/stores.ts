@@ -75,6 +75,11 @@ export class StoreRegistry extends EventEmitter {
     return [...this.stores.values()];
   }
 
+  /** The sequence number of the latest event (0: none yet). */
+  get lastSequence(): bigint {
+    return this.nextSequence - 1n;
+  }
+
   /** Events after `since`, oldest first. */
   eventsSince(since: bigint): StoreEvent[] {
     return this.events.filter((event) => event.sequence > since);

@@ -8,7 +8,7 @@ import * as grpc from '@grpc/grpc-js';
 import type { Logger } from 'pino';
 import { ERROR_CODE_KEY, SESSION_METADATA_KEY } from '../../common/protocol';
 import type { AccessPolicy, Caller } from '../access';
-import { failedPrecondition, toServiceError } from '../errors';
+import { failedPrecondition, resourceExhausted, toServiceError } from '../errors';
 import { DAEMON_OWNER } from '../registry/records';
 import type { Session, SessionManager } from '../sessions';
 
@@ -26,6 +26,8 @@ export interface HandlerDeps {
   sessions: SessionManager;
   /** Who may call what: checked before every call. */
   access: AccessPolicy;
+  /** How long a server stream waits for a reader that takes nothing (READER_STALLED). */
+  streamStallMs: number;
   log: Logger;
   /** Sees every call's method, status name, error code and duration (metrics). */
   observe?: (method: string, status: string, code: string | undefined, seconds: number) => void;
@@ -98,17 +100,53 @@ export function unary<Req, Res>(
   };
 }
 
-/** Waits until the stream can take more, or the call ends. */
-function drain(call: grpc.ServerWritableStream<unknown, unknown>): Promise<void> {
-  return new Promise((resolve) => {
-    const done = () => {
-      call.off('drain', done);
-      call.off('cancelled', done);
-      resolve();
-    };
-    call.on('drain', done);
-    call.on('cancelled', done);
-  });
+/** Messages a server stream hands grpc-js before the transport has taken the earlier ones: what one stalled reader can make the daemon hold. */
+const WRITES_IN_FLIGHT = 2;
+
+/**
+ * Writes a stream's messages with at most WRITES_IN_FLIGHT not yet taken by
+ * the transport (HTTP/2 flow control holds them while the reader reads
+ * nothing), so that a reader that stops holds a bounded amount of the
+ * daemon's memory, and is cut off after stallMs.
+ */
+class BoundedWriter {
+  private inFlight = 0;
+  private wake?: () => void;
+
+  constructor(
+    private readonly call: grpc.ServerWritableStream<unknown, unknown>,
+    private readonly stallMs: number,
+  ) {}
+
+  /** @throws RESOURCE_EXHAUSTED READER_STALLED when the reader takes nothing for stallMs */
+  async write(message: unknown): Promise<void> {
+    this.inFlight++;
+    this.call.write(message, () => {
+      this.inFlight--;
+      this.wake?.();
+    });
+    if (this.inFlight < WRITES_IN_FLIGHT) return;
+    await new Promise<void>((resolve, reject) => {
+      const done = () => {
+        clearTimeout(timer);
+        this.wake = undefined;
+        this.call.off('cancelled', done);
+        resolve();
+      };
+      const timer = setTimeout(() => {
+        this.wake = undefined;
+        this.call.off('cancelled', done);
+        reject(
+          resourceExhausted(
+            'READER_STALLED',
+            `the reader took nothing for ${this.stallMs} ms while the stream had more for it; the stream is ended (--stream-stall-ms)`,
+          ),
+        );
+      }, this.stallMs);
+      this.wake = done;
+      this.call.on('cancelled', done);
+    });
+  }
 }
 
 /**
@@ -127,9 +165,10 @@ export function serverStream<Req, Res>(
       call,
       method,
       async (context) => {
+        const writer = new BoundedWriter(call as grpc.ServerWritableStream<unknown, unknown>, deps.streamStallMs);
         for await (const message of body(call.request, context)) {
           if (call.cancelled) return;
-          if (!call.write(message)) await drain(call as grpc.ServerWritableStream<unknown, unknown>);
+          await writer.write(message);
         }
       },
       options.tracked ?? true,

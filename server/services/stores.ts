@@ -21,7 +21,7 @@ import type { StoreRef__Output } from '../../generated/vmmd/v1/StoreRef';
 import type { WatchRequest__Output } from '../../generated/vmmd/v1/WatchRequest';
 import type { VmmdProto } from '../../common/proto';
 import { addon } from '../../native';
-import { invalidArgument, permissionDenied } from '../errors';
+import { invalidArgument, permissionDenied, resourceExhausted } from '../errors';
 import { DAEMON_OWNER, IO_CHUNK_BYTES, Registry } from '../registry';
 import type { SessionManager } from '../sessions';
 import { StoreEvent, StoreRecord, StoreRegistry, StoreTarget } from '../stores';
@@ -36,6 +36,9 @@ const TARGETS: Record<string, StoreTarget | undefined> = {
 };
 
 const CHUNK = BigInt(IO_CHUNK_BYTES);
+
+/** Events a watcher's reader may fall behind by before it is dropped (FELL_BEHIND). */
+export const WATCH_QUEUE_EVENTS = 1024;
 
 /** One end of a data operation: a store range, or daemon-mapped memory at an address. */
 type Place = { store: StoreRecord; offset: bigint } | { address: bigint };
@@ -147,11 +150,25 @@ export class StoresService {
     return { sequence: String(event.sequence), kind: `KIND_${event.kind}`, store: this.toWire(event.store), session: String(event.session) };
   }
 
+  /**
+   * Store events from `since` on, then as they happen. A watcher whose reader
+   * falls more than WATCH_QUEUE_EVENTS behind is dropped: its queue is freed at
+   * once, and what it already has is followed by RESOURCE_EXHAUSTED FELL_BEHIND.
+   * @throws RESOURCE_EXHAUSTED FELL_BEHIND saying by how many events, and the since to watch again from
+   */
   async *watch(request: WatchRequest__Output): AsyncGenerator<WireStoreEvent> {
+    // Invariant: at most WATCH_QUEUE_EVENTS events wait here; once over, none do and the watcher is unsubscribed.
     const queue: StoreEvent[] = [];
+    let fellBehind = false;
     let wake: (() => void) | undefined;
     const onEvent = (event: StoreEvent) => {
-      queue.push(event);
+      if (queue.length >= WATCH_QUEUE_EVENTS) {
+        fellBehind = true;
+        queue.length = 0;
+        this.stores.off('event', onEvent);
+      } else {
+        queue.push(event);
+      }
       wake?.();
     };
     // Subscribe before replaying, and skip what the replay already gave: no event is lost or doubled.
@@ -159,6 +176,7 @@ export class StoresService {
     try {
       let last = u64(request.since);
       for (const event of this.stores.eventsSince(last)) {
+        if (fellBehind) break;
         last = event.sequence;
         yield this.eventToWire(event);
       }
@@ -168,6 +186,12 @@ export class StoresService {
           if (event.sequence <= last) continue;
           last = event.sequence;
           yield this.eventToWire(event);
+        }
+        if (fellBehind) {
+          throw resourceExhausted(
+            'FELL_BEHIND',
+            `this watcher fell behind by ${this.stores.lastSequence - last} events (more than ${WATCH_QUEUE_EVENTS} waited for its reader) and is dropped; watch again with since=${last}`,
+          );
         }
         await new Promise<void>((resolve) => (wake = resolve));
         wake = undefined;

@@ -217,6 +217,27 @@ describe('the session socket protocol', () => {
     expect(daemon.openFds()).toBe(fdsBefore);
   });
 
+  it('echoes the request id of an allocate it refuses, whenever the id could be read', async () => {
+    const fdsBefore = daemon.openFds();
+    // Malformed, with a readable id: BAD_MESSAGE naming the request (0.1.0 sent none: the client could only time out).
+    raw.send(Buffer.from(JSON.stringify({ type: 'allocate', request: '41', size: 'lots' })));
+    expect(await next()).toMatchObject({ type: 'error', code: 'BAD_MESSAGE', request: '41' });
+    raw.send(Buffer.from(JSON.stringify({ type: 'allocate', request: '42', size: '2097152', location: { type: 'GPU' } })));
+    expect(await next()).toMatchObject({ type: 'error', code: 'BAD_MESSAGE', request: '42' });
+    // With a descriptor attached: UNEXPECTED_DESCRIPTOR naming the request, the descriptor closed.
+    const fd = addon.hostMemfdCreate('stray', 2n * MiB);
+    raw.send(Buffer.from(JSON.stringify({ type: 'allocate', request: '43', size: '2097152' })), fd);
+    expect(await next()).toMatchObject({ type: 'error', code: 'UNEXPECTED_DESCRIPTOR', request: '43' });
+    addon.close(fd);
+    // An id that cannot be read is not made up.
+    raw.send(Buffer.from(JSON.stringify({ type: 'allocate', request: 'x', size: '2097152' })));
+    const unreadable = await next();
+    expect(unreadable).toMatchObject({ type: 'error', code: 'BAD_MESSAGE' });
+    expect(unreadable).not.toHaveProperty('request');
+    expect((await daemon.stats()).allocations).toBe('0');
+    expect(daemon.openFds()).toBe(fdsBefore);
+  });
+
   it('refuses a transfer id that does not increase, and closes its descriptor', async () => {
     const fdsBefore = daemon.openFds();
     const fd = addon.hostMemfdCreate('replayed', 2n * MiB);
