@@ -100,17 +100,26 @@ export function unary<Req, Res>(
   };
 }
 
-/** Messages a server stream hands grpc-js before the transport has taken the earlier ones: what one stalled reader can make the daemon hold. */
+/**
+ * What a server stream hands grpc-js before the transport has taken it: at
+ * most this many bytes (and always 2 messages, however large), all that one
+ * stalled reader can make the daemon hold besides the HTTP/2 window.
+ */
+const BYTES_IN_FLIGHT = 64 << 10;
 const WRITES_IN_FLIGHT = 2;
 
+/** A message's size as far as the bound goes: its bytes field, else a small constant (store events). */
+const sizeOf = (message: unknown) => (message as { data?: { length?: number } }).data?.length ?? 512;
+
 /**
- * Writes a stream's messages with at most WRITES_IN_FLIGHT not yet taken by
+ * Writes a stream's messages with at most BYTES_IN_FLIGHT (or WRITES_IN_FLIGHT) not yet taken by
  * the transport (HTTP/2 flow control holds them while the reader reads
  * nothing), so that a reader that stops holds a bounded amount of the
  * daemon's memory, and is cut off after stallMs.
  */
 class BoundedWriter {
   private inFlight = 0;
+  private bytesInFlight = 0;
   private wake?: () => void;
 
   constructor(
@@ -120,12 +129,15 @@ class BoundedWriter {
 
   /** @throws RESOURCE_EXHAUSTED READER_STALLED when the reader takes nothing for stallMs */
   async write(message: unknown): Promise<void> {
+    const bytes = sizeOf(message);
     this.inFlight++;
+    this.bytesInFlight += bytes;
     this.call.write(message, () => {
       this.inFlight--;
+      this.bytesInFlight -= bytes;
       this.wake?.();
     });
-    if (this.inFlight < WRITES_IN_FLIGHT) return;
+    if (this.inFlight < WRITES_IN_FLIGHT || this.bytesInFlight < BYTES_IN_FLIGHT) return;
     await new Promise<void>((resolve, reject) => {
       const done = () => {
         clearTimeout(timer);

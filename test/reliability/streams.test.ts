@@ -20,7 +20,7 @@ import { figure } from './figures';
 
 const FULL = process.env.VMMD_RELIABILITY === 'full';
 const WATCHERS = FULL ? 100 : 20;
-const EVENTS = FULL ? 40_000 : 3_000;
+const EVENTS = FULL ? 40_000 : 4_500;
 const READERS = FULL ? 20 : 4;
 jest.setTimeout(FULL ? 600_000 : 120_000);
 
