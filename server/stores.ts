@@ -11,7 +11,7 @@ import type { Logger } from 'pino';
 import { addon } from '../native';
 import { admitClientMemfd } from './client-memfd';
 import { alreadyExists, failedPrecondition, invalidArgument, notFound, outOfRange, permissionDenied } from './errors';
-import { DAEMON_OWNER, Registry } from './registry';
+import { AllocationRecord, DAEMON_OWNER, Registry } from './registry';
 import { AllocationMemory, MemfdMemory, StoreMemory } from './store-memory';
 
 export type StoreTarget = 'SYSMEM' | 'ZCMEM' | 'FBMEM';
@@ -101,14 +101,7 @@ export class StoreRegistry extends EventEmitter {
     const id = this.nextId++;
     const holder = STORE_HOLDER_BASE + id;
     const allocation = this.registry.holdAllocation(caller, args.allocationId, holder);
-    let memory: StoreMemory;
-    try {
-      if (args.readOnly) this.registry.sealReadOnly(allocation, id);
-      memory = await AllocationMemory.map(this.registry, allocation, holder, args.readOnly);
-    } catch (error) {
-      await this.registry.dropHolder(holder, allocation.id);
-      throw error;
-    }
+    const memory = await this.mapHeld(allocation, holder, id, args.readOnly);
     const target: StoreTarget = allocation.location.type === 'DEVICE' && this.registry.backend.capabilities.gpuMemory ? 'FBMEM' : allocation.location.type === 'DEVICE' ? 'SYSMEM' : 'ZCMEM';
     return this.add(caller, {
       id,
@@ -166,14 +159,8 @@ export class StoreRegistry extends EventEmitter {
       const holder = STORE_HOLDER_BASE + id;
       this.registry.holdAllocation(caller, allocation.id, holder);
       await this.registry.release(caller, allocation.id);
-      if (args.readOnly) this.registry.sealReadOnly(allocation, id);
-      try {
-        memory = await AllocationMemory.map(this.registry, allocation, holder, args.readOnly);
-      } catch (error) {
-        // The import goes with the store that could not be made (found by fault injection: it stayed).
-        await this.registry.dropHolder(holder, allocation.id);
-        throw error;
-      }
+      // The import goes with the store that could not be made (found by fault injection: it stayed).
+      memory = await this.mapHeld(allocation, holder, id, args.readOnly);
     }
     return this.add(caller, {
       id,
@@ -324,6 +311,21 @@ export class StoreRegistry extends EventEmitter {
   async writeChunk(store: StoreRecord, offset: bigint, data: Buffer): Promise<void> {
     this.checkRange(store, offset, BigInt(data.length), true);
     await store.memory.write(offset, data);
+  }
+
+  /**
+   * Seals (for a read-only store) and maps memory held for store `id`; when
+   * either fails, the store's hold is dropped, and the memory with it if
+   * nothing else holds it.
+   */
+  private async mapHeld(allocation: AllocationRecord, holder: bigint, id: bigint, readOnly: boolean): Promise<StoreMemory> {
+    try {
+      if (readOnly) this.registry.sealReadOnly(allocation, id);
+      return await AllocationMemory.map(this.registry, allocation, holder, readOnly);
+    } catch (error) {
+      await this.registry.dropHolder(holder, allocation.id);
+      throw error;
+    }
   }
 
   private add(caller: bigint, fields: Omit<StoreRecord, 'state' | 'opens' | 'inFlight' | 'drainWaiters' | 'releasing' | 'releaseFailure'>): StoreRecord {

@@ -263,6 +263,17 @@ describe('the session socket protocol', () => {
   });
 });
 
+describe('the client session', () => {
+  it('settles a ping in flight when the session closes: SESSION_LOST, never a promise left hanging', async () => {
+    const c = await client();
+    await c.session.ping();
+    const pending = c.session.ping();
+    c.session.close();
+    await expect(pending).rejects.toMatchObject({ code: 'SESSION_LOST' });
+    await expect(c.session.ping()).rejects.toMatchObject({ code: 'SESSION_LOST' });
+  });
+});
+
 describe('the lease', () => {
   it("reclaims a closed session's objects, even with a Read in flight", async () => {
     await settled();
