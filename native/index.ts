@@ -127,13 +127,15 @@ export interface Addon {
   cudaRelease(device: number, handle: bigint): Promise<void>;
   /** cuMemCreate and its POSIX-fd export in one job on a driver thread. */
   cudaCreateExported(device: number, locationType: number, locationId: number, size: bigint, handleTypes: number): Promise<{ handle: bigint; fd: number }>;
-  cudaMap(address: bigint, size: bigint, offset: bigint, handle: bigint): void;
+  /** On a driver thread. */
+  cudaMap(address: bigint, size: bigint, offset: bigint, handle: bigint): Promise<void>;
   /**
    * cuMemUnmap on a driver thread; with `synchronize`, cuCtxSynchronize first (as cuMemFree
    * does), for memory this process's own kernels or copies may still be using.
    */
   cudaUnmap(device: number, address: bigint, size: bigint, synchronize?: boolean): Promise<void>;
-  cudaSetAccess(address: bigint, size: bigint, descriptors: Array<{ type: number; id: number; flags: number }>): void;
+  /** On a driver thread. */
+  cudaSetAccess(address: bigint, size: bigint, descriptors: Array<{ type: number; id: number; flags: number }>): Promise<void>;
   cudaGetAccess(address: bigint, locationType: number, locationId: number): number;
   cudaExportFd(device: number, handle: bigint): Promise<number>;
   cudaExportFabric(device: number, handle: bigint): Promise<Buffer>;

@@ -142,12 +142,12 @@ export class DeviceMapping {
     const address = addon.cudaReserve(size, granularity, 0n);
     let mapped = false;
     try {
-      addon.cudaMap(address, size, 0n, handle);
+      await addon.cudaMap(address, size, 0n, handle);
       mapped = true;
       const flags = access.readOnly ? 1 : 3;
       const descriptors: Array<{ type: number; id: number; flags: number }> = [{ type: CU_LOCATION.DEVICE, id: device, flags }];
       if (access.hostNuma !== undefined) descriptors.push({ type: CU_LOCATION.HOST_NUMA, id: access.hostNuma, flags });
-      addon.cudaSetAccess(address, size, descriptors);
+      await addon.cudaSetAccess(address, size, descriptors);
       return new DeviceMapping(device, address, size, access.synchronizeUnmap ?? false);
     } catch (error) {
       // Nothing ran on the range yet: no synchronization needed.

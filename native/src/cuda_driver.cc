@@ -496,7 +496,8 @@ Napi::Value CudaRelease(const Napi::CallbackInfo& info) {
   return CudaWorker::Queue(env, device, "cuMemRelease", [handle] { return Injected("cuMemRelease", [&] { return driver.api.cuMemRelease(handle); }); }, nullptr);
 }
 
-// cudaMap(address, size, offset, handle)
+// cudaMap(address, size, offset, handle) -> Promise<void>, on a driver thread (a map can take
+// hundreds of microseconds); address space is the process's, any device's context serves.
 Napi::Value CudaMap(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   RequireDriver(env);
@@ -504,9 +505,10 @@ Napi::Value CudaMap(const Napi::CallbackInfo& info) {
   uint64_t size = U64Arg(info, 1, "size");
   uint64_t offset = U64Arg(info, 2, "offset");
   uint64_t handle = U64Arg(info, 3, "handle");
-  Check(env, UseDevice(0), "cuCtxSetCurrent");
-  Check(env, Injected("cuMemMap", [&] { return driver.api.cuMemMap(address, size, offset, handle, 0); }), Sized("cuMemMap", size));
-  return env.Undefined();
+  return CudaWorker::Queue(
+      env, 0, Sized("cuMemMap", size),
+      [address, size, offset, handle] { return Injected("cuMemMap", [&] { return driver.api.cuMemMap(address, size, offset, handle, 0); }); },
+      nullptr, address);
 }
 
 // cudaUnmap(device, address, size, synchronize = false) -> Promise<void>
@@ -531,24 +533,27 @@ Napi::Value CudaUnmap(const Napi::CallbackInfo& info) {
       nullptr, address);
 }
 
-// cudaSetAccess(address, size, [{ type, id, flags }])
+// cudaSetAccess(address, size, [{ type, id, flags }]) -> Promise<void>, on a driver thread
+// (setting access can take hundreds of microseconds). The descriptors are copied here.
 Napi::Value CudaSetAccess(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   RequireDriver(env);
   uint64_t address = U64Arg(info, 0, "address");
   uint64_t size = U64Arg(info, 1, "size");
   Napi::Array list = info[2].As<Napi::Array>();
-  std::vector<cu::MemAccessDesc> descriptors(list.Length());
+  auto descriptors = std::make_shared<std::vector<cu::MemAccessDesc>>(list.Length());
   for (uint32_t i = 0; i < list.Length(); i++) {
     Napi::Object entry = list.Get(i).As<Napi::Object>();
-    descriptors[i].location.type = static_cast<cu::LocationType>(entry.Get("type").As<Napi::Number>().Int32Value());
-    descriptors[i].location.id = entry.Get("id").As<Napi::Number>().Int32Value();
-    descriptors[i].flags = static_cast<cu::AccessFlags>(entry.Get("flags").As<Napi::Number>().Int32Value());
+    (*descriptors)[i].location.type = static_cast<cu::LocationType>(entry.Get("type").As<Napi::Number>().Int32Value());
+    (*descriptors)[i].location.id = entry.Get("id").As<Napi::Number>().Int32Value();
+    (*descriptors)[i].flags = static_cast<cu::AccessFlags>(entry.Get("flags").As<Napi::Number>().Int32Value());
   }
-  Check(env, UseDevice(0), "cuCtxSetCurrent");
-  Check(env, Injected("cuMemSetAccess", [&] { return driver.api.cuMemSetAccess(address, size, descriptors.data(), descriptors.size()); }),
-        Sized("cuMemSetAccess", size));
-  return env.Undefined();
+  return CudaWorker::Queue(
+      env, 0, Sized("cuMemSetAccess", size),
+      [address, size, descriptors] {
+        return Injected("cuMemSetAccess", [&] { return driver.api.cuMemSetAccess(address, size, descriptors->data(), descriptors->size()); });
+      },
+      nullptr, address);
 }
 
 // cudaGetAccess(address, type, id) -> flags

@@ -95,10 +95,12 @@ export interface Backend {
   retainHandle(address: bigint, handle: BackendHandle): BackendHandle;
   /** Drops one reference taken by retainHandle. */
   releaseReference(handle: BackendHandle, device: number): Promise<void>;
-  map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint): void;
+  /** Off the event loop where the backend can (cuda: a driver thread). */
+  map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint): Promise<void>;
   /** `device`: the mapped memory's (cuda: the work runs in that device's primary context). */
   unmap(address: bigint, size: bigint, device: number): Promise<void>;
-  setAccess(address: bigint, size: bigint, grants: AccessGrant[]): void;
+  /** Off the event loop where the backend can (cuda: a driver thread). */
+  setAccess(address: bigint, size: bigint, grants: AccessGrant[]): Promise<void>;
   /** A new descriptor for the handle (memory of `device`), owned by the caller. */
   exportHandle(handle: BackendHandle, device: number): Promise<number>;
   /**

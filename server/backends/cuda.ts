@@ -166,16 +166,16 @@ export class CudaBackend implements Backend {
     return addon.cudaRelease(device, BigInt(handle));
   }
 
-  map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint): void {
-    addon.cudaMap(address, size, offset, BigInt(handle));
+  map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint): Promise<void> {
+    return addon.cudaMap(address, size, offset, BigInt(handle));
   }
 
   unmap(address: bigint, size: bigint, device: number): Promise<void> {
     return addon.cudaUnmap(device, address, size);
   }
 
-  setAccess(address: bigint, size: bigint, grants: AccessGrant[]): void {
-    addon.cudaSetAccess(
+  setAccess(address: bigint, size: bigint, grants: AccessGrant[]): Promise<void> {
+    return addon.cudaSetAccess(
       address,
       size,
       grants.map((grant) => ({ type: locationType(grant.location), id: grant.location.id, flags: grant.access })),

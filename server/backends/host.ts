@@ -104,7 +104,7 @@ export class HostBackend implements Backend {
 
   async releaseReference(): Promise<void> {}
 
-  map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint): void {
+  async map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint): Promise<void> {
     addon.hostMap(address, size, Number(handle), offset);
   }
 
@@ -112,7 +112,7 @@ export class HostBackend implements Backend {
     addon.hostUnmap(address, size);
   }
 
-  setAccess(address: bigint, size: bigint, grants: AccessGrant[]): void {
+  async setAccess(address: bigint, size: bigint, grants: AccessGrant[]): Promise<void> {
     // Every location of the host backend is the CPU: the widest grant wins.
     const access = grants.reduce((widest, grant) => Math.max(widest, grant.access), 0);
     addon.hostProtect(address, size, access === 3 ? HOST_ACCESS.READWRITE : access === 1 ? HOST_ACCESS.READ : HOST_ACCESS.NONE);

@@ -232,14 +232,14 @@ export class StockedBackend implements Backend {
   releaseReference(handle: BackendHandle, device: number): Promise<void> {
     return this.inner.releaseReference(handle, device);
   }
-  map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint): void {
-    this.inner.map(address, size, handle, offset);
+  map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint): Promise<void> {
+    return this.inner.map(address, size, handle, offset);
   }
   unmap(address: bigint, size: bigint, device: number): Promise<void> {
     return this.inner.unmap(address, size, device);
   }
-  setAccess(address: bigint, size: bigint, grants: AccessGrant[]): void {
-    this.inner.setAccess(address, size, grants);
+  setAccess(address: bigint, size: bigint, grants: AccessGrant[]): Promise<void> {
+    return this.inner.setAccess(address, size, grants);
   }
   sealReadOnly(handle: BackendHandle): void {
     this.inner.sealReadOnly(handle);

@@ -124,7 +124,7 @@ export class AddressSpace {
       throw invalidArgument('NONZERO_OFFSET', `offset ${args.offset} must be 0: the driver maps allocations from their start`);
     }
     const reservation = this.reservationContaining(caller, args.address);
-    return reservation.queue.run(() => {
+    return reservation.queue.run(async () => {
       this.checkLive(reservation, args.address);
       const allocation = this.allocations.live(args.allocationId);
       this.allocations.checkMayUse(caller, allocation);
@@ -154,7 +154,8 @@ export class AddressSpace {
           `${range(args.address, args.size)} overlaps the mapping ${range(overlap.address, overlap.size)}; map only into unmapped parts of a reservation`,
         );
       }
-      this.backend.map(args.address, args.size, allocation.handle, args.offset);
+      // The checks above and the record below bracket the driver call: the queue lets nothing else in between.
+      await this.backend.map(args.address, args.size, allocation.handle, args.offset);
       const mapping: MappingRecord = { address: args.address, size: args.size, allocation, access: new Map(), unmapping: false };
       reservation.mappings.splice(index, 0, mapping);
       allocation.mappingCount++;
@@ -200,7 +201,7 @@ export class AddressSpace {
     checkAligned('access address', address, this.devices.reservationGranularity);
     checkAligned('access size', size, this.devices.reservationGranularity);
     const reservation = this.reservationContaining(caller, address, 'NOT_MAPPED');
-    await reservation.queue.run(() => {
+    await reservation.queue.run(async () => {
       this.checkLive(reservation, address, 'NOT_MAPPED');
       const mappings = this.wholeMappingsCovering(reservation, address, size);
       for (const mapping of mappings) {
@@ -217,7 +218,7 @@ export class AddressSpace {
           }
         }
       }
-      this.backend.setAccess(address, size, grants);
+      await this.backend.setAccess(address, size, grants);
       for (const mapping of mappings) {
         for (const grant of grants) {
           if (grant.access === 0) mapping.access.delete(locationKey(grant.location));

@@ -94,9 +94,9 @@ export class RecordingBackend implements Backend {
     await this.inner.releaseReference(...args);
   }
 
-  map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint) {
+  async map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint) {
     this.calls.push('map');
-    this.inner.map(address, size, handle, offset);
+    await this.inner.map(address, size, handle, offset);
     this.liveMappings++;
   }
 
@@ -107,9 +107,9 @@ export class RecordingBackend implements Backend {
     this.liveMappings--;
   }
 
-  setAccess(...args: Parameters<Backend['setAccess']>) {
+  async setAccess(...args: Parameters<Backend['setAccess']>) {
     this.calls.push('setAccess');
-    this.inner.setAccess(...args);
+    await this.inner.setAccess(...args);
   }
 
   exportHandle(...args: Parameters<Backend['exportHandle']>) {

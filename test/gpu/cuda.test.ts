@@ -85,8 +85,8 @@ describeGpu('the cuda backend', () => {
     const handle = await addon.cudaImportFd(fd);
     addon.close(fd);
     const address = addon.cudaReserve(size, granularity, 0n);
-    addon.cudaMap(address, size, 0n, handle);
-    addon.cudaSetAccess(address, size, [
+    await addon.cudaMap(address, size, 0n, handle);
+    await addon.cudaSetAccess(address, size, [
       { type: CU_LOCATION.DEVICE, id: 0, flags: 3 },
       { type: CU_LOCATION.HOST_NUMA, id: numa, flags: 3 },
     ]);

@@ -142,7 +142,7 @@ export class FakeBackend implements Backend {
     this.memory.delete(Number(handle));
   }
 
-  map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint): void {
+  async map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint): Promise<void> {
     this.calls.push('map');
     const memory = this.memory.get(Number(handle));
     if (memory === undefined) fail('EBADF', 'map of an unknown handle');
@@ -161,7 +161,7 @@ export class FakeBackend implements Backend {
     this.mappings.splice(index, 1);
   }
 
-  setAccess(address: bigint, size: bigint, grants: AccessGrant[]): void {
+  async setAccess(address: bigint, size: bigint, grants: AccessGrant[]): Promise<void> {
     this.calls.push('setAccess');
     const access = grants.reduce((widest, grant) => Math.max(widest, grant.access), 0);
     for (let cursor = address; cursor < address + size; ) {
