@@ -205,10 +205,11 @@ export class CudaImportedMemory extends ImportedMemory {
     let handle: bigint | undefined;
     let mapping: DeviceMapping | undefined;
     try {
-      handle = 'fd' in source ? await native.cudaImportFd(source.fd) : await native.cudaImportFabric(source.fabric);
+      // On this thread: no other session waits on a client's event loop (see DeviceAccess.inline).
+      handle = 'fd' in source ? await native.cudaImportFd(source.fd, true) : await native.cudaImportFabric(source.fabric, true);
       // Host (NUMA) memory also opens to the CPU at the same address: a view sees the bytes.
       // Unmaps synchronize first, as cuMemFree does: this process's kernels may still use the range.
-      mapping = await DeviceMapping.map(device, handle, size, granularity, { readOnly, hostNuma, synchronizeUnmap: true });
+      mapping = await DeviceMapping.map(device, handle, size, granularity, { readOnly, hostNuma, synchronizeUnmap: true, inline: true });
       return new CudaImportedMemory(allocationId, mapping, readOnly, hostNuma === undefined ? undefined : mapping.view());
     } catch (error) {
       await mapping?.unmap().catch(() => undefined);

@@ -91,7 +91,7 @@ export class LocalDeviceMemory {
     const rounded = roundUp(size, granularity);
     const handle = native.cudaCreate(device, type, id, rounded, CU_HANDLE.POSIX_FD);
     try {
-      return new LocalDeviceMemory(device, handle, rounded, await DeviceMapping.map(device, handle, rounded, granularity, { readOnly: false, synchronizeUnmap: true }));
+      return new LocalDeviceMemory(device, handle, rounded, await DeviceMapping.map(device, handle, rounded, granularity, { readOnly: false, synchronizeUnmap: true, inline: true }));
     } catch (error) {
       await native.cudaRelease(device, handle).catch(() => undefined);
       throw error;

@@ -127,21 +127,21 @@ export interface Addon {
   cudaRelease(device: number, handle: bigint): Promise<void>;
   /** cuMemCreate and its POSIX-fd export in one job on a driver thread. */
   cudaCreateExported(device: number, locationType: number, locationId: number, size: bigint, handleTypes: number): Promise<{ handle: bigint; fd: number }>;
-  /** On a driver thread. */
-  cudaMap(address: bigint, size: bigint, offset: bigint, handle: bigint): Promise<void>;
+  /** On a driver thread; with `inline`, on the calling thread (a settled promise). */
+  cudaMap(address: bigint, size: bigint, offset: bigint, handle: bigint, inline?: boolean): Promise<void>;
   /**
    * cuMemUnmap on a driver thread; with `synchronize`, cuCtxSynchronize first (as cuMemFree
    * does), for memory this process's own kernels or copies may still be using.
    */
   cudaUnmap(device: number, address: bigint, size: bigint, synchronize?: boolean): Promise<void>;
-  /** On a driver thread. */
-  cudaSetAccess(address: bigint, size: bigint, descriptors: Array<{ type: number; id: number; flags: number }>): Promise<void>;
+  /** On a driver thread; with `inline`, on the calling thread (a settled promise). */
+  cudaSetAccess(address: bigint, size: bigint, descriptors: Array<{ type: number; id: number; flags: number }>, inline?: boolean): Promise<void>;
   cudaGetAccess(address: bigint, locationType: number, locationId: number): number;
   cudaExportFd(device: number, handle: bigint): Promise<number>;
   cudaExportFabric(device: number, handle: bigint): Promise<Buffer>;
-  /** On a driver thread; keep fd open until the promise settles. */
-  cudaImportFd(fd: number): Promise<bigint>;
-  cudaImportFabric(fabric: Buffer): Promise<bigint>;
+  /** On a driver thread (with `inline`, on the calling thread); keep fd open until the promise settles. */
+  cudaImportFd(fd: number, inline?: boolean): Promise<bigint>;
+  cudaImportFabric(fabric: Buffer, inline?: boolean): Promise<bigint>;
   cudaAllocationProperties(handle: bigint): { locationType: number; locationId: number; requestedHandleTypes: number };
   cudaRetainHandle(address: bigint): bigint;
   /** Resolves once the bytes are in device memory (the DMA has landed), not when they are staged. */

@@ -105,10 +105,10 @@ async function inProcessSteps(backend: string, size: bigint, step: Step = untime
   if (backend === 'cuda') {
     const handle = await step('cuMemCreate', () => addon.cudaCreate(0, CU_LOCATION.DEVICE, 0, size, 1));
     const fd = await step('cuMemExportToShareableHandle (on a driver thread)', () => addon.cudaExportFd(0, handle));
-    const imported = await step('cuMemImportFromShareableHandle (on a driver thread)', () => addon.cudaImportFd(fd));
+    const imported = await step('cuMemImportFromShareableHandle', () => addon.cudaImportFd(fd, true));
     const address = await step('cuMemAddressReserve', () => addon.cudaReserve(size, 0n, 0n));
-    await step('cuMemMap (on a driver thread)', () => addon.cudaMap(address, size, 0n, imported));
-    await step('cuMemSetAccess (on a driver thread)', () => addon.cudaSetAccess(address, size, [{ type: CU_LOCATION.DEVICE, id: 0, flags: 3 }]));
+    await step('cuMemMap', () => addon.cudaMap(address, size, 0n, imported, true));
+    await step('cuMemSetAccess', () => addon.cudaSetAccess(address, size, [{ type: CU_LOCATION.DEVICE, id: 0, flags: 3 }], true));
     return async () => {
       await step('cuMemUnmap (on a driver thread)', () => addon.cudaUnmap(0, address, size));
       await step('cuMemAddressFree', () => addon.cudaFreeAddress(address, size));
