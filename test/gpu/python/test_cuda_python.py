@@ -127,7 +127,7 @@ def test_numba_allocates_through_vmmd_and_its_ipc_opens_in_another_process() -> 
             }))
     """, env=NUMBA)
     assert answer["manager"] == "vmmd.numba.VmmdNumbaMemoryManager"
-    assert answer["doubled"] and answer["stats"]["chunks"] >= 1 and answer["stats"]["pooled"] >= 1
+    assert answer["doubled"] and answer["stats"]["chunks"] >= 1 and answer["stats"]["blocks"] >= 1
     assert answer["info_total"] == answer["daemon_total"]
     assert answer["ipc"] and answer["ipc_raw"]
 
