@@ -98,6 +98,9 @@ export class AdminApi {
   }
 }
 
+/** The backends a daemon serves. */
+export type BackendName = 'host' | 'cuda';
+
 /**
  * A connected client: the session (the lease on everything it creates) and
  * the three services. Emits 'session-lost' if the daemon goes away.
@@ -108,7 +111,8 @@ export class VmmdClient extends EventEmitter {
   constructor(
     readonly session: ClientSession,
     readonly socketDir: string,
-    readonly backend: string,
+    /** The daemon's backend, as `VmmdMemoryManager` and the memory classes take it. */
+    readonly backend: BackendName,
     readonly devices: DevicesApi,
     readonly vmm: VirtualMemoryApi,
     readonly admin: AdminApi,
@@ -192,9 +196,11 @@ export async function connect(options: ConnectOptions = {}): Promise<VmmdClient>
     deadlineMs: options.deadlineMs ?? 30_000,
   };
   const devices = new DevicesApi(devicesClient, settings);
-  let backend: string;
+  let backend: BackendName;
   try {
-    backend = (await devices.listDevices()).backend;
+    const named = (await devices.listDevices()).backend;
+    if (named !== 'host' && named !== 'cuda') throw new VmmdError('UNKNOWN_BACKEND', grpc.status.UNIMPLEMENTED, `the daemon serves a backend named "${named}"; this client knows "host" and "cuda"`);
+    backend = named;
   } catch (error) {
     session.close();
     devicesClient.close();

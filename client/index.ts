@@ -2,7 +2,7 @@
  * The vmmd client library: `import { connect } from 'vmmd'`.
  */
 export { connect, VmmdClient, DevicesApi, AdminApi } from './connection';
-export type { ConnectOptions } from './connection';
+export type { BackendName, ConnectOptions } from './connection';
 export { VmmdError } from './errors';
 export { CudaImportedMemory, HostImportedMemory, ImportedMemory, mapFabricHandle } from './local-memory';
 export type { CudaSource } from './local-memory';

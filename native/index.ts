@@ -160,8 +160,6 @@ export interface Addon {
   addressOf(memory: ArrayBuffer | ArrayBufferView): bigint;
 }
 
-const ADDON_FILE = path.join('build', 'Release', 'vmmd_native.node');
-
 /** The package root: the nearest directory above this file holding package.json. */
 function packageRoot(): string {
   let dir = __dirname;
@@ -173,14 +171,26 @@ function packageRoot(): string {
   return dir;
 }
 
+/**
+ * VMMD_ADDON if set; else node-gyp-build's choice: build/Release (compiled
+ * here) before prebuilds/<platform>-<arch>/ (shipped in the package, made by
+ * prebuildify when it is packed), so installing needs no compiler.
+ */
 function load(): Addon {
-  const file = process.env.VMMD_ADDON ?? path.join(packageRoot(), ADDON_FILE);
+  const root = packageRoot();
+  const from = process.env.VMMD_ADDON ?? `${root} (build/Release, then prebuilds/${process.platform}-${process.arch})`;
   try {
-    return require(file) as Addon;
+    if (process.env.VMMD_ADDON !== undefined) {
+      // eslint-disable-next-line @typescript-eslint/no-require-imports
+      return require(process.env.VMMD_ADDON) as Addon;
+    }
+    // eslint-disable-next-line @typescript-eslint/no-require-imports
+    return (require('node-gyp-build') as (dir: string) => Addon)(root);
   } catch (cause) {
     const error = new Error(
-      `cannot load the vmmd addon from ${file}: ${(cause as Error).message}. ` +
-        'Build it with `npm ci` (or `npx node-gyp rebuild`) on this machine, or point VMMD_ADDON at a built vmmd_native.node.',
+      `cannot load the vmmd addon from ${from}: ${(cause as Error).message}. ` +
+        'Build it on this machine with `npx node-gyp rebuild` (needs g++, python3 and the Node headers), ' +
+        'or point VMMD_ADDON at a built vmmd_native.node.',
     ) as NativeError;
     error.code = 'ADDON_NOT_LOADED';
     throw error;

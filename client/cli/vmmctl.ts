@@ -1,32 +1,112 @@
 /**
- * vmmctl: the operator's command line for a running vmmd.
- *   vmmctl [--socket-dir DIR] [--json] devices | stats
- *   vmmctl store load NAME FILE [--mutable] [--host]   fill a named store from a file; it outlives this command
- *   vmmctl store dump NAME FILE                        write a store's bytes to a file
- *   vmmctl store ls                                    list stores
- *   vmmctl store rm NAME                               detach: freed once the last reader closes
+ * vmmctl: the operator's command line for a running vmmd. The command line is
+ * checked whole before the daemon is asked anything; sizes are human (KiB,
+ * MiB, …) unless --bytes; --json prints what every command answers as JSON
+ * (sizes in bytes there, as decimal strings like the API's uint64 fields).
  */
 import { status as Status } from '@grpc/grpc-js';
 import * as fs from 'node:fs';
+import * as path from 'node:path';
 import { parseArgs } from 'node:util';
 import { connect, VmmdClient } from '../connection';
 import { VmmdError } from '../errors';
+import type { StoreName } from '../stores';
 
-const USAGE = `Usage: vmmctl [--socket-dir DIR] [--json] COMMAND
+export const USAGE = `Usage: vmmctl [--socket-dir DIR] [--json] [--bytes] COMMAND
   devices                       the daemon's devices
   stats                         objects, bytes and sessions the daemon holds
-  sessions                      open sessions: peer pid, uid, gid and what they hold
-  objects [SESSION]             reservations, allocations, mappings, stores (of one session)
+  sessions                      open sessions: pid, command, cgroup, uid, gid and what they hold
+  objects [SESSION]             reservations, allocations, mappings, stores (of one session, by id)
   report                        everything, as JSON
   clear-caches                  close descriptors sent and never claimed
   version                       the daemon's version, build and runtime
-  store load NAME FILE          fill a new read-only store from FILE (--mutable: writable; --host: host memory on cuda)
-  store dump NAME FILE          write the store's bytes to FILE
+  store load NAME FILE          fill a new read-only store from FILE, - for standard input
+                                (--mutable: writable; --host: host memory on cuda)
+  store dump STORE FILE         write the store's bytes to FILE, - for standard output
   store ls                      list stores
-  store rm NAME                 detach the store: no new opens, freed when the last reader closes`;
+  store rm STORE                detach the store: no new opens, freed when the last reader closes
+STORE is a store's name or its id (digits, as store ls shows); a new store's name may not be digits only.
+Options: --json (machine-readable), --bytes (sizes in bytes), --version (this vmmctl's), --help`;
 
+/** This package's version: from the nearest package.json above (dist/client/cli/ or client/cli/). */
+const VERSION: string = (() => {
+  for (let dir = __dirname; ; dir = path.dirname(dir)) {
+    const file = path.join(dir, 'package.json');
+    if (fs.existsSync(file)) return JSON.parse(fs.readFileSync(file, 'utf8')).version as string;
+    if (path.dirname(dir) === dir) return 'unknown';
+  }
+})();
 const CHUNK = 8 << 20;
-const MiB = 1024 * 1024;
+const UNITS = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'];
+
+/** 1536 → "1.5 KiB"; below 1 KiB in bytes. */
+export function humanBytes(bytes: number | bigint | string): string {
+  let value = Number(bytes);
+  let unit = 0;
+  while (value >= 1024 && unit < UNITS.length - 1) {
+    value /= 1024;
+    unit++;
+  }
+  return unit === 0 ? `${value} B` : `${value.toFixed(1)} ${UNITS[unit]}`;
+}
+
+class UsageError extends Error {}
+
+/** What the command line asks for, checked before anything is sent. */
+type Command =
+  | { kind: 'devices' | 'stats' | 'sessions' | 'report' | 'clear-caches' | 'version' | 'store-ls' }
+  | { kind: 'objects'; session?: bigint }
+  | { kind: 'store-load'; name: string; file: string }
+  | { kind: 'store-dump'; store: StoreName; file: string }
+  | { kind: 'store-rm'; store: StoreName };
+
+/** A store argument: digits are an id, anything else a name. */
+function storeArgument(text: string): StoreName {
+  return /^\d+$/.test(text) ? BigInt(text) : text;
+}
+
+function parseCommand(positionals: string[]): Command {
+  const [command, sub, ...rest] = positionals;
+  const arity = (count: number, synopsis: string) => {
+    if (rest.length !== count) throw new UsageError(`"${['store', sub].join(' ')}" takes ${synopsis}`);
+  };
+  switch (command) {
+    case 'devices':
+    case 'stats':
+    case 'sessions':
+    case 'report':
+    case 'clear-caches':
+    case 'version':
+      if (positionals.length !== 1) throw new UsageError(`"${command}" takes no arguments`);
+      return { kind: command };
+    case 'objects':
+      if (positionals.length > 2) throw new UsageError('"objects" takes at most one session id');
+      if (sub === undefined) return { kind: 'objects' };
+      if (!/^[1-9]\d*$/.test(sub)) throw new UsageError(`"${sub}" is not a session id: ids are positive whole numbers (vmmctl sessions lists them)`);
+      return { kind: 'objects', session: BigInt(sub) };
+    case 'store':
+      switch (sub) {
+        case 'load':
+          arity(2, 'NAME FILE');
+          if (/^\d+$/.test(rest[0])) throw new UsageError(`"${rest[0]}" cannot name a store: a name of digits only would read as a store id`);
+          if (rest[0] === '') throw new UsageError('a store loaded by vmmctl needs a name');
+          return { kind: 'store-load', name: rest[0], file: rest[1] };
+        case 'dump':
+          arity(2, 'STORE FILE');
+          return { kind: 'store-dump', store: storeArgument(rest[0]), file: rest[1] };
+        case 'ls':
+          arity(0, 'no arguments');
+          return { kind: 'store-ls' };
+        case 'rm':
+          arity(1, 'STORE');
+          return { kind: 'store-rm', store: storeArgument(rest[0]) };
+        default:
+          throw new UsageError(sub === undefined ? '"store" needs a subcommand: load, dump, ls or rm' : `unknown command "store ${sub}"`);
+      }
+    default:
+      throw new UsageError(`unknown command "${command}"`);
+  }
+}
 
 /** A progress bar on stderr: redrawn in place on a terminal, every 10% otherwise. */
 class Progress {
@@ -43,66 +123,147 @@ class Progress {
     if (process.stderr.isTTY) {
       const width = 30;
       const filled = Math.round(fraction * width);
-      process.stderr.write(`\r${this.label} [${'#'.repeat(filled)}${' '.repeat(width - filled)}] ${(fraction * 100).toFixed(0).padStart(3)}% ${(done / MiB).toFixed(1)}/${(this.total / MiB).toFixed(1)} MiB`);
+      process.stderr.write(`\r${this.label} [${'#'.repeat(filled)}${' '.repeat(width - filled)}] ${(fraction * 100).toFixed(0).padStart(3)}% ${humanBytes(done)}/${humanBytes(this.total)}`);
     } else if (Math.floor(fraction * 10) > this.lastTenth) {
       this.lastTenth = Math.floor(fraction * 10);
-      process.stderr.write(`${this.label}: ${(fraction * 100).toFixed(0)}% (${(done / MiB).toFixed(1)} of ${(this.total / MiB).toFixed(1)} MiB)\n`);
+      process.stderr.write(`${this.label}: ${(fraction * 100).toFixed(0)}% (${humanBytes(done)} of ${humanBytes(this.total)})\n`);
     }
   }
 
-  finish(verb: string): string {
+  /** Seconds since the start, and the line that says what was done. */
+  finish(verb: string): { seconds: number; line: string } {
     const seconds = (performance.now() - this.started) / 1000;
     if (process.stderr.isTTY) process.stderr.write('\n');
-    return `${verb} ${(this.total / MiB).toFixed(1)} MiB in ${seconds.toFixed(2)} s (${(this.total / MiB / Math.max(seconds, 1e-9)).toFixed(0)} MiB/s)`;
+    const rate = this.total / Math.max(seconds, 1e-9);
+    return { seconds, line: `${verb} ${humanBytes(this.total)} in ${seconds.toFixed(2)} s (${humanBytes(Math.round(rate))}/s)` };
   }
 }
 
-async function load(client: VmmdClient, name: string, file: string, options: { mutable: boolean; host: boolean }): Promise<string> {
-  const size = fs.statSync(file).size;
-  if (size === 0) throw new VmmdError('ZERO_SIZE', Status.INVALID_ARGUMENT, `${file} is empty: a store holds at least one byte`);
-  const location =
-    options.host && client.backend === 'cuda' ? { type: 'LOCATION_TYPE_HOST_NUMA' as const, id: 0 } : { type: 'LOCATION_TYPE_DEVICE' as const, id: 0 };
-  const granularity = BigInt((await client.devices.getGranularity({ location })).minimum);
-  const allocationSize = ((BigInt(size) + granularity - 1n) / granularity) * granularity;
-  const allocation = await client.vmm.create({ size: allocationSize, location });
-  const memory = await client.vmm.import(allocation.id);
-  const progress = new Progress(`load ${name}`, size);
-  const fd = fs.openSync(file, 'r');
-  try {
-    const buffer = Buffer.alloc(CHUNK);
-    for (let done = 0; done < size; ) {
-      const read = fs.readSync(fd, buffer, 0, Math.min(CHUNK, size - done), done);
-      await memory.write(done, buffer.subarray(0, read));
-      done += read;
-      progress.update(done);
-    }
-  } finally {
-    fs.closeSync(fd);
-    await memory.close();
+/**
+ * The bytes to load: a regular file is read in chunks as it uploads; standard
+ * input ("-", /dev/stdin) or a pipe has no size up front and is read whole first.
+ */
+function openSource(file: string): { size: number; chunks: (buffer: Buffer) => Iterable<Buffer>; close: () => void } {
+  const fd = file === '-' ? 0 : fs.openSync(file, 'r');
+  const close = () => {
+    if (fd !== 0) fs.closeSync(fd);
+  };
+  const stat = fs.fstatSync(fd);
+  if (stat.isFile()) {
+    const size = stat.size;
+    return {
+      size,
+      chunks: function* (buffer) {
+        for (let done = 0; done < size; ) {
+          const read = fs.readSync(fd, buffer, 0, Math.min(buffer.length, size - done), done);
+          if (read === 0) throw new VmmdError('FILE_CHANGED', Status.ABORTED, `${file} shrank while it was read`);
+          yield buffer.subarray(0, read);
+          done += read;
+        }
+      },
+      close,
+    };
   }
-  // The store holds its own reference and belongs to the daemon: it outlives this command.
-  const store = await client.stores.createStore({ allocationId: allocation.id, name, readOnly: !options.mutable, handOver: true, size: BigInt(size) });
-  await client.vmm.release({ allocationId: allocation.id });
-  return `${progress.finish('loaded')} into store ${store.id} "${name}"${options.mutable ? '' : ', read-only'}`;
+  const parts: Buffer[] = [];
+  for (;;) {
+    const part = Buffer.allocUnsafe(CHUNK);
+    let read: number;
+    try {
+      read = fs.readSync(fd, part, 0, CHUNK, null);
+    } catch (error) {
+      if ((error as NodeJS.ErrnoException).code === 'EAGAIN') continue;
+      if ((error as NodeJS.ErrnoException).code === 'EOF') break;
+      throw error;
+    }
+    if (read === 0) break;
+    parts.push(part.subarray(0, read));
+  }
+  const whole = Buffer.concat(parts);
+  return { size: whole.length, chunks: () => [whole], close };
 }
 
-async function dump(client: VmmdClient, name: string, file: string): Promise<string> {
-  const opened = await client.stores.open(name, { writable: false });
-  const size = Number(opened.store.size);
-  const progress = new Progress(`dump ${name}`, size);
-  const fd = fs.openSync(file, 'w');
+interface Result {
+  /** The line printed without --json. */
+  text: string;
+  /** What --json prints. */
+  json: unknown;
+}
+
+async function load(client: VmmdClient, name: string, file: string, options: { mutable: boolean; host: boolean }): Promise<Result> {
+  // The name first: a taken name is refused before a byte moves.
+  const taken = (await client.stores.list()).find((store) => store.name === name && store.state !== 'STORE_STATE_DETACHED');
+  if (taken !== undefined) throw new VmmdError('NAME_TAKEN', Status.ALREADY_EXISTS, `a store named ${JSON.stringify(name)} exists (store ${taken.id}); vmmctl store rm ${name} first`);
+  const source = openSource(file);
+  const shown = file === '-' ? 'standard input' : file;
   try {
-    for (let done = 0; done < size; ) {
-      const length = Math.min(CHUNK, size - done);
-      fs.writeSync(fd, await opened.memory.read(done, length));
-      done += length;
-      progress.update(done);
+    if (source.size === 0) throw new VmmdError('ZERO_SIZE', Status.INVALID_ARGUMENT, `${shown} is empty: a store holds at least one byte`);
+    const location =
+      options.host && client.backend === 'cuda' ? { type: 'LOCATION_TYPE_HOST_NUMA' as const, id: 0 } : { type: 'LOCATION_TYPE_DEVICE' as const, id: 0 };
+    const granularity = BigInt((await client.devices.getGranularity({ location })).minimum);
+    const allocationSize = ((BigInt(source.size) + granularity - 1n) / granularity) * granularity;
+    const allocation = await client.vmm.create({ size: allocationSize, location });
+    try {
+      const memory = await client.vmm.import(allocation.id);
+      const progress = new Progress(`load ${name}`, source.size);
+      try {
+        let done = 0;
+        for (const chunk of source.chunks(Buffer.allocUnsafe(CHUNK))) {
+          await memory.write(done, chunk);
+          done += chunk.length;
+          progress.update(done);
+        }
+      } finally {
+        await memory.close();
+      }
+      // The store holds its own reference and belongs to the daemon: it outlives this command.
+      const store = await client.stores.createStore({ allocationId: allocation.id, name, readOnly: !options.mutable, handOver: true, size: BigInt(source.size) });
+      const { seconds, line } = progress.finish('loaded');
+      return {
+        text: `${line} into store ${store.id} "${name}"${options.mutable ? '' : ', read-only'}`,
+        json: { loaded: String(source.size), seconds, store },
+      };
+    } finally {
+      // The store (if made) holds its own reference; on a failure this frees the memory.
+      await client.vmm.release({ allocationId: allocation.id });
     }
   } finally {
-    fs.closeSync(fd);
+    source.close();
+  }
+}
+
+async function dump(client: VmmdClient, store: StoreName, file: string): Promise<Result> {
+  const opened = await client.stores.open(store, { writable: false });
+  try {
+    const size = Number(opened.store.size);
+    const progress = new Progress(`dump ${opened.store.name || opened.store.id}`, size);
+    const fd = file === '-' ? 1 : fs.openSync(file, 'w');
+    try {
+      for (let done = 0; done < size; ) {
+        const length = Math.min(CHUNK, size - done);
+        const bytes = await opened.memory.read(done, length);
+        for (let written = 0; written < bytes.length; ) {
+          try {
+            written += fs.writeSync(fd, bytes, written);
+          } catch (error) {
+            // Standard output may be a non-blocking pipe: wait for the reader.
+            if ((error as NodeJS.ErrnoException).code !== 'EAGAIN') throw error;
+            await new Promise((resolve) => setTimeout(resolve, 1));
+          }
+        }
+        done += length;
+        progress.update(done);
+      }
+    } finally {
+      if (fd !== 1) fs.closeSync(fd);
+    }
+    const { seconds, line } = progress.finish('dumped');
+    return {
+      text: `${line} from store ${opened.store.id}${opened.store.name ? ` "${opened.store.name}"` : ''} to ${file === '-' ? 'standard output' : file}`,
+      json: { dumped: String(size), seconds, store: opened.store },
+    };
+  } finally {
     await opened.close();
   }
-  return `${progress.finish('dumped')} from store ${opened.store.id} "${name}" to ${file}`;
 }
 
 function table(rows: Array<Record<string, unknown>>): string {
@@ -113,79 +274,154 @@ function table(rows: Array<Record<string, unknown>>): string {
   return [line(columns), ...rows.map((row) => line(columns.map((column) => String(row[column]))))].join('\n');
 }
 
+/** One object as "key  value" lines: for single records too wide for a row. */
+function fields(record: Record<string, unknown>): string {
+  const width = Math.max(...Object.keys(record).map((key) => key.length));
+  return Object.entries(record)
+    .map(([key, value]) => `${key.padEnd(width)}  ${value}`)
+    .join('\n');
+}
+
 export async function main(argv: string[]): Promise<number> {
-  let parsed;
+  let values;
+  let command: Command;
   try {
-    parsed = parseArgs({
+    const parsed = parseArgs({
       args: argv,
       options: {
         'socket-dir': { type: 'string' },
         json: { type: 'boolean' },
+        bytes: { type: 'boolean' },
         mutable: { type: 'boolean' },
         host: { type: 'boolean' },
         help: { type: 'boolean', short: 'h' },
+        version: { type: 'boolean', short: 'V' },
       },
       allowPositionals: true,
     });
+    values = parsed.values;
+    if (values.help) {
+      process.stdout.write(`${USAGE}\n`);
+      return 0;
+    }
+    if (values.version) {
+      process.stdout.write(values.json ? `${JSON.stringify({ vmmctl: VERSION })}\n` : `vmmctl ${VERSION}\n`);
+      return 0;
+    }
+    if (parsed.positionals.length === 0) throw new UsageError('no command');
+    command = parseCommand(parsed.positionals);
+    if ((values.mutable || values.host) && command.kind !== 'store-load') throw new UsageError('--mutable and --host go with "store load" only');
   } catch (error) {
+    // parseArgs' own errors (unknown options) are usage errors too.
     process.stderr.write(`vmmctl: ${(error as Error).message}\n${USAGE}\n`);
     return 2;
   }
-  const { values, positionals } = parsed;
-  if (values.help || positionals.length === 0) {
-    process.stdout.write(`${USAGE}\n`);
-    return values.help ? 0 : 2;
-  }
-  const [command, sub, ...rest] = positionals;
+  const json = values.json ?? false;
+  const size = (bytes: string | number | bigint) => (values.bytes ? String(bytes) : humanBytes(bytes));
+  const out = (result: Result) => process.stdout.write(`${json ? JSON.stringify(result.json, null, 2) : result.text}\n`);
+  const rows = (records: Array<Record<string, unknown>>, raw: unknown) => out({ text: table(records), json: raw });
   let client: VmmdClient | undefined;
   try {
     client = await connect({ socketDir: values['socket-dir'] });
-    const print = (rows: Array<Record<string, unknown>>) =>
-      process.stdout.write(`${values.json ? JSON.stringify(rows, null, 2) : table(rows)}\n`);
-    if (command === 'devices') {
-      print((await client.devices.listDevices()).devices.map((d) => ({ index: d.index, name: d.name, uuid: d.uuid, total: d.totalBytes, free: d.freeBytes, granularity: d.granularityMinimum })));
-    } else if (command === 'stats') {
-      print([{ ...(await client.admin.getStats()) }]);
-    } else if (command === 'sessions') {
-      print((await client.admin.listSessions()).sessions.map((s) => ({ ...s })));
-    } else if (command === 'objects') {
-      print((await client.admin.listObjects({ ownerSession: sub ?? '0' })).objects.map((o) => ({ ...o, address: o.address === '0' ? '' : `0x${BigInt(o.address).toString(16)}` })));
-    } else if (command === 'report') {
-      process.stdout.write(`${JSON.stringify(await client.admin.getReport(), null, 2)}\n`);
-    } else if (command === 'clear-caches') {
-      const cleared = await client.admin.clearCaches();
-      process.stdout.write(values.json ? `${JSON.stringify(cleared)}\n` : `closed ${cleared.transfersClosed} unclaimed descriptor(s)\n`);
-    } else if (command === 'version') {
-      print([{ ...(await client.admin.getVersion()) }]);
-    } else if (command === 'store' && sub === 'load' && rest.length === 2) {
-      process.stdout.write(`${await load(client, rest[0], rest[1], { mutable: values.mutable ?? false, host: values.host ?? false })}\n`);
-    } else if (command === 'store' && sub === 'dump' && rest.length === 2) {
-      process.stdout.write(`${await dump(client, rest[0], rest[1])}\n`);
-    } else if (command === 'store' && sub === 'ls') {
-      print(
-        (await client.stores.list()).map((s) => ({
-          id: s.id,
-          name: s.name,
-          target: s.target.replace('STORE_TARGET_', '').toLowerCase(),
-          device: s.device,
-          size: s.size,
-          readOnly: s.readOnly,
-          state: s.state.replace('STORE_STATE_', '').toLowerCase(),
-          opens: s.opens,
-          owner: s.ownerSession === '0' ? 'daemon' : `session ${s.ownerSession}`,
-        })),
-      );
-    } else if (command === 'store' && sub === 'rm' && rest.length === 1) {
-      const store = await client.stores.detach(rest[0]);
-      process.stdout.write(`detached store ${store.id} "${store.name}"${store.opens > 0 ? `: freed when its ${store.opens} open(s) close` : ''}\n`);
-    } else {
-      process.stderr.write(`vmmctl: unknown command "${positionals.join(' ')}"\n${USAGE}\n`);
-      return 2;
+    switch (command.kind) {
+      case 'devices': {
+        const { devices } = await client.devices.listDevices();
+        rows(
+          devices.map((d) => ({ index: d.index, name: d.name, uuid: d.uuid, total: size(d.totalBytes), free: size(d.freeBytes), granularity: size(d.granularityMinimum) })),
+          devices,
+        );
+        break;
+      }
+      case 'stats': {
+        const stats = await client.admin.getStats();
+        const shown = Object.fromEntries(Object.entries(stats).map(([key, value]) => [key, /Bytes$/.test(key) ? size(value as string) : value]));
+        out({ text: fields(shown), json: stats });
+        break;
+      }
+      case 'sessions': {
+        const { sessions } = await client.admin.listSessions();
+        rows(
+          sessions.map((s) => {
+            const record: Record<string, unknown> = { ...s };
+            record.allocatedBytes = size(s.allocatedBytes);
+            return record;
+          }),
+          sessions,
+        );
+        break;
+      }
+      case 'objects': {
+        if (command.session !== undefined) {
+          const { sessions } = await client.admin.listSessions();
+          if (!sessions.some((s) => BigInt(s.id) === command.session)) {
+            throw new VmmdError('UNKNOWN_SESSION', Status.NOT_FOUND, `no open session has id ${command.session} (vmmctl sessions lists them)`);
+          }
+        }
+        const { objects } = await client.admin.listObjects({ ownerSession: command.session ?? 0n });
+        rows(
+          objects.map((o) => ({ ...o, size: size(o.size), address: o.address === '0' ? '' : `0x${BigInt(o.address).toString(16)}` })),
+          objects,
+        );
+        break;
+      }
+      case 'report':
+        process.stdout.write(`${JSON.stringify(await client.admin.getReport(), null, 2)}\n`);
+        break;
+      case 'clear-caches': {
+        const cleared = await client.admin.clearCaches();
+        out({ text: `closed ${cleared.transfersClosed} unclaimed descriptor(s)`, json: cleared });
+        break;
+      }
+      case 'version': {
+        const version = await client.admin.getVersion();
+        out({ text: fields({ vmmctl: VERSION, ...version }), json: { vmmctl: VERSION, ...version } });
+        break;
+      }
+      case 'store-load': {
+        const result = await load(client, command.name, command.file, { mutable: values.mutable ?? false, host: values.host ?? false });
+        out(result);
+        break;
+      }
+      case 'store-dump': {
+        const result = await dump(client, command.store, command.file);
+        // With the bytes on standard output, what was done goes to standard error.
+        if (command.file === '-') process.stderr.write(`${json ? JSON.stringify(result.json) : result.text}\n`);
+        else out(result);
+        break;
+      }
+      case 'store-ls': {
+        const stores = await client.stores.list();
+        rows(
+          stores.map((s) => ({
+            id: s.id,
+            name: s.name,
+            target: s.target.replace('STORE_TARGET_', '').toLowerCase(),
+            device: s.device,
+            size: size(s.size),
+            readOnly: s.readOnly,
+            state: s.state.replace('STORE_STATE_', '').toLowerCase(),
+            opens: s.opens,
+            owner: s.ownerSession === '0' ? 'daemon' : `session ${s.ownerSession}`,
+          })),
+          stores,
+        );
+        break;
+      }
+      case 'store-rm': {
+        const store = await client.stores.detach(command.store);
+        out({
+          text: `detached store ${store.id}${store.name ? ` "${store.name}"` : ''}${store.opens > 0 ? `: freed when its ${store.opens} open(s) close` : ''}`,
+          json: store,
+        });
+        break;
+      }
     }
     return 0;
   } catch (error) {
     const failure = VmmdError.from(error);
-    process.stderr.write(`vmmctl: ${failure.code}: ${failure.message}\n`);
+    // Node's own messages start with their code already ("ENOENT: no such file …").
+    const message = failure.message.startsWith(`${failure.code}:`) ? failure.message : `${failure.code}: ${failure.message}`;
+    process.stderr.write(json ? `${JSON.stringify({ error: { code: failure.code, status: failure.statusName, message: failure.message } })}\n` : `vmmctl: ${message}\n`);
     return failure.errorCode;
   } finally {
     client?.close();

@@ -358,7 +358,7 @@ export function storesContract(backend: 'host' | 'cuda'): void {
       const before = await daemon.stats();
       const loaded = await vmmctl(daemon.dir, ['store', 'load', 'weights', file, ...flags]);
       expect(loaded.stderr).toMatch(/load weights: 100%/);
-      expect(loaded).toMatchObject({ code: 0, stdout: expect.stringMatching(/^loaded 256\.0 MiB in [\d.]+ s \(\d+ MiB\/s\) into store \d+ "weights", read-only/) });
+      expect(loaded).toMatchObject({ code: 0, stdout: expect.stringMatching(/^loaded 256\.0 MiB in [\d.]+ s \([\d.]+ [KMG]iB\/s\) into store \d+ "weights", read-only/) });
       const readers = await Promise.all([1, 2, 3, 4].map(() => Peer.start(daemon.dir)));
       try {
         const handles = await Promise.all(readers.map((reader) => reader.do({ op: 'storeOpen', name: 'weights' })));
