@@ -232,7 +232,10 @@ const NOT_RUN: Array<[RegExp, string]> = [
   [/^scripts\/gpu-bundle\.sh/, 'needs an offline GPU host (the bundle); the lead runs it'],
   [/^docker /, 'Docker is not available on these machines; test/deploy checks what the image runs'],
   [/^proto\/vmmd\/v1\/ +the contract/, 'the layout, not a command'],
+  [/^pip install \.\/python/, 'the Python package, from the repository (not part of the npm package)'],
 ];
+/** Languages whose blocks belong to other packages, with the reason. */
+const OTHER_PACKAGES: Record<string, string> = { python: 'the Python package (python/); its own tests run its README examples' };
 
 describe('the README examples, as written, against the installed package', () => {
   let daemon: ChildProcess | undefined;
@@ -303,7 +306,11 @@ describe('the README examples, as written, against the installed package', () =>
 
   test('every other block is listed with the reason it is not run here', () => {
     const unclassified = fencedBlocks(readme).filter(
-      (block) => block.lang !== 'ts' && !(block.lang === 'sh' && /^vmmctl /.test(block.body)) && !NOT_RUN.some(([pattern]) => pattern.test(block.body)),
+      (block) =>
+        block.lang !== 'ts' &&
+        !(block.lang === 'sh' && /^vmmctl /.test(block.body)) &&
+        OTHER_PACKAGES[block.lang] === undefined &&
+        !NOT_RUN.some(([pattern]) => pattern.test(block.body)),
     );
     expect(unclassified.map((block) => block.body.split('\n')[0])).toEqual([]);
   });
