@@ -189,7 +189,7 @@ function load(): Addon {
   } catch (cause) {
     const error = new Error(
       `cannot load the vmmd addon from ${from}: ${(cause as Error).message}. ` +
-        'Build it on this machine with `npx node-gyp rebuild` (needs g++, python3 and the Node headers), ' +
+        'Build it on this machine with `npm rebuild vmmd` (`npm run install` in a checkout; needs g++, python3 and the Node headers), ' +
         'or point VMMD_ADDON at a built vmmd_native.node.',
     ) as NativeError;
     error.code = 'ADDON_NOT_LOADED';
