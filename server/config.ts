@@ -5,6 +5,7 @@
  * generated from the same table.
  */
 import * as fs from 'node:fs';
+import * as net from 'node:net';
 import * as os from 'node:os';
 import { parseArgs } from 'node:util';
 import { defaultSocketDir } from '../common/paths';
@@ -43,8 +44,12 @@ export interface DaemonConfig {
   quotaPerSession: bigint;
   /** How long Import and Attach wait for a descriptor not yet received. */
   transferWaitMs: number;
-  /** Prometheus metrics on 127.0.0.1:PORT (0: off). */
+  /** Prometheus metrics on metricsAddress:PORT/metrics (0: off). */
   metricsPort: number;
+  /** The address metrics and the health port listen on: 127.0.0.1 by default, 0.0.0.0 (or ::) for a scraper on another host. */
+  metricsAddress: string;
+  /** Only grpc.health.v1.Health, plaintext, on metricsAddress:PORT, for Kubernetes gRPC probes (0: off). */
+  healthPort: number;
   /** An extra gRPC listener over TCP, TLS only, never carrying descriptors ('' : off). */
   tcpListen: string;
   tls?: TlsConfig;
@@ -155,7 +160,9 @@ const SETTINGS: Record<string, Setting> = {
   hostCapacity: { flag: 'host-capacity', env: 'VMMD_HOST_CAPACITY', placeholder: 'BYTES', help: "memory the host backend may create in all [half the machine's RAM]" },
   hostGranularity: { flag: 'host-granularity', env: 'VMMD_HOST_GRANULARITY', placeholder: 'BYTES', help: 'host backend granularity, a power of two and a page multiple [2MiB, as CUDA]' },
   transferWaitMs: { flag: 'transfer-wait-ms', env: 'VMMD_TRANSFER_WAIT_MS', placeholder: 'MS', help: 'how long Import and Attach wait for a descriptor [5000]' },
-  metricsPort: { flag: 'metrics-port', env: 'VMMD_METRICS_PORT', placeholder: 'PORT', help: 'serve Prometheus metrics on 127.0.0.1:PORT/metrics [0: off]' },
+  metricsPort: { flag: 'metrics-port', env: 'VMMD_METRICS_PORT', placeholder: 'PORT', help: 'serve Prometheus metrics on ADDRESS:PORT/metrics (--metrics-address) [0: off]' },
+  metricsAddress: { flag: 'metrics-address', env: 'VMMD_METRICS_ADDRESS', placeholder: 'ADDRESS', help: 'address of the metrics and health ports; 0.0.0.0 for scrapers and probes from outside [127.0.0.1]' },
+  healthPort: { flag: 'health-port', env: 'VMMD_HEALTH_PORT', placeholder: 'PORT', help: 'serve only grpc.health.v1.Health, plaintext, on ADDRESS:PORT (Kubernetes gRPC probes) [0: off]' },
   tcpListen: { flag: 'tcp-listen', env: 'VMMD_TCP_LISTEN', placeholder: 'HOST:PORT', help: 'also serve gRPC over TCP, TLS only, without sessions or descriptors [off]' },
   tlsCert: { flag: 'tls-cert', env: 'VMMD_TLS_CERT', placeholder: 'FILE', help: "the TCP listener's certificate chain (PEM)" },
   tlsKey: { flag: 'tls-key', env: 'VMMD_TLS_KEY', placeholder: 'FILE', help: "the TCP listener's private key (PEM)" },
@@ -279,7 +286,7 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
     return text === undefined ? 0n : parseBytes(key, text);
   };
   const integer = (
-    name: 'transferWaitMs' | 'metricsPort' | 'shutdownGraceMs' | 'maxSessionsPerUid' | 'maxTransfersPerUid' | 'streamStallMs',
+    name: 'transferWaitMs' | 'metricsPort' | 'healthPort' | 'shutdownGraceMs' | 'maxSessionsPerUid' | 'maxTransfersPerUid' | 'streamStallMs',
     fallback: number,
     max: number,
     min = 0,
@@ -308,6 +315,12 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
     tls = { cert, key, ...(ca === undefined ? {} : { ca }) };
   }
 
+  const [addressKey, metricsAddress = '127.0.0.1'] = pick('metricsAddress');
+  if (net.isIP(metricsAddress) === 0) throw new ConfigError(`${addressKey}: "${metricsAddress}" is not an IPv4 or IPv6 address`);
+  const metricsPort = integer('metricsPort', 0, 65_535);
+  const healthPort = integer('healthPort', 0, 65_535);
+  if (healthPort !== 0 && healthPort === metricsPort) throw new ConfigError(`--health-port: ${healthPort} is the metrics port too; give each its own`);
+
   const [stockKey, stockText = 'auto'] = pick('stock');
   const stock = parseStock(stockKey, stockText);
 
@@ -331,7 +344,9 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
       quotaPerUid: bytesOr0('quotaPerUid'),
       quotaPerSession: bytesOr0('quotaPerSession'),
       transferWaitMs: integer('transferWaitMs', 5_000, 600_000),
-      metricsPort: integer('metricsPort', 0, 65_535),
+      metricsPort,
+      metricsAddress,
+      healthPort,
       tcpListen,
       tls,
       shutdownGraceMs: integer('shutdownGraceMs', 10_000, 600_000),

@@ -41,19 +41,17 @@ export class DaemonStartError extends Error {
 }
 
 /**
- * Creates the socket directory owner-only (0700), or for a group (0750) when
- * one is configured. An existing directory keeps its mode unless a group is set.
+ * Makes the socket directory owner-only (0700), or for a group (0750) when one
+ * is configured, whether it existed or not: an existing 0755 directory would
+ * let every user reach the sockets. Returns the mode it had, when it changed.
  */
-function prepareSocketDir(config: DaemonConfig): void {
-  const existed = fs.existsSync(config.socketDir);
+function prepareSocketDir(config: DaemonConfig): number | undefined {
   const mode = config.socketGroup === undefined ? 0o700 : 0o750;
   fs.mkdirSync(config.socketDir, { recursive: true, mode });
-  if (config.socketGroup !== undefined) {
-    fs.chownSync(config.socketDir, process.getuid!(), config.socketGroup);
-    fs.chmodSync(config.socketDir, mode);
-  } else if (!existed) {
-    fs.chmodSync(config.socketDir, mode);
-  }
+  if (config.socketGroup !== undefined) fs.chownSync(config.socketDir, process.getuid!(), config.socketGroup);
+  const before = fs.statSync(config.socketDir).mode & 0o7777;
+  fs.chmodSync(config.socketDir, mode);
+  return before === mode ? undefined : before;
 }
 
 /** Sockets owner-only (0600), or read-write for the configured group (0660). */
@@ -99,6 +97,7 @@ export class Daemon {
     private readonly admin: AdminService,
     private readonly health: HealthImplementation,
     private readonly metrics: Metrics,
+    private readonly healthServer: grpc.Server,
   ) {}
 
   /** @throws DaemonStartError, BackendUnavailableError, or the socket's error */
@@ -114,54 +113,90 @@ export class Daemon {
     const quotas = new Quotas({ perUid: config.quotaPerUid, perSession: config.quotaPerSession }, (session) => sessions.uidOf(session));
     const registry = new Registry(backend, (upstream) => quotas.around(upstream));
     const paths = socketPaths(config.socketDir);
-    prepareSocketDir(config);
+    const previousMode = prepareSocketDir(config);
+    if (previousMode !== undefined) {
+      log.warn({ socketDir: config.socketDir, was: previousMode.toString(8), now: config.socketGroup === undefined ? '700' : '750' }, 'socket directory mode corrected');
+    }
     clearStaleSockets(paths);
 
     const stores = new StoreRegistry(registry, log);
     const staging = new StagingBuffers();
-    // The session socket's requests go straight to the registry; a closed session's stores and staging go before its objects.
-    sessions.listen(paths.session, new SessionDispatcher({ registry, reclaimers: [(session) => stores.reclaim(session), (session) => staging.close(session)] }));
+    // A start that fails once the sockets exist (a metrics port in use, say) closes what it opened and removes them.
+    let started: Daemon | undefined;
+    const undo: Array<() => void> = [];
+    try {
+      // The session socket's requests go straight to the registry; a closed session's stores and staging go before its objects.
+      sessions.listen(paths.session, new SessionDispatcher({ registry, reclaimers: [(session) => stores.reclaim(session), (session) => staging.close(session)] }));
 
-    // grpc-js's own log goes through pino, at the daemon's level.
-    grpc.setLogger({
-      error: (...args: unknown[]) => log.child({ component: 'grpc-js' }).warn(args.map(String).join(' ')),
-    });
-    grpc.setLogVerbosity(log.isLevelEnabled('debug') ? grpc.logVerbosity.DEBUG : grpc.logVerbosity.ERROR);
-    const server = new grpc.Server({ 'grpc.max_receive_message_length': 16 << 20 });
-    const { proto } = loadProtos();
-    // grpcurl's view: reflection (v1 and v1alpha) over the vmmd protos and health.
-    new ReflectionService(reflectedDefinition()).addToServer(server);
-    const health = new HealthImplementation(Object.fromEntries(HEALTH_SERVICES.map((name) => [name, 'NOT_SERVING'])));
-    health.addToServer(server);
-    const metrics = new Metrics(registry, () => sessions, stores);
-    const deps: HandlerDeps = { sessions, access, streamStallMs: config.streamStallMs, log, observe: (method, status, code, seconds) => metrics.observe(method, status, code, seconds) };
-    new DevicesService(registry).addToServer(server, proto, deps);
-    new VirtualMemoryService(registry, sessions, staging).addToServer(server, proto, deps);
-    new StoresService(registry, stores, sessions).addToServer(server, proto, deps);
-    const admin = new AdminService({ registry, sessions, stores, quotas, metrics, version: VERSION });
-    admin.addToServer(server, proto, deps);
-    // Accepted here, not by grpc-js: each connection is attributed to its peer's uid (server/access.ts).
-    const unix = await GrpcUnixListener.listen(server, paths.grpc, log);
-    restrictSockets(config, paths);
-    if (config.tcpListen !== '' && config.tls !== undefined) {
-      const tls = config.tls;
-      const credentials = grpc.ServerCredentials.createSsl(
-        tls.ca === undefined ? null : fs.readFileSync(tls.ca),
-        [{ cert_chain: fs.readFileSync(tls.cert), private_key: fs.readFileSync(tls.key) }],
-        tls.ca !== undefined,
+      // grpc-js's own log goes through pino, at the daemon's level.
+      grpc.setLogger({
+        error: (...args: unknown[]) => log.child({ component: 'grpc-js' }).warn(args.map(String).join(' ')),
+      });
+      grpc.setLogVerbosity(log.isLevelEnabled('debug') ? grpc.logVerbosity.DEBUG : grpc.logVerbosity.ERROR);
+      const server = new grpc.Server({ 'grpc.max_receive_message_length': 16 << 20 });
+      // Only the health service, plaintext: what Kubernetes' gRPC probes speak (they have no Unix sockets).
+      const healthServer = new grpc.Server();
+      undo.push(() => server.forceShutdown(), () => healthServer.forceShutdown());
+      const { proto } = loadProtos();
+      // grpcurl's view: reflection (v1 and v1alpha) over the vmmd protos and health.
+      new ReflectionService(reflectedDefinition()).addToServer(server);
+      const health = new HealthImplementation(Object.fromEntries(HEALTH_SERVICES.map((name) => [name, 'NOT_SERVING'])));
+      health.addToServer(server);
+      health.addToServer(healthServer);
+      const metrics = new Metrics(registry, () => sessions, stores, { version: VERSION, backend: backend.name });
+      undo.push(() => metrics.close());
+      // Each service's calls are counted under its full name: Read and List exist in two services.
+      const depsOf = (service: string): HandlerDeps => ({
+        sessions,
+        access,
+        streamStallMs: config.streamStallMs,
+        log,
+        observe: (method, status, code, seconds) => metrics.observe(service, method, status, code, seconds),
+        streams: (method, delta) => metrics.stream(service, method, delta),
+        moved: (method, direction, bytes) => metrics.bytesMoved(service, method, direction, bytes),
+      });
+      new DevicesService(registry).addToServer(server, proto, depsOf('vmmd.v1.Devices'));
+      new VirtualMemoryService(registry, sessions, staging).addToServer(server, proto, depsOf('vmmd.v1.VirtualMemory'));
+      new StoresService(registry, stores, sessions).addToServer(server, proto, depsOf('vmmd.v1.Stores'));
+      const admin = new AdminService({ registry, sessions, stores, quotas, metrics, version: VERSION });
+      admin.addToServer(server, proto, depsOf('vmmd.v1.Admin'));
+      // Accepted here, not by grpc-js: each connection is attributed to its peer's uid (server/access.ts).
+      const unix = await GrpcUnixListener.listen(server, paths.grpc, log);
+      undo.push(() => unix.close());
+      restrictSockets(config, paths);
+      if (config.tcpListen !== '' && config.tls !== undefined) {
+        const tls = config.tls;
+        const credentials = grpc.ServerCredentials.createSsl(
+          tls.ca === undefined ? null : fs.readFileSync(tls.ca),
+          [{ cert_chain: fs.readFileSync(tls.cert), private_key: fs.readFileSync(tls.key) }],
+          tls.ca !== undefined,
+        );
+        await new Promise<void>((resolve, reject) =>
+          server.bindAsync(config.tcpListen, credentials, (error) => (error ? reject(error) : resolve())),
+        );
+        log.info({ address: config.tcpListen, mutualTls: tls.ca !== undefined }, 'serving gRPC over TCP with TLS (no sessions, no descriptors)');
+      }
+      if (config.metricsPort > 0) await metrics.serve(config.metricsPort, config.metricsAddress, log);
+      if (config.healthPort > 0) {
+        const address = `${config.metricsAddress.includes(':') ? `[${config.metricsAddress}]` : config.metricsAddress}:${config.healthPort}`;
+        await new Promise<void>((resolve, reject) => healthServer.bindAsync(address, grpc.ServerCredentials.createInsecure(), (error) => (error ? reject(error) : resolve())));
+        log.info({ address }, 'health service (grpc.health.v1 only, plaintext) on %s', address);
+      }
+      for (const name of HEALTH_SERVICES) health.setStatus(name, 'SERVING');
+      log.info(
+        { backend: backend.name, socketDir: config.socketDir, devices: registry.devices.length, version: VERSION },
+        'vmmd serving',
       );
-      await new Promise<void>((resolve, reject) =>
-        server.bindAsync(config.tcpListen, credentials, (error) => (error ? reject(error) : resolve())),
-      );
-      log.info({ address: config.tcpListen, mutualTls: tls.ca !== undefined }, 'serving gRPC over TCP with TLS (no sessions, no descriptors)');
+      started = new Daemon(config, backend, registry, sessions, server, unix, log, paths, admin, health, metrics, healthServer);
+    } finally {
+      if (started === undefined) {
+        for (const step of undo) step();
+        await sessions.close().catch(() => undefined);
+        for (const path of [paths.grpc, paths.session]) fs.rmSync(path, { force: true });
+        backend.close();
+      }
     }
-    if (config.metricsPort > 0) await metrics.serve(config.metricsPort, log);
-    for (const name of HEALTH_SERVICES) health.setStatus(name, 'SERVING');
-    log.info(
-      { backend: backend.name, socketDir: config.socketDir, devices: registry.devices.length, version: VERSION },
-      'vmmd serving',
-    );
-    return new Daemon(config, backend, registry, sessions, server, unix, log, paths, admin, health, metrics);
+    return started;
   }
 
   /** Stops serving: refuses new calls, lets in-flight ones finish, reclaims every session. */
@@ -173,6 +208,7 @@ export class Daemon {
     await Promise.race([drained, timeout]);
     this.server.forceShutdown();
     this.unix.close();
+    this.healthServer.forceShutdown();
     await this.sessions.close();
     for (const path of [this.paths.grpc, this.paths.session]) fs.rmSync(path, { force: true });
     this.backend.close();

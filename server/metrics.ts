@@ -1,6 +1,8 @@
 /**
- * Prometheus metrics (prom-client), named by Prometheus conventions, served
- * on 127.0.0.1 only when --metrics-port is set. The same counters feed
+ * Prometheus metrics (prom-client), named by Prometheus conventions: one
+ * prefix (vmmd_), base units in the name (_bytes, _seconds), counters ending in
+ * _total, an info metric for the build. Served on --metrics-address
+ * (127.0.0.1 by default) when --metrics-port is set. The same call counts feed
  * Admin.GetReport.
  */
 import * as http from 'node:http';
@@ -10,26 +12,63 @@ import type { Registry } from './registry';
 import type { SessionManager } from './sessions';
 import type { StoreRegistry } from './stores';
 
+export interface MetricsInfo {
+  version: string;
+  backend: string;
+}
+
+/** "daemon" for objects the daemon owns, else the session id. */
+const ownerLabel = (owner: string) => (owner === '0' ? 'daemon' : owner);
+
 export class Metrics {
   readonly registry = new MetricsRegistry();
-  private readonly rpcDuration: Histogram<'method' | 'status'>;
+  private readonly rpcDuration: Histogram<'service' | 'method' | 'status'>;
+  private readonly streamsActive: Gauge<'service' | 'method'>;
+  private readonly streamsTotal: Counter<'service' | 'method'>;
+  private readonly moved: Counter<'service' | 'method' | 'direction'>;
   private readonly exports: Counter;
   private readonly quotaRefusals: Counter;
   // Invariant: calls by method and status since start, for the report.
   readonly calls = new Map<string, Map<string, number>>();
   private server?: http.Server;
 
-  constructor(registry: Registry, sessions: () => SessionManager, stores: StoreRegistry) {
-    collectDefaultMetrics({ register: this.registry, prefix: 'vmmd_process_' });
+  constructor(registry: Registry, sessions: () => SessionManager, stores: StoreRegistry, info: MetricsInfo) {
+    collectDefaultMetrics({ register: this.registry, prefix: 'vmmd_' });
+    // NOTE: prom-client names two gauges *_total (nodejs_active_{handles,requests,resources}_total), which
+    // Prometheus reserves for counters; the same numbers are the sums of vmmd_nodejs_active_{handles,requests,resources}.
+    for (const name of ['vmmd_nodejs_active_handles_total', 'vmmd_nodejs_active_requests_total', 'vmmd_nodejs_active_resources_total']) this.registry.removeSingleMetric(name);
+    new Gauge({
+      name: 'vmmd_build_info',
+      help: 'Always 1; the labels say which vmmd runs: version, Node.js version and backend.',
+      labelNames: ['version', 'node', 'backend'],
+      registers: [this.registry],
+    }).set({ version: info.version, node: process.version, backend: info.backend }, 1);
+    const labelNames = ['service', 'method'] as const;
     this.rpcDuration = new Histogram({
       name: 'vmmd_rpc_duration_seconds',
-      help: 'Duration of gRPC calls, by method and status.',
-      labelNames: ['method', 'status'],
+      help: 'Duration of gRPC calls (streams included, open to end), by service, method and status.',
+      labelNames: [...labelNames, 'status'],
       buckets: [0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5],
+      registers: [this.registry],
+    });
+    this.streamsActive = new Gauge({ name: 'vmmd_rpc_streams_active', help: 'Streaming calls open now.', labelNames, registers: [this.registry] });
+    this.streamsTotal = new Counter({ name: 'vmmd_rpc_streams_total', help: 'Streaming calls opened since start.', labelNames, registers: [this.registry] });
+    this.moved = new Counter({
+      name: 'vmmd_moved_bytes_total',
+      help: 'Bytes moved through the daemon by Read and Write streams, staged copies, Fill and Copy; direction read is to the client.',
+      labelNames: [...labelNames, 'direction'],
       registers: [this.registry],
     });
     this.exports = new Counter({ name: 'vmmd_exports_total', help: 'Descriptors handed to sessions (Export and Open).', registers: [this.registry] });
     this.quotaRefusals = new Counter({ name: 'vmmd_quota_refusals_total', help: 'Requests refused for a quota.', registers: [this.registry] });
+    new Gauge({
+      name: 'vmmd_allocated_peak_bytes',
+      help: 'The most bytes of live allocations (created and imported) held at once since start.',
+      registers: [this.registry],
+      collect() {
+        this.set(Number(registry.statistics.peakBytes()));
+      },
+    });
     new Gauge({
       name: 'vmmd_sessions',
       help: 'Open sessions.',
@@ -38,6 +77,24 @@ export class Metrics {
         this.set(sessions().count);
       },
     });
+    const deviceLabels = ['device', 'uuid', 'name'] as const;
+    const deviceGauge = (name: string, help: string, value: (memory: { totalBytes: bigint; freeBytes: bigint }) => bigint) =>
+      new Gauge({
+        name,
+        help,
+        labelNames: deviceLabels,
+        registers: [this.registry],
+        collect() {
+          this.reset();
+          for (const device of registry.devices) {
+            const memory = registry.backend.memoryInfo(device.index);
+            this.set({ device: String(device.index), uuid: device.uuid, name: device.name }, Number(value({ totalBytes: BigInt(memory.totalBytes), freeBytes: BigInt(memory.freeBytes) })));
+          }
+        },
+      });
+    deviceGauge('vmmd_device_memory_total_bytes', 'Memory of each device (host backend: its capacity), by index, UUID and name.', (m) => m.totalBytes);
+    deviceGauge('vmmd_device_memory_free_bytes', 'Free memory of each device, as the driver (or the host backend) reports it.', (m) => m.freeBytes);
+    deviceGauge('vmmd_device_memory_used_bytes', 'Used memory of each device: total minus free, by every process of the host.', (m) => m.totalBytes - m.freeBytes);
     new Gauge({
       name: 'vmmd_memory_bytes',
       help: 'Bytes of live allocations, by device, owner kind and whether the daemon created or imported them.',
@@ -54,6 +111,57 @@ export class Metrics {
         }
       },
     });
+    /** Bytes of live allocations by owner: session id or "daemon". */
+    const byOwner = () => {
+      const bytes = new Map<string, number>();
+      for (const allocation of registry.snapshot().allocations) bytes.set(allocation.owner, (bytes.get(allocation.owner) ?? 0) + Number(allocation.size));
+      return bytes;
+    };
+    new Gauge({
+      name: 'vmmd_session_allocated_bytes',
+      help: 'Bytes of live allocations each open session holds (session "daemon": handed over or made without a session), with the peer uid and pid.',
+      labelNames: ['session', 'uid', 'pid'],
+      registers: [this.registry],
+      collect() {
+        this.reset();
+        const bytes = byOwner();
+        for (const session of sessions().list()) {
+          this.set({ session: String(session.id), uid: String(session.peer.uid), pid: String(session.peer.pid) }, bytes.get(String(session.id)) ?? 0);
+        }
+        this.set({ session: 'daemon', uid: '', pid: '' }, bytes.get('0') ?? 0);
+      },
+    });
+    new Gauge({
+      name: 'vmmd_uid_allocated_bytes',
+      help: 'Bytes of live allocations held by the sessions of each uid (what --quota-per-uid limits).',
+      labelNames: ['uid'],
+      registers: [this.registry],
+      collect() {
+        this.reset();
+        const bytes = byOwner();
+        for (const session of sessions().list()) this.inc({ uid: String(session.peer.uid) }, bytes.get(String(session.id)) ?? 0);
+      },
+    });
+    new Gauge({
+      name: 'vmmd_stores',
+      help: 'Stores, by target, state and owner kind.',
+      labelNames: ['target', 'state', 'owner_kind'],
+      registers: [this.registry],
+      collect() {
+        this.reset();
+        for (const store of stores.list()) this.inc({ target: String(store.target).toLowerCase(), state: String(store.state).toLowerCase(), owner_kind: store.owner === 0n ? 'daemon' : 'session' });
+      },
+    });
+    new Gauge({
+      name: 'vmmd_store_bytes',
+      help: 'Bytes of stores not yet freed, by target and state.',
+      labelNames: ['target', 'state'],
+      registers: [this.registry],
+      collect() {
+        this.reset();
+        for (const store of stores.list()) this.inc({ target: String(store.target).toLowerCase(), state: String(store.state).toLowerCase() }, Number(store.size));
+      },
+    });
     new Gauge({
       name: 'vmmd_objects',
       help: 'Live objects, by kind and owner kind.',
@@ -62,7 +170,7 @@ export class Metrics {
       collect() {
         this.reset();
         const snapshot = registry.snapshot();
-        const ownerKind = (owner: string) => (owner === '0' ? 'daemon' : 'session');
+        const ownerKind = (owner: string) => (ownerLabel(owner) === 'daemon' ? 'daemon' : 'session');
         for (const reservation of snapshot.reservations) {
           this.inc({ kind: 'reservation', owner_kind: ownerKind(reservation.owner) });
           this.inc({ kind: 'mapping', owner_kind: ownerKind(reservation.owner) }, reservation.mappings.length);
@@ -73,9 +181,9 @@ export class Metrics {
     });
   }
 
-  /** Called by the handler wiring for every call. */
-  observe(method: string, status: string, code: string | undefined, seconds: number): void {
-    this.rpcDuration.observe({ method, status }, seconds);
+  /** Called by the handler wiring for every call, streams included. */
+  observe(service: string, method: string, status: string, code: string | undefined, seconds: number): void {
+    this.rpcDuration.observe({ service, method, status }, seconds);
     const byStatus = this.calls.get(method) ?? new Map<string, number>();
     byStatus.set(status, (byStatus.get(status) ?? 0) + 1);
     this.calls.set(method, byStatus);
@@ -83,8 +191,19 @@ export class Metrics {
     if (code === 'QUOTA_EXCEEDED') this.quotaRefusals.inc();
   }
 
-  /** Serves /metrics on 127.0.0.1:port. */
-  serve(port: number, log: Logger): Promise<void> {
+  /** A stream opened (+1) or ended (-1). */
+  stream(service: string, method: string, delta: 1 | -1): void {
+    this.streamsActive.inc({ service, method }, delta);
+    if (delta === 1) this.streamsTotal.inc({ service, method });
+  }
+
+  /** Bytes a call moved, to the client (read) or into memory (write). */
+  bytesMoved(service: string, method: string, direction: 'read' | 'write', bytes: number): void {
+    if (bytes > 0) this.moved.inc({ service, method, direction }, bytes);
+  }
+
+  /** Serves /metrics on address:port. */
+  serve(port: number, address: string, log: Logger): Promise<void> {
     this.server = http.createServer((request, response) => {
       if (request.url !== '/metrics') {
         response.writeHead(404).end('see /metrics\n');
@@ -97,8 +216,9 @@ export class Metrics {
     });
     return new Promise((resolve, reject) => {
       this.server!.once('error', reject);
-      this.server!.listen(port, '127.0.0.1', () => {
-        log.info({ port }, 'metrics on http://127.0.0.1:%d/metrics', port);
+      this.server!.listen(port, address, () => {
+        const url = `http://${address.includes(':') ? `[${address}]` : address}:${port}/metrics`;
+        log.info({ port, address }, 'metrics on %s', url);
         resolve();
       });
     });

@@ -18,6 +18,8 @@ export class AllocationStatistics implements AllocationSource {
   private readonly counted: AllocationTotals = { allocations: 0, createdBytes: 0n, importedBytes: 0n };
   // Invariant: bytes of created (not adopted) allocations by device; no entry holds 0.
   private readonly createdByDevice = new Map<number, bigint>();
+  // Invariant: the largest createdBytes + importedBytes held at once since start.
+  private peak = 0n;
 
   constructor(private readonly upstream: AllocationSource) {}
 
@@ -42,6 +44,11 @@ export class AllocationStatistics implements AllocationSource {
     return { ...this.counted };
   }
 
+  /** The most bytes of live allocations (created and adopted) held at once since start. */
+  peakBytes(): bigint {
+    return this.peak;
+  }
+
   /** Bytes of live allocations the daemon created on a device. */
   createdBytes(device: number): bigint {
     return this.createdByDevice.get(device) ?? 0n;
@@ -50,11 +57,11 @@ export class AllocationStatistics implements AllocationSource {
   private count(device: number, size: bigint, imported: boolean, sign: 1 | -1): void {
     const bytes = sign === 1 ? size : -size;
     this.counted.allocations += sign;
-    if (imported) {
-      this.counted.importedBytes += bytes;
-      return;
-    }
-    this.counted.createdBytes += bytes;
+    if (imported) this.counted.importedBytes += bytes;
+    else this.counted.createdBytes += bytes;
+    const live = this.counted.createdBytes + this.counted.importedBytes;
+    if (live > this.peak) this.peak = live;
+    if (imported) return;
     const total = (this.createdByDevice.get(device) ?? 0n) + bytes;
     if (total === 0n) this.createdByDevice.delete(device);
     else this.createdByDevice.set(device, total);

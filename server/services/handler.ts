@@ -31,6 +31,43 @@ export interface HandlerDeps {
   log: Logger;
   /** Sees every call's method, status name, error code and duration (metrics). */
   observe?: (method: string, status: string, code: string | undefined, seconds: number) => void;
+  /** A stream of this method opened (+1) or ended (-1). */
+  streams?: (method: string, delta: 1 | -1) => void;
+  /** Bytes that a call moved, by method and direction (read: to the client). */
+  moved?: (method: string, direction: 'read' | 'write', bytes: number) => void;
+}
+
+/** The bytes of a message's `data` field (DataChunk, WriteRequest, DataWriteRequest), 0 without one. */
+function dataBytes(message: unknown): number {
+  const data = (message as { data?: unknown } | null)?.data;
+  return data instanceof Uint8Array ? data.length : 0;
+}
+
+/** Counts a stream as open from now until `settled` resolves or the client cancels, whichever comes first. */
+function countStream(deps: HandlerDeps, method: string, call: { once(event: 'cancelled', listener: () => void): unknown }, settled: Promise<unknown>): void {
+  deps.streams?.(method, 1);
+  let open = true;
+  const end = () => {
+    if (open) deps.streams?.(method, -1);
+    open = false;
+  };
+  call.once('cancelled', end);
+  void settled.finally(end);
+}
+
+/** The requests of a client stream, each one's data counted as written. */
+async function* countingWrites<Req>(deps: HandlerDeps, method: string, requests: AsyncIterable<Req>): AsyncIterable<Req> {
+  for await (const request of requests) {
+    deps.moved?.(method, 'write', dataBytes(request));
+    yield request;
+  }
+}
+
+/** Staged copies (StagedCopyResponse.bytes) and Fill/Copy (bytes_written) move bytes without streams. */
+function countUnaryBytes(deps: HandlerDeps, method: string, response: unknown): void {
+  const moved = response as { bytes?: unknown; bytesWritten?: unknown } | null | undefined;
+  if (moved?.bytes !== undefined) deps.moved?.(method, method.startsWith('Read') ? 'read' : 'write', Number(moved.bytes));
+  else if (moved?.bytesWritten !== undefined) deps.moved?.(method, 'write', Number(moved.bytesWritten));
 }
 
 /**
@@ -94,9 +131,11 @@ export function unary<Req, Res>(
   body: (request: Req, context: CallContext) => Promise<Res> | Res,
 ): grpc.handleUnaryCall<Req, Res> {
   return (call, callback) => {
-    void settle(deps, method, withContext(deps, call, method, async (context) => body(call.request, context))).then(
-      ({ value, error }) => (error === undefined ? callback(null, value) : callback(error as grpc.ServiceError)),
-    );
+    void settle(deps, method, withContext(deps, call, method, async (context) => body(call.request, context))).then(({ value, error }) => {
+      if (error !== undefined) return callback(error as grpc.ServiceError);
+      countUnaryBytes(deps, method, value);
+      callback(null, value);
+    });
   };
 }
 
@@ -180,13 +219,16 @@ export function serverStream<Req, Res>(
         const writer = new BoundedWriter(call as grpc.ServerWritableStream<unknown, unknown>, deps.streamStallMs);
         for await (const message of body(call.request, context)) {
           if (call.cancelled) return;
+          deps.moved?.(method, 'read', dataBytes(message));
           await writer.write(message);
         }
       },
       options.tracked ?? true,
     );
     // grpc-js turns an 'error' event on a server stream into the call's status.
-    void settle(deps, method, run).then(({ error }) => (error === undefined ? call.end() : call.emit('error', error)));
+    const settled = settle(deps, method, run);
+    countStream(deps, method, call, settled);
+    void settled.then(({ error }) => (error === undefined ? call.end() : call.emit('error', error)));
   };
 }
 
@@ -196,7 +238,10 @@ export function clientStream<Req, Res>(
   body: (requests: AsyncIterable<Req>, context: CallContext) => Promise<Res>,
 ): grpc.handleClientStreamingCall<Req, Res> {
   return (call, callback) => {
-    void settle(deps, method, withContext(deps, call, method, (context) => body(call as AsyncIterable<Req>, context))).then(
+    const requests = countingWrites(deps, method, call as AsyncIterable<Req>);
+    const settled = settle(deps, method, withContext(deps, call, method, (context) => body(requests, context)));
+    countStream(deps, method, call, settled);
+    void settled.then(
       ({ value, error }) => (error === undefined ? callback(null, value as Res) : callback(error as grpc.ServiceError)),
     );
   };

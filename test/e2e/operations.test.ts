@@ -195,8 +195,8 @@ describe('Admin and metrics', () => {
         response.on('end', () => resolve(body));
       }).on('error', reject),
     );
-    expect(text).toMatch(/vmmd_rpc_duration_seconds_count\{method="Create",status="OK"\} 1/);
-    expect(text).toMatch(/vmmd_rpc_duration_seconds_count\{method="Create",status="RESOURCE_EXHAUSTED"\} 1/);
+    expect(text).toMatch(/vmmd_rpc_duration_seconds_count\{service="vmmd.v1.VirtualMemory",method="Create",status="OK"\} 1/);
+    expect(text).toMatch(/vmmd_rpc_duration_seconds_count\{service="vmmd.v1.VirtualMemory",method="Create",status="RESOURCE_EXHAUSTED"\} 1/);
     expect(text).toMatch(/vmmd_quota_refusals_total 1/);
     expect(text).toMatch(/vmmd_exports_total 1/);
     expect(text).toMatch(/vmmd_sessions 1/);
