@@ -9,7 +9,7 @@ import type { AllocateMessage, AllocatedMessage } from '../common/protocol';
 import { TRANSFER_ID_PATTERN } from '../common/protocol';
 import type { Registry } from './registry';
 import type { CreateArgs } from './registry/records';
-import { Answer, refuseMessage, RequestMessage, Session, SessionServices } from './sessions';
+import { Answer, ReclaimSummary, refuseMessage, RequestMessage, Session, SessionServices } from './sessions';
 
 const DECIMAL_U64 = /^(0|[1-9][0-9]{0,19})$/;
 const U64_LIMIT = 1n << 64n;
@@ -95,7 +95,16 @@ export class SessionDispatcher implements SessionServices {
   }
 
   /** Each step runs whatever the one before it did: a failure is logged, never a reason to leave objects behind. */
-  async reclaim(session: Session): Promise<void> {
+  async reclaim(session: Session): Promise<ReclaimSummary> {
+    // What the session holds once its calls have drained is what the steps below free.
+    const held = this.deps.registry.snapshot();
+    const owner = String(session.id);
+    const allocations = held.allocations.filter((allocation) => allocation.owner === owner);
+    const summary: ReclaimSummary = {
+      allocations: allocations.length,
+      bytes: String(allocations.reduce((total, allocation) => total + BigInt(allocation.size), 0n)),
+      reservations: held.reservations.filter((reservation) => reservation.owner === owner).length,
+    };
     for (const step of [...this.deps.reclaimers, (id: bigint) => this.deps.registry.reclaim(id)]) {
       try {
         await step(session.id);
@@ -103,5 +112,6 @@ export class SessionDispatcher implements SessionServices {
         session.log.error({ err: error, failures: (error as AggregateError).errors?.length }, 'reclaiming the session failed in part');
       }
     }
+    return summary;
   }
 }

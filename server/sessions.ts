@@ -7,6 +7,7 @@
  * in-flight calls drain and the daemon reclaims everything it owns.
  */
 import { randomBytes } from 'node:crypto';
+import { describeProcess, PeerProcess, stillRunning } from './peer-process';
 import type { Logger } from 'pino';
 import { status as Status } from '@grpc/grpc-js';
 import { decodeMessage, encodeMessage, PROTOCOL_VERSION, readableRequestId, SessionMessage, TRANSFER_ID_PATTERN } from '../common/protocol';
@@ -53,8 +54,15 @@ export interface SessionServices {
    * refusal of the message, `fd` (-1: none) is the services' to close.
    */
   answer(session: Session, message: RequestMessage, fd: number): Promise<Answer> | Answer;
-  /** Frees everything a closed session owned; runs once its calls have drained. */
-  reclaim(session: Session): Promise<void>;
+  /** Frees everything a closed session owned; runs once its calls have drained. Says what it freed, for the log. */
+  reclaim(session: Session): Promise<ReclaimSummary | void>;
+}
+
+/** What a closed session's reclaim freed: its allocations (and their bytes) and reservations. */
+export interface ReclaimSummary {
+  allocations: number;
+  bytes: string;
+  reservations: number;
 }
 
 /** An error that refuses a message as malformed (answered without a request's status). */
@@ -72,6 +80,8 @@ export class Session {
   private nextOutgoing = 1n;
   /** Descriptors the client sent, until a call claims them. */
   readonly inbox: TransferInbox;
+  /** The peer's command name and cgroup, read when the session opened. */
+  readonly process: PeerProcess;
 
   constructor(
     readonly id: bigint,
@@ -80,7 +90,8 @@ export class Session {
     log: Logger,
     options: SessionOptions,
   ) {
-    this.log = log.child({ session: String(id), peerPid: peer.pid, peerUid: peer.uid });
+    this.process = describeProcess(peer.pid);
+    this.log = log.child({ session: String(id), peerPid: peer.pid, peerUid: peer.uid, command: this.process.command });
     this.inbox = new TransferInbox({
       keepMs: options.transferKeepMs,
       maxHeld: options.maxPendingTransfers,
@@ -250,7 +261,7 @@ export class SessionManager {
       connection.close();
       return;
     }
-    session.log.info('session opened');
+    session.log.info({ cgroup: session.process.cgroup, peerGid: peer.gid }, 'session opened');
   }
 
   private refuse(session: Session, fd: number, code: string, message: string, transfer?: string, request?: string): void {
@@ -322,14 +333,22 @@ export class SessionManager {
     session.inbox.close();
     const reclaim = (async () => {
       await session.drained();
+      let reclaimed: ReclaimSummary | void = undefined;
       try {
-        await this.services?.reclaim(session);
+        reclaimed = await this.services?.reclaim(session);
       } catch (error) {
         session.log.error({ err: error, failures: (error as AggregateError).errors?.length }, 'reclaiming the session failed in part');
       }
       this.byToken.delete(session.token);
       this.sessions.delete(session.id);
-      session.log.info('session closed and reclaimed');
+      const what = reclaimed ? `; reclaimed ${reclaimed.allocations} allocation(s), ${reclaimed.bytes} bytes` : '';
+      // Checked after the reclaim: a killed process has become a zombie (or is gone) by then.
+      // A clean close leaves the process running; a crash, kill -9 or an exit without close() does not.
+      if (stillRunning(session.peer.pid, session.process.startTime)) {
+        session.log.info({ end: 'closed', reclaimed }, `session closed by the client${what}`);
+      } else {
+        session.log.warn({ end: 'process-gone', reclaimed }, `session lost: the client process ended without closing it (crashed, killed or exited)${what}`);
+      }
     })();
     this.reclaims.add(reclaim);
     void reclaim.finally(() => this.reclaims.delete(reclaim));

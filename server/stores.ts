@@ -395,6 +395,13 @@ export class StoreRegistry extends EventEmitter {
   }
 
   private record(kind: StoreEventKind, store: StoreRecord, session: bigint): void {
+    // An operator's trail of every store's life (opens and closes are too many to log at info).
+    if (kind === 'CREATED' || kind === 'DETACHED' || kind === 'RELEASED') {
+      const fields = { store: String(store.id), name: store.name, target: store.target, size: String(store.size), readOnly: store.readOnly, by: session === DAEMON_OWNER ? 'daemon' : `session ${session}` };
+      if (kind === 'CREATED') this.log?.info(fields, 'store created');
+      else if (kind === 'DETACHED') this.log?.info({ ...fields, opens: this.openCount(store) }, 'store detached');
+      else this.log?.info(fields, 'store released: its memory is freed');
+    }
     const event: StoreEvent = { sequence: this.nextSequence++, kind, store, session };
     this.events.push(event);
     if (this.events.length > EVENT_LOG_SIZE) this.events.shift();

@@ -341,11 +341,20 @@ export async function main(argv: string[]): Promise<number> {
       case 'sessions': {
         const { sessions } = await client.admin.listSessions();
         rows(
-          sessions.map((s) => {
-            const record: Record<string, unknown> = { ...s };
-            record.allocatedBytes = size(s.allocatedBytes);
-            return record;
-          }),
+          sessions.map((s) => ({
+            id: s.id,
+            pid: s.pid,
+            command: s.command,
+            uid: s.uid,
+            gid: s.gid,
+            allocations: s.allocations,
+            allocated: size(s.allocatedBytes),
+            reservations: s.reservations,
+            calls: s.callsInFlight,
+            pending: s.pendingTransfers,
+            closing: s.closing,
+            cgroup: s.cgroup,
+          })),
           sessions,
         );
         break;

@@ -83,6 +83,8 @@ export class AdminService {
           pid: session.peer.pid,
           uid: session.peer.uid,
           gid: session.peer.gid,
+          command: session.process.command,
+          cgroup: session.process.cgroup,
           callsInFlight: session.inFlightCalls,
           pendingTransfers: session.inbox.held,
           allocations: String(owned.length),

@@ -1,0 +1,98 @@
+/**
+ * What the daemon's log tells an operator (issue 17, item 6): a clean close
+ * and a crash read differently and say what was reclaimed; store create and
+ * detach at info; sessions listed with command name and cgroup; an existing
+ * socket directory is made owner-only.
+ */
+import * as fs from 'node:fs';
+import * as os from 'node:os';
+import * as path from 'node:path';
+import { connect } from '../../client';
+import { eventually, MiB, Peer, TestDaemon } from './harness';
+
+/** The daemon's JSON log lines with this message prefix. */
+function lines(daemon: TestDaemon, prefix: string): Array<Record<string, any>> {
+  return daemon.logs
+    .filter((line) => line.startsWith('{'))
+    .map((line) => JSON.parse(line))
+    .filter((entry) => typeof entry.msg === 'string' && entry.msg.startsWith(prefix));
+}
+
+describe('the daemon log', () => {
+  let daemon: TestDaemon;
+
+  beforeAll(async () => {
+    daemon = await TestDaemon.start(['--log-level', 'info']);
+  });
+
+  afterAll(async () => {
+    expect(await daemon.stop()).toBe(0);
+  });
+
+  test('a clean close: info, closed by the client, with what was reclaimed', async () => {
+    const client = await connect({ socketDir: daemon.dir });
+    const id = String(client.session.id);
+    await client.vmm.create({ size: 2n * MiB });
+    await client.vmm.create({ size: 4n * MiB });
+    await client.vmm.reserve({ size: 8n * MiB });
+    client.close();
+    const [entry] = await eventually(() => {
+      const found = lines(daemon, 'session closed by the client').filter((e) => e.session === id);
+      return found.length > 0 ? found : undefined;
+    });
+    expect(entry).toMatchObject({ level: 30, end: 'closed', reclaimed: { allocations: 2, bytes: String(6n * MiB), reservations: 1 }, peerPid: process.pid });
+    expect(entry.msg).toBe(`session closed by the client; reclaimed 2 allocation(s), ${6n * MiB} bytes`);
+  });
+
+  test('kill -9: a warning that the process ended without closing, with what was reclaimed', async () => {
+    const peer = await Peer.start(daemon.dir);
+    const { session } = await peer.do({ op: 'connect' });
+    await peer.do({ op: 'call', api: 'vmm', method: 'create', args: { size: String(2n * MiB) } });
+    peer.process.kill('SIGKILL');
+    await peer.exited;
+    const [entry] = await eventually(() => {
+      const found = lines(daemon, 'session lost').filter((e) => e.session === String(session));
+      return found.length > 0 ? found : undefined;
+    });
+    expect(entry).toMatchObject({ level: 40, end: 'process-gone', reclaimed: { allocations: 1, bytes: String(2n * MiB), reservations: 0 }, command: 'node' });
+    expect(entry.msg).toMatch(/^session lost: the client process ended without closing it \(crashed, killed or exited\); reclaimed 1 allocation\(s\), 2097152 bytes$/);
+  });
+
+  test('store create, detach and release at info', async () => {
+    const client = await connect({ socketDir: daemon.dir });
+    const allocation = await client.vmm.create({ size: 2n * MiB });
+    const store = await client.stores.createStore({ allocationId: allocation.id, name: 'logged' });
+    await client.stores.detach('logged');
+    const find = (prefix: string) => lines(daemon, prefix).find((e) => e.store === String(store.id));
+    await eventually(() => find('store released'));
+    expect(find('store created')).toMatchObject({ level: 30, name: 'logged', size: String(2n * MiB), by: `session ${client.session.id}` });
+    expect(find('store detached')).toMatchObject({ level: 30, name: 'logged', opens: 0 });
+    client.close();
+  });
+
+  test('ListSessions and the session-opened line name the command and the cgroup', async () => {
+    const client = await connect({ socketDir: daemon.dir });
+    const { sessions } = await client.admin.listSessions();
+    const own = sessions.find((s) => s.id === String(client.session.id))!;
+    const expectedCgroup = fs.readFileSync(`/proc/${process.pid}/cgroup`, 'utf8').split('\n').find((line) => line.startsWith('0::'))?.slice(3) ?? '';
+    expect(own).toMatchObject({ pid: process.pid, command: fs.readFileSync(`/proc/${process.pid}/comm`, 'utf8').trim(), cgroup: expectedCgroup });
+    expect(own.command).not.toBe('');
+    const opened = lines(daemon, 'session opened').find((e) => e.session === own.id);
+    expect(opened).toMatchObject({ command: own.command, cgroup: own.cgroup, peerPid: process.pid });
+    client.close();
+  });
+});
+
+describe('the socket directory', () => {
+  test('an existing 0755 directory is made 0700, and the log says what it was', async () => {
+    const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-open-dir-'));
+    fs.chmodSync(dir, 0o755);
+    const daemon = await TestDaemon.start(['--socket-dir', dir]);
+    try {
+      expect((fs.statSync(dir).mode & 0o777).toString(8)).toBe('700');
+      expect(lines(daemon, 'socket directory mode corrected')).toEqual([expect.objectContaining({ was: '755', now: '700', socketDir: dir })]);
+    } finally {
+      await daemon.stop();
+    }
+  });
+});
