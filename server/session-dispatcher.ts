@@ -38,9 +38,11 @@ const allocate: Handler<{ request: string; args: CreateArgs }> = {
     }
     let where: AllocateMessage['location'] = { type: 'DEVICE', id: 0 };
     if (location !== undefined) {
-      const { type: kind, id } = (location ?? {}) as { type?: unknown; id?: unknown };
+      const { type: named, id } = (location ?? {}) as { type?: unknown; id?: unknown };
+      // The proto's JSON (and grpcurl's) spelling is accepted too: LOCATION_TYPE_DEVICE is DEVICE.
+      const kind = typeof named === 'string' ? named.replace(/^LOCATION_TYPE_/, '') : named;
       if (typeof location !== 'object' || location === null || (kind !== 'DEVICE' && kind !== 'HOST_NUMA') || !Number.isInteger(id) || (id as number) < 0 || (id as number) > 0x7fffffff) {
-        return 'allocate: location must be {"type": "DEVICE" or "HOST_NUMA", "id": an integer from 0}';
+        return 'allocate: location must be {"type": "DEVICE" or "HOST_NUMA" (or LOCATION_TYPE_DEVICE, LOCATION_TYPE_HOST_NUMA), "id": an integer from 0}';
       }
       where = { type: kind, id: id as number };
     }
