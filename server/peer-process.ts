@@ -36,9 +36,18 @@ export function describeProcess(pid: number): PeerProcess {
   return { command: read(`/proc/${pid}/comm`).trim(), cgroup, startTime: statFields(pid)[19] ?? '' };
 }
 
-/** True while the process that opened the session runs (not a zombie, not a new process with its pid). */
+/** PF_EXITING in /proc/PID/stat's flags: set as a process starts to exit, before its files close. */
+const PF_EXITING = 0x4;
+
+/**
+ * True while the process that opened the session runs and is not exiting
+ * (not a zombie, not a new process with its pid). A killed process has
+ * PF_EXITING set before the kernel closes its socket, so a hang-up caused by
+ * its death never reads as a clean close.
+ */
 export function stillRunning(pid: number, startTime: string): boolean {
   if (pid <= 0 || startTime === '') return false;
   const fields = statFields(pid);
-  return fields.length > 19 && fields[0] !== 'Z' && fields[0] !== 'X' && fields[19] === startTime;
+  if (fields.length <= 19 || fields[19] !== startTime || fields[0] === 'Z' || fields[0] === 'X') return false;
+  return (Number(fields[6]) & PF_EXITING) === 0;
 }

@@ -53,6 +53,8 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   private readonly large = new Map<bigint, Lease>();
   // Invariant: every memhostalloc allocation not yet given back, by address.
   private readonly hostLeases = new Map<bigint, Lease>();
+  // Invariant: the mappings openIpcHandle made and free() has not yet closed; read and write reach them.
+  private readonly opened = new Set<ImportedMemory>();
   private initialized?: Promise<void>;
   // The chunk lease in progress: concurrent requests that find no room wait for it rather than lease their own.
   private leasing?: Promise<void>;
@@ -181,7 +183,19 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
    */
   async openIpcHandle(handle: IpcHandle): Promise<MemoryPointer> {
     const memory = await this.client.vmm.import(handle.allocationId, { shareKey: handle.shareKey });
-    return new MemoryPointer(this.context, memory.address + BigInt(handle.offset), BigInt(handle.size), memory, () => memory.close());
+    this.opened.add(memory);
+    return new MemoryPointer(this.context, memory.address + BigInt(handle.offset), BigInt(handle.size), memory, async () => {
+      this.opened.delete(memory);
+      await memory.close();
+    });
+  }
+
+  /** The IPC-opened mapping holding `pointer`, and the pointer's offset in it. */
+  private findOpened(pointer: bigint): { memory: ImportedMemory; offset: bigint } | undefined {
+    for (const memory of this.opened) {
+      if (pointer >= memory.address && pointer < memory.address + memory.size) return { memory, offset: pointer - memory.address };
+    }
+    return undefined;
   }
 
   /** The device's free and total bytes, as the daemon accounts them. */
@@ -216,6 +230,8 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   async write(pointer: bigint, data: Uint8Array): Promise<void> {
     const found = this.find(pointer);
     if (found !== undefined) return found.lease.memory.write(pointer - found.base, data);
+    const opened = this.findOpened(pointer);
+    if (opened !== undefined) return opened.memory.write(opened.offset, data);
     if (this.context.backend === 'cuda') return native.cudaCopyToDevice(this.context.device, pointer, Buffer.from(data));
     throw new VmmdError('NOT_MANAGED', Status.FAILED_PRECONDITION, `0x${pointer.toString(16)} is not memory of this manager`);
   }
@@ -224,6 +240,8 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   async read(pointer: bigint, length: bigint | number): Promise<Buffer> {
     const found = this.find(pointer);
     if (found !== undefined) return found.lease.memory.read(pointer - found.base, length);
+    const opened = this.findOpened(pointer);
+    if (opened !== undefined) return opened.memory.read(opened.offset, length);
     if (this.context.backend === 'cuda') return native.cudaCopyFromDevice(this.context.device, pointer, BigInt(length));
     throw new VmmdError('NOT_MANAGED', Status.FAILED_PRECONDITION, `0x${pointer.toString(16)} is not memory of this manager`);
   }
