@@ -16,10 +16,10 @@ import * as protoLoader from '@grpc/proto-loader';
 import { ChildProcess, execFileSync, spawn, spawnSync } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as http from 'node:http';
-import * as net from 'node:net';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import { protoPath as HEALTH_PROTO } from 'grpc-health-check';
+import { freePort } from '../e2e/harness';
 
 // eslint-disable-next-line @typescript-eslint/no-require-imports
 const yaml = require('js-yaml') as { loadAll(text: string): any[] };
@@ -71,17 +71,6 @@ const containerCommand: string[] = [...dockerfile.entrypoint, ...container.args]
 function flag(command: string[], name: string): string | undefined {
   const at = command.lastIndexOf(name);
   return at < 0 ? undefined : command[at + 1];
-}
-
-function freePort(): Promise<number> {
-  return new Promise((resolve, reject) => {
-    const server = net.createServer();
-    server.once('error', reject);
-    server.listen(0, '127.0.0.1', () => {
-      const { port } = server.address() as net.AddressInfo;
-      server.close(() => resolve(port));
-    });
-  });
 }
 
 describe('systemd unit', () => {

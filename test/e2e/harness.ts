@@ -6,6 +6,7 @@
 import * as grpc from '@grpc/grpc-js';
 import { ChildProcess, spawn } from 'node:child_process';
 import * as fs from 'node:fs';
+import * as net from 'node:net';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import * as readline from 'node:readline';
@@ -28,6 +29,18 @@ export const MiB = 1n << 20n;
 
 export function sleep(ms: number): Promise<void> {
   return new Promise((resolve) => setTimeout(resolve, ms));
+}
+
+/** A TCP port on 127.0.0.1 that was free a moment ago (for a daemon's metrics or health listener). */
+export function freePort(): Promise<number> {
+  return new Promise((resolve, reject) => {
+    const server = net.createServer();
+    server.once('error', reject);
+    server.listen(0, '127.0.0.1', () => {
+      const { port } = server.address() as net.AddressInfo;
+      server.close(() => resolve(port));
+    });
+  });
 }
 
 /** Polls until check() returns a value that is not undefined, or throws after timeoutMs with the last value. */

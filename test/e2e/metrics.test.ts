@@ -13,22 +13,11 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import { connect, VmmdClient } from '../../client';
 import { socketPaths } from '../../common/paths';
-import { eventually, MiB, packageRoot, TestDaemon } from './harness';
+import { eventually, freePort, MiB, packageRoot, TestDaemon } from './harness';
 
 const RW = [{ location: { type: 'LOCATION_TYPE_DEVICE' as const, id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' as const }];
 
 /** A port nobody listens on now. */
-function freePort(): Promise<number> {
-  return new Promise((resolve, reject) => {
-    const server = net.createServer();
-    server.once('error', reject);
-    server.listen(0, '127.0.0.1', () => {
-      const { port } = server.address() as net.AddressInfo;
-      server.close(() => resolve(port));
-    });
-  });
-}
-
 function scrape(host: string, port: number): Promise<string> {
   return new Promise((resolve, reject) =>
     http
