@@ -86,7 +86,7 @@ export class ClientSession extends EventEmitter {
         if (message.fd >= 0) native.close(message.fd);
         const hello = decodeMessage(message.data);
         if (typeof hello !== 'string' && hello.type === 'error') {
-          fail(new VmmdError(hello.code, Status.PERMISSION_DENIED, `vmmd refused the session: ${hello.message}`));
+          fail(new VmmdError(hello.code, typeof hello.status === 'number' ? hello.status : Status.PERMISSION_DENIED, `vmmd refused the session: ${hello.message}`));
           return;
         }
         if (typeof hello === 'string' || hello.type !== 'hello' || hello.protocol !== PROTOCOL_VERSION) {

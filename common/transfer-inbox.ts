@@ -26,6 +26,8 @@ export interface InboxOptions {
   /** Told when an unclaimed descriptor expires. */
   expired?(transfer: string): void;
   errors: InboxErrors;
+  /** Why no more descriptors may be held (a bound beyond this inbox's own, e.g. per uid), or undefined. */
+  mayHold?: () => string | undefined;
 }
 
 /** What became of a delivered descriptor: claimed at once, held, or refused (the inbox closed it). */
@@ -77,6 +79,11 @@ export class TransferInbox {
     if (this.heldFds.size >= (this.options.maxHeld ?? Infinity)) {
       this.options.close(fd);
       return { kind: 'refused', code: 'TOO_MANY_TRANSFERS', message: `already holding ${this.heldFds.size} unclaimed descriptors` };
+    }
+    const beyond = this.options.mayHold?.();
+    if (beyond !== undefined) {
+      this.options.close(fd);
+      return { kind: 'refused', code: 'TOO_MANY_TRANSFERS', message: beyond };
     }
     const timer = setTimeout(() => {
       this.heldFds.delete(transfer);

@@ -4,6 +4,7 @@
  * the session socket; the protocol on top lives in native/protocol.ts.
  */
 import { EventEmitter } from 'node:events';
+import * as fs from 'node:fs';
 import { addon, Credentials, Poller } from './index';
 
 /** The largest message either side reads; longer ones arrive truncated. */
@@ -125,23 +126,52 @@ export class SeqpacketConnection extends EventEmitter {
   }
 }
 
-/** A listening SEQPACKET socket. Emits 'connection' (SeqpacketConnection). */
+/** How long accepting pauses after the process ran out of descriptors, at first and at most. */
+const ACCEPT_BACKOFF_MS = { first: 50, max: 1_000 };
+
+/**
+ * A listening SEQPACKET socket. Emits 'connection' (SeqpacketConnection),
+ * 'refused' (the peer's credentials) for a connection turned away while the
+ * process is out of descriptors, 'error' for a failed accept, and 'recovered'
+ * (how many accepts failed) once accepting works again.
+ */
 export class SeqpacketListener extends EventEmitter {
   private fd: number;
   private readonly poller: Poller;
+  // A descriptor kept in reserve: closed to accept (and turn away) one connection when the process is out of them.
+  private spare = -1;
+  private backoffMs = 0;
+  private retry?: NodeJS.Timeout;
+  private failures = 0;
 
-  constructor(readonly path: string, backlog = 128) {
+  /**
+   * @param refusal what a connection turned away for lack of descriptors is sent before it is closed
+   */
+  constructor(readonly path: string, backlog = 128, private readonly refusal?: Buffer) {
     super();
     this.fd = addon.seqpacketListen(path, backlog);
+    this.spare = this.openSpare();
     this.poller = new addon.Poller(this.fd, () => this.onAcceptable());
     this.poller.start();
   }
 
   close(): void {
     if (this.fd < 0) return;
+    clearTimeout(this.retry);
     this.poller.close();
     addon.close(this.fd);
     this.fd = -1;
+    if (this.spare >= 0) addon.close(this.spare);
+    this.spare = -1;
+  }
+
+  private openSpare(): number {
+    try {
+      // Not addon.dup: that is a fault-injection point, whose counts belong to requests.
+      return fs.openSync('/dev/null', 'r');
+    } catch {
+      return -1;
+    }
   }
 
   private onAcceptable(): void {
@@ -151,13 +181,59 @@ export class SeqpacketListener extends EventEmitter {
       try {
         accepted = addon.seqpacketAccept(this.fd);
       } catch (error) {
-        // EMFILE and friends: the connection waits in the backlog; say so once per burst.
+        this.failures++;
         this.emit('error', error);
+        const code = (error as { code?: string }).code;
+        if ((code === 'EMFILE' || code === 'ENFILE') && this.turnAway()) continue;
+        // Out of descriptors with no spare (or another failure): the connection waits in the
+        // backlog; stop polling for a while instead of spinning on a level-triggered poller.
+        this.backOff();
         return;
       }
       if (accepted === null) return;
+      if (this.failures > 0) {
+        this.emit('recovered', this.failures);
+        this.failures = 0;
+      }
+      this.backoffMs = 0;
+      if (this.spare < 0) this.spare = this.openSpare();
       const { fd, pid, uid, gid } = accepted;
       this.emit('connection', new SeqpacketConnection(fd, { pid, uid, gid }));
     }
+  }
+
+  /** Frees the spare descriptor to accept one waiting connection, tells it why, closes it. False when that failed too. */
+  private turnAway(): boolean {
+    if (this.spare < 0) return false;
+    addon.close(this.spare);
+    this.spare = -1;
+    let accepted;
+    try {
+      accepted = addon.seqpacketAccept(this.fd);
+    } catch {
+      accepted = undefined;
+    }
+    if (accepted !== null && accepted !== undefined) {
+      try {
+        if (this.refusal !== undefined) addon.seqpacketSend(accepted.fd, this.refusal, -1);
+      } catch {
+        // it left already
+      }
+      addon.close(accepted.fd);
+      this.emit('refused', { pid: accepted.pid, uid: accepted.uid, gid: accepted.gid });
+    }
+    this.spare = this.openSpare();
+    return accepted !== undefined && this.spare >= 0;
+  }
+
+  private backOff(): void {
+    this.backoffMs = this.backoffMs === 0 ? ACCEPT_BACKOFF_MS.first : Math.min(this.backoffMs * 2, ACCEPT_BACKOFF_MS.max);
+    this.poller.stop();
+    this.retry = setTimeout(() => {
+      if (this.fd < 0) return;
+      if (this.spare < 0) this.spare = this.openSpare();
+      this.poller.start();
+    }, this.backoffMs);
+    this.retry.unref();
   }
 }

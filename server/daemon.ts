@@ -102,12 +102,15 @@ export class Daemon {
 
   /** @throws DaemonStartError, BackendUnavailableError, or the socket's error */
   static async start(config: DaemonConfig, log: Logger, sessionOptions: SessionOptions = DEFAULT_SESSION_OPTIONS): Promise<Daemon> {
+    raiseDescriptorLimit(log);
     const backend = await selectBackend(config, log);
     armFaults(process.env.VMMD_FAULTS, log);
     const access = new AccessPolicy(config);
     const sessions = new SessionManager(log, {
       ...sessionOptions,
       transferWaitMs: config.transferWaitMs,
+      maxSessionsPerUid: config.maxSessionsPerUid,
+      maxTransfersPerUid: config.maxTransfersPerUid,
       authorize: (peer) => access.refusal(peer),
     });
     const quotas = new Quotas({ perUid: config.quotaPerUid, perSession: config.quotaPerSession }, (session) => sessions.uidOf(session));
@@ -215,6 +218,21 @@ export class Daemon {
     this.admin.close();
     this.metrics.close();
     this.log.info('vmmd stopped');
+  }
+}
+
+/**
+ * Raises the soft RLIMIT_NOFILE to the hard one: the daemon holds a
+ * descriptor per session and per unclaimed transfer, and the usual soft
+ * default (1024) is far below what the hard limit allows.
+ */
+function raiseDescriptorLimit(log: Logger): void {
+  try {
+    const { soft, hard } = addon.descriptorLimit();
+    if (soft < hard) addon.descriptorLimit(hard);
+    log.info({ descriptors: hard, was: soft }, 'descriptor limit');
+  } catch (error) {
+    log.warn({ err: error }, 'cannot raise the descriptor limit; keeping it');
   }
 }
 

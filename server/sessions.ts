@@ -14,6 +14,7 @@ import { decodeMessage, encodeMessage, PROTOCOL_VERSION, readableRequestId, Sess
 import { TransferInbox } from '../common/transfer-inbox';
 import { addon, Credentials } from '../native';
 import { SeqpacketConnection, SeqpacketListener, SeqpacketMessage } from '../native/seqpacket';
+import { LogLimiter } from './log-limiter';
 import { deadlineExceeded, ERROR_CODE_KEY, failedPrecondition, RpcError, toServiceError, unauthenticated, unavailable } from './errors';
 
 export interface SessionOptions {
@@ -25,12 +26,18 @@ export interface SessionOptions {
   transferKeepMs: number;
   /** Unclaimed descriptors a session may hold at once; more are closed and refused. */
   maxPendingTransfers: number;
+  /** Sessions one uid may hold open at once. */
+  maxSessionsPerUid: number;
+  /** Unclaimed descriptors one uid's sessions may hold at once. */
+  maxTransfersPerUid: number;
 }
 
 export const DEFAULT_SESSION_OPTIONS: SessionOptions = {
   transferWaitMs: 5_000,
   transferKeepMs: 30_000,
   maxPendingTransfers: 64,
+  maxSessionsPerUid: 256,
+  maxTransfersPerUid: 1024,
 };
 
 /** A request message as framed: an object with a string type (the dispatcher checks the rest). */
@@ -89,15 +96,20 @@ export class Session {
     readonly connection: SeqpacketConnection,
     log: Logger,
     options: SessionOptions,
+    limits: { logLimiter: LogLimiter; mayHold: () => string | undefined },
   ) {
     this.process = describeProcess(peer.pid);
     this.log = log.child({ session: String(id), peerPid: peer.pid, peerUid: peer.uid, command: this.process.command });
     this.inbox = new TransferInbox({
       keepMs: options.transferKeepMs,
       maxHeld: options.maxPendingTransfers,
+      mayHold: limits.mayHold,
       increasing: true,
       close: (fd) => addon.close(fd),
-      expired: (transfer) => this.log.warn({ transfer }, 'an unclaimed descriptor expired'),
+      expired: (transfer) => {
+        const allowed = limits.logLimiter.allow(`expired:${peer.uid}`);
+        if (allowed !== undefined) this.log.warn({ transfer, heldBack: allowed.suppressed }, 'an unclaimed descriptor expired');
+      },
       errors: {
         notReceived: (transfer, waitMs) =>
           deadlineExceeded('TRANSFER_NOT_RECEIVED', `no descriptor arrived as transfer ${transfer} on session ${id}'s socket within ${waitMs} ms`),
@@ -168,6 +180,8 @@ export class SessionManager {
   private readonly byToken = new Map<string, Session>();
   private readonly sessions = new Map<bigint, Session>();
   private readonly reclaims = new Set<Promise<void>>();
+  // What a peer can make the daemon log is bounded: one line per uid and cause per 10 s.
+  private readonly logLimiter = new LogLimiter();
 
   constructor(
     private readonly log: Logger,
@@ -177,9 +191,21 @@ export class SessionManager {
   /** Starts accepting sessions on `path`; `services` answers their requests and reclaims them. */
   listen(path: string, services: SessionServices): void {
     this.services = services;
-    this.listener = new SeqpacketListener(path);
+    const refusal = encodeMessage({
+      type: 'error',
+      code: 'OUT_OF_DESCRIPTORS',
+      status: Status.RESOURCE_EXHAUSTED,
+      message: 'the daemon is out of descriptors and opens no session now; try again later',
+    });
+    this.listener = new SeqpacketListener(path, 128, refusal);
     this.listener.on('connection', (connection: SeqpacketConnection) => this.open(connection));
-    this.listener.on('error', (error: Error) => this.log.warn({ err: error }, 'cannot accept a session connection'));
+    this.listener.on('error', (error: Error) => {
+      const allowed = this.logLimiter.allow(`accept:${(error as { code?: string }).code}`);
+      if (allowed !== undefined) {
+        this.log.warn({ err: error, heldBack: allowed.suppressed }, 'cannot accept a session connection: new sessions are refused until it can (logged at most every 10 s)');
+      }
+    });
+    this.listener.on('recovered', (failures: number) => this.log.warn({ failedAccepts: failures }, 'accepting session connections again'));
   }
 
   /** Open sessions (closing ones included until reclaimed). */
@@ -236,20 +262,49 @@ export class SessionManager {
     return this.sessions.get(session)?.peer.uid;
   }
 
+  /** Sessions open (closing ones included) by a uid. */
+  private sessionsOf(uid: number): Session[] {
+    return [...this.sessions.values()].filter((session) => session.peer.uid === uid);
+  }
+
+  /** Why a uid's sessions may hold no more unclaimed descriptors, or undefined. */
+  private transferBound(uid: number): string | undefined {
+    const held = this.sessionsOf(uid).reduce((total, session) => total + session.inbox.held, 0);
+    if (held < this.options.maxTransfersPerUid) return undefined;
+    return `uid ${uid}'s sessions already hold ${held} unclaimed descriptors, the most one uid may (--max-transfers-per-uid ${this.options.maxTransfersPerUid})`;
+  }
+
+  private turnAway(connection: SeqpacketConnection, peer: Credentials, code: string, status: Status, refusal: string): void {
+    const allowed = this.logLimiter.allow(`refused:${peer.uid}:${code}`);
+    if (allowed !== undefined) {
+      this.log.warn({ peerPid: peer.pid, peerUid: peer.uid, peerGid: peer.gid, code, heldBack: allowed.suppressed }, `session refused: ${refusal}`);
+    }
+    try {
+      connection.send(encodeMessage({ type: 'error', code, status, message: refusal }));
+    } catch {
+      // the peer left already
+    }
+    connection.close();
+  }
+
   private open(connection: SeqpacketConnection): void {
     const peer = connection.peer ?? { pid: 0, uid: -1, gid: -1 };
     const refusal = this.options.authorize?.(peer);
-    if (refusal !== undefined) {
-      this.log.warn({ peerPid: peer.pid, peerUid: peer.uid, peerGid: peer.gid }, `session refused: ${refusal}`);
-      try {
-        connection.send(encodeMessage({ type: 'error', code: 'PERMISSION_DENIED', message: refusal }));
-      } catch {
-        // the peer left already
-      }
-      connection.close();
-      return;
+    if (refusal !== undefined) return this.turnAway(connection, peer, 'PERMISSION_DENIED', Status.PERMISSION_DENIED, refusal);
+    const held = this.sessionsOf(peer.uid).length;
+    if (held >= this.options.maxSessionsPerUid) {
+      return this.turnAway(
+        connection,
+        peer,
+        'TOO_MANY_SESSIONS',
+        Status.RESOURCE_EXHAUSTED,
+        `uid ${peer.uid} holds ${held} sessions, the most one uid may (--max-sessions-per-uid ${this.options.maxSessionsPerUid}); close some first`,
+      );
     }
-    const session = new Session(this.nextId++, peer, connection, this.log, this.options);
+    const session = new Session(this.nextId++, peer, connection, this.log, this.options, {
+      logLimiter: this.logLimiter,
+      mayHold: () => this.transferBound(peer.uid),
+    });
     this.sessions.set(session.id, session);
     this.byToken.set(session.token, session);
     connection.on('message', (message: SeqpacketMessage) => this.onMessage(session, message));
@@ -266,7 +321,8 @@ export class SessionManager {
 
   private refuse(session: Session, fd: number, code: string, message: string, transfer?: string, request?: string): void {
     if (fd >= 0) addon.close(fd);
-    session.log.warn({ code, transfer, request }, message);
+    const allowed = this.logLimiter.allow(`frame:${session.peer.uid}:${code}`);
+    if (allowed !== undefined) session.log.warn({ code, transfer, request, heldBack: allowed.suppressed }, message);
     session.trySend({ type: 'error', code, message, ...(transfer === undefined ? {} : { transfer }), ...(request === undefined ? {} : { request }) });
   }
 
@@ -319,7 +375,7 @@ export class SessionManager {
     if (fd < 0) return this.refuse(session, fd, 'NO_DESCRIPTOR', `transfer ${transfer} carries no descriptor`, transfer);
     const delivery = session.inbox.deliver(transfer, fd);
     if (delivery.kind === 'refused') {
-      const message = delivery.code === 'TOO_MANY_TRANSFERS' ? `session ${session.id} ${delivery.message}` : delivery.message;
+      const message = delivery.code === 'TOO_MANY_TRANSFERS' && delivery.message.startsWith('already') ? `session ${session.id} ${delivery.message}` : delivery.message;
       this.refuse(session, -1, delivery.code, message, transfer);
     }
   }

@@ -1,0 +1,163 @@
+/**
+ * Descriptor pressure (issue 14, finding 4), attacked as found: raw sessions
+ * each sending unclaimed copies of one memfd until the daemon holds all it
+ * will. With per-uid bounds the attacker's uid reaches its bound, not the
+ * daemon's: another uid's new session is served within 1 s. And when the
+ * daemon does run out of descriptors (a low limit here), it neither spins nor
+ * floods its log: new sessions get a clear refusal while it is out, and are
+ * served again once the pressure goes. Either way: at most 100 log lines for
+ * the episode. Larger with VMMD_RELIABILITY=full.
+ */
+import { connect, VmmdClient } from '../../client';
+import { socketPaths } from '../../common/paths';
+import { decodeMessage, encodeMessage } from '../../common/protocol';
+import { addon } from '../../native';
+import { SeqpacketConnection, SeqpacketMessage } from '../../native/seqpacket';
+import { eventually, MiB, objectsOf, Peer, sleep, TestDaemon } from '../e2e/harness';
+import { figure } from './figures';
+
+const FULL = process.env.VMMD_RELIABILITY === 'full';
+const isRoot = process.getuid?.() === 0;
+const NOBODY = 65534;
+
+jest.setTimeout(FULL ? 300_000 : 120_000);
+
+/** A raw session: its greeting (or refusal), and a way to send unclaimed descriptors on it. */
+async function rawSession(dir: string): Promise<{ hello: any; connection: SeqpacketConnection; refusals: string[] }> {
+  const connection = SeqpacketConnection.connect(socketPaths(dir).session);
+  const refusals: string[] = [];
+  const hello = await new Promise<any>((resolve) => {
+    connection.once('close', () => resolve({ type: 'closed' }));
+    connection.on('message', (message: SeqpacketMessage) => {
+      const decoded = decodeMessage(message.data);
+      if (typeof decoded !== 'string' && decoded.type === 'error' && (decoded as { transfer?: string }).transfer !== undefined) {
+        refusals.push(decoded.code);
+        return;
+      }
+      resolve(decoded);
+    });
+  });
+  return { hello, connection, refusals };
+}
+
+/** Sends `count` copies of fd as transfers 1.., none ever claimed; returns how many the socket took. */
+function flood(connection: SeqpacketConnection, fd: number, count: number): number {
+  let sent = 0;
+  for (let i = 1; i <= count; i++) {
+    try {
+      if (!connection.send(encodeMessage({ type: 'transfer', transfer: String(i) }), fd)) break;
+      sent++;
+    } catch {
+      break;
+    }
+  }
+  return sent;
+}
+
+describe('descriptor pressure (host)', () => {
+  let daemon: TestDaemon | undefined;
+  const clients: VmmdClient[] = [];
+
+  afterEach(async () => {
+    for (const client of clients.splice(0)) client.close();
+    await daemon?.stop();
+    daemon = undefined;
+  });
+
+  (isRoot ? it : it.skip)("holds an attacker's uid to its own bounds: another uid's new session is served within 1 s (run as root)", async () => {
+    const sessionsPerUid = FULL ? 256 : 32;
+    const transfersPerUid = FULL ? 1024 : 128;
+    daemon = await TestDaemon.start([
+      '--socket-group', String(NOBODY), '--allow-gids', String(NOBODY), '--allow-uids', '0',
+      '--max-sessions-per-uid', String(sessionsPerUid), '--max-transfers-per-uid', String(transfersPerUid),
+    ]);
+    const fdsBefore = daemon.openFds();
+    const logsBefore = daemon.logs.length;
+    // The attacker: a process of uid nobody opening sessions past its bound, each flooding unclaimed descriptors.
+    const attacker = await Peer.start(daemon.dir, { uid: NOBODY, gid: NOBODY });
+    const report = await attacker.do<{ sessions: number; refusedSessions: string[]; sent: number; refusedTransfers: number }>({
+      op: 'floodDescriptors',
+      sessions: sessionsPerUid + 8,
+      perSession: 64,
+    });
+    expect(report.sessions).toBe(sessionsPerUid - 1); // its Peer session counts too
+    expect(report.refusedSessions.every((code) => code === 'TOO_MANY_SESSIONS')).toBe(true);
+    expect(report.refusedSessions.length).toBe(9);
+    const pending = await eventually(async () => {
+      const stats = await daemon!.stats();
+      return stats.pendingTransfers >= transfersPerUid ? stats.pendingTransfers : undefined;
+    });
+    expect(pending).toBe(transfersPerUid);
+    // Another uid (root): a new session within 1 s, and it works.
+    const start = Date.now();
+    const victim = await connect({ socketDir: daemon.dir });
+    clients.push(victim);
+    const allocation = await victim.vmm.create({ size: 2n * MiB });
+    const served = Date.now() - start;
+    expect(served).toBeLessThan(1_000);
+    await victim.vmm.release({ allocationId: allocation.id });
+    // The attacker leaves: everything it made the daemon hold goes.
+    await attacker.stop();
+    await eventually(async () => ((await daemon!.stats()).pendingTransfers === 0 ? true : undefined), 10_000, 'the attacker to be reclaimed');
+    await eventually(() => (daemon!.openFds() <= fdsBefore + 2 ? true : undefined), 10_000, 'the descriptors to go');
+    const lines = daemon.logs.length - logsBefore;
+    expect(lines).toBeLessThanOrEqual(100);
+    figure('descriptors-per-uid-host', {
+      attackerSessionsTried: report.sessions + report.refusedSessions.length + 1,
+      sessionsRefused: report.refusedSessions.length,
+      descriptorsSent: report.sent,
+      transfersRefused: report.refusedTransfers,
+      heldForTheAttacker: transfersPerUid,
+      otherUidServedMs: served,
+      logLines: lines,
+      leaked: 0,
+    });
+  });
+
+  it('does not flood its log when out of descriptors: new sessions are refused clearly, and it stays alive', async () => {
+    const limit = 192;
+    daemon = await TestDaemon.start(['--max-sessions-per-uid', '1000', '--max-transfers-per-uid', '100000'], 'host', {}, { descriptorLimit: limit });
+    const logsBefore = daemon.logs.length;
+    const fd = addon.hostMemfdCreate('flood', 2n * MiB);
+    const held: SeqpacketConnection[] = [];
+    let sent = 0;
+    let outOfDescriptors = 0;
+    try {
+      // Sessions and unclaimed descriptors until the daemon can take no more.
+      for (let i = 0; i < limit && outOfDescriptors === 0; i++) {
+        const session = await rawSession(daemon.dir);
+        if (session.hello.type !== 'hello') {
+          expect(session.hello).toMatchObject({ type: 'error', code: 'OUT_OF_DESCRIPTORS', message: expect.stringMatching(/out of descriptors/) });
+          outOfDescriptors++;
+          session.connection.close();
+          break;
+        }
+        held.push(session.connection);
+        sent += flood(session.connection, fd, 32);
+        await sleep(20);
+      }
+      expect(outOfDescriptors).toBe(1);
+      // Still out: every new session is refused clearly, none hangs, and the log stays short.
+      const tries = FULL ? 200 : 50;
+      let refused = 0;
+      for (let i = 0; i < tries; i++) {
+        const session = await rawSession(daemon.dir);
+        expect(session.hello).toMatchObject({ type: 'error', code: 'OUT_OF_DESCRIPTORS' });
+        session.connection.close();
+        refused++;
+      }
+      await sleep(1_000);
+      const lines = daemon.logs.length - logsBefore;
+      expect(lines).toBeLessThanOrEqual(100);
+      expect(daemon.process.exitCode).toBeNull();
+      // NOTE: recovery once the pressure goes is not asserted: sessions whose peers closed while the
+      // daemon was out of descriptors are not reclaimed yet (issue 14, finding 4, open; see RELIABILITY.md).
+      figure('descriptors-exhausted-host', { descriptorLimit: limit, descriptorsSent: sent, sessionsRefusedWhileOut: refused + outOfDescriptors, logLinesForTheEpisode: lines, crashes: 0 });
+    } finally {
+      for (const connection of held) connection.close();
+      addon.close(fd);
+      // It cannot reclaim those sessions (above): a graceful stop would wait for them.
+      daemon.process.kill('SIGKILL');
+    }
+  });
+});
