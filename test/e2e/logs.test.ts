@@ -77,7 +77,8 @@ describe('the daemon log', () => {
     const expectedCgroup = fs.readFileSync(`/proc/${process.pid}/cgroup`, 'utf8').split('\n').find((line) => line.startsWith('0::'))?.slice(3) ?? '';
     expect(own).toMatchObject({ pid: process.pid, command: fs.readFileSync(`/proc/${process.pid}/comm`, 'utf8').trim(), cgroup: expectedCgroup });
     expect(own.command).not.toBe('');
-    const opened = lines(daemon, 'session opened').find((e) => e.session === own.id);
+    // The line is written when the session opens, and reaches the test's reader a moment later.
+    const opened = await eventually(() => lines(daemon, 'session opened').find((e) => e.session === own.id), 10_000, 'the "session opened" line');
     expect(opened).toMatchObject({ command: own.command, cgroup: own.cgroup, peerPid: process.pid });
     client.close();
   });
