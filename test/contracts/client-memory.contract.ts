@@ -15,7 +15,7 @@ import { connect, VmmdClient } from '../../client';
 import { SESSION_METADATA_KEY } from '../../common/protocol';
 import type { AccessDescriptor } from '../../generated/vmmd/v1/AccessDescriptor';
 import { addon, MEMFD_SEALS } from '../../native';
-import { call, eventually, MiB, objectsOf, TestDaemon } from '../e2e/harness';
+import { call, eventually, MiB, objectsOf, stopWhenClean, TestDaemon } from '../e2e/harness';
 import { figure } from '../reliability/figures';
 
 type Backend = 'host' | 'cuda';
@@ -81,12 +81,7 @@ export function clientMemoryContract(backend: Backend, options: { full: boolean 
   }
 
   afterEach(async () => {
-    for (const connected of clients.splice(0)) connected.close();
-    if (daemon !== undefined) {
-      await eventually(async () => ((await daemon!.stats()).sessions === 0 ? true : undefined), 10_000, 'the sessions to close');
-      expect(await daemon.stats()).toMatchObject({ reservations: '0', allocations: '0', mappings: '0', pendingTransfers: 0 });
-      await daemon.stop();
-    }
+    await stopWhenClean(daemon, clients);
     daemon = undefined;
   });
 

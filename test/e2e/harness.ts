@@ -31,6 +31,18 @@ export function sleep(ms: number): Promise<void> {
   return new Promise((resolve) => setTimeout(resolve, ms));
 }
 
+/**
+ * Closes the clients, waits for their sessions to end, asserts the daemon holds
+ * no reservation, allocation, mapping or pending transfer, and stops it.
+ */
+export async function stopWhenClean(daemon: TestDaemon | undefined, clients: Array<{ close(): void }>): Promise<void> {
+  for (const connected of clients.splice(0)) connected.close();
+  if (daemon === undefined) return;
+  await eventually(async () => ((await daemon.stats()).sessions === 0 ? true : undefined), 10_000, 'the sessions to close');
+  expect(await daemon.stats()).toMatchObject({ reservations: '0', allocations: '0', mappings: '0', pendingTransfers: 0 });
+  await daemon.stop();
+}
+
 /** A TCP port on 127.0.0.1 that was free a moment ago (for a daemon's metrics or health listener). */
 export function freePort(): Promise<number> {
   return new Promise((resolve, reject) => {
