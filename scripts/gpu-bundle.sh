@@ -36,6 +36,10 @@ find "$stage/vmmd/python" "$stage/vmmd/test/gpu/python" "$stage/vmmd/bench/pytho
 # Production dependencies and jest's runtime; no compiler, no type packages.
 cp -r node_modules "$stage/vmmd/node_modules"
 rm -rf "$stage/vmmd/node_modules/"{typescript,ts-jest,@types,.cache} "$stage/vmmd/node_modules/.bin"
+# The bundle must load its addon as the GPU host will (a node_modules that lags
+# package.json once shipped without node-gyp-build and the daemon could not start there).
+(cd "$stage/vmmd" && node -e "require('./dist/native/index.js')") \
+  || { echo "gpu-bundle: the bundled daemon cannot load its addon; run npm ci" >&2; exit 1; }
 
 rm -rf .gpu && mkdir -p .gpu
 xz -T2 -c "$(command -v node)" > .gpu/node.xz

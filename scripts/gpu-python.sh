@@ -91,7 +91,7 @@ daemon=$!
 export VMMD_SOCKET_DIR="$sock"
 for _ in $(seq 1 150); do
   $PY -c "import vmmd; vmmd.connect().close()" 2>/dev/null && break
-  kill -0 "$daemon" 2>/dev/null || { echo "vmmd exited:"; cat "$out/daemon.log"; break; }
+  kill -0 "$daemon" 2>/dev/null || { echo "vmmd exited:"; cat "$out/daemon.log"; exit 1; }
   sleep 0.2
 done
 $PY -c "import vmmd; c = vmmd.connect(); print('daemon:', c.backend, [(d.name, d.uuid) for d in c.devices.list_devices().devices]); c.close()"
