@@ -57,6 +57,17 @@ def _pool_finalizer(manager: "VmmdNumbaMemoryManager", block: Block, size: int) 
     return core
 
 
+
+def _device_ordinal(device: Any) -> int:
+    """The CUDA ordinal of a Numba context's device. Numba's own Device has `.id`;
+    a context attached to a primary context made by someone else (Numba's
+    Test3rdPartyContext) carries the cuda-bindings `CUdevice` itself, whose int()
+    is the ordinal."""
+    ordinal = getattr(device, "id", None)
+    if ordinal is None:
+        ordinal = int(device)
+    return int(ordinal)
+
 class VmmdNumbaMemoryManager(HostOnlyCUDAMemoryManager):
     """NBEP 7 memory manager over vmmd (see the module's documentation)."""
 
@@ -85,7 +96,7 @@ class VmmdNumbaMemoryManager(HostOnlyCUDAMemoryManager):
             client = shared_client()
             device = self.context.device
             uuid = getattr(device, "uuid", "")
-            daemon_device = int(device.id)
+            daemon_device = _device_ordinal(device)
             for candidate in client.devices.list_devices().devices:
                 if uuid and candidate.uuid == uuid:
                     daemon_device = int(candidate.index)
