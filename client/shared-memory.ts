@@ -89,7 +89,7 @@ export class LocalDeviceMemory {
     const id = options.hostNuma ?? device;
     const granularity = native.cudaGranularity(type, id, CU_HANDLE.POSIX_FD, false);
     const rounded = roundUp(size, granularity);
-    const handle = native.cudaCreate(device, type, id, rounded, CU_HANDLE.POSIX_FD);
+    const handle = await native.cudaCreate(device, type, id, rounded, CU_HANDLE.POSIX_FD, true);
     try {
       return new LocalDeviceMemory(device, handle, rounded, await DeviceMapping.map(device, handle, rounded, granularity, { readOnly: false, synchronizeUnmap: true, inline: true }));
     } catch (error) {

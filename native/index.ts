@@ -123,7 +123,8 @@ export interface Addon {
   cudaGranularity(locationType: number, locationId: number, handleTypes: number, recommended: boolean): bigint;
   cudaReserve(size: bigint, alignment: bigint, hint: bigint): bigint;
   cudaFreeAddress(address: bigint, size: bigint): void;
-  cudaCreate(device: number, locationType: number, locationId: number, size: bigint, handleTypes: number): bigint;
+  /** On a driver thread (cuMemCreate's p99 passes 50 us); `inline` runs it on the calling thread (the client's own memory). */
+  cudaCreate(device: number, locationType: number, locationId: number, size: bigint, handleTypes: number, inline?: boolean): Promise<bigint>;
   cudaRelease(device: number, handle: bigint): Promise<void>;
   /** cuMemCreate and its POSIX-fd export in one job on a driver thread. */
   cudaCreateExported(device: number, locationType: number, locationId: number, size: bigint, handleTypes: number): Promise<{ handle: bigint; fd: number }>;

@@ -1,8 +1,8 @@
 /**
  * Quotas: an adaptor around the allocation source that limits the bytes of
  * allocations a uid, and a session, may hold at once. A charge checks and
- * adds in one synchronous step with the creation, so concurrent requests
- * never overshoot; it is rolled back when the upstream fails and refunded
+ * adds in one synchronous step before the creation is awaited, so concurrent
+ * requests never overshoot; it is rolled back when the upstream fails and refunded
  * when the memory is freed. Calls without a session (operators) are not limited.
  */
 import type { BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from './backends/backend';
@@ -86,11 +86,13 @@ class QuotaAdaptor implements AllocationSource {
     private readonly upstream: AllocationSource,
   ) {}
 
-  create(owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): BackendHandle {
+  async create(owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
+    // Reserve, create, then commit or refund. The bytes are reserved before the
+    // await: creates in flight at once are all counted, so none escapes the quota.
     const charge = this.quotas.charge(owner, size);
     let handle: BackendHandle;
     try {
-      handle = this.upstream.create(owner, device, location, size, handleTypes);
+      handle = await this.upstream.create(owner, device, location, size, handleTypes);
     } catch (error) {
       if (charge !== undefined) this.quotas.refund(charge);
       throw error;

@@ -23,8 +23,9 @@ export class AllocationStatistics implements AllocationSource {
 
   constructor(private readonly upstream: AllocationSource) {}
 
-  create(owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): BackendHandle {
-    const handle = this.upstream.create(owner, device, location, size, handleTypes);
+  async create(owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
+    // Counted once the memory exists: a create in flight is not an allocation yet.
+    const handle = await this.upstream.create(owner, device, location, size, handleTypes);
     this.count(device, size, false, 1);
     return handle;
   }

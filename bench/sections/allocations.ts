@@ -103,7 +103,7 @@ const untimed: Step = async (_name, body) => body();
  */
 async function inProcessSteps(backend: string, size: bigint, step: Step = untimed): Promise<() => Promise<void>> {
   if (backend === 'cuda') {
-    const handle = await step('cuMemCreate', () => addon.cudaCreate(0, CU_LOCATION.DEVICE, 0, size, 1));
+    const handle = await step('cuMemCreate', () => addon.cudaCreate(0, CU_LOCATION.DEVICE, 0, size, 1, true));
     const fd = await step('cuMemExportToShareableHandle (on a driver thread)', () => addon.cudaExportFd(0, handle));
     const imported = await step('cuMemImportFromShareableHandle', () => addon.cudaImportFd(fd, true));
     const address = await step('cuMemAddressReserve', () => addon.cudaReserve(size, 0n, 0n));

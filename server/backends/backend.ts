@@ -79,8 +79,12 @@ export interface Backend {
   /** Address space only: PROT_NONE / cuMemAddressReserve. */
   reserve(size: bigint, alignment: bigint, hint: bigint): bigint;
   freeAddress(address: bigint, size: bigint): void;
-  /** @throws an error with code OUT_OF_MEMORY or CUDA_ERROR_OUT_OF_MEMORY */
-  create(device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): BackendHandle;
+  /**
+   * New physical memory of `size` bytes at `location`. Off the event loop where
+   * the backend can (cuda: a driver thread with the device's primary context).
+   * @throws an error with code OUT_OF_MEMORY or CUDA_ERROR_OUT_OF_MEMORY
+   */
+  create(device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle>;
   /**
    * create() and exportHandle() together, off the event loop where the
    * backend can (cuda: one job on a driver thread). What the stock refills with.

@@ -82,7 +82,7 @@ export class CudaBackend implements Backend {
     if (!device.fabric) return { usable: false, status: 'the device does not report fabric handle support' };
     let handle: bigint;
     try {
-      handle = addon.cudaCreate(device.index, CU_LOCATION.DEVICE, device.index, size, CU_HANDLE.POSIX_FD | CU_HANDLE.FABRIC);
+      handle = await addon.cudaCreate(device.index, CU_LOCATION.DEVICE, device.index, size, CU_HANDLE.POSIX_FD | CU_HANDLE.FABRIC);
     } catch (error) {
       return { usable: false, status: `cuMemCreate with a fabric handle failed: ${(error as Error).message}` };
     }
@@ -126,9 +126,9 @@ export class CudaBackend implements Backend {
     addon.cudaFreeAddress(address, size);
   }
 
-  create(device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): BackendHandle {
+  async create(device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
     try {
-      return addon.cudaCreate(device, locationType(location), location.id, size, handleBits(handleTypes));
+      return await addon.cudaCreate(device, locationType(location), location.id, size, handleBits(handleTypes));
     } catch (error) {
       if (isNativeError(error, 'CUDA_ERROR_OUT_OF_MEMORY')) {
         const free = location.type === 'DEVICE' ? addon.cudaMemGetInfo(device).free : undefined;

@@ -72,7 +72,8 @@ export class HostBackend implements Backend {
     addon.hostFreeAddress(address, size);
   }
 
-  create(_device: number, location: MemLocation, size: bigint): BackendHandle {
+  // memfd_create and ftruncate cost a few microseconds: done on the event loop, the promise settled.
+  async create(_device: number, location: MemLocation, size: bigint): Promise<BackendHandle> {
     const used = this.createdBytes;
     if (used + size > this.options.capacity) {
       throw codedError(
@@ -87,7 +88,7 @@ export class HostBackend implements Backend {
   }
 
   async createExported(device: number, location: MemLocation, size: bigint): Promise<{ handle: BackendHandle; fd: number }> {
-    const handle = this.create(device, location, size);
+    const handle = await this.create(device, location, size);
     return { handle, fd: addon.dup(Number(handle)) };
   }
 

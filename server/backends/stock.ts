@@ -108,7 +108,7 @@ export class StockedBackend implements Backend {
     };
   }
 
-  create(device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): BackendHandle {
+  async create(device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
     const shelf =
       location.type === 'DEVICE' && handleTypes.length === 1 && handleTypes[0] === 'POSIX_FD' ? this.shelves.get(`${device}:${size}`) : undefined;
     if (shelf !== undefined) {
@@ -122,7 +122,7 @@ export class StockedBackend implements Backend {
       this.counters.misses++;
     }
     try {
-      return this.inner.create(device, location, size, handleTypes);
+      return await this.inner.create(device, location, size, handleTypes);
     } catch (error) {
       // Stocked memory yields to sessions': the next Create finds it free.
       if (isOutOfMemory(error)) {

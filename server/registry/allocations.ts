@@ -6,7 +6,7 @@
  */
 import { randomBytes, timingSafeEqual } from 'node:crypto';
 import type { Backend, BackendHandle, HandleKind, ImportSource, MemLocation } from '../backends/backend';
-import { failedPrecondition, invalidArgument, notFound, permissionDenied } from '../errors';
+import { failedPrecondition, invalidArgument, notFound, permissionDenied, unavailable } from '../errors';
 import type { DeviceTable } from './devices';
 import {
   AllocationRecord,
@@ -24,9 +24,17 @@ import {
 } from './records';
 import type { AllocationSource } from './source';
 
+/** A create awaiting its memory; a reclaim of its owner abandons it. */
+interface PendingCreate {
+  abandoned: boolean;
+  settled: Promise<void>;
+}
+
 export class Allocations {
   // Invariant: every allocation not yet freed by the backend, by id.
   private readonly records = new Map<bigint, AllocationRecord>();
+  // Invariant: every create awaiting the source, by owner; no entry holds an empty set.
+  private readonly creating = new Map<bigint, Set<PendingCreate>>();
 
   constructor(
     private readonly backend: Backend,
@@ -41,10 +49,14 @@ export class Allocations {
 
   /**
    * Creates physical memory owned by the caller, with one handle reference.
+   * The arguments are checked before anything is awaited; the memory is made
+   * off the event loop where the backend can. Memory made for an owner whose
+   * reclaim began meanwhile is released again, not recorded.
    * @throws INVALID_ARGUMENT ZERO_SIZE, NOT_ALIGNED; OUT_OF_RANGE UNKNOWN_DEVICE;
-   *   FAILED_PRECONDITION UNSUPPORTED_HANDLE_TYPE; RESOURCE_EXHAUSTED OUT_OF_MEMORY, QUOTA_EXCEEDED
+   *   FAILED_PRECONDITION UNSUPPORTED_HANDLE_TYPE; RESOURCE_EXHAUSTED OUT_OF_MEMORY, QUOTA_EXCEEDED;
+   *   UNAVAILABLE SESSION_CLOSED (the owner was reclaimed while its memory was being made)
    */
-  create(caller: bigint, args: CreateArgs): AllocationRecord {
+  async create(caller: bigint, args: CreateArgs): Promise<AllocationRecord> {
     const device = this.devices.deviceOf(args.location);
     const info = this.devices.list[device];
     if (args.size === 0n) throw invalidArgument('ZERO_SIZE', 'allocation size must be greater than 0');
@@ -58,9 +70,39 @@ export class Allocations {
     checkAligned('allocation size', args.size, granularity);
     // Descriptors always work; fabric comes on top where asked for.
     const handleTypes: HandleKind[] = args.handleType === 'FABRIC' ? ['POSIX_FD', 'FABRIC'] : ['POSIX_FD'];
-    // Charged (by the quota adaptor) and checked in one synchronous step with the creation: concurrent requests cannot overshoot.
-    const handle = this.source.create(caller, device, args.location, args.size, handleTypes);
-    return this.add(caller, handle, args.size, device, args.location, handleTypes, false, granularity);
+    // The quota adaptor reserves its bytes before it awaits the backend: concurrent creates cannot overshoot.
+    let settle!: () => void;
+    const pending: PendingCreate = { abandoned: false, settled: new Promise((resolve) => (settle = resolve)) };
+    const waiting = this.creating.get(caller) ?? new Set<PendingCreate>();
+    this.creating.set(caller, waiting.add(pending));
+    try {
+      const handle = await this.source.create(caller, device, args.location, args.size, handleTypes);
+      if (!pending.abandoned) return this.add(caller, handle, args.size, device, args.location, handleTypes, false, granularity);
+      // Nobody is left to release it: given back through the adaptors (refunded, uncounted) before the refusal.
+      try {
+        await this.source.release({ owner: caller, handle, size: args.size, device, imported: false });
+      } catch {
+        // Kept in sight rather than lost: the daemon's, with no reference, freed by the next reclaim or Release.
+        const orphan = this.add(DAEMON_OWNER, handle, args.size, device, args.location, handleTypes, false, granularity);
+        orphan.references.clear();
+      }
+      throw unavailable('SESSION_CLOSED', `${ownerName(caller)} was reclaimed while its ${args.size}-byte allocation was being created; the memory was released`);
+    } finally {
+      waiting.delete(pending);
+      if (waiting.size === 0 && this.creating.get(caller) === waiting) this.creating.delete(caller);
+      settle();
+    }
+  }
+
+  /**
+   * Abandons the owner's creates in flight (their memory is released as it
+   * arrives) and waits for them to settle: what a reclaim does first, so
+   * that no memory made for the owner lands after it.
+   */
+  async abandonCreates(owner: bigint): Promise<void> {
+    const waiting = [...(this.creating.get(owner) ?? [])];
+    for (const pending of waiting) pending.abandoned = true;
+    await Promise.all(waiting.map((pending) => pending.settled));
   }
 
   /**
@@ -69,7 +111,7 @@ export class Allocations {
    * @throws as create and exportHandle
    */
   async createExported(caller: bigint, args: CreateArgs, onRollbackFailure: (error: unknown) => void): Promise<Exported> {
-    const record = this.create(caller, args);
+    const record = await this.create(caller, args);
     try {
       return await this.exportHandle(caller, { allocationId: record.id, handleType: 'POSIX_FD', shareKey: '' });
     } catch (error) {

@@ -46,9 +46,10 @@ export class Inspection {
   ) {}
 
   /**
-   * Reclaims everything an owner holds: its mappings and reservations, its
-   * handle references. Its allocations still mapped elsewhere or referenced by
-   * others pass to the daemon.
+   * Reclaims everything an owner holds: its creates in flight (abandoned, their
+   * memory released as it arrives), its mappings and reservations, its handle
+   * references. Its allocations still mapped elsewhere or referenced by others
+   * pass to the daemon.
    * @throws AggregateError of every object that could not be freed (the others are)
    */
   async reclaim(owner: bigint): Promise<void> {
@@ -62,6 +63,7 @@ export class Inspection {
         failures.push(error);
       }
     };
+    await this.allocations.abandonCreates(owner);
     let done = 0;
     for (const reservation of this.space.all().filter((candidate) => candidate.owner === owner)) {
       await breathe(++done);

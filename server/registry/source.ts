@@ -17,10 +17,12 @@ export interface SourcedAllocation {
 
 export interface AllocationSource {
   /**
-   * New physical memory for `owner`, with one backend reference.
+   * New physical memory for `owner`, with one backend reference. An adaptor
+   * takes what it needs (a quota's bytes) before it awaits its upstream, and
+   * gives it back if the upstream fails: concurrent creates see each other.
    * @throws RESOURCE_EXHAUSTED QUOTA_EXCEEDED (quota adaptor); the backend's OUT_OF_MEMORY
    */
-  create(owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): BackendHandle;
+  create(owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle>;
   /**
    * Memory another process handed over (a received descriptor, fabric bytes), adopted for `owner`.
    * @throws the backend's BAD_DESCRIPTOR
@@ -34,7 +36,7 @@ export interface AllocationSource {
 export class BackendSource implements AllocationSource {
   constructor(private readonly backend: Backend) {}
 
-  create(_owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): BackendHandle {
+  create(_owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
     return this.backend.create(device, location, size, handleTypes);
   }
 

@@ -89,8 +89,8 @@ export class VirtualMemoryService {
     return {};
   }
 
-  create(request: CreateRequest__Output, context: CallContext): Allocation {
-    const record = this.registry.create(context.caller, {
+  async create(request: CreateRequest__Output, context: CallContext): Promise<Allocation> {
+    const record = await this.registry.create(context.caller, {
       size: u64(request.size),
       location: location(request.location, this.resolveDevice),
       handleType: handleType(request.handleType),

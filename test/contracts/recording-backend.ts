@@ -15,22 +15,26 @@ export class RecordingBackend implements Backend {
   unmapGate?: Promise<void>;
   /** While set, writes wait for it before their copy: tests use it to hold a copy in flight. */
   writeGate?: Promise<void>;
-  /** Calls to fail once, with their error (as an injected driver fault would). */
-  private readonly failures = new Map<string, Error>();
+  /** While set, creates wait for it once the backend has made their memory: tests use it to hold creates in flight. */
+  createGate?: Promise<void>;
+  /** Creates started and not yet settled. */
+  createsInFlight = 0;
+  /** Calls to fail, with their error and how many more times (as an injected driver fault would). */
+  private readonly failures = new Map<string, { error: Error; times: number }>();
 
   constructor(readonly inner: Backend) {}
 
-  /** The next call named fails with `error` before reaching the backend. */
-  failOnce(call: 'release' | 'releaseReference' | 'unmap' | 'freeAddress', error: Error): void {
-    this.failures.set(call, error);
+  /** The next call named (the next `times` calls) fails with `error` before reaching the backend. */
+  failOnce(call: 'release' | 'releaseReference' | 'unmap' | 'freeAddress', error: Error, times = 1): void {
+    this.failures.set(call, { error, times });
   }
 
   private record(call: string): void {
     this.calls.push(call);
     const failure = this.failures.get(call);
     if (failure !== undefined) {
-      this.failures.delete(call);
-      throw failure;
+      if (--failure.times === 0) this.failures.delete(call);
+      throw failure.error;
     }
   }
 
@@ -71,11 +75,17 @@ export class RecordingBackend implements Backend {
     this.liveReservations--;
   }
 
-  create(device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]) {
+  async create(device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]) {
     this.calls.push('create');
-    const handle = this.inner.create(device, location, size, handleTypes);
-    this.liveHandles++;
-    return handle;
+    this.createsInFlight++;
+    try {
+      const handle = await this.inner.create(device, location, size, handleTypes);
+      this.liveHandles++;
+      if (this.createGate) await this.createGate;
+      return handle;
+    } finally {
+      this.createsInFlight--;
+    }
   }
 
   async release(...args: Parameters<Backend['release']>) {

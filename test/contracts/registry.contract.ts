@@ -7,6 +7,7 @@
 import { status as Status } from '@grpc/grpc-js';
 import { AccessGrant, Backend } from '../../server/backends/backend';
 import { RpcError, toServiceError } from '../../server/errors';
+import { QuotaLimits, Quotas } from '../../server/quotas';
 import { DAEMON_OWNER, MAX_RESERVATION_BYTES, Registry } from '../../server/registry';
 import { addon } from '../../native';
 import { RecordingBackend } from './recording-backend';
@@ -78,7 +79,7 @@ function reserve(caller = A, size = 8n * MiB) {
 
 async function mapped(caller = A, size = GRANULARITY) {
   const reservation = reserve(caller, size * 2n);
-  const allocation = create(caller, size);
+  const allocation = await create(caller, size);
   await registry.map(caller, { address: reservation.address, size, offset: 0n, allocationId: allocation.id });
   return { reservation, allocation, address: reservation.address, size };
 }
@@ -161,13 +162,13 @@ describe('Create', () => {
       'UNSUPPORTED_HANDLE_TYPE',
     );
   });
-  (options.capacity === undefined ? it.skip : it)('passes out of memory on as RESOURCE_EXHAUSTED with requested, used and limit', () => {
+  (options.capacity === undefined ? it.skip : it)('passes out of memory on as RESOURCE_EXHAUSTED with requested, used and limit', async () => {
     const capacity = options.capacity!;
-    create(A, capacity - 2n * MiB);
+    await create(A, capacity - 2n * MiB);
     const before = registry.snapshot();
     let caught: unknown;
     try {
-      create(A, 4n * MiB);
+      await create(A, 4n * MiB);
     } catch (error) {
       caught = error;
     }
@@ -177,10 +178,10 @@ describe('Create', () => {
     expect(registry.snapshot()).toEqual(before);
   });
   it('never reuses an id, and refusals consume none', async () => {
-    const first = create();
+    const first = await create();
     await registry.release(A, first.id);
-    expect(() => create(A, 0n)).toThrow(RpcError);
-    const second = create();
+    await expect(create(A, 0n)).rejects.toThrow(RpcError);
+    const second = await create();
     expect(second.id).toBe(first.id + 1n);
     await expectRefused(() => registry.release(A, first.id), Status.NOT_FOUND, 'UNKNOWN_ALLOCATION');
   });
@@ -189,7 +190,7 @@ describe('Create', () => {
 describe('Map', () => {
   it('refuses size 0', async () => {
     const reservation = reserve();
-    const allocation = create();
+    const allocation = await create();
     await expectRefused(
       () => registry.map(A, { address: reservation.address, size: 0n, offset: 0n, allocationId: allocation.id }),
       Status.INVALID_ARGUMENT,
@@ -198,7 +199,7 @@ describe('Map', () => {
   });
   it('refuses a non-zero offset', async () => {
     const reservation = reserve();
-    const allocation = create(A, 4n * MiB);
+    const allocation = await create(A, 4n * MiB);
     await expectRefused(
       () => registry.map(A, { address: reservation.address, size: GRANULARITY, offset: GRANULARITY, allocationId: allocation.id }),
       Status.INVALID_ARGUMENT,
@@ -206,7 +207,7 @@ describe('Map', () => {
     );
   });
   it('refuses an address outside every reservation', async () => {
-    const allocation = create();
+    const allocation = await create();
     await expectRefused(
       () => registry.map(A, { address: 0x1000_0000n, size: GRANULARITY, offset: 0n, allocationId: allocation.id }),
       Status.NOT_FOUND,
@@ -232,7 +233,7 @@ describe('Map', () => {
   });
   it('refuses an unaligned address and an unaligned size', async () => {
     const reservation = reserve();
-    const allocation = create(A, 4n * MiB);
+    const allocation = await create(A, 4n * MiB);
     await expectRefused(
       () => registry.map(A, { address: reservation.address + 4096n, size: GRANULARITY, offset: 0n, allocationId: allocation.id }),
       Status.INVALID_ARGUMENT,
@@ -246,7 +247,7 @@ describe('Map', () => {
   });
   it('refuses offset + size beyond the allocation', async () => {
     const reservation = reserve();
-    const allocation = create(A, GRANULARITY);
+    const allocation = await create(A, GRANULARITY);
     await expectRefused(
       () => registry.map(A, { address: reservation.address, size: 2n * GRANULARITY, offset: 0n, allocationId: allocation.id }),
       Status.OUT_OF_RANGE,
@@ -255,7 +256,7 @@ describe('Map', () => {
   });
   it('refuses a range running past the reservation', async () => {
     const reservation = reserve(A, 2n * GRANULARITY);
-    const allocation = create(A, 2n * GRANULARITY);
+    const allocation = await create(A, 2n * GRANULARITY);
     await expectRefused(
       () => registry.map(A, { address: reservation.address + GRANULARITY, size: 2n * GRANULARITY, offset: 0n, allocationId: allocation.id }),
       Status.OUT_OF_RANGE,
@@ -265,10 +266,10 @@ describe('Map', () => {
   it('refuses any overlap with a mapping: same range, front, back, inside', async () => {
     const reservation = reserve(A, 8n * GRANULARITY);
     const base = reservation.address;
-    const middle = create(A, 2n * GRANULARITY);
+    const middle = await create(A, 2n * GRANULARITY);
     await registry.map(A, { address: base + 2n * GRANULARITY, size: 2n * GRANULARITY, offset: 0n, allocationId: middle.id });
-    const other = create(A, 2n * GRANULARITY);
-    const one = create(A, GRANULARITY);
+    const other = await create(A, 2n * GRANULARITY);
+    const one = await create(A, GRANULARITY);
     for (const [address, allocation] of [
       [base + 2n * GRANULARITY, other],
       [base + GRANULARITY, other],
@@ -288,7 +289,7 @@ describe('Map', () => {
   });
   it("refuses another session's reservation or allocation", async () => {
     const reservationOfA = reserve(A);
-    const allocationOfA = create(A);
+    const allocationOfA = await create(A);
     const reservationOfB = reserve(B);
     await expectRefused(
       () => registry.map(B, { address: reservationOfA.address, size: GRANULARITY, offset: 0n, allocationId: allocationOfA.id }),
@@ -303,10 +304,10 @@ describe('Map', () => {
   });
   it('lets a session use daemon-owned objects, and the daemon only its own', async () => {
     const daemonReservation = reserve(DAEMON_OWNER);
-    const allocation = create(A);
+    const allocation = await create(A);
     await registry.map(A, { address: daemonReservation.address, size: GRANULARITY, offset: 0n, allocationId: allocation.id });
     const reservationOfA = reserve(A);
-    const daemonAllocation = create(DAEMON_OWNER);
+    const daemonAllocation = await create(DAEMON_OWNER);
     await expectRefused(
       () => registry.map(DAEMON_OWNER, { address: reservationOfA.address, size: GRANULARITY, offset: 0n, allocationId: daemonAllocation.id }),
       Status.PERMISSION_DENIED,
@@ -372,7 +373,7 @@ describe('SetAccess', () => {
   it('sets access across adjacent mappings, and revokes it with NONE', async () => {
     const reservation = reserve(A, 4n * GRANULARITY);
     for (const offset of [0n, GRANULARITY]) {
-      const allocation = create();
+      const allocation = await create();
       await registry.map(A, { address: reservation.address + offset, size: GRANULARITY, offset: 0n, allocationId: allocation.id });
     }
     await registry.setAccess(A, reservation.address, 2n * GRANULARITY, RW);
@@ -397,13 +398,13 @@ describe('GetAccess', () => {
 describe('Release', () => {
   it('refuses an unknown allocation', () => expectRefused(() => registry.release(A, 42n), Status.NOT_FOUND, 'UNKNOWN_ALLOCATION'));
   it('frees an unmapped allocation at once', async () => {
-    const allocation = create();
+    const allocation = await create();
     expect(await registry.release(A, allocation.id)).toEqual({ freed: true, handleReferences: 0, mappingCount: 0 });
     expect(backend.liveHandles).toBe(0);
   });
   it('keeps released memory while mapped, and frees it at the last unmap', async () => {
     const reservation = reserve(A, 4n * GRANULARITY);
-    const allocation = create();
+    const allocation = await create();
     for (const offset of [0n, GRANULARITY]) {
       await registry.map(A, { address: reservation.address + offset, size: GRANULARITY, offset: 0n, allocationId: allocation.id });
     }
@@ -431,11 +432,11 @@ describe('Release', () => {
     expect(await registry.release(A, allocation.id)).toEqual({ freed: true, handleReferences: 0, mappingCount: 0 });
   });
   it("refuses another session's allocation", async () => {
-    const allocation = create(A);
+    const allocation = await create(A);
     await expectRefused(() => registry.release(B, allocation.id), Status.PERMISSION_DENIED, 'NOT_OWNER');
   });
   it('keeps an allocation the backend failed to free, accounted, and frees it at the next Release', async () => {
-    const allocation = create(A);
+    const allocation = await create(A);
     const driverError = Object.assign(new Error('cuMemRelease: CUDA_ERROR_UNKNOWN'), { code: 'CUDA_ERROR_UNKNOWN' });
     backend.failOnce('release', driverError);
     await expect(registry.release(A, allocation.id)).rejects.toBe(driverError);
@@ -458,7 +459,7 @@ describe('Release', () => {
   });
   it('lets a holder of a retained reference release only that reference', async () => {
     const reservation = reserve(DAEMON_OWNER);
-    const allocation = create(A);
+    const allocation = await create(A);
     await registry.map(A, { address: reservation.address, size: GRANULARITY, offset: 0n, allocationId: allocation.id });
     registry.retainHandle(B, reservation.address);
     expect((await registry.release(B, allocation.id)).handleReferences).toBe(1);
@@ -490,7 +491,7 @@ describe('Export and Share', () => {
     );
   });
   it("refuses another session's allocation without its share key", async () => {
-    const allocation = create(A);
+    const allocation = await create(A);
     await expectRefused(
       () => registry.exportHandle(B, { allocationId: allocation.id, handleType: 'POSIX_FD', shareKey: '' }),
       Status.PERMISSION_DENIED,
@@ -504,7 +505,7 @@ describe('Export and Share', () => {
     );
   });
   it('exports with the share key, and only the owner can share', async () => {
-    const allocation = create(A);
+    const allocation = await create(A);
     expect(() => registry.share(B, allocation.id)).toThrow(expect.objectContaining({ code: 'NOT_OWNER' }));
     const key = registry.share(A, allocation.id);
     expect(registry.share(A, allocation.id)).toBe(key);
@@ -514,7 +515,7 @@ describe('Export and Share', () => {
     closeExported(exported.fd!);
   });
   it('refuses a handle type the allocation was not made for', async () => {
-    const allocation = create(A);
+    const allocation = await create(A);
     expect(allocation.handleTypes).toEqual(['POSIX_FD']);
     await expectRefused(
       () => registry.exportHandle(A, { allocationId: allocation.id, handleType: 'FABRIC', shareKey: '' }),
@@ -550,7 +551,7 @@ describe('Read and Write', () => {
   it('writes and reads across two adjacent mappings, in chunks', async () => {
     const reservation = reserve(A, 2n * GRANULARITY);
     for (const offset of [0n, GRANULARITY]) {
-      const allocation = create();
+      const allocation = await create();
       await registry.map(A, { address: reservation.address + offset, size: GRANULARITY, offset: 0n, allocationId: allocation.id });
     }
     await registry.setAccess(A, reservation.address, 2n * GRANULARITY, RW);
@@ -574,7 +575,7 @@ describe('serialization per reservation', () => {
     let open!: () => void;
     backend.unmapGate = new Promise((resolve) => (open = resolve));
     const unmapping = registry.unmap(A, address, size);
-    const next = create();
+    const next = await create();
     const mapping = registry.map(A, { address, size, offset: 0n, allocationId: next.id });
     await new Promise((resolve) => setImmediate(resolve));
     expect(backend.calls.filter((call) => call === 'map')).toHaveLength(1);
@@ -624,7 +625,7 @@ describe('copies and unmaps of one range (issue 15)', () => {
 describe('reclaim', () => {
   it("frees everything a session owns and leaves others' objects", async () => {
     await mapped(A);
-    create(A);
+    await create(A);
     const keptByB = await mapped(B);
     const daemonReservation = reserve(DAEMON_OWNER);
     await registry.reclaim(A);
@@ -636,7 +637,7 @@ describe('reclaim', () => {
   });
   it('passes an allocation still mapped in a daemon reservation to the daemon', async () => {
     const daemonReservation = reserve(DAEMON_OWNER);
-    const allocation = create(A);
+    const allocation = await create(A);
     await registry.map(A, { address: daemonReservation.address, size: GRANULARITY, offset: 0n, allocationId: allocation.id });
     await registry.reclaim(A);
     const record = registry.allocation(allocation.id);
@@ -646,12 +647,158 @@ describe('reclaim', () => {
   });
   it('drops the references a session retained on other allocations', async () => {
     const daemonReservation = reserve(DAEMON_OWNER);
-    const allocation = create(DAEMON_OWNER);
+    const allocation = await create(DAEMON_OWNER);
     await registry.map(DAEMON_OWNER, { address: daemonReservation.address, size: GRANULARITY, offset: 0n, allocationId: allocation.id });
     registry.retainHandle(A, daemonReservation.address);
     registry.retainHandle(A, daemonReservation.address);
     await registry.reclaim(A);
     expect(registry.referenceCount(registry.allocation(allocation.id))).toBe(1);
+  });
+});
+
+/** Holds every create once the backend has made its memory, until the returned function runs. */
+function holdCreates(): () => void {
+  let open!: () => void;
+  backend.createGate = new Promise<void>((resolve) => (open = resolve));
+  return () => {
+    backend.createGate = undefined;
+    open();
+  };
+}
+
+/** Waits (at most 10 s: the cuda backend makes memory on driver threads) until `condition` holds. */
+async function until(condition: () => boolean): Promise<void> {
+  for (let waited = 0; !condition() && waited < 10_000; waited++) await new Promise((resolve) => setTimeout(resolve, 1));
+  expect(condition()).toBe(true);
+}
+
+const outcome = <T>(promise: Promise<T>) => promise.then((value) => ({ value }), (error: RpcError) => ({ error }));
+
+describe('creates in flight (memory made off the event loop)', () => {
+  it('lands every one of several creates in flight at once, each its own memory, recorded only once made', async () => {
+    const open = holdCreates();
+    const creating = Array.from({ length: 6 }, () => create(A));
+    await until(() => backend.liveHandles === 6);
+    expect(registry.stats().allocations).toBe(0);
+    open();
+    const made = await Promise.all(creating);
+    expect(new Set(made.map((allocation) => allocation.id)).size).toBe(6);
+    expect(new Set(made.map((allocation) => String(allocation.handle))).size).toBe(6);
+    expect(registry.stats()).toMatchObject({ allocations: 6, allocatedBytes: 6n * GRANULARITY });
+    for (const allocation of made) expect((await registry.release(A, allocation.id)).freed).toBe(true);
+    expect(backend.liveHandles).toBe(0);
+  });
+
+  it('refuses a create whose owner is reclaimed while it is in flight (SESSION_CLOSED), and releases its memory: nothing leaks', async () => {
+    const kept = await create(B);
+    const open = holdCreates();
+    const creating = [create(A), create(A, 2n * GRANULARITY)].map(outcome);
+    await until(() => backend.liveHandles === 3);
+    let reclaimed = false;
+    const reclaim = registry.reclaim(A).then(() => (reclaimed = true));
+    await new Promise((resolve) => setTimeout(resolve, 20));
+    // The reclaim waits for the memory in flight: it cannot free what it cannot see yet.
+    expect(reclaimed).toBe(false);
+    open();
+    await reclaim;
+    for (const result of await Promise.all(creating)) {
+      expect(result).toMatchObject({ error: { code: 'SESSION_CLOSED', status: Status.UNAVAILABLE } });
+      expect((result as { error: RpcError }).error.message).toMatch(/session 1 was reclaimed while its \d+-byte allocation was being created/);
+    }
+    expect(registry.snapshot().allocations.map((allocation) => allocation.id)).toEqual([String(kept.id)]);
+    expect(registry.stats()).toMatchObject({ allocations: 1, allocatedBytes: GRANULARITY });
+    expect(backend.liveHandles).toBe(1);
+  });
+
+  it('keeps in sight the memory of an abandoned create it could not release (the daemon holds it, no reference), and frees it at the next reclaim', async () => {
+    const open = holdCreates();
+    const creating = outcome(create(A));
+    await until(() => backend.liveHandles === 1);
+    // Fails for the abandoned create, and again for the reclaim's own try at the end.
+    backend.failOnce('release', Object.assign(new Error('cuMemRelease: CUDA_ERROR_UNKNOWN'), { code: 'CUDA_ERROR_UNKNOWN' }), 2);
+    const reclaim = registry.reclaim(A);
+    open();
+    await expect(reclaim).rejects.toThrow(/1 object\(s\) could not be freed/);
+    expect(await creating).toMatchObject({ error: { code: 'SESSION_CLOSED' } });
+    expect(registry.snapshot().allocations).toEqual([expect.objectContaining({ owner: '0', references: {}, mappingCount: 0 })]);
+    expect(registry.stats()).toMatchObject({ allocations: 1, allocatedBytes: GRANULARITY });
+    await registry.reclaim(B);
+    expect(registry.snapshot().allocations).toEqual([]);
+    expect(backend.liveHandles).toBe(0);
+  });
+});
+
+describe('quotas with creates in flight (reserve, create, commit or refund)', () => {
+  // A registry of its own over the same backend, with the daemon's quota adaptor; A and B are one uid's.
+  function limited(limits: Partial<QuotaLimits>) {
+    const quotas = new Quotas({ perUid: 0n, perSession: 0n, ...limits }, (session) => (session === A || session === B ? 1000 : undefined));
+    return { quotas, limitedRegistry: new Registry(backend, (upstream) => quotas.around(upstream)) };
+  }
+  const createIn = (where: Registry, caller: bigint, size = GRANULARITY) => where.create(caller, { size, location: DEVICE0, handleType: 'POSIX_FD' });
+
+  it('charges creates in flight at once: of 8 against a session quota of 3, exactly 3 are made and 5 refused before reaching the backend', async () => {
+    const { quotas, limitedRegistry } = limited({ perSession: 3n * GRANULARITY });
+    const open = holdCreates();
+    const creating = Array.from({ length: 8 }, () => outcome(createIn(limitedRegistry, A)));
+    await until(() => backend.liveHandles === 3);
+    expect(backend.calls.filter((call) => call === 'create')).toHaveLength(3);
+    expect(quotas.used().bySession).toEqual({ [String(A)]: String(3n * GRANULARITY) });
+    open();
+    const results = await Promise.all(creating);
+    const granted = results.flatMap((result) => ('value' in result ? [result.value] : []));
+    expect(granted).toHaveLength(3);
+    for (const result of results.filter((result) => 'error' in result)) {
+      expect(result).toMatchObject({ error: { code: 'QUOTA_EXCEEDED', status: Status.RESOURCE_EXHAUSTED } });
+    }
+    expect(quotas.refusals).toBe(5);
+    expect(limitedRegistry.stats()).toMatchObject({ allocations: 3, allocatedBytes: 3n * GRANULARITY });
+    for (const allocation of granted) await limitedRegistry.release(A, allocation.id);
+    expect(quotas.used()).toEqual({ byUid: {}, bySession: {} });
+    expect(backend.liveHandles).toBe(0);
+  });
+
+  it("charges one uid's sessions together: of 4 + 4 creates in flight against a uid quota of 5, exactly 5 are made", async () => {
+    const { quotas, limitedRegistry } = limited({ perUid: 5n * GRANULARITY });
+    const open = holdCreates();
+    const creating = Array.from({ length: 8 }, (_, i) => outcome(createIn(limitedRegistry, i % 2 === 0 ? A : B)));
+    await until(() => backend.liveHandles === 5);
+    open();
+    const results = await Promise.all(creating);
+    expect(results.filter((result) => 'value' in result)).toHaveLength(5);
+    expect(results.filter((result) => 'error' in result && result.error.code === 'QUOTA_EXCEEDED')).toHaveLength(3);
+    expect(quotas.used().byUid).toEqual({ 1000: String(5n * GRANULARITY) });
+    await limitedRegistry.reclaim(A);
+    await limitedRegistry.reclaim(B);
+    expect(quotas.used()).toEqual({ byUid: {}, bySession: {} });
+    expect(backend.liveHandles).toBe(0);
+  });
+
+  (options.capacity === undefined ? it.skip : it)('refunds a create the backend refuses while others are in flight', async () => {
+    const { quotas, limitedRegistry } = limited({ perSession: options.capacity! * 2n });
+    const big = await createIn(limitedRegistry, A, options.capacity! - GRANULARITY);
+    const results = await Promise.all([outcome(createIn(limitedRegistry, A)), outcome(createIn(limitedRegistry, A))]);
+    expect(results.filter((result) => 'value' in result)).toHaveLength(1);
+    const refused = results.flatMap((result) => ('error' in result ? [toServiceError(result.error)] : []));
+    expect(refused).toEqual([expect.objectContaining({ code: Status.RESOURCE_EXHAUSTED, details: expect.stringMatching(/out of memory/i) })]);
+    expect(quotas.used().bySession).toEqual({ [String(A)]: String(options.capacity!) });
+    expect(big.size).toBe(options.capacity! - GRANULARITY);
+    await limitedRegistry.reclaim(A);
+    expect(quotas.used()).toEqual({ byUid: {}, bySession: {} });
+  });
+
+  it('refunds the charge of a create abandoned by a reclaim of its owner', async () => {
+    const { quotas, limitedRegistry } = limited({ perSession: 4n * GRANULARITY });
+    const open = holdCreates();
+    const creating = [outcome(createIn(limitedRegistry, A)), outcome(createIn(limitedRegistry, A))];
+    await until(() => backend.liveHandles === 2);
+    expect(quotas.used().bySession).toEqual({ [String(A)]: String(2n * GRANULARITY) });
+    const reclaim = limitedRegistry.reclaim(A);
+    open();
+    await reclaim;
+    for (const result of await Promise.all(creating)) expect(result).toMatchObject({ error: { code: 'SESSION_CLOSED' } });
+    expect(quotas.used()).toEqual({ byUid: {}, bySession: {} });
+    expect(limitedRegistry.stats()).toMatchObject({ allocations: 0, allocatedBytes: 0n });
+    expect(backend.liveHandles).toBe(0);
   });
 });
 }

@@ -117,8 +117,24 @@ export class FakeBackend implements Backend {
     this.reservations.delete(address);
   }
 
-  create(device: number, location: MemLocation, size: bigint): BackendHandle {
+  /** While set, creates wait for it once their memory is made: tests use it to hold creates in flight. */
+  createGate?: Promise<void>;
+  /** Creates started and not yet settled. */
+  createsInFlight = 0;
+
+  async create(device: number, location: MemLocation, size: bigint): Promise<BackendHandle> {
     this.calls.push('create');
+    this.createsInFlight++;
+    try {
+      const handle = this.createNow(size);
+      if (this.createGate) await this.createGate;
+      return handle;
+    } finally {
+      this.createsInFlight--;
+    }
+  }
+
+  private createNow(size: bigint): BackendHandle {
     if (this.used + size > this.options.capacity) {
       fail('OUT_OF_MEMORY', `out of memory: requested ${size} bytes, ${this.used} of ${this.options.capacity} bytes in use`);
     }
@@ -129,7 +145,7 @@ export class FakeBackend implements Backend {
   }
 
   async createExported(device: number, location: MemLocation, size: bigint): Promise<{ handle: BackendHandle; fd: number }> {
-    const handle = this.create(device, location, size);
+    const handle = await this.create(device, location, size);
     return { handle, fd: await this.exportHandle(handle) };
   }
 

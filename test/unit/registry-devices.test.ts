@@ -20,7 +20,7 @@ it('splits a read and a write that span two devices into one copy per device', a
   const reservation = registry.reserve(1n, { size: 3n * GRANULARITY, alignment: 0n, address: 0n });
   const placements = [0, 0, 1];
   for (const [index, device] of placements.entries()) {
-    const allocation = registry.create(1n, { size: GRANULARITY, location: { type: 'DEVICE', id: device }, handleType: 'POSIX_FD' });
+    const allocation = await registry.create(1n, { size: GRANULARITY, location: { type: 'DEVICE', id: device }, handleType: 'POSIX_FD' });
     await registry.map(1n, { address: reservation.address + BigInt(index) * GRANULARITY, size: GRANULARITY, offset: 0n, allocationId: allocation.id });
     await registry.setAccess(1n, reservation.address + BigInt(index) * GRANULARITY, GRANULARITY, [
       { location: { type: 'DEVICE', id: device }, access: 3 },

@@ -92,7 +92,7 @@ describe('session dispatcher', () => {
         },
       ],
     });
-    registry.create(7n, { size: GRANULARITY, location: { type: 'DEVICE', id: 0 }, handleType: 'POSIX_FD' });
+    await registry.create(7n, { size: GRANULARITY, location: { type: 'DEVICE', id: 0 }, handleType: 'POSIX_FD' });
     const quiet = { ...session, log: { error: () => steps.push('logged') } } as unknown as Session;
     await dispatcher.reclaim(quiet);
     expect(steps).toEqual(['stores', 'logged', 'staging']);

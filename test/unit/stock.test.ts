@@ -38,7 +38,7 @@ describe('a stock', () => {
     const { fake, stock } = stocked();
     await stock.fill();
     fake.calls.length = 0;
-    const handle = stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
+    const handle = await stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
     expect(fake.calls).toEqual([]);
     expect(await stock.exportHandle(handle, 0)).toBe(1000 + Number(handle));
     expect(fake.calls).toEqual([]);
@@ -52,12 +52,12 @@ describe('a stock', () => {
   it('creates on the spot when the shelf is empty, or for sizes, locations and handle types it does not stock', async () => {
     const { fake, stock } = stocked([{ size: 2n * MiB, depth: 1 }]);
     await stock.fill();
-    stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
+    await stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
     fake.calls.length = 0;
-    stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
-    stock.create(0, DEVICE, 4n * MiB, ['POSIX_FD']);
-    stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD', 'FABRIC']);
-    stock.create(0, { type: 'HOST_NUMA', id: 0 }, 2n * MiB, ['POSIX_FD']);
+    await stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
+    await stock.create(0, DEVICE, 4n * MiB, ['POSIX_FD']);
+    await stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD', 'FABRIC']);
+    await stock.create(0, { type: 'HOST_NUMA', id: 0 }, 2n * MiB, ['POSIX_FD']);
     expect(fake.calls.filter((call) => call === 'create')).toHaveLength(4);
     expect(stock.stats().misses).toBe(1);
   });
@@ -65,7 +65,7 @@ describe('a stock', () => {
   it("closes a handed-out handle's ready descriptor when it is released unexported", async () => {
     const { stock, closed } = stocked();
     await stock.fill();
-    const handle = stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
+    const handle = await stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
     await stock.release(handle, 2n * MiB, false, 0);
     expect(closed).toEqual([1000 + Number(handle)]);
   });
@@ -75,18 +75,18 @@ describe('a stock', () => {
     await stock.fill();
     // 12 MiB: after three, 6 MiB are free, less than four sizes (8 MiB): the refill stops.
     expect(stock.stats().levels[0].held).toBe(3);
-    expect(() => stock.create(0, DEVICE, 12n * MiB, ['POSIX_FD'])).toThrow(/out of memory/);
+    await expect(stock.create(0, DEVICE, 12n * MiB, ['POSIX_FD'])).rejects.toThrow(/out of memory/);
     expect(stock.stats().levels[0].held).toBe(0);
     await settle();
     // The stocked memory went back: the same Create now fits.
     expect(fake.memoryInfo().freeBytes).toBe(12n * MiB);
-    expect(() => stock.create(0, DEVICE, 12n * MiB, ['POSIX_FD'])).not.toThrow();
+    await expect(stock.create(0, DEVICE, 12n * MiB, ['POSIX_FD'])).resolves.toBeDefined();
   });
 
   it('gives everything back at close, and refills nothing after', async () => {
     const { fake, stock, closed } = stocked();
     await stock.fill();
-    const handle = stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
+    const handle = await stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
     stock.close();
     await settle();
     // The one still stocked, and the ready descriptor of the one handed out; the refill it asked for never ran.
@@ -101,11 +101,11 @@ describe('a stock', () => {
     await stock.fill();
     const registry = new Registry(stock);
     expect(registry.stats().allocations).toBe(0);
-    const record = registry.create(5n, { size: 2n * MiB, location: DEVICE, handleType: 'POSIX_FD' });
+    const record = await registry.create(5n, { size: 2n * MiB, location: DEVICE, handleType: 'POSIX_FD' });
     await expect(registry.exportHandle(6n, { allocationId: record.id, handleType: 'POSIX_FD', shareKey: '' })).rejects.toMatchObject({ code: 'NOT_OWNER' });
     const exported = await registry.exportHandle(5n, { allocationId: record.id, handleType: 'POSIX_FD', shareKey: '' });
     expect(exported.fd).toBe(1000 + Number(record.handle));
-    expect(() => registry.create(5n, { size: 3n * MiB, location: DEVICE, handleType: 'POSIX_FD' })).toThrow(/not a multiple/);
+    await expect(registry.create(5n, { size: 3n * MiB, location: DEVICE, handleType: 'POSIX_FD' })).rejects.toThrow(/not a multiple/);
   });
 });
 
