@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU test suite from the bundle that scripts/gpu-bundle.sh made.
-# Usage: scripts/gpu-test.sh [BUNDLE_DIR [OUTPUT_DIR]]  (defaults: .gpu, $OUT or ./gpu-results)
+# Usage: scripts/gpu-test.sh [BUNDLE_DIR [OUTPUT_DIR [PATTERN]]]  (defaults: .gpu, $OUT or ./gpu-results,
+# every test; PATTERN is jest's test path pattern, e.g. 'registry-cuda|security-cuda')
 # The output goes to OUTPUT_DIR/gpu-tests.log with the date, device and driver, and
 # the reliability figures to OUTPUT_DIR/figures.jsonl.
 set -uo pipefail
@@ -20,6 +21,6 @@ rm -f "$VMMD_FIGURES"
   echo "node: $(node --version)"
   nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv,noheader 2>&1 | sed 's/^/gpu: /'
   echo
-  node node_modules/jest/bin/jest.js -c jest.gpu.config.js --ci 2>&1
+  node node_modules/jest/bin/jest.js -c jest.gpu.config.js --ci ${3:+"$3"} 2>&1
   echo "exit: $?"
 } | tee "$out/gpu-tests.log"
