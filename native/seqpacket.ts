@@ -20,6 +20,11 @@ export interface SeqpacketMessage {
   truncated: boolean;
   /** Descriptors beyond the first, already closed. */
   extraFds: number;
+  /**
+   * The kernel dropped descriptors that came with the message: the process
+   * had no free descriptor for them (EMFILE), or more came than fit.
+   */
+  descriptorsDropped: boolean;
 }
 
 /**
@@ -114,6 +119,7 @@ export class SeqpacketConnection extends EventEmitter {
         fd: received.fd,
         truncated: received.truncated,
         extraFds: received.extraFds,
+        descriptorsDropped: received.controlTruncated,
       };
       if (this.listenerCount('message') === 0) {
         if (message.fd >= 0) addon.close(message.fd);
@@ -181,10 +187,21 @@ export class SeqpacketListener extends EventEmitter {
       try {
         accepted = addon.seqpacketAccept(this.fd);
       } catch (error) {
-        this.failures++;
-        this.emit('error', error);
         const code = (error as { code?: string }).code;
-        if ((code === 'EMFILE' || code === 'ENFILE') && this.turnAway()) continue;
+        if (code === 'EMFILE' || code === 'ENFILE') {
+          // NOTE: accept4 takes the new descriptor before it looks at the backlog, so EMFILE
+          // comes whether or not a connection waits (issue 14, finding 4: reading it as "one
+          // waits" looped here for good, the event loop never turned again, and sessions whose
+          // peers hung up were never reclaimed). The spare tells the two apart.
+          const outcome = this.turnAway();
+          if (outcome === 'none waiting') return; // the level-triggered poller calls again when one arrives
+          this.failures++;
+          this.emit('error', error);
+          if (outcome === 'turned away') continue;
+        } else {
+          this.failures++;
+          this.emit('error', error);
+        }
         // Out of descriptors with no spare (or another failure): the connection waits in the
         // backlog; stop polling for a while instead of spinning on a level-triggered poller.
         this.backOff();
@@ -202,9 +219,13 @@ export class SeqpacketListener extends EventEmitter {
     }
   }
 
-  /** Frees the spare descriptor to accept one waiting connection, tells it why, closes it. False when that failed too. */
-  private turnAway(): boolean {
-    if (this.spare < 0) return false;
+  /**
+   * Frees the spare descriptor to accept one waiting connection, tells it why,
+   * closes it, and takes the spare again. 'none waiting' when the backlog was
+   * empty; 'failed' when there was no spare or it could not be taken again.
+   */
+  private turnAway(): 'turned away' | 'none waiting' | 'failed' {
+    if (this.spare < 0) return 'failed';
     addon.close(this.spare);
     this.spare = -1;
     let accepted;
@@ -223,7 +244,8 @@ export class SeqpacketListener extends EventEmitter {
       this.emit('refused', { pid: accepted.pid, uid: accepted.uid, gid: accepted.gid });
     }
     this.spare = this.openSpare();
-    return accepted !== undefined && this.spare >= 0;
+    if (accepted === undefined || this.spare < 0) return 'failed';
+    return accepted === null ? 'none waiting' : 'turned away';
   }
 
   private backOff(): void {

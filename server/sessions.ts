@@ -72,6 +72,11 @@ export interface ReclaimSummary {
   reservations: number;
 }
 
+/** The field saying how many like lines went to debug since the last one, when any did. */
+function heldBack(allowed: { suppressed: number } | undefined): { heldBack?: number } {
+  return allowed !== undefined && allowed.suppressed > 0 ? { heldBack: allowed.suppressed } : {};
+}
+
 /** An error that refuses a message as malformed (answered without a request's status). */
 export function refuseMessage(code: string, message: string): RpcError {
   return Object.assign(new RpcError(Status.INVALID_ARGUMENT, code, message), { messageRefused: true });
@@ -182,6 +187,9 @@ export class SessionManager {
   private readonly reclaims = new Set<Promise<void>>();
   // What a peer can make the daemon log is bounded: one line per uid and cause per 10 s.
   private readonly logLimiter = new LogLimiter();
+  // Sessions opening and ending are worth a line each, but one uid's hundreds are no flood: 20 per uid
+  // and kind per 10 s at their level, the rest at debug.
+  private readonly lifeLogLimiter = new LogLimiter(10_000, 20);
 
   constructor(
     private readonly log: Logger,
@@ -316,7 +324,8 @@ export class SessionManager {
       connection.close();
       return;
     }
-    session.log.info({ cgroup: session.process.cgroup, peerGid: peer.gid }, 'session opened');
+    const allowed = this.lifeLogLimiter.allow(`opened:${peer.uid}`);
+    session.log[allowed === undefined ? 'debug' : 'info']({ cgroup: session.process.cgroup, peerGid: peer.gid, ...heldBack(allowed) }, 'session opened');
   }
 
   private refuse(session: Session, fd: number, code: string, message: string, transfer?: string, request?: string): void {
@@ -335,7 +344,13 @@ export class SessionManager {
     if (raw.extraFds > 0) return this.refuse(session, raw.fd, 'TOO_MANY_DESCRIPTORS', `a message may carry one descriptor, not ${raw.extraFds + 1}`);
     const message = decodeMessage(raw.data);
     if (typeof message === 'string') return this.refuse(session, raw.fd, 'BAD_MESSAGE', message, undefined, readableRequestId(raw.data));
-    if (message.type === 'transfer') return this.onTransfer(session, message.transfer, raw.fd);
+    if (message.type === 'transfer') {
+      if (raw.descriptorsDropped) {
+        const dropped = `the daemon is out of descriptors: the one sent as transfer ${message.transfer} was dropped; send it again later`;
+        return this.refuse(session, raw.fd, 'OUT_OF_DESCRIPTORS', dropped, message.transfer);
+      }
+      return this.onTransfer(session, message.transfer, raw.fd);
+    }
     void this.answer(session, message as RequestMessage, raw.fd);
   }
 
@@ -401,9 +416,14 @@ export class SessionManager {
       // Checked after the reclaim: a killed process has become a zombie (or is gone) by then.
       // A clean close leaves the process running; a crash, kill -9 or an exit without close() does not.
       if (stillRunning(session.peer.pid, session.process.startTime)) {
-        session.log.info({ end: 'closed', reclaimed }, `session closed by the client${what}`);
+        const allowed = this.lifeLogLimiter.allow(`closed:${session.peer.uid}`);
+        session.log[allowed === undefined ? 'debug' : 'info']({ end: 'closed', reclaimed, ...heldBack(allowed) }, `session closed by the client${what}`);
       } else {
-        session.log.warn({ end: 'process-gone', reclaimed }, `session lost: the client process ended without closing it (crashed, killed or exited)${what}`);
+        const allowed = this.lifeLogLimiter.allow(`lost:${session.peer.uid}`);
+        session.log[allowed === undefined ? 'debug' : 'warn'](
+          { end: 'process-gone', reclaimed, ...heldBack(allowed) },
+          `session lost: the client process ended without closing it (crashed, killed or exited)${what}`,
+        );
       }
     })();
     this.reclaims.add(reclaim);
