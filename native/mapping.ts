@@ -1,16 +1,100 @@
 /**
  * Local mapping: memory put into this process's address space, written once
  * per memory kind and used by the client and the daemon alike. Host memory
- * (a memfd): reserve, map, protect. CUDA memory (a handle): reserve, map, set
- * access, in this process's primary context of a device. A map undoes its
- * own steps when one fails; an unmap that fails resumes at that step the next
- * time. Errors are the addon's (a string `code`); callers translate them.
+ * (a memfd): take a range, map, protect. CUDA memory (a handle): take a
+ * range, map, set access, in this process's primary context of a device.
+ * Ranges come from this process's address arenas (native/address-arena.ts:
+ * large reservations made once), and go back to them only once unmapped. A
+ * map undoes its own steps when one fails; an unmap that fails resumes at
+ * that step the next time. Errors are the addon's (a string `code`); callers
+ * translate them.
  */
+import { AddressArena, AddressSpace, ArenaStats } from './address-arena';
 import { addon, CU_LOCATION, HOST_ACCESS } from './index';
 
-/** `size` rounded up to a multiple of `granularity`: the one rounding rule of local mappings. */
-export function roundUp(size: bigint, granularity: bigint): bigint {
-  return ((size + granularity - 1n) / granularity) * granularity;
+export { roundUp } from './address-arena';
+
+const GiB = 1024n * 1024n * 1024n;
+
+/**
+ * Address space reserved at a time, per memory kind (and per device on
+ * cuda): 64 GiB, a few thousandths of a 47-bit space. VMMD_ADDRESS_ARENA=off
+ * reserves one range per mapping instead (the path before the arena, kept
+ * for comparison).
+ */
+const RESERVATION_BYTES = 64n * GiB;
+const RESERVATION_ALIGNMENT = 2n * 1024n * 1024n;
+/** An empty reservation is freed after this long unused. */
+const IDLE_MS = 1000;
+
+/** Where a mapping's address range comes from and goes back to. */
+interface AddressSource {
+  take(size: bigint, alignment: bigint): bigint;
+  give(address: bigint): void;
+}
+
+/** One reservation per mapping, freed with it (VMMD_ADDRESS_ARENA=off). */
+class OwnReservations implements AddressSource {
+  // Invariant: every range handed out and not yet given back, with its size.
+  private readonly sizes = new Map<bigint, bigint>();
+
+  constructor(private readonly space: AddressSpace) {}
+
+  take(size: bigint, alignment: bigint): bigint {
+    const address = this.space.reserve(size, alignment);
+    this.sizes.set(address, size);
+    return address;
+  }
+
+  give(address: bigint): void {
+    this.space.free(address, this.sizes.get(address)!);
+    this.sizes.delete(address);
+  }
+}
+
+const HOST_SPACE: AddressSpace = {
+  reserve: (size, alignment) => addon.hostReserve(size, alignment, 0n),
+  free: (address, size) => addon.hostFreeAddress(address, size),
+};
+
+const CUDA_SPACE: AddressSpace = {
+  reserve: (size, alignment) => addon.cudaReserve(size, alignment, 0n),
+  free: (address, size) => addon.cudaFreeAddress(address, size),
+};
+
+// Invariant: one source per memory kind ('host', or 'cuda:' and the device) for the life of the process.
+const sources = new Map<string, AddressSource>();
+
+function source(kind: string, space: AddressSpace): AddressSource {
+  let found = sources.get(kind);
+  if (found === undefined) {
+    found =
+      process.env.VMMD_ADDRESS_ARENA === 'off'
+        ? new OwnReservations(space)
+        : new AddressArena(space, { reservationBytes: RESERVATION_BYTES, alignment: RESERVATION_ALIGNMENT, idleMs: IDLE_MS });
+    sources.set(kind, found);
+  }
+  return found;
+}
+
+const hostSource = () => source('host', HOST_SPACE);
+const deviceSource = (device: number) => source(`cuda:${device}`, CUDA_SPACE);
+
+/**
+ * What this process's address arenas hold: 'host', or 'cuda:' and a device.
+ * Empty when nothing was mapped yet, or with VMMD_ADDRESS_ARENA=off.
+ */
+export function addressArenaStats(): Record<string, ArenaStats> {
+  const out: Record<string, ArenaStats> = {};
+  for (const [kind, found] of sources) if (found instanceof AddressArena) out[kind] = found.stats();
+  return out;
+}
+
+/** Frees every empty reservation of this process's arenas now (they are otherwise freed after a second unused). */
+export function trimAddressArenas(): number {
+  let freed = 0;
+  for (const found of sources.values()) if (found instanceof AddressArena) freed += found.trim();
+  return freed;
 }
 
 /** This process's page size, the granularity of host mappings. */
@@ -63,7 +147,8 @@ export class HostMapping {
    * @throws the addon's error (ENOMEM; EACCES or EPERM for sealed memory asked writable); nothing stays mapped
    */
   static map(fd: number, size: bigint, alignment: bigint, readOnly: boolean): HostMapping {
-    const address = addon.hostReserve(size, alignment, 0n);
+    const space = hostSource();
+    const address = space.take(size, alignment);
     let mapped = false;
     try {
       addon.hostMap(address, size, fd, 0n);
@@ -71,7 +156,11 @@ export class HostMapping {
       addon.hostProtect(address, size, readOnly ? HOST_ACCESS.READ : HOST_ACCESS.READWRITE);
       return new HostMapping(address, size);
     } catch (error) {
-      return rollBackNow(error, [() => mapped && addon.hostUnmap(address, size), () => addon.hostFreeAddress(address, size)]);
+      // The range goes back only once nothing is mapped in it: a failed unmap keeps it out of the arena.
+      return rollBackNow(error, [() => {
+        if (mapped) addon.hostUnmap(address, size);
+        space.give(address);
+      }]);
     }
   }
 
@@ -86,8 +175,8 @@ export class HostMapping {
   }
 
   /**
-   * Unmaps and frees the address range. After a failure the next call
-   * resumes at the step that failed; once done, a call does nothing.
+   * Unmaps and gives the address range back to the arena. After a failure
+   * the next call resumes at the step that failed; once done, a call does nothing.
    * @throws the addon's error
    */
   unmap(): void {
@@ -96,7 +185,7 @@ export class HostMapping {
       this.mapped = false;
     }
     if (this.reserved) {
-      addon.hostFreeAddress(this.address, this.size);
+      hostSource().give(this.address);
       this.reserved = false;
     }
   }
@@ -146,7 +235,8 @@ export class DeviceMapping {
    * @throws the addon's error (CUDA_ERROR_*); nothing stays mapped or reserved
    */
   static async map(device: number, handle: bigint, size: bigint, granularity: bigint, access: DeviceAccess): Promise<DeviceMapping> {
-    const address = addon.cudaReserve(size, granularity, 0n);
+    const space = deviceSource(device);
+    const address = space.take(size, granularity);
     let mapped = false;
     try {
       await addon.cudaMap(address, size, 0n, handle, access.inline ?? false);
@@ -158,7 +248,11 @@ export class DeviceMapping {
       return new DeviceMapping(device, address, size, access.synchronizeUnmap ?? false);
     } catch (error) {
       // Nothing ran on the range yet: no synchronization needed.
-      return rollBack(error, [() => mapped && addon.cudaUnmap(device, address, size, false), () => addon.cudaFreeAddress(address, size)]);
+      // The range goes back only once the unmap has completed: a failed unmap keeps it out of the arena.
+      return rollBack(error, [async () => {
+        if (mapped) await addon.cudaUnmap(device, address, size, false);
+        space.give(address);
+      }]);
     }
   }
 
@@ -173,7 +267,9 @@ export class DeviceMapping {
   }
 
   /**
-   * Unmaps and frees the address range. After a failure the next call
+   * Unmaps (on a driver thread) and, once the unmap has completed, gives the
+   * address range back to the arena: no later mapping gets the range while
+   * the driver may still be unmapping it. After a failure the next call
    * resumes at the step that failed; once done, a call does nothing.
    * @throws the addon's error
    */
@@ -183,7 +279,7 @@ export class DeviceMapping {
       this.mapped = false;
     }
     if (this.reserved) {
-      addon.cudaFreeAddress(this.address, this.size);
+      deviceSource(this.device).give(this.address);
       this.reserved = false;
     }
   }

@@ -8,6 +8,7 @@
 import { status as Status } from '@grpc/grpc-js';
 import type { VmmdClient } from '../connection';
 import { VmmdError } from '../errors';
+import { InFlight } from '../in-flight';
 import type { ImportedMemory } from '../local-memory';
 import { native } from '../../native/client';
 import { HostAllocOptions, HostOnlyMemoryManager } from './base';
@@ -55,6 +56,8 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   private readonly hostLeases = new Map<bigint, Lease>();
   // Invariant: the mappings openIpcHandle made and free() has not yet closed; read and write reach them.
   private readonly opened = new Set<ImportedMemory>();
+  // The unmaps that frees started and did not wait for (a driver thread on cuda runs them).
+  private readonly unmaps = new InFlight();
   private initialized?: Promise<void>;
   // The chunk lease in progress: concurrent requests that find no room wait for it rather than lease their own.
   private leasing?: Promise<void>;
@@ -122,6 +125,8 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
       this.counters.outOfMemoryRetries++;
       await this.deallocations.flush();
       await this.releaseEmptyChunks();
+      // Memory freed here stays in use until its unmap completes.
+      await this.unmaps.drain();
       return this.allocate(bytes);
     }
   }
@@ -186,7 +191,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     this.opened.add(memory);
     return new MemoryPointer(this.context, memory.address + BigInt(handle.offset), BigInt(handle.size), memory, async () => {
       this.opened.delete(memory);
-      await memory.close();
+      this.unmapInBackground(memory);
     });
   }
 
@@ -213,17 +218,20 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     this.large.clear();
     this.hostLeases.clear();
     for (const lease of leases) await this.returnLease(lease);
+    await this.unmaps.drain();
   }
 
-  /** Runs pending frees and gives empty chunks back to the daemon. */
+  /** Runs pending frees and gives empty chunks back to the daemon; resolves once their memory is unmapped here. */
   async clearCaches(): Promise<void> {
     await this.deallocations.flush();
     await this.releaseEmptyChunks();
+    await this.unmaps.drain();
   }
 
-  /** Runs pending frees (unless deferCleanup holds them). */
-  flush(): Promise<void> {
-    return this.deallocations.flush();
+  /** Runs pending frees (unless deferCleanup holds them); resolves once their memory is unmapped here. */
+  async flush(): Promise<void> {
+    await this.deallocations.flush();
+    await this.unmaps.drain();
   }
 
   /** Copies bytes into managed memory at a device pointer. */
@@ -336,12 +344,24 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     await this.returnLease(lease);
   }
 
+  /**
+   * Gives an allocation back without waiting for its unmap here: the
+   * release is sent at once, the unmap runs behind it (after any copy still
+   * in flight on the memory, on a driver thread on cuda), and the address
+   * range goes back to the arena once unmapped. The mapping keeps the memory
+   * alive until then.
+   */
   private async returnLease(lease: Lease): Promise<void> {
-    await lease.memory.close();
+    this.unmapInBackground(lease.memory);
     await this.client.vmm.release({ allocationId: lease.allocationId }).catch((error) => {
       // The session may be gone already: the daemon reclaimed the allocation with it.
       if (!(error instanceof VmmdError) || (error.code !== 'SESSION_LOST' && error.status !== Status.UNAUTHENTICATED)) throw error;
     });
+  }
+
+  /** Closes `memory` here without waiting: reads and writes on it are refused from now, the unmap follows. */
+  private unmapInBackground(memory: ImportedMemory): void {
+    this.unmaps.track(memory.close()).catch((error: Error) => process.emitWarning(`vmmd: unmapping allocation ${memory.allocationId} failed: ${error.message}`));
   }
 
   private async releaseEmptyChunks(): Promise<void> {

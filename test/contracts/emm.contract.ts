@@ -27,6 +27,7 @@ import {
 } from '../../client';
 import type { VmmdManagerContext } from '../../client';
 import { addon } from '../../native';
+import { addressArenaStats } from '../../native/mapping';
 import { MiB, Peer, TestDaemon, packageRoot } from '../e2e/harness';
 
 const ROOT = packageRoot();
@@ -147,6 +148,29 @@ export function emmContract(backend: 'host' | 'cuda'): void {
       await big.free();
       await mm.flush();
       expect(mm.stats().large.allocations).toBe(0);
+    });
+
+    it('maps cold allocations into reserved address space: no reservation per allocation, freed ranges reused (issue 18)', async () => {
+      const mm = await manager({ pool: { chunkSize: 2n * MiB, largeThreshold: 0n }, deferred: { count: 0, ratio: 1 } });
+      const arena = () => addressArenaStats()[backend === 'cuda' ? 'cuda:0' : 'host'];
+      const held = await mm.memalloc(4n * MiB);
+      const { reservations, takenBytes } = arena();
+      expect(reservations).toBeGreaterThanOrEqual(1);
+      const seen = new Set<bigint>();
+      for (let i = 0; i < 20; i++) {
+        const pointer = await mm.memalloc(4n * MiB);
+        seen.add(pointer.pointer);
+        const text = `round ${String(i).padStart(2, '0')}`;
+        await mm.write(pointer.pointer, Buffer.from(text));
+        expect((await mm.read(pointer.pointer, text.length)).toString()).toBe(text);
+        await pointer.free();
+        // flush() resolves once the freed memory is unmapped here and its range back in the arena.
+        await mm.flush();
+        expect(arena()).toMatchObject({ reservations, takenBytes });
+      }
+      // Each allocation took the range the one before gave back.
+      expect(seen.size).toBe(1);
+      await held.free();
     });
 
     it('coalesces freed neighbours so a larger block fits in the same chunk', async () => {

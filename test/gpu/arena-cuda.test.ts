@@ -1,0 +1,88 @@
+/**
+ * The client's address arena on the cuda backend (issue 18): allocations
+ * mapped side by side in one cuMemAddressReserve'd range, memory freed while
+ * a copy into its neighbour is in flight (the neighbour's bytes land whole,
+ * the context stays healthy), a freed range handed out again only once its
+ * unmap completed, and the NBEP 7 manager's frees that do not wait for the
+ * unmap, over and over.
+ */
+import { connect, VmmdClient, VmmdMemoryManager } from '../../client';
+import { addressArenaStats } from '../../native/mapping';
+import { MiB, TestDaemon } from '../e2e/harness';
+import { describeGpu } from './gpu';
+
+const SIZE = 64n * MiB;
+const ROUNDS = 20;
+
+describeGpu('the address arena on the cuda backend (issue 18)', () => {
+  let daemon: TestDaemon;
+  let client: VmmdClient;
+
+  beforeAll(async () => {
+    daemon = await TestDaemon.start([], 'cuda');
+    client = await connect({ socketDir: daemon.dir });
+  });
+
+  afterAll(async () => {
+    client.close();
+    expect(await daemon.stop()).toBe(0);
+  });
+
+  it('memory freed while a copy into its neighbour is in flight: the copy lands, the range is reused only once unmapped', async () => {
+    const a = await client.vmm.allocate({ size: SIZE });
+    const b = await client.vmm.allocate({ size: SIZE });
+    expect(b.address).toBe(a.address + SIZE);
+    const reservations = addressArenaStats()['cuda:0'].reservations;
+    await a.close();
+    await client.vmm.release({ allocationId: a.allocationId });
+    for (let round = 0; round < ROUNDS; round++) {
+      // The lowest free range is a's: each round's x is b's neighbour.
+      const x = await client.vmm.allocate({ size: SIZE });
+      expect(x.address).toBe(a.address);
+      const bytes = Buffer.alloc(Number(SIZE), round + 1);
+      const writing = b.write(0, bytes);
+      // x is freed while its neighbour is being written, without waiting, and the next allocation made at once.
+      let unmapped = false;
+      const closing = x.close().then(() => {
+        unmapped = true;
+      });
+      const c = await client.vmm.allocate({ size: SIZE });
+      // Either x's unmap had completed and c took its range, or c got another: never a range still being unmapped.
+      if (c.address === x.address) expect(unmapped).toBe(true);
+      await Promise.all([writing, closing]);
+      expect((await b.read(0, SIZE)).equals(bytes)).toBe(true);
+      await c.close();
+      for (const memory of [x, c]) await client.vmm.release({ allocationId: memory.allocationId });
+    }
+    expect(addressArenaStats()['cuda:0'].reservations).toBe(reservations);
+    await b.close();
+    await client.vmm.release({ allocationId: b.allocationId });
+    // The context is healthy: a new allocation copies both ways.
+    const after = await client.vmm.allocate({ size: 2n * MiB });
+    await after.write(0, Buffer.from('still usable'));
+    expect((await after.read(0, 12)).toString()).toBe('still usable');
+    await after.close();
+    await client.vmm.release({ allocationId: after.allocationId });
+  });
+
+  it("the NBEP 7 manager's cold frees return before the unmap; allocations reuse the ranges, no new reservation each", async () => {
+    const mm = new VmmdMemoryManager({ client, device: 0, backend: 'cuda', pool: { chunkSize: 2n * MiB, largeThreshold: 0n }, deferred: { count: 0, ratio: 1 } });
+    await mm.initialize();
+    const neighbour = await mm.memalloc(SIZE);
+    const before = addressArenaStats()['cuda:0'].reservations;
+    for (let round = 0; round < ROUNDS; round++) {
+      const bytes = Buffer.alloc(Number(SIZE), 0x40 + round);
+      const writing = mm.write(neighbour.pointer, bytes);
+      const pointer = await mm.memalloc(SIZE);
+      await mm.write(pointer.pointer, Buffer.from('mine'));
+      expect((await mm.read(pointer.pointer, 4)).toString()).toBe('mine');
+      await pointer.free();
+      await writing;
+      expect((await mm.read(neighbour.pointer, Number(SIZE))).equals(bytes)).toBe(true);
+    }
+    await mm.flush();
+    expect(addressArenaStats()['cuda:0'].reservations).toBe(before);
+    await neighbour.free();
+    await mm.reset();
+  });
+});
