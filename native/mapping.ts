@@ -62,14 +62,14 @@ const CUDA_SPACE: AddressSpace = {
   free: (address, size) => addon.cudaFreeAddress(address, size),
 };
 
-// Invariant: one source per memory kind ('host', or 'cuda:' and the device) for the life of the process.
+// Invariant: one source per memory kind ('host', 'host:own', or 'cuda:' and the device) for the life of the process.
 const sources = new Map<string, AddressSource>();
 
-function source(kind: string, space: AddressSpace): AddressSource {
+function source(kind: string, space: AddressSpace, own = false): AddressSource {
   let found = sources.get(kind);
   if (found === undefined) {
     found =
-      process.env.VMMD_ADDRESS_ARENA === 'off'
+      own || process.env.VMMD_ADDRESS_ARENA === 'off'
         ? new OwnReservations(space)
         : new AddressArena(space, { reservationBytes: RESERVATION_BYTES, alignment: RESERVATION_ALIGNMENT, idleMs: IDLE_MS });
     sources.set(kind, found);
@@ -77,7 +77,7 @@ function source(kind: string, space: AddressSpace): AddressSource {
   return found;
 }
 
-const hostSource = () => source('host', HOST_SPACE);
+const hostSource = (own = false) => (own ? source('host:own', HOST_SPACE, true) : source('host', HOST_SPACE));
 const deviceSource = (device: number) => source(`cuda:${device}`, CUDA_SPACE);
 
 /**
@@ -138,23 +138,29 @@ export class HostMapping {
   private constructor(
     readonly address: bigint,
     readonly size: bigint,
+    private readonly ownReservation: boolean,
   ) {}
 
   /**
-   * Reserves `size` bytes (a multiple of `alignment`) aligned to `alignment`,
-   * maps the memfd there shared, and opens it read-only or read-write. The
-   * caller keeps `fd`: the mapping holds the pages by itself.
+   * Takes `size` bytes (a multiple of `alignment`) aligned to `alignment` of
+   * address space, maps the memfd there shared, and opens it read-only or
+   * read-write. The caller keeps `fd`: the mapping holds the pages by itself.
+   * With `ownReservation`, the range is reserved for this mapping alone and
+   * freed with it (the daemon's few long-lived views of client memfds: the
+   * address space goes back to the kernel when the store goes), else it
+   * comes from the process's arena.
    * @throws the addon's error (ENOMEM; EACCES or EPERM for sealed memory asked writable); nothing stays mapped
    */
-  static map(fd: number, size: bigint, alignment: bigint, readOnly: boolean): HostMapping {
-    const space = hostSource();
+  static map(fd: number, size: bigint, alignment: bigint, readOnly: boolean, options: { ownReservation?: boolean } = {}): HostMapping {
+    const own = options.ownReservation ?? false;
+    const space = hostSource(own);
     const address = space.take(size, alignment);
     let mapped = false;
     try {
       addon.hostMap(address, size, fd, 0n);
       mapped = true;
       addon.hostProtect(address, size, readOnly ? HOST_ACCESS.READ : HOST_ACCESS.READWRITE);
-      return new HostMapping(address, size);
+      return new HostMapping(address, size, own);
     } catch (error) {
       // The range goes back only once nothing is mapped in it: a failed unmap keeps it out of the arena.
       return rollBackNow(error, [() => {
@@ -185,7 +191,7 @@ export class HostMapping {
       this.mapped = false;
     }
     if (this.reserved) {
-      hostSource().give(this.address);
+      hostSource(this.ownReservation).give(this.address);
       this.reserved = false;
     }
   }

@@ -133,7 +133,8 @@ export class MemfdMemory implements StoreMemory {
     const page = pageSize();
     let mapping: HostMapping | undefined;
     try {
-      mapping = HostMapping.map(fd, roundUp(size, page), page, readOnly);
+      // A reservation of its own: the daemon maps few, long-lived memfds, whose address space goes back with them.
+      mapping = HostMapping.map(fd, roundUp(size, page), page, readOnly, { ownReservation: true });
       if (readOnly) addon.hostMemfdSealReadOnly(fd);
       return new MemfdMemory(fd, mapping, page);
     } catch (error) {
