@@ -79,14 +79,16 @@ export class Allocations {
       const handle = await this.source.create(caller, device, args.location, args.size, handleTypes);
       if (!pending.abandoned) return this.add(caller, handle, args.size, device, args.location, handleTypes, false, granularity);
       // Nobody is left to release it: given back through the adaptors (refunded, uncounted) before the refusal.
+      let fate = 'the memory was released';
       try {
         await this.source.release({ owner: caller, handle, size: args.size, device, imported: false });
-      } catch {
+      } catch (error) {
         // Kept in sight rather than lost: the daemon's, with no reference, freed by the next reclaim or Release.
         const orphan = this.add(DAEMON_OWNER, handle, args.size, device, args.location, handleTypes, false, granularity);
         orphan.references.clear();
+        fate = `releasing the memory failed (${(error as Error).message}): allocation ${orphan.id} is the daemon's until a reclaim or Release frees it`;
       }
-      throw unavailable('SESSION_CLOSED', `${ownerName(caller)} was reclaimed while its ${args.size}-byte allocation was being created; the memory was released`);
+      throw unavailable('SESSION_CLOSED', `${ownerName(caller)} was reclaimed while its ${args.size}-byte allocation was being created; ${fate}`);
     } finally {
       waiting.delete(pending);
       if (waiting.size === 0 && this.creating.get(caller) === waiting) this.creating.delete(caller);
