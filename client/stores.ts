@@ -95,7 +95,7 @@ export class StoresApi {
     );
     const info = opened.store!;
     const fd = await this.session.takeTransfer(opened.transferId);
-    const readOnly = info.readOnly || !(options.writable ?? true);
+    const readOnly = info.readOnly || opened.descriptorReadOnly || !(options.writable ?? true);
     const size = BigInt(opened.mappedSize);
     const granularity = BigInt(opened.granularity);
     let memory: ImportedMemory;

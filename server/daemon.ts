@@ -26,7 +26,7 @@ import { StoresService } from './services/stores';
 import { SessionDispatcher } from './session-dispatcher';
 import { DEFAULT_SESSION_OPTIONS, SessionManager, SessionOptions } from './sessions';
 import { StagingBuffers } from './staging';
-import { StoreRegistry } from './stores';
+import { isStoreHolder, StoreRegistry } from './stores';
 
 export const VERSION: string = require('../../package.json').version;
 
@@ -114,7 +114,14 @@ export class Daemon {
       authorize: (peer) => access.refusal(peer),
     });
     const quotas = new Quotas({ perUid: config.quotaPerUid, perSession: config.quotaPerSession }, (session) => sessions.uidOf(session));
-    const registry = new Registry(backend, (upstream) => quotas.around(upstream));
+    // The daemon's objects (made without a session, or left by an ended one) are acted on by admins' sessions only,
+    // besides the daemon itself and store holders on their stores' memory.
+    const actsForDaemon = (caller: bigint) => {
+      if (isStoreHolder(caller)) return true;
+      const peer = sessions.peerOf(caller);
+      return peer !== undefined && access.isAdmin(peer);
+    };
+    const registry = new Registry(backend, (upstream) => quotas.around(upstream), actsForDaemon);
     const paths = socketPaths(config.socketDir);
     const previousMode = prepareSocketDir(config);
     if (previousMode !== undefined) {

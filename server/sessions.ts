@@ -270,6 +270,11 @@ export class SessionManager {
     return this.sessions.get(session)?.peer.uid;
   }
 
+  /** The credentials of a session's peer. */
+  peerOf(session: bigint): Credentials | undefined {
+    return this.sessions.get(session)?.peer;
+  }
+
   /** Sessions open (closing ones included) by a uid. */
   private sessionsOf(uid: number): Session[] {
     return [...this.sessions.values()].filter((session) => session.peer.uid === uid);

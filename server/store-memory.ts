@@ -4,9 +4,22 @@
  * local-mapping module (native/mapping.ts), never through a side door. The
  * staging buffers use the memfd kind too.
  */
+import * as fs from 'node:fs';
 import { addon } from '../native';
 import { HostMapping, pageSize, roundUp } from '../native/mapping';
 import { AllocationRecord, DAEMON_OWNER, Registry } from './registry';
+
+/**
+ * The same memfd open O_RDONLY: its holder can neither write(2) it nor map it
+ * writable (mprotect gives EACCES). Takes ownership of `fd`, closed either way.
+ */
+function reopenReadOnly(fd: number): number {
+  try {
+    return fs.openSync(`/proc/self/fd/${fd}`, fs.constants.O_RDONLY);
+  } finally {
+    addon.close(fd);
+  }
+}
 
 /** A store's memory as the daemon reaches it: mapped in the daemon, exportable as a descriptor. */
 export interface StoreMemory {
@@ -14,7 +27,8 @@ export interface StoreMemory {
   readonly granularity: bigint;
   /** Bytes an opener maps: the allocation's whole size. */
   readonly mappedSize: bigint;
-  exportFd(): Promise<number>;
+  /** A descriptor of the memory for an opener; with `readOnly`, one that cannot write it where the memory allows (a memfd). */
+  exportFd(readOnly?: boolean): Promise<number>;
   read(offset: bigint, length: number): Promise<Buffer>;
   write(offset: bigint, data: Buffer): Promise<void>;
   /** Undoes what the daemon holds, step by step; after a failure, a repeat resumes at the step that failed. */
@@ -67,9 +81,9 @@ export class AllocationMemory implements StoreMemory {
     return new AllocationMemory(registry, allocation, holder, reservation.address);
   }
 
-  async exportFd(): Promise<number> {
+  async exportFd(readOnly = false): Promise<number> {
     const { fd } = await this.registry.exportHandle(this.holder, { allocationId: this.allocation.id, handleType: 'POSIX_FD', shareKey: '' });
-    return fd!;
+    return readOnly && this.registry.backend.capabilities.readOnlyExports ? reopenReadOnly(fd!) : fd!;
   }
 
   async read(offset: bigint, length: number): Promise<Buffer> {
@@ -147,8 +161,8 @@ export class MemfdMemory implements StoreMemory {
     }
   }
 
-  async exportFd(): Promise<number> {
-    return addon.dup(this.fd);
+  async exportFd(readOnly = false): Promise<number> {
+    return readOnly ? reopenReadOnly(addon.dup(this.fd)) : addon.dup(this.fd);
   }
 
   read(offset: bigint, length: number): Promise<Buffer> {

@@ -21,6 +21,11 @@ export type StoreEventKind = 'CREATED' | 'OPENED' | 'CLOSED' | 'DETACHED' | 'REL
 /** Store holders in the registry: far above any session id. */
 const STORE_HOLDER_BASE = 1n << 62n;
 
+/** Whether a registry caller is a store's holder (the daemon acting for the store), not a session. */
+export function isStoreHolder(caller: bigint): boolean {
+  return caller >= STORE_HOLDER_BASE;
+}
+
 export interface StoreRecord {
   readonly id: bigint;
   name: string;
@@ -192,15 +197,16 @@ export class StoreRegistry extends EventEmitter {
   }
 
   /**
-   * A descriptor of the store for the session, counted as one open.
+   * A descriptor of the store for the session, counted as one open; with
+   * `readOnlyDescriptor`, one that cannot write where the memory allows it.
    * @throws FAILED_PRECONDITION STORE_DETACHED, STORE_READ_ONLY
    */
-  async open(session: bigint, store: StoreRecord, writable: boolean): Promise<number> {
+  async open(session: bigint, store: StoreRecord, writable: boolean, readOnlyDescriptor = false): Promise<number> {
     this.checkLive(store, 'open');
     if (writable && store.readOnly) {
       throw failedPrecondition('STORE_READ_ONLY', `store ${store.id} is read-only; open it without writable`);
     }
-    const fd = await this.use(store, () => store.memory.exportFd());
+    const fd = await this.use(store, () => store.memory.exportFd(readOnlyDescriptor));
     store.opens.set(session, (store.opens.get(session) ?? 0) + 1);
     this.record('OPENED', store, session);
     return fd;

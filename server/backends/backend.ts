@@ -64,6 +64,8 @@ export interface BackendCapabilities {
   readonly hostNumaNodes: boolean;
   /** DEVICE memory is a GPU's own (frame buffer: FBMEM stores, ZCMEM); on the host backend it is system memory. */
   readonly gpuMemory: boolean;
+  /** An exported descriptor can be narrowed to read-only (a memfd reopened O_RDONLY); a CUDA handle cannot. */
+  readonly readOnlyExports: boolean;
 }
 
 export interface Backend {

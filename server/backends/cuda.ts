@@ -27,7 +27,7 @@ function handleBits(kinds: HandleKind[]): number {
 
 export class CudaBackend implements Backend {
   readonly name = 'cuda' as const;
-  readonly capabilities = { hostNumaNodes: true, gpuMemory: true } as const;
+  readonly capabilities = { hostNumaNodes: true, gpuMemory: true, readOnlyExports: false } as const;
   // NOTE: the driver refuses to export memory that was itself imported from a
   // descriptor (CUDA_ERROR_INVALID_VALUE, seen on driver 580), so an import
   // keeps a duplicate of its descriptor and exports hand out duplicates of it.

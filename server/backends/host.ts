@@ -27,7 +27,7 @@ export interface HostBackendOptions {
 
 export class HostBackend implements Backend {
   readonly name = 'host' as const;
-  readonly capabilities = { hostNumaNodes: false, gpuMemory: false } as const;
+  readonly capabilities = { hostNumaNodes: false, gpuMemory: false, readOnlyExports: true } as const;
   // Invariant: createdBytes is the sum of the sizes of created (not imported), unreleased memfds.
   private createdBytes = 0n;
 

@@ -18,7 +18,6 @@ import type { DeviceTable } from './devices';
 import {
   AllocationRecord,
   checkAligned,
-  checkCanAct,
   DAEMON_OWNER,
   hex,
   IdSequence,
@@ -26,6 +25,7 @@ import {
   isPowerOfTwo,
   MapArgs,
   MappingRecord,
+  Ownership,
   MAX_RESERVATION_BYTES,
   range,
   readOnlyMemory,
@@ -44,6 +44,7 @@ export class AddressSpace {
     private readonly allocations: Allocations,
     private readonly devices: DeviceTable,
     private readonly ids: IdSequence,
+    private readonly ownership: Ownership = new Ownership(),
   ) {}
 
   /** Every live reservation, sorted by address. */
@@ -95,7 +96,7 @@ export class AddressSpace {
     if (reservation === undefined || reservation.address !== address) {
       throw notFound('NOT_RESERVED', `no reservation starts at ${hex(address)}`);
     }
-    checkCanAct(caller, reservation.owner, `reservation ${reservation.id}`);
+    this.ownership.check(caller, reservation.owner, `reservation ${reservation.id}`);
     await reservation.queue.run(() => {
       if (reservation.freed) throw notFound('NOT_RESERVED', `no reservation starts at ${hex(address)}`);
       if (size !== reservation.size) {
@@ -237,7 +238,7 @@ export class AddressSpace {
     this.devices.deviceOf(location);
     const reservation = this.reservationAt(address);
     if (reservation === undefined) throw notFound('NOT_MAPPED', `nothing is mapped at ${hex(address)}`);
-    if (caller !== DAEMON_OWNER) checkCanAct(caller, reservation.owner, `reservation ${reservation.id}`);
+    if (caller !== DAEMON_OWNER) this.ownership.check(caller, reservation.owner, `reservation ${reservation.id}`);
     const mapping = this.mappingContaining(reservation, address);
     return mapping.access.get(locationKey(location)) ?? 0;
   }
@@ -271,7 +272,7 @@ export class AddressSpace {
   reservationContaining(caller: bigint, address: bigint, code = 'NOT_RESERVED'): ReservationRecord {
     const reservation = this.reservationAt(address);
     if (reservation === undefined) throw notFound(code, `${hex(address)} is not inside any reservation`);
-    checkCanAct(caller, reservation.owner, `reservation ${reservation.id}`);
+    this.ownership.check(caller, reservation.owner, `reservation ${reservation.id}`);
     return reservation;
   }
 

@@ -11,14 +11,13 @@ import type { DeviceTable } from './devices';
 import {
   AllocationRecord,
   checkAligned,
-  checkCanAct,
   CreateArgs,
   DAEMON_OWNER,
   ExportArgs,
   Exported,
   hex,
   IdSequence,
-  mayAct,
+  Ownership,
   ownerName,
   ReleaseResult,
 } from './records';
@@ -41,6 +40,7 @@ export class Allocations {
     private readonly source: AllocationSource,
     private readonly devices: DeviceTable,
     private readonly ids: IdSequence,
+    private readonly ownership: Ownership = new Ownership(),
   ) {}
 
   all(): IterableIterator<AllocationRecord> {
@@ -143,7 +143,7 @@ export class Allocations {
     const total = this.referenceCount(allocation);
     if (total === 0 && allocation.mappingCount === 0 && allocation.busy === 0) {
       // Every reference was dropped but freeing failed (a driver error): this Release tries again.
-      checkCanAct(caller, allocation.owner, `allocation ${allocationId}`);
+      this.ownership.check(caller, allocation.owner, `allocation ${allocationId}`);
       const freed = await this.freeIfUnused(allocation);
       return { freed, handleReferences: 0, mappingCount: 0 };
     }
@@ -157,7 +157,7 @@ export class Allocations {
     if (allocation.references.has(caller)) {
       holder = caller;
     } else {
-      checkCanAct(caller, allocation.owner, `allocation ${allocationId}`);
+      this.ownership.check(caller, allocation.owner, `allocation ${allocationId}`);
       if (!allocation.references.has(allocation.owner)) {
         throw failedPrecondition('NO_REFERENCE', `${ownerName(caller)} holds no handle reference to allocation ${allocationId}`);
       }
@@ -207,9 +207,7 @@ export class Allocations {
 
   /** @throws PERMISSION_DENIED NOT_OWNER unless the caller may act for the owner or holds a reference */
   checkMayUse(caller: bigint, allocation: AllocationRecord): void {
-    if (!mayAct(caller, allocation.owner) && !allocation.references.has(caller)) {
-      throw permissionDenied('NOT_OWNER', `allocation ${allocation.id} belongs to ${ownerName(allocation.owner)}`);
-    }
+    if (!allocation.references.has(caller)) this.ownership.check(caller, allocation.owner, `allocation ${allocation.id}`);
   }
 
   /**
@@ -258,7 +256,7 @@ export class Allocations {
    */
   share(caller: bigint, allocationId: bigint): string {
     const allocation = this.live(allocationId);
-    checkCanAct(caller, allocation.owner, `allocation ${allocationId}`);
+    this.ownership.check(caller, allocation.owner, `allocation ${allocationId}`);
     allocation.shareKey ??= randomBytes(24).toString('base64url');
     return allocation.shareKey;
   }
@@ -271,7 +269,7 @@ export class Allocations {
    */
   async exportHandle(caller: bigint, args: ExportArgs): Promise<Exported> {
     const allocation = this.live(args.allocationId);
-    if (!mayAct(caller, allocation.owner) && !allocation.references.has(caller)) {
+    if (!this.ownership.mayAct(caller, allocation.owner) && !allocation.references.has(caller)) {
       if (args.shareKey === '') {
         throw permissionDenied(
           'NOT_OWNER',

@@ -13,7 +13,7 @@ import { Allocations } from './allocations';
 import { DeviceTable } from './devices';
 import { ByteIo } from './io';
 import { Inspection, RegistrySnapshot, RegistryStats } from './reclaim';
-import { CreateArgs, ExportArgs, IdSequence, MapArgs, ReserveArgs } from './records';
+import { CreateArgs, ExportArgs, IdSequence, MapArgs, Ownership, ReserveArgs } from './records';
 import { AllocationSource, BackendSource } from './source';
 
 export { DAEMON_OWNER, IO_CHUNK_BYTES, MAX_RESERVATION_BYTES } from './records';
@@ -31,16 +31,19 @@ export class Registry {
 
   /**
    * @param adapt wraps the allocation source in policy adaptors (the daemon's quotas); statistics sit under them
+   * @param actsForDaemon which callers besides the daemon may act on daemon-owned objects (default: every one)
    */
   constructor(
     readonly backend: Backend,
     adapt: (upstream: AllocationSource) => AllocationSource = (upstream) => upstream,
+    actsForDaemon?: (caller: bigint) => boolean,
   ) {
     const ids = new IdSequence();
+    const ownership = new Ownership(actsForDaemon);
     this.deviceTable = new DeviceTable(backend);
     this.statistics = new AllocationStatistics(new BackendSource(backend));
-    this.allocations = new Allocations(backend, adapt(this.statistics), this.deviceTable, ids);
-    this.space = new AddressSpace(backend, this.allocations, this.deviceTable, ids);
+    this.allocations = new Allocations(backend, adapt(this.statistics), this.deviceTable, ids, ownership);
+    this.space = new AddressSpace(backend, this.allocations, this.deviceTable, ids, ownership);
     this.io = new ByteIo(backend, this.space);
     this.inspection = new Inspection(this.space, this.allocations, this.statistics);
   }

@@ -126,17 +126,28 @@ export function indexAfter(list: ReadonlyArray<{ address: bigint }>, address: bi
   return low;
 }
 
-/** A session may act on its own objects and on the daemon's. */
-export function mayAct(caller: bigint, owner: bigint): boolean {
-  return owner === caller || owner === DAEMON_OWNER;
-}
+/**
+ * Who may act on an object: its owner, and on the daemon's objects (made
+ * without a session, or left behind by a session that ended while others
+ * still used them) the daemon itself and the callers `actsForDaemon` admits.
+ * A bare registry admits every caller; the daemon admits admins' sessions and
+ * store holders only (server/daemon.ts).
+ */
+export class Ownership {
+  constructor(private readonly actsForDaemon: (caller: bigint) => boolean = () => true) {}
 
-/** @throws PERMISSION_DENIED NOT_OWNER */
-export function checkCanAct(caller: bigint, owner: bigint, what: string): void {
-  if (!mayAct(caller, owner)) {
+  mayAct(caller: bigint, owner: bigint): boolean {
+    return owner === caller || (owner === DAEMON_OWNER && this.actsForDaemon(caller));
+  }
+
+  /** @throws PERMISSION_DENIED NOT_OWNER */
+  check(caller: bigint, owner: bigint, what: string): void {
+    if (this.mayAct(caller, owner)) return;
     throw permissionDenied(
       'NOT_OWNER',
-      `${what} belongs to ${ownerName(owner)}; ${ownerName(caller)} may touch only its own and daemon-owned objects`,
+      owner === DAEMON_OWNER
+        ? `${what} belongs to the daemon; only an admin (--admin-uids, --admin-gids) acts on the daemon's objects, and ${ownerName(caller)}'s uid is not one`
+        : `${what} belongs to ${ownerName(owner)}; ${ownerName(caller)} may touch only its own objects`,
     );
   }
 }

@@ -103,10 +103,14 @@ export class StoresService {
     return this.toWire(store);
   }
 
+  /** @throws PERMISSION_DENIED NOT_STORE_WRITER (asked writable by a uid that is not the store's writer) */
   async open(request: OpenRequest__Output, context: CallContext): Promise<OpenResponse> {
     const session = requireSession(context, 'Open');
     const store = this.ref(request.store);
-    const fd = await this.stores.open(context.caller, store, request.writable);
+    const writer = this.mayWrite(store, context);
+    if (request.writable && !store.readOnly) this.checkWriter(store, context);
+    // Others get a descriptor that cannot write, where the backend can narrow one (host memfds).
+    const fd = await this.stores.open(context.caller, store, request.writable, !writer);
     let transferId: string;
     try {
       transferId = session.sendTransfer(fd, { allocation: store.memory.allocationId, size: store.size });
@@ -121,7 +125,27 @@ export class StoresService {
       transferId,
       granularity: String(store.memory.granularity),
       mappedSize: String(store.memory.mappedSize),
+      descriptorReadOnly: store.readOnly || !writer,
     };
+  }
+
+  /** Whether the caller may write the store: its maker's uid or an admin (calls without a connection: the daemon's own). */
+  private mayWrite(store: StoreRecord, context: CallContext): boolean {
+    const who = context.who;
+    if (who === undefined || who.admin) return true;
+    return who.peer !== undefined && who.peer.uid === store.creatorUid;
+  }
+
+  /**
+   * A writable store is written (Write, Fill, Copy into it, a writable Open)
+   * only by the uid that made it and by admins; other uids read it and open it read-only.
+   * @throws PERMISSION_DENIED NOT_STORE_WRITER
+   */
+  private checkWriter(store: StoreRecord, context: CallContext): void {
+    if (this.mayWrite(store, context)) return;
+    const uid = context.who?.peer?.uid;
+    const writers = store.creatorUid === undefined ? 'admins' : `uid ${store.creatorUid}, which made it, and admins`;
+    throw permissionDenied('NOT_STORE_WRITER', `store ${store.id} is written only by ${writers}; ${uid === undefined ? 'this caller' : `uid ${uid}`} may read it and open it read-only`);
   }
 
   async close(request: CloseRequest__Output, context: CallContext): Promise<CloseResponse> {
@@ -262,6 +286,7 @@ export class StoresService {
       for await (const request of requests) {
         if (place === undefined) {
           place = this.place(request.span);
+          if ('store' in place) this.checkWriter(place.store, context);
           end = this.begin(place);
         }
         if (request.data.length === 0) continue;
@@ -280,6 +305,7 @@ export class StoresService {
     const place = this.place(request.span);
     const length = u64(request.length);
     this.checkPlace(place, context.caller, length, true);
+    if ('store' in place) this.checkWriter(place.store, context);
     const pattern = Buffer.alloc(Number(length < CHUNK ? length : CHUNK), request.value);
     const end = this.begin(place);
     try {
@@ -299,6 +325,7 @@ export class StoresService {
     const length = u64(request.length);
     this.checkPlace(source, context.caller, length, false);
     this.checkPlace(target, context.caller, length, true);
+    if ('store' in target) this.checkWriter(target.store, context);
     const end = this.begin(source, target);
     try {
       for (let done = 0n; done < length; done += CHUNK) {

@@ -4,21 +4,28 @@
  * a session what acts daemon-wide or on root's objects (ClearCaches, the
  * listings, GetReport, Detach of root's stores, Fill of root's writable
  * store, 40 Creates against an 8 MiB quota); a session token used from
- * another uid; TCP without mutual TLS. Peers of another uid need root (CI
- * runs as root); the TCP case runs anywhere. Larger with VMMD_RELIABILITY=full.
+ * another uid; TCP without mutual TLS. Then what an allowed uid's session
+ * may not do: act on the daemon's objects (an admin's, or what an ended
+ * session left), or write another uid's writable store (through the daemon,
+ * or through the descriptor of a read-only open). Peers of another uid need
+ * root (CI runs as root); the TCP case runs anywhere. Larger with
+ * VMMD_RELIABILITY=full.
  */
 import * as grpc from '@grpc/grpc-js';
+import { createHash } from 'node:crypto';
 import { execFileSync, spawn } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import { connect, VmmdClient } from '../../client';
-import { call, MiB, objectsOf, packageRoot, Peer, TestDaemon } from '../e2e/harness';
+import { call, eventually, MiB, objectsOf, packageRoot, Peer, TestDaemon } from '../e2e/harness';
 import { figure } from './figures';
 
 const FULL = process.env.VMMD_RELIABILITY === 'full';
 const isRoot = process.getuid?.() === 0;
 const NOBODY = 65534;
+// A uid that is neither root nor nobody, allowed through nobody's group: a store's maker that is not an admin.
+const MAKER = 4242;
 const CALLER = path.join(packageRoot(), 'dist', 'test', 'e2e', 'fixtures', 'raw-caller.js');
 const SIZE = 2n * MiB;
 
@@ -187,6 +194,140 @@ describe('the uid model of gRPC (host)', () => {
     await new Promise((resolve) => setTimeout(resolve, 200));
     await expectRootIntact(root, before, stores);
     figures['not-admin'] = { tried, refused: tried, ...statuses, leaked: 0 };
+  });
+
+  (isRoot ? it : it.skip)("keeps the daemon's objects to admins: a session of an allowed uid that is not one acts on none of them (run as root)", async () => {
+    daemon = await TestDaemon.start(['--socket-group', String(NOBODY), '--allow-uids', '0', '--allow-gids', String(NOBODY)]);
+    const vmm = daemon.raw.vmm;
+    // The daemon's: an admin's objects made without a session (an allocation mapped with access in a reservation,
+    // another allocation, an empty reservation) ...
+    const mapped = await call(vmm, 'Create', { size: String(SIZE) });
+    const reservation = await call(vmm, 'Reserve', { size: String(SIZE) });
+    await call(vmm, 'Map', { address: reservation.address, size: String(SIZE), offset: '0', allocationId: mapped.id });
+    const readWrite = [{ location: { type: 'LOCATION_TYPE_DEVICE', id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' }];
+    await call(vmm, 'SetAccess', { address: reservation.address, size: String(SIZE), descriptors: readWrite });
+    const loose = await call(vmm, 'Create', { size: String(SIZE) });
+    const empty = await call(vmm, 'Reserve', { size: String(SIZE) });
+    // ... and an allocation a session left behind: its store, handed to the daemon, still holds it.
+    const leaver = await connect({ socketDir: daemon.dir });
+    const left = await leaver.vmm.create({ size: SIZE });
+    await leaver.stores.createStore({ allocationId: left.id, name: 'left-behind', handOver: true });
+    leaver.close();
+    await eventually(async () => ((await call(vmm, 'GetProperties', { allocationId: String(left.id) })).ownerSession === '0' ? true : undefined), 10_000, 'the left allocation to be the daemon’s');
+    // The attacker: an allowed uid (nobody's group) with a session of its own and an allocation of its own.
+    const attacker = await Peer.start(daemon.dir, { uid: NOBODY, gid: NOBODY });
+    try {
+      const own = await attacker.do<{ id: string }>({ op: 'call', api: 'vmm', method: 'create', args: { size: String(SIZE) } });
+      const token = await attacker.do<string>({ op: 'token' });
+      const before = objectsOf(await daemon.stats());
+      const rounds = FULL ? 5 : 1;
+      let tried = 0;
+      for (let round = 0; round < rounds; round++) {
+        const onAllocation = (id: string): RawCall[] => [
+          { service: 'VirtualMemory', method: 'Release', request: { allocationId: id }, token },
+          { service: 'VirtualMemory', method: 'Share', request: { allocationId: id }, token },
+          { service: 'VirtualMemory', method: 'Export', request: { allocationId: id, handleType: 'HANDLE_TYPE_POSIX_FD' }, token },
+          { service: 'Stores', method: 'CreateStore', request: { allocationId: id, name: `taken-${id}-${round}` }, token },
+        ];
+        const calls: RawCall[] = [
+          ...onAllocation(String(mapped.id)),
+          ...onAllocation(String(loose.id)),
+          ...onAllocation(String(left.id)),
+          { service: 'VirtualMemory', method: 'Map', request: { address: empty.address, size: String(SIZE), offset: '0', allocationId: own.id }, token },
+          { service: 'VirtualMemory', method: 'FreeAddress', request: { address: empty.address, size: String(SIZE) }, token },
+          { service: 'VirtualMemory', method: 'Unmap', request: { address: reservation.address, size: String(SIZE) }, token },
+          { service: 'VirtualMemory', method: 'SetAccess', request: { address: reservation.address, size: String(SIZE), descriptors: readWrite }, token },
+          { service: 'VirtualMemory', method: 'RetainHandle', request: { address: reservation.address }, token },
+          { service: 'Stores', method: 'Fill', request: { span: { address: reservation.address }, length: '4096', value: 1 }, token },
+        ];
+        const outcomes = await rawCalls(calls, { dir: daemon.dir, as: { uid: NOBODY, gid: NOBODY } });
+        outcomes.forEach((outcome, i) => {
+          tried++;
+          expect({ call: `${calls[i].service}.${calls[i].method}`, outcome }).toMatchObject({
+            outcome: { ok: false, status: grpc.status.PERMISSION_DENIED, code: 'NOT_OWNER', details: expect.stringMatching(/belongs to the daemon/) },
+          });
+        });
+      }
+      expect(objectsOf(await daemon.stats())).toEqual(before);
+      // An admin's session may: root shares one of the daemon's allocations.
+      const admin = await rootClient();
+      expect((await admin.vmm.share({ allocationId: loose.id })).shareKey).toBeTruthy();
+      figures['daemon-objects'] = { tried, refused: tried, NOT_OWNER: tried, leaked: 0 };
+    } finally {
+      await attacker.stop();
+    }
+  });
+
+  (isRoot ? it : it.skip)('keeps a writable store to the uid that made it and admins: another uid reads it and opens it read-only only (run as root)', async () => {
+    daemon = await TestDaemon.start(['--socket-group', String(NOBODY), '--allow-uids', '0', '--allow-gids', String(NOBODY)]);
+    // The maker: a uid that is not an admin, with the store; another session of the same uid may write it too.
+    const maker = await Peer.start(daemon.dir, { uid: MAKER, gid: NOBODY });
+    const makerAgain = await Peer.start(daemon.dir, { uid: MAKER, gid: NOBODY });
+    const attacker = await Peer.start(daemon.dir, { uid: NOBODY, gid: NOBODY });
+    try {
+      const allocation = await maker.do<{ id: string }>({ op: 'call', api: 'vmm', method: 'create', args: { size: String(SIZE) } });
+      const store = await maker.do<{ id: string }>({ op: 'call', api: 'stores', method: 'createStore', args: { allocationId: allocation.id, name: 'maker-rw' } });
+      const makerToken = await maker.do<string>({ op: 'token' });
+      const [filled] = await rawCalls([{ service: 'Stores', method: 'Fill', request: { span: { storeId: store.id }, length: String(SIZE), value: 0x5a }, token: makerToken }], {
+        dir: daemon.dir,
+        as: { uid: MAKER, gid: NOBODY },
+      });
+      expect(filled).toMatchObject({ ok: true });
+      const attackerToken = await attacker.do<string>({ op: 'token' });
+      const own = await attacker.do<{ id: string }>({ op: 'call', api: 'vmm', method: 'create', args: { size: String(SIZE) } });
+      const ownStore = await attacker.do<{ id: string }>({ op: 'call', api: 'stores', method: 'createStore', args: { allocationId: own.id, name: 'attacker-own' } });
+      const rounds = FULL ? 5 : 1;
+      let tried = 0;
+      const statuses: Record<string, number> = {};
+      for (let round = 0; round < rounds; round++) {
+        const calls: RawCall[] = [
+          { service: 'Stores', method: 'Fill', request: { span: { storeId: store.id }, length: '4096', value: 1 }, token: attackerToken },
+          { service: 'Stores', method: 'Fill', request: { span: { storeId: store.id, offset: String(SIZE - 4096n) }, length: '4096', value: 1 }, token: attackerToken },
+          { service: 'Stores', method: 'Copy', request: { source: { storeId: ownStore.id }, target: { storeId: store.id }, length: '4096' }, token: attackerToken },
+          { service: 'Stores', method: 'Copy', request: { source: { storeId: store.id }, target: { storeId: store.id, offset: '4096' }, length: '4096' }, token: attackerToken },
+          { service: 'Stores', method: 'Open', request: { store: { id: store.id }, writable: true }, token: attackerToken },
+          { service: 'Stores', method: 'Open', request: { store: { name: 'maker-rw' }, writable: true }, token: attackerToken },
+        ];
+        const outcomes = await rawCalls(calls, { dir: daemon.dir, as: { uid: NOBODY, gid: NOBODY } });
+        outcomes.forEach((outcome, i) => {
+          tried++;
+          expect({ call: `${calls[i].service}.${calls[i].method}`, outcome }).toMatchObject({
+            outcome: { ok: false, status: grpc.status.PERMISSION_DENIED, code: 'NOT_STORE_WRITER', details: expect.stringMatching(new RegExp(`store ${store.id} is written only by uid ${MAKER}`)) },
+          });
+          statuses.NOT_STORE_WRITER = (statuses.NOT_STORE_WRITER ?? 0) + 1;
+        });
+        // Write (a client stream), through its own client library.
+        tried++;
+        await expect(attacker.do({ op: 'storeWrite', id: store.id, text: 'attack' })).rejects.toMatchObject({ code: 'NOT_STORE_WRITER' });
+        statuses.NOT_STORE_WRITER++;
+        // Opened read-only, the descriptor it gets cannot write the memory either (host: it is open O_RDONLY).
+        tried++;
+        const raw = await attacker.do<{ write: string; writableMapping: string; readOnlyMapping: string }>({ op: 'storeOpenRaw', id: store.id });
+        expect(raw).toEqual({ write: 'EBADF', writableMapping: 'EACCES', readOnlyMapping: 'ok' });
+        statuses.readOnlyDescriptor = (statuses.readOnlyDescriptor ?? 0) + 1;
+      }
+      // It reads the store (open read-only, and through the daemon): that is what others may.
+      const opened = await attacker.do<{ handle: number }>({ op: 'storeOpen', name: 'maker-rw' });
+      const sum = await attacker.do<{ sha256: string }>({ op: 'storeChecksum', handle: opened.handle });
+      expect(sum.sha256).toBe(createHash('sha256').update(Buffer.alloc(Number(SIZE), 0x5a)).digest('hex'));
+      await attacker.do({ op: 'storeClose', handle: opened.handle });
+      // The maker's uid writes it from another session, and an admin (root, here without a session) may too.
+      const [again] = await rawCalls([{ service: 'Stores', method: 'Fill', request: { span: { storeId: store.id }, length: '4096', value: 0x5a }, token: await makerAgain.do<string>({ op: 'token' }) }], {
+        dir: daemon.dir,
+        as: { uid: MAKER, gid: NOBODY },
+      });
+      expect(again).toMatchObject({ ok: true });
+      await call(daemon.raw.stores, 'Fill', { span: { storeId: store.id }, length: '4096', value: 0x5a });
+      // Unchanged by the attacker.
+      const check = await maker.do<{ handle: number }>({ op: 'storeOpen', name: 'maker-rw' });
+      expect((await maker.do<{ sha256: string }>({ op: 'storeChecksum', handle: check.handle })).sha256).toBe(sum.sha256);
+      await maker.do({ op: 'storeClose', handle: check.handle });
+      figures['store-writers'] = { tried, refused: tried, ...statuses, leaked: 0 };
+    } finally {
+      await attacker.stop();
+      await makerAgain.stop();
+      await maker.stop();
+    }
   });
 
   it('serves TCP without a client certificate public inspection only', async () => {
