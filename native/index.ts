@@ -21,6 +21,8 @@ export interface FdInfo {
   readOnlySealed: boolean;
   accessMode: number;
   inode: bigint;
+  /** st_dev: with the inode, which file this is (two descriptors of one memfd have both equal). */
+  device: bigint;
 }
 
 export interface Credentials {

@@ -85,3 +85,8 @@ export function admitClientMemfd(fd: number, use: ClientMemfdUse): FdInfo {
   }
   return info;
 }
+
+/** The file a memfd descriptor opens, as backends name physical memory (Backend.memoryIdentity): equal for every descriptor of it. */
+export function memfdIdentity(info: Pick<FdInfo, 'device' | 'inode'>): string {
+  return `memfd:${info.device}:${info.inode}`;
+}

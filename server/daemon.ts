@@ -121,7 +121,7 @@ export class Daemon {
       const peer = sessions.peerOf(caller);
       return peer !== undefined && access.isAdmin(peer);
     };
-    const registry = new Registry(backend, (upstream) => quotas.around(upstream), actsForDaemon);
+    const registry = new Registry(backend, (upstream) => quotas.around(upstream, (handle, device) => backend.memoryIdentity(handle, device)), actsForDaemon);
     const paths = socketPaths(config.socketDir);
     const previousMode = prepareSocketDir(config);
     if (previousMode !== undefined) {
@@ -129,7 +129,7 @@ export class Daemon {
     }
     clearStaleSockets(paths);
 
-    const stores = new StoreRegistry(registry, log);
+    const stores = new StoreRegistry(registry, log, quotas);
     const staging = new StagingBuffers();
     // A start that fails once the sockets exist (a metrics port in use, say) closes what it opened and removes them.
     let started: Daemon | undefined;

@@ -1,9 +1,19 @@
 /**
- * Quotas: an adaptor around the allocation source that limits the bytes of
- * allocations a uid, and a session, may hold at once. A charge checks and
- * adds in one synchronous step before the creation is awaited, so concurrent
- * requests never overshoot; it is rolled back when the upstream fails and refunded
- * when the memory is freed. Calls without a session (operators) are not limited.
+ * Quotas: an adaptor around the allocation source that limits the physical
+ * memory a uid, and a session, keeps alive through the daemon. Memory is
+ * counted by what it is, not by how many ids name it: each piece of physical
+ * memory (Backend.memoryIdentity: a memfd's file, a CUDA allocation) counts
+ * once for a session, and once for a uid, however many allocations, imports
+ * and SYSMEM stores of theirs hold it; it counts for every session and uid
+ * that holds it, and stops counting for one when its last hold of it goes.
+ * So memory stays charged as long as anyone keeps it alive, to whoever does,
+ * and no release can move a charge onto a holder above its limit: the bytes
+ * a uid keeps alive never exceed its quota. Memory that comes in (Import,
+ * Attach) counts by its real size (a memfd's size after sealing, sparse or
+ * not) and is refused past the quota like a Create. A charge checks and adds
+ * in one synchronous step before the creation is awaited (or right after
+ * the adoption), so concurrent requests never overshoot. Calls without a session
+ * (operators) are not limited.
  */
 import type { BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from './backends/backend';
 import { resourceExhausted } from './errors';
@@ -16,16 +26,26 @@ export interface QuotaLimits {
   perSession: bigint;
 }
 
-interface Charge {
-  session: bigint;
-  uid?: number;
-  bytes: bigint;
+/** One hold of physical memory by a session (an allocation, an import, a SYSMEM store). */
+export interface QuotaHold {
+  readonly session: bigint;
+  readonly uid?: number;
+  readonly size: bigint;
+  /** Undefined until the memory exists (a Create is charged before the backend makes it). */
+  identity?: string;
 }
 
+/** What names physical memory: the backend's memoryIdentity. */
+export type IdentifyMemory = (handle: BackendHandle, device: number) => string;
+
 export class Quotas {
-  // Invariant: bytes charged and not refunded, by uid and by session; no entry holds 0.
+  // Invariant: bytes charged by uid and by session, each the sum of the sizes of the distinct
+  // memory (identities) it holds, plus holds not yet named; no entry holds 0.
   private readonly byUid = new Map<number, bigint>();
   private readonly bySession = new Map<bigint, bigint>();
+  // Invariant: live holds by memory and session ("identity|session"), and by memory and uid ("identity|uid"); no entry holds 0.
+  private readonly sessionHolds = new Map<string, number>();
+  private readonly uidHolds = new Map<string, number>();
   refusals = 0;
 
   constructor(
@@ -33,36 +53,60 @@ export class Quotas {
     private readonly uidOf: (session: bigint) => number | undefined,
   ) {}
 
-  /** The adaptor that charges these quotas for memory `upstream` creates. */
-  around(upstream: AllocationSource): AllocationSource {
-    return new QuotaAdaptor(this, upstream);
+  /** The adaptor that charges these quotas for memory `upstream` creates and adopts. */
+  around(upstream: AllocationSource, identify: IdentifyMemory): AllocationSource {
+    return new QuotaAdaptor(this, upstream, identify);
   }
 
   /**
-   * Charges `bytes` to the owner's session and uid; undefined for the daemon (not limited).
-   * @throws RESOURCE_EXHAUSTED QUOTA_EXCEEDED saying requested, used and limit
+   * One more hold of memory by the owner's session: charged to the session
+   * and its uid unless they already hold that memory. `identity` undefined:
+   * memory about to be made (counts as new). Undefined for the daemon (not limited).
+   * @throws RESOURCE_EXHAUSTED QUOTA_EXCEEDED saying the size, what is in use and the limit (nothing is charged)
    */
-  charge(owner: bigint, bytes: bigint): Charge | undefined {
+  hold(owner: bigint, identity: string | undefined, size: bigint, what = 'requested'): QuotaHold | undefined {
     if (owner === DAEMON_OWNER) return undefined;
     const uid = this.uidOf(owner);
+    const newForSession = identity === undefined || !this.sessionHolds.has(`${identity}|${owner}`);
+    const newForUid = uid !== undefined && (identity === undefined || !this.uidHolds.has(`${identity}|${uid}`));
     const session = this.bySession.get(owner) ?? 0n;
     const user = uid === undefined ? 0n : (this.byUid.get(uid) ?? 0n);
-    if (this.limits.perSession > 0n && session + bytes > this.limits.perSession) {
+    if (newForSession && this.limits.perSession > 0n && session + size > this.limits.perSession) {
       this.refusals++;
-      throw resourceExhausted('QUOTA_EXCEEDED', `session ${owner} quota: requested ${bytes} bytes, ${session} of ${this.limits.perSession} bytes in use`);
+      throw resourceExhausted('QUOTA_EXCEEDED', `session ${owner} quota: ${what} ${size} bytes, ${session} of ${this.limits.perSession} bytes in use`);
     }
-    if (uid !== undefined && this.limits.perUid > 0n && user + bytes > this.limits.perUid) {
+    if (newForUid && this.limits.perUid > 0n && user + size > this.limits.perUid) {
       this.refusals++;
-      throw resourceExhausted('QUOTA_EXCEEDED', `uid ${uid} quota: requested ${bytes} bytes, ${user} of ${this.limits.perUid} bytes in use`);
+      throw resourceExhausted('QUOTA_EXCEEDED', `uid ${uid} quota: ${what} ${size} bytes, ${user} of ${this.limits.perUid} bytes in use`);
     }
-    this.add(this.bySession, owner, bytes);
-    if (uid !== undefined) this.add(this.byUid, uid, bytes);
-    return { session: owner, uid, bytes };
+    if (newForSession) this.add(this.bySession, owner, size);
+    if (newForUid) this.add(this.byUid, uid, size);
+    const hold: QuotaHold = { session: owner, uid, size };
+    if (identity !== undefined) this.name(hold, identity, false);
+    return hold;
   }
 
-  refund(charge: Charge): void {
-    this.add(this.bySession, charge.session, -charge.bytes);
-    if (charge.uid !== undefined) this.add(this.byUid, charge.uid, -charge.bytes);
+  /**
+   * Names the memory a hold taken before it existed is of (a Create's). Memory
+   * the session or uid already holds (an identity the backend reuses) is not charged twice.
+   */
+  name(hold: QuotaHold, identity: string, charged = true): void {
+    hold.identity = identity;
+    const sessionKey = `${identity}|${hold.session}`;
+    if (this.count(this.sessionHolds, sessionKey, 1) > 1 && charged) this.add(this.bySession, hold.session, -hold.size);
+    if (hold.uid === undefined) return;
+    if (this.count(this.uidHolds, `${identity}|${hold.uid}`, 1) > 1 && charged) this.add(this.byUid, hold.uid, -hold.size);
+  }
+
+  /** Drops a hold; the memory stops counting for the session (and uid) whose last hold of it this was. */
+  release(hold: QuotaHold): void {
+    if (hold.identity === undefined) {
+      this.add(this.bySession, hold.session, -hold.size);
+      if (hold.uid !== undefined) this.add(this.byUid, hold.uid, -hold.size);
+      return;
+    }
+    if (this.count(this.sessionHolds, `${hold.identity}|${hold.session}`, -1) === 0) this.add(this.bySession, hold.session, -hold.size);
+    if (hold.uid !== undefined && this.count(this.uidHolds, `${hold.identity}|${hold.uid}`, -1) === 0) this.add(this.byUid, hold.uid, -hold.size);
   }
 
   used(): { byUid: Record<string, string>; bySession: Record<string, string> } {
@@ -70,53 +114,77 @@ export class Quotas {
     return { byUid: text(this.byUid), bySession: text(this.bySession) };
   }
 
+  /** Bytes charged to a uid now (0: none). */
+  usedByUid(uid: number): bigint {
+    return this.byUid.get(uid) ?? 0n;
+  }
+
   private add<K>(map: Map<K, bigint>, key: K, bytes: bigint): void {
     const total = (map.get(key) ?? 0n) + bytes;
     if (total === 0n) map.delete(key);
     else map.set(key, total);
   }
+
+  private count(map: Map<string, number>, key: string, delta: 1 | -1): number {
+    const total = (map.get(key) ?? 0) + delta;
+    if (total === 0) map.delete(key);
+    else map.set(key, total);
+    return total;
+  }
 }
 
 class QuotaAdaptor implements AllocationSource {
-  // Invariant: the charge of every live handle created through this adaptor for a session.
-  private readonly charges = new Map<BackendHandle, Charge>();
+  // Invariant: the hold of every live handle created or adopted through this adaptor for a session.
+  private readonly holds = new Map<BackendHandle, QuotaHold>();
 
   constructor(
     private readonly quotas: Quotas,
     private readonly upstream: AllocationSource,
+    private readonly identify: IdentifyMemory,
   ) {}
 
   async create(owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
-    // Reserve, create, then commit or refund. The bytes are reserved before the
-    // await: creates in flight at once are all counted, so none escapes the quota.
-    const charge = this.quotas.charge(owner, size);
+    // Charged before the await: creates in flight at once are all counted, so none escapes the quota.
+    const hold = this.quotas.hold(owner, undefined, size);
     let handle: BackendHandle;
     try {
       handle = await this.upstream.create(owner, device, location, size, handleTypes);
     } catch (error) {
-      if (charge !== undefined) this.quotas.refund(charge);
+      if (hold !== undefined) this.quotas.release(hold);
       throw error;
     }
-    if (charge !== undefined) this.charges.set(handle, charge);
+    if (hold !== undefined) {
+      this.quotas.name(hold, this.identify(handle, device));
+      this.holds.set(handle, hold);
+    }
     return handle;
   }
 
-  adopt(owner: bigint, source: ImportSource, size: bigint): Promise<ImportedHandle> {
-    // NOTE: memory handed over by a peer is not charged yet (issue 14 charges it by its real size).
-    return this.upstream.adopt(owner, source, size);
+  async adopt(owner: bigint, source: ImportSource, size: bigint): Promise<ImportedHandle> {
+    // Charged by the size the backend found (a memfd's after sealing), once it is known; refused, it goes again.
+    const imported = await this.upstream.adopt(owner, source, size);
+    let hold: QuotaHold | undefined;
+    try {
+      hold = this.quotas.hold(owner, this.identify(imported.handle, imported.device), imported.size, 'importing');
+    } catch (error) {
+      await this.upstream.release({ owner, handle: imported.handle, size: imported.size, device: imported.device, imported: true });
+      throw error;
+    }
+    if (hold !== undefined) this.holds.set(imported.handle, hold);
+    return imported;
   }
 
   async release(allocation: SourcedAllocation): Promise<void> {
     // Taken out before the upstream frees the handle: a handle number the
-    // backend reuses at once (a memfd's) must not meet this charge.
-    const charge = this.charges.get(allocation.handle);
-    this.charges.delete(allocation.handle);
+    // backend reuses at once (a memfd's) must not meet this hold.
+    const hold = this.holds.get(allocation.handle);
+    this.holds.delete(allocation.handle);
     try {
       await this.upstream.release(allocation);
     } catch (error) {
-      if (charge !== undefined && !this.charges.has(allocation.handle)) this.charges.set(allocation.handle, charge);
+      if (hold !== undefined && !this.holds.has(allocation.handle)) this.holds.set(allocation.handle, hold);
       throw error;
     }
-    if (charge !== undefined) this.quotas.refund(charge);
+    if (hold !== undefined) this.quotas.release(hold);
   }
 }

@@ -11,6 +11,7 @@ import type { Logger } from 'pino';
 import { addon } from '../native';
 import { admitClientMemfd } from './client-memfd';
 import { alreadyExists, failedPrecondition, invalidArgument, notFound, outOfRange, permissionDenied } from './errors';
+import type { Quotas } from './quotas';
 import { AllocationRecord, DAEMON_OWNER, Registry } from './registry';
 import { AllocationMemory, MemfdMemory, StoreMemory } from './store-memory';
 
@@ -68,9 +69,11 @@ export class StoreRegistry extends EventEmitter {
   private readonly stores = new Map<bigint, StoreRecord>();
   private readonly events: StoreEvent[] = [];
 
+  /** @param quotas charge SYSMEM attachments (the registry's adaptor charges the rest); none: not limited */
   constructor(
     private readonly registry: Registry,
     private readonly log?: Logger,
+    private readonly quotas?: Quotas,
   ) {
     super();
     this.setMaxListeners(0);
@@ -158,7 +161,19 @@ export class StoreRegistry extends EventEmitter {
         addon.close(fd);
         throw invalidArgument('BAD_DESCRIPTOR', `a SYSMEM attachment is a memfd of at least ${args.size} bytes (this one: ${info.size} bytes)`);
       }
-      memory = MemfdMemory.map(fd, args.size, args.readOnly);
+      let uncharge: () => void;
+      try {
+        uncharge = this.chargeClientMemfd(caller, fd, info.size);
+      } catch (error) {
+        addon.close(fd);
+        throw error;
+      }
+      try {
+        memory = new ChargedMemory(MemfdMemory.map(fd, args.size, args.readOnly), uncharge);
+      } catch (error) {
+        uncharge();
+        throw error;
+      }
     } else {
       const allocation = await this.registry.importHandle(caller, { fd }, args.size);
       const holder = STORE_HOLDER_BASE + id;
@@ -334,6 +349,28 @@ export class StoreRegistry extends EventEmitter {
     }
   }
 
+  /**
+   * Counts a client's memfd held for a SYSMEM store like an Import: by its
+   * size (sparse or not), against the host capacity and the caller's quotas,
+   * once however many holds name it. Returns what undoes it.
+   * @throws RESOURCE_EXHAUSTED OUT_OF_MEMORY (host capacity), QUOTA_EXCEEDED
+   */
+  private chargeClientMemfd(caller: bigint, fd: number, size: bigint): () => void {
+    const backend = this.registry.backend;
+    const identity = backend.holdClientMemfd(fd, size);
+    let hold: ReturnType<Quotas['hold']>;
+    try {
+      hold = this.quotas?.hold(caller, identity, size, 'attaching');
+    } catch (error) {
+      backend.dropClientMemfd(identity);
+      throw error;
+    }
+    return () => {
+      if (hold !== undefined) this.quotas!.release(hold);
+      backend.dropClientMemfd(identity);
+    };
+  }
+
   private add(caller: bigint, fields: Omit<StoreRecord, 'state' | 'opens' | 'inFlight' | 'drainWaiters' | 'releasing' | 'releaseFailure'>): StoreRecord {
     const store: StoreRecord = { ...fields, state: 'LIVE', opens: new Map(), inFlight: 0, drainWaiters: [], releasing: false };
     this.stores.set(store.id, store);
@@ -412,5 +449,46 @@ export class StoreRegistry extends EventEmitter {
     this.events.push(event);
     if (this.events.length > EVENT_LOG_SIZE) this.events.shift();
     this.emit('event', event);
+  }
+}
+
+/** A store's memory that was charged (a SYSMEM attachment): the charge goes once the memory is freed. */
+class ChargedMemory implements StoreMemory {
+  private charged = true;
+
+  constructor(
+    private readonly inner: StoreMemory,
+    private readonly uncharge: () => void,
+  ) {}
+
+  get allocationId(): bigint {
+    return this.inner.allocationId;
+  }
+
+  get granularity(): bigint {
+    return this.inner.granularity;
+  }
+
+  get mappedSize(): bigint {
+    return this.inner.mappedSize;
+  }
+
+  exportFd(): Promise<number> {
+    return this.inner.exportFd();
+  }
+
+  read(offset: bigint, length: number): Promise<Buffer> {
+    return this.inner.read(offset, length);
+  }
+
+  write(offset: bigint, data: Buffer): Promise<void> {
+    return this.inner.write(offset, data);
+  }
+
+  async release(): Promise<void> {
+    await this.inner.release();
+    if (!this.charged) return;
+    this.charged = false;
+    this.uncharge();
   }
 }

@@ -86,7 +86,7 @@ Napi::Value HostMemfdAddSeals(const Napi::CallbackInfo& info) {
   return info.Env().Undefined();
 }
 
-// hostFdInfo(fd) -> { size, memfd, seals, mode }. `memfd` is true when the
+// hostFdInfo(fd) -> { size, memfd, seals, mode, inode, device }. `memfd` is true when the
 // descriptor accepts F_GET_SEALS, which only memfds (and shmem files) do.
 Napi::Value HostFdInfo(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
@@ -103,6 +103,8 @@ Napi::Value HostFdInfo(const Napi::CallbackInfo& info) {
   out.Set("readOnlySealed", Napi::Boolean::New(env, seals >= 0 && (seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0));
   out.Set("accessMode", Napi::Number::New(env, flags < 0 ? -1 : (flags & O_ACCMODE)));
   out.Set("inode", Napi::BigInt::New(env, static_cast<uint64_t>(st.st_ino)));
+  // With the inode, the file's identity: what the quotas count physical memory by.
+  out.Set("device", Napi::BigInt::New(env, static_cast<uint64_t>(st.st_dev)));
   return out;
 }
 

@@ -115,6 +115,24 @@ export interface Backend {
    * access flags are the importer's) do nothing.
    */
   sealReadOnly(handle: BackendHandle): void;
+  /**
+   * The physical memory a live handle names, as a string equal for every
+   * handle of the same memory however it came in (created here, imported
+   * from a descriptor this daemon exported, imported twice): what quotas count
+   * memory by (server/quotas.ts). Host: the memfd's file (st_dev, st_ino).
+   * Cuda: memory this daemon created is known by its creation; memory it did
+   * not create is its own identity, charged by the size its sender gave.
+   */
+  memoryIdentity(handle: BackendHandle, device: number): string;
+  /**
+   * A client's memfd the daemon maps outside the registry (a SYSMEM store),
+   * counted with the rest of the backend's memory where the backend keeps a
+   * capacity (host), once however many holds name it; dropClientMemfd undoes one hold.
+   * @returns the memfd's identity (as memoryIdentity names it)
+   * @throws an error with code OUT_OF_MEMORY when it would take the host backend past its capacity
+   */
+  holdClientMemfd(fd: number, size: bigint): string;
+  dropClientMemfd(identity: string): void;
   /** The handle as fabric bytes (cuda, where the host permits fabric handles). */
   exportFabric(handle: BackendHandle, device: number): Promise<Buffer>;
   /**

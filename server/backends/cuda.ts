@@ -17,6 +17,7 @@ import {
   MemLocation,
   MemoryInfo,
 } from './backend';
+import { memfdIdentity } from '../client-memfd';
 
 
 const locationType = (location: MemLocation) => CU_LOCATION[location.type];
@@ -190,6 +191,20 @@ export class CudaBackend implements Backend {
 
   // NOTE: CUDA has no seal: read-only stores reach importers with read-only access flags (the client library's).
   sealReadOnly(): void {}
+
+  // NOTE: each handle is its own memory here, an import too: the daemon's own memory imported back
+  // is counted again (never less than it is), and memory from elsewhere counts by the size its
+  // sender gave (the driver does not say how large an imported allocation is).
+  memoryIdentity(handle: BackendHandle, device: number): string {
+    return `cuda:${device}:${handle}`;
+  }
+
+  // A SYSMEM store's memfd is host memory: no GPU capacity to count it against (quotas still do).
+  holdClientMemfd(fd: number): string {
+    return memfdIdentity(addon.hostFdInfo(fd));
+  }
+
+  dropClientMemfd(): void {}
 
   exportFabric(handle: BackendHandle, device: number): Promise<Buffer> {
     return addon.cudaExportFabric(device, BigInt(handle));

@@ -15,7 +15,7 @@ import {
   MemLocation,
   MemoryInfo,
 } from './backend';
-import { admitClientMemfd } from '../client-memfd';
+import { admitClientMemfd, memfdIdentity } from '../client-memfd';
 
 export interface HostBackendOptions {
   /** Bytes the backend may create in all; creation past it is OUT_OF_MEMORY. */
@@ -28,8 +28,12 @@ export interface HostBackendOptions {
 export class HostBackend implements Backend {
   readonly name = 'host' as const;
   readonly capabilities = { hostNumaNodes: false, gpuMemory: false, readOnlyExports: true } as const;
-  // Invariant: createdBytes is the sum of the sizes of created (not imported), unreleased memfds.
-  private createdBytes = 0n;
+  // Invariant: every memfd the backend holds (created, imported, a client's held for a SYSMEM store), by
+  // identity (its file), with the holds that name it; usedBytes is the sum of their sizes, each counted once.
+  private readonly live = new Map<string, { size: bigint; holds: number }>();
+  private usedBytes = 0n;
+  // Invariant: the identity of every handle (memfd) created or imported and not yet released.
+  private readonly identities = new Map<number, string>();
 
   constructor(private readonly options: HostBackendOptions) {}
 
@@ -53,7 +57,8 @@ export class HostBackend implements Backend {
   }
 
   memoryInfo(): MemoryInfo {
-    return { totalBytes: this.options.capacity, freeBytes: this.options.capacity - this.createdBytes };
+    // What is alive, physically: a memfd imported again, or held by a store too, counts once.
+    return { totalBytes: this.options.capacity, freeBytes: this.options.capacity - this.usedBytes };
   }
 
   granularity(): { minimum: bigint; recommended: bigint } {
@@ -74,16 +79,17 @@ export class HostBackend implements Backend {
 
   // memfd_create and ftruncate cost a few microseconds: done on the event loop, the promise settled.
   async create(_device: number, location: MemLocation, size: bigint): Promise<BackendHandle> {
-    const used = this.createdBytes;
-    if (used + size > this.options.capacity) {
-      throw codedError(
-        'OUT_OF_MEMORY',
-        `out of memory: requested ${size} bytes, ${used} of ${this.options.capacity} bytes in use (host capacity)`,
-        { requested: size, used, limit: this.options.capacity },
-      );
-    }
+    this.checkCapacity(size, `requested ${size} bytes`);
     const fd = addon.hostMemfdCreate(`vmmd:${location.type.toLowerCase()}${location.id}`, size);
-    this.createdBytes += size;
+    let identity: string;
+    try {
+      identity = memfdIdentity(addon.hostFdInfo(fd));
+    } catch (error) {
+      addon.close(fd);
+      throw error;
+    }
+    this.hold(identity, size);
+    this.identities.set(fd, identity);
     return fd;
   }
 
@@ -92,9 +98,57 @@ export class HostBackend implements Backend {
     return { handle, fd: addon.dup(Number(handle)) };
   }
 
-  async release(handle: BackendHandle, size: bigint, imported: boolean): Promise<void> {
+  async release(handle: BackendHandle): Promise<void> {
     addon.close(Number(handle));
-    if (!imported) this.createdBytes -= size;
+    const identity = this.identities.get(Number(handle));
+    this.identities.delete(Number(handle));
+    if (identity !== undefined) this.dropClientMemfd(identity);
+  }
+
+  memoryIdentity(handle: BackendHandle): string {
+    const identity = this.identities.get(Number(handle));
+    if (identity === undefined) throw new Error(`host backend: handle ${handle} is not a live memfd of this backend`);
+    return identity;
+  }
+
+  holdClientMemfd(fd: number, size: bigint): string {
+    const identity = memfdIdentity(addon.hostFdInfo(fd));
+    if (!this.live.has(identity)) this.checkCapacity(size, `a client's memfd of ${size} bytes`);
+    this.hold(identity, size);
+    return identity;
+  }
+
+  dropClientMemfd(identity: string): void {
+    const memory = this.live.get(identity);
+    if (memory === undefined) return;
+    if (--memory.holds > 0) return;
+    this.live.delete(identity);
+    this.usedBytes -= memory.size;
+  }
+
+  /**
+   * @throws OUT_OF_MEMORY when `size` more bytes would take the backend past its capacity.
+   * A sparse memfd counts by its size: its pages can be written at any time.
+   */
+  private checkCapacity(size: bigint, what: string): void {
+    const used = this.usedBytes;
+    if (used + size > this.options.capacity) {
+      throw codedError('OUT_OF_MEMORY', `out of memory: ${what}, ${used} of ${this.options.capacity} bytes in use (host capacity)`, {
+        requested: size,
+        used,
+        limit: this.options.capacity,
+      });
+    }
+  }
+
+  private hold(identity: string, size: bigint): void {
+    const memory = this.live.get(identity);
+    if (memory !== undefined) {
+      memory.holds++;
+      return;
+    }
+    this.live.set(identity, { size, holds: 1 });
+    this.usedBytes += size;
   }
 
   // The memfd is its own reference count: mappings hold the pages, so a retained
@@ -146,10 +200,15 @@ export class HostBackend implements Backend {
       if (size !== 0n && size !== info.size) {
         throw codedError('BAD_DESCRIPTOR', `the descriptor holds ${info.size} bytes, not the ${size} the request says`);
       }
+      // Memory the backend holds already (its own export, imported back) counts once; other memory by its size.
+      const identity = memfdIdentity(info);
+      if (!this.live.has(identity)) this.checkCapacity(info.size, `importing a memfd of ${info.size} bytes`);
+      this.hold(identity, info.size);
+      this.identities.set(fd, identity);
       return { handle: fd, size: info.size, device: 0, location: { type: 'DEVICE', id: 0 } };
     } catch (error) {
       addon.close(fd);
-      if (isNativeError(error, 'BAD_DESCRIPTOR')) throw error;
+      if (isNativeError(error, 'BAD_DESCRIPTOR') || isNativeError(error, 'OUT_OF_MEMORY')) throw error;
       throw codedError('BAD_DESCRIPTOR', `the descriptor cannot be imported: ${(error as Error).message}`);
     }
   }

@@ -244,6 +244,15 @@ export class StockedBackend implements Backend {
   sealReadOnly(handle: BackendHandle): void {
     this.inner.sealReadOnly(handle);
   }
+  memoryIdentity(handle: BackendHandle, device: number): string {
+    return this.inner.memoryIdentity(handle, device);
+  }
+  holdClientMemfd(fd: number, size: bigint): string {
+    return this.inner.holdClientMemfd(fd, size);
+  }
+  dropClientMemfd(identity: string): void {
+    this.inner.dropClientMemfd(identity);
+  }
   exportFabric(handle: BackendHandle, device: number): Promise<Buffer> {
     return this.inner.exportFabric(handle, device);
   }

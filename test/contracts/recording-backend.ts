@@ -132,6 +132,18 @@ export class RecordingBackend implements Backend {
     this.inner.sealReadOnly(handle);
   }
 
+  memoryIdentity(...args: Parameters<Backend['memoryIdentity']>) {
+    return this.inner.memoryIdentity(...args);
+  }
+
+  holdClientMemfd(...args: Parameters<Backend['holdClientMemfd']>) {
+    return this.inner.holdClientMemfd(...args);
+  }
+
+  dropClientMemfd(...args: Parameters<Backend['dropClientMemfd']>) {
+    this.inner.dropClientMemfd(...args);
+  }
+
   exportFabric(...args: Parameters<Backend['exportFabric']>) {
     this.calls.push('exportFabric');
     return this.inner.exportFabric(...args);

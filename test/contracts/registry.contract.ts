@@ -733,7 +733,7 @@ describe('quotas with creates in flight (reserve, create, commit or refund)', ()
   // A registry of its own over the same backend, with the daemon's quota adaptor; A and B are one uid's.
   function limited(limits: Partial<QuotaLimits>) {
     const quotas = new Quotas({ perUid: 0n, perSession: 0n, ...limits }, (session) => (session === A || session === B ? 1000 : undefined));
-    return { quotas, limitedRegistry: new Registry(backend, (upstream) => quotas.around(upstream)) };
+    return { quotas, limitedRegistry: new Registry(backend, (upstream) => quotas.around(upstream, (handle, device) => backend.memoryIdentity(handle, device))) };
   }
   const createIn = (where: Registry, caller: bigint, size = GRANULARITY) => where.create(caller, { size, location: DEVICE0, handleType: 'POSIX_FD' });
 

@@ -39,7 +39,7 @@ it('frees what a session was allocating when its socket closed mid-create: nothi
   const backend = new RecordingBackend(new HostBackend({ capacity: 64n * MiB, granularity: 2n * MiB }));
   const sessions = new SessionManager(pino({ level: 'silent' }));
   const quotas = new Quotas({ perUid: 0n, perSession: 6n * MiB }, (session) => sessions.uidOf(session));
-  const registry = new Registry(backend, (upstream) => quotas.around(upstream));
+  const registry = new Registry(backend, (upstream) => quotas.around(upstream, (handle, device) => backend.memoryIdentity(handle, device)));
   sessions.listen(path.join(dir, 'session.sock'), new SessionDispatcher({ registry, reclaimers: [] }));
   try {
     expect(memfdDescriptors()).toBe(0);

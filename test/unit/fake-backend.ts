@@ -96,6 +96,16 @@ export class FakeBackend implements Backend {
     this.calls.push('seal');
   }
 
+  memoryIdentity(handle: BackendHandle): string {
+    return `fake:${handle}`;
+  }
+
+  holdClientMemfd(fd: number): string {
+    return `fake-memfd:${fd}`;
+  }
+
+  dropClientMemfd(): void {}
+
   async exportFabric(): Promise<Buffer> {
     fail('UNSUPPORTED_HANDLE_TYPE', 'the fake backend has no fabric handles');
   }

@@ -1,0 +1,10 @@
+/**
+ * Quotas and capacity by physical memory on the host backend, with figures
+ * (test/contracts/quotas.contract.ts: issue 14, finding 2, as found).
+ * Larger with VMMD_RELIABILITY=full (npm run reliability).
+ */
+import { quotaContract } from '../contracts/quotas.contract';
+
+describe('quotas by physical memory (host)', () => {
+  quotaContract('host', { full: process.env.VMMD_RELIABILITY === 'full' });
+});
