@@ -181,3 +181,44 @@ export class MemfdMemory implements StoreMemory {
     }
   }
 }
+
+/** A store's memory that was charged (a SYSMEM attachment): the charge goes once the memory is freed. */
+export class ChargedMemory implements StoreMemory {
+  private charged = true;
+
+  constructor(
+    private readonly inner: StoreMemory,
+    private readonly uncharge: () => void,
+  ) {}
+
+  get allocationId(): bigint {
+    return this.inner.allocationId;
+  }
+
+  get granularity(): bigint {
+    return this.inner.granularity;
+  }
+
+  get mappedSize(): bigint {
+    return this.inner.mappedSize;
+  }
+
+  exportFd(): Promise<number> {
+    return this.inner.exportFd();
+  }
+
+  read(offset: bigint, length: number): Promise<Buffer> {
+    return this.inner.read(offset, length);
+  }
+
+  write(offset: bigint, data: Buffer): Promise<void> {
+    return this.inner.write(offset, data);
+  }
+
+  async release(): Promise<void> {
+    await this.inner.release();
+    if (!this.charged) return;
+    this.charged = false;
+    this.uncharge();
+  }
+}

@@ -9,11 +9,12 @@
 import { EventEmitter } from 'node:events';
 import type { Logger } from 'pino';
 import { addon } from '../native';
+import { ACCESS_READWRITE } from './backends/backend';
 import { admitClientMemfd } from './client-memfd';
 import { alreadyExists, failedPrecondition, invalidArgument, notFound, outOfRange, permissionDenied } from './errors';
 import type { Quotas } from './quotas';
 import { AllocationRecord, DAEMON_OWNER, Registry } from './registry';
-import { AllocationMemory, MemfdMemory, StoreMemory } from './store-memory';
+import { AllocationMemory, ChargedMemory, MemfdMemory, StoreMemory } from './store-memory';
 
 export type StoreTarget = 'SYSMEM' | 'ZCMEM' | 'FBMEM';
 export type StoreState = 'LIVE' | 'DETACHING' | 'DETACHED';
@@ -341,11 +342,40 @@ export class StoreRegistry extends EventEmitter {
    */
   private async mapHeld(allocation: AllocationRecord, holder: bigint, id: bigint, readOnly: boolean): Promise<StoreMemory> {
     try {
-      if (readOnly) this.registry.sealReadOnly(allocation, id);
+      if (readOnly) {
+        this.checkNotMappedWritable(allocation);
+        this.registry.sealReadOnly(allocation, id);
+      }
       return await AllocationMemory.map(this.registry, allocation, holder, readOnly);
     } catch (error) {
       await this.registry.dropHolder(holder, allocation.id);
       throw error;
+    }
+  }
+
+  /**
+   * A read-only store is refused while the daemon maps its memory writable
+   * anywhere (a session's mapping with READWRITE access, a writable store's
+   * own mapping): those would keep writing what the store promises is fixed.
+   * Mappings in clients' processes are not the daemon's to see or revoke
+   * (docs/PROTOCOL.md, "Read-only stores").
+   * @throws FAILED_PRECONDITION WRITABLE_MAPPINGS naming each mapping and whose it is
+   */
+  private checkNotMappedWritable(allocation: AllocationRecord): void {
+    const writable: string[] = [];
+    for (const reservation of this.registry.space.all()) {
+      for (const mapping of reservation.mappings) {
+        if (mapping.allocation !== allocation || ![...mapping.access.values()].some((access) => access === ACCESS_READWRITE)) continue;
+        const end = mapping.address + mapping.size;
+        const whose = reservation.owner === DAEMON_OWNER ? 'the daemon (a writable store of it)' : `session ${reservation.owner}`;
+        writable.push(`[0x${mapping.address.toString(16)}, 0x${end.toString(16)}) of ${whose}`);
+      }
+    }
+    if (writable.length > 0) {
+      throw failedPrecondition(
+        'WRITABLE_MAPPINGS',
+        `allocation ${allocation.id} cannot back a read-only store while it is mapped writable: ${writable.join(', ')}; set their access to READ, unmap them, or detach the writable store first`,
+      );
     }
   }
 
@@ -449,46 +479,5 @@ export class StoreRegistry extends EventEmitter {
     this.events.push(event);
     if (this.events.length > EVENT_LOG_SIZE) this.events.shift();
     this.emit('event', event);
-  }
-}
-
-/** A store's memory that was charged (a SYSMEM attachment): the charge goes once the memory is freed. */
-class ChargedMemory implements StoreMemory {
-  private charged = true;
-
-  constructor(
-    private readonly inner: StoreMemory,
-    private readonly uncharge: () => void,
-  ) {}
-
-  get allocationId(): bigint {
-    return this.inner.allocationId;
-  }
-
-  get granularity(): bigint {
-    return this.inner.granularity;
-  }
-
-  get mappedSize(): bigint {
-    return this.inner.mappedSize;
-  }
-
-  exportFd(): Promise<number> {
-    return this.inner.exportFd();
-  }
-
-  read(offset: bigint, length: number): Promise<Buffer> {
-    return this.inner.read(offset, length);
-  }
-
-  write(offset: bigint, data: Buffer): Promise<void> {
-    return this.inner.write(offset, data);
-  }
-
-  async release(): Promise<void> {
-    await this.inner.release();
-    if (!this.charged) return;
-    this.charged = false;
-    this.uncharge();
   }
 }

@@ -189,6 +189,8 @@ export function securityContract(backend: Backend, options: { full: boolean }): 
     await a.vmm.setAccess({ address, size: SIZE, descriptors: access('ACCESS_FLAGS_READWRITE') });
     const pattern = randomBytes(Number(SIZE));
     await a.vmm.write(address, pattern);
+    // Made read-only once nothing the daemon maps writes it (else WRITABLE_MAPPINGS: the next test).
+    await a.vmm.setAccess({ address, size: SIZE, descriptors: access('ACCESS_FLAGS_READ') });
     const store = await a.stores.createStore({ allocationId: allocation.id, readOnly: true, name: 'frozen' });
     const other = await a.stores.createStore({ allocationId: (await a.vmm.create({ size: SIZE })).id, name: 'source' });
     const fd = addon.hostMemfdCreate('frozen-attached', SIZE);
@@ -244,6 +246,42 @@ export function securityContract(backend: Backend, options: { full: boolean }): 
     expect((await b.stores.read({ storeId: attached.id }, 4096)).equals(Buffer.alloc(4096))).toBe(true);
     addon.close(fd);
     figures['read-only'] = { attempts: tally.attempts, refused: tally.attempts, ...tally.statuses, contentIntact: true, kernelSeal: backend === 'host' };
+  });
+
+  it('refuses a read-only store of memory the daemon maps writable, naming each mapping', async () => {
+    daemon = await TestDaemon.start(backend === 'cuda' ? ['--stock', 'none'] : [], backend);
+    const a = await client();
+    const tally = new Tally();
+    const WRITABLE = [grpc.status.FAILED_PRECONDITION];
+    const allocation = await a.vmm.create({ size: SIZE });
+    const { address } = await a.vmm.reserve({ size: SIZE });
+    await a.vmm.map({ address, size: SIZE, allocationId: allocation.id });
+    await a.vmm.setAccess({ address, size: SIZE, descriptors: access('ACCESS_FLAGS_READWRITE') });
+    await a.vmm.write(address, Buffer.from('before'));
+    const makeReadOnly = () => a.stores.createStore({ allocationId: allocation.id, readOnly: true, name: 'frozen' });
+    const rounds = options.full ? 5 : 1;
+    for (let round = 0; round < rounds; round++) {
+      // The session's own mapping with READWRITE access, made before: refused, and named.
+      await tally.refused(makeReadOnly, WRITABLE, 'WRITABLE_MAPPINGS');
+      await expect(makeReadOnly()).rejects.toThrow(`[0x${BigInt(address).toString(16)}, 0x${(BigInt(address) + SIZE).toString(16)}) of session `);
+      // A writable store of it: the daemon maps it writable for the store, and its opens may be mapped writable.
+      await a.vmm.setAccess({ address, size: SIZE, descriptors: access('ACCESS_FLAGS_READ') });
+      const writable = await a.stores.createStore({ allocationId: allocation.id, name: 'writable' });
+      await tally.refused(makeReadOnly, WRITABLE, 'WRITABLE_MAPPINGS');
+      await expect(makeReadOnly()).rejects.toThrow(/of the daemon \(a writable store of it\)/);
+      await a.stores.detach({ id: writable.id });
+      if (round < rounds - 1) await a.vmm.setAccess({ address, size: SIZE, descriptors: access('ACCESS_FLAGS_READWRITE') });
+    }
+    expect((await a.stores.list()).filter((store) => store.state === 'STORE_STATE_LIVE')).toHaveLength(0);
+    // Nothing the daemon maps writes it any more: the store is made, with the bytes as they were, and stays read-only.
+    const store = await makeReadOnly();
+    expect((await a.stores.read({ storeId: store.id }, 6)).toString()).toBe('before');
+    await tally.refused(() => a.vmm.setAccess({ address, size: SIZE, descriptors: access('ACCESS_FLAGS_READWRITE') }), WRITABLE, 'READ_ONLY_MEMORY');
+    await a.stores.detach({ id: store.id });
+    await a.vmm.unmap({ address, size: SIZE });
+    await a.vmm.freeAddress({ address, size: SIZE });
+    await a.vmm.release({ allocationId: allocation.id });
+    figures['read-only-writable-mappings'] = { attempts: tally.attempts, refused: tally.attempts, ...tally.statuses, contentIntact: true };
   });
 
   it('holds quotas under concurrent requests on the RPC and the session socket, per session and per uid', async () => {
