@@ -145,6 +145,8 @@ export interface Addon {
   /** On a driver thread (with `inline`, on the calling thread); keep fd open until the promise settles. */
   cudaImportFd(fd: number, inline?: boolean): Promise<bigint>;
   cudaImportFabric(fabric: Buffer, inline?: boolean): Promise<bigint>;
+  /** Whether an imported allocation is exactly `size` bytes (a trial map: the driver maps an allocation only whole). */
+  cudaHandleHasSize(device: number, handle: bigint, size: bigint): Promise<boolean>;
   cudaAllocationProperties(handle: bigint): { locationType: number; locationId: number; requestedHandleTypes: number };
   cudaRetainHandle(address: bigint): bigint;
   /** Resolves once the bytes are in device memory (the DMA has landed), not when they are staged. */

@@ -640,6 +640,39 @@ Napi::Value CudaImportFd(const Napi::CallbackInfo& info) {
       [handle](Napi::Env env) { return Big(env, *handle).As<Napi::Value>(); });
 }
 
+// cudaHandleHasSize(device, handle, size) -> Promise<boolean>, on a driver thread: whether
+// an imported allocation is exactly `size` bytes. The driver does not say how large an
+// imported allocation is, but cuMemMap maps one only whole (offset 0, its own size) and
+// answers CUDA_ERROR_NOT_SUPPORTED for any other size (driver 580, H100:
+// test/gpu/results/2026-11-23-h100-map-size-probe.txt), so a trial map of a fresh range
+// tells. The range is unmapped and freed again; no access is ever set on it.
+Napi::Value CudaHandleHasSize(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  int device = DeviceArg(info, 0);
+  uint64_t handle = U64Arg(info, 1, "handle");
+  uint64_t size = U64Arg(info, 2, "size");
+  auto exact = std::make_shared<bool>(false);
+  return CudaWorker::Queue(
+      env, device, Sized("cuMemAddressReserve+cuMemMap (size check)", size),
+      [handle, size, exact] {
+        cu::DevicePtr address = 0;
+        cu::Result result = Injected("cuMemAddressReserve", [&] { return driver.api.cuMemAddressReserve(&address, size, 0, 0, 0); });
+        if (result == cu::ERROR_OUT_OF_MEMORY || result == cu::ERROR_INVALID_VALUE) return cu::SUCCESS;  // no such range: not that size
+        if (result != cu::SUCCESS) return result;
+        result = Injected("cuMemMap", [&] { return driver.api.cuMemMap(address, size, 0, handle, 0); });
+        if (result == cu::SUCCESS) {
+          *exact = true;
+          result = driver.api.cuMemUnmap(address, size);
+        } else if (result == cu::ERROR_NOT_SUPPORTED || result == cu::ERROR_INVALID_VALUE) {
+          result = cu::SUCCESS;  // the driver's answer for a size that is not the allocation's
+        }
+        cu::Result freed = driver.api.cuMemAddressFree(address, size);
+        return result != cu::SUCCESS ? result : freed;
+      },
+      [exact](Napi::Env env) { return Napi::Boolean::New(env, *exact).As<Napi::Value>(); });
+}
+
 // cudaImportFabric(buffer) -> Promise<handle>, on a driver thread.
 Napi::Value CudaImportFabric(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
@@ -799,6 +832,7 @@ void InitCudaDriver(Napi::Env env, Napi::Object exports) {
   exports.Set("cudaExportFabric", Napi::Function::New(env, CudaExportFabric, "cudaExportFabric"));
   exports.Set("cudaImportFd", Napi::Function::New(env, CudaImportFd, "cudaImportFd"));
   exports.Set("cudaImportFabric", Napi::Function::New(env, CudaImportFabric, "cudaImportFabric"));
+  exports.Set("cudaHandleHasSize", Napi::Function::New(env, CudaHandleHasSize, "cudaHandleHasSize"));
   exports.Set("cudaAllocationProperties", Napi::Function::New(env, CudaAllocationProperties, "cudaAllocationProperties"));
   exports.Set("cudaRetainHandle", Napi::Function::New(env, CudaRetainHandle, "cudaRetainHandle"));
   exports.Set("cudaCopyToDevice", Napi::Function::New(env, CudaCopyToDevice, "cudaCopyToDevice"));

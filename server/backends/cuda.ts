@@ -193,8 +193,8 @@ export class CudaBackend implements Backend {
   sealReadOnly(): void {}
 
   // NOTE: each handle is its own memory here, an import too: the daemon's own memory imported back
-  // is counted again (never less than it is), and memory from elsewhere counts by the size its
-  // sender gave (the driver does not say how large an imported allocation is).
+  // is counted again (never less than it is), and memory from elsewhere counts by its size, which
+  // importHandle checks is the allocation's own (a trial map: the driver maps an allocation only whole).
   memoryIdentity(handle: BackendHandle, device: number): string {
     return `cuda:${device}:${handle}`;
   }
@@ -230,6 +230,20 @@ export class CudaBackend implements Backend {
     if (size === 0n || size % granularity !== 0n) {
       await this.release(handle, size, true, location.type === 'DEVICE' ? location.id : 0);
       throw codedError('BAD_DESCRIPTOR', `importing CUDA memory needs its size, a positive multiple of ${granularity}; got ${size}`);
+    }
+    // The size is what the import is charged by, so it must be the memory's own: a client
+    // importing 1 GiB as "2 MiB" would keep 1 GiB alive on a 2 MiB charge.
+    const device = location.type === 'DEVICE' ? location.id : 0;
+    let exact: boolean;
+    try {
+      exact = await addon.cudaHandleHasSize(device, handle, size);
+    } catch (error) {
+      await this.release(handle, size, true, device);
+      throw error;
+    }
+    if (!exact) {
+      await this.release(handle, size, true, device);
+      throw codedError('BAD_DESCRIPTOR', `the imported CUDA memory is not ${size} bytes: an import must state the allocation's own size (the driver maps it only whole, and the import is charged by it)`);
     }
     return { handle, size, device: location.type === 'DEVICE' ? location.id : 0, location };
   }
