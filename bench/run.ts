@@ -19,6 +19,7 @@ import { concurrency } from './sections/concurrency';
 import { rpcCosts } from './sections/rpc-costs';
 import { rpcFloor } from './sections/rpc-floor';
 import { scale } from './sections/scale';
+import { storeLoad } from './sections/store-load';
 import { streaming } from './sections/streaming';
 
 function option(name: string): string | undefined {
@@ -70,6 +71,8 @@ const SECTIONS: Record<string, (daemon: BenchDaemon, args: SectionArgs) => Promi
   'rpc-costs': (daemon, args) => rpcCosts(daemon.client, count(args, 200, 300, 500)),
   handoff: (daemon, args) => handoff(daemon.client, count(args, 200, 500, 1000)),
   streaming: (daemon, args) => streaming(daemon.client, 256, count(args, 3, 5, 5)),
+  // 8 GiB from the page cache on a GPU host (the target), 256 MiB on the host backend and with --quick.
+  'store-load': (daemon, args) => storeLoad(daemon, args.backend, args.backend === 'cuda' && !args.quick ? 8 * 1024 ** 3 : 256 * 1024 ** 2, count(args, 1, 3, 3)),
   scale: (daemon, args) => scale(daemon, scaleLevels(args.backend, args.quick), count(args, 200, 200, 300)),
   concurrency: (daemon, args) => concurrency(daemon, [1, 4, 16], count(args, 1000, 2000, 3000)),
   'rpc-floor-again': async (daemon, args) => {

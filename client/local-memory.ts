@@ -72,6 +72,17 @@ export abstract class ImportedMemory implements AsyncDisposable {
   }
 
   /**
+   * As read(), into `into` (its whole length): no new buffer, for callers
+   * that copy repeatedly (through page-locked buffers on cuda: a DMA).
+   * @returns `into`, as a Buffer
+   * @throws VmmdError OUT_OF_RANGE BEYOND_ALLOCATION, FAILED_PRECONDITION CLOSED
+   */
+  async readInto(offset: number | bigint, into: Uint8Array): Promise<Buffer> {
+    this.checkRange(BigInt(offset), BigInt(into.byteLength));
+    return this.copies.track(this.copyOut(BigInt(offset), BigInt(into.byteLength), Buffer.from(into.buffer, into.byteOffset, into.byteLength)));
+  }
+
+  /**
    * Copies bytes into the memory at `offset`; resolves once they are in the
    * memory (on cuda: the copy engine has written them, not merely staged them).
    * @throws VmmdError FAILED_PRECONDITION READ_ONLY, CLOSED; OUT_OF_RANGE BEYOND_ALLOCATION
@@ -111,7 +122,8 @@ export abstract class ImportedMemory implements AsyncDisposable {
     await this.close();
   }
 
-  protected abstract copyOut(offset: bigint, length: bigint): Promise<Buffer>;
+  /** Copies out of the memory into `into` when given (at least `length` bytes), else into a new Buffer. */
+  protected abstract copyOut(offset: bigint, length: bigint, into?: Buffer): Promise<Buffer>;
   protected abstract copyIn(offset: bigint, data: Buffer): Promise<void>;
 
   protected checkOpen(): void {
@@ -168,8 +180,11 @@ export class HostImportedMemory extends ImportedMemory {
     return this.view;
   }
 
-  protected async copyOut(offset: bigint, length: bigint): Promise<Buffer> {
-    return Buffer.from(new Uint8Array(this.buffer, Number(offset), Number(length)));
+  protected async copyOut(offset: bigint, length: bigint, into?: Buffer): Promise<Buffer> {
+    const bytes = new Uint8Array(this.buffer, Number(offset), Number(length));
+    if (into === undefined) return Buffer.from(bytes);
+    into.set(bytes);
+    return into;
   }
 
   protected async copyIn(offset: bigint, data: Buffer): Promise<void> {
@@ -244,8 +259,8 @@ export class CudaImportedMemory extends ImportedMemory {
     return this.view;
   }
 
-  protected copyOut(offset: bigint, length: bigint): Promise<Buffer> {
-    return native.cudaCopyFromDevice(this.device, this.address + offset, length);
+  protected copyOut(offset: bigint, length: bigint, into?: Buffer): Promise<Buffer> {
+    return native.cudaCopyFromDevice(this.device, this.address + offset, length, into);
   }
 
   protected copyIn(offset: bigint, data: Buffer): Promise<void> {

@@ -156,6 +156,10 @@ export interface Addon {
   /** Page-locks client memory; returns its device pointer when mapped, else 0n. */
   cudaHostRegister(device: number, address: bigint, size: bigint, mapped: boolean): bigint;
   cudaHostUnregister(device: number, address: bigint): void;
+  /** cuMemHostRegister (portable) on a driver thread: the daemon's staging buffers. */
+  cudaPinHost(device: number, address: bigint, size: bigint): Promise<void>;
+  /** cuMemHostUnregister on a driver thread. */
+  cudaUnpinHost(device: number, address: bigint): Promise<void>;
   /** Legacy cuMemAlloc / cuMemFree: the benchmarks' in-process reference, not used by vmmd. */
   cudaMemAlloc(device: number, size: bigint): bigint;
   cudaMemFree(device: number, pointer: bigint): void;

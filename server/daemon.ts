@@ -26,6 +26,7 @@ import { StoresService } from './services/stores';
 import { SessionDispatcher } from './session-dispatcher';
 import { DEFAULT_SESSION_OPTIONS, SessionManager, SessionOptions } from './sessions';
 import { StagingBuffers } from './staging';
+import { CUDA_STAGING_PINNING } from './backends/cuda';
 import { isStoreHolder, StoreRegistry } from './stores';
 
 export const VERSION: string = require('../../package.json').version;
@@ -130,7 +131,8 @@ export class Daemon {
     clearStaleSockets(paths);
 
     const stores = new StoreRegistry(registry, log, quotas);
-    const staging = new StagingBuffers();
+    // On cuda the staging buffers are page-locked: staged Read and Write are DMAs of the copy engine (issue 18).
+    const staging = new StagingBuffers(backend.capabilities.gpuMemory ? CUDA_STAGING_PINNING : undefined, (message) => log.warn(message));
     // A start that fails once the sockets exist (a metrics port in use, say) closes what it opened and removes them.
     let started: Daemon | undefined;
     const undo: Array<() => void> = [];

@@ -14,12 +14,31 @@ import { MemfdMemory } from './store-memory';
 
 /** The largest staging buffer a session may open. */
 export const MAX_STAGING_BYTES = 1n << 30n;
+/**
+ * The largest staging buffer the daemon page-locks (cuda): page-locked
+ * memory is the host's to spare, so a larger one is copied through as it is
+ * (the driver stages those copies itself, at memcpy speed).
+ */
+export const MAX_PINNED_STAGING_BYTES = 256n << 20n;
+
+/**
+ * Page-locking of the daemon's view of staging buffers, where the backend
+ * copies with a DMA engine (cuda: cuMemHostRegister, on a driver thread):
+ * copies between device memory and page-locked memory run at the copy
+ * engine's speed instead of through the driver's own bounce buffers.
+ */
+export interface StagingPinning {
+  pin(address: bigint, size: bigint): Promise<void>;
+  unpin(address: bigint): Promise<void>;
+}
 
 interface Staging {
   memory: MemfdMemory;
   size: bigint;
   buffer: ArrayBuffer;
-  // Invariant: copies in flight; the mapping is released only when none is.
+  /** Page-locked: unpinned before it is unmapped. */
+  pinned: boolean;
+  // Invariant: copies in flight; the mapping is unpinned and released only when none is.
   busy: number;
   closing?: () => void;
 }
@@ -27,6 +46,15 @@ interface Staging {
 export class StagingBuffers {
   // Invariant: one mapped staging buffer per session id.
   private readonly bySession = new Map<bigint, Staging>();
+
+  /**
+   * @param pinning page-locks buffers up to MAX_PINNED_STAGING_BYTES (none on the host backend: its copies are memcpy)
+   * @param warn hears a buffer that could not be page-locked (it is used as it is) or unpinned
+   */
+  constructor(
+    private readonly pinning?: StagingPinning,
+    private readonly warn: (message: string) => void = () => undefined,
+  ) {}
 
   /**
    * Maps `fd` (taken over: closed on failure too) as the session's staging buffer, replacing any earlier one.
@@ -51,8 +79,17 @@ export class StagingBuffers {
     } catch (error) {
       throw invalidArgument('BAD_DESCRIPTOR', `the staging descriptor cannot be mapped: ${(error as Error).message}`);
     }
+    let pinned = false;
+    if (this.pinning !== undefined && size <= MAX_PINNED_STAGING_BYTES) {
+      try {
+        await this.pinning.pin(memory.address, size);
+        pinned = true;
+      } catch (error) {
+        this.warn(`a staging buffer of ${size} bytes could not be page-locked (${(error as Error).message}): its copies go through the driver's staging`);
+      }
+    }
     await this.close(session);
-    this.bySession.set(session, { memory, size, buffer: memory.view(), busy: 0 });
+    this.bySession.set(session, { memory, size, buffer: memory.view(), pinned, busy: 0 });
     return size;
   }
 
@@ -78,12 +115,21 @@ export class StagingBuffers {
     }
   }
 
-  /** Unmaps the session's staging buffer once no copy uses it. */
+  /** Whether the session's staging buffer is page-locked (for tests and logs). */
+  isPinned(session: bigint): boolean {
+    return this.bySession.get(session)?.pinned ?? false;
+  }
+
+  /** Unpins and unmaps the session's staging buffer once no copy uses it. */
   async close(session: bigint): Promise<void> {
     const staging = this.bySession.get(session);
     if (staging === undefined) return;
     this.bySession.delete(session);
     if (staging.busy > 0) await new Promise<void>((resolve) => (staging.closing = resolve));
+    if (staging.pinned) {
+      // A failed unpin leaves the pages locked until the daemon exits; the unmap still goes ahead.
+      await this.pinning!.unpin(staging.memory.address).catch((error: Error) => this.warn(`unpinning a staging buffer failed: ${error.message}`));
+    }
     detachView(staging.buffer);
     await staging.memory.release();
   }

@@ -11,6 +11,7 @@ import { parseArgs } from 'node:util';
 import { connect, VmmdClient } from '../connection';
 import { VmmdError } from '../errors';
 import type { StoreName } from '../stores';
+import { copyFileToMemory, copyMemoryToWriter } from '../pinned-copy';
 
 export const USAGE = `Usage: vmmctl [--socket-dir DIR] [--json] [--bytes] COMMAND
   devices                       the daemon's devices
@@ -143,7 +144,7 @@ class Progress {
  * The bytes to load: a regular file is read in chunks as it uploads; standard
  * input ("-", /dev/stdin) or a pipe has no size up front and is read whole first.
  */
-function openSource(file: string): { size: number; chunks: (buffer: Buffer) => Iterable<Buffer>; close: () => void } {
+function openSource(file: string): { size: number; chunks: (buffer: Buffer) => Iterable<Buffer>; close: () => void; regular?: { fd: number } } {
   const fd = file === '-' ? 0 : fs.openSync(file, 'r');
   const close = () => {
     if (fd !== 0) fs.closeSync(fd);
@@ -153,6 +154,7 @@ function openSource(file: string): { size: number; chunks: (buffer: Buffer) => I
     const size = stat.size;
     return {
       size,
+      regular: { fd },
       chunks: function* (buffer) {
         for (let done = 0; done < size; ) {
           const read = fs.readSync(fd, buffer, 0, Math.min(buffer.length, size - done), done);
@@ -206,11 +208,16 @@ async function load(client: VmmdClient, name: string, file: string, options: { m
       const memory = await client.vmm.import(allocation.id);
       const progress = new Progress(`load ${name}`, source.size);
       try {
-        let done = 0;
-        for (const chunk of source.chunks(Buffer.allocUnsafe(CHUNK))) {
-          await memory.write(done, chunk);
-          done += chunk.length;
-          progress.update(done);
+        if (client.backend === 'cuda' && source.regular !== undefined) {
+          // Page-locked buffers, several chunks in flight: file reads overlap the copy engine (issue 18).
+          await copyFileToMemory(memory, source.regular.fd, source.size, shown, (done) => progress.update(done));
+        } else {
+          let done = 0;
+          for (const chunk of source.chunks(Buffer.allocUnsafe(CHUNK))) {
+            await memory.write(done, chunk);
+            done += chunk.length;
+            progress.update(done);
+          }
         }
       } finally {
         await memory.close();
@@ -237,21 +244,28 @@ async function dump(client: VmmdClient, store: StoreName, file: string): Promise
     const size = Number(opened.store.size);
     const progress = new Progress(`dump ${opened.store.name || opened.store.id}`, size);
     const fd = file === '-' ? 1 : fs.openSync(file, 'w');
-    try {
-      for (let done = 0; done < size; ) {
-        const length = Math.min(CHUNK, size - done);
-        const bytes = await opened.memory.read(done, length);
-        for (let written = 0; written < bytes.length; ) {
-          try {
-            written += fs.writeSync(fd, bytes, written);
-          } catch (error) {
-            // Standard output may be a non-blocking pipe: wait for the reader.
-            if ((error as NodeJS.ErrnoException).code !== 'EAGAIN') throw error;
-            await new Promise((resolve) => setTimeout(resolve, 1));
-          }
+    const write = async (bytes: Buffer) => {
+      for (let written = 0; written < bytes.length; ) {
+        try {
+          written += fs.writeSync(fd, bytes, written);
+        } catch (error) {
+          // Standard output may be a non-blocking pipe: wait for the reader.
+          if ((error as NodeJS.ErrnoException).code !== 'EAGAIN') throw error;
+          await new Promise((resolve) => setTimeout(resolve, 1));
         }
-        done += length;
-        progress.update(done);
+      }
+    };
+    try {
+      if (client.backend === 'cuda') {
+        // Page-locked buffers: device copies of later chunks run while earlier ones are written (issue 18).
+        await copyMemoryToWriter(opened.memory, size, write, (done) => progress.update(done));
+      } else {
+        for (let done = 0; done < size; ) {
+          const length = Math.min(CHUNK, size - done);
+          await write(await opened.memory.read(done, length));
+          done += length;
+          progress.update(done);
+        }
       }
     } finally {
       if (fd !== 1) fs.closeSync(fd);

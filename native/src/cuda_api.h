@@ -101,8 +101,8 @@ struct Api {
   Result (*cuMemGetAllocationGranularity)(size_t*, const MemAllocationProp*, int);
   Result (*cuMemGetAllocationPropertiesFromHandle)(MemAllocationProp*, GenericHandle);
   Result (*cuMemRetainAllocationHandle)(GenericHandle*, void*);
-  Result (*cuMemcpyDtoH_v2)(void*, DevicePtr, size_t);
   Result (*cuMemcpyHtoDAsync_v2)(DevicePtr, const void*, size_t, Stream);
+  Result (*cuMemcpyDtoHAsync_v2)(void*, DevicePtr, size_t, Stream);
   Result (*cuMemHostRegister_v2)(void*, size_t, unsigned int);
   Result (*cuMemHostUnregister)(void*);
   Result (*cuMemHostGetDevicePointer_v2)(DevicePtr*, void*, unsigned int);

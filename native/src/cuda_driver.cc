@@ -158,8 +158,8 @@ std::string LoadDriver() {
       {"cuMemGetAllocationGranularity", reinterpret_cast<void**>(&a.cuMemGetAllocationGranularity)},
       {"cuMemGetAllocationPropertiesFromHandle", reinterpret_cast<void**>(&a.cuMemGetAllocationPropertiesFromHandle)},
       {"cuMemRetainAllocationHandle", reinterpret_cast<void**>(&a.cuMemRetainAllocationHandle)},
-      {"cuMemcpyDtoH_v2", reinterpret_cast<void**>(&a.cuMemcpyDtoH_v2)},
       {"cuMemcpyHtoDAsync_v2", reinterpret_cast<void**>(&a.cuMemcpyHtoDAsync_v2)},
+      {"cuMemcpyDtoHAsync_v2", reinterpret_cast<void**>(&a.cuMemcpyDtoHAsync_v2)},
       {"cuMemHostRegister_v2", reinterpret_cast<void**>(&a.cuMemHostRegister_v2)},
       {"cuMemHostUnregister", reinterpret_cast<void**>(&a.cuMemHostUnregister)},
       {"cuMemHostGetDevicePointer_v2", reinterpret_cast<void**>(&a.cuMemHostGetDevicePointer_v2)},
@@ -257,6 +257,17 @@ cu::Result CopyToDevice(int device, cu::DevicePtr address, const void* source, s
   cu::Stream stream = nullptr;
   cu::Result result = CopyStream(device, &stream);
   if (result == cu::SUCCESS) result = driver.api.cuMemcpyHtoDAsync_v2(address, source, length, stream);
+  if (result == cu::SUCCESS) result = driver.api.cuStreamSynchronize(stream);
+  return result;
+}
+
+// Copies device bytes into host memory on this thread's stream, and returns once they are
+// there. Into page-locked memory (a registered staging buffer) the copy is a DMA of the copy
+// engine at full speed; into pageable memory the driver stages it, as cuMemcpyDtoH does.
+cu::Result CopyFromDevice(int device, void* target, cu::DevicePtr address, size_t length) {
+  cu::Stream stream = nullptr;
+  cu::Result result = CopyStream(device, &stream);
+  if (result == cu::SUCCESS) result = driver.api.cuMemcpyDtoHAsync_v2(target, address, length, stream);
   if (result == cu::SUCCESS) result = driver.api.cuStreamSynchronize(stream);
   return result;
 }
@@ -733,7 +744,7 @@ Napi::Value CudaCopyToDevice(const Napi::CallbackInfo& info) {
   const uint8_t* source = data.Data();
   size_t length = data.Length();
   return CudaWorker::Queue(
-      env, device, Sized("cuMemcpyHtoD", length),
+      env, device, Sized("cuMemcpyHtoDAsync", length),
       [device, address, source, length] { return CopyToDevice(device, address, source, length); },
       [keep](Napi::Env env) {
         keep->Reset();
@@ -760,8 +771,8 @@ Napi::Value CudaCopyFromDevice(const Napi::CallbackInfo& info) {
   auto keep = std::make_shared<Napi::Reference<Napi::Buffer<uint8_t>>>(Napi::Persistent(buffer));
   uint8_t* target = buffer.Data();
   return CudaWorker::Queue(
-      env, device, Sized("cuMemcpyDtoH", length),
-      [address, target, length] { return driver.api.cuMemcpyDtoH_v2(target, address, length); },
+      env, device, Sized("cuMemcpyDtoHAsync", length),
+      [device, address, target, length] { return CopyFromDevice(device, target, address, length); },
       [keep](Napi::Env env) {
         Napi::Value value = keep->Value();
         keep->Reset();
@@ -787,10 +798,12 @@ Napi::Value CudaCanAccessPeer(const Napi::CallbackInfo& info) {
 Napi::Value CudaHostRegister(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   RequireDriver(env);
-  DeviceArg(info, 0);
+  int device = DeviceArg(info, 0);
   void* address = reinterpret_cast<void*>(static_cast<uintptr_t>(U64Arg(info, 1, "address")));
   uint64_t size = U64Arg(info, 2, "size");
   bool mapped = info[3].As<Napi::Boolean>().Value();
+  // A context must be current on this thread (a client that has made no other call yet has none).
+  Check(env, UseDevice(device), "cuCtxSetCurrent");
   unsigned int flags = cu::HOST_REGISTER_PORTABLE | (mapped ? cu::HOST_REGISTER_DEVICEMAP : 0);
   Check(env, driver.api.cuMemHostRegister_v2(address, size, flags), Sized("cuMemHostRegister", size));
   cu::DevicePtr devicePointer = 0;
@@ -804,11 +817,42 @@ Napi::Value CudaHostRegister(const Napi::CallbackInfo& info) {
   return Big(env, devicePointer);
 }
 
+// cudaPinHost(device, address, size) -> Promise<void>: cuMemHostRegister (portable: every
+// context sees it page-locked) on a driver thread, where page-locking tens of MiB takes
+// milliseconds that the daemon's event loop cannot spare. Copies between device memory and
+// the range are then DMAs of the copy engine (the daemon's staging buffers, issue 18).
+Napi::Value CudaPinHost(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  int device = DeviceArg(info, 0);
+  uint64_t address = U64Arg(info, 1, "address");
+  uint64_t size = U64Arg(info, 2, "size");
+  return CudaWorker::Queue(
+      env, device, Sized("cuMemHostRegister", size),
+      [address, size] {
+        return Injected("cuMemHostRegister", [&] { return driver.api.cuMemHostRegister_v2(reinterpret_cast<void*>(static_cast<uintptr_t>(address)), size, cu::HOST_REGISTER_PORTABLE); });
+      },
+      nullptr, address);
+}
+
+// cudaUnpinHost(device, address) -> Promise<void>: cuMemHostUnregister on a driver thread.
+Napi::Value CudaUnpinHost(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  int device = DeviceArg(info, 0);
+  uint64_t address = U64Arg(info, 1, "address");
+  return CudaWorker::Queue(
+      env, device, "cuMemHostUnregister",
+      [address] { return Injected("cuMemHostUnregister", [&] { return driver.api.cuMemHostUnregister(reinterpret_cast<void*>(static_cast<uintptr_t>(address))); }); },
+      nullptr, address);
+}
+
 Napi::Value CudaHostUnregister(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   RequireDriver(env);
-  DeviceArg(info, 0);
+  int device = DeviceArg(info, 0);
   void* address = reinterpret_cast<void*>(static_cast<uintptr_t>(U64Arg(info, 1, "address")));
+  Check(env, UseDevice(device), "cuCtxSetCurrent");
   Check(env, driver.api.cuMemHostUnregister(address), "cuMemHostUnregister");
   return env.Undefined();
 }
@@ -840,6 +884,8 @@ void InitCudaDriver(Napi::Env env, Napi::Object exports) {
   exports.Set("cudaCanAccessPeer", Napi::Function::New(env, CudaCanAccessPeer, "cudaCanAccessPeer"));
   exports.Set("cudaHostRegister", Napi::Function::New(env, CudaHostRegister, "cudaHostRegister"));
   exports.Set("cudaHostUnregister", Napi::Function::New(env, CudaHostUnregister, "cudaHostUnregister"));
+  exports.Set("cudaPinHost", Napi::Function::New(env, CudaPinHost, "cudaPinHost"));
+  exports.Set("cudaUnpinHost", Napi::Function::New(env, CudaUnpinHost, "cudaUnpinHost"));
   exports.Set("cudaCreateExported", Napi::Function::New(env, CudaCreateExported, "cudaCreateExported"));
   exports.Set("cudaMemAlloc", Napi::Function::New(env, CudaMemAlloc, "cudaMemAlloc"));
   exports.Set("cudaMemFree", Napi::Function::New(env, CudaMemFree, "cudaMemFree"));

@@ -26,6 +26,15 @@ function handleBits(kinds: HandleKind[]): number {
   return kinds.reduce((bits, kind) => bits | CU_HANDLE[kind], 0);
 }
 
+/**
+ * Page-locking for the daemon's staging buffers (server/staging.ts): portable
+ * registrations (every device's context sees them), on a driver thread.
+ */
+export const CUDA_STAGING_PINNING = {
+  pin: (address: bigint, size: bigint): Promise<void> => addon.cudaPinHost(0, address, size),
+  unpin: (address: bigint): Promise<void> => addon.cudaUnpinHost(0, address),
+};
+
 export class CudaBackend implements Backend {
   readonly name = 'cuda' as const;
   readonly capabilities = { hostNumaNodes: true, gpuMemory: true, readOnlyExports: false } as const;
