@@ -10,6 +10,15 @@
  * registry and counts against no quota until a Create takes it. It is given
  * back when memory runs short (a refill stops below REFILL_HEADROOM free
  * sizes, a failed Create empties every shelf of its device) and at close().
+ *
+ * Besides the configured shelves, the stock follows what clients ask for: a
+ * size asked often among a device's last DEMAND_WINDOW stockable requests
+ * gets a shelf of its own, deeper the more it is asked, within a share of
+ * the device (DEMAND_SHARE); a size no longer asked loses its shelf and its
+ * memory. A shelf still holding half its depth or more refills when the
+ * daemon is quiet (no Create for QUIET_MS), so that refills do not compete
+ * with requests, or at the latest MAX_REFILL_DELAY_MS after it was taken
+ * from; below half it refills at once.
  */
 import type { Logger } from 'pino';
 import { addon } from '../../native';
@@ -43,15 +52,33 @@ interface Shelf {
   depth: number;
   items: Item[];
   refilling: boolean;
+  /** Added for what clients asked (else configured): its depth follows the demand, and it goes when the demand does. */
+  demand: boolean;
 }
 
 /** A refill stops when the device has less free than this many times the shelf's size. */
 const REFILL_HEADROOM = 4n;
 /** How long a device's free bytes are trusted before the backend is asked again. */
 const FREE_BYTES_TTL_MS = 100;
+/** Stockable requests (device memory, a descriptor handle) remembered per device: the demand the stock follows. */
+export const DEMAND_WINDOW = 64;
+/** A size asked this many times in the window gets a shelf of depth 1, and one more per as many again. */
+export const DEMAND_MIN_COUNT = 4;
+/** Shelves the demand may add per device, beside the configured ones. */
+export const DEMAND_MAX_SHELVES = 4;
+/** The deepest a shelf the demand added gets. */
+export const DEMAND_MAX_DEPTH = 4;
+/** All shelves the demand added hold at most the device's total bytes divided by this. */
+export const DEMAND_SHARE = 32n;
+/** The daemon is quiet once no Create came for this long: refills wait for it. */
+export const QUIET_MS = 5;
+/** A refill waits for quiet at most this long after a shelf was taken from: a steady stream still finds a stock. */
+export const MAX_REFILL_DELAY_MS = 100;
+
+const shelfKey = (device: number, size: bigint) => `${device}:${size}`;
 
 export interface StockStats {
-  levels: Array<{ device: number; size: string; depth: number; held: number }>;
+  levels: Array<{ device: number; size: string; depth: number; held: number; demand?: true }>;
   hits: number;
   misses: number;
   created: number;
@@ -72,6 +99,12 @@ export class StockedBackend implements Backend {
   // The last free bytes asked of each device, and when; refills count down what they take.
   private readonly free = new Map<number, { bytes: bigint; at: number }>();
   private readonly counters = { hits: 0, misses: 0, created: 0, refillFailures: 0 };
+  // Invariant: per device, the sizes of its last DEMAND_WINDOW stockable requests, oldest first, and how often each occurs there.
+  private readonly demand = new Map<number, { sizes: bigint[]; counts: Map<bigint, number> }>();
+  // When the last stockable Create came, and when the first refill not yet run was asked for (performance.now()).
+  private lastRequestAt = -Infinity;
+  private refillAskedAt = 0;
+  private refillTimer: NodeJS.Timeout | undefined;
 
   /** @param closeDescriptor closes a descriptor the stock exported (tests give fakes their own) */
   constructor(
@@ -83,7 +116,7 @@ export class StockedBackend implements Backend {
     for (const device of inner.devices()) {
       for (const level of levels) {
         if (level.depth <= 0 || level.size % device.granularityMinimum !== 0n) continue;
-        this.shelves.set(`${device.index}:${level.size}`, { device: device.index, size: level.size, depth: level.depth, items: [], refilling: false });
+        this.shelves.set(shelfKey(device.index, level.size), { device: device.index, size: level.size, depth: level.depth, items: [], refilling: false, demand: false });
       }
     }
   }
@@ -103,17 +136,28 @@ export class StockedBackend implements Backend {
 
   stats(): StockStats {
     return {
-      levels: [...this.shelves.values()].map((shelf) => ({ device: shelf.device, size: String(shelf.size), depth: shelf.depth, held: shelf.items.length })),
+      levels: [...this.shelves.values()].map((shelf) => ({
+        device: shelf.device,
+        size: String(shelf.size),
+        depth: shelf.depth,
+        held: shelf.items.length,
+        ...(shelf.demand ? { demand: true as const } : {}),
+      })),
       ...this.counters,
     };
   }
 
   async create(device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
-    const shelf =
-      location.type === 'DEVICE' && handleTypes.length === 1 && handleTypes[0] === 'POSIX_FD' ? this.shelves.get(`${device}:${size}`) : undefined;
+    const stockable = location.type === 'DEVICE' && handleTypes.length === 1 && handleTypes[0] === 'POSIX_FD';
+    // A size just asked often enough for a shelf of its own gets one at the next quiet moment.
+    if (stockable && this.noteDemand(device, size) === DEMAND_MIN_COUNT && !this.shelves.has(shelfKey(device, size))) this.refillWhenQuiet();
+    const shelf = stockable ? this.shelves.get(shelfKey(device, size)) : undefined;
     if (shelf !== undefined) {
       const item = shelf.items.pop();
-      setImmediate(() => void this.refill(shelf));
+      // Below half its depth a shelf refills at once, quiet or not: a steady stream must not run it dry.
+      if (shelf.items.length * 2 < shelf.depth) setImmediate(() => void this.refill(shelf));
+      // The quiet moment also fits the shelves to the demand.
+      this.refillWhenQuiet();
       if (item !== undefined) {
         this.counters.hits++;
         this.ready.set(item.handle, item.fd);
@@ -151,6 +195,8 @@ export class StockedBackend implements Backend {
 
   close(): void {
     this.closed = true;
+    clearTimeout(this.refillTimer);
+    this.refillTimer = undefined;
     for (const device of this.inner.devices()) this.empty(device.index);
     for (const fd of this.ready.values()) this.closeDescriptor(fd);
     this.ready.clear();
@@ -170,6 +216,88 @@ export class StockedBackend implements Backend {
     this.inner.release(item.handle, shelf.size, false, shelf.device).catch((error) => this.log.error({ err: error }, 'stock: releasing stocked memory failed'));
   }
 
+  /** Counts a stockable request of `size` on `device`; returns how often the window now holds that size. */
+  private noteDemand(device: number, size: bigint): number {
+    this.lastRequestAt = performance.now();
+    let seen = this.demand.get(device);
+    if (seen === undefined) this.demand.set(device, (seen = { sizes: [], counts: new Map() }));
+    seen.sizes.push(size);
+    const count = (seen.counts.get(size) ?? 0) + 1;
+    seen.counts.set(size, count);
+    if (seen.sizes.length > DEMAND_WINDOW) {
+      const oldest = seen.sizes.shift()!;
+      const left = seen.counts.get(oldest)! - 1;
+      if (left === 0) seen.counts.delete(oldest);
+      else seen.counts.set(oldest, left);
+    }
+    return seen.counts.get(size) ?? 0;
+  }
+
+  /** Refills (and follows the demand) once no Create came for QUIET_MS, or MAX_REFILL_DELAY_MS after the first ask. */
+  private refillWhenQuiet(): void {
+    if (this.closed || this.refillTimer !== undefined) return;
+    this.refillAskedAt = performance.now();
+    this.scheduleRefill(QUIET_MS);
+  }
+
+  private scheduleRefill(delayMs: number): void {
+    this.refillTimer = setTimeout(() => {
+      this.refillTimer = undefined;
+      if (this.closed) return;
+      const now = performance.now();
+      const quietFor = now - this.lastRequestAt;
+      if (quietFor < QUIET_MS && now - this.refillAskedAt < MAX_REFILL_DELAY_MS) {
+        this.scheduleRefill(QUIET_MS - quietFor);
+        return;
+      }
+      this.followDemand();
+      void this.fill();
+    }, delayMs);
+    // A pending refill never keeps the daemon alive.
+    this.refillTimer.unref();
+  }
+
+  /**
+   * Fits the shelves the demand added to the demand now: sizes asked at
+   * least DEMAND_MIN_COUNT times in the window (a multiple of the device's
+   * granularity, not configured already), most asked first, at most
+   * DEMAND_MAX_SHELVES, each DEMAND_MIN_COUNT asks deep one more up to
+   * DEMAND_MAX_DEPTH, all within the device's total / DEMAND_SHARE. A shelf
+   * no longer wanted, or shallower, gives its extra memory back.
+   */
+  private followDemand(): void {
+    for (const device of this.inner.devices()) {
+      const counts = this.demand.get(device.index)?.counts ?? new Map<bigint, number>();
+      const wanted = [...counts]
+        .filter(([size, count]) => {
+          if (count < DEMAND_MIN_COUNT || size % device.granularityMinimum !== 0n) return false;
+          const shelf = this.shelves.get(shelfKey(device.index, size));
+          return shelf === undefined || shelf.demand;
+        })
+        .sort(([sizeA, countA], [sizeB, countB]) => countB - countA || (sizeA < sizeB ? -1 : sizeA > sizeB ? 1 : 0))
+        .slice(0, DEMAND_MAX_SHELVES);
+      let budget = device.totalBytes / DEMAND_SHARE;
+      const depths = new Map<bigint, number>();
+      for (const [size, count] of wanted) {
+        let depth = Math.min(DEMAND_MAX_DEPTH, Math.floor(count / DEMAND_MIN_COUNT));
+        while (depth > 0 && BigInt(depth) * size > budget) depth--;
+        if (depth === 0) continue;
+        depths.set(size, depth);
+        budget -= BigInt(depth) * size;
+      }
+      for (const [key, shelf] of this.shelves) {
+        if (!shelf.demand || shelf.device !== device.index) continue;
+        shelf.depth = depths.get(shelf.size) ?? 0;
+        while (shelf.items.length > shelf.depth) this.discard(shelf, shelf.items.pop()!);
+        if (shelf.depth === 0) this.shelves.delete(key);
+      }
+      for (const [size, depth] of depths) {
+        const key = shelfKey(device.index, size);
+        if (!this.shelves.has(key)) this.shelves.set(key, { device: device.index, size, depth, items: [], refilling: false, demand: true });
+      }
+    }
+  }
+
   private async refill(shelf: Shelf): Promise<void> {
     if (shelf.refilling) return;
     shelf.refilling = true;
@@ -182,7 +310,8 @@ export class StockedBackend implements Backend {
         // What this refill took, until the driver is asked again.
         const known = this.free.get(shelf.device);
         if (known !== undefined) known.bytes -= shelf.size;
-        if (this.closed) this.discard(shelf, item);
+        // A shelf the demand dropped (or made shallower) meanwhile does not keep what was made for it.
+        if (this.closed || this.shelves.get(shelfKey(shelf.device, shelf.size)) !== shelf || shelf.items.length >= shelf.depth) this.discard(shelf, item);
         else shelf.items.push(item);
       }
     } catch (error) {

@@ -1,0 +1,153 @@
+/**
+ * The stock following what clients ask for, refilled when the daemon is
+ * quiet (issue 18): sizes asked often get shelves of their own, deeper the
+ * more they are asked, within a share of the device; sizes no longer asked
+ * give their memory back; refills wait while requests keep coming, but not
+ * forever. Fake timers: nothing here depends on the machine's speed.
+ */
+import pino from 'pino';
+import {
+  DEMAND_MAX_DEPTH,
+  DEMAND_MAX_SHELVES,
+  DEMAND_MIN_COUNT,
+  DEMAND_WINDOW,
+  MAX_REFILL_DELAY_MS,
+  QUIET_MS,
+  StockedBackend,
+  StockLevel,
+} from '../../server/backends/stock';
+import { FakeBackend, MiB } from './fake-backend';
+
+const DEVICE = { type: 'DEVICE' as const, id: 0 };
+const quiet = pino({ level: 'silent' });
+
+function stocked(levels: StockLevel[] = [], capacity = 1024n * MiB) {
+  const fake = new FakeBackend({ capacity });
+  const stock = new StockedBackend(fake, levels, quiet, () => undefined);
+  return { fake, stock };
+}
+
+const creates = (fake: FakeBackend) => fake.calls.filter((call) => call === 'create').length;
+/** Asks for `count` allocations of `size`, each released at once (as a client that allocates and frees would). */
+async function ask(stock: StockedBackend, size: bigint, count: number, spacingMs = 0): Promise<void> {
+  for (let i = 0; i < count; i++) {
+    const handle = await stock.create(0, DEVICE, size, ['POSIX_FD']);
+    await stock.release(handle, size, false, 0);
+    if (spacingMs > 0) await jest.advanceTimersByTimeAsync(spacingMs);
+  }
+}
+const demandLevels = (stock: StockedBackend) => stock.stats().levels.filter((level) => level.demand);
+
+describe('a stock that follows demand and refills when quiet', () => {
+  beforeEach(() => jest.useFakeTimers({ doNotFake: ['nextTick', 'queueMicrotask', 'setImmediate'] }));
+  afterEach(() => jest.useRealTimers());
+
+  it('gives a size asked often a shelf of its own, filled once the daemon is quiet; the next ask is a hit', async () => {
+    const { fake, stock } = stocked();
+    await ask(stock, 6n * MiB, DEMAND_MIN_COUNT - 1);
+    await jest.advanceTimersByTimeAsync(10 * QUIET_MS);
+    expect(demandLevels(stock)).toEqual([]);
+    await ask(stock, 6n * MiB, 1);
+    const before = creates(fake);
+    // Not before the daemon has been quiet for QUIET_MS.
+    await jest.advanceTimersByTimeAsync(QUIET_MS - 1);
+    expect(creates(fake)).toBe(before);
+    await jest.advanceTimersByTimeAsync(1);
+    expect(demandLevels(stock)).toEqual([{ device: 0, size: String(6n * MiB), depth: 1, held: 1, demand: true }]);
+    expect(creates(fake)).toBe(before + 1);
+    await stock.create(0, DEVICE, 6n * MiB, ['POSIX_FD']);
+    expect(stock.stats()).toMatchObject({ hits: 1 });
+  });
+
+  it('deepens a shelf the more its size is asked, up to DEMAND_MAX_DEPTH', async () => {
+    const { stock } = stocked();
+    await ask(stock, 2n * MiB, DEMAND_MIN_COUNT * 2);
+    await jest.advanceTimersByTimeAsync(QUIET_MS);
+    expect(demandLevels(stock)).toMatchObject([{ size: String(2n * MiB), depth: 2, held: 2 }]);
+    await ask(stock, 2n * MiB, DEMAND_MIN_COUNT * 10);
+    await jest.advanceTimersByTimeAsync(QUIET_MS);
+    expect(demandLevels(stock)).toMatchObject([{ size: String(2n * MiB), depth: DEMAND_MAX_DEPTH, held: DEMAND_MAX_DEPTH }]);
+  });
+
+  it('waits for quiet while requests keep coming, but refills at the latest MAX_REFILL_DELAY_MS after a take', async () => {
+    const { fake, stock } = stocked([{ size: 2n * MiB, depth: 8 }]);
+    await stock.fill();
+    const start = creates(fake);
+    // Three takes leave five: half the depth or more, so the refill waits for quiet.
+    for (let i = 0; i < 3; i++) {
+      await stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
+      await jest.advanceTimersByTimeAsync(QUIET_MS - 1);
+    }
+    expect(creates(fake)).toBe(start);
+    expect(stock.stats().levels[0].held).toBe(5);
+    await jest.advanceTimersByTimeAsync(1);
+    expect(stock.stats().levels[0].held).toBe(8);
+    // Requests of another size every QUIET_MS - 1 ms: never quiet; the refill of one take runs at the latest delay.
+    await stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
+    const asked = creates(fake);
+    await ask(stock, 4n * MiB, Math.floor(MAX_REFILL_DELAY_MS / (QUIET_MS - 1)) - 2, QUIET_MS - 1);
+    expect(stock.stats().levels[0].held).toBe(7);
+    const onTheSpot = creates(fake) - asked;
+    await jest.advanceTimersByTimeAsync(2 * (QUIET_MS - 1));
+    expect(stock.stats().levels[0].held).toBe(8);
+    expect(creates(fake) - asked).toBeGreaterThan(onTheSpot);
+  });
+
+  it('refills a shelf below half its depth at once, quiet or not', async () => {
+    const { fake, stock } = stocked([{ size: 2n * MiB, depth: 4 }]);
+    await stock.fill();
+    const start = creates(fake);
+    for (let i = 0; i < 3; i++) await stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
+    // One left, below half of four: no timer needed.
+    await new Promise((resolve) => setImmediate(resolve));
+    await new Promise((resolve) => setImmediate(resolve));
+    expect(creates(fake)).toBeGreaterThan(start);
+  });
+
+  it('keeps the shelves the demand added within the device total / 32', async () => {
+    // 1 GiB: 32 MiB for demand shelves. 24 MiB fits once, 40 MiB not at all.
+    const { stock } = stocked([], 1024n * MiB);
+    await ask(stock, 40n * MiB, DEMAND_MIN_COUNT * 4);
+    await ask(stock, 24n * MiB, DEMAND_MIN_COUNT * 3);
+    await jest.advanceTimersByTimeAsync(QUIET_MS);
+    expect(demandLevels(stock)).toEqual([{ device: 0, size: String(24n * MiB), depth: 1, held: 1, demand: true }]);
+  });
+
+  it('adds at most DEMAND_MAX_SHELVES shelves, for the most asked sizes, and never for a configured or unaligned one', async () => {
+    // 8 GiB: a demand budget of 256 MiB, room for all four.
+    const { stock } = stocked([{ size: 2n * MiB, depth: 1 }], 8192n * MiB);
+    await stock.fill();
+    const sizes = [4n, 6n, 8n, 10n, 12n, 14n].map((n) => n * MiB);
+    for (const [index, size] of sizes.entries()) await ask(stock, size, DEMAND_MIN_COUNT + index);
+    await ask(stock, 2n * MiB, DEMAND_MIN_COUNT * 2);
+    await ask(stock, 3n * MiB, DEMAND_MIN_COUNT * 2); // not a multiple of the fake's 2 MiB granularity
+    await jest.advanceTimersByTimeAsync(QUIET_MS);
+    expect(demandLevels(stock).map((level) => Number(BigInt(level.size) / MiB))).toEqual([14, 12, 10, 8].slice(0, DEMAND_MAX_SHELVES));
+    expect(stock.stats().levels.filter((level) => !level.demand)).toEqual([{ device: 0, size: String(2n * MiB), depth: 1, held: 1 }]);
+  });
+
+  it('gives back a shelf and its memory once its size is no longer asked', async () => {
+    const { fake, stock } = stocked([{ size: 2n * MiB, depth: 1 }], 256n * MiB);
+    await stock.fill();
+    await ask(stock, 6n * MiB, DEMAND_MIN_COUNT);
+    await jest.advanceTimersByTimeAsync(QUIET_MS);
+    expect(demandLevels(stock)).toMatchObject([{ size: String(6n * MiB), held: 1 }]);
+    // A window of other requests: 6 MiB falls out of it.
+    await ask(stock, 2n * MiB, DEMAND_WINDOW);
+    await jest.advanceTimersByTimeAsync(QUIET_MS);
+    expect(demandLevels(stock)).toEqual([]);
+    // The stock holds only the configured shelf now: the 6 MiB went back.
+    const held = stock.stats().levels.reduce((sum, level) => sum + BigInt(level.size) * BigInt(level.held), 0n);
+    expect(fake.memoryInfo().freeBytes).toBe(256n * MiB - held);
+  });
+
+  it('refills nothing after close()', async () => {
+    const { fake, stock } = stocked([{ size: 2n * MiB, depth: 2 }]);
+    await stock.fill();
+    await stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
+    stock.close();
+    const before = creates(fake);
+    await jest.advanceTimersByTimeAsync(10 * MAX_REFILL_DELAY_MS);
+    expect(creates(fake)).toBe(before);
+  });
+});
