@@ -68,7 +68,7 @@ export abstract class ImportedMemory implements AsyncDisposable {
    */
   async read(offset: number | bigint, length: number | bigint): Promise<Buffer> {
     this.checkRange(BigInt(offset), BigInt(length));
-    return this.copies.track(this.copyOut(BigInt(offset), BigInt(length)));
+    return this.copies.ordered('read', BigInt(offset), BigInt(length), () => this.copyOut(BigInt(offset), BigInt(length)));
   }
 
   /**
@@ -79,7 +79,7 @@ export abstract class ImportedMemory implements AsyncDisposable {
    */
   async readInto(offset: number | bigint, into: Uint8Array): Promise<Buffer> {
     this.checkRange(BigInt(offset), BigInt(into.byteLength));
-    return this.copies.track(this.copyOut(BigInt(offset), BigInt(into.byteLength), Buffer.from(into.buffer, into.byteOffset, into.byteLength)));
+    return this.copies.ordered('read', BigInt(offset), BigInt(into.byteLength), () => this.copyOut(BigInt(offset), BigInt(into.byteLength), Buffer.from(into.buffer, into.byteOffset, into.byteLength)));
   }
 
   /**
@@ -90,7 +90,7 @@ export abstract class ImportedMemory implements AsyncDisposable {
   async write(offset: number | bigint, data: Uint8Array): Promise<void> {
     this.checkRange(BigInt(offset), BigInt(data.byteLength));
     if (this.readOnly) throw new VmmdError('READ_ONLY', Status.FAILED_PRECONDITION, `allocation ${this.allocationId} is mapped read-only here`);
-    return this.copies.track(this.copyIn(BigInt(offset), Buffer.from(data.buffer, data.byteOffset, data.byteLength)));
+    return this.copies.ordered('write', BigInt(offset), BigInt(data.byteLength), () => this.copyIn(BigInt(offset), Buffer.from(data.buffer, data.byteOffset, data.byteLength)));
   }
 
   /**

@@ -109,11 +109,11 @@ export class LocalDeviceMemory {
 
   /** Resolves once the bytes are in device memory. */
   write(offset: bigint, data: Buffer): Promise<void> {
-    return this.copies.track(native.cudaCopyToDevice(this.device, this.address + offset, data));
+    return this.copies.ordered('write', offset, BigInt(data.length), () => native.cudaCopyToDevice(this.device, this.address + offset, data));
   }
 
   read(offset: bigint, length: bigint): Promise<Buffer> {
-    return this.copies.track(native.cudaCopyFromDevice(this.device, this.address + offset, length));
+    return this.copies.ordered('read', offset, length, () => native.cudaCopyFromDevice(this.device, this.address + offset, length));
   }
 
   /**

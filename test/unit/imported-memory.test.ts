@@ -120,4 +120,41 @@ describe('InFlight', () => {
     await drain;
     expect(copies.idle).toBe(true);
   });
+
+  it('starts an overlapping copy only after the write before it settled (a read started after a write sees it)', async () => {
+    const copies = new InFlight();
+    const started: string[] = [];
+    let finishWrite!: () => void;
+    const write = copies.ordered('write', 0n, 1024n, () => {
+      started.push('write');
+      return new Promise<void>((resolve) => (finishWrite = resolve));
+    });
+    const overlapping = copies.ordered('read', 512n, 16n, async () => void started.push('overlapping read'));
+    const elsewhere = copies.ordered('read', 1024n, 16n, async () => void started.push('read elsewhere'));
+    const secondWrite = copies.ordered('write', 2048n, 16n, async () => void started.push('write elsewhere'));
+    await turn();
+    expect(started).toEqual(['write', 'read elsewhere', 'write elsewhere']);
+    finishWrite();
+    await Promise.all([write, overlapping, elsewhere, secondWrite]);
+    expect(started).toEqual(['write', 'read elsewhere', 'write elsewhere', 'overlapping read']);
+    expect(copies.idle).toBe(true);
+  });
+
+  it('lets overlapping reads run together, and a write wait for the reads before it; a failed copy does not block the next', async () => {
+    const copies = new InFlight();
+    const started: string[] = [];
+    let finishRead!: (error: Error) => void;
+    const read = copies.ordered('read', 0n, 64n, () => {
+      started.push('read 1');
+      return new Promise<void>((_resolve, reject) => (finishRead = reject));
+    });
+    const read2 = copies.ordered('read', 0n, 64n, async () => void started.push('read 2'));
+    const write = copies.ordered('write', 32n, 64n, async () => void started.push('write'));
+    await turn();
+    expect(started).toEqual(['read 1', 'read 2']);
+    finishRead(new Error('copy failed'));
+    await expect(read).rejects.toThrow('copy failed');
+    await Promise.all([read2, write]);
+    expect(started).toEqual(['read 1', 'read 2', 'write']);
+  });
 });
