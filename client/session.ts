@@ -5,11 +5,37 @@
  */
 import { EventEmitter } from 'node:events';
 import { status as Status } from '@grpc/grpc-js';
-import { AllocatedMessage, AllocateMessage, decodeMessage, encodeMessage, HelloMessage, PROTOCOL_VERSION, SessionMessage } from '../common/protocol';
+import {
+  AllocatedMessage,
+  AllocateMessage,
+  decodeMessage,
+  encodeMessage,
+  ExportedMessage,
+  HelloMessage,
+  OpenedMessage,
+  OpenMessage,
+  PROTOCOL_VERSION,
+  ReleasedMessage,
+  RequestAnswer,
+  SessionMessage,
+  SharedMessage,
+} from '../common/protocol';
 import { TransferInbox } from '../common/transfer-inbox';
 import { native } from '../native/client';
 import { SeqpacketConnection, SeqpacketMessage } from '../native/seqpacket';
 import { VmmdError } from './errors';
+
+/** Answers to request messages, and those that carry a descriptor. */
+const ANSWERS = new Set<string>(['allocated', 'released', 'shared', 'exported', 'opened']);
+const WITH_DESCRIPTOR = new Set<string>(['allocated', 'exported', 'opened']);
+
+/** A request message waiting for its answer. */
+interface PendingRequest {
+  answer: RequestAnswer['type'];
+  resolve(answer: { message: RequestAnswer; fd: number }): void;
+  reject(error: Error): void;
+  timer: NodeJS.Timeout;
+}
 
 /** How long a descriptor the daemon sent waits to be claimed before it is closed. */
 const UNCLAIMED_TRANSFER_MS = 30_000;
@@ -37,8 +63,8 @@ export class ClientSession extends EventEmitter {
   // Pings in flight by nonce.
   private readonly pings = new Map<string, { resolve(): void; reject(error: Error): void }>();
   private nextPing = 1;
-  // Allocate requests in flight by request id.
-  private readonly requests = new Map<string, { resolve(answer: { message: AllocatedMessage; fd: number }): void; reject(error: Error): void; timer: NodeJS.Timeout }>();
+  // Requests in flight (allocate, release, share, export, open) by request id.
+  private readonly requests = new Map<string, PendingRequest>();
   private nextRequest = 1n;
 
   private constructor(
@@ -131,15 +157,61 @@ export class ClientSession extends EventEmitter {
    * @throws VmmdError as the Allocate RPC (OUT_OF_MEMORY, NOT_ALIGNED…), DEADLINE_EXCEEDED NO_ANSWER, UNAVAILABLE SESSION_LOST
    */
   allocate(size: bigint, location?: AllocateMessage['location'], timeoutMs = 30_000): Promise<{ message: AllocatedMessage; fd: number }> {
+    return this.request('allocated', { type: 'allocate', size: String(size), ...(location === undefined ? {} : { location }) }, timeoutMs);
+  }
+
+  /**
+   * Release on the session socket, one round trip: the same answer as the Release RPC.
+   * @throws VmmdError as the Release RPC (UNKNOWN_ALLOCATION, NOT_OWNER…), NO_ANSWER, SESSION_LOST
+   */
+  async release(allocation: bigint | string, timeoutMs = 30_000): Promise<ReleasedMessage> {
+    return (await this.request('released', { type: 'release', allocation: String(allocation) }, timeoutMs)).message;
+  }
+
+  /**
+   * Share on the session socket: the key another session exports the allocation with.
+   * @throws VmmdError as the Share RPC (UNKNOWN_ALLOCATION, NOT_OWNER…), NO_ANSWER, SESSION_LOST
+   */
+  async share(allocation: bigint | string, timeoutMs = 30_000): Promise<string> {
+    return (await this.request('shared', { type: 'share', allocation: String(allocation) }, timeoutMs)).message.shareKey;
+  }
+
+  /**
+   * Export on the session socket: a descriptor of an existing allocation (the caller owns it), attached to the answer.
+   * @throws VmmdError as the Export RPC (NOT_OWNER, BAD_SHARE_KEY, ALREADY_RELEASED…), NO_ANSWER, SESSION_LOST
+   */
+  export(allocation: bigint | string, shareKey = '', timeoutMs = 30_000): Promise<{ message: ExportedMessage; fd: number }> {
+    return this.request('exported', { type: 'export', allocation: String(allocation), ...(shareKey === '' ? {} : { shareKey }) }, timeoutMs);
+  }
+
+  /**
+   * Open a store on the session socket: the store and its descriptor (the caller owns it), one round trip.
+   * @throws VmmdError as Stores.Open (UNKNOWN_STORE, STORE_DETACHED, STORE_READ_ONLY…), NO_ANSWER, SESSION_LOST
+   */
+  open(store: OpenMessage['store'], writable: boolean, timeoutMs = 30_000): Promise<{ message: OpenedMessage; fd: number }> {
+    return this.request('opened', { type: 'open', store, writable }, timeoutMs);
+  }
+
+  /** Sends a request message under a new id and waits for its answer of type `answer` (with a descriptor: fd, else -1). */
+  private request<T extends RequestAnswer['type']>(
+    answer: T,
+    message: Record<string, unknown> & { type: string },
+    timeoutMs: number,
+  ): Promise<{ message: Extract<RequestAnswer, { type: T }>; fd: number }> {
     const request = String(this.nextRequest++);
     return new Promise((resolve, reject) => {
       const timer = setTimeout(() => {
         this.requests.delete(request);
-        reject(new VmmdError('NO_ANSWER', Status.DEADLINE_EXCEEDED, `the daemon did not answer allocate request ${request} within ${timeoutMs} ms`));
+        reject(new VmmdError('NO_ANSWER', Status.DEADLINE_EXCEEDED, `the daemon did not answer ${message.type} request ${request} within ${timeoutMs} ms`));
       }, timeoutMs);
-      this.requests.set(request, { resolve, reject, timer });
+      this.requests.set(request, {
+        answer,
+        resolve: resolve as PendingRequest['resolve'],
+        reject,
+        timer,
+      });
       try {
-        this.send({ type: 'allocate', request, size: String(size), ...(location === undefined ? {} : { location }) });
+        this.send({ ...message, request } as unknown as SessionMessage);
       } catch (error) {
         clearTimeout(timer);
         this.requests.delete(request);
@@ -190,19 +262,24 @@ export class ClientSession extends EventEmitter {
       this.inbox.deliver(message.transfer, raw.fd);
       return;
     }
-    if (typeof message !== 'string' && (message.type === 'allocated' || (message.type === 'error' && message.request !== undefined))) {
-      const pending = this.requests.get(message.request!);
+    if (typeof message !== 'string' && (ANSWERS.has(message.type) || message.type === 'error') && (message as { request?: unknown }).request !== undefined) {
+      const request = (message as { request: string }).request;
+      const pending = this.requests.get(request);
       if (pending !== undefined) {
         clearTimeout(pending.timer);
-        this.requests.delete(message.request!);
-        if (message.type === 'allocated' && raw.fd >= 0) {
-          pending.resolve({ message, fd: raw.fd });
+        this.requests.delete(request);
+        if (message.type === pending.answer && (raw.fd >= 0) === WITH_DESCRIPTOR.has(message.type)) {
+          pending.resolve({ message: message as RequestAnswer, fd: raw.fd });
           return;
         }
         pending.reject(
           message.type === 'error'
             ? new VmmdError(message.code, (message.status ?? Status.UNKNOWN) as Status, message.message)
-            : new VmmdError('NO_DESCRIPTOR', Status.INTERNAL, `the daemon's answer to allocate request ${message.request} carried no descriptor`),
+            : new VmmdError(
+                'BAD_ANSWER',
+                Status.INTERNAL,
+                `the daemon answered request ${request} with ${message.type}${raw.fd >= 0 ? ' and a descriptor' : ''}, not ${pending.answer}${WITH_DESCRIPTOR.has(pending.answer) ? ' with a descriptor' : ''}`,
+              ),
         );
       }
     }

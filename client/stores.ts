@@ -87,14 +87,25 @@ export class StoresApi {
    * @throws VmmdError UNKNOWN_STORE, STORE_DETACHED, STORE_READ_ONLY (asked writable)
    */
   async open(store: StoreName, options: { writable?: boolean } = {}): Promise<OpenedStore> {
-    const opened = await unaryCall<OpenRequest, OpenResponse__Output>(
-      this.client,
-      this.client.Open,
-      { store: ref(store), writable: options.writable ?? false },
-      this.settings,
-    );
-    const info = opened.store!;
-    const fd = await this.session.takeTransfer(opened.transferId);
+    let opened: Pick<OpenResponse__Output, 'mappedSize' | 'granularity' | 'descriptorReadOnly'>;
+    let info: Store__Output;
+    let fd: number;
+    if (!this.session.closed) {
+      // The session socket: the descriptor comes with the answer, one round trip.
+      const answer = await this.session.open(ref(store), options.writable ?? false);
+      ({ message: opened, fd } = answer);
+      info = answer.message.store as Store__Output;
+    } else {
+      const response = await unaryCall<OpenRequest, OpenResponse__Output>(
+        this.client,
+        this.client.Open,
+        { store: ref(store), writable: options.writable ?? false },
+        this.settings,
+      );
+      opened = response;
+      info = response.store!;
+      fd = await this.session.takeTransfer(response.transferId);
+    }
     const readOnly = info.readOnly || opened.descriptorReadOnly || !(options.writable ?? true);
     const size = BigInt(opened.mappedSize);
     const granularity = BigInt(opened.granularity);

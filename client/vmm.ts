@@ -32,7 +32,7 @@ import { VmmdError } from './errors';
 import { CudaImportedMemory, HostImportedMemory, ImportedMemory, mapFabricHandle } from './local-memory';
 import { CallSettings, collectStream, Input, toWire, unaryCall, writeChunks } from './rpc';
 import type { ClientSession } from './session';
-import type { AllocateMessage } from '../common/protocol';
+import type { AllocatedMessage, AllocateMessage, ExportedMessage } from '../common/protocol';
 import { DEFAULT_STAGING_BYTES, STAGED_MIN_BYTES, StagingBuffer } from './staging';
 
 export interface ImportOptions {
@@ -81,6 +81,18 @@ function sessionLocation(location: Input<CreateRequest>['location']): AllocateMe
   return null;
 }
 
+/** An `allocated` or `exported` answer as what mapping needs. */
+function fromSocket(message: AllocatedMessage | ExportedMessage): Exported {
+  return {
+    allocationId: message.allocation,
+    size: message.size,
+    granularity: message.granularity,
+    device: message.device,
+    deviceUuid: message.deviceUuid,
+    location: { type: `LOCATION_TYPE_${message.location.type}`, id: message.location.id },
+  };
+}
+
 export class VirtualMemoryApi {
   // Large reads and writes go through it (undefined: stream everything over gRPC).
   private readonly staging?: StagingBuffer;
@@ -120,9 +132,15 @@ export class VirtualMemoryApi {
     return unaryCall(this.client, this.client.Create, request, this.settings);
   }
 
-  /** @throws VmmdError NOT_FOUND UNKNOWN_ALLOCATION, FAILED_PRECONDITION ALREADY_RELEASED */
-  release(request: Input<ReleaseRequest>): Promise<ReleaseResponse__Output> {
-    return unaryCall(this.client, this.client.Release, request, this.settings);
+  /**
+   * Drops this session's reference to an allocation: on the session socket
+   * (one round trip), or the Release RPC where the socket is gone.
+   * @throws VmmdError NOT_FOUND UNKNOWN_ALLOCATION, FAILED_PRECONDITION ALREADY_RELEASED, PERMISSION_DENIED NOT_OWNER
+   */
+  async release(request: Input<ReleaseRequest>): Promise<ReleaseResponse__Output> {
+    if (this.session.closed) return unaryCall(this.client, this.client.Release, request, this.settings);
+    const { freed, handleReferences, mappingCount } = await this.session.release(String(request.allocationId ?? 0));
+    return { freed, handleReferences, mappingCount };
   }
 
   /** @throws VmmdError ALREADY_MAPPED, NOT_ALIGNED, NONZERO_OFFSET, BEYOND_ALLOCATION, BEYOND_RESERVATION */
@@ -150,9 +168,13 @@ export class VirtualMemoryApi {
     return unaryCall(this.client, this.client.Export, request, this.settings);
   }
 
-  /** A key that lets another session import the allocation. @throws VmmdError PERMISSION_DENIED NOT_OWNER */
-  share(request: Input<ShareRequest>): Promise<ShareResponse__Output> {
-    return unaryCall(this.client, this.client.Share, request, this.settings);
+  /**
+   * A key that lets another session import the allocation: on the session socket, or the Share RPC where the socket is gone.
+   * @throws VmmdError PERMISSION_DENIED NOT_OWNER, NOT_FOUND UNKNOWN_ALLOCATION
+   */
+  async share(request: Input<ShareRequest>): Promise<ShareResponse__Output> {
+    if (this.session.closed) return unaryCall(this.client, this.client.Share, request, this.settings);
+    return { shareKey: await this.session.share(String(request.allocationId ?? 0)) };
   }
 
   /** The raw Import call; importDescriptor() sends the descriptor first. */
@@ -178,6 +200,11 @@ export class VirtualMemoryApi {
    */
   async import(allocationId: bigint | string, options: ImportOptions = {}): Promise<ImportedMemory> {
     const readOnly = options.readOnly ?? false;
+    if (!options.fabric && !this.session.closed) {
+      // The session socket: the descriptor comes with the answer, one round trip.
+      const { message, fd } = await this.session.export(String(allocationId), options.shareKey ?? '');
+      return this.mapDescriptor(fromSocket(message), fd, readOnly, options.hostAccess ?? false);
+    }
     const exported = await this.export({
       allocationId,
       shareKey: options.shareKey ?? '',
@@ -207,14 +234,7 @@ export class VirtualMemoryApi {
     if (location !== null && (request.handleType === undefined || request.handleType === 'HANDLE_TYPE_POSIX_FD') && request.size !== undefined) {
       const answer = await this.session.allocate(BigInt(request.size as bigint | string | number), location);
       fd = answer.fd;
-      exported = {
-        allocationId: answer.message.allocation,
-        size: answer.message.size,
-        granularity: answer.message.granularity,
-        device: answer.message.device,
-        deviceUuid: answer.message.deviceUuid,
-        location: { type: `LOCATION_TYPE_${answer.message.location.type}`, id: answer.message.location.id },
-      };
+      exported = fromSocket(answer.message);
     } else {
       const response = await this.allocateRaw(request);
       exported = response;

@@ -39,7 +39,7 @@ export interface ErrorMessage {
   code: string;
   message: string;
   transfer?: string;
-  /** The refused request's id (allocate). */
+  /** The refused request's id (allocate, release, share, export, open). */
   request?: string;
   /** The gRPC status the same refusal has over gRPC. */
   status?: number;
@@ -70,6 +70,85 @@ export interface AllocatedMessage {
   location: { type: 'DEVICE' | 'HOST' | 'HOST_NUMA'; id: number };
 }
 
+/** Client → daemon: the Release RPC on the session socket. */
+export interface ReleaseMessage {
+  type: 'release';
+  request: string;
+  allocation: string;
+}
+
+/** Daemon → client: what `request`'s release left (ReleaseResponse's fields). */
+export interface ReleasedMessage {
+  type: 'released';
+  request: string;
+  allocation: string;
+  freed: boolean;
+  handleReferences: number;
+  mappingCount: number;
+}
+
+/** Client → daemon: the Share RPC on the session socket. */
+export interface ShareMessage {
+  type: 'share';
+  request: string;
+  allocation: string;
+}
+
+/** Daemon → client: the allocation's share key. */
+export interface SharedMessage {
+  type: 'shared';
+  request: string;
+  allocation: string;
+  shareKey: string;
+}
+
+/** Client → daemon: the Export RPC (a descriptor, POSIX_FD) on the session socket. */
+export interface ExportMessage {
+  type: 'export';
+  request: string;
+  allocation: string;
+  /** Needed for another session's allocation: the key its owner got from share. */
+  shareKey?: string;
+}
+
+/** Daemon → client: the allocation exported for `request`; its descriptor is attached. */
+export interface ExportedMessage extends Omit<AllocatedMessage, 'type'> {
+  type: 'exported';
+}
+
+/** Client → daemon: the Stores.Open RPC on the session socket. */
+export interface OpenMessage {
+  type: 'open';
+  request: string;
+  /** The store by id (a decimal uint64 string) or by name, as StoreRef. */
+  store: { id?: string; name?: string };
+  writable?: boolean;
+}
+
+/** Daemon → client: the store opened for `request` (the Store message's JSON fields); its descriptor is attached. */
+export interface OpenedMessage {
+  type: 'opened';
+  request: string;
+  store: {
+    id: string;
+    name: string;
+    target: string;
+    device: number;
+    size: string;
+    readOnly: boolean;
+    attached: boolean;
+    ownerSession: string;
+    state: string;
+    opens: number;
+    allocationId: string;
+  };
+  granularity: string;
+  mappedSize: string;
+}
+
+/** The answers to a request message, by the request's type. */
+export type RequestAnswer = AllocatedMessage | ReleasedMessage | SharedMessage | ExportedMessage | OpenedMessage;
+
 export interface PingMessage {
   type: 'ping';
   nonce?: string;
@@ -87,13 +166,21 @@ export type SessionMessage =
   | PingMessage
   | PongMessage
   | AllocateMessage
-  | AllocatedMessage;
+  | AllocatedMessage
+  | ReleaseMessage
+  | ReleasedMessage
+  | ShareMessage
+  | SharedMessage
+  | ExportMessage
+  | ExportedMessage
+  | OpenMessage
+  | OpenedMessage;
 
 /** Transfer ids are decimal uint64 strings, 1 or more, without leading zeros. */
 export const TRANSFER_ID_PATTERN = /^[1-9][0-9]{0,19}$/;
 
 /**
- * The request id of a message that names one readably (an `allocate`), even
+ * The request id of a message that names one readably (an `allocate`, a `release`…), even
  * when the rest of it is bad: a refusal echoes it so that the client's waiter
  * for that id gets the answer instead of a timeout. Undefined when there is none.
  */

@@ -93,6 +93,16 @@ export class AccessPolicy {
   }
 
   /**
+   * Checks a request on the session socket as the RPC of the same name: its
+   * caller is the session's peer, on the Unix socket, with the session's token.
+   * @throws as check()
+   */
+  checkSession(method: string, session: Session): void {
+    const peer = session.peer;
+    this.check(method, { transport: 'unix', peer, mutualTls: false, admin: this.isAdmin(peer) }, session.token, () => session);
+  }
+
+  /**
    * Checks a call before it runs.
    * @throws PERMISSION_DENIED NOT_ALLOWED, NEEDS_ADMIN, TCP_INSPECTION_ONLY, SESSION_OF_ANOTHER_UID;
    *   UNAUTHENTICATED TCP_SESSION

@@ -138,7 +138,15 @@ export class Daemon {
     const undo: Array<() => void> = [];
     try {
       // The session socket's requests go straight to the registry; a closed session's stores and staging go before its objects.
-      sessions.listen(paths.session, new SessionDispatcher({ registry, reclaimers: [(session) => stores.reclaim(session), (session) => staging.close(session)] }));
+      sessions.listen(
+        paths.session,
+        new SessionDispatcher({
+          registry,
+          stores,
+          reclaimers: [(session) => stores.reclaim(session), (session) => staging.close(session)],
+          check: (session, method) => access.checkSession(method, session),
+        }),
+      );
 
       // grpc-js's own log goes through pino, at the daemon's level.
       grpc.setLogger({

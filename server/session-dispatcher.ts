@@ -5,11 +5,13 @@
  * handlers are peers over the registry. Adding a socket message is adding
  * one entry to HANDLERS.
  */
-import type { AllocateMessage, AllocatedMessage } from '../common/protocol';
+import type { AllocateMessage, AllocatedMessage, ExportedMessage, OpenedMessage, ReleasedMessage, SharedMessage } from '../common/protocol';
 import { TRANSFER_ID_PATTERN } from '../common/protocol';
 import type { Registry } from './registry';
-import type { CreateArgs } from './registry/records';
+import type { CreateArgs, ExportArgs } from './registry/records';
+import { toWireStore } from './services/wire';
 import { Answer, ReclaimSummary, refuseMessage, RequestMessage, Session, SessionServices } from './sessions';
+import type { StoreRegistry } from './stores';
 
 const DECIMAL_U64 = /^(0|[1-9][0-9]{0,19})$/;
 const U64_LIMIT = 1n << 64n;
@@ -17,25 +19,62 @@ const U64_LIMIT = 1n << 64n;
 /** What a handler needs from the daemon. */
 export interface DispatcherDeps {
   registry: Registry;
+  /** Stores, for open. */
+  stores: StoreRegistry;
   /** Runs before the registry reclaims a closed session's objects, in order (stores drop its opens, staging unmaps). */
   reclaimers: Array<(session: bigint) => Promise<void>>;
+  /**
+   * Who may call what (server/access.ts), checked before each request as
+   * before the RPC of the same name; throws the RPC's refusal.
+   */
+  check?: (session: Session, method: string) => void;
 }
 
 interface Handler<Parsed> {
+  /** The RPC this message is the socket's form of: its access rule applies. */
+  method: string;
   /** The message's fields checked and converted; a string is why the message is refused (BAD_MESSAGE). */
   parse(message: RequestMessage): Parsed | string;
   answer(session: Session, parsed: Parsed, deps: DispatcherDeps): Promise<Answer> | Answer;
 }
 
+const shown = (value: unknown) => JSON.stringify(value)?.slice(0, 64);
+
+/** A request id: a decimal uint64 string above 0; undefined when it is, else why not. */
+function badRequestId(type: string, request: unknown): string | undefined {
+  if (typeof request === 'string' && TRANSFER_ID_PATTERN.test(request) && BigInt(request) < U64_LIMIT) return undefined;
+  return `${type}: request ${shown(request)} is not a decimal uint64 string above 0`;
+}
+
+/** A uint64 field: its value, or why it is refused. */
+function u64Field(type: string, field: string, value: unknown): bigint | string {
+  if (typeof value !== 'string' || !DECIMAL_U64.test(value) || BigInt(value) >= U64_LIMIT) {
+    return `${type}: ${field} ${shown(value)} is not a decimal uint64 string`;
+  }
+  return BigInt(value);
+}
+
+/** The fields of an `allocated` or `exported` answer. */
+function describeExport(registry: Registry, request: string, allocation: Awaited<ReturnType<Registry['exportHandle']>>['allocation']) {
+  return {
+    request,
+    allocation: String(allocation.id),
+    size: String(allocation.size),
+    device: allocation.device,
+    deviceUuid: registry.devices[allocation.device]?.uuid ?? '',
+    granularity: String(allocation.granularity),
+    location: { type: allocation.location.type, id: allocation.location.id },
+  };
+}
+
 /** Allocate: Create and Export in one round trip, the descriptor attached to the answer. */
 const allocate: Handler<{ request: string; args: CreateArgs }> = {
+  method: 'Allocate',
   parse({ request, size, location }) {
-    if (typeof request !== 'string' || !TRANSFER_ID_PATTERN.test(request) || BigInt(request) >= U64_LIMIT) {
-      return `allocate: request ${JSON.stringify(request)?.slice(0, 64)} is not a decimal uint64 string above 0`;
-    }
-    if (typeof size !== 'string' || !DECIMAL_U64.test(size) || BigInt(size) >= U64_LIMIT) {
-      return `allocate: size ${JSON.stringify(size)?.slice(0, 64)} is not a decimal uint64 string`;
-    }
+    const badId = badRequestId('allocate', request);
+    if (badId !== undefined) return badId;
+    const bytes = u64Field('allocate', 'size', size);
+    if (typeof bytes === 'string') return bytes;
     let where: AllocateMessage['location'] = { type: 'DEVICE', id: 0 };
     if (location !== undefined) {
       const { type: named, id } = (location ?? {}) as { type?: unknown; id?: unknown };
@@ -46,37 +85,109 @@ const allocate: Handler<{ request: string; args: CreateArgs }> = {
       }
       where = { type: kind, id: id as number };
     }
-    return { request, args: { size: BigInt(size), location: where, handleType: 'POSIX_FD' } };
+    return { request: request as string, args: { size: bytes, location: where, handleType: 'POSIX_FD' } };
   },
   async answer(session, { request, args }, { registry }) {
     const { allocation, fd } = await registry.createExported(session.id, args, (error) =>
       session.log.error({ err: error }, 'allocate: releasing the allocation after a failed export failed'),
     );
-    const reply: AllocatedMessage = {
-      type: 'allocated',
-      request,
-      allocation: String(allocation.id),
-      size: String(allocation.size),
-      device: allocation.device,
-      deviceUuid: registry.devices[allocation.device]?.uuid ?? '',
-      granularity: String(allocation.granularity),
-      location: { type: allocation.location.type, id: allocation.location.id },
-    };
+    const reply: AllocatedMessage = { type: 'allocated', ...describeExport(registry, request, allocation) };
     return { reply, fd };
+  },
+};
+
+/** An allocation named by a request: release and share. */
+function allocationRequest(type: string, { request, allocation }: RequestMessage): { request: string; allocation: bigint } | string {
+  const badId = badRequestId(type, request);
+  if (badId !== undefined) return badId;
+  const id = u64Field(type, 'allocation', allocation);
+  return typeof id === 'string' ? id : { request: request as string, allocation: id };
+}
+
+/** Release: the Release RPC, its answer the reference counts left. */
+const release: Handler<{ request: string; allocation: bigint }> = {
+  method: 'Release',
+  parse: (message) => allocationRequest('release', message),
+  async answer(session, { request, allocation }, { registry }) {
+    const result = await registry.release(session.id, allocation);
+    const reply: ReleasedMessage = { type: 'released', request, allocation: String(allocation), ...result };
+    return { reply };
+  },
+};
+
+/** Share: the Share RPC, its answer the key. */
+const share: Handler<{ request: string; allocation: bigint }> = {
+  method: 'Share',
+  parse: (message) => allocationRequest('share', message),
+  answer(session, { request, allocation }, { registry }) {
+    const reply: SharedMessage = { type: 'shared', request, allocation: String(allocation), shareKey: registry.share(session.id, allocation) };
+    return { reply };
+  },
+};
+
+/** Export: the Export RPC for a descriptor, attached to the answer instead of sent as a transfer. */
+const exportAllocation: Handler<{ request: string; args: ExportArgs }> = {
+  method: 'Export',
+  parse(message) {
+    const named = allocationRequest('export', message);
+    if (typeof named === 'string') return named;
+    const { shareKey } = message;
+    if (shareKey !== undefined && (typeof shareKey !== 'string' || shareKey.length > 256)) {
+      return `export: shareKey must be a string of at most 256 characters, not ${shown(shareKey)}`;
+    }
+    return { request: named.request, args: { allocationId: named.allocation, handleType: 'POSIX_FD', shareKey: shareKey ?? '' } };
+  },
+  async answer(session, { request, args }, { registry }) {
+    const { allocation, fd } = await registry.exportHandle(session.id, args);
+    const reply: ExportedMessage = { type: 'exported', ...describeExport(registry, request, allocation) };
+    return { reply, fd };
+  },
+};
+
+/** Open: the Stores.Open RPC, the descriptor attached to the answer; an open whose answer cannot be sent is dropped. */
+const open: Handler<{ request: string; store: { id: string; name: string } | null; writable: boolean }> = {
+  method: 'Open',
+  parse({ request, store, writable }) {
+    const badId = badRequestId('open', request);
+    if (badId !== undefined) return badId;
+    if (writable !== undefined && typeof writable !== 'boolean') return `open: writable must be true or false, not ${shown(writable)}`;
+    if (store === undefined || store === null) return { request: request as string, store: null, writable: writable ?? false };
+    if (typeof store !== 'object' || Array.isArray(store)) return `open: store must be {"id": a decimal uint64 string} or {"name": a string}, not ${shown(store)}`;
+    const { id, name } = store as { id?: unknown; name?: unknown };
+    const storeId = id === undefined ? 0n : u64Field('open', 'store.id', id);
+    if (typeof storeId === 'string') return storeId;
+    if (name !== undefined && typeof name !== 'string') return `open: store.name must be a string, not ${shown(name)}`;
+    return { request: request as string, store: { id: String(storeId), name: name ?? '' }, writable: writable ?? false };
+  },
+  async answer(session, { request, store: ref, writable }, { stores }) {
+    const store = stores.findRef(ref);
+    const fd = await stores.open(session.id, store, writable);
+    const reply: OpenedMessage = {
+      type: 'opened',
+      request,
+      store: toWireStore(store),
+      granularity: String(store.memory.granularity),
+      mappedSize: String(store.memory.mappedSize),
+    };
+    return { reply, fd, unsent: () => stores.close(session.id, store) };
   },
 };
 
 /** Ping: one round trip, the nonce echoed. */
 const ping: Handler<{ nonce?: string }> = {
+  method: 'Ping',
   parse: ({ nonce }) => (nonce === undefined ? {} : { nonce: String(nonce).slice(0, 64) }),
   answer: (_session, parsed) => ({ reply: { type: 'pong', ...parsed } }),
 };
 
 /** Messages a client may send, besides transfers (the transport's own). */
-const HANDLERS: Record<string, Handler<never>> = { allocate, ping } as Record<string, Handler<unknown>> as Record<string, Handler<never>>;
+const HANDLERS: Record<string, Handler<never>> = { allocate, release, share, export: exportAllocation, open, ping } as Record<string, Handler<unknown>> as Record<
+  string,
+  Handler<never>
+>;
 
 /** Messages only the daemon sends: a client sending one is refused by name. */
-const DAEMON_MESSAGES = new Set(['hello', 'error', 'pong', 'allocated']);
+const DAEMON_MESSAGES = new Set(['hello', 'error', 'pong', 'allocated', 'released', 'shared', 'exported', 'opened']);
 
 export class SessionDispatcher implements SessionServices {
   constructor(private readonly deps: DispatcherDeps) {}
@@ -93,6 +204,7 @@ export class SessionDispatcher implements SessionServices {
     const parsed = handler.parse(message);
     if (typeof parsed === 'string') throw refuseMessage('BAD_MESSAGE', parsed);
     if (fd >= 0) throw refuseMessage('UNEXPECTED_DESCRIPTOR', 'only transfer messages may carry a descriptor');
+    if (handler.method !== 'Ping') this.deps.check?.(session, handler.method);
     return handler.answer(session, parsed, this.deps);
   }
 

@@ -47,6 +47,8 @@ export type RequestMessage = { type: string } & Record<string, unknown>;
 export interface Answer {
   reply: SessionMessage;
   fd?: number;
+  /** Undoes what the request did when its answer cannot be sent (the client is not reading its socket). */
+  unsent?: () => Promise<unknown>;
 }
 
 /**
@@ -382,12 +384,18 @@ export class SessionManager {
       });
       return;
     }
+    let sent = true;
     try {
       // Not reading its socket: the answer is lost; an allocation made is the session's and goes with it.
-      session.trySend(answer.reply, answer.fd ?? -1);
+      session.send(answer.reply, answer.fd ?? -1);
+    } catch {
+      sent = false;
     } finally {
       // The kernel holds its own reference while the descriptor is in flight.
       if (answer.fd !== undefined) addon.close(answer.fd);
+    }
+    if (!sent && answer.unsent !== undefined) {
+      await session.track(answer.unsent).catch((error: unknown) => session.log.error({ err: error }, `undoing ${message.type} request ${request} after its answer could not be sent failed`));
     }
   }
 

@@ -124,6 +124,46 @@ def test_allocate_on_the_session_socket_maps_memory_here(client: vmmd.VmmdClient
     memory.close()
 
 
+def test_release_share_export_and_open_take_the_session_socket_with_the_rules_of_their_rpcs(daemon: Daemon) -> None:
+    with daemon.connect() as owner, daemon.connect() as other:
+        before = daemon.stats()
+        memory = owner.vmm.allocate(2 * MiB)
+        memory.write(100, b"shared")
+        # Export and share on the socket: another session needs the key.
+        with pytest.raises(vmmd.VmmdError) as refused:
+            other.session.export(memory.allocation_id)
+        assert refused.value.code == "NOT_OWNER" and refused.value.status == grpc.StatusCode.PERMISSION_DENIED.value[0]
+        key = owner.vmm.share(allocation_id=memory.allocation_id).share_key
+        assert key == owner.session.share(memory.allocation_id)
+        seen = other.vmm.import_(memory.allocation_id, share_key=key)
+        assert seen.read(100, 6) == b"shared"
+        seen.close()
+        # Open a store on the socket: the Store message as the RPC gives it.
+        store = owner.stores.create_store(allocation_id=memory.allocation_id, name="py-socket-open", read_only=True)
+        with pytest.raises(vmmd.VmmdError) as refused:
+            other.stores.open("py-socket-open", writable=True)
+        assert refused.value.code == "STORE_READ_ONLY"
+        with pytest.raises(vmmd.VmmdError) as refused:
+            other.stores.open("no-such-store")
+        assert refused.value.code == "UNKNOWN_STORE"
+        opened = other.stores.open("py-socket-open")
+        assert opened.store.id == store.id and opened.store.read_only and opened.store.opens == 1
+        assert opened.memory.read(100, 6) == b"shared"
+        opened.close()
+        # Release on the socket: a ReleaseResponse, and the RPC's refusals.
+        with pytest.raises(vmmd.VmmdError) as refused:
+            other.vmm.release(allocation_id=memory.allocation_id)
+        assert refused.value.code == "NOT_OWNER"
+        memory.close()
+        owner.stores.detach("py-socket-open")
+        answer = owner.vmm.release(allocation_id=memory.allocation_id)
+        assert answer.handle_references == 0
+        with pytest.raises(vmmd.VmmdError) as refused:
+            owner.vmm.release(allocation_id=424242)
+        assert refused.value.code == "UNKNOWN_ALLOCATION" and refused.value.status == grpc.StatusCode.NOT_FOUND.value[0]
+        eventually(lambda: daemon.stats().allocations == before.allocations, what="the allocation to be freed")
+
+
 def test_the_daemon_going_away_ends_the_session(tmp_path: object) -> None:
     daemon = Daemon()
     try:

@@ -26,7 +26,7 @@ import { DAEMON_OWNER, IO_CHUNK_BYTES, Registry } from '../registry';
 import type { SessionManager } from '../sessions';
 import { StoreEvent, StoreRecord, StoreRegistry, StoreTarget } from '../stores';
 import { CallContext, clientStream, HandlerDeps, requireSession, serverStream, unary } from './handler';
-import { u64 } from './wire';
+import { toWireStore, u64 } from './wire';
 
 const TARGETS: Record<string, StoreTarget | undefined> = {
   STORE_TARGET_UNSPECIFIED: 'SYSMEM',
@@ -51,26 +51,7 @@ export class StoresService {
   ) {}
 
   toWire(store: StoreRecord): Store {
-    let opens = 0;
-    for (const count of store.opens.values()) opens += count;
-    return {
-      id: String(store.id),
-      name: store.name,
-      target: `STORE_TARGET_${store.target}`,
-      device: store.device,
-      size: String(store.size),
-      readOnly: store.readOnly,
-      attached: store.attached,
-      ownerSession: String(store.owner),
-      state: `STORE_STATE_${store.state}`,
-      opens,
-      allocationId: String(store.memory.allocationId),
-    };
-  }
-
-  private ref(value: StoreRef__Output | null): StoreRecord {
-    if (value === null) throw invalidArgument('NO_STORE', 'name the store by id or name');
-    return this.stores.find({ id: u64(value.id), name: value.name });
+    return toWireStore(store) as Store;
   }
 
   async createStore(request: CreateStoreRequest__Output, context: CallContext): Promise<Store> {
@@ -106,11 +87,8 @@ export class StoresService {
   /** @throws PERMISSION_DENIED NOT_STORE_WRITER (asked writable by a uid that is not the store's writer) */
   async open(request: OpenRequest__Output, context: CallContext): Promise<OpenResponse> {
     const session = requireSession(context, 'Open');
-    const store = this.ref(request.store);
-    const writer = this.mayWrite(store, context);
-    if (request.writable && !store.readOnly) this.checkWriter(store, context);
-    // Others get a descriptor that cannot write, where the backend can narrow one (host memfds).
-    const fd = await this.stores.open(context.caller, store, request.writable, !writer);
+    const store = this.stores.findRef(request.store);
+    const { fd, descriptorReadOnly } = await this.stores.openFor(context.caller, store, request.writable, context.who);
     let transferId: string;
     try {
       transferId = session.sendTransfer(fd, { allocation: store.memory.allocationId, size: store.size });
@@ -125,27 +103,13 @@ export class StoresService {
       transferId,
       granularity: String(store.memory.granularity),
       mappedSize: String(store.memory.mappedSize),
-      descriptorReadOnly: store.readOnly || !writer,
+      descriptorReadOnly,
     };
   }
 
-  /** Whether the caller may write the store: its maker's uid or an admin (calls without a connection: the daemon's own). */
-  private mayWrite(store: StoreRecord, context: CallContext): boolean {
-    const who = context.who;
-    if (who === undefined || who.admin) return true;
-    return who.peer !== undefined && who.peer.uid === store.creatorUid;
-  }
-
-  /**
-   * A writable store is written (Write, Fill, Copy into it, a writable Open)
-   * only by the uid that made it and by admins; other uids read it and open it read-only.
-   * @throws PERMISSION_DENIED NOT_STORE_WRITER
-   */
+  /** @throws PERMISSION_DENIED NOT_STORE_WRITER (server/stores.ts checkWriter) */
   private checkWriter(store: StoreRecord, context: CallContext): void {
-    if (this.mayWrite(store, context)) return;
-    const uid = context.who?.peer?.uid;
-    const writers = store.creatorUid === undefined ? 'admins' : `uid ${store.creatorUid}, which made it, and admins`;
-    throw permissionDenied('NOT_STORE_WRITER', `store ${store.id} is written only by ${writers}; ${uid === undefined ? 'this caller' : `uid ${uid}`} may read it and open it read-only`);
+    this.stores.checkWriter(store, context.who);
   }
 
   async close(request: CloseRequest__Output, context: CallContext): Promise<CloseResponse> {
@@ -155,7 +119,7 @@ export class StoresService {
 
   /** @throws PERMISSION_DENIED NOT_OWNER (another session's store; a daemon-owned store another uid made, unless the caller is an admin) */
   async detach(request: DetachRequest__Output, context: CallContext): Promise<Store> {
-    const store = this.ref(request.store);
+    const store = this.stores.findRef(request.store);
     const who = context.who;
     if (store.owner === DAEMON_OWNER && who?.peer !== undefined && !who.admin && store.creatorUid !== who.peer.uid) {
       throw permissionDenied(

@@ -6,7 +6,9 @@
 import type { AccessDescriptor__Output } from '../../generated/vmmd/v1/AccessDescriptor';
 import type { Location, Location__Output } from '../../generated/vmmd/v1/Location';
 import { Access, AccessGrant, HandleKind, LocationKind, MemLocation } from '../backends/backend';
+import type { OpenedMessage } from '../../common/protocol';
 import { invalidArgument } from '../errors';
+import type { StoreRecord } from '../stores';
 
 export function u64(value: string | number | undefined): bigint {
   return BigInt(value ?? 0);
@@ -66,4 +68,23 @@ export function accessGrant(value: AccessDescriptor__Output, index: number, reso
 
 export function toWireAccess(value: Access): 'ACCESS_FLAGS_NONE' | 'ACCESS_FLAGS_READ' | 'ACCESS_FLAGS_READWRITE' {
   return value === 3 ? 'ACCESS_FLAGS_READWRITE' : value === 1 ? 'ACCESS_FLAGS_READ' : 'ACCESS_FLAGS_NONE';
+}
+
+/** A store as the Store message (and the session socket's `opened` answer) describes it. */
+export function toWireStore(store: StoreRecord): OpenedMessage['store'] {
+  let opens = 0;
+  for (const count of store.opens.values()) opens += count;
+  return {
+    id: String(store.id),
+    name: store.name,
+    target: `STORE_TARGET_${store.target}`,
+    device: store.device,
+    size: String(store.size),
+    readOnly: store.readOnly,
+    attached: store.attached,
+    ownerSession: String(store.owner),
+    state: `STORE_STATE_${store.state}`,
+    opens,
+    allocationId: String(store.memory.allocationId),
+  };
 }

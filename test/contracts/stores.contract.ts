@@ -272,13 +272,14 @@ export function storesContract(backend: 'host' | 'cuda'): void {
       const store = await owner.stores.createStore({ allocationId: allocation.id, name: 'frozen', readOnly: true });
       const target = { storeId: store.id };
       const writable = await mutableStore(owner);
+      // One at a time: a refusal that comes back before the loop awaits it would be an unhandled rejection.
       for (const attempt of [
-        owner.stores.write(target, Buffer.from('x')),
-        owner.stores.fill(target, 1, 0),
-        owner.stores.copy({ storeId: writable.id }, target, 1),
-        owner.stores.open('frozen', { writable: true }),
+        () => owner.stores.write(target, Buffer.from('x')),
+        () => owner.stores.fill(target, 1, 0),
+        () => owner.stores.copy({ storeId: writable.id }, target, 1),
+        () => owner.stores.open('frozen', { writable: true }),
       ]) {
-        await expect(attempt).rejects.toMatchObject({ code: 'STORE_READ_ONLY', status: grpc.status.FAILED_PRECONDITION });
+        await expect(attempt()).rejects.toMatchObject({ code: 'STORE_READ_ONLY', status: grpc.status.FAILED_PRECONDITION });
       }
       const opened = await owner.stores.open('frozen');
       expect(opened.memory.readOnly).toBe(true);

@@ -6,6 +6,7 @@
 import pino from 'pino';
 import { Registry } from '../../server/registry';
 import { SessionDispatcher } from '../../server/session-dispatcher';
+import { StoreRegistry } from '../../server/stores';
 import type { RequestMessage, Session } from '../../server/sessions';
 import { FakeBackend, GRANULARITY } from './fake-backend';
 
@@ -15,7 +16,7 @@ const session = { id: 7n, log } as unknown as Session;
 function setup() {
   const backend = new FakeBackend();
   const registry = new Registry(backend);
-  return { backend, registry, dispatcher: new SessionDispatcher({ registry, reclaimers: [] }) };
+  return { backend, registry, dispatcher: new SessionDispatcher({ registry, stores: new StoreRegistry(registry), reclaimers: [] }) };
 }
 
 describe('session dispatcher', () => {
@@ -72,6 +73,63 @@ describe('session dispatcher', () => {
     expect(registry.snapshot().allocations).toEqual([]);
   });
 
+  it.each([
+    ['{"type":"release","request":"1","allocation":1}', /release: allocation 1 is not a decimal uint64 string/],
+    ['{"type":"release","allocation":"1"}', /release: request undefined is not a decimal uint64 string above 0/],
+    ['{"type":"share","request":"1"}', /share: allocation undefined/],
+    ['{"type":"export","request":"1","allocation":"1","shareKey":["k"]}', /export: shareKey must be a string of at most 256 characters/],
+    ['{"type":"open","request":"1","store":[]}', /open: store must be/],
+    ['{"type":"open","request":"1","store":{"id":"01"}}', /open: store.id "01" is not a decimal uint64 string/],
+    ['{"type":"opened","request":"1"}', /clients may not send "opened" messages/],
+  ])('refuses the hot operation %s as a message, with the reason, changing nothing', (text, reason) => {
+    const { dispatcher, registry, backend } = setup();
+    const before = registry.snapshot();
+    expect(() => dispatcher.answer(session, JSON.parse(text) as RequestMessage, -1)).toThrow(expect.objectContaining({ code: 'BAD_MESSAGE', messageRefused: true, message: expect.stringMatching(reason) }));
+    expect(registry.snapshot()).toEqual(before);
+    expect(backend.calls).toEqual([]);
+  });
+
+  it('checks each request as the RPC of the same name before the registry is asked', async () => {
+    const backend = new FakeBackend();
+    const registry = new Registry(backend);
+    const checked: string[] = [];
+    const dispatcher = new SessionDispatcher({
+      registry,
+      stores: new StoreRegistry(registry),
+      reclaimers: [],
+      check: (_session, method) => {
+        checked.push(method);
+        if (method === 'Release') throw Object.assign(new Error('no'), { code: 'NOT_ALLOWED' });
+      },
+    });
+    const { allocation } = (await dispatcher.answer(session, { type: 'allocate', request: '1', size: String(GRANULARITY) }, -1)).reply as { allocation: string };
+    expect(() => dispatcher.answer(session, { type: 'release', request: '2', allocation }, -1)).toThrow(expect.objectContaining({ code: 'NOT_ALLOWED' }));
+    expect(registry.snapshot().allocations).toHaveLength(1);
+    await dispatcher.answer(session, { type: 'share', request: '3', allocation }, -1);
+    await dispatcher.answer(session, { type: 'ping' }, -1);
+    expect(checked).toEqual(['Allocate', 'Release', 'Share']);
+  });
+
+  it('answers release, share and export with what the registry did for the session', async () => {
+    const { dispatcher, registry } = setup();
+    const { allocation } = (await dispatcher.answer(session, { type: 'allocate', request: '1', size: String(GRANULARITY) }, -1)).reply as { allocation: string };
+    const shared = await dispatcher.answer(session, { type: 'share', request: '2', allocation }, -1);
+    expect(shared.reply).toEqual({ type: 'shared', request: '2', allocation, shareKey: registry.allocation(BigInt(allocation))?.shareKey });
+    const exported = await dispatcher.answer(session, { type: 'export', request: '3', allocation }, -1);
+    expect(exported.reply).toMatchObject({ type: 'exported', request: '3', allocation, size: String(GRANULARITY) });
+    expect(exported.fd).toBeGreaterThanOrEqual(0);
+    await expect(Promise.resolve().then(() => dispatcher.answer({ ...session, id: 8n } as Session, { type: 'release', request: '4', allocation }, -1))).rejects.toMatchObject({ code: 'NOT_OWNER' });
+    expect((await dispatcher.answer(session, { type: 'release', request: '5', allocation }, -1)).reply).toEqual({
+      type: 'released',
+      request: '5',
+      allocation,
+      freed: true,
+      handleReferences: 0,
+      mappingCount: 0,
+    });
+    expect(registry.snapshot().allocations).toEqual([]);
+  });
+
   it('answers ping with pong and the nonce, cut to 64 characters', async () => {
     const { dispatcher } = setup();
     expect((await dispatcher.answer(session, { type: 'ping', nonce: 'x'.repeat(100) }, -1)).reply).toEqual({ type: 'pong', nonce: 'x'.repeat(64) });
@@ -82,6 +140,7 @@ describe('session dispatcher', () => {
     const steps: string[] = [];
     const dispatcher = new SessionDispatcher({
       registry,
+      stores: new StoreRegistry(registry),
       reclaimers: [
         async () => {
           steps.push('stores');

@@ -10,6 +10,7 @@ import threading
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple, Union
 
 import grpc
+from google.protobuf import json_format
 
 from . import _proto
 from .errors import STATUS, VmmdError
@@ -289,8 +290,17 @@ class VirtualMemoryApi:
         return self._service.unary("Create", request, **fields)
 
     def release(self, request: Request = None, **fields: Any) -> Message:
-        """Raises VmmdError NOT_FOUND UNKNOWN_ALLOCATION, FAILED_PRECONDITION ALREADY_RELEASED."""
-        return self._service.unary("Release", request, **fields)
+        """Drops this session's reference to an allocation: on the session
+        socket (one round trip), or the Release RPC where the socket is gone.
+        Returns a ReleaseResponse either way.
+        Raises VmmdError NOT_FOUND UNKNOWN_ALLOCATION, FAILED_PRECONDITION ALREADY_RELEASED, PERMISSION_DENIED NOT_OWNER."""
+        message = self._service._request("Release", request, fields)
+        if self._session.closed:
+            return self._service.unary("Release", message)
+        answer = self._session.release(int(message.allocation_id))
+        return _proto.message("ReleaseResponse")(
+            freed=bool(answer["freed"]), handle_references=int(answer["handleReferences"]), mapping_count=int(answer["mappingCount"])
+        )
 
     def map(self, request: Request = None, **fields: Any) -> Message:
         """Raises VmmdError ALREADY_MAPPED, NOT_ALIGNED, NONZERO_OFFSET, BEYOND_ALLOCATION, BEYOND_RESERVATION."""
@@ -313,8 +323,12 @@ class VirtualMemoryApi:
         return self._service.unary("Export", request, **fields)
 
     def share(self, request: Request = None, **fields: Any) -> Message:
-        """A key that lets another session import the allocation. Raises VmmdError PERMISSION_DENIED NOT_OWNER."""
-        return self._service.unary("Share", request, **fields)
+        """A key that lets another session import the allocation (on the
+        session socket, or the Share RPC where it is gone). Raises VmmdError PERMISSION_DENIED NOT_OWNER."""
+        message = self._service._request("Share", request, fields)
+        if self._session.closed:
+            return self._service.unary("Share", message)
+        return _proto.message("ShareResponse")(share_key=self._session.share(int(message.allocation_id)))
 
     def import_transfer(self, request: Request = None, **fields: Any) -> Message:
         """The raw Import call; import_descriptor() sends the descriptor first."""
@@ -346,6 +360,14 @@ class VirtualMemoryApi:
         the host backend, a device pointer in this process's CUDA context on
         cuda. (import is a Python keyword: hence the underscore.)
         Raises VmmdError from Export, TRANSFER_NOT_RECEIVED, NO_CUDA, LOCAL_MAP_FAILED."""
+        if not self._session.closed:
+            # The session socket: the descriptor comes with the answer, one round trip.
+            answer, fd = self._session.export(int(allocation_id), share_key)
+            loc = answer.get("location") or {}
+            return self._map_descriptor(
+                int(answer["allocation"]), fd, int(answer["size"]), int(answer["granularity"]), int(answer.get("device", 0)), str(answer.get("deviceUuid", "")),
+                _LOCATIONS.get(loc.get("type", "DEVICE"), "LOCATION_TYPE_DEVICE"), int(loc.get("id", 0)), read_only, host_access,
+            )
         exported = self.export(allocation_id=int(allocation_id), share_key=share_key, handle_type="HANDLE_TYPE_POSIX_FD")
         fd = self._session.take_transfer(exported.transfer_id)
         location = exported.location
@@ -542,9 +564,19 @@ class StoresApi:
     def open(self, store: StoreName, writable: bool = False) -> OpenedStore:
         """Opens a store and maps it here: read-only unless `writable`.
         Raises VmmdError UNKNOWN_STORE, STORE_DETACHED, STORE_READ_ONLY (asked writable)."""
-        opened = self._service.unary("Open", store=_store_ref(store), writable=writable)
-        info = opened.store
-        fd = self._session.take_transfer(opened.transfer_id)
+        if not self._session.closed:
+            # The session socket: the descriptor comes with the answer, one round trip.
+            answer, fd = self._session.open_store(_store_ref(store), writable)
+            try:
+                opened = json_format.ParseDict(answer, _proto.message("OpenResponse")(), ignore_unknown_fields=True)
+            except BaseException:
+                os.close(fd)
+                raise
+            info = opened.store
+        else:
+            opened = self._service.unary("Open", store=_store_ref(store), writable=writable)
+            info = opened.store
+            fd = self._session.take_transfer(opened.transfer_id)
         read_only = info.read_only or not writable
         size = int(opened.mapped_size)
         granularity = int(opened.granularity)

@@ -1,6 +1,7 @@
 """The client's side of the session socket (docs/PROTOCOL.md): the greeting
 with the session token, the inbox of descriptors the daemon sent by transfer
-id, descriptors sent to the daemon, and allocate/ping on the socket."""
+id, descriptors sent to the daemon, and the requests on the socket (allocate,
+release, share, export, open, ping)."""
 from __future__ import annotations
 
 import json
@@ -16,6 +17,17 @@ PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 4096
 # A descriptor the daemon sent and nobody claimed is closed after this long.
 UNCLAIMED_TRANSFER_S = 30.0
+
+
+# Answers to request messages, and those that carry a descriptor.
+_ANSWERS = ("allocated", "released", "shared", "exported", "opened")
+_WITH_DESCRIPTOR = ("allocated", "exported", "opened")
+
+
+def _u64(value: Any, what: str) -> str:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value >= 1 << 64:
+        raise VmmdError("BAD_ID", STATUS["INVALID_ARGUMENT"], f"{what} {value!r} is not an integer in [0, 2^64)")
+    return str(value)
 
 
 class _Pending:
@@ -159,6 +171,47 @@ class ClientSession:
         assert pending.message is not None
         return pending.message, pending.fd
 
+    def release(self, allocation: int, timeout: float = 30.0) -> Dict[str, Any]:
+        """Release on the session socket, one round trip: the answer has the
+        Release RPC's fields (freed, handleReferences, mappingCount).
+
+        Raises VmmdError as the Release RPC (UNKNOWN_ALLOCATION, NOT_OWNER,
+        ALREADY_RELEASED…), NO_ANSWER, SESSION_LOST."""
+        pending = self._request({"type": "release", "allocation": _u64(allocation, "allocation")}, timeout, "release")
+        assert pending.message is not None
+        return pending.message
+
+    def share(self, allocation: int, timeout: float = 30.0) -> str:
+        """Share on the session socket: the key another session exports the allocation with."""
+        pending = self._request({"type": "share", "allocation": _u64(allocation, "allocation")}, timeout, "share")
+        assert pending.message is not None
+        return str(pending.message["shareKey"])
+
+    def export(self, allocation: int, share_key: str = "", timeout: float = 30.0) -> Tuple[Dict[str, Any], int]:
+        """Export on the session socket: the allocation's descriptor (the caller owns it), attached to the answer.
+
+        Raises VmmdError as the Export RPC (NOT_OWNER, BAD_SHARE_KEY, ALREADY_RELEASED…), NO_ANSWER, SESSION_LOST."""
+        message: Dict[str, Any] = {"type": "export", "allocation": _u64(allocation, "allocation")}
+        if share_key:
+            message["shareKey"] = share_key
+        pending = self._request(message, timeout, "export")
+        assert pending.message is not None
+        return pending.message, pending.fd
+
+    def open_store(self, store: Dict[str, Any], writable: bool = False, timeout: float = 30.0) -> Tuple[Dict[str, Any], int]:
+        """Open a store on the session socket: {"store": Store's JSON fields,
+        "granularity", "mappedSize"} and its descriptor (the caller owns it).
+
+        Raises VmmdError as Stores.Open (UNKNOWN_STORE, STORE_DETACHED, STORE_READ_ONLY…), NO_ANSWER, SESSION_LOST."""
+        ref: Dict[str, Any] = {}
+        if "id" in store:
+            ref["id"] = _u64(store["id"], "store id")
+        if "name" in store:
+            ref["name"] = str(store["name"])
+        pending = self._request({"type": "open", "store": ref, "writable": bool(writable)}, timeout, "open")
+        assert pending.message is not None
+        return pending.message, pending.fd
+
     def ping(self, timeout: float = 5.0) -> float:
         """One round trip on the session socket; returns its seconds."""
         start = time.perf_counter()
@@ -272,19 +325,19 @@ class ClientSession:
                 self._lock.notify_all()
                 return
             key = None
-            if kind in ("allocated", "error") and message.get("request") is not None:
+            if (kind in _ANSWERS or kind == "error") and message.get("request") is not None:
                 key = f"request:{message['request']}"
             elif kind == "pong" and message.get("nonce") is not None:
                 key = f"nonce:{message['nonce']}"
             pending = self._requests.pop(key, None) if key is not None else None
         if pending is not None:
-            if kind == "allocated" and fd >= 0:
+            if kind in _WITH_DESCRIPTOR and fd >= 0:
                 pending.message, pending.fd = message, fd
                 fd = -1
             elif kind == "error":
                 pending.error = VmmdError(str(message.get("code")), int(message.get("status") or STATUS["UNKNOWN"]), str(message.get("message")))
-            elif kind == "allocated":
-                pending.error = VmmdError("NO_DESCRIPTOR", STATUS["INTERNAL"], f"the daemon's answer to allocate request {message.get('request')} carried no descriptor")
+            elif kind in _WITH_DESCRIPTOR:
+                pending.error = VmmdError("NO_DESCRIPTOR", STATUS["INTERNAL"], f"the daemon's answer ({kind}) to request {message.get('request')} carried no descriptor")
             else:
                 pending.message = message
             pending.event.set()

@@ -1,0 +1,229 @@
+/**
+ * The hot operations on the session socket (issue 18): release, share,
+ * export and open, each one round trip, over a real daemon. Each keeps the
+ * rules of its RPC: the same refusals with the same status and code, quotas
+ * charged and refunded, other sessions' objects refused, nothing changed by
+ * a refusal, and everything reclaimed with the session.
+ */
+import * as grpc from '@grpc/grpc-js';
+import { connect, VmmdClient } from '../../client';
+import { socketPaths } from '../../common/paths';
+import { decodeMessage } from '../../common/protocol';
+import { addon } from '../../native';
+import { SeqpacketConnection, SeqpacketMessage } from '../../native/seqpacket';
+import { eventually, MiB, objectsOf, stopWhenClean, TestDaemon } from './harness';
+
+let daemon: TestDaemon;
+const clients: VmmdClient[] = [];
+
+beforeAll(async () => {
+  daemon = await TestDaemon.start(['--quota-per-session', '6MiB']);
+});
+
+afterAll(async () => {
+  await stopWhenClean(daemon, clients);
+});
+
+afterEach(async () => {
+  for (const connected of clients.splice(0)) connected.close();
+  await eventually(async () => ((await daemon.stats()).sessions === 0 ? true : undefined), 10_000, 'the sessions to close');
+});
+
+async function client(): Promise<VmmdClient> {
+  const connected = await connect({ socketDir: daemon.dir });
+  clients.push(connected);
+  return connected;
+}
+
+describe('release on the session socket', () => {
+  it('drops the reference as the Release RPC does, and refunds the quota', async () => {
+    const c = await client();
+    const before = objectsOf(await daemon.stats());
+    const a = await c.vmm.create({ size: 4n * MiB });
+    const b = await c.vmm.create({ size: 2n * MiB });
+    // The quota (6 MiB) is full: a third is refused until a release refunds it.
+    await expect(c.session.allocate(2n * MiB)).rejects.toMatchObject({ code: 'QUOTA_EXCEEDED', status: grpc.status.RESOURCE_EXHAUSTED });
+    expect(await c.session.release(a.id)).toEqual({ type: 'released', request: expect.any(String), allocation: a.id, freed: true, handleReferences: 0, mappingCount: 0 });
+    const { message, fd } = await c.session.allocate(2n * MiB);
+    addon.close(fd);
+    // The library's release() takes the socket and answers as the RPC.
+    await expect(c.vmm.release({ allocationId: b.id })).resolves.toEqual({ freed: true, handleReferences: 0, mappingCount: 0 });
+    await c.vmm.release({ allocationId: message.allocation });
+    expect(objectsOf(await daemon.stats())).toEqual(before);
+  });
+
+  it('keeps mapped memory alive: released, not freed, until the last mapping goes', async () => {
+    const c = await client();
+    const allocation = await c.vmm.create({ size: 2n * MiB });
+    const reservation = await c.vmm.reserve({ size: 2n * MiB });
+    await c.vmm.map({ address: reservation.address, size: 2n * MiB, allocationId: allocation.id });
+    expect(await c.session.release(allocation.id)).toMatchObject({ freed: false, handleReferences: 0, mappingCount: 1 });
+    await expect(c.session.release(allocation.id)).rejects.toMatchObject({ code: 'ALREADY_RELEASED', status: grpc.status.FAILED_PRECONDITION });
+    await c.vmm.unmap({ address: reservation.address, size: 2n * MiB });
+    await c.vmm.freeAddress({ address: reservation.address, size: 2n * MiB });
+    expect((await daemon.stats()).allocations).toBe('0');
+  });
+
+  it("refuses another session's allocation and unknown ones, changing nothing", async () => {
+    const owner = await client();
+    const other = await client();
+    const allocation = await owner.vmm.create({ size: 2n * MiB });
+    const before = objectsOf(await daemon.stats());
+    await expect(other.session.release(allocation.id)).rejects.toMatchObject({ code: 'NOT_OWNER', status: grpc.status.PERMISSION_DENIED });
+    await expect(other.session.release(999_999n)).rejects.toMatchObject({ code: 'UNKNOWN_ALLOCATION', status: grpc.status.NOT_FOUND });
+    await expect(other.session.release(0n)).rejects.toMatchObject({ code: 'UNKNOWN_ALLOCATION', status: grpc.status.NOT_FOUND });
+    expect(objectsOf(await daemon.stats())).toEqual(before);
+    expect((await owner.vmm.getProperties({ allocationId: allocation.id })).released).toBe(false);
+  });
+});
+
+describe('share and export on the session socket', () => {
+  it("exports the session's own allocation with its descriptor attached, and another's only with its share key", async () => {
+    const owner = await client();
+    const other = await client();
+    const made = await owner.vmm.allocate({ size: 2n * MiB });
+    made.bytes().fill(0x5a);
+    // Own allocation: the descriptor comes with the answer.
+    const own = await owner.session.export(made.allocationId);
+    expect(own.message).toMatchObject({ type: 'exported', allocation: String(made.allocationId), size: String(2n * MiB), granularity: String(2n * MiB), device: 0 });
+    expect(addon.hostFdInfo(own.fd)).toMatchObject({ memfd: true, size: 2n * MiB });
+    addon.close(own.fd);
+    const fds = daemon.openFds();
+    // Another session's: refused without the key, or with a wrong one; nothing is sent.
+    await expect(other.session.export(made.allocationId)).rejects.toMatchObject({ code: 'NOT_OWNER', status: grpc.status.PERMISSION_DENIED });
+    await expect(other.session.export(made.allocationId, 'not-the-key')).rejects.toMatchObject({ code: 'BAD_SHARE_KEY', status: grpc.status.PERMISSION_DENIED });
+    await expect(other.session.share(made.allocationId)).rejects.toMatchObject({ code: 'NOT_OWNER', status: grpc.status.PERMISSION_DENIED });
+    await expect(owner.session.share(123_456n)).rejects.toMatchObject({ code: 'UNKNOWN_ALLOCATION', status: grpc.status.NOT_FOUND });
+    expect(daemon.openFds()).toBe(fds);
+    // With the key the owner got on the socket, the other maps the same memory (the library's import takes the socket).
+    const shareKey = await owner.session.share(made.allocationId);
+    expect(shareKey).toBe((await owner.vmm.share({ allocationId: made.allocationId })).shareKey);
+    const imported = await other.vmm.import(made.allocationId, { shareKey });
+    expect(imported.bytes()[4321]).toBe(0x5a);
+    await imported.close();
+    await made.close();
+    await owner.vmm.release({ allocationId: made.allocationId });
+    // Freed (nothing mapped it any more): gone, as for the RPC.
+    await expect(owner.session.export(made.allocationId)).rejects.toMatchObject({ code: 'UNKNOWN_ALLOCATION', status: grpc.status.NOT_FOUND });
+  });
+
+  it("reclaims with the session what was exported on the socket", async () => {
+    const before = objectsOf(await daemon.stats());
+    const fds = daemon.openFds();
+    const c = await client();
+    const { message, fd } = await c.session.allocate(2n * MiB);
+    addon.close(fd);
+    const exported = await c.session.export(message.allocation);
+    addon.close(exported.fd);
+    c.close();
+    await eventually(async () => (JSON.stringify(objectsOf(await daemon.stats())) === JSON.stringify(before) ? true : undefined), 10_000, 'objects back to the baseline');
+    await eventually(() => (daemon.openFds() === fds ? true : undefined), 10_000, `daemon fds back to ${fds}`);
+  });
+});
+
+describe('open on the session socket', () => {
+  it('opens a store by name or id with its descriptor attached, counted as an open, with the rules of Stores.Open', async () => {
+    const owner = await client();
+    const allocation = await owner.vmm.create({ size: 2n * MiB });
+    const store = await owner.stores.createStore({ allocationId: allocation.id, name: 'socket-open', readOnly: true });
+    const fds = daemon.openFds();
+    const byName = await owner.session.open({ name: 'socket-open' }, false);
+    expect(byName.message).toMatchObject({
+      type: 'opened',
+      store: { id: store.id, name: 'socket-open', readOnly: true, state: 'STORE_STATE_LIVE', opens: 1, allocationId: allocation.id, target: 'STORE_TARGET_SYSMEM' },
+      granularity: expect.any(String),
+      mappedSize: String(2n * MiB),
+    });
+    expect(addon.hostFdInfo(byName.fd)).toMatchObject({ memfd: true });
+    addon.close(byName.fd);
+    const byId = await owner.session.open({ id: store.id }, false);
+    addon.close(byId.fd);
+    expect(byId.message.store.opens).toBe(2);
+    // Refusals as Stores.Open gives them, and no descriptor sent.
+    await expect(owner.session.open({ name: 'socket-open' }, true)).rejects.toMatchObject({ code: 'STORE_READ_ONLY', status: grpc.status.FAILED_PRECONDITION });
+    await expect(owner.session.open({ name: 'nothing-by-this-name' }, false)).rejects.toMatchObject({ code: 'UNKNOWN_STORE', status: grpc.status.NOT_FOUND });
+    await expect(owner.session.open({ id: '999999' }, false)).rejects.toMatchObject({ code: 'UNKNOWN_STORE', status: grpc.status.NOT_FOUND });
+    expect(daemon.openFds()).toBe(fds);
+    expect((await owner.stores.list()).find((listed) => listed.id === store.id)?.opens).toBe(2);
+    // The library's open() takes the socket and maps the store.
+    const other = await client();
+    const opened = await other.stores.open('socket-open');
+    expect(opened.store).toMatchObject({ id: store.id, name: 'socket-open', opens: 3 });
+    expect(opened.memory.readOnly).toBe(true);
+    await opened.close();
+    // Both of the owner's opens go with its session, and the store with them.
+    await owner.stores.detach('socket-open');
+    owner.close();
+    await eventually(async () => ((await other.stores.list()).some((listed) => listed.id === store.id) ? undefined : true), 10_000, 'the store to go');
+  });
+
+  it('refuses an open without a store as NO_STORE', async () => {
+    const c = await client();
+    // The raw message, without the library's spelling of the store.
+    await expect((c.session as any).request('opened', { type: 'open' }, 5_000)).rejects.toMatchObject({ code: 'NO_STORE', status: grpc.status.INVALID_ARGUMENT });
+  });
+});
+
+describe('malformed requests on the session socket', () => {
+  let raw: SeqpacketConnection;
+  const inbox: SeqpacketMessage[] = [];
+
+  async function next(): Promise<any> {
+    const message = await eventually(() => inbox.shift(), 5_000, 'a message from the daemon');
+    if (message.fd >= 0) addon.close(message.fd);
+    return decodeMessage(message.data);
+  }
+
+  beforeEach(async () => {
+    raw = SeqpacketConnection.connect(socketPaths(daemon.dir).session);
+    raw.on('message', (message: SeqpacketMessage) => inbox.push(message));
+    expect(await next()).toMatchObject({ type: 'hello' });
+  });
+
+  afterEach(() => {
+    raw.close();
+    inbox.length = 0;
+  });
+
+  it.each([
+    [{ type: 'release', request: '11', allocation: 7 }, /release: allocation 7 is not a decimal uint64 string/],
+    [{ type: 'release', request: '12' }, /release: allocation undefined is not a decimal uint64 string/],
+    [{ type: 'share', request: '13', allocation: '-1' }, /share: allocation "-1"/],
+    [{ type: 'export', request: '14', allocation: '1', shareKey: 5 }, /export: shareKey must be a string/],
+    [{ type: 'export', request: '15', allocation: '18446744073709551616' }, /export: allocation/],
+    [{ type: 'open', request: '16', store: 'by-name' }, /open: store must be/],
+    [{ type: 'open', request: '17', store: { id: 3 } }, /open: store.id 3 is not a decimal uint64 string/],
+    [{ type: 'open', request: '18', store: { name: 4 } }, /open: store.name must be a string/],
+    [{ type: 'open', request: '19', store: { name: 'x' }, writable: 'yes' }, /open: writable must be true or false/],
+  ])('refuses %j as BAD_MESSAGE naming the request and the rule', async (message, reason) => {
+    const fds = daemon.openFds();
+    raw.send(Buffer.from(JSON.stringify(message)));
+    expect(await next()).toMatchObject({ type: 'error', code: 'BAD_MESSAGE', request: message.request, message: expect.stringMatching(reason) });
+    expect(daemon.openFds()).toBe(fds);
+  });
+
+  it('refuses a request with a descriptor attached, an unreadable request id, and the answers only the daemon sends', async () => {
+    const fds = daemon.openFds();
+    const fd = addon.hostMemfdCreate('stray', 2n * MiB);
+    raw.send(Buffer.from(JSON.stringify({ type: 'release', request: '21', allocation: '1' })), fd);
+    expect(await next()).toMatchObject({ type: 'error', code: 'UNEXPECTED_DESCRIPTOR', request: '21' });
+    raw.send(Buffer.from(JSON.stringify({ type: 'open', request: '22', store: { name: 'x' } })), fd);
+    expect(await next()).toMatchObject({ type: 'error', code: 'UNEXPECTED_DESCRIPTOR', request: '22' });
+    addon.close(fd);
+    raw.send(Buffer.from(JSON.stringify({ type: 'share', request: '007', allocation: '1' })));
+    const unreadable = await next();
+    expect(unreadable).toMatchObject({ type: 'error', code: 'BAD_MESSAGE', message: expect.stringMatching(/share: request "007" is not a decimal uint64 string above 0/) });
+    expect(unreadable).not.toHaveProperty('request');
+    for (const type of ['released', 'shared', 'exported', 'opened']) {
+      raw.send(Buffer.from(JSON.stringify({ type, request: '23' })));
+      expect(await next()).toMatchObject({ type: 'error', code: 'BAD_MESSAGE', request: '23', message: `clients may not send "${type}" messages` });
+    }
+    // A well-formed request the registry refuses: its RPC's status and code, the request named.
+    raw.send(Buffer.from(JSON.stringify({ type: 'release', request: '24', allocation: '424242' })));
+    expect(await next()).toMatchObject({ type: 'error', code: 'UNKNOWN_ALLOCATION', status: grpc.status.NOT_FOUND, request: '24' });
+    raw.send(Buffer.from(JSON.stringify({ type: 'ping', nonce: 'alive' })));
+    expect(await next()).toEqual({ type: 'pong', nonce: 'alive' });
+    expect(daemon.openFds()).toBe(fds);
+    expect((await daemon.stats()).allocations).toBe('0');
+  });
+});

@@ -1,0 +1,87 @@
+/**
+ * Issue 18's hot operations on the session socket (release, share, export,
+ * open) on the cuda backend: the descriptors they attach are CUDA shareable
+ * handles this process imports and maps, the memory is the same device memory,
+ * and the rules, quota and reclaim are those of the RPCs.
+ */
+import * as grpc from '@grpc/grpc-js';
+import { connect, VmmdClient } from '../../client';
+import { addon } from '../../native';
+import { eventually, MiB, objectsOf, TestDaemon } from '../e2e/harness';
+import { describeGpu } from './gpu';
+
+describeGpu('session socket operations on the cuda backend', () => {
+  let daemon: TestDaemon;
+  const clients: VmmdClient[] = [];
+
+  beforeAll(async () => {
+    daemon = await TestDaemon.start(['--quota-per-session', '8MiB'], 'cuda');
+  });
+
+  afterAll(async () => {
+    for (const client of clients.splice(0)) client.close();
+    await eventually(async () => ((await daemon.stats()).sessions === 0 ? true : undefined), 10_000, 'the sessions to close');
+    expect(await daemon.stats()).toMatchObject({ reservations: '0', allocations: '0', mappings: '0', pendingTransfers: 0 });
+    expect(await daemon.stop()).toBe(0);
+  });
+
+  async function client(): Promise<VmmdClient> {
+    const connected = await connect({ socketDir: daemon.dir });
+    clients.push(connected);
+    return connected;
+  }
+
+  it('exports on the socket a descriptor that maps the same device memory, and another session only with the share key', async () => {
+    const owner = await client();
+    const other = await client();
+    const memory = await owner.vmm.allocate({ size: 2n * MiB });
+    const bytes = Buffer.alloc(4096, 0x3c);
+    await memory.write(8192, bytes);
+    await expect(other.session.export(memory.allocationId)).rejects.toMatchObject({ code: 'NOT_OWNER', status: grpc.status.PERMISSION_DENIED });
+    const shareKey = await owner.session.share(memory.allocationId);
+    // The library's import takes the socket's export: a CUDA handle imported and mapped in this process.
+    const seen = await other.vmm.import(memory.allocationId, { shareKey });
+    expect((await addon.cudaCopyFromDevice(0, seen.address + 8192n, 16n)).equals(bytes.subarray(0, 16))).toBe(true);
+    await seen.close();
+    await memory.close();
+    expect(await owner.session.release(memory.allocationId)).toMatchObject({ type: 'released', freed: true, handleReferences: 0 });
+    await expect(owner.session.release(memory.allocationId)).rejects.toMatchObject({ code: 'UNKNOWN_ALLOCATION', status: grpc.status.NOT_FOUND });
+  });
+
+  it('refunds the quota on a release over the socket', async () => {
+    const c = await client();
+    const before = objectsOf(await daemon.stats());
+    const a = await c.session.allocate(4n * MiB);
+    addon.close(a.fd);
+    const b = await c.session.allocate(4n * MiB);
+    addon.close(b.fd);
+    await expect(c.session.allocate(2n * MiB)).rejects.toMatchObject({ code: 'QUOTA_EXCEEDED' });
+    await c.session.release(a.message.allocation);
+    const again = await c.session.allocate(2n * MiB);
+    addon.close(again.fd);
+    await c.session.release(b.message.allocation);
+    await c.session.release(again.message.allocation);
+    expect(objectsOf(await daemon.stats())).toEqual(before);
+  });
+
+  it('opens a device store on the socket and maps it here, counted as an open and dropped with the session', async () => {
+    const owner = await client();
+    const memory = await owner.vmm.allocate({ size: 2n * MiB });
+    const bytes = Buffer.alloc(1024, 0x7e);
+    await memory.write(0, bytes);
+    const store = await owner.stores.createStore({ allocationId: memory.allocationId, name: 'cuda-socket-open' });
+    const reader = await client();
+    const opened = await reader.stores.open('cuda-socket-open');
+    expect(opened.store).toMatchObject({ id: store.id, opens: 1 });
+    expect((await addon.cudaCopyFromDevice(0, opened.memory.address, 16n)).equals(bytes.subarray(0, 16))).toBe(true);
+    await opened.close();
+    const raw = await reader.session.open({ name: 'cuda-socket-open' }, false);
+    addon.close(raw.fd);
+    expect((await owner.stores.list()).find((listed) => listed.id === store.id)?.opens).toBe(1);
+    reader.close();
+    await eventually(async () => ((await owner.stores.list()).find((listed) => listed.id === store.id)?.opens === 0 ? true : undefined), 10_000, 'the open to go with the session');
+    await owner.stores.detach('cuda-socket-open');
+    await memory.close();
+    await owner.vmm.release({ allocationId: memory.allocationId });
+  });
+});
