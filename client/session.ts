@@ -222,17 +222,27 @@ export class ClientSession extends EventEmitter {
 
   /**
    * One round trip on the session socket (the daemon answers ping with pong).
-   * @throws VmmdError UNAVAILABLE SESSION_LOST (also when the session closes before the pong)
+   * @throws VmmdError UNAVAILABLE SESSION_LOST (also when the session closes before the pong), DEADLINE_EXCEEDED NO_ANSWER
    */
-  ping(): Promise<void> {
+  ping(timeoutMs = 30_000): Promise<void> {
     const nonce = String(this.nextPing++);
     return new Promise((resolve, reject) => {
-      this.pings.set(nonce, { resolve, reject });
+      // The timer also keeps the process alive while the pong is due (the socket does not).
+      const timer = setTimeout(() => {
+        this.pings.delete(nonce);
+        reject(new VmmdError('NO_ANSWER', Status.DEADLINE_EXCEEDED, `the daemon did not answer ping ${nonce} within ${timeoutMs} ms`));
+      }, timeoutMs);
+      const settle = (error?: Error) => {
+        clearTimeout(timer);
+        if (error === undefined) resolve();
+        else reject(error);
+      };
+      this.pings.set(nonce, { resolve: () => settle(), reject: settle });
       try {
         this.send({ type: 'ping', nonce });
       } catch (error) {
         this.pings.delete(nonce);
-        reject(error);
+        settle(error as Error);
       }
     });
   }

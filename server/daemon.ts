@@ -24,6 +24,7 @@ import { HandlerDeps } from './services/handler';
 import { VirtualMemoryService } from './services/virtual-memory';
 import { StoresService } from './services/stores';
 import { SessionDispatcher } from './session-dispatcher';
+import { measureCompletions, TurnMeter } from './turns';
 import { DEFAULT_SESSION_OPTIONS, SessionManager, SessionOptions } from './sessions';
 import { StagingBuffers } from './staging';
 import { CUDA_STAGING_PINNING } from './backends/cuda';
@@ -104,7 +105,9 @@ export class Daemon {
   /** @throws DaemonStartError, BackendUnavailableError, or the socket's error */
   static async start(config: DaemonConfig, log: Logger, sessionOptions: SessionOptions = DEFAULT_SESSION_OPTIONS): Promise<Daemon> {
     raiseDescriptorLimit(log);
-    const backend = await selectBackend(config, log);
+    // The daemon's own turns: each native completion's continuation is one (server/turns.ts).
+    const turns = new TurnMeter();
+    const backend = await selectBackend(config, log, (chosen) => measureCompletions(chosen, turns));
     armFaults(process.env.VMMD_FAULTS, log);
     const access = new AccessPolicy(config);
     const sessions = new SessionManager(log, {
@@ -138,6 +141,8 @@ export class Daemon {
     const undo: Array<() => void> = [];
     try {
       // The session socket's requests go straight to the registry; a closed session's stores and staging go before its objects.
+      const metrics = new Metrics(registry, () => sessions, stores, { version: VERSION, backend: backend.name }, turns);
+      undo.push(() => metrics.close());
       sessions.listen(
         paths.session,
         new SessionDispatcher({
@@ -146,6 +151,7 @@ export class Daemon {
           reclaimers: [(session) => stores.reclaim(session), (session) => staging.close(session)],
           check: (session, method) => access.checkSession(method, session),
         }),
+        { observe: (method, status, code, seconds) => metrics.observe('vmmd.session', method, status, code, seconds), turns },
       );
 
       // grpc-js's own log goes through pino, at the daemon's level.
@@ -163,8 +169,6 @@ export class Daemon {
       const health = new HealthImplementation(Object.fromEntries(HEALTH_SERVICES.map((name) => [name, 'NOT_SERVING'])));
       health.addToServer(server);
       health.addToServer(healthServer);
-      const metrics = new Metrics(registry, () => sessions, stores, { version: VERSION, backend: backend.name });
-      undo.push(() => metrics.close());
       // Each service's calls are counted under its full name: Read and List exist in two services.
       const depsOf = (service: string): HandlerDeps => ({
         sessions,
@@ -174,11 +178,12 @@ export class Daemon {
         observe: (method, status, code, seconds) => metrics.observe(service, method, status, code, seconds),
         streams: (method, delta) => metrics.stream(service, method, delta),
         moved: (method, direction, bytes) => metrics.bytesMoved(service, method, direction, bytes),
+        turns,
       });
       new DevicesService(registry).addToServer(server, proto, depsOf('vmmd.v1.Devices'));
       new VirtualMemoryService(registry, sessions, staging).addToServer(server, proto, depsOf('vmmd.v1.VirtualMemory'));
       new StoresService(registry, stores, sessions).addToServer(server, proto, depsOf('vmmd.v1.Stores'));
-      const admin = new AdminService({ registry, sessions, stores, quotas, metrics, version: VERSION });
+      const admin = new AdminService({ registry, sessions, stores, quotas, metrics, version: VERSION, turns });
       admin.addToServer(server, proto, depsOf('vmmd.v1.Admin'));
       // Accepted here, not by grpc-js: each connection is attributed to its peer's uid (server/access.ts).
       const unix = await GrpcUnixListener.listen(server, paths.grpc, log);

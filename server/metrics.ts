@@ -11,6 +11,7 @@ import { collectDefaultMetrics, Counter, Gauge, Histogram, Registry as MetricsRe
 import type { Registry } from './registry';
 import type { SessionManager } from './sessions';
 import type { StoreRegistry } from './stores';
+import type { TurnMeter } from './turns';
 
 export interface MetricsInfo {
   version: string;
@@ -32,7 +33,7 @@ export class Metrics {
   readonly calls = new Map<string, Map<string, number>>();
   private server?: http.Server;
 
-  constructor(registry: Registry, sessions: () => SessionManager, stores: StoreRegistry, info: MetricsInfo) {
+  constructor(registry: Registry, sessions: () => SessionManager, stores: StoreRegistry, info: MetricsInfo, turns?: TurnMeter) {
     collectDefaultMetrics({ register: this.registry, prefix: 'vmmd_' });
     // NOTE: prom-client names two gauges *_total (nodejs_active_{handles,requests,resources}_total), which
     // Prometheus reserves for counters; the same numbers are the sums of vmmd_nodejs_active_{handles,requests,resources}.
@@ -46,11 +47,29 @@ export class Metrics {
     const labelNames = ['service', 'method'] as const;
     this.rpcDuration = new Histogram({
       name: 'vmmd_rpc_duration_seconds',
-      help: 'Duration of gRPC calls (streams included, open to end), by service, method and status.',
+      help: 'Duration of calls (streams included, open to end), by service, method and status; session-socket requests count as service vmmd.session under the name of their RPC.',
       labelNames: [...labelNames, 'status'],
       buckets: [0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5],
       registers: [this.registry],
     });
+    if (turns !== undefined) {
+      const turnSeconds = new Histogram({
+        name: 'vmmd_event_loop_turn_seconds',
+        help: "The daemon's own turns: how long its event loop ran without a break for one piece of its work, by where it entered (session: a session-socket message; grpc: a gRPC handler; completion: a native call's continuation), each with the microtasks it ran.",
+        labelNames: ['kind'],
+        buckets: [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1],
+        registers: [this.registry],
+      });
+      turns.observe = (kind, seconds) => turnSeconds.observe({ kind }, seconds);
+      new Gauge({
+        name: 'vmmd_event_loop_turn_max_seconds',
+        help: "The daemon's longest turn since start (vmmd_event_loop_turn_seconds' largest).",
+        registers: [this.registry],
+        collect() {
+          this.set(turns.snapshot().longestUs / 1e6);
+        },
+      });
+    }
     this.streamsActive = new Gauge({ name: 'vmmd_rpc_streams_active', help: 'Streaming calls open now.', labelNames, registers: [this.registry] });
     this.streamsTotal = new Counter({ name: 'vmmd_rpc_streams_total', help: 'Streaming calls opened since start.', labelNames, registers: [this.registry] });
     this.moved = new Counter({

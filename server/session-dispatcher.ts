@@ -208,6 +208,11 @@ export class SessionDispatcher implements SessionServices {
     return handler.answer(session, parsed, this.deps);
   }
 
+  /** The RPC a message type is the socket's form of; undefined for types no handler takes. */
+  methodOf(type: string): string | undefined {
+    return Object.hasOwn(HANDLERS, type) ? HANDLERS[type].method : undefined;
+  }
+
   /** Each step runs whatever the one before it did: a failure is logged, never a reason to leave objects behind. */
   async reclaim(session: Session): Promise<ReclaimSummary> {
     // What the session holds once its calls have drained is what the steps below free.

@@ -15,6 +15,7 @@ import { TransferInbox } from '../common/transfer-inbox';
 import { addon, Credentials } from '../native';
 import { SeqpacketConnection, SeqpacketListener, SeqpacketMessage } from '../native/seqpacket';
 import { LogLimiter } from './log-limiter';
+import type { TurnMeter } from './turns';
 import { deadlineExceeded, ERROR_CODE_KEY, failedPrecondition, RpcError, toServiceError, unauthenticated, unavailable } from './errors';
 
 export interface SessionOptions {
@@ -65,6 +66,16 @@ export interface SessionServices {
   answer(session: Session, message: RequestMessage, fd: number): Promise<Answer> | Answer;
   /** Frees everything a closed session owned; runs once its calls have drained. Says what it freed, for the log. */
   reclaim(session: Session): Promise<ReclaimSummary | void>;
+  /** The RPC a request message type is the socket's form of (its metrics are counted under that name). */
+  methodOf?(type: string): string | undefined;
+}
+
+/** What the transport tells the rest of the daemon about its requests. */
+export interface SessionHooks {
+  /** Sees every request's method (the RPC's name), status name, error code and duration (metrics). */
+  observe?: (method: string, status: string, code: string | undefined, seconds: number) => void;
+  /** Measures each message's turn of the event loop (server/turns.ts). */
+  turns?: TurnMeter;
 }
 
 /** What a closed session's reclaim freed: its allocations (and their bytes) and reservations. */
@@ -183,6 +194,7 @@ export class Session {
 export class SessionManager {
   private listener?: SeqpacketListener;
   private services?: SessionServices;
+  private hooks: SessionHooks = {};
   private nextId = 1n;
   private readonly byToken = new Map<string, Session>();
   private readonly sessions = new Map<bigint, Session>();
@@ -199,8 +211,9 @@ export class SessionManager {
   ) {}
 
   /** Starts accepting sessions on `path`; `services` answers their requests and reclaims them. */
-  listen(path: string, services: SessionServices): void {
+  listen(path: string, services: SessionServices, hooks: SessionHooks = {}): void {
     this.services = services;
+    this.hooks = hooks;
     const refusal = encodeMessage({
       type: 'error',
       code: 'OUT_OF_DESCRIPTORS',
@@ -343,6 +356,7 @@ export class SessionManager {
   }
 
   private onMessage(session: Session, raw: SeqpacketMessage): void {
+    this.hooks.turns?.enter('session');
     if (session.closing) {
       if (raw.fd >= 0) addon.close(raw.fd);
       return;
@@ -364,17 +378,22 @@ export class SessionManager {
   /** Hands a request to the dispatcher and sends its answer, or the refusal as gRPC would give it. */
   private async answer(session: Session, message: RequestMessage, fd: number): Promise<void> {
     const request = typeof message.request === 'string' ? message.request : undefined;
+    const started = process.hrtime.bigint();
+    const observe = (status: Status, code?: string) =>
+      this.hooks.observe?.(this.services!.methodOf?.(message.type) ?? 'unknown', Status[status] ?? 'UNKNOWN', code, Number(process.hrtime.bigint() - started) / 1e9);
     let answer: Answer;
     try {
       // listen() set the services before the first connection.
       answer = await session.track(async () => this.services!.answer(session, message, fd));
     } catch (error) {
       if ((error as { messageRefused?: boolean }).messageRefused) {
+        observe(Status.INVALID_ARGUMENT, (error as RpcError).code);
         // A malformed message names its request only when the id itself was readable.
         const readable = request !== undefined && TRANSFER_ID_PATTERN.test(request) && BigInt(request) < 1n << 64n ? request : undefined;
         return this.refuse(session, fd, (error as RpcError).code, (error as RpcError).message, undefined, readable);
       }
       const wire = toServiceError(error, session.log);
+      observe(wire.code ?? Status.UNKNOWN, String(wire.metadata?.get(ERROR_CODE_KEY)[0] ?? 'INTERNAL'));
       session.trySend({
         type: 'error',
         ...(request === undefined ? {} : { request }),
@@ -384,6 +403,7 @@ export class SessionManager {
       });
       return;
     }
+    observe(Status.OK);
     let sent = true;
     try {
       // Not reading its socket: the answer is lost; an allocation made is the session's and goes with it.

@@ -19,11 +19,12 @@ export class BackendUnavailableError extends Error {
 /**
  * The backend, behind a stock of allocations created and exported ahead when
  * the configuration has one for it (server/backends/stock.ts); the stock is
- * full when this resolves.
+ * full when this resolves. `wrap` adapts the chosen backend first (the
+ * daemon measures its completions), so the stock's calls go through it too.
  * @throws BackendUnavailableError when cuda is asked for and cannot run
  */
-export async function selectBackend(config: DaemonConfig, log: Logger): Promise<Backend> {
-  const backend = await chooseBackend(config, log);
+export async function selectBackend(config: DaemonConfig, log: Logger, wrap: (backend: Backend) => Backend = (backend) => backend): Promise<Backend> {
+  const backend = wrap(await chooseBackend(config, log));
   const levels = config.stock === 'auto' ? defaultStock(backend.name) : config.stock;
   if (levels.length === 0) return backend;
   const stocked = new StockedBackend(backend, levels, log.child({ component: 'stock' }));

@@ -18,6 +18,7 @@ import type { Registry } from '../registry';
 import type { SessionManager } from '../sessions';
 import type { StoreRegistry } from '../stores';
 import type { Session } from '../sessions';
+import type { TurnMeter } from '../turns';
 import { CallContext, HandlerDeps, unary } from './handler';
 import { u64 } from './wire';
 
@@ -31,6 +32,8 @@ export interface AdminDeps {
   quotas: Quotas;
   metrics: Metrics;
   version: string;
+  /** The daemon's own turns (server/turns.ts), reported and reset with the event-loop delay. */
+  turns?: TurnMeter;
 }
 
 export class AdminService {
@@ -61,7 +64,16 @@ export class AdminService {
       rssBytes: String(process.memoryUsage.rss()),
       heapUsedBytes: String(process.memoryUsage().heapUsed),
     };
-    if (request?.resetEventLoopDelay) this.loopDelay.reset();
+    const turns = this.deps.turns?.snapshot();
+    if (turns !== undefined) {
+      result.eventLoopTurnMaxUs = String(turns.maxUs);
+      result.eventLoopTurnP99Us = String(turns.p99Us);
+      result.eventLoopTurns = String(turns.count);
+    }
+    if (request?.resetEventLoopDelay) {
+      this.loopDelay.reset();
+      this.deps.turns?.reset();
+    }
     return result;
   }
 

@@ -11,6 +11,7 @@ import type { AccessPolicy, Caller } from '../access';
 import { failedPrecondition, resourceExhausted, toServiceError } from '../errors';
 import { DAEMON_OWNER } from '../registry/records';
 import type { Session, SessionManager } from '../sessions';
+import type { TurnMeter } from '../turns';
 
 /** Who is calling: a session, or nobody (owner 0, the daemon). */
 export interface CallContext {
@@ -35,6 +36,8 @@ export interface HandlerDeps {
   streams?: (method: string, delta: 1 | -1) => void;
   /** Bytes that a call moved, by method and direction (read: to the client). */
   moved?: (method: string, direction: 'read' | 'write', bytes: number) => void;
+  /** Measures each call's turn of the event loop from its handler on (server/turns.ts). */
+  turns?: TurnMeter;
 }
 
 /** The bytes of a message's `data` field (DataChunk, WriteRequest, DataWriteRequest), 0 without one. */
@@ -131,6 +134,7 @@ export function unary<Req, Res>(
   body: (request: Req, context: CallContext) => Promise<Res> | Res,
 ): grpc.handleUnaryCall<Req, Res> {
   return (call, callback) => {
+    deps.turns?.enter('grpc');
     void settle(deps, method, withContext(deps, call, method, async (context) => body(call.request, context))).then(({ value, error }) => {
       if (error !== undefined) return callback(error as grpc.ServiceError);
       countUnaryBytes(deps, method, value);
@@ -211,6 +215,7 @@ export function serverStream<Req, Res>(
   options: { tracked?: boolean } = {},
 ): grpc.handleServerStreamingCall<Req, Res> {
   return (call) => {
+    deps.turns?.enter('grpc');
     const run = withContext(
       deps,
       call,
@@ -238,6 +243,7 @@ export function clientStream<Req, Res>(
   body: (requests: AsyncIterable<Req>, context: CallContext) => Promise<Res>,
 ): grpc.handleClientStreamingCall<Req, Res> {
   return (call, callback) => {
+    deps.turns?.enter('grpc');
     const requests = countingWrites(deps, method, call as AsyncIterable<Req>);
     const settled = settle(deps, method, withContext(deps, call, method, (context) => body(requests, context)));
     countStream(deps, method, call, settled);

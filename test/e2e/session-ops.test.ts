@@ -6,12 +6,13 @@
  * a refusal, and everything reclaimed with the session.
  */
 import * as grpc from '@grpc/grpc-js';
+import * as http from 'node:http';
 import { connect, VmmdClient } from '../../client';
 import { socketPaths } from '../../common/paths';
 import { decodeMessage } from '../../common/protocol';
 import { addon } from '../../native';
 import { SeqpacketConnection, SeqpacketMessage } from '../../native/seqpacket';
-import { eventually, MiB, objectsOf, stopWhenClean, TestDaemon } from './harness';
+import { eventually, freePort, MiB, objectsOf, stopWhenClean, TestDaemon } from './harness';
 
 let daemon: TestDaemon;
 const clients: VmmdClient[] = [];
@@ -225,5 +226,40 @@ describe('malformed requests on the session socket', () => {
     expect(await next()).toEqual({ type: 'pong', nonce: 'alive' });
     expect(daemon.openFds()).toBe(fds);
     expect((await daemon.stats()).allocations).toBe('0');
+  });
+});
+
+describe('the daemon counts socket requests and its own turns', () => {
+  it('reports socket requests under their RPC names, and its turns in GetStats and Prometheus metrics', async () => {
+    const port = await freePort();
+    const observed = await TestDaemon.start(['--metrics-port', String(port)]);
+    const c = await connect({ socketDir: observed.dir });
+    try {
+      const { message, fd } = await c.session.allocate(2n * MiB);
+      addon.close(fd);
+      await expect(c.session.share('999999')).rejects.toMatchObject({ code: 'UNKNOWN_ALLOCATION' });
+      await c.session.release(message.allocation);
+      await c.session.ping();
+      const stats = await observed.stats();
+      expect(Number(stats.eventLoopTurns)).toBeGreaterThan(0);
+      expect(Number(stats.eventLoopTurnMaxUs)).toBeGreaterThan(0);
+      expect(Number(stats.eventLoopTurnP99Us)).toBeLessThanOrEqual(Number(stats.eventLoopTurnMaxUs));
+      const text = await new Promise<string>((resolve, reject) =>
+        http.get({ host: '127.0.0.1', port, path: '/metrics' }, (response) => {
+          let body = '';
+          response.on('data', (chunk) => (body += chunk));
+          response.on('end', () => resolve(body));
+        }).on('error', reject),
+      );
+      expect(text).toMatch(/vmmd_rpc_duration_seconds_count\{service="vmmd.session",method="Allocate",status="OK"\} 1/);
+      expect(text).toMatch(/vmmd_rpc_duration_seconds_count\{service="vmmd.session",method="Release",status="OK"\} 1/);
+      expect(text).toMatch(/vmmd_rpc_duration_seconds_count\{service="vmmd.session",method="Share",status="NOT_FOUND"\} 1/);
+      expect(text).toMatch(/vmmd_event_loop_turn_seconds_count\{kind="session"\} [1-9]/);
+      expect(text).toMatch(/vmmd_event_loop_turn_seconds_count\{kind="grpc"\} [1-9]/);
+      expect(text).toMatch(/vmmd_event_loop_turn_max_seconds [0-9.e-]+/);
+    } finally {
+      c.close();
+      await stopWhenClean(observed, []);
+    }
   });
 });

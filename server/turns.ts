@@ -1,0 +1,121 @@
+/**
+ * The daemon's own turns: how long its event loop runs without a break for
+ * one piece of its work (issue 18). monitorEventLoopDelay measures how late a
+ * timer fires, which also counts the host's scheduling (the OS running other
+ * processes, a GC); this measures the daemon's synchronous stretches themselves.
+ *
+ * A turn starts where the event loop enters the daemon's code:
+ * - a message on a session socket (sessions.ts, before it is framed),
+ * - a gRPC call reaching its handler (services/handler.ts),
+ * - a native completion (a driver-thread call, a host copy) resuming the code
+ *   that awaited it (the backend adaptor below);
+ * and ends when the microtasks and next-ticks that entry started have run out:
+ * Node drains both queues before it returns to the event loop, and a next-tick
+ * queued from a microtask runs only once the microtask queue is empty. So a
+ * turn is the entry's synchronous run plus every continuation it ran without
+ * yielding, exactly what holds up the next socket message. Other entries
+ * (timers, grpc-js's own HTTP/2 reads before a call reaches a handler) are not
+ * counted; the event-loop delay beside it counts everything.
+ */
+import { createHistogram, RecordableHistogram } from 'node:perf_hooks';
+
+/** Where a turn entered the daemon's code. */
+export type TurnKind = 'session' | 'grpc' | 'completion';
+
+const now = () => process.hrtime.bigint();
+
+export class TurnMeter {
+  // The window GetStats reports and resets (nanoseconds); and since start.
+  private window: RecordableHistogram = createHistogram();
+  private longestNs = 0n;
+  private longestKind?: TurnKind;
+  /** Sees each turn (seconds), for the Prometheus histogram. */
+  observe?: (kind: TurnKind, seconds: number) => void;
+
+  /**
+   * Starts a turn now, at an entry into the daemon's code; it ends once the
+   * microtasks and next-ticks queued meanwhile have run.
+   */
+  enter(kind: TurnKind): void {
+    const start = now();
+    queueMicrotask(() => process.nextTick(() => this.record(kind, now() - start)));
+  }
+
+  /**
+   * The promise of a native call, its continuation measured as a turn: the
+   * code that awaited it starts running when the completion resolves it.
+   */
+  completion<T>(promise: Promise<T>): Promise<T> {
+    return promise.then(
+      (value) => {
+        this.enterFromMicrotask('completion');
+        return value;
+      },
+      (error: unknown) => {
+        this.enterFromMicrotask('completion');
+        throw error;
+      },
+    );
+  }
+
+  /** Longest and 99th-percentile turn of the window, microseconds, and the longest since start. */
+  snapshot(): { maxUs: number; p99Us: number; count: number; longestUs: number; longestKind?: TurnKind } {
+    const count = this.window.count;
+    return {
+      maxUs: count === 0 ? 0 : Math.round(this.window.max / 1000),
+      p99Us: count === 0 ? 0 : Math.round(this.window.percentile(99) / 1000),
+      count,
+      longestUs: Number(this.longestNs / 1000n),
+      longestKind: this.longestKind,
+    };
+  }
+
+  /** Starts a new window (GetStats with reset_event_loop_delay). */
+  reset(): void {
+    this.window.reset();
+  }
+
+  private enterFromMicrotask(kind: TurnKind): void {
+    // Already inside the microtask drain: a next-tick runs once it is over.
+    const start = now();
+    process.nextTick(() => this.record(kind, now() - start));
+  }
+
+  private record(kind: TurnKind, ns: bigint): void {
+    // The histogram takes integers from 1 up.
+    this.window.record(ns > 0n ? ns : 1n);
+    if (ns > this.longestNs) {
+      this.longestNs = ns;
+      this.longestKind = kind;
+    }
+    this.observe?.(kind, Number(ns) / 1e9);
+  }
+}
+
+/**
+ * A backend (or any object of async methods) whose promises are measured as
+ * completions: every method that returns a promise returns it through
+ * `meter.completion`. Other properties pass through unchanged.
+ */
+export function measureCompletions<T extends object>(target: T, meter: TurnMeter): T {
+  const wrapped = new Map<PropertyKey, unknown>();
+  return new Proxy(target, {
+    get(object, property, receiver) {
+      const value = Reflect.get(object, property, receiver) as unknown;
+      if (typeof value !== 'function') return value;
+      let method = wrapped.get(property);
+      if (method === undefined || (method as { original?: unknown }).original !== value) {
+        const original = value as (...args: unknown[]) => unknown;
+        method = Object.assign(
+          function (this: unknown, ...args: unknown[]) {
+            const result = original.apply(this === receiver ? object : this, args);
+            return result instanceof Promise ? meter.completion(result) : result;
+          },
+          { original },
+        );
+        wrapped.set(property, method);
+      }
+      return method;
+    },
+  });
+}

@@ -1,0 +1,116 @@
+/**
+ * The daemon's own turns (server/turns.ts): an entry's synchronous run and
+ * the microtasks it runs without yielding are one turn; a continuation after
+ * a native completion is one; waiting for a timer ends a turn.
+ */
+import { measureCompletions, TurnMeter } from '../../server/turns';
+
+/** Busy for `ms` milliseconds: a synchronous stretch of known length. */
+function spin(ms: number): void {
+  const until = process.hrtime.bigint() + BigInt(ms * 1e6);
+  while (process.hrtime.bigint() < until) {
+    // holding the event loop on purpose
+  }
+}
+
+const settled = () => new Promise((resolve) => setImmediate(resolve));
+
+describe('TurnMeter', () => {
+  it("counts an entry's synchronous run and the continuations it ran without yielding as one turn", async () => {
+    const meter = new TurnMeter();
+    const seen: Array<[string, number]> = [];
+    meter.observe = (kind, seconds) => seen.push([kind, seconds]);
+    await new Promise<void>((resolve) =>
+      setImmediate(() => {
+        meter.enter('session');
+        spin(3);
+        void Promise.resolve()
+          .then(() => spin(3))
+          .then(() => spin(3))
+          .then(resolve);
+      }),
+    );
+    await settled();
+    expect(seen).toHaveLength(1);
+    expect(seen[0][0]).toBe('session');
+    expect(seen[0][1]).toBeGreaterThanOrEqual(0.009);
+    expect(meter.snapshot()).toMatchObject({ count: 1, longestKind: 'session' });
+    expect(meter.snapshot().maxUs).toBeGreaterThanOrEqual(9000);
+  });
+
+  it('ends a turn where the code waits for the event loop (a timer), not where the work ends', async () => {
+    const meter = new TurnMeter();
+    const order: string[] = [];
+    meter.observe = () => order.push('turn ended');
+    await new Promise<void>((resolve) =>
+      setImmediate(() => {
+        meter.enter('grpc');
+        spin(1);
+        setTimeout(() => {
+          order.push('timer');
+          resolve();
+        }, 1);
+      }),
+    );
+    await settled();
+    expect(order).toEqual(['turn ended', 'timer']);
+    expect(meter.snapshot().count).toBe(1);
+    expect(meter.snapshot().maxUs).toBeGreaterThanOrEqual(1000);
+  });
+
+  it("measures a completion's continuation: the code that awaited the native call, up to its next wait", async () => {
+    const meter = new TurnMeter();
+    const native = () => new Promise<number>((resolve) => setTimeout(() => resolve(7), 2));
+    const value = await (async () => {
+      const result = await meter.completion(native());
+      spin(4);
+      return result;
+    })();
+    expect(value).toBe(7);
+    await settled();
+    expect(meter.snapshot()).toMatchObject({ count: 1, longestKind: 'completion' });
+    expect(meter.snapshot().maxUs).toBeGreaterThanOrEqual(4000);
+    // A rejection is a completion too, and is passed on unchanged.
+    const failure = new Error('CUDA_ERROR_OUT_OF_MEMORY');
+    await expect(meter.completion(Promise.reject(failure))).rejects.toBe(failure);
+    await settled();
+    expect(meter.snapshot().count).toBe(2);
+  });
+
+  it('starts a new window on reset and keeps the longest since start', async () => {
+    const meter = new TurnMeter();
+    meter.enter('session');
+    spin(2);
+    await settled();
+    meter.reset();
+    expect(meter.snapshot()).toMatchObject({ count: 0, maxUs: 0, p99Us: 0, longestKind: 'session' });
+    expect(meter.snapshot().longestUs).toBeGreaterThanOrEqual(2000);
+  });
+});
+
+describe('measureCompletions', () => {
+  class Backend {
+    readonly name = 'fake';
+    #handles = 0;
+    async create(size: number): Promise<number> {
+      this.#handles++;
+      return size * 2;
+    }
+    count(): number {
+      return this.#handles;
+    }
+  }
+
+  it("passes every call and property through, measuring only the promises' continuations", async () => {
+    const meter = new TurnMeter();
+    const backend = measureCompletions(new Backend(), meter);
+    expect(backend.name).toBe('fake');
+    expect(backend).toBeInstanceOf(Backend);
+    // Private fields work: methods run on the backend itself.
+    expect(await backend.create(21)).toBe(42);
+    expect(backend.count()).toBe(1);
+    await settled();
+    expect(meter.snapshot().count).toBe(1);
+    expect(backend.create).toBe(backend.create);
+  });
+});
