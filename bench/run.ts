@@ -19,6 +19,7 @@ import { concurrency } from './sections/concurrency';
 import { rpcCosts } from './sections/rpc-costs';
 import { rpcFloor } from './sections/rpc-floor';
 import { scale } from './sections/scale';
+import { sessionOps } from './sections/session-ops';
 import { storeLoad } from './sections/store-load';
 import { streaming } from './sections/streaming';
 
@@ -69,6 +70,7 @@ const SECTIONS: Record<string, (daemon: BenchDaemon, args: SectionArgs) => Promi
   pooled: (daemon, args) => pooled(daemon.client, count(args, 20_000, 100_000, 100_000)),
   cold: (daemon, args) => cold(daemon.client, count(args, 100, 200, 300)),
   'rpc-costs': (daemon, args) => rpcCosts(daemon.client, count(args, 200, 300, 500)),
+  'session-ops': (daemon, args) => sessionOps(daemon.client, count(args, 200, 1000, 2000)),
   handoff: (daemon, args) => handoff(daemon.client, count(args, 200, 500, 1000)),
   streaming: (daemon, args) => streaming(daemon.client, 256, count(args, 3, 5, 5)),
   // 8 GiB from the page cache on a GPU host (the target), 256 MiB on the host backend and with --quick.
