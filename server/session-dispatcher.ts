@@ -92,7 +92,8 @@ const allocate: Handler<{ request: string; args: CreateArgs }> = {
       session.log.error({ err: error }, 'allocate: releasing the allocation after a failed export failed'),
     );
     const reply: AllocatedMessage = { type: 'allocated', ...describeExport(registry, request, allocation) };
-    return { reply, fd };
+    // The client never learns of an allocation whose answer did not reach it: it is released again.
+    return { reply, fd, unsent: () => registry.release(session.id, allocation.id) };
   },
 };
 

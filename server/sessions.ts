@@ -381,6 +381,13 @@ export class SessionManager {
     const started = process.hrtime.bigint();
     const observe = (status: Status, code?: string) =>
       this.hooks.observe?.(this.services!.methodOf?.(message.type) ?? 'unknown', Status[status] ?? 'UNKNOWN', code, Number(process.hrtime.bigint() - started) / 1e9);
+    // The request's failure as the RPC would answer it: status, code and message, naming the request.
+    const fail = (error: unknown) => {
+      const wire = toServiceError(error, session.log);
+      const code = String(wire.metadata?.get(ERROR_CODE_KEY)[0] ?? 'INTERNAL');
+      observe(wire.code ?? Status.UNKNOWN, code);
+      session.trySend({ type: 'error', ...(request === undefined ? {} : { request }), status: wire.code ?? Status.UNKNOWN, code, message: wire.details ?? String(error) });
+    };
     let answer: Answer;
     try {
       // listen() set the services before the first connection.
@@ -392,31 +399,25 @@ export class SessionManager {
         const readable = request !== undefined && TRANSFER_ID_PATTERN.test(request) && BigInt(request) < 1n << 64n ? request : undefined;
         return this.refuse(session, fd, (error as RpcError).code, (error as RpcError).message, undefined, readable);
       }
-      const wire = toServiceError(error, session.log);
-      observe(wire.code ?? Status.UNKNOWN, String(wire.metadata?.get(ERROR_CODE_KEY)[0] ?? 'INTERNAL'));
-      session.trySend({
-        type: 'error',
-        ...(request === undefined ? {} : { request }),
-        status: wire.code ?? Status.UNKNOWN,
-        code: String(wire.metadata?.get(ERROR_CODE_KEY)[0] ?? 'INTERNAL'),
-        message: wire.details ?? String(error),
-      });
-      return;
+      return fail(error);
     }
-    observe(Status.OK);
-    let sent = true;
+    let unsent: unknown;
     try {
-      // Not reading its socket: the answer is lost; an allocation made is the session's and goes with it.
       session.send(answer.reply, answer.fd ?? -1);
-    } catch {
-      sent = false;
+    } catch (error) {
+      unsent = error;
     } finally {
       // The kernel holds its own reference while the descriptor is in flight.
       if (answer.fd !== undefined) addon.close(answer.fd);
     }
-    if (!sent && answer.unsent !== undefined) {
+    if (unsent === undefined) return observe(Status.OK);
+    // The answer (and its descriptor) did not go: what the request made is undone where it can be (an
+    // allocation released, an open dropped), and the send's failure is the answer, which, smaller and
+    // without a descriptor, may still get through; if not, the client's wait for it times out.
+    if (answer.unsent !== undefined) {
       await session.track(answer.unsent).catch((error: unknown) => session.log.error({ err: error }, `undoing ${message.type} request ${request} after its answer could not be sent failed`));
     }
+    fail(unsent);
   }
 
   private onTransfer(session: Session, transfer: string, fd: number): void {

@@ -204,6 +204,12 @@ function cases(backend: Backend): Case[] {
         operation: (c, { allocation }) => c.vmm.import(allocation),
         status: EXHAUSTED,
       },
+      {
+        plan: 'sendmsg:2:ENOBUFS',
+        what: 'Allocate on the session socket, when its answer cannot be sent (the allocation is released again)',
+        operation: (c) => c.vmm.allocate({ size: SIZE }),
+        status: EXHAUSTED,
+      },
     );
   } else {
     list.push({

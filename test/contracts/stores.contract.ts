@@ -213,6 +213,8 @@ export function storesContract(backend: 'host' | 'cuda'): void {
         receivedWhenDetached = received;
         return detached;
       });
+      // Open takes the session socket, Detach gRPC: two transports, not ordered with each other.
+      await eventually(async () => ((await owner.stores.list()).find((listed) => listed.id === store.id)?.state !== 'STORE_STATE_LIVE' ? true : undefined), 5_000, 'the detach to begin');
       await expect(owner.stores.open(BigInt(store.id))).rejects.toMatchObject({ code: 'STORE_DETACHED' });
       await expect(owner.stores.fill({ storeId: store.id }, 1, 0)).rejects.toMatchObject({ code: 'STORE_DETACHED' });
       expect((await reading).length).toBe(Number(64n * MiB));
