@@ -15,6 +15,7 @@ import { Quotas } from '../../server/quotas';
 import { Registry } from '../../server/registry';
 import { SessionDispatcher } from '../../server/session-dispatcher';
 import { SessionManager } from '../../server/sessions';
+import { StoreRegistry } from '../../server/stores';
 import { RecordingBackend } from '../contracts/recording-backend';
 
 const MiB = 1n << 20n;
@@ -40,7 +41,7 @@ it('frees what a session was allocating when its socket closed mid-create: nothi
   const sessions = new SessionManager(pino({ level: 'silent' }));
   const quotas = new Quotas({ perUid: 0n, perSession: 6n * MiB }, (session) => sessions.uidOf(session));
   const registry = new Registry(backend, (upstream) => quotas.around(upstream, (handle, device) => backend.memoryIdentity(handle, device)));
-  sessions.listen(path.join(dir, 'session.sock'), new SessionDispatcher({ registry, reclaimers: [] }));
+  sessions.listen(path.join(dir, 'session.sock'), new SessionDispatcher({ registry, stores: new StoreRegistry(registry), reclaimers: [] }));
   try {
     expect(memfdDescriptors()).toBe(0);
     const client = await ClientSession.open(path.join(dir, 'session.sock'), 5_000);
