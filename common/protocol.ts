@@ -144,6 +144,8 @@ export interface OpenedMessage {
   };
   granularity: string;
   mappedSize: string;
+  /** The descriptor cannot write (a read-only store, or a caller that may only read it): map it read-only. */
+  descriptorReadOnly: boolean;
 }
 
 /** The answers to a request message, by the request's type. */

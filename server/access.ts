@@ -98,8 +98,12 @@ export class AccessPolicy {
    * @throws as check()
    */
   checkSession(method: string, session: Session): void {
-    const peer = session.peer;
-    this.check(method, { transport: 'unix', peer, mutualTls: false, admin: this.isAdmin(peer) }, session.token, () => session);
+    this.check(method, this.sessionCaller(session), session.token, () => session);
+  }
+
+  /** The caller of a session-socket request: the session's peer, on the Unix socket. */
+  sessionCaller(session: Session): Caller {
+    return { transport: 'unix', peer: session.peer, mutualTls: false, admin: this.isAdmin(session.peer) };
   }
 
   /**

@@ -150,6 +150,7 @@ export class Daemon {
           stores,
           reclaimers: [(session) => stores.reclaim(session), (session) => staging.close(session)],
           check: (session, method) => access.checkSession(method, session),
+          who: (session) => access.sessionCaller(session),
         }),
         { observe: (method, status, code, seconds) => metrics.observe('vmmd.session', method, status, code, seconds), turns },
       );

@@ -11,7 +11,7 @@ import type { Registry } from './registry';
 import type { CreateArgs, ExportArgs } from './registry/records';
 import { toWireStore } from './services/wire';
 import { Answer, ReclaimSummary, refuseMessage, RequestMessage, Session, SessionServices } from './sessions';
-import type { StoreRegistry } from './stores';
+import type { StoreCaller, StoreRegistry } from './stores';
 
 const DECIMAL_U64 = /^(0|[1-9][0-9]{0,19})$/;
 const U64_LIMIT = 1n << 64n;
@@ -28,6 +28,8 @@ export interface DispatcherDeps {
    * before the RPC of the same name; throws the RPC's refusal.
    */
   check?: (session: Session, method: string) => void;
+  /** Who the session's peer is for the store rules (its uid, whether it is an admin: server/access.ts); default: its uid, no admin. */
+  who?: (session: Session) => StoreCaller;
 }
 
 interface Handler<Parsed> {
@@ -160,15 +162,17 @@ const open: Handler<{ request: string; store: { id: string; name: string } | nul
     if (name !== undefined && typeof name !== 'string') return `open: store.name must be a string, not ${shown(name)}`;
     return { request: request as string, store: { id: String(storeId), name: name ?? '' }, writable: writable ?? false };
   },
-  async answer(session, { request, store: ref, writable }, { stores }) {
+  async answer(session, { request, store: ref, writable }, { stores, who }) {
     const store = stores.findRef(ref);
-    const fd = await stores.open(session.id, store, writable);
+    // The store rules of Stores.Open: a writable open by a writer only, others a descriptor that cannot write.
+    const { fd, descriptorReadOnly } = await stores.openFor(session.id, store, writable, who?.(session) ?? { peer: session.peer, admin: false });
     const reply: OpenedMessage = {
       type: 'opened',
       request,
       store: toWireStore(store),
       granularity: String(store.memory.granularity),
       mappedSize: String(store.memory.mappedSize),
+      descriptorReadOnly,
     };
     return { reply, fd, unsent: () => stores.close(session.id, store) };
   },

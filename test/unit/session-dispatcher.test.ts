@@ -130,6 +130,40 @@ describe('session dispatcher', () => {
     expect(registry.snapshot().allocations).toEqual([]);
   });
 
+  it("opens a store with the store rules of Stores.Open: a writable open by its writer only, others a read-only descriptor", async () => {
+    const backend = new FakeBackend();
+    const registry = new Registry(backend);
+    const stores = new StoreRegistry(registry);
+    const uids = new Map<bigint, { uid: number; admin: boolean }>([
+      [7n, { uid: 1000, admin: false }],
+      [8n, { uid: 1001, admin: false }],
+      [9n, { uid: 1002, admin: true }],
+    ]);
+    const dispatcher = new SessionDispatcher({
+      registry,
+      stores,
+      reclaimers: [],
+      who: (caller) => ({ peer: { uid: uids.get(caller.id)!.uid }, admin: uids.get(caller.id)!.admin }),
+    });
+    const as = (id: bigint) => ({ ...session, id, peer: { uid: uids.get(id)!.uid } }) as unknown as Session;
+    const { allocation } = (await dispatcher.answer(session, { type: 'allocate', request: '1', size: String(GRANULARITY) }, -1)).reply as { allocation: string };
+    const store = await stores.create(7n, { allocationId: BigInt(allocation), name: 'weights', readOnly: false, handOver: false, size: 0n });
+    store.creatorUid = 1000;
+    // Another uid: refused writable, and read-only when it asks nothing more; nothing opened by the refusal.
+    await expect(Promise.resolve().then(() => dispatcher.answer(as(8n), { type: 'open', request: '2', store: { name: 'weights' }, writable: true }, -1))).rejects.toMatchObject({
+      code: 'NOT_STORE_WRITER',
+      message: expect.stringMatching(/written only by uid 1000, which made it, and admins; uid 1001 may read it/),
+    });
+    expect([...store.opens.values()]).toEqual([]);
+    const reader = await dispatcher.answer(as(8n), { type: 'open', request: '3', store: { name: 'weights' } }, -1);
+    expect(reader.reply).toMatchObject({ type: 'opened', request: '3', descriptorReadOnly: true, store: { name: 'weights', readOnly: false, opens: 1 } });
+    // Its maker's uid and an admin write it.
+    expect((await dispatcher.answer(as(7n), { type: 'open', request: '4', store: { id: String(store.id) }, writable: true }, -1)).reply).toMatchObject({ descriptorReadOnly: false });
+    expect((await dispatcher.answer(as(9n), { type: 'open', request: '5', store: { name: 'weights' }, writable: true }, -1)).reply).toMatchObject({ descriptorReadOnly: false });
+    // No store named: NO_STORE, as the RPC.
+    await expect(Promise.resolve().then(() => dispatcher.answer(as(7n), { type: 'open', request: '6' }, -1))).rejects.toMatchObject({ code: 'NO_STORE' });
+  });
+
   it('answers ping with pong and the nonce, cut to 64 characters', async () => {
     const { dispatcher } = setup();
     expect((await dispatcher.answer(session, { type: 'ping', nonce: 'x'.repeat(100) }, -1)).reply).toEqual({ type: 'pong', nonce: 'x'.repeat(64) });

@@ -577,7 +577,7 @@ class StoresApi:
             opened = self._service.unary("Open", store=_store_ref(store), writable=writable)
             info = opened.store
             fd = self._session.take_transfer(opened.transfer_id)
-        read_only = info.read_only or not writable
+        read_only = info.read_only or opened.descriptor_read_only or not writable
         size = int(opened.mapped_size)
         granularity = int(opened.granularity)
         sysmem = info.target == _proto.enum_value("StoreTarget", "STORE_TARGET_SYSMEM")
