@@ -11,7 +11,8 @@ import type { Registry } from './registry';
 import type { CreateArgs, ExportArgs } from './registry/records';
 import { toWireStore } from './services/wire';
 import { Answer, ReclaimSummary, refuseMessage, RequestMessage, Session, SessionServices } from './sessions';
-import type { StoreCaller, StoreRegistry } from './stores';
+import { openFor, StoreCaller } from './store-writers';
+import type { StoreRegistry } from './stores';
 
 const DECIMAL_U64 = /^(0|[1-9][0-9]{0,19})$/;
 const U64_LIMIT = 1n << 64n;
@@ -165,7 +166,7 @@ const open: Handler<{ request: string; store: { id: string; name: string } | nul
   async answer(session, { request, store: ref, writable }, { stores, who }) {
     const store = stores.findRef(ref);
     // The store rules of Stores.Open: a writable open by a writer only, others a descriptor that cannot write.
-    const { fd, descriptorReadOnly } = await stores.openFor(session.id, store, writable, who?.(session) ?? { peer: session.peer, admin: false });
+    const { fd, descriptorReadOnly } = await openFor(stores, session.id, store, writable, who?.(session) ?? { peer: session.peer, admin: false });
     const reply: OpenedMessage = {
       type: 'opened',
       request,

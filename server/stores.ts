@@ -28,12 +28,6 @@ export function isStoreHolder(caller: bigint): boolean {
   return caller >= STORE_HOLDER_BASE;
 }
 
-/** Who asks, as far as the store rules go: the caller's uid (its session's peer) and whether it is an admin. */
-export interface StoreCaller {
-  peer?: { uid: number };
-  admin: boolean;
-}
-
 export interface StoreRecord {
   readonly id: bigint;
   name: string;
@@ -225,38 +219,6 @@ export class StoreRegistry extends EventEmitter {
   findRef(ref: { id?: string | number | bigint; name?: string } | null | undefined): StoreRecord {
     if (ref === null || ref === undefined) throw invalidArgument('NO_STORE', 'name the store by id or name');
     return this.find({ id: BigInt(ref.id ?? 0), name: ref.name ?? '' });
-  }
-
-  /** Whether a caller may write the store: its maker's uid or an admin (no caller: the daemon's own). */
-  mayWrite(store: StoreRecord, who: StoreCaller | undefined): boolean {
-    if (who === undefined || who.admin) return true;
-    return who.peer !== undefined && who.peer.uid === store.creatorUid;
-  }
-
-  /**
-   * A writable store is written (Write, Fill, Copy into it, a writable open)
-   * only by the uid that made it and by admins; other uids read it and open it read-only.
-   * @throws PERMISSION_DENIED NOT_STORE_WRITER
-   */
-  checkWriter(store: StoreRecord, who: StoreCaller | undefined): void {
-    if (this.mayWrite(store, who)) return;
-    const uid = who?.peer?.uid;
-    const writers = store.creatorUid === undefined ? 'admins' : `uid ${store.creatorUid}, which made it, and admins`;
-    throw permissionDenied('NOT_STORE_WRITER', `store ${store.id} is written only by ${writers}; ${uid === undefined ? 'this caller' : `uid ${uid}`} may read it and open it read-only`);
-  }
-
-  /**
-   * Open as a caller asks it (Stores.Open and the session socket's open): a
-   * writable open only by a writer; others get a descriptor that cannot
-   * write, where the backend can narrow one (host memfds).
-   * @returns the descriptor (the caller's) and whether it is read-only for this caller
-   * @throws PERMISSION_DENIED NOT_STORE_WRITER; FAILED_PRECONDITION STORE_DETACHED, STORE_READ_ONLY
-   */
-  async openFor(session: bigint, store: StoreRecord, writable: boolean, who: StoreCaller | undefined): Promise<{ fd: number; descriptorReadOnly: boolean }> {
-    const writer = this.mayWrite(store, who);
-    if (writable && !store.readOnly) this.checkWriter(store, who);
-    const fd = await this.open(session, store, writable, !writer);
-    return { fd, descriptorReadOnly: store.readOnly || !writer };
   }
 
   /**

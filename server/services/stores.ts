@@ -27,6 +27,7 @@ import type { SessionManager } from '../sessions';
 import { StoreEvent, StoreRecord, StoreRegistry, StoreTarget } from '../stores';
 import { CallContext, clientStream, HandlerDeps, requireSession, serverStream, unary } from './handler';
 import { toWireStore, u64 } from './wire';
+import { checkWriter, openFor } from '../store-writers';
 
 const TARGETS: Record<string, StoreTarget | undefined> = {
   STORE_TARGET_UNSPECIFIED: 'SYSMEM',
@@ -88,7 +89,7 @@ export class StoresService {
   async open(request: OpenRequest__Output, context: CallContext): Promise<OpenResponse> {
     const session = requireSession(context, 'Open');
     const store = this.stores.findRef(request.store);
-    const { fd, descriptorReadOnly } = await this.stores.openFor(context.caller, store, request.writable, context.who);
+    const { fd, descriptorReadOnly } = await openFor(this.stores, context.caller, store, request.writable, context.who);
     let transferId: string;
     try {
       transferId = session.sendTransfer(fd, { allocation: store.memory.allocationId, size: store.size });
@@ -107,9 +108,9 @@ export class StoresService {
     };
   }
 
-  /** @throws PERMISSION_DENIED NOT_STORE_WRITER (server/stores.ts checkWriter) */
+  /** @throws PERMISSION_DENIED NOT_STORE_WRITER (server/store-writers.ts) */
   private checkWriter(store: StoreRecord, context: CallContext): void {
-    this.stores.checkWriter(store, context.who);
+    checkWriter(store, context.who);
   }
 
   async close(request: CloseRequest__Output, context: CallContext): Promise<CloseResponse> {
