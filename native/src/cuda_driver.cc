@@ -669,8 +669,7 @@ Napi::Value CudaHandleHasSize(const Napi::CallbackInfo& info) {
       [handle, size, exact] {
         cu::DevicePtr address = 0;
         cu::Result result = Injected("cuMemAddressReserve", [&] { return driver.api.cuMemAddressReserve(&address, size, 0, 0, 0); });
-        if (result == cu::ERROR_OUT_OF_MEMORY || result == cu::ERROR_INVALID_VALUE) return cu::SUCCESS;  // no such range: not that size
-        if (result != cu::SUCCESS) return result;
+        if (result != cu::SUCCESS) return result;  // no range to try in: the driver's error, not an answer
         result = Injected("cuMemMap", [&] { return driver.api.cuMemMap(address, size, 0, handle, 0); });
         if (result == cu::SUCCESS) {
           *exact = true;
