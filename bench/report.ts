@@ -2,7 +2,9 @@
  * Writes the results of bench/results/*.json into BENCHMARKS.md, between the
  * markers <!-- results:start --> and <!-- results:end -->; the rest of the
  * file (how to run, the analysis) is written by hand.
- *   node dist/bench/report.js [BENCHMARKS.md]
+ *   node dist/bench/report.js [BENCHMARKS.md [NAME ...]]
+ * NAMEs pick result files (bench/results/NAME.json) in that order; without
+ * them, every result file of the Node bench (those with sections) is written.
  */
 import * as fs from 'node:fs';
 import * as path from 'node:path';
@@ -48,14 +50,18 @@ function render(name: string, report: Report): string {
 function main() {
   const file = process.argv[2] ?? path.join(packageRoot, 'BENCHMARKS.md');
   const dir = path.join(packageRoot, 'bench', 'results');
-  const names = fs.readdirSync(dir).filter((entry) => entry.endsWith('.json')).sort();
-  const body = names.map((entry) => render(entry.replace(/\.json$/, ''), JSON.parse(fs.readFileSync(path.join(dir, entry), 'utf8')) as Report)).join('\n');
+  const picked = process.argv.slice(3).map((name) => `${name}.json`);
+  const names = picked.length > 0 ? picked : fs.readdirSync(dir).filter((entry) => entry.endsWith('.json')).sort();
+  const reports = names
+    .map((entry) => ({ name: entry.replace(/\.json$/, ''), report: JSON.parse(fs.readFileSync(path.join(dir, entry), 'utf8')) as Report }))
+    .filter(({ report }) => Array.isArray(report.sections)); // the Python benches' results have a form of their own
+  const body = reports.map(({ name, report }) => render(name, report)).join('\n');
   const text = fs.readFileSync(file, 'utf8');
   const start = text.indexOf(START);
   const end = text.indexOf(END);
   if (start < 0 || end < start) throw new Error(`${file} has no ${START} … ${END} markers`);
   fs.writeFileSync(file, `${text.slice(0, start + START.length)}\n\n${body}\n${text.slice(end)}`);
-  process.stdout.write(`report: ${names.length} result file(s) written into ${file}\n`);
+  process.stdout.write(`report: ${reports.length} result file(s) written into ${file}\n`);
 }
 
 main();
