@@ -12,7 +12,10 @@ import * as path from 'node:path';
 import * as readline from 'node:readline';
 import { socketPaths } from '../../common/paths';
 import { loadProtos } from '../../common/proto';
+import { decodeMessage } from '../../common/protocol';
 import type { Stats__Output } from '../../generated/vmmd/v1/Stats';
+import { addon } from '../../native';
+import { SeqpacketConnection, SeqpacketMessage } from '../../native/seqpacket';
 
 /** The package root, from the sources or from dist/ when compiled. */
 export function packageRoot(): string {
@@ -224,4 +227,27 @@ export class Peer {
 export function objectsOf(stats: Awaited<ReturnType<TestDaemon['stats']>>) {
   const { reservations, allocations, mappings, reservedBytes, allocatedBytes, importedBytes, mappedBytes, pendingTransfers } = stats;
   return { reservations, allocations, mappings, reservedBytes, allocatedBytes, importedBytes, mappedBytes, pendingTransfers };
+}
+
+/** A session-socket connection without the client library, for the protocol's own tests: frames sent as they are, the daemon's messages read in order (a descriptor that comes with one is closed). */
+export class RawSession {
+  readonly connection: SeqpacketConnection;
+  private readonly inbox: SeqpacketMessage[] = [];
+
+  constructor(dir: string) {
+    this.connection = SeqpacketConnection.connect(socketPaths(dir).session);
+    this.connection.on('message', (message: SeqpacketMessage) => this.inbox.push(message));
+  }
+
+  /** The next message from the daemon, decoded (typed loosely: the tests match it field by field). */
+  async next(): Promise<any> {
+    const message = await eventually(() => this.inbox.shift(), 5_000, 'a message from the daemon');
+    if (message.fd >= 0) addon.close(message.fd);
+    return decodeMessage(message.data);
+  }
+
+  close(): void {
+    this.connection.close();
+    this.inbox.length = 0;
+  }
 }

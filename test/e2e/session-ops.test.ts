@@ -12,7 +12,7 @@ import { socketPaths } from '../../common/paths';
 import { decodeMessage } from '../../common/protocol';
 import { addon } from '../../native';
 import { SeqpacketConnection, SeqpacketMessage } from '../../native/seqpacket';
-import { eventually, freePort, MiB, objectsOf, stopWhenClean, TestDaemon } from './harness';
+import { eventually, freePort, MiB, objectsOf, stopWhenClean, RawSession, TestDaemon } from './harness';
 
 let daemon: TestDaemon;
 const clients: VmmdClient[] = [];
@@ -166,25 +166,17 @@ describe('open on the session socket', () => {
 });
 
 describe('malformed requests on the session socket', () => {
+  let session: RawSession;
   let raw: SeqpacketConnection;
-  const inbox: SeqpacketMessage[] = [];
-
-  async function next(): Promise<any> {
-    const message = await eventually(() => inbox.shift(), 5_000, 'a message from the daemon');
-    if (message.fd >= 0) addon.close(message.fd);
-    return decodeMessage(message.data);
-  }
+  const next = () => session.next();
 
   beforeEach(async () => {
-    raw = SeqpacketConnection.connect(socketPaths(daemon.dir).session);
-    raw.on('message', (message: SeqpacketMessage) => inbox.push(message));
+    session = new RawSession(daemon.dir);
+    raw = session.connection;
     expect(await next()).toMatchObject({ type: 'hello' });
   });
 
-  afterEach(() => {
-    raw.close();
-    inbox.length = 0;
-  });
+  afterEach(() => session.close());
 
   it.each([
     [{ type: 'release', request: '11', allocation: 7 }, /release: allocation 7 is not a decimal uint64 string/],

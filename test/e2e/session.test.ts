@@ -10,7 +10,7 @@ import { decodeMessage, SESSION_METADATA_KEY } from '../../common/protocol';
 import type { AccessDescriptor } from '../../generated/vmmd/v1/AccessDescriptor';
 import { addon, HOST_ACCESS } from '../../native';
 import { SeqpacketConnection, SeqpacketMessage } from '../../native/seqpacket';
-import { call, eventually, MiB, TestDaemon } from './harness';
+import { call, eventually, MiB, RawSession, TestDaemon } from './harness';
 
 const RW: AccessDescriptor[] = [{ location: { type: 'LOCATION_TYPE_DEVICE', id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' }];
 
@@ -171,25 +171,17 @@ describe('descriptors from the client', () => {
 });
 
 describe('the session socket protocol', () => {
+  let session: RawSession;
   let raw: SeqpacketConnection;
-  const inbox: SeqpacketMessage[] = [];
-
-  async function next(): Promise<any> {
-    const message = await eventually(() => inbox.shift(), 5_000, 'a message from the daemon');
-    if (message.fd >= 0) addon.close(message.fd);
-    return decodeMessage(message.data);
-  }
+  const next = () => session.next();
 
   beforeEach(async () => {
-    raw = SeqpacketConnection.connect(socketPaths(daemon.dir).session);
-    raw.on('message', (message: SeqpacketMessage) => inbox.push(message));
+    session = new RawSession(daemon.dir);
+    raw = session.connection;
     expect(await next()).toMatchObject({ type: 'hello', protocol: 1, pid: process.pid, uid: process.getuid!() });
   });
 
-  afterEach(() => {
-    raw.close();
-    inbox.length = 0;
-  });
+  afterEach(() => session.close());
 
   it('answers ping with pong and the nonce', async () => {
     raw.send(Buffer.from(JSON.stringify({ type: 'ping', nonce: 'n1' })));
