@@ -23,8 +23,12 @@ export class InFlight {
     return this.pending.size === 0;
   }
 
-  /** Tracks a copy until it settles; returns it unchanged. */
-  track<T>(copy: Promise<T>, range?: Copy): Promise<T> {
+  /** Tracks a copy until it settles, ordered before every later copy; returns it unchanged. */
+  track<T>(copy: Promise<T>): Promise<T> {
+    return this.add(copy, undefined);
+  }
+
+  private add<T>(copy: Promise<T>, range: Copy | undefined): Promise<T> {
     this.pending.set(copy, range);
     const settled = () => this.pending.delete(copy);
     copy.then(settled, settled);
@@ -45,7 +49,7 @@ export class InFlight {
       }
     }
     const copy = before.length === 0 ? start() : Promise.allSettled(before).then(start);
-    return this.track(copy, range);
+    return this.add(copy, range);
   }
 
   /** Resolves once every copy tracked so far has settled, whether it succeeded or failed. */

@@ -235,26 +235,23 @@ export class CudaBackend implements Backend {
       properties.locationType === CU_LOCATION.DEVICE
         ? { type: 'DEVICE', id: properties.locationId }
         : { type: properties.locationType === CU_LOCATION.HOST ? 'HOST' : 'HOST_NUMA', id: properties.locationId };
+    const device = location.type === 'DEVICE' ? location.id : 0;
     const granularity = this.granularity(location).minimum;
     if (size === 0n || size % granularity !== 0n) {
-      await this.release(handle, size, true, location.type === 'DEVICE' ? location.id : 0);
+      await this.release(handle, size, true, device);
       throw codedError('BAD_DESCRIPTOR', `importing CUDA memory needs its size, a positive multiple of ${granularity}; got ${size}`);
     }
     // The size is what the import is charged by, so it must be the memory's own: a client
     // importing 1 GiB as "2 MiB" would keep 1 GiB alive on a 2 MiB charge.
-    const device = location.type === 'DEVICE' ? location.id : 0;
-    let exact: boolean;
-    try {
-      exact = await addon.cudaHandleHasSize(device, handle, size);
-    } catch (error) {
+    const exact = await addon.cudaHandleHasSize(device, handle, size).catch(async (error: unknown) => {
       await this.release(handle, size, true, device);
       throw error;
-    }
+    });
     if (!exact) {
       await this.release(handle, size, true, device);
       throw codedError('BAD_DESCRIPTOR', `the imported CUDA memory is not ${size} bytes: an import must state the allocation's own size (the driver maps it only whole, and the import is charged by it)`);
     }
-    return { handle, size, device: location.type === 'DEVICE' ? location.id : 0, location };
+    return { handle, size, device, location };
   }
 
   readBytes(address: bigint, length: number, device: number, into?: Buffer): Promise<Buffer> {
