@@ -24,7 +24,7 @@ mkdir -p "$stage/vmmd/build/Release" "$stage/vmmd/test"
 cp -r package.json package-lock.json README.md bin dist proto jest.gpu.config.js "$stage/vmmd/"
 cp test/summary-reporter.js test/setup-symbols.js "$stage/vmmd/test/"
 mkdir -p "$stage/vmmd/bench"
-cp -r bench/echo.proto bench/reference "$stage/vmmd/bench/"
+cp -r bench/echo.proto bench/reference bench/probe "$stage/vmmd/bench/"
 cp build/Release/vmmd_native.node "$stage/vmmd/build/Release/"
 # The Python client (pure Python and the descriptor set generated from proto/;
 # its C allocation library is built there) and its GPU tests and benchmarks.
@@ -44,5 +44,5 @@ rm -rf "$stage/vmmd/node_modules/"{typescript,ts-jest,@types,.cache} "$stage/vmm
 rm -rf .gpu && mkdir -p .gpu
 xz -T2 -c "$(command -v node)" > .gpu/node.xz
 tar -C "$stage" -cf - vmmd | xz -T2 -6 > .gpu/vmmd.tar.xz
-cp scripts/gpu-unpack.sh scripts/gpu-test.sh scripts/gpu-bench.sh scripts/gpu-python.sh .gpu/
+cp scripts/gpu-unpack.sh scripts/gpu-test.sh scripts/gpu-bench.sh scripts/gpu-python.sh scripts/gpu-probe-cold.sh .gpu/
 du -sh .gpu/* | sed 's/^/gpu-bundle: /'

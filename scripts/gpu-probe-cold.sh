@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Runs the cold-path diagnostic (bench/probe/cold-probe.ts) on the cuda backend
+# from the bundle that scripts/gpu-bundle.sh made, with the driver trace of the
+# daemon and the client, and lines them up (bench/probe/cold_timeline.py).
+# Usage: scripts/gpu-probe-cold.sh [BUNDLE_DIR [OUTPUT_DIR [probe options]]]
+#   Writes OUTPUT_DIR/cold-probe/{calls.json,daemon-trace.txt,client-trace.txt,timeline.json,timeline.txt}.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+bundle=${1:-.gpu}
+out=${2:-${OUT:-gpu-results}}
+shift 2 2>/dev/null || shift $#
+mkdir -p "$out/cold-probe"
+out=$(cd "$out/cold-probe" && pwd)
+work=$("$here/gpu-unpack.sh" "$bundle") || exit 1
+export PATH="$work:$PATH"
+cd "$work/vmmd"
+VMMD_DRIVER_TRACE=1 node dist/bench/probe/cold-probe.js --backend cuda --out "$out" "$@" 2> "$out/client-trace.txt"
+echo "probe exit: $?"
+python3 bench/probe/cold_timeline.py "$out" | tee "$out/timeline.txt"
