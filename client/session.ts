@@ -21,6 +21,7 @@ import {
   SharedMessage,
 } from '../common/protocol';
 import { TransferInbox } from '../common/transfer-inbox';
+import { traceClock, traceSince, tracing } from '../common/trace';
 import { native } from '../native/client';
 import { SeqpacketConnection, SeqpacketMessage } from '../native/seqpacket';
 import { VmmdError } from './errors';
@@ -199,6 +200,7 @@ export class ClientSession extends EventEmitter {
     timeoutMs: number,
   ): Promise<{ message: Extract<RequestAnswer, { type: T }>; fd: number }> {
     const request = String(this.nextRequest++);
+    const sent = tracing ? traceClock() : 0n;
     return new Promise((resolve, reject) => {
       const timer = setTimeout(() => {
         this.requests.delete(request);
@@ -206,7 +208,10 @@ export class ClientSession extends EventEmitter {
       }, timeoutMs);
       this.requests.set(request, {
         answer,
-        resolve: resolve as PendingRequest['resolve'],
+        resolve: (tracing ? (value) => {
+          traceSince(`session:${message.type}`, sent);
+          resolve(value as never);
+        } : resolve) as PendingRequest['resolve'],
         reject,
         timer,
       });
@@ -226,6 +231,7 @@ export class ClientSession extends EventEmitter {
    */
   ping(timeoutMs = 30_000): Promise<void> {
     const nonce = String(this.nextPing++);
+    const sent = tracing ? traceClock() : 0n;
     return new Promise((resolve, reject) => {
       // The timer also keeps the process alive while the pong is due (the socket does not).
       const timer = setTimeout(() => {
@@ -234,6 +240,7 @@ export class ClientSession extends EventEmitter {
       }, timeoutMs);
       const settle = (error?: Error) => {
         clearTimeout(timer);
+        traceSince('session:ping', sent);
         if (error === undefined) resolve();
         else reject(error);
       };

@@ -10,6 +10,7 @@ import { randomBytes } from 'node:crypto';
 import { describeProcess, PeerProcess, stillRunning } from './peer-process';
 import type { Logger } from 'pino';
 import { status as Status } from '@grpc/grpc-js';
+import { traceClock, traceSince, tracing } from '../common/trace';
 import { decodeMessage, encodeMessage, PROTOCOL_VERSION, readableRequestId, SessionMessage, TRANSFER_ID_PATTERN } from '../common/protocol';
 import { TransferInbox } from '../common/transfer-inbox';
 import { addon, Credentials } from '../native';
@@ -357,6 +358,7 @@ export class SessionManager {
 
   private onMessage(session: Session, raw: SeqpacketMessage): void {
     this.hooks.turns?.enter('session');
+    const received = tracing ? traceClock() : 0n;
     if (session.closing) {
       if (raw.fd >= 0) addon.close(raw.fd);
       return;
@@ -372,11 +374,11 @@ export class SessionManager {
       }
       return this.onTransfer(session, message.transfer, raw.fd);
     }
-    void this.answer(session, message as RequestMessage, raw.fd);
+    void this.answer(session, message as RequestMessage, raw.fd, received);
   }
 
   /** Hands a request to the dispatcher and sends its answer, or the refusal as gRPC would give it. */
-  private async answer(session: Session, message: RequestMessage, fd: number): Promise<void> {
+  private async answer(session: Session, message: RequestMessage, fd: number, received = 0n): Promise<void> {
     const request = typeof message.request === 'string' ? message.request : undefined;
     const started = process.hrtime.bigint();
     const observe = (status: Status, code?: string) =>
@@ -410,7 +412,10 @@ export class SessionManager {
       // The kernel holds its own reference while the descriptor is in flight.
       if (answer.fd !== undefined) addon.close(answer.fd);
     }
-    if (unsent === undefined) return observe(Status.OK);
+    if (unsent === undefined) {
+      traceSince(`session:${message.type}`, received);
+      return observe(Status.OK);
+    }
     // The answer (and its descriptor) did not go: what the request made is undone where it can be (an
     // allocation released, an open dropped), and the send's failure is the answer, which, smaller and
     // without a descriptor, may still get through; if not, the client's wait for it times out.

@@ -8,7 +8,8 @@
  * bench/probe/cold_timeline.py lines them up (which driver calls of which
  * process overlap each memalloc, and the gaps between the client's steps).
  *   VMMD_DRIVER_TRACE=1 node dist/bench/probe/cold-probe.js --backend cuda --out DIR 2> DIR/client-trace.txt
- * Schedules, each after the one before:
+ * First 1 s busy (the CPU at work, as in the benchmark) and session pings,
+ * the round trip's floor in the same state. Schedules, each after the one before:
  *   back-to-back  free, then the next memalloc at once (as the cold section);
  *   settled       free, wait for the unmap here, then 0.5 ms busy (no sleep);
  *   apart         free, then 2 ms asleep (as the cold section's "2 ms apart");
@@ -51,6 +52,14 @@ async function main(): Promise<void> {
   });
   const client = await connectWhenReady(dir, child);
   const emm = await manager(client, true);
+  // The CPU at work first, as in the benchmark (the cold section runs after the pooled one).
+  spin(1_000_000);
+  const pings: Array<{ begin: string; end: string }> = [];
+  for (let i = -20; i < iterations; i++) {
+    const begin = now();
+    await client.session.ping();
+    if (i >= 0) pings.push({ begin: String(begin), end: String(now()) });
+  }
   const calls: Array<{ schedule: string; size: string; i: number; begin: string; end: string; freed: string }> = [];
   const schedules: Array<[string, (size: bigint) => Promise<void>]> = [
     ['back-to-back', async () => undefined],
@@ -90,7 +99,7 @@ async function main(): Promise<void> {
     await new Promise((resolve) => child.once('exit', resolve));
     fs.rmSync(dir, { recursive: true, force: true });
   }
-  fs.writeFileSync(path.join(out, 'calls.json'), JSON.stringify({ pid: process.pid, daemonPid: child.pid, backend, calls }));
+  fs.writeFileSync(path.join(out, 'calls.json'), JSON.stringify({ pid: process.pid, daemonPid: child.pid, backend, calls, pings }));
   process.stdout.write(`probe: ${calls.length} memallocs, client pid ${process.pid}, daemon pid ${child.pid}; results in ${out}\n`);
 }
 

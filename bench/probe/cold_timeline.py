@@ -63,8 +63,18 @@ def main():
             lo = bisect.bisect_left(begins, b - 50_000_000)
             hi = bisect.bisect_right(begins, e)
             inside = [c for c in trace[lo:hi] if c["end"] > b and c["begin"] < e]
-            own = [c for c in inside if c["pid"] == client_pid and c["call"].endswith("(inline)") and c["begin"] >= b]
-            others = [c for c in inside if c not in own]
+            own = [c for c in inside if c["pid"] == client_pid and (c["call"].endswith("(inline)") or c["call"].startswith("session:")) and c["begin"] >= b]
+            # The daemon's handling of this memalloc's request: inside the client's round trip.
+            served = []
+            for c in own:
+                if c["call"].startswith("session:"):
+                    served += [d for d in inside if d["pid"] != client_pid and d["call"] == c["call"] and d["begin"] >= c["begin"] and d["end"] <= c["end"]]
+            for d in served[:1]:
+                trip = next(c for c in own if c["call"] == d["call"])
+                steps["  of the round trip: client send to daemon receipt"].append(d["begin"] - trip["begin"])
+                steps["  of the round trip: the daemon's handling"].append(d["end"] - d["begin"])
+                steps["  of the round trip: daemon send to client answer"].append(trip["end"] - d["end"])
+            others = [c for c in inside if c not in own and c not in served and not c["call"].startswith("session:")]
             # The client's inline steps, in order: import, map, set access.
             mark = b
             for c in own:
@@ -83,6 +93,10 @@ def main():
             "overlapping_calls": {k: {"memallocs": len(v), "overlap_p50_us": p50(v)} for k, v in sorted(overlapped.items(), key=lambda kv: -len(kv[1]))},
             "whole_p50_us": {k: {"count": len(v), "p50": p50(v)} for k, v in totals.items()},
         }
+    pings = [int(p["end"]) - int(p["begin"]) for p in probe.get("pings", [])]
+    report["session ping (reference)"] = {"count": len(pings), "steps_p50_us": {"round trip": p50(pings)}, "overlapping_calls": {}, "whole_p50_us": {}}
+    served = [c["end"] - c["begin"] for c in trace if c["pid"] != client_pid and c["call"] == "session:ping"]
+    report["session ping (reference)"]["steps_p50_us"]["the daemon's handling"] = p50(served)
     (out / "timeline.json").write_text(json.dumps(report, indent=1))
     for name, entry in report.items():
         print(f"== {name} ({entry['count']} memallocs)")
