@@ -217,14 +217,20 @@ export class CudaImportedMemory extends ImportedMemory {
       if ('fd' in source) native.close(source.fd);
       throw new VmmdError('NO_CUDA', Status.FAILED_PRECONDITION, `this process cannot use CUDA: ${loaded.reason}`);
     }
+    // On this thread: no other session waits on a client's event loop (see DeviceAccess.inline).
+    // Host (NUMA) memory also opens to the CPU at the same address: a view sees the bytes.
+    // Unmaps synchronize first, as cuMemFree does: this process's kernels may still use the range.
+    const access = { readOnly, hostNuma, synchronizeUnmap: true, inline: true };
     let handle: bigint | undefined;
     let mapping: DeviceMapping | undefined;
     try {
-      // On this thread: no other session waits on a client's event loop (see DeviceAccess.inline).
-      handle = 'fd' in source ? await native.cudaImportFd(source.fd, true) : await native.cudaImportFabric(source.fabric, true);
-      // Host (NUMA) memory also opens to the CPU at the same address: a view sees the bytes.
-      // Unmaps synchronize first, as cuMemFree does: this process's kernels may still use the range.
-      mapping = await DeviceMapping.map(device, handle, size, granularity, { readOnly, hostNuma, synchronizeUnmap: true, inline: true });
+      if ('fd' in source) {
+        // Imported, mapped and opened in one driver call, the imported handle released there too.
+        mapping = await DeviceMapping.importDescriptor(device, source.fd, size, granularity, access);
+      } else {
+        handle = await native.cudaImportFabric(source.fabric, true);
+        mapping = await DeviceMapping.map(device, handle, size, granularity, access);
+      }
       return new CudaImportedMemory(allocationId, mapping, readOnly, hostNuma === undefined ? undefined : mapping.view());
     } catch (error) {
       await mapping?.unmap().catch(() => undefined);

@@ -145,6 +145,13 @@ export interface Addon {
   /** On a driver thread (with `inline`, on the calling thread); keep fd open until the promise settles. */
   cudaImportFd(fd: number, inline?: boolean): Promise<bigint>;
   cudaImportFabric(fabric: Buffer, inline?: boolean): Promise<bigint>;
+  /**
+   * On the calling thread (a settled promise): imports the descriptor, maps it at [address,
+   * address + size), grants `flags` (1 read, 3 read-write) to `device` and, when hostNuma >= 0,
+   * to that host NUMA node, then releases the imported handle (the mapping holds the memory).
+   * A failed step undoes those before it; the error names the step. The caller keeps fd.
+   */
+  cudaImportMap(fd: number, address: bigint, size: bigint, device: number, flags: 1 | 3, hostNuma: number): Promise<void>;
   /** Whether an imported allocation is exactly `size` bytes (a trial map: the driver maps an allocation only whole). */
   cudaHandleHasSize(device: number, handle: bigint, size: bigint): Promise<boolean>;
   cudaAllocationProperties(handle: bigint): { locationType: number; locationId: number; requestedHandleTypes: number };

@@ -262,6 +262,27 @@ export class DeviceMapping {
     }
   }
 
+  /**
+   * A descriptor of CUDA memory imported, mapped and opened in one driver
+   * call on the calling thread (a client's own mapping, as `inline`): a range
+   * of `size` bytes aligned to `granularity` from the arena, the import, map,
+   * access and the release of the imported handle there, which the mapping
+   * no longer needs. The caller keeps `fd`.
+   * @throws the addon's error (CUDA_ERROR_*, naming the step); nothing stays imported, mapped or reserved
+   */
+  static async importDescriptor(device: number, fd: number, size: bigint, granularity: bigint, access: DeviceAccess): Promise<DeviceMapping> {
+    const space = deviceSource(device);
+    const address = space.take(size, granularity);
+    try {
+      await addon.cudaImportMap(fd, address, size, device, access.readOnly ? 1 : 3, access.hostNuma ?? -1);
+    } catch (error) {
+      // The call undid its own steps: the range is free again.
+      space.give(address);
+      throw error;
+    }
+    return new DeviceMapping(device, address, size, access.synchronizeUnmap ?? false);
+  }
+
   /** False once unmap() has undone every step. */
   get isMapped(): boolean {
     return this.reserved;

@@ -4,6 +4,7 @@
 # daemon and the client, and lines them up (bench/probe/cold_timeline.py).
 # Usage: scripts/gpu-probe-cold.sh [BUNDLE_DIR [OUTPUT_DIR [probe options]]]
 #   Writes OUTPUT_DIR/cold-probe/{calls.json,daemon-trace.txt,client-trace.txt,timeline.json,timeline.txt}.
+#   PROBE_PROFILE=1: also V8 CPU profiles of the client and the daemon (OUTPUT_DIR/cold-probe/profiles).
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 bundle=${1:-.gpu}
@@ -14,6 +15,8 @@ out=$(cd "$out/cold-probe" && pwd)
 work=$("$here/gpu-unpack.sh" "$bundle") || exit 1
 export PATH="$work:$PATH"
 cd "$work/vmmd"
-VMMD_DRIVER_TRACE=1 node dist/bench/probe/cold-probe.js --backend cuda --out "$out" "$@" 2> "$out/client-trace.txt"
+profile=()
+[ "${PROBE_PROFILE:-0}" = 1 ] && profile=(env NODE_OPTIONS="--cpu-prof --cpu-prof-dir=$out/profiles")
+VMMD_DRIVER_TRACE=1 "${profile[@]}" node dist/bench/probe/cold-probe.js --backend cuda --out "$out" "$@" 2> "$out/client-trace.txt"
 echo "probe exit: $?"
 python3 bench/probe/cold_timeline.py "$out" | tee "$out/timeline.txt"

@@ -4,10 +4,13 @@
  * a copy into its neighbour is in flight (the neighbour's bytes land whole,
  * the context stays healthy), a freed range handed out again only once its
  * unmap completed, and the NBEP 7 manager's frees that do not wait for the
- * unmap, over and over.
+ * unmap, over and over. The client's one-call import of a descriptor
+ * (addon.cudaImportMap): a step that fails leaves nothing imported, mapped
+ * or taken from the arena, and names the step.
  */
 import { connect, VmmdClient, VmmdMemoryManager } from '../../client';
-import { addressArenaStats } from '../../native/mapping';
+import { addon } from '../../native';
+import { addressArenaStats, DeviceMapping } from '../../native/mapping';
 import { MiB, TestDaemon } from '../e2e/harness';
 import { describeGpu } from './gpu';
 
@@ -63,6 +66,37 @@ describeGpu('the address arena on the cuda backend (issue 18)', () => {
     expect((await after.read(0, 12)).toString()).toBe('still usable');
     await after.close();
     await client.vmm.release({ allocationId: after.allocationId });
+  });
+
+  it('a one-call import that fails at a step leaves nothing behind and names the step', async () => {
+    const allocation = await client.vmm.create({ size: SIZE });
+    const taken = addressArenaStats()['cuda:0']?.takenBytes ?? 0n;
+    const memory = await client.vmm.import(allocation.id);
+    await memory.close();
+    // Not CUDA memory: the import step refuses it.
+    const notCuda = addon.hostMemfdCreate('not-cuda', 2n * MiB);
+    try {
+      await expect(DeviceMapping.importDescriptor(0, notCuda, 2n * MiB, 2n * MiB, { readOnly: false })).rejects.toThrow(/cuMemImportFromShareableHandle/);
+    } finally {
+      addon.close(notCuda);
+    }
+    // A size that is not the allocation's own: the driver maps an allocation only whole, so the map step refuses it,
+    // and the imported handle is released (the allocation's memory is freed below with its last reference).
+    const exported = await client.vmm.export({ allocationId: allocation.id, handleType: 'HANDLE_TYPE_POSIX_FD' });
+    const fd = await client.session.takeTransfer(exported.transferId);
+    try {
+      await expect(DeviceMapping.importDescriptor(0, fd, SIZE / 2n, 2n * MiB, { readOnly: false })).rejects.toThrow(/cuMemMap/);
+    } finally {
+      addon.close(fd);
+    }
+    expect(addressArenaStats()['cuda:0'].takenBytes).toBe(taken);
+    // The same descriptor path, whole: mapped, written, read back.
+    const again = await client.vmm.import(allocation.id);
+    await again.write(0, Buffer.from('one call'));
+    expect((await again.read(0, 8)).toString()).toBe('one call');
+    await again.close();
+    const released = await client.vmm.release({ allocationId: allocation.id });
+    expect(released.freed).toBe(true);
   });
 
   it("the NBEP 7 manager's cold frees return before the unmap; allocations reuse the ranges, no new reservation each", async () => {

@@ -67,6 +67,18 @@ jest.mock('../../native/index', () => {
       driver.mappings.set(address, { size, handle });
     },
     cudaSetAccess: async () => undefined,
+    // The client's one-call import of a descriptor: import, map (refused over a mapped range), access, release;
+    // a failed step undoes the ones before it on the spot (the real call's cuMemUnmap is synchronous).
+    cudaImportMap: async (fd: number, address: bigint, size: bigint) => {
+      const handle = await fake.cudaImportFd(fd);
+      await fake.cudaMap(address, size, 0n, handle);
+      try {
+        await fake.cudaSetAccess();
+      } catch (error) {
+        driver.mappings.delete(address);
+        throw error;
+      }
+    },
     cudaUnmap: (_device: number, address: bigint, size: bigint) => {
       driver.calls.push(`unmap 0x${address.toString(16)}`);
       if (driver.copies.some((copy) => copy.address < address + size && address < copy.address + copy.size)) {
@@ -113,7 +125,8 @@ jest.mock('../../native/index', () => {
 });
 
 import { CudaImportedMemory } from '../../client/local-memory';
-import { addressArenaStats, trimAddressArenas } from '../../native/mapping';
+import { status as Status } from '@grpc/grpc-js';
+import { addressArenaStats, DeviceMapping, trimAddressArenas } from '../../native/mapping';
 
 const SIZE = 2n * MiB;
 const turn = () => new Promise((resolve) => setImmediate(resolve));
@@ -199,7 +212,7 @@ describe('client mappings in the address arena', () => {
     for (const memory of [b, c, d]) void memory.close();
   });
 
-  it('a failed map gives its range back once it is unmapped: the next mapping takes it', async () => {
+  it('a failed map (on driver threads) gives its range back once it is unmapped: the next mapping takes it', async () => {
     const a = await map();
     const taken = addressArenaStats()['cuda:0'].takenBytes;
     // A mapping that fails at set access is unmapped and its range given back.
@@ -209,15 +222,35 @@ describe('client mappings in the address arena', () => {
       throw Object.assign(new Error('CUDA_ERROR_OUT_OF_MEMORY: cuMemSetAccess'), { code: 'CUDA_ERROR_OUT_OF_MEMORY' });
     };
     try {
-      const failed = map();
+      const failed = DeviceMapping.map(0, 7n, SIZE, SIZE, { readOnly: false });
       failed.catch(() => undefined);
       await turn();
       expect(addressArenaStats()['cuda:0'].takenBytes).toBe(taken + SIZE);
       await finishUnmaps();
-      await expect(failed).rejects.toMatchObject({ code: 'LOCAL_MAP_FAILED' });
+      await expect(failed).rejects.toMatchObject({ code: 'CUDA_ERROR_OUT_OF_MEMORY' });
     } finally {
       addon.cudaSetAccess = setAccess;
     }
+    expect(addressArenaStats()['cuda:0'].takenBytes).toBe(taken);
+    const b = await map();
+    expect(b.address).toBe(a.address + SIZE);
+    for (const memory of [a, b]) void memory.close();
+  });
+
+  it('a descriptor whose one-call import fails at set access leaves nothing mapped, and its range is free at once', async () => {
+    const a = await map();
+    const taken = addressArenaStats()['cuda:0'].takenBytes;
+    const { addon } = jest.requireMock('../../native/index') as { addon: { cudaSetAccess: () => Promise<void> } };
+    const setAccess = addon.cudaSetAccess;
+    addon.cudaSetAccess = async () => {
+      throw Object.assign(new Error('CUDA_ERROR_OUT_OF_MEMORY: cuMemSetAccess'), { code: 'CUDA_ERROR_OUT_OF_MEMORY' });
+    };
+    try {
+      await expect(map()).rejects.toMatchObject({ code: 'LOCAL_MAP_FAILED', status: Status.RESOURCE_EXHAUSTED });
+    } finally {
+      addon.cudaSetAccess = setAccess;
+    }
+    expect(driver.mappings.size).toBe(1);
     expect(addressArenaStats()['cuda:0'].takenBytes).toBe(taken);
     const b = await map();
     expect(b.address).toBe(a.address + SIZE);
