@@ -4,6 +4,7 @@
  * mapped into this process's own CUDA context (a device pointer).
  */
 import { status as Status } from '@grpc/grpc-js';
+import { traceMark } from '../common/trace';
 import { native } from '../native/client';
 import { detachView, DeviceMapping, HostMapping } from '../native/mapping';
 import { VmmdError } from './errors';
@@ -237,6 +238,7 @@ export class CudaImportedMemory extends ImportedMemory {
       throw localMapFailed(error, readOnly);
     } finally {
       if ('fd' in source) native.close(source.fd);
+      traceMark('mark:descriptor closed');
       // The mapping holds the memory: the handle's release need not be waited for (a driver thread does it).
       if (handle !== undefined) {
         native.cudaRelease(device, handle).catch((error: Error) => process.emitWarning(`vmmd: releasing an imported handle failed: ${error.message}`));

@@ -4,6 +4,7 @@
  * process, importDescriptor() hands one of this process's descriptors to the
  * daemon.
  */
+import { traceMark } from '../common/trace';
 import type { Allocation__Output } from '../generated/vmmd/v1/Allocation';
 import type { CreateRequest } from '../generated/vmmd/v1/CreateRequest';
 import type { ExportRequest } from '../generated/vmmd/v1/ExportRequest';
@@ -260,6 +261,7 @@ export class VirtualMemoryApi {
 
   /** Maps a descriptor of an exported allocation here (taking it over). */
   private async mapDescriptor(exported: Exported, fd: number, readOnly: boolean, hostAccess: boolean): Promise<ImportedMemory> {
+    traceMark('mark:client maps');
     const id = BigInt(exported.allocationId);
     const size = BigInt(exported.size);
     const granularity = BigInt(exported.granularity);

@@ -23,3 +23,8 @@ export function traceSince(call: string, begin: bigint): void {
     // a diagnostic: a full or closed stderr costs only the line
   }
 }
+
+/** A zero-length trace line: a point in time a diagnostic lines up with the rest. */
+export function traceMark(call: string): void {
+  if (tracing) traceSince(call, traceClock());
+}

@@ -9,6 +9,7 @@
  * that step the next time. Errors are the addon's (a string `code`); callers
  * translate them.
  */
+import { traceMark } from '../common/trace';
 import { AddressArena, AddressSpace, ArenaStats } from './address-arena';
 import { addon, CU_LOCATION, HOST_ACCESS } from './index';
 
@@ -273,6 +274,7 @@ export class DeviceMapping {
   static async importDescriptor(device: number, fd: number, size: bigint, granularity: bigint, access: DeviceAccess): Promise<DeviceMapping> {
     const space = deviceSource(device);
     const address = space.take(size, granularity);
+    traceMark('mark:range taken');
     try {
       await addon.cudaImportMap(fd, address, size, device, access.readOnly ? 1 : 3, access.hostNuma ?? -1);
     } catch (error) {

@@ -20,3 +20,6 @@ profile=()
 VMMD_DRIVER_TRACE=1 "${profile[@]}" node dist/bench/probe/cold-probe.js --backend cuda --out "$out" "$@" 2> "$out/client-trace.txt"
 echo "probe exit: $?"
 python3 bench/probe/cold_timeline.py "$out" | tee "$out/timeline.txt"
+# The profiles go back as one file (the device returns a bounded number of files).
+[ -d "$out/profiles" ] && tar -C "$out" -czf "$out/profiles.tgz" profiles && rm -rf "$out/profiles"
+exit 0

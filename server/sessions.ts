@@ -10,7 +10,7 @@ import { randomBytes } from 'node:crypto';
 import { describeProcess, PeerProcess, stillRunning } from './peer-process';
 import type { Logger } from 'pino';
 import { status as Status } from '@grpc/grpc-js';
-import { traceClock, traceSince, tracing } from '../common/trace';
+import { traceClock, traceMark, traceSince, tracing } from '../common/trace';
 import { decodeMessage, encodeMessage, PROTOCOL_VERSION, readableRequestId, SessionMessage, TRANSFER_ID_PATTERN } from '../common/protocol';
 import { TransferInbox } from '../common/transfer-inbox';
 import { addon, Credentials } from '../native';
@@ -404,6 +404,7 @@ export class SessionManager {
       return fail(error);
     }
     let unsent: unknown;
+    traceMark(`mark:${message.type} answered`);
     try {
       session.send(answer.reply, answer.fd ?? -1);
     } catch (error) {

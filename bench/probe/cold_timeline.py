@@ -63,7 +63,7 @@ def main():
             lo = bisect.bisect_left(begins, b - 50_000_000)
             hi = bisect.bisect_right(begins, e)
             inside = [c for c in trace[lo:hi] if c["end"] > b and c["begin"] < e]
-            own = [c for c in inside if c["pid"] == client_pid and (c["call"].endswith("(inline)") or c["call"].startswith("session:")) and c["begin"] >= b]
+            own = [c for c in inside if c["pid"] == client_pid and (c["call"].endswith("(inline)") or c["call"].startswith("session:") or c["call"].startswith("mark:")) and c["begin"] >= b]
             # The daemon's handling of this memalloc's request: inside the client's round trip.
             served = []
             for c in own:
@@ -73,8 +73,12 @@ def main():
                 trip = next(c for c in own if c["call"] == d["call"])
                 steps["  of the round trip: client send to daemon receipt"].append(d["begin"] - trip["begin"])
                 steps["  of the round trip: the daemon's handling"].append(d["end"] - d["begin"])
+                answered = [m for m in inside if m["pid"] == d["pid"] and m["call"].startswith("mark:") and d["begin"] <= m["begin"] <= d["end"]]
+                if answered:
+                    steps["    of the daemon's handling: up to the answer"].append(answered[0]["begin"] - d["begin"])
+                    steps["    of the daemon's handling: sending it"].append(d["end"] - answered[0]["begin"])
                 steps["  of the round trip: daemon send to client answer"].append(trip["end"] - d["end"])
-            others = [c for c in inside if c not in own and c not in served and not c["call"].startswith("session:")]
+            others = [c for c in inside if c not in own and c not in served and not c["call"].startswith(("session:", "mark:"))]
             # The client's inline steps, in order: import, map, set access.
             mark = b
             for c in own:
