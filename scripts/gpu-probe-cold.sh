@@ -16,8 +16,9 @@ work=$("$here/gpu-unpack.sh" "$bundle") || exit 1
 export PATH="$work:$PATH"
 cd "$work/vmmd"
 profile=()
-[ "${PROBE_PROFILE:-0}" = 1 ] && profile=(env NODE_OPTIONS="--cpu-prof --cpu-prof-dir=$out/profiles")
-VMMD_DRIVER_TRACE=1 "${profile[@]}" node dist/bench/probe/cold-probe.js --backend cuda --out "$out" "$@" 2> "$out/client-trace.txt"
+[ "${PROBE_PROFILE:-0}" = 1 ] && profile=(--cpu-prof --cpu-prof-dir="$out/profiles")
+[ "${PROBE_PROFILE:-0}" = 1 ] && set -- "$@" --profile "$out/profiles"
+VMMD_DRIVER_TRACE=1 node "${profile[@]}" dist/bench/probe/cold-probe.js --backend cuda --out "$out" "$@" 2> "$out/client-trace.txt"
 echo "probe exit: $?"
 python3 bench/probe/cold_timeline.py "$out" | tee "$out/timeline.txt"
 # The profiles go back as one file (the device returns a bounded number of files).

@@ -8,6 +8,7 @@
  * bench/probe/cold_timeline.py lines them up (which driver calls of which
  * process overlap each memalloc, and the gaps between the client's steps).
  *   VMMD_DRIVER_TRACE=1 node dist/bench/probe/cold-probe.js --backend cuda --out DIR 2> DIR/client-trace.txt
+ * (--profile PROFILE_DIR: the daemon writes a V8 CPU profile there)
  * First 1 s busy (the CPU at work, as in the benchmark) and session pings,
  * the round trip's floor in the same state. Schedules, each after the one before:
  *   back-to-back  free, then the next memalloc at once (as the cold section);
@@ -47,7 +48,8 @@ async function main(): Promise<void> {
   fs.mkdirSync(out, { recursive: true });
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-probe-sock-'));
   const daemonErr = fs.openSync(path.join(out, 'daemon-trace.txt'), 'w');
-  const child = spawn(process.execPath, [path.join(packageRoot, 'bin', 'vmmd.js'), '--backend', backend, '--socket-dir', dir, '--log-level', 'warn'], {
+  const profile = process.argv.includes('--profile') ? option('profile', '') : '';
+  const child = spawn(process.execPath, [...(profile ? ['--cpu-prof', `--cpu-prof-dir=${profile}`] : []), path.join(packageRoot, 'bin', 'vmmd.js'), '--backend', backend, '--socket-dir', dir, '--log-level', 'warn'], {
     stdio: ['ignore', 'inherit', daemonErr],
   });
   const client = await connectWhenReady(dir, child);
