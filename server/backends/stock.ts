@@ -15,7 +15,8 @@
  * size asked often among a device's last DEMAND_WINDOW stockable requests
  * gets a shelf of its own, deeper the more it is asked, within a share of
  * the device (DEMAND_SHARE); a size no longer asked loses its shelf and its
- * memory. A shelf still holding half its depth or more refills when the
+ * memory. A new shelf is made and filled as soon as its size is asked often
+ * enough; its depth follows the demand at quiet moments. A shelf still holding half its depth or more refills when the
  * daemon is quiet (no Create for QUIET_MS), so that refills do not compete
  * with requests, or at the latest MAX_REFILL_DELAY_MS after it was taken
  * from; below half it refills at once.
@@ -149,8 +150,14 @@ export class StockedBackend implements Backend {
 
   async create(device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
     const stockable = location.type === 'DEVICE' && handleTypes.length === 1 && handleTypes[0] === 'POSIX_FD';
-    // A size just asked often enough for a shelf of its own gets one at the next quiet moment.
-    if (stockable && this.noteDemand(device, size) === DEMAND_MIN_COUNT && !this.shelves.has(shelfKey(device, size))) this.refillWhenQuiet();
+    // A size just asked often enough for a shelf of its own gets one now, filled at once: until it exists every
+    // request of that size is created on its path (a steady stream of a new size never left the daemon quiet
+    // long enough for it: the cold probe on the H100 had 89 of 200 64 MiB allocations missing the stock).
+    if (stockable && this.noteDemand(device, size) === DEMAND_MIN_COUNT && !this.shelves.has(shelfKey(device, size))) {
+      this.followDemand();
+      const added = this.shelves.get(shelfKey(device, size));
+      if (added !== undefined) setImmediate(() => void this.refill(added));
+    }
     const shelf = stockable ? this.shelves.get(shelfKey(device, size)) : undefined;
     if (shelf !== undefined) {
       const item = shelf.items.pop();
