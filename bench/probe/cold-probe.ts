@@ -12,6 +12,7 @@
  * First 1 s busy (the CPU at work, as in the benchmark) and session pings,
  * the round trip's floor in the same state. Schedules, each after the one before:
  *   back-to-back  free, then the next memalloc at once (as the cold section);
+ *   overlapped    free without waiting for its answer, then the next memalloc at once;
  *   settled       free, wait for the unmap here, then 0.5 ms busy (no sleep);
  *   apart         free, then 2 ms asleep (as the cold section's "2 ms apart");
  *   settled-apart free, wait for the unmap, then 2 ms asleep.
@@ -65,6 +66,7 @@ async function main(): Promise<void> {
   const calls: Array<{ schedule: string; size: string; i: number; begin: string; end: string; freed: string }> = [];
   const schedules: Array<[string, (size: bigint) => Promise<void>]> = [
     ['back-to-back', async () => undefined],
+    ['overlapped', async () => undefined],
     ['settled', async () => {
       await emm.flush();
       spin(500);
@@ -85,7 +87,10 @@ async function main(): Promise<void> {
           const begin = now();
           const pointer = await emm.memalloc(size);
           const end = now();
-          await pointer.free();
+          // overlapped: the free's answer is not waited for (as when a release answers before the free), so
+          // the daemon's release and this process's unmap overlap the next memalloc.
+          if (schedule === 'overlapped') void pointer.free().catch((error: Error) => process.stderr.write(`free failed: ${error.message}\n`));
+          else await pointer.free();
           const freed = now();
           if (i >= 0) calls.push({ schedule, size: sizeName(size), i, begin: String(begin), end: String(end), freed: String(freed) });
           await between(size);
