@@ -89,7 +89,7 @@ async function main(): Promise<void> {
           const end = now();
           // overlapped: the free's answer is not waited for (as when a release answers before the free), so
           // the daemon's release and this process's unmap overlap the next memalloc.
-          if (schedule === 'overlapped') void pointer.free().catch((error: Error) => process.stderr.write(`free failed: ${error.message}\n`));
+          if (schedule === 'overlapped') void Promise.resolve(pointer.free()).catch((error: Error) => process.stderr.write(`free failed: ${error.message}\n`));
           else await pointer.free();
           const freed = now();
           if (i >= 0) calls.push({ schedule, size: sizeName(size), i, begin: String(begin), end: String(end), freed: String(freed) });
