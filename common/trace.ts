@@ -14,9 +14,9 @@ export const tracing = ((value) => value !== undefined && value !== '' && value 
 export const traceClock = (): bigint => process.hrtime.bigint();
 
 /** One trace line for `call`, which ran from `begin` to now (thread 0: the event loop). */
-export function traceSince(call: string, begin: bigint): void {
+export function traceSince(call: string, begin: bigint, end = traceClock()): void {
   if (!tracing) return;
-  const line = `vmmd-trace pid=${process.pid} tid=0 begin=${begin} end=${traceClock()} result=0 address=0x0 call=${call}\n`;
+  const line = `vmmd-trace pid=${process.pid} tid=0 begin=${begin} end=${end} result=0 address=0x0 call=${call}\n`;
   try {
     writeSync(2, line);
   } catch {
@@ -26,5 +26,7 @@ export function traceSince(call: string, begin: bigint): void {
 
 /** A zero-length trace line: a point in time a diagnostic lines up with the rest. */
 export function traceMark(call: string): void {
-  if (tracing) traceSince(call, traceClock());
+  if (!tracing) return;
+  const at = traceClock();
+  traceSince(call, at, at);
 }
