@@ -36,7 +36,13 @@ const CLIENT_CALLS = [
 
 export type ClientCalls = Pick<Addon, (typeof CLIENT_CALLS)[number]>;
 
+// The addon loads the driver once per process, and its answer never changes: asked once (each
+// ask builds an object in the addon, and a cold allocation asked twice).
+let driverLoad: ReturnType<Addon['cudaLoad']> | undefined;
+const cudaLoad = () => (driverLoad ??= Object.freeze(addon.cudaLoad()));
+
 /** The client's calls, bound to the addon; the object holds nothing else. */
-export const native: ClientCalls = Object.freeze(
-  Object.fromEntries(CLIENT_CALLS.map((name) => [name, (addon[name] as (...args: unknown[]) => unknown).bind(addon)])) as unknown as ClientCalls,
-);
+export const native: ClientCalls = Object.freeze({
+  ...(Object.fromEntries(CLIENT_CALLS.map((name) => [name, (addon[name] as (...args: unknown[]) => unknown).bind(addon)])) as unknown as ClientCalls),
+  cudaLoad,
+});
