@@ -18,6 +18,7 @@ import {
   MemoryInfo,
 } from './backend';
 import { memfdIdentity } from '../client-memfd';
+import { defaultExportCacheLimit, ExportedDescriptors } from './exported-descriptors';
 
 
 const locationType = (location: MemLocation) => CU_LOCATION[location.type];
@@ -43,6 +44,8 @@ export class CudaBackend implements Backend {
   // keeps a duplicate of its descriptor and exports hand out duplicates of it.
   // Invariant: one descriptor per imported handle not yet released.
   private readonly importedFds = new Map<bigint, number>();
+  // The daemon's own memory exported once: later exports are dups (server/backends/exported-descriptors.ts).
+  private readonly exported = new ExportedDescriptors(defaultExportCacheLimit());
 
   private constructor(private readonly deviceList: DeviceInfo[]) {}
 
@@ -159,7 +162,15 @@ export class CudaBackend implements Backend {
   }
 
   async release(handle: BackendHandle, _size: bigint, _imported: boolean, device: number): Promise<void> {
-    await addon.cudaRelease(device, BigInt(handle));
+    // Out before the driver frees the handle: a handle value it hands out again never meets this descriptor.
+    const exported = this.exported.remove(BigInt(handle));
+    try {
+      await addon.cudaRelease(device, BigInt(handle));
+    } catch (error) {
+      if (exported !== undefined) this.exported.restore(BigInt(handle), exported);
+      throw error;
+    }
+    if (exported !== undefined) addon.close(exported);
     // Only once the driver has freed it: a release that fails keeps the handle exportable.
     const fd = this.importedFds.get(BigInt(handle));
     if (fd !== undefined) {
@@ -195,7 +206,11 @@ export class CudaBackend implements Backend {
   async exportHandle(handle: BackendHandle, device: number): Promise<number> {
     const fd = this.importedFds.get(BigInt(handle));
     if (fd !== undefined) return addon.dup(fd);
-    return addon.cudaExportFd(device, BigInt(handle));
+    const kept = this.exported.duplicate(BigInt(handle));
+    if (kept !== undefined) return kept;
+    const made = await addon.cudaExportFd(device, BigInt(handle));
+    this.exported.keep(BigInt(handle), made);
+    return made;
   }
 
   // NOTE: CUDA has no seal: read-only stores reach importers with read-only access flags (the client library's).
@@ -262,5 +277,7 @@ export class CudaBackend implements Backend {
     return addon.cudaCopyToDevice(device, address, data);
   }
 
-  close(): void {}
+  close(): void {
+    this.exported.clear();
+  }
 }

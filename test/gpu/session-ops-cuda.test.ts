@@ -5,7 +5,7 @@
  * and the rules, quota and reclaim are those of the RPCs.
  */
 import * as grpc from '@grpc/grpc-js';
-import { connect, VmmdClient } from '../../client';
+import { connect, CudaImportedMemory, VmmdClient } from '../../client';
 import { addon } from '../../native';
 import { eventually, MiB, objectsOf, TestDaemon } from '../e2e/harness';
 import { describeGpu } from './gpu';
@@ -46,6 +46,37 @@ describeGpu('session socket operations on the cuda backend', () => {
     await memory.close();
     expect(await owner.session.release(memory.allocationId)).toMatchObject({ type: 'released', freed: true, handleReferences: 0 });
     await expect(owner.session.release(memory.allocationId)).rejects.toMatchObject({ code: 'UNKNOWN_ALLOCATION', status: grpc.status.NOT_FOUND });
+  });
+
+  it('exports an allocation again as a copy of the descriptor kept from its first export, closed when the memory is freed', async () => {
+    const owner = await client();
+    const memory = await owner.vmm.allocate({ size: 2n * MiB });
+    await memory.write(0, Buffer.from('kept export'));
+    // The stock refills what the allocation took once the daemon is quiet (5 ms): settled before counting.
+    await new Promise((resolve) => setTimeout(resolve, 100));
+    const before = daemon.openFds();
+    // The first export asks the driver and keeps a descriptor; the next ones are copies of it.
+    const exports = [];
+    for (let i = 0; i < 4; i++) exports.push(await owner.session.export(memory.allocationId));
+    expect(daemon.openFds()).toBe(before + 1);
+    for (const { fd } of exports) {
+      const mapped = await CudaImportedMemory.map(BigInt(memory.allocationId), { fd }, 2n * MiB, 2n * MiB, 0, false);
+      expect((await mapped.read(0, 11)).toString()).toBe('kept export');
+      await mapped.close();
+    }
+    await memory.close();
+    await owner.vmm.release({ allocationId: memory.allocationId });
+    // Freed: the kept descriptor is closed with it.
+    await eventually(async () => (daemon.openFds() === before ? true : undefined), 5_000, 'the kept descriptor to close');
+    // Another allocation (the driver may hand out the same handle value) exports its own memory, not the freed one's.
+    const next = await owner.vmm.allocate({ size: 2n * MiB });
+    await next.write(0, Buffer.from('new memory!'));
+    const { fd } = await owner.session.export(next.allocationId);
+    const mapped = await CudaImportedMemory.map(BigInt(next.allocationId), { fd }, 2n * MiB, 2n * MiB, 0, false);
+    expect((await mapped.read(0, 11)).toString()).toBe('new memory!');
+    await mapped.close();
+    await next.close();
+    await owner.vmm.release({ allocationId: next.allocationId });
   });
 
   it('refunds the quota on a release over the socket', async () => {
