@@ -12,7 +12,10 @@
  * Attach) counts by its real size (a memfd's size after sealing, sparse or
  * not) and is refused past the quota like a Create. A charge checks and adds
  * in one synchronous step before the creation is awaited (or right after
- * the adoption), so concurrent requests never overshoot. Calls without a session
+ * the adoption), so concurrent requests never overshoot. Memory being freed
+ * stays charged until the backend has freed it; a request over the quota
+ * while its holder has such frees in flight waits for them and asks again,
+ * so that release-then-allocate at the limit is never refused. Calls without a session
  * (operators) are not limited.
  */
 import type { BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from './backends/backend';
@@ -46,6 +49,8 @@ export class Quotas {
   // Invariant: live holds by memory and session ("identity|session"), and by memory and uid ("identity|uid"); no entry holds 0.
   private readonly sessionHolds = new Map<string, number>();
   private readonly uidHolds = new Map<string, number>();
+  // Invariant: the holds whose memory is being freed, each with its free (settled either way); removed when it settles.
+  private readonly beingFreed = new Map<QuotaHold, Promise<void>>();
   refusals = 0;
 
   constructor(
@@ -65,6 +70,49 @@ export class Quotas {
    * @throws RESOURCE_EXHAUSTED QUOTA_EXCEEDED saying the size, what is in use and the limit (nothing is charged)
    */
   hold(owner: bigint, identity: string | undefined, size: bigint, what = 'requested'): QuotaHold | undefined {
+    const refusal = this.refusal(owner, identity, size, what);
+    if (refusal !== undefined) {
+      this.refusals++;
+      throw refusal.error;
+    }
+    return this.take(owner, identity, size);
+  }
+
+  /**
+   * hold(), but a hold that would go over the quota while the session (or its
+   * uid) has frees in flight waits for those frees, whose charge stays until
+   * the memory is really freed, and asks again: a client at its limit that
+   * releases and then allocates is never refused for memory on its way out.
+   * The check and the charge are one synchronous step, as in hold().
+   * @throws RESOURCE_EXHAUSTED QUOTA_EXCEEDED when it is over with no free of its own left in flight
+   */
+  async holdAfterFrees(owner: bigint, identity: string | undefined, size: bigint, what = 'requested'): Promise<QuotaHold | undefined> {
+    for (;;) {
+      const refusal = this.refusal(owner, identity, size, what);
+      if (refusal === undefined) return this.take(owner, identity, size);
+      const own = [...this.beingFreed].filter(([hold]) => hold.session === owner || (refusal.uid !== undefined && hold.uid === refusal.uid));
+      if (own.length === 0) {
+        this.refusals++;
+        throw refusal.error;
+      }
+      await Promise.all(own.map(([, settled]) => settled));
+    }
+  }
+
+  /** Marks a hold whose memory is being freed until `free` settles: holds refused meanwhile wait for it. */
+  freeing(hold: QuotaHold, free: Promise<unknown>): void {
+    const settled = free.then(
+      () => undefined,
+      () => undefined,
+    );
+    this.beingFreed.set(hold, settled);
+    void settled.then(() => {
+      if (this.beingFreed.get(hold) === settled) this.beingFreed.delete(hold);
+    });
+  }
+
+  /** Why a hold would be refused (and the uid whose limit it is, for the uid's), or undefined when it fits. */
+  private refusal(owner: bigint, identity: string | undefined, size: bigint, what: string): { error: Error; uid?: number } | undefined {
     if (owner === DAEMON_OWNER) return undefined;
     const uid = this.uidOf(owner);
     const newForSession = identity === undefined || !this.sessionHolds.has(`${identity}|${owner}`);
@@ -72,15 +120,20 @@ export class Quotas {
     const session = this.bySession.get(owner) ?? 0n;
     const user = uid === undefined ? 0n : (this.byUid.get(uid) ?? 0n);
     if (newForSession && this.limits.perSession > 0n && session + size > this.limits.perSession) {
-      this.refusals++;
-      throw resourceExhausted('QUOTA_EXCEEDED', `session ${owner} quota: ${what} ${size} bytes, ${session} of ${this.limits.perSession} bytes in use`);
+      return { error: resourceExhausted('QUOTA_EXCEEDED', `session ${owner} quota: ${what} ${size} bytes, ${session} of ${this.limits.perSession} bytes in use`) };
     }
     if (newForUid && this.limits.perUid > 0n && user + size > this.limits.perUid) {
-      this.refusals++;
-      throw resourceExhausted('QUOTA_EXCEEDED', `uid ${uid} quota: ${what} ${size} bytes, ${user} of ${this.limits.perUid} bytes in use`);
+      return { error: resourceExhausted('QUOTA_EXCEEDED', `uid ${uid} quota: ${what} ${size} bytes, ${user} of ${this.limits.perUid} bytes in use`), uid };
     }
-    if (newForSession) this.add(this.bySession, owner, size);
-    if (newForUid) this.add(this.byUid, uid, size);
+    return undefined;
+  }
+
+  /** Charges a hold refusal() let through. */
+  private take(owner: bigint, identity: string | undefined, size: bigint): QuotaHold | undefined {
+    if (owner === DAEMON_OWNER) return undefined;
+    const uid = this.uidOf(owner);
+    if (identity === undefined || !this.sessionHolds.has(`${identity}|${owner}`)) this.add(this.bySession, owner, size);
+    if (uid !== undefined && (identity === undefined || !this.uidHolds.has(`${identity}|${uid}`))) this.add(this.byUid, uid, size);
     const hold: QuotaHold = { session: owner, uid, size };
     if (identity !== undefined) this.name(hold, identity, false);
     return hold;
@@ -144,8 +197,9 @@ class QuotaAdaptor implements AllocationSource {
   ) {}
 
   async create(owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
-    // Charged before the await: creates in flight at once are all counted, so none escapes the quota.
-    const hold = this.quotas.hold(owner, undefined, size);
+    // Charged before the create's await: creates in flight at once are all counted, so none escapes the quota.
+    // Over the quota, it waits first for the owner's frees in flight (still charged) and asks again.
+    const hold = await this.quotas.holdAfterFrees(owner, undefined, size);
     let handle: BackendHandle;
     try {
       handle = await this.upstream.create(owner, device, location, size, handleTypes);
@@ -165,7 +219,7 @@ class QuotaAdaptor implements AllocationSource {
     const imported = await this.upstream.adopt(owner, source, size);
     let hold: QuotaHold | undefined;
     try {
-      hold = this.quotas.hold(owner, this.identify(imported.handle, imported.device), imported.size, 'importing');
+      hold = await this.quotas.holdAfterFrees(owner, this.identify(imported.handle, imported.device), imported.size, 'importing');
     } catch (error) {
       await this.upstream.release({ owner, handle: imported.handle, size: imported.size, device: imported.device, imported: true });
       throw error;
@@ -179,8 +233,11 @@ class QuotaAdaptor implements AllocationSource {
     // backend reuses at once (a memfd's) must not meet this hold.
     const hold = this.holds.get(allocation.handle);
     this.holds.delete(allocation.handle);
+    const release = this.upstream.release(allocation);
+    // Still charged until it is freed: a hold refused meanwhile waits for this free.
+    if (hold !== undefined) this.quotas.freeing(hold, release);
     try {
-      await this.upstream.release(allocation);
+      await release;
     } catch (error) {
       if (hold !== undefined && !this.holds.has(allocation.handle)) this.holds.set(allocation.handle, hold);
       throw error;

@@ -108,12 +108,23 @@ function allocationRequest(type: string, { request, allocation }: RequestMessage
   return typeof id === 'string' ? id : { request: request as string, allocation: id };
 }
 
-/** Release: the Release RPC, its answer the reference counts left. */
+/**
+ * Release: the Release RPC, its answer the reference counts left, sent once
+ * the references are dropped and the free (if due) has started: the driver's
+ * free runs after, off the answer's path. A free that fails then is logged;
+ * the allocation stays recorded and charged for the next Release or the reclaim.
+ */
 const release: Handler<{ request: string; allocation: bigint }> = {
   method: 'Release',
   parse: (message) => allocationRequest('release', message),
   async answer(session, { request, allocation }, { registry }) {
-    const result = await registry.release(session.id, allocation);
+    const { result, freeing } = await registry.releaseAnswering(session.id, allocation);
+    freeing.catch((error) =>
+      session.log.error(
+        { err: error, allocation: String(allocation) },
+        'release: freeing the memory failed after the answer; the allocation stays, charged, until the next Release or the reclaim frees it',
+      ),
+    );
     const reply: ReleasedMessage = { type: 'released', request, allocation: String(allocation), ...result };
     return { reply };
   },

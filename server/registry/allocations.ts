@@ -34,6 +34,8 @@ export class Allocations {
   private readonly records = new Map<bigint, AllocationRecord>();
   // Invariant: every create awaiting the source, by owner; no entry holds an empty set.
   private readonly creating = new Map<bigint, Set<PendingCreate>>();
+  // Invariant: one promise per free in flight (settled either way), removed once it settles.
+  private readonly freeing = new Set<Promise<void>>();
 
   constructor(
     private readonly backend: Backend,
@@ -43,8 +45,9 @@ export class Allocations {
     private readonly ownership: Ownership = new Ownership(),
   ) {}
 
-  all(): IterableIterator<AllocationRecord> {
-    return this.records.values();
+  /** Every allocation not freed nor being freed. */
+  *all(): IterableIterator<AllocationRecord> {
+    for (const record of this.records.values()) if (!record.freed) yield record;
   }
 
   /**
@@ -134,18 +137,34 @@ export class Allocations {
 
   /**
    * Drops one handle reference: the caller's own, else (when the caller may act
-   * for the owner) the owner's. Memory is freed once no reference and no mapping is left.
+   * for the owner) the owner's. Memory is freed once no reference and no
+   * mapping is left; this resolves once that free is done (the Release RPC).
    * @throws NOT_FOUND UNKNOWN_ALLOCATION; FAILED_PRECONDITION ALREADY_RELEASED, NO_REFERENCE;
-   *   PERMISSION_DENIED NOT_OWNER
+   *   PERMISSION_DENIED NOT_OWNER; the free's error
    */
   async release(caller: bigint, allocationId: bigint): Promise<ReleaseResult> {
+    const { result, freeing } = await this.releaseAnswering(caller, allocationId);
+    await freeing;
+    return result;
+  }
+
+  /**
+   * Release, resolved as soon as the references are dropped and the free (if
+   * due) has started: `freed` then means nothing references or maps the
+   * memory and its free has begun. `freeing` settles when the backend has
+   * freed it, and rejects if it could not: the allocation is then recorded
+   * and charged again, and the next Release or reclaim tries the free again.
+   * The quota charge stays until the free is done.
+   * @throws as release, but never the free's error (that is `freeing`'s)
+   */
+  async releaseAnswering(caller: bigint, allocationId: bigint): Promise<{ result: ReleaseResult; freeing: Promise<void> }> {
     const allocation = this.get(allocationId);
     const total = this.referenceCount(allocation);
     if (total === 0 && allocation.mappingCount === 0 && allocation.busy === 0) {
       // Every reference was dropped but freeing failed (a driver error): this Release tries again.
       this.ownership.check(caller, allocation.owner, `allocation ${allocationId}`);
-      const freed = await this.freeIfUnused(allocation);
-      return { freed, handleReferences: 0, mappingCount: 0 };
+      const freeing = this.startFree(allocation);
+      return { result: { freed: freeing !== undefined, handleReferences: 0, mappingCount: 0 }, freeing: freeing ?? Promise.resolve() };
     }
     if (total === 0) {
       throw failedPrecondition(
@@ -163,9 +182,18 @@ export class Allocations {
       }
       holder = allocation.owner;
     }
-    await this.dropReferences(allocation, holder, 1);
-    const freed = await this.freeIfUnused(allocation);
-    return { freed, handleReferences: this.referenceCount(allocation), mappingCount: allocation.mappingCount };
+    const dropping = this.dropReferences(allocation, holder, 1);
+    if (dropping !== undefined) await dropping;
+    const freeing = this.startFree(allocation);
+    return {
+      result: { freed: freeing !== undefined, handleReferences: this.referenceCount(allocation), mappingCount: allocation.mappingCount },
+      freeing: freeing ?? Promise.resolve(),
+    };
+  }
+
+  /** Resolves once every free in flight (those started before and while it waits) has settled, done or failed. */
+  async settleFrees(): Promise<void> {
+    while (this.freeing.size > 0) await Promise.all([...this.freeing]);
   }
 
   /**
@@ -330,17 +358,37 @@ export class Allocations {
    * and charged, and the next Release or reclaim tries again.
    */
   async freeIfUnused(allocation: AllocationRecord): Promise<boolean> {
-    if (allocation.freed || allocation.busy > 0 || allocation.mappingCount > 0) return false;
-    if (this.referenceCount(allocation) > 0) return false;
-    allocation.freed = true;
-    try {
-      await this.source.release(allocation);
-    } catch (error) {
-      allocation.freed = false;
-      throw error;
-    }
-    this.records.delete(allocation.id);
+    const freeing = this.startFree(allocation);
+    if (freeing === undefined) return false;
+    await freeing;
     return true;
+  }
+
+  /**
+   * Starts freeing an allocation nobody references or maps (undefined when
+   * it is in use or already being freed). From this moment it is gone for
+   * callers; the returned promise settles with the source's release.
+   */
+  private startFree(allocation: AllocationRecord): Promise<void> | undefined {
+    if (allocation.freed || allocation.busy > 0 || allocation.mappingCount > 0) return undefined;
+    if (this.referenceCount(allocation) > 0) return undefined;
+    allocation.freed = true;
+    const freeing = (async () => {
+      try {
+        await this.source.release(allocation);
+      } catch (error) {
+        allocation.freed = false;
+        throw error;
+      }
+      this.records.delete(allocation.id);
+    })();
+    const settled = freeing.then(
+      () => undefined,
+      () => undefined,
+    );
+    this.freeing.add(settled);
+    void settled.then(() => this.freeing.delete(settled));
+    return freeing;
   }
 
   private add(
@@ -376,17 +424,26 @@ export class Allocations {
   /**
    * Drops a holder's references. The driver's references go first: when one
    * fails, the holder keeps its references and a retry drops the rest (the
-   * driver references already dropped are not dropped twice).
+   * driver references already dropped are not dropped twice). Synchronous
+   * when no driver reference is to be dropped (the usual case), so that a
+   * Release followed at once by a Create on the session socket has started
+   * its free before the Create's quota check sees it.
    */
-  private async dropReferences(allocation: AllocationRecord, holder: bigint, count: number): Promise<void> {
+  private dropReferences(allocation: AllocationRecord, holder: bigint, count: number): Promise<void> | undefined {
+    const forget = () => {
+      const left = (allocation.references.get(holder) ?? 0) - count;
+      if (left <= 0) allocation.references.delete(holder);
+      else allocation.references.set(holder, left);
+    };
     const retained = Math.min(count, allocation.backendRetains);
-    for (let i = 0; i < retained; i++) {
-      await this.backend.releaseReference(allocation.handle, allocation.device);
-      allocation.backendRetains--;
-    }
-    const left = (allocation.references.get(holder) ?? 0) - count;
-    if (left <= 0) allocation.references.delete(holder);
-    else allocation.references.set(holder, left);
+    if (retained === 0) return void forget();
+    return (async () => {
+      for (let i = 0; i < retained; i++) {
+        await this.backend.releaseReference(allocation.handle, allocation.device);
+        allocation.backendRetains--;
+      }
+      forget();
+    })();
   }
 
   private shareKeyMatches(allocation: AllocationRecord, key: string): boolean {

@@ -75,6 +75,9 @@ export class Registry {
   create = (caller: bigint, args: CreateArgs) => this.allocations.create(caller, args);
   importHandle = (caller: bigint, source: ImportSource, size: bigint) => this.allocations.importHandle(caller, source, size);
   release = (caller: bigint, allocationId: bigint) => this.allocations.release(caller, allocationId);
+  releaseAnswering = (caller: bigint, allocationId: bigint) => this.allocations.releaseAnswering(caller, allocationId);
+  /** Resolves once every free in flight has settled (the daemon's shutdown waits for them before closing the backend). */
+  settleFrees = () => this.allocations.settleFrees();
   allocation = (allocationId: bigint) => this.allocations.get(allocationId);
   inspectAllocation = (caller: bigint, allocationId: bigint) => this.allocations.inspect(caller, allocationId);
   createExported = (caller: bigint, args: CreateArgs, onRollbackFailure: (error: unknown) => void) =>

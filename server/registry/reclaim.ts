@@ -48,7 +48,7 @@ export class Inspection {
   /**
    * Reclaims everything an owner holds: its creates in flight (abandoned, their
    * memory released as it arrives), its mappings and reservations, its handle
-   * references. Its allocations still mapped elsewhere or referenced by others
+   * references, after every free in flight has settled. Its allocations still mapped elsewhere or referenced by others
    * pass to the daemon.
    * @throws AggregateError of every object that could not be freed (the others are)
    */
@@ -64,6 +64,8 @@ export class Inspection {
       }
     };
     await this.allocations.abandonCreates(owner);
+    // Frees that Releases answered before are waited for: one that failed is back in the records for the loop below.
+    await this.allocations.settleFrees();
     let done = 0;
     for (const reservation of this.space.all().filter((candidate) => candidate.owner === owner)) {
       await breathe(++done);

@@ -9,6 +9,8 @@ import { Backend, BackendHandle, HandleKind, ImportSource, MemLocation } from '.
 export class RecordingBackend implements Backend {
   readonly calls: string[] = [];
   liveHandles = 0;
+  /** The most handles live at once since the backend was made (creates count as they land, releases once done). */
+  maxLiveHandles = 0;
   liveMappings = 0;
   liveReservations = 0;
   /** While set, unmaps wait for it: tests use it to hold an unmap in flight. */
@@ -17,6 +19,8 @@ export class RecordingBackend implements Backend {
   writeGate?: Promise<void>;
   /** While set, creates wait for it once the backend has made their memory: tests use it to hold creates in flight. */
   createGate?: Promise<void>;
+  /** While set, releases wait for it before freeing: tests use it to hold a free in flight. */
+  releaseGate?: Promise<void>;
   /** Creates started and not yet settled. */
   createsInFlight = 0;
   /** Calls to fail, with their error and how many more times (as an injected driver fault would). */
@@ -80,7 +84,7 @@ export class RecordingBackend implements Backend {
     this.createsInFlight++;
     try {
       const handle = await this.inner.create(device, location, size, handleTypes);
-      this.liveHandles++;
+      this.maxLiveHandles = Math.max(this.maxLiveHandles, ++this.liveHandles);
       if (this.createGate) await this.createGate;
       return handle;
     } finally {
@@ -90,6 +94,7 @@ export class RecordingBackend implements Backend {
 
   async release(...args: Parameters<Backend['release']>) {
     this.record('release');
+    if (this.releaseGate) await this.releaseGate;
     await this.inner.release(...args);
     this.liveHandles--;
   }
@@ -152,14 +157,14 @@ export class RecordingBackend implements Backend {
   async importHandle(source: ImportSource, size: bigint) {
     this.calls.push('import');
     const imported = await this.inner.importHandle(source, size);
-    this.liveHandles++;
+    this.maxLiveHandles = Math.max(this.maxLiveHandles, ++this.liveHandles);
     return imported;
   }
 
   async createExported(device: number, location: MemLocation, size: bigint) {
     this.calls.push('createExported');
     const made = await this.inner.createExported(device, location, size);
-    this.liveHandles++;
+    this.maxLiveHandles = Math.max(this.maxLiveHandles, ++this.liveHandles);
     return made;
   }
 

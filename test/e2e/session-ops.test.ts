@@ -12,7 +12,7 @@ import { socketPaths } from '../../common/paths';
 import { decodeMessage } from '../../common/protocol';
 import { addon } from '../../native';
 import { SeqpacketConnection, SeqpacketMessage } from '../../native/seqpacket';
-import { eventually, freePort, MiB, objectsOf, stopWhenClean, RawSession, TestDaemon } from './harness';
+import { call, eventually, freePort, MiB, objectsOf, stopWhenClean, RawSession, TestDaemon } from './harness';
 
 let daemon: TestDaemon;
 const clients: VmmdClient[] = [];
@@ -51,6 +51,27 @@ describe('release on the session socket', () => {
     await expect(c.vmm.release({ allocationId: b.id })).resolves.toEqual({ freed: true, handleReferences: 0, mappingCount: 0 });
     await c.vmm.release({ allocationId: message.allocation });
     expect(objectsOf(await daemon.stats())).toEqual(before);
+  });
+
+  it('release then allocate at the quota, over and over, is never refused: the answer comes before the free, the next allocate waits for it', async () => {
+    const c = await client();
+    const live: string[] = [];
+    for (let i = 0; i < 3; i++) {
+      const made = await c.session.allocate(2n * MiB);
+      addon.close(made.fd);
+      live.push(made.message.allocation);
+    }
+    for (let round = 0; round < 30; round++) {
+      // Not awaited: the allocate goes out right behind the release, as a client freeing and allocating at once does.
+      const released = c.session.release(live.shift()!);
+      const made = await c.session.allocate(2n * MiB);
+      addon.close(made.fd);
+      expect(await released).toMatchObject({ freed: true });
+      live.push(made.message.allocation);
+    }
+    const report = JSON.parse((await call(daemon.raw.admin, 'GetReport', {})).json);
+    expect(Object.values(report.quotas.bySession as Record<string, string>).map(BigInt)).toEqual([6n * MiB]);
+    for (const id of live) await c.session.release(id);
   });
 
   it('keeps mapped memory alive: released, not freed, until the last mapping goes', async () => {

@@ -8,6 +8,7 @@ import { Registry } from '../../server/registry';
 import { SessionDispatcher } from '../../server/session-dispatcher';
 import { StoreRegistry } from '../../server/stores';
 import type { RequestMessage, Session } from '../../server/sessions';
+import { RecordingBackend } from '../contracts/recording-backend';
 import { FakeBackend, GRANULARITY } from './fake-backend';
 
 const log = pino({ level: 'silent' });
@@ -190,5 +191,33 @@ describe('session dispatcher', () => {
     await dispatcher.reclaim(quiet);
     expect(steps).toEqual(['stores', 'logged', 'staging']);
     expect(registry.snapshot().allocations).toEqual([]);
+  });
+
+  it("answers release before the backend's free, which runs after; a free that fails then is logged and the allocation stays for the reclaim", async () => {
+    const backend = new RecordingBackend(new FakeBackend());
+    const registry = new Registry(backend);
+    const dispatcher = new SessionDispatcher({ registry, stores: new StoreRegistry(registry), reclaimers: [] });
+    const logged: string[] = [];
+    const watched = { ...session, log: { error: (_fields: unknown, message: string) => logged.push(message) } } as unknown as Session;
+    const allocate = async (request: string) =>
+      ((await dispatcher.answer(watched, { type: 'allocate', request, size: String(GRANULARITY) }, -1)).reply as { allocation: string }).allocation;
+    const first = await allocate('1');
+    let open!: () => void;
+    backend.releaseGate = new Promise<void>((resolve) => (open = resolve));
+    expect((await dispatcher.answer(watched, { type: 'release', request: '2', allocation: first }, -1)).reply).toMatchObject({ freed: true, handleReferences: 0 });
+    // Answered while the free waits on its driver call.
+    expect(backend.liveHandles).toBe(1);
+    open();
+    await registry.settleFrees();
+    expect(backend.liveHandles).toBe(0);
+    backend.releaseGate = undefined;
+    const second = await allocate('3');
+    backend.failOnce('release', new Error('injected: cuMemRelease failed'));
+    expect((await dispatcher.answer(watched, { type: 'release', request: '4', allocation: second }, -1)).reply).toMatchObject({ freed: true });
+    await registry.settleFrees();
+    expect(logged).toEqual([expect.stringMatching(/freeing the memory failed after the answer/)]);
+    expect(registry.snapshot().allocations.map((allocation) => allocation.id)).toEqual([second]);
+    await dispatcher.reclaim(watched);
+    expect({ allocations: registry.snapshot().allocations, handles: backend.liveHandles }).toEqual({ allocations: [], handles: 0 });
   });
 });
