@@ -110,6 +110,9 @@ describe('share and export on the session socket', () => {
     expect(own.message).toMatchObject({ type: 'exported', allocation: String(made.allocationId), size: String(2n * MiB), granularity: String(2n * MiB), device: 0 });
     expect(addon.hostFdInfo(own.fd)).toMatchObject({ memfd: true, size: 2n * MiB });
     addon.close(own.fd);
+    // The daemon closes its copy of an answer's descriptor right after sendmsg, which can be after the answer
+    // reached us: a ping answered after it settles that before the count (it failed once under load).
+    await owner.session.ping();
     const fds = daemon.openFds();
     // Another session's: refused without the key, or with a wrong one; nothing is sent.
     await expect(other.session.export(made.allocationId)).rejects.toMatchObject({ code: 'NOT_OWNER', status: grpc.status.PERMISSION_DENIED });
