@@ -237,8 +237,6 @@ export class Daemon {
     this.healthServer.forceShutdown();
     await this.sessions.close();
     for (const path of [this.paths.grpc, this.paths.session]) fs.rmSync(path, { force: true });
-    // Frees a Release answered before are done before the backend goes.
-    await this.registry.settleFrees();
     this.backend.close();
     this.admin.close();
     this.metrics.close();
