@@ -5,7 +5,6 @@
 import * as grpc from '@grpc/grpc-js';
 import { EventEmitter } from 'node:events';
 import { defaultSocketDir, socketPaths } from '../common/paths';
-import { loadProtos } from '../common/proto';
 import { SESSION_METADATA_KEY } from '../common/protocol';
 import type { AdminClient } from '../generated/vmmd/v1/Admin';
 import type { DevicesClient } from '../generated/vmmd/v1/Devices';
@@ -22,14 +21,13 @@ import type { ListObjectsResponse__Output } from '../generated/vmmd/v1/ListObjec
 import type { ListSessionsResponse__Output } from '../generated/vmmd/v1/ListSessionsResponse';
 import type { Report__Output } from '../generated/vmmd/v1/Report';
 import type { VersionInfo__Output } from '../generated/vmmd/v1/VersionInfo';
-import type { VirtualMemoryClient } from '../generated/vmmd/v1/VirtualMemory';
 import { CallSettings, Input, unaryCall } from './rpc';
 import { ClientSession } from './session';
 import { DEFAULT_STAGING_BYTES } from './staging';
 import { native } from '../native/client';
 import { VmmdError } from './errors';
+import { LazyServices } from './lazy-services';
 import { StoresApi } from './stores';
-import type { StoresClient } from '../generated/vmmd/v1/Stores';
 import { VirtualMemoryApi } from './vmm';
 
 export interface ConnectOptions {
@@ -117,7 +115,8 @@ export class VmmdClient extends EventEmitter {
     readonly vmm: VirtualMemoryApi,
     readonly admin: AdminApi,
     readonly stores: StoresApi,
-    private readonly channels: grpc.Client[],
+    /** What close() closes besides the session: the gRPC channel (made on first use, or never). */
+    private readonly channels: Array<{ close(): void }>,
     private readonly options: ConnectOptions = {},
   ) {
     super();
@@ -163,7 +162,8 @@ export class VmmdClient extends EventEmitter {
 }
 
 /**
- * Opens a session with the daemon and a gRPC channel to it.
+ * Opens a session with the daemon; the gRPC channel to it is made on the
+ * first call that needs it.
  * @throws VmmdError UNAVAILABLE DAEMON_UNREACHABLE when no daemon serves the socket directory
  */
 export async function connect(options: ConnectOptions = {}): Promise<VmmdClient> {
@@ -178,15 +178,8 @@ export async function connect(options: ConnectOptions = {}): Promise<VmmdClient>
   const socketDir = options.socketDir ?? defaultSocketDir();
   const paths = socketPaths(socketDir);
   const session = await ClientSession.open(paths.session, options.connectTimeoutMs ?? 5_000);
-  const { proto } = loadProtos();
-  const target = `unix://${paths.grpc}`;
-  const credentials = grpc.credentials.createInsecure();
-  const v1 = proto.vmmd.v1;
-  const devicesClient = new v1.Devices(target, credentials);
-  // One channel for all services: grpc-js shares the subchannel when target and options match.
-  const vmmClient = new v1.VirtualMemory(target, credentials, { channelOverride: devicesClient.getChannel() });
-  const adminClient = new v1.Admin(target, credentials, { channelOverride: devicesClient.getChannel() });
-  const storesClient = new v1.Stores(target, credentials, { channelOverride: devicesClient.getChannel() });
+  // The gRPC clients are made on first use: the session socket serves a worker's hot requests.
+  const services = new LazyServices(`unix://${paths.grpc}`);
   const settings: CallSettings = {
     metadata: () => {
       const metadata = new grpc.Metadata();
@@ -195,18 +188,19 @@ export async function connect(options: ConnectOptions = {}): Promise<VmmdClient>
     },
     deadlineMs: options.deadlineMs ?? 30_000,
   };
-  const devices = new DevicesApi(devicesClient, settings);
+  const devices = new DevicesApi(services.client('devices'), settings);
   let backend: BackendName;
   try {
-    const named = (await devices.listDevices()).backend;
+    // The daemon names its backend in its hello; one that does not is asked.
+    const named = session.backend ?? (await devices.listDevices()).backend;
     if (named !== 'host' && named !== 'cuda') throw new VmmdError('UNKNOWN_BACKEND', grpc.status.UNIMPLEMENTED, `the daemon serves a backend named "${named}"; this client knows "host" and "cuda"`);
     backend = named;
   } catch (error) {
     session.close();
-    devicesClient.close();
+    services.close();
     throw error;
   }
-  const vmm = new VirtualMemoryApi(vmmClient as VirtualMemoryClient, settings, session, backend, stagingBytes);
-  const stores = new StoresApi(storesClient as StoresClient, settings, session, backend);
-  return new VmmdClient(session, socketDir, backend, devices, vmm, new AdminApi(adminClient, settings), stores, [devicesClient], options);
+  const vmm = new VirtualMemoryApi(services.client('vmm'), settings, session, backend, stagingBytes);
+  const stores = new StoresApi(services.client('stores'), settings, session, backend);
+  return new VmmdClient(session, socketDir, backend, devices, vmm, new AdminApi(services.client('admin'), settings), stores, [services], options);
 }

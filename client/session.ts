@@ -49,6 +49,8 @@ const UNCLAIMED_TRANSFER_MS = 30_000;
 export class ClientSession extends EventEmitter {
   readonly id: string;
   readonly token: string;
+  /** The daemon's backend, from its hello ("host", "cuda"); undefined from daemons that do not say. */
+  readonly backend: string | undefined;
   // Descriptors the daemon sent, until a call claims them.
   private readonly inbox = new TransferInbox({
     keepMs: UNCLAIMED_TRANSFER_MS,
@@ -75,6 +77,7 @@ export class ClientSession extends EventEmitter {
     super();
     this.id = hello.session;
     this.token = hello.token;
+    this.backend = hello.backend;
     connection.on('message', (message: SeqpacketMessage) => this.onMessage(message));
     connection.on('close', () => this.onClose());
     // The session must not keep a finished program alive; pending calls do.

@@ -22,6 +22,11 @@ export interface HelloMessage {
   pid: number;
   uid: number;
   gid: number;
+  /**
+   * The daemon's backend ("host", "cuda"): what a client needs before its first
+   * request, without a ListDevices RPC. Absent from daemons before it.
+   */
+  backend?: string;
 }
 
 /** Either direction: the descriptor attached to this message is transfer `transfer`. */

@@ -112,6 +112,7 @@ export class Daemon {
     const access = new AccessPolicy(config);
     const sessions = new SessionManager(log, {
       ...sessionOptions,
+      backend: backend.name,
       transferWaitMs: config.transferWaitMs,
       maxSessionsPerUid: config.maxSessionsPerUid,
       maxTransfersPerUid: config.maxTransfersPerUid,

@@ -32,6 +32,8 @@ export interface SessionOptions {
   maxSessionsPerUid: number;
   /** Unclaimed descriptors one uid's sessions may hold at once. */
   maxTransfersPerUid: number;
+  /** The backend's name, told to each client in its hello. */
+  backend?: string;
 }
 
 export const DEFAULT_SESSION_OPTIONS: SessionOptions = {
@@ -339,7 +341,16 @@ export class SessionManager {
     connection.on('message', (message: SeqpacketMessage) => this.onMessage(session, message));
     connection.on('close', () => this.onClose(session));
     try {
-      session.send({ type: 'hello', protocol: PROTOCOL_VERSION, session: String(session.id), token: session.token, pid: peer.pid, uid: peer.uid, gid: peer.gid });
+      session.send({
+        type: 'hello',
+        protocol: PROTOCOL_VERSION,
+        session: String(session.id),
+        token: session.token,
+        pid: peer.pid,
+        uid: peer.uid,
+        gid: peer.gid,
+        ...(this.options.backend === undefined ? {} : { backend: this.options.backend }),
+      });
     } catch (error) {
       session.log.debug({ err: error }, 'the peer left before its greeting; closing the session');
       connection.close();

@@ -22,6 +22,8 @@ def test_hello_gives_a_session_with_a_token_and_this_process_credentials(daemon:
         sessions = {s.id: s for s in client.admin.list_sessions().sessions}
         assert sessions[int(client.session.id)].pid == os.getpid()
         assert client.backend == "host"
+        # Named by the daemon's hello: connect() asked no RPC for it.
+        assert client.session.backend == "host"
 
 
 def test_ping_round_trips_on_the_session_socket(client: vmmd.VmmdClient) -> None:

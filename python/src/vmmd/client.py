@@ -652,7 +652,8 @@ class VmmdClient:
         metadata = lambda: [(SESSION_METADATA_KEY, session.token)]  # noqa: E731
         self.devices = DevicesApi(_Service(channel, "Devices", metadata, deadline))
         self.admin = AdminApi(_Service(channel, "Admin", metadata, deadline))
-        self.backend: str = self.devices.list_devices().backend
+        # The hello names the backend; a daemon whose hello does not is asked (an RPC: the channel's first connection).
+        self.backend: str = session.backend if session.backend is not None else self.devices.list_devices().backend
         self.vmm = VirtualMemoryApi(_Service(channel, "VirtualMemory", metadata, deadline), session, self.backend, staging_bytes)
         self.stores = StoresApi(_Service(channel, "Stores", metadata, deadline), session, self.backend)
         self._options = (deadline, staging_bytes)

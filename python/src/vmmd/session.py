@@ -57,6 +57,9 @@ class ClientSession:
         self.id: str = str(hello["session"])
         self.token: str = str(hello["token"])
         self.pid: int = int(hello.get("pid", 0))
+        # The daemon's backend ("host", "cuda") when its hello names it (daemons before it do not).
+        backend = hello.get("backend")
+        self.backend: Optional[str] = backend if isinstance(backend, str) and backend != "" else None
         self.on_daemon_error: List[Callable[[Dict[str, Any]], None]] = []
         self.on_close: List[Callable[[], None]] = []
         self._lock = threading.Condition()

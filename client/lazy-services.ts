@@ -1,0 +1,72 @@
+/**
+ * The gRPC side of a connection, made on its first use: a worker that only
+ * allocates, releases and opens stores (all on the session socket) never
+ * parses the protos or opens an HTTP/2 connection, which were most of a new
+ * process's connect() (issue 18: 50-65 ms of proto loading and 25 ms of a
+ * first RPC on a loaded 2-core host, against 2 ms for the session). The
+ * service APIs hold stand-ins that make the clients on first touch.
+ */
+import * as grpc from '@grpc/grpc-js';
+import { loadProtos } from '../common/proto';
+import type { AdminClient } from '../generated/vmmd/v1/Admin';
+import type { DevicesClient } from '../generated/vmmd/v1/Devices';
+import type { StoresClient } from '../generated/vmmd/v1/Stores';
+import type { VirtualMemoryClient } from '../generated/vmmd/v1/VirtualMemory';
+
+/** The four service clients, on one channel. */
+export interface ServiceClients {
+  devices: DevicesClient;
+  vmm: VirtualMemoryClient;
+  admin: AdminClient;
+  stores: StoresClient;
+}
+
+export class LazyServices {
+  private made?: ServiceClients;
+  private closed = false;
+
+  /** @param target the daemon's gRPC address (unix://…) */
+  constructor(private readonly target: string) {}
+
+  /** Whether the clients exist yet (a test's and the benchmark's question). */
+  get connected(): boolean {
+    return this.made !== undefined;
+  }
+
+  /** The clients, made now if they were not; a closed connection's are made closed. */
+  clients(): ServiceClients {
+    if (this.made === undefined) {
+      const { proto } = loadProtos();
+      const credentials = grpc.credentials.createInsecure();
+      const v1 = proto.vmmd.v1;
+      const devices = new v1.Devices(this.target, credentials) as unknown as DevicesClient;
+      // One channel for all services: grpc-js shares the subchannel when target and options match.
+      const channelOverride = devices.getChannel();
+      this.made = {
+        devices,
+        vmm: new v1.VirtualMemory(this.target, credentials, { channelOverride }) as unknown as VirtualMemoryClient,
+        admin: new v1.Admin(this.target, credentials, { channelOverride }) as unknown as AdminClient,
+        stores: new v1.Stores(this.target, credentials, { channelOverride }) as unknown as StoresClient,
+      };
+      if (this.closed) devices.close();
+    }
+    return this.made;
+  }
+
+  /** A stand-in for one service's client: each property is the real client's (methods bound to it), made on first touch. */
+  client<K extends keyof ServiceClients>(service: K): ServiceClients[K] {
+    return new Proxy({} as ServiceClients[K], {
+      get: (_target, property) => {
+        const real = this.clients()[service] as unknown as Record<PropertyKey, unknown>;
+        const value = real[property];
+        return typeof value === 'function' ? (value as (...args: unknown[]) => unknown).bind(real) : value;
+      },
+    });
+  }
+
+  /** Closes the channel if it was made; later calls fail as on a closed channel. */
+  close(): void {
+    this.closed = true;
+    this.made?.devices.close();
+  }
+}

@@ -1,0 +1,120 @@
+/**
+ * connect() for a new worker (issue 18): the daemon names its backend in the
+ * session's hello, so connect() needs no RPC, and the gRPC channel is made
+ * only when a call needs it (the session socket serves allocate, release,
+ * share, export and open). A daemon whose hello does not name its backend
+ * (one before this) is asked with ListDevices, and a backend the client does
+ * not know is still refused.
+ */
+import * as grpc from '@grpc/grpc-js';
+import * as fs from 'node:fs';
+import * as os from 'node:os';
+import * as path from 'node:path';
+import { connect } from '../../client';
+import { socketPaths } from '../../common/paths';
+import { loadProtos } from '../../common/proto';
+import { encodeMessage, PROTOCOL_VERSION } from '../../common/protocol';
+import { SeqpacketConnection, SeqpacketListener } from '../../native/seqpacket';
+import { MiB, RawSession, TestDaemon } from './harness';
+
+/** Whether a client's gRPC channel exists (its services are made on first use). */
+const grpcMade = (client: unknown) => (client as { channels: Array<{ connected: boolean }> }).channels[0].connected;
+
+describe('connect() of a new worker', () => {
+  let daemon: TestDaemon;
+
+  beforeAll(async () => {
+    daemon = await TestDaemon.start();
+  });
+
+  afterAll(async () => {
+    expect(await daemon.stop()).toBe(0);
+  });
+
+  it('learns the backend from the hello, which names it', async () => {
+    const raw = new RawSession(daemon.dir);
+    try {
+      expect(await raw.next()).toMatchObject({ type: 'hello', backend: 'host' });
+    } finally {
+      raw.close();
+    }
+    const client = await connect({ socketDir: daemon.dir });
+    expect(client.backend).toBe('host');
+    client.close();
+  });
+
+  it('opens no gRPC channel until a call needs one: the session socket serves the hot requests', async () => {
+    const client = await connect({ socketDir: daemon.dir });
+    try {
+      const memory = await client.vmm.allocate({ size: 2n * MiB });
+      await client.vmm.share({ allocationId: memory.allocationId });
+      await memory.close();
+      await client.vmm.release({ allocationId: memory.allocationId });
+      expect(grpcMade(client)).toBe(false);
+      // A call only gRPC serves makes the channel, once.
+      expect((await client.admin.getStats()).sessions).toBeGreaterThan(0);
+      expect(grpcMade(client)).toBe(true);
+      expect((await client.devices.listDevices()).backend).toBe('host');
+    } finally {
+      client.close();
+    }
+  });
+
+  it('closes a client whose channel was never made, and a closed client refuses calls', async () => {
+    const client = await connect({ socketDir: daemon.dir });
+    client.close();
+    expect(grpcMade(client)).toBe(false);
+    // As before the channel was made lazily: grpc-js refuses calls on a channel closed by close().
+    await expect(client.admin.getStats()).rejects.toThrow(/shut down/);
+  });
+});
+
+describe('connect() to a daemon whose hello does not name its backend', () => {
+  let dir: string;
+  let listener: SeqpacketListener;
+  let server: grpc.Server;
+  let served = 'host';
+  let listed = 0;
+
+  beforeAll(async () => {
+    dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-old-daemon-'));
+    const paths = socketPaths(dir);
+    // The session socket of a daemon before the hello named its backend.
+    listener = new SeqpacketListener(paths.session);
+    listener.on('connection', (connection: SeqpacketConnection) => {
+      connection.send(encodeMessage({ type: 'hello', protocol: PROTOCOL_VERSION, session: '1', token: 'f'.repeat(64), pid: process.pid, uid: 0, gid: 0 }));
+    });
+    // Its Devices service, which says the backend.
+    const { proto } = loadProtos();
+    server = new grpc.Server();
+    server.addService(proto.vmmd.v1.Devices.service, {
+      ListDevices: (_call: unknown, done: (error: null, value: object) => void) => {
+        listed++;
+        done(null, { backend: served, devices: [] });
+      },
+    });
+    await new Promise<void>((resolve, reject) =>
+      server.bindAsync(`unix://${paths.grpc}`, grpc.ServerCredentials.createInsecure(), (error) => (error ? reject(error) : resolve())),
+    );
+  });
+
+  afterAll(() => {
+    listener.close();
+    server.forceShutdown();
+    fs.rmSync(dir, { recursive: true, force: true });
+  });
+
+  it('asks ListDevices for the backend', async () => {
+    served = 'cuda';
+    const before = listed;
+    const client = await connect({ socketDir: dir });
+    expect(client.backend).toBe('cuda');
+    expect(listed).toBe(before + 1);
+    client.close();
+  });
+
+  it('refuses a backend the client does not know, and closes what it opened', async () => {
+    served = 'tpu';
+    await expect(connect({ socketDir: dir })).rejects.toMatchObject({ code: 'UNKNOWN_BACKEND', status: grpc.status.UNIMPLEMENTED });
+  });
+});
