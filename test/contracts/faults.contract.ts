@@ -18,6 +18,7 @@ import { connect, VmmdClient } from '../../client';
 import { LocalDeviceMemory } from '../../client/shared-memory';
 import type { AccessDescriptor } from '../../generated/vmmd/v1/AccessDescriptor';
 import type { StoreTarget } from '../../generated/vmmd/v1/StoreTarget';
+import { SESSION_METADATA_KEY } from '../../common/protocol';
 import { addon } from '../../native';
 import { eventually, MiB, objectsOf, TestDaemon } from '../e2e/harness';
 import { figure } from '../reliability/figures';
@@ -60,6 +61,14 @@ async function attach(client: VmmdClient, backend: Backend): Promise<unknown> {
   } finally {
     addon.close(memory.fd);
   }
+}
+
+/** The Release RPC itself (the client library releases on the session socket, answered before the free). */
+function releaseRpc(client: VmmdClient, allocationId: string): Promise<unknown> {
+  const metadata = new grpc.Metadata();
+  metadata.set(SESSION_METADATA_KEY, client.session.token);
+  const raw = (client.vmm as unknown as { client: { Release(request: object, metadata: grpc.Metadata, done: (error: Error | null, value?: unknown) => void): void } }).client;
+  return new Promise((resolve, reject) => raw.Release({ allocationId }, metadata, (error, value) => (error ? reject(error) : resolve(value))));
 }
 
 const listed = async (client: VmmdClient, { store }: Prepared) => (await client.stores.list()).some((entry) => entry.id === store);
@@ -214,9 +223,9 @@ function cases(backend: Backend): Case[] {
   } else {
     list.push({
       plan: `cuMemRelease:1:${exhausted(backend)}`,
-      what: 'Release, when the driver cannot free the memory',
+      what: 'Release (the RPC), when the driver cannot free the memory',
       prepare: prepareAllocation,
-      operation: (c, { allocation }) => c.vmm.release({ allocationId: allocation }),
+      operation: (c, { allocation }) => releaseRpc(c, allocation),
       status: EXHAUSTED,
     });
   }
@@ -236,6 +245,35 @@ export function faultsContract(backend: Backend): void {
       steps: new Set(table.map((entry) => entry.plan.replace(/:\d+:[A-Z_]+$/, ''))).size,
     });
   });
+
+  if (backend === 'cuda') {
+    it('release on the session socket, when the driver cannot free the memory: answered, the allocation stays charged, and the next Release frees it', async () => {
+      const daemon = await TestDaemon.start(['--stock', 'none'], backend, { VMMD_FAULTS: `cuMemRelease:1:${exhausted(backend)}` });
+      const client = await connect({ socketDir: daemon.dir });
+      try {
+        const { allocation } = await prepareAllocation(client);
+        // Answered once the reference is dropped: the free had started.
+        await expect(client.vmm.release({ allocationId: allocation })).resolves.toMatchObject({ freed: true, handleReferences: 0 });
+        // The free failed behind the answer: the allocation is back, counted, and the next Release frees it
+        // (while it is being freed a Release finds no such allocation).
+        const retried = await eventually(
+          () =>
+            releaseRpc(client, allocation).then(
+              (value) => value,
+              (error: { code?: number; details?: string }) => (/UNKNOWN_ALLOCATION|does not exist/.test(String(error.details)) ? undefined : Promise.reject(error)),
+            ),
+          5_000,
+          'the allocation whose free failed to be released again',
+        );
+        expect(retried).toMatchObject({ freed: true });
+        expect(objectsOf(await daemon.stats())).toMatchObject({ allocations: '0' });
+      } finally {
+        client.close();
+        await eventually(async () => ((await daemon.stats()).sessions === 0 ? true : undefined), 10_000, 'the session to close');
+        expect(await daemon.stop()).toBe(0);
+      }
+    });
+  }
 
   it.each(table.map((entry) => [entry.what, entry] as const))('%s: nothing is lost or left behind', async (_what, entry) => {
     // --stock none: the stock's refills would call the driver at times of their own.
