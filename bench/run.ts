@@ -16,6 +16,7 @@ import { attachDaemon, BenchDaemon, startDaemon } from './lib/daemon';
 import { markdownTable, Section } from './lib/stats';
 import { cold, handoff, pooled } from './sections/allocations';
 import { concurrency } from './sections/concurrency';
+import { newWorker } from './sections/new-worker';
 import { rpcCosts } from './sections/rpc-costs';
 import { rpcFloor } from './sections/rpc-floor';
 import { scale } from './sections/scale';
@@ -75,6 +76,8 @@ const SECTIONS: Record<string, (daemon: BenchDaemon, args: SectionArgs) => Promi
   streaming: (daemon, args) => streaming(daemon.client, 256, count(args, 3, 5, 5)),
   // 8 GiB from the page cache on a GPU host (the target), 256 MiB on the host backend and with --quick.
   'store-load': (daemon, args) => storeLoad(daemon, args.backend, args.backend === 'cuda' && !args.quick ? 8 * 1024 ** 3 : 256 * 1024 ** 2, count(args, 1, 3, 3)),
+  // A 4 GiB store on a GPU host (the target), 256 MiB on the host backend and with --quick.
+  'new-worker': (daemon, args) => newWorker(daemon, args.backend, args.backend === 'cuda' && !args.quick ? 4n << 30n : 256n << 20n, count(args, 2, 5, 5)),
   scale: (daemon, args) => scale(daemon, scaleLevels(args.backend, args.quick), count(args, 200, 200, 300)),
   concurrency: (daemon, args) => concurrency(daemon, [1, 4, 16], count(args, 1000, 2000, 3000)),
   'rpc-floor-again': async (daemon, args) => {
