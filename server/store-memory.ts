@@ -21,6 +21,38 @@ function reopenReadOnly(fd: number): number {
   }
 }
 
+/**
+ * The read-only descriptor a store keeps for its non-writers' opens: each
+ * open gets a dup of it (still O_RDONLY: the access mode is the open file
+ * description's), not a new reopen. Closed when the store's memory is released.
+ */
+class ReadOnlyDescriptor {
+  // Invariant: undefined, or an O_RDONLY descriptor of the store's memory owned by this object; undefined for good once closed.
+  private fd: number | undefined;
+  private closed = false;
+
+  /** A dup of the kept descriptor, else `reopen()`'s (a new O_RDONLY descriptor, handed out), a dup of which is kept. */
+  async take(reopen: () => Promise<number>): Promise<number> {
+    if (this.fd !== undefined) return addon.dup(this.fd);
+    const fd = await reopen();
+    if (this.fd === undefined && !this.closed) {
+      try {
+        this.fd = addon.dup(fd);
+      } catch {
+        // Out of descriptors: nothing kept, the next open reopens.
+      }
+    }
+    return fd;
+  }
+
+  close(): void {
+    this.closed = true;
+    if (this.fd === undefined) return;
+    addon.close(this.fd);
+    this.fd = undefined;
+  }
+}
+
 /** A store's memory as the daemon reaches it: mapped in the daemon, exportable as a descriptor. */
 export interface StoreMemory {
   readonly allocationId: bigint;
@@ -40,6 +72,7 @@ export class AllocationMemory implements StoreMemory {
   // What release has still to undo (a failed release resumes here).
   private mapped = true;
   private reserved = true;
+  private readonly readOnlyFd = new ReadOnlyDescriptor();
 
   private constructor(
     private readonly registry: Registry,
@@ -81,9 +114,12 @@ export class AllocationMemory implements StoreMemory {
     return new AllocationMemory(registry, allocation, holder, reservation.address);
   }
 
+  /** Writable: the registry's export (a dup of the descriptor the backend's export cache keeps). Read-only where the memory allows: a dup of the store's own reopened descriptor. */
   async exportFd(readOnly = false): Promise<number> {
-    const { fd } = await this.registry.exportHandle(this.holder, { allocationId: this.allocation.id, handleType: 'POSIX_FD', shareKey: '' });
-    return readOnly && this.registry.backend.capabilities.readOnlyExports ? reopenReadOnly(fd!) : fd!;
+    const exported = async () =>
+      (await this.registry.exportHandle(this.holder, { allocationId: this.allocation.id, handleType: 'POSIX_FD', shareKey: '' })).fd!;
+    if (!readOnly || !this.registry.backend.capabilities.readOnlyExports) return exported();
+    return this.readOnlyFd.take(async () => reopenReadOnly(await exported()));
   }
 
   async read(offset: bigint, length: number): Promise<Buffer> {
@@ -97,6 +133,7 @@ export class AllocationMemory implements StoreMemory {
   }
 
   async release(): Promise<void> {
+    this.readOnlyFd.close();
     if (this.mapped) {
       await this.registry.unmap(this.holder, this.address, this.allocation.size);
       this.mapped = false;
@@ -117,6 +154,7 @@ export class MemfdMemory implements StoreMemory {
   readonly allocationId = 0n;
   // Whether the descriptor is still the daemon's to close (a failed release resumes here).
   private open = true;
+  private readonly readOnlyFd = new ReadOnlyDescriptor();
 
   private constructor(
     private readonly fd: number,
@@ -162,7 +200,8 @@ export class MemfdMemory implements StoreMemory {
   }
 
   async exportFd(readOnly = false): Promise<number> {
-    return readOnly ? reopenReadOnly(addon.dup(this.fd)) : addon.dup(this.fd);
+    if (!readOnly) return addon.dup(this.fd);
+    return this.readOnlyFd.take(async () => reopenReadOnly(addon.dup(this.fd)));
   }
 
   read(offset: bigint, length: number): Promise<Buffer> {
@@ -174,6 +213,7 @@ export class MemfdMemory implements StoreMemory {
   }
 
   async release(): Promise<void> {
+    this.readOnlyFd.close();
     this.mapping.unmap();
     if (this.open) {
       this.open = false;
@@ -203,8 +243,9 @@ export class ChargedMemory implements StoreMemory {
     return this.inner.mappedSize;
   }
 
-  exportFd(): Promise<number> {
-    return this.inner.exportFd();
+  exportFd(readOnly?: boolean): Promise<number> {
+    // NOTE: this dropped `readOnly` before (issue 18, noticed): a non-writer's open of a writable SYSMEM attachment got a writable descriptor.
+    return this.inner.exportFd(readOnly);
   }
 
   read(offset: bigint, length: number): Promise<Buffer> {

@@ -86,6 +86,11 @@ export class ExportedDescriptors {
     else this.kept.set(handle, fd);
   }
 
+  /** Closes a descriptor remove() took out, once the release it was taken out for succeeded. */
+  close(fd: number): void {
+    this.calls.close(fd);
+  }
+
   /** Closes every kept descriptor (the backend closes). */
   clear(): void {
     for (const fd of this.kept.values()) this.calls.close(fd);

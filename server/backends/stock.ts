@@ -11,6 +11,11 @@
  * back when memory runs short (a refill stops below REFILL_HEADROOM free
  * sizes, a failed Create empties every shelf of its device) and at close().
  *
+ * The ready descriptor a stocked allocation's first export hands out is
+ * kept too (a dup, in a bounded ExportedDescriptors): its later exports
+ * (Export again, a store's opens) are dups, never a driver export. Taken out
+ * before the handle is released, as the cuda backend does with its own.
+ *
  * Besides the configured shelves, the stock follows what clients ask for: a
  * size asked often among a device's last DEMAND_WINDOW stockable requests
  * gets a shelf of its own, deeper the more it is asked, within a share of
@@ -23,6 +28,7 @@
  */
 import type { Logger } from 'pino';
 import { addon } from '../../native';
+import { defaultExportCacheLimit, DescriptorCalls, ExportedDescriptors } from './exported-descriptors';
 import type {
   AccessGrant,
   Backend,
@@ -96,6 +102,8 @@ export class StockedBackend implements Backend {
   private readonly shelves = new Map<string, Shelf>();
   // Invariant: the ready descriptor of every stocked handle handed out and not yet exported nor released.
   private readonly ready = new Map<BackendHandle, number>();
+  // Invariant: descriptors of stocked handles handed out, exported and not yet released (bounded, least recently used out first).
+  private readonly exported: ExportedDescriptors;
   private closed = false;
   // The last free bytes asked of each device, and when; refills count down what they take.
   private readonly free = new Map<number, { bytes: bigint; at: number }>();
@@ -107,13 +115,18 @@ export class StockedBackend implements Backend {
   private refillAskedAt = 0;
   private refillTimer: NodeJS.Timeout | undefined;
 
-  /** @param closeDescriptor closes a descriptor the stock exported (tests give fakes their own) */
+  /**
+   * @param closeDescriptor closes a descriptor the stock exported (tests give fakes their own)
+   * @param keptDescriptors how the kept exported descriptors are dup'ed and closed, and how many at most (tests give fakes their own)
+   */
   constructor(
     private readonly inner: Backend,
     levels: StockLevel[],
     private readonly log: Logger,
     private readonly closeDescriptor: (fd: number) => void = (fd) => addon.close(fd),
+    keptDescriptors: { calls?: DescriptorCalls; limit?: number } = {},
   ) {
+    this.exported = new ExportedDescriptors(keptDescriptors.limit ?? defaultExportCacheLimit(), keptDescriptors.calls);
     for (const device of inner.devices()) {
       for (const level of levels) {
         if (level.depth <= 0 || level.size % device.granularityMinimum !== 0n) continue;
@@ -184,20 +197,35 @@ export class StockedBackend implements Backend {
     }
   }
 
+  /** A stocked handle's first export: its ready descriptor (a dup of it kept); later ones: a dup of the kept one. */
   async exportHandle(handle: BackendHandle, device: number): Promise<number> {
     const fd = this.ready.get(handle);
-    if (fd === undefined) return this.inner.exportHandle(handle, device);
+    if (fd === undefined) return this.exported.duplicate(BigInt(handle)) ?? this.inner.exportHandle(handle, device);
     this.ready.delete(handle);
+    this.exported.keep(BigInt(handle), fd);
     return fd;
   }
 
-  release(handle: BackendHandle, size: bigint, imported: boolean, device: number): Promise<void> {
+  async release(handle: BackendHandle, size: bigint, imported: boolean, device: number): Promise<void> {
     const fd = this.ready.get(handle);
     if (fd !== undefined) {
       this.ready.delete(handle);
       this.closeDescriptor(fd);
     }
-    return this.inner.release(handle, size, imported, device);
+    // Out before the backend frees the handle: a handle value it hands out again (a host memfd's number) never meets it.
+    const kept = this.exported.remove(BigInt(handle));
+    try {
+      await this.inner.release(handle, size, imported, device);
+    } catch (error) {
+      if (kept !== undefined) this.exported.restore(BigInt(handle), kept);
+      throw error;
+    }
+    if (kept !== undefined) this.exported.close(kept);
+  }
+
+  /** Descriptors of handed-out stocked memory kept for later exports. */
+  get keptDescriptors(): number {
+    return this.exported.size;
   }
 
   close(): void {
@@ -207,6 +235,7 @@ export class StockedBackend implements Backend {
     for (const device of this.inner.devices()) this.empty(device.index);
     for (const fd of this.ready.values()) this.closeDescriptor(fd);
     this.ready.clear();
+    this.exported.clear();
     this.inner.close();
   }
 

@@ -50,7 +50,8 @@ describeGpu('session socket operations on the cuda backend', () => {
 
   it('exports an allocation again as a copy of the descriptor kept from its first export, closed when the memory is freed', async () => {
     const owner = await client();
-    const memory = await owner.vmm.allocate({ size: 2n * MiB });
+    // 4 MiB: a size the stock does not keep, so the first export is the driver's (the stock's own are the next case).
+    const memory = await owner.vmm.allocate({ size: 4n * MiB });
     await memory.write(0, Buffer.from('kept export'));
     // The stock refills what the allocation took once the daemon is quiet (5 ms): settled before counting.
     await new Promise((resolve) => setTimeout(resolve, 100));
@@ -60,7 +61,7 @@ describeGpu('session socket operations on the cuda backend', () => {
     for (let i = 0; i < 4; i++) exports.push(await owner.session.export(memory.allocationId));
     expect(daemon.openFds()).toBe(before + 1);
     for (const { fd } of exports) {
-      const mapped = await CudaImportedMemory.map(BigInt(memory.allocationId), { fd }, 2n * MiB, 2n * MiB, 0, false);
+      const mapped = await CudaImportedMemory.map(BigInt(memory.allocationId), { fd }, 4n * MiB, 2n * MiB, 0, false);
       expect((await mapped.read(0, 11)).toString()).toBe('kept export');
       await mapped.close();
     }
@@ -77,6 +78,54 @@ describeGpu('session socket operations on the cuda backend', () => {
     await mapped.close();
     await next.close();
     await owner.vmm.release({ allocationId: next.allocationId });
+  });
+
+  it("exports a stocked allocation as copies of the descriptor its allocate handed out (the stock keeps one), closed when the memory is freed", async () => {
+    const owner = await client();
+    const stock = async () => ((await owner.admin.getReport()) as { stock: { hits: number } }).stock;
+    const settle = () => new Promise((resolve) => setTimeout(resolve, 300));
+    await settle();
+    const hits = (await stock()).hits;
+    const memory = await owner.vmm.allocate({ size: 2n * MiB });
+    expect((await stock()).hits).toBe(hits + 1);
+    await memory.write(0, Buffer.from('from stock!'));
+    // The shelf refills once the daemon is quiet: settled before counting.
+    await settle();
+    const before = daemon.openFds();
+    // The allocate handed out the stock's ready descriptor and the stock kept a copy: no export asks the driver, nothing more is kept.
+    const exports = [];
+    for (let i = 0; i < 4; i++) exports.push(await owner.session.export(memory.allocationId));
+    await owner.session.ping();
+    expect(daemon.openFds()).toBe(before);
+    for (const { fd } of exports) {
+      const mapped = await CudaImportedMemory.map(BigInt(memory.allocationId), { fd }, 2n * MiB, 2n * MiB, 0, false);
+      expect((await mapped.read(0, 11)).toString()).toBe('from stock!');
+      await mapped.close();
+    }
+    await memory.close();
+    await owner.vmm.release({ allocationId: memory.allocationId });
+    await eventually(async () => (daemon.openFds() === before - 1 ? true : undefined), 5_000, "the stock's kept descriptor to close");
+  });
+
+  it('answers a release on the socket before the driver has freed the memory; the quota is refunded once it has, and a release-allocate loop at the quota is never refused', async () => {
+    const c = await client();
+    // The session's quota is 8 MiB: four 2 MiB allocations fill it.
+    // Both on the socket: the socket and gRPC are not ordered with each other.
+    const allocate = async () => {
+      const { message, fd } = await c.session.allocate(2n * MiB);
+      addon.close(fd);
+      return message.allocation;
+    };
+    const live: string[] = [];
+    for (let i = 0; i < 4; i++) live.push(await allocate());
+    for (let round = 0; round < 20; round++) {
+      // The allocate goes out right behind the release, not waiting for its answer.
+      const released = c.session.release(live.shift()!);
+      live.push(await allocate());
+      expect(await released).toMatchObject({ freed: true });
+    }
+    for (const allocation of live) await c.session.release(allocation);
+    await eventually(async () => (Object.keys((await c.admin.getReport() as { quotas: { bySession: object } }).quotas.bySession).length === 0 ? true : undefined), 5_000, 'the quota to be refunded');
   });
 
   it('refunds the quota on a release over the socket', async () => {

@@ -8,10 +8,13 @@ import { FakeBackend, MiB } from './fake-backend';
 const DEVICE = { type: 'DEVICE' as const, id: 0 };
 const quiet = pino({ level: 'silent' });
 
-function stocked(levels = [{ size: 2n * MiB, depth: 2 }], capacity = 64n * MiB) {
+function stocked(levels = [{ size: 2n * MiB, depth: 2 }], capacity = 64n * MiB, limit = 8) {
   const fake = new FakeBackend({ capacity });
   const closed: number[] = [];
-  const stock = new StockedBackend(fake, levels, quiet, (fd) => closed.push(fd));
+  // The fake's descriptors are numbers: a dup is a new number, 5000 up.
+  let next = 5000;
+  const calls = { dup: () => next++, close: (fd: number) => void closed.push(fd) };
+  const stock = new StockedBackend(fake, levels, quiet, (fd) => closed.push(fd), { calls, limit });
   return { fake, stock, closed };
 }
 
@@ -42,9 +45,10 @@ describe('a stock', () => {
     expect(fake.calls).toEqual([]);
     expect(await stock.exportHandle(handle, 0)).toBe(1000 + Number(handle));
     expect(fake.calls).toEqual([]);
-    // A second export is a new one.
-    await stock.exportHandle(handle, 0);
-    expect(fake.calls).toEqual(['export']);
+    // A second export is a dup of the descriptor kept from the first: no driver export either.
+    expect(await stock.exportHandle(handle, 0)).toBe(5001);
+    expect(fake.calls).toEqual([]);
+    expect(stock.keptDescriptors).toBe(1);
     await settle();
     expect(stock.stats()).toMatchObject({ hits: 1, misses: 0, levels: [{ held: 2 }] });
   });
@@ -68,6 +72,40 @@ describe('a stock', () => {
     const handle = await stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
     await stock.release(handle, 2n * MiB, false, 0);
     expect(closed).toEqual([1000 + Number(handle)]);
+  });
+
+  it('closes the kept descriptor of a handed-out handle when it is released (after the backend freed it), keeps it when the free fails', async () => {
+    const { fake, stock, closed } = stocked();
+    await stock.fill();
+    const handle = await stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
+    await stock.exportHandle(handle, 0);
+    // Kept: 5000, a dup of the ready descriptor the first export handed out.
+    const failing = Object.assign(new Error('injected'), { code: 'CUDA_ERROR_UNKNOWN' });
+    const release = fake.release.bind(fake);
+    fake.release = async () => {
+      throw failing;
+    };
+    await expect(stock.release(handle, 2n * MiB, false, 0)).rejects.toBe(failing);
+    expect({ closed, kept: stock.keptDescriptors }).toEqual({ closed: [], kept: 1 });
+    expect(await stock.exportHandle(handle, 0)).toBe(5001);
+    fake.release = release;
+    await stock.release(handle, 2n * MiB, false, 0);
+    expect({ closed, kept: stock.keptDescriptors }).toEqual({ closed: [5000], kept: 0 });
+    // Released: the next export of that handle value is the backend's own, not a dup of the old memory's.
+    fake.calls.length = 0;
+    await expect(stock.exportHandle(handle, 0)).rejects.toThrow();
+    expect(fake.calls).toEqual(['export']);
+  });
+
+  it('keeps at most its bound of handed-out descriptors, least recently exported closed first', async () => {
+    const { stock, closed } = stocked([{ size: 2n * MiB, depth: 4 }], 64n * MiB, 2);
+    await stock.fill();
+    const handles = [];
+    for (let i = 0; i < 3; i++) handles.push(await stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']));
+    for (const handle of handles) await stock.exportHandle(handle, 0);
+    // Kept 5000, 5001, 5002 for the three; the first went when the third came.
+    expect({ kept: stock.keptDescriptors, closed }).toEqual({ kept: 2, closed: [5000] });
+    stock.close();
   });
 
   it('stops refilling below its headroom, and empties the device when a Create runs out of memory', async () => {
