@@ -14,7 +14,7 @@
  * the daemon holds exactly what it held before `prepare`.
  */
 import * as grpc from '@grpc/grpc-js';
-import { connect, VmmdClient } from '../../client';
+import { connect, VmmdClient, VmmdError } from '../../client';
 import { LocalDeviceMemory } from '../../client/shared-memory';
 import type { AccessDescriptor } from '../../generated/vmmd/v1/AccessDescriptor';
 import type { StoreTarget } from '../../generated/vmmd/v1/StoreTarget';
@@ -68,7 +68,9 @@ function releaseRpc(client: VmmdClient, allocationId: string): Promise<unknown> 
   const metadata = new grpc.Metadata();
   metadata.set(SESSION_METADATA_KEY, client.session.token);
   const raw = (client.vmm as unknown as { client: { Release(request: object, metadata: grpc.Metadata, done: (error: Error | null, value?: unknown) => void): void } }).client;
-  return new Promise((resolve, reject) => raw.Release({ allocationId }, metadata, (error, value) => (error ? reject(error) : resolve(value))));
+  return new Promise((resolve, reject) =>
+    raw.Release({ allocationId }, metadata, (error, value) => (error ? reject(VmmdError.fromServiceError(error as grpc.ServiceError)) : resolve(value))),
+  );
 }
 
 const listed = async (client: VmmdClient, { store }: Prepared) => (await client.stores.list()).some((entry) => entry.id === store);
@@ -260,7 +262,7 @@ export function faultsContract(backend: Backend): void {
           () =>
             releaseRpc(client, allocation).then(
               (value) => value,
-              (error: { code?: number; details?: string }) => (/UNKNOWN_ALLOCATION|does not exist/.test(String(error.details)) ? undefined : Promise.reject(error)),
+              (error: VmmdError) => (error.code === 'UNKNOWN_ALLOCATION' ? undefined : Promise.reject(error)),
             ),
           5_000,
           'the allocation whose free failed to be released again',
