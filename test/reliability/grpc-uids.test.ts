@@ -305,6 +305,11 @@ describe('the uid model of gRPC (host)', () => {
         const raw = await attacker.do<{ write: string; writableMapping: string; readOnlyMapping: string }>({ op: 'storeOpenRaw', id: store.id });
         expect(raw).toEqual({ write: 'EBADF', writableMapping: 'EACCES', readOnlyMapping: 'ok' });
         statuses.readOnlyDescriptor = (statuses.readOnlyDescriptor ?? 0) + 1;
+        // Again after the maker opened it writable: the store hands out dups of the read-only descriptor it kept (issue 18), never the writable one.
+        await maker.do({ op: 'storeClose', handle: (await maker.do<{ handle: number }>({ op: 'storeOpen', name: 'maker-rw', writable: true })).handle });
+        tried++;
+        expect(await attacker.do({ op: 'storeOpenRaw', id: store.id })).toEqual({ write: 'EBADF', writableMapping: 'EACCES', readOnlyMapping: 'ok' });
+        statuses.readOnlyDescriptor++;
       }
       // It reads the store (open read-only, and through the daemon): that is what others may.
       const opened = await attacker.do<{ handle: number }>({ op: 'storeOpen', name: 'maker-rw' });
