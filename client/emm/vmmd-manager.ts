@@ -58,6 +58,8 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   private readonly opened = new Set<ImportedMemory>();
   // The unmaps that frees started and did not wait for (a driver thread on cuda runs them).
   private readonly unmaps = new InFlight();
+  // The releases that frees sent and did not wait for the answer of.
+  private readonly releases = new InFlight();
   private initialized?: Promise<void>;
   // The chunk lease in progress: concurrent requests that find no room wait for it rather than lease their own.
   private leasing?: Promise<void>;
@@ -125,8 +127,9 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
       this.counters.outOfMemoryRetries++;
       await this.deallocations.flush();
       await this.releaseEmptyChunks();
-      // Memory freed here stays in use until its unmap completes.
+      // Memory freed here stays in use until its unmap completes, and counts in the daemon until its release is answered.
       await this.unmaps.drain();
+      await this.releases.drain();
       return this.allocate(bytes);
     }
   }
@@ -219,6 +222,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     this.hostLeases.clear();
     for (const lease of leases) await this.returnLease(lease);
     await this.unmaps.drain();
+    await this.releases.drain();
   }
 
   /** Runs pending frees and gives empty chunks back to the daemon; resolves once their memory is unmapped here. */
@@ -226,12 +230,14 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     await this.deallocations.flush();
     await this.releaseEmptyChunks();
     await this.unmaps.drain();
+    await this.releases.drain();
   }
 
   /** Runs pending frees (unless deferCleanup holds them); resolves once their memory is unmapped here. */
   async flush(): Promise<void> {
     await this.deallocations.flush();
     await this.unmaps.drain();
+    await this.releases.drain();
   }
 
   /** Copies bytes into managed memory at a device pointer. */
@@ -345,18 +351,26 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   }
 
   /**
-   * Gives an allocation back without waiting for its unmap here: the
-   * release is sent at once, the unmap runs behind it (after any copy still
-   * in flight on the memory, on a driver thread on cuda), and the address
-   * range goes back to the arena once unmapped. The mapping keeps the memory
-   * alive until then.
+   * Gives an allocation back without waiting, as an NBEP 7 free does not:
+   * the release is sent at once on the session socket and its answer not
+   * waited for (the daemon takes this session's requests in order, and a
+   * create over a quota waits for the frees in flight), the unmap runs behind
+   * it (after any copy still in flight on the memory, on a driver thread on
+   * cuda), and the address range goes back to the arena once unmapped. The
+   * mapping keeps the memory alive until then. A release that fails is a
+   * warning; flush(), clearCaches() and reset() wait for both.
    */
   private async returnLease(lease: Lease): Promise<void> {
     this.unmapInBackground(lease.memory);
-    await this.client.vmm.release({ allocationId: lease.allocationId }).catch((error) => {
-      // The session may be gone already: the daemon reclaimed the allocation with it.
-      if (!(error instanceof VmmdError) || (error.code !== 'SESSION_LOST' && error.status !== Status.UNAUTHENTICATED)) throw error;
-    });
+    const released = this.client.vmm.release({ allocationId: lease.allocationId }).then(
+      () => undefined,
+      (error: unknown) => {
+        // The session may be gone already: the daemon reclaimed the allocation with it.
+        if (error instanceof VmmdError && (error.code === 'SESSION_LOST' || error.status === Status.UNAUTHENTICATED)) return;
+        process.emitWarning(`vmmd: releasing allocation ${lease.allocationId} failed: ${(error as Error).message}`);
+      },
+    );
+    void this.releases.track(released);
   }
 
   /** Closes `memory` here without waiting: reads and writes on it are refused from now, the unmap follows. */

@@ -79,7 +79,7 @@ export class Allocations {
     const waiting = this.creating.get(caller) ?? new Set<PendingCreate>();
     this.creating.set(caller, waiting.add(pending));
     try {
-      const handle = await this.source.create(caller, device, args.location, args.size, handleTypes);
+      const handle = await this.createAfterFrees(caller, device, args.location, args.size, handleTypes);
       if (!pending.abandoned) return this.add(caller, handle, args.size, device, args.location, handleTypes, false, granularity);
       // Nobody is left to release it: given back through the adaptors (refunded, uncounted) before the refusal.
       let fate = 'the memory was released';
@@ -189,6 +189,25 @@ export class Allocations {
       result: { freed: freeing !== undefined, handleReferences: this.referenceCount(allocation), mappingCount: allocation.mappingCount },
       freeing: freeing ?? Promise.resolve(),
     };
+  }
+
+  /**
+   * The source's create; when the device is out of memory while frees are
+   * in flight (releases answered before their free), it waits for them and
+   * asks once more: a client that frees and allocates at once must not fail
+   * on memory on its way out. (Quotas wait for their own holder's frees:
+   * Quotas.holdAfterFrees.)
+   */
+  private async createAfterFrees(caller: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
+    try {
+      return await this.source.create(caller, device, location, size, handleTypes);
+    } catch (error) {
+      const code = (error as { code?: unknown }).code;
+      // The backends' words for it: the registry's capacity, the driver's, the kernel's.
+      if ((code !== 'OUT_OF_MEMORY' && code !== 'CUDA_ERROR_OUT_OF_MEMORY' && code !== 'ENOMEM') || this.freeing.size === 0) throw error;
+      await this.settleFrees();
+      return this.source.create(caller, device, location, size, handleTypes);
+    }
   }
 
   /** Resolves once every free in flight (those started before and while it waits) has settled, done or failed. */
