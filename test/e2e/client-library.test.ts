@@ -50,11 +50,17 @@ describe('VmmdMemoryManager and openIpcHandle', () => {
     await pointer.free();
   });
 
-  test("a cold free returns before the daemon answers its release; flush() waits for the release", async () => {
+  /** A manager whose every memalloc is a new allocation and whose frees run at once (the cold path), and its client. */
+  async function coldManager(): Promise<{ client: VmmdClient; mm: VmmdMemoryManager }> {
     const client = await connect({ socketDir: daemon.dir });
     clients.push(client);
     const mm = new VmmdMemoryManager({ client, device: 0, backend: client.backend, pool: { chunkSize: 2n * MiB, largeThreshold: 0n }, deferred: { count: 0, ratio: 1 } });
     await mm.initialize();
+    return { client, mm };
+  }
+
+  test("a cold free returns before the daemon answers its release; flush() waits for the release", async () => {
+    const { client, mm } = await coldManager();
     // The release is held back until the test lets it go.
     const release = client.vmm.release.bind(client.vmm);
     let letGo!: () => void;
@@ -76,10 +82,7 @@ describe('VmmdMemoryManager and openIpcHandle', () => {
   });
 
   test('a release the daemon refuses after a free is a warning, not a failed free', async () => {
-    const client = await connect({ socketDir: daemon.dir });
-    clients.push(client);
-    const mm = new VmmdMemoryManager({ client, device: 0, backend: client.backend, pool: { chunkSize: 2n * MiB, largeThreshold: 0n }, deferred: { count: 0, ratio: 1 } });
-    await mm.initialize();
+    const { client, mm } = await coldManager();
     const release = client.vmm.release.bind(client.vmm);
     client.vmm.release = () => Promise.reject(new VmmdError('NOT_OWNER', Status.PERMISSION_DENIED, 'refused for the test'));
     const warned = jest.spyOn(process, 'emitWarning').mockImplementation(() => undefined);

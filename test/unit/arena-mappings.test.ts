@@ -133,6 +133,20 @@ const turn = () => new Promise((resolve) => setImmediate(resolve));
 let nextFd = 100;
 const map = () => CudaImportedMemory.map(1n, { fd: nextFd++ }, SIZE, SIZE, 0, false);
 
+/** Runs `body` while the stand-in driver refuses every cuMemSetAccess (out of memory). */
+async function whileSetAccessFails(body: () => Promise<void>): Promise<void> {
+  const { addon } = jest.requireMock('../../native/index') as { addon: { cudaSetAccess: () => Promise<void> } };
+  const setAccess = addon.cudaSetAccess;
+  addon.cudaSetAccess = async () => {
+    throw Object.assign(new Error('CUDA_ERROR_OUT_OF_MEMORY: cuMemSetAccess'), { code: 'CUDA_ERROR_OUT_OF_MEMORY' });
+  };
+  try {
+    await body();
+  } finally {
+    addon.cudaSetAccess = setAccess;
+  }
+}
+
 /** Lets every unmap the driver was given finish. */
 async function finishUnmaps(): Promise<void> {
   while (driver.unmaps.length > 0) driver.unmaps.shift()!.finish();
@@ -216,21 +230,14 @@ describe('client mappings in the address arena', () => {
     const a = await map();
     const taken = addressArenaStats()['cuda:0'].takenBytes;
     // A mapping that fails at set access is unmapped and its range given back.
-    const { addon } = jest.requireMock('../../native/index') as { addon: { cudaSetAccess: () => Promise<void> } };
-    const setAccess = addon.cudaSetAccess;
-    addon.cudaSetAccess = async () => {
-      throw Object.assign(new Error('CUDA_ERROR_OUT_OF_MEMORY: cuMemSetAccess'), { code: 'CUDA_ERROR_OUT_OF_MEMORY' });
-    };
-    try {
+    await whileSetAccessFails(async () => {
       const failed = DeviceMapping.map(0, 7n, SIZE, SIZE, { readOnly: false });
       failed.catch(() => undefined);
       await turn();
       expect(addressArenaStats()['cuda:0'].takenBytes).toBe(taken + SIZE);
       await finishUnmaps();
       await expect(failed).rejects.toMatchObject({ code: 'CUDA_ERROR_OUT_OF_MEMORY' });
-    } finally {
-      addon.cudaSetAccess = setAccess;
-    }
+    });
     expect(addressArenaStats()['cuda:0'].takenBytes).toBe(taken);
     const b = await map();
     expect(b.address).toBe(a.address + SIZE);
@@ -240,16 +247,7 @@ describe('client mappings in the address arena', () => {
   it('a descriptor whose one-call import fails at set access leaves nothing mapped, and its range is free at once', async () => {
     const a = await map();
     const taken = addressArenaStats()['cuda:0'].takenBytes;
-    const { addon } = jest.requireMock('../../native/index') as { addon: { cudaSetAccess: () => Promise<void> } };
-    const setAccess = addon.cudaSetAccess;
-    addon.cudaSetAccess = async () => {
-      throw Object.assign(new Error('CUDA_ERROR_OUT_OF_MEMORY: cuMemSetAccess'), { code: 'CUDA_ERROR_OUT_OF_MEMORY' });
-    };
-    try {
-      await expect(map()).rejects.toMatchObject({ code: 'LOCAL_MAP_FAILED', status: Status.RESOURCE_EXHAUSTED });
-    } finally {
-      addon.cudaSetAccess = setAccess;
-    }
+    await whileSetAccessFails(() => expect(map()).rejects.toMatchObject({ code: 'LOCAL_MAP_FAILED', status: Status.RESOURCE_EXHAUSTED }));
     expect(driver.mappings.size).toBe(1);
     expect(addressArenaStats()['cuda:0'].takenBytes).toBe(taken);
     const b = await map();
