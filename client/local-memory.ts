@@ -4,7 +4,7 @@
  * mapped into this process's own CUDA context (a device pointer).
  */
 import { status as Status } from '@grpc/grpc-js';
-import { close as closeFile } from 'node:fs';
+import { closeLater } from '../common/close-later';
 import { traceMark } from '../common/trace';
 import { native } from '../native/client';
 import { detachView, DeviceMapping, HostMapping } from '../native/mapping';
@@ -198,16 +198,6 @@ export class HostImportedMemory extends ImportedMemory {
 export type CudaSource = { fd: number } | { fabric: Buffer };
 
 /** Cuda backend: the allocation mapped into this process's primary context of `device`. */
-/** Closes a descriptor this process owns on a libuv thread; a failure is a warning (nothing else holds the number). */
-function closeInBackground(fd: number): void {
-  // Queued after the caller's turn: even handing the close to a thread costs the allocation ~10 us.
-  setImmediate(() =>
-    closeFile(fd, (error) => {
-      if (error) process.emitWarning(`vmmd: closing descriptor ${fd} failed: ${error.message}`);
-    }),
-  );
-}
-
 export class CudaImportedMemory extends ImportedMemory {
   /**
    * Imports the handle into this process's CUDA context, reserves, maps and
@@ -250,7 +240,7 @@ export class CudaImportedMemory extends ImportedMemory {
     } finally {
       // Closed on a libuv thread: the last close of a CUDA descriptor frees the driver's export
       // object in the kernel, 25-45 us on an H100 host (the cold probe), which the caller need not wait for.
-      if ('fd' in source) closeInBackground(source.fd);
+      if ('fd' in source) closeLater(source.fd);
       traceMark('mark:descriptor closed');
       // The mapping holds the memory: the handle's release need not be waited for (a driver thread does it).
       if (handle !== undefined) {

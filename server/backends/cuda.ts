@@ -18,6 +18,7 @@ import {
   MemoryInfo,
 } from './backend';
 import { memfdIdentity } from '../client-memfd';
+import { closeLater } from '../../common/close-later';
 import { defaultExportCacheLimit, ExportedDescriptors } from './exported-descriptors';
 
 
@@ -170,12 +171,12 @@ export class CudaBackend implements Backend {
       if (exported !== undefined) this.exported.restore(BigInt(handle), exported);
       throw error;
     }
-    if (exported !== undefined) addon.close(exported);
+    if (exported !== undefined) this.exported.close(exported);
     // Only once the driver has freed it: a release that fails keeps the handle exportable.
     const fd = this.importedFds.get(BigInt(handle));
     if (fd !== undefined) {
       this.importedFds.delete(BigInt(handle));
-      addon.close(fd);
+      closeLater(fd);
     }
   }
 

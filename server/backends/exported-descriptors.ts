@@ -8,6 +8,7 @@
  * out before it releases the handle, so a handle value the driver hands out
  * again never meets a descriptor of the memory it named before.
  */
+import { closeLater } from '../../common/close-later';
 import { addon } from '../../native';
 
 /** What the cache needs of the system; tests count the calls. */
@@ -16,7 +17,8 @@ export interface DescriptorCalls {
   close(fd: number): void;
 }
 
-const SYSTEM: DescriptorCalls = { dup: (fd) => addon.dup(fd), close: (fd) => addon.close(fd) };
+// Closed off the event loop: a kept descriptor is usually the memory's last, whose close frees the driver's export object.
+const SYSTEM: DescriptorCalls = { dup: (fd) => addon.dup(fd), close: (fd) => closeLater(fd) };
 
 /** The default bound: 1024, or a sixteenth of the descriptor limit where that is less. */
 export function defaultExportCacheLimit(): number {

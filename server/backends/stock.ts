@@ -27,6 +27,7 @@
  * from; below half it refills at once.
  */
 import type { Logger } from 'pino';
+import { closeLater } from '../../common/close-later';
 import { addon } from '../../native';
 import { defaultExportCacheLimit, DescriptorCalls, ExportedDescriptors } from './exported-descriptors';
 import type {
@@ -123,7 +124,8 @@ export class StockedBackend implements Backend {
     private readonly inner: Backend,
     levels: StockLevel[],
     private readonly log: Logger,
-    private readonly closeDescriptor: (fd: number) => void = (fd) => addon.close(fd),
+    // Off the event loop: a stocked descriptor is its memory's last, and its close frees the driver's export object.
+    private readonly closeDescriptor: (fd: number) => void = (fd) => closeLater(fd),
     keptDescriptors: { calls?: DescriptorCalls; limit?: number } = {},
   ) {
     this.exported = new ExportedDescriptors(keptDescriptors.limit ?? defaultExportCacheLimit(), keptDescriptors.calls);

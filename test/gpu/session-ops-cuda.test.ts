@@ -55,11 +55,12 @@ describeGpu('session socket operations on the cuda backend', () => {
     await memory.write(0, Buffer.from('kept export'));
     // The stock refills what the allocation took once the daemon is quiet (5 ms): settled before counting.
     await new Promise((resolve) => setTimeout(resolve, 100));
+    // The allocate's own export asked the driver and kept a descriptor (the H100 run at a2b3ce0 counted it):
+    // the exports after it are copies of that one, and add none.
     const before = daemon.openFds();
-    // The first export asks the driver and keeps a descriptor; the next ones are copies of it.
     const exports = [];
     for (let i = 0; i < 4; i++) exports.push(await owner.session.export(memory.allocationId));
-    expect(daemon.openFds()).toBe(before + 1);
+    expect(daemon.openFds()).toBe(before);
     for (const { fd } of exports) {
       const mapped = await CudaImportedMemory.map(BigInt(memory.allocationId), { fd }, 4n * MiB, 2n * MiB, 0, false);
       expect((await mapped.read(0, 11)).toString()).toBe('kept export');
@@ -68,7 +69,7 @@ describeGpu('session socket operations on the cuda backend', () => {
     await memory.close();
     await owner.vmm.release({ allocationId: memory.allocationId });
     // Freed: the kept descriptor is closed with it.
-    await eventually(async () => (daemon.openFds() === before ? true : undefined), 5_000, 'the kept descriptor to close');
+    await eventually(async () => (daemon.openFds() === before - 1 ? true : undefined), 5_000, 'the kept descriptor to close');
     // Another allocation (the driver may hand out the same handle value) exports its own memory, not the freed one's.
     const next = await owner.vmm.allocate({ size: 2n * MiB });
     await next.write(0, Buffer.from('new memory!'));
