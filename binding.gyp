@@ -8,7 +8,8 @@
         "native/src/faults.cc",
         "native/src/host_memory.cc",
         "native/src/fd_passing.cc",
-        "native/src/cuda_driver.cc"
+        "native/src/cuda_driver.cc",
+        "native/src/busy_poll.cc"
       ],
       "include_dirs": [
         "<!(node -p \"require('node-addon-api').include_dir\")",

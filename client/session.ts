@@ -25,6 +25,7 @@ import { traceClock, traceSince, tracing } from '../common/trace';
 import { native } from '../native/client';
 import { SeqpacketConnection, SeqpacketMessage } from '../native/seqpacket';
 import { VmmdError } from './errors';
+import { busyPollWhile, DEFAULT_BUSY_POLL_MICROS } from '../native/busy-poll';
 
 /** Answers to request messages, and those that carry a descriptor. */
 const ANSWERS = new Set<string>(['allocated', 'released', 'shared', 'exported', 'opened']);
@@ -36,6 +37,8 @@ interface PendingRequest {
   resolve(answer: { message: RequestAnswer; fd: number }): void;
   reject(error: Error): void;
   timer: NodeJS.Timeout;
+  /** Ends this request's share of busy polling (native/busy-poll.ts). */
+  spun(): void;
 }
 
 /** How long a descriptor the daemon sent waits to be claimed before it is closed. */
@@ -64,7 +67,7 @@ export class ClientSession extends EventEmitter {
   });
   private nextTransfer = 1n;
   // Pings in flight by nonce.
-  private readonly pings = new Map<string, { resolve(): void; reject(error: Error): void }>();
+  private readonly pings = new Map<string, { resolve(): void; reject(error: Error): void; spun(): void }>();
   private nextPing = 1;
   // Requests in flight (allocate, release, share, export, open) by request id.
   private readonly requests = new Map<string, PendingRequest>();
@@ -73,6 +76,7 @@ export class ClientSession extends EventEmitter {
   private constructor(
     private readonly connection: SeqpacketConnection,
     hello: HelloMessage,
+    private readonly busyPollMicros: number,
   ) {
     super();
     this.id = hello.session;
@@ -86,9 +90,11 @@ export class ClientSession extends EventEmitter {
 
   /**
    * Connects and waits for the daemon's greeting.
+   * @param busyPollMicros while a request waits for its answer, the event loop spins this long before each sleep
+   *   (native/busy-poll.ts): an answer that comes within it finds the process awake (0: never spin)
    * @throws VmmdError UNAVAILABLE DAEMON_UNREACHABLE, DEADLINE_EXCEEDED NO_GREETING
    */
-  static open(path: string, timeoutMs: number): Promise<ClientSession> {
+  static open(path: string, timeoutMs: number, busyPollMicros = DEFAULT_BUSY_POLL_MICROS): Promise<ClientSession> {
     let connection: SeqpacketConnection;
     try {
       connection = SeqpacketConnection.connect(path);
@@ -126,7 +132,7 @@ export class ClientSession extends EventEmitter {
         settled = true;
         clearTimeout(timer);
         connection.removeAllListeners();
-        resolve(new ClientSession(connection, hello));
+        resolve(new ClientSession(connection, hello, busyPollMicros));
       });
     });
   }
@@ -205,8 +211,10 @@ export class ClientSession extends EventEmitter {
     const request = String(this.nextRequest++);
     const sent = tracing ? traceClock() : 0n;
     return new Promise((resolve, reject) => {
+      const spun = busyPollWhile(this.busyPollMicros);
       const timer = setTimeout(() => {
         this.requests.delete(request);
+        spun();
         reject(new VmmdError('NO_ANSWER', Status.DEADLINE_EXCEEDED, `the daemon did not answer ${message.type} request ${request} within ${timeoutMs} ms`));
       }, timeoutMs);
       this.requests.set(request, {
@@ -217,12 +225,14 @@ export class ClientSession extends EventEmitter {
         } : resolve) as PendingRequest['resolve'],
         reject,
         timer,
+        spun,
       });
       try {
         this.send({ ...message, request } as unknown as SessionMessage);
       } catch (error) {
         clearTimeout(timer);
         this.requests.delete(request);
+        spun();
         reject(error);
       }
     });
@@ -236,18 +246,21 @@ export class ClientSession extends EventEmitter {
     const nonce = String(this.nextPing++);
     const sent = tracing ? traceClock() : 0n;
     return new Promise((resolve, reject) => {
+      const spun = busyPollWhile(this.busyPollMicros);
       // The timer also keeps the process alive while the pong is due (the socket does not).
       const timer = setTimeout(() => {
         this.pings.delete(nonce);
+        spun();
         reject(new VmmdError('NO_ANSWER', Status.DEADLINE_EXCEEDED, `the daemon did not answer ping ${nonce} within ${timeoutMs} ms`));
       }, timeoutMs);
       const settle = (error?: Error) => {
         clearTimeout(timer);
+        spun();
         traceSince('session:ping', sent);
         if (error === undefined) resolve();
         else reject(error);
       };
-      this.pings.set(nonce, { resolve: () => settle(), reject: settle });
+      this.pings.set(nonce, { resolve: () => settle(), reject: settle, spun });
       try {
         this.send({ type: 'ping', nonce });
       } catch (error) {
@@ -287,6 +300,7 @@ export class ClientSession extends EventEmitter {
       const pending = this.requests.get(request);
       if (pending !== undefined) {
         clearTimeout(pending.timer);
+        pending.spun();
         this.requests.delete(request);
         if (message.type === pending.answer && (raw.fd >= 0) === WITH_DESCRIPTOR.has(message.type)) {
           pending.resolve({ message: message as RequestAnswer, fd: raw.fd });
@@ -319,6 +333,7 @@ export class ClientSession extends EventEmitter {
     this.pings.clear();
     for (const pending of this.requests.values()) {
       clearTimeout(pending.timer);
+      pending.spun();
       pending.reject(this.lost());
     }
     this.requests.clear();

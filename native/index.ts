@@ -111,6 +111,10 @@ export interface Addon {
   /** A bound, non-blocking datagram socket (read it with seqpacketRecv). */
   unixDgramBind(path: string): number;
   Poller: new (fd: number, callback: (status: number, events: number) => void) => Poller;
+  /** Spin up to this long before each sleep of this thread's event loop, 0: never (native/busy-poll.ts is the policy). */
+  busyPoll(microseconds: number): void;
+  /** Since load: loop iterations before a sleep, spins begun, spins that met something ready, time spun. */
+  busyPollStats(): { prepares: number; spins: number; caught: number; spunMicroseconds: number };
   /**
    * Fault injection (tests): "name:N:ERROR,…" makes the N-th call of an OS or
    * driver function fail once with ERROR; "" turns it off. VMMD_FAULTS sets

@@ -9,6 +9,7 @@ import * as net from 'node:net';
 import * as os from 'node:os';
 import { parseArgs } from 'node:util';
 import { defaultSocketDir } from '../common/paths';
+import { DEFAULT_BUSY_POLL_MICROS } from '../common/busy-poll';
 
 export type BackendChoice = 'auto' | 'host' | 'cuda';
 
@@ -57,6 +58,8 @@ export interface DaemonConfig {
   shutdownGraceMs: number;
   /** Allocations created and exported ahead, per device ('auto': the backend's default). */
   stock: StockLevel[] | 'auto';
+  /** How long the event loop spins for the next message before it sleeps, in microseconds (0: never; native/busy-poll.ts). */
+  busyPollMicros: number;
 }
 
 export interface StockLevel {
@@ -169,6 +172,7 @@ const SETTINGS: Record<string, Setting> = {
   tlsCa: { flag: 'tls-ca', env: 'VMMD_TLS_CA', placeholder: 'FILE', help: 'require client certificates signed by this CA (mutual TLS)' },
   shutdownGraceMs: { flag: 'shutdown-grace-ms', env: 'VMMD_SHUTDOWN_GRACE_MS', placeholder: 'MS', help: 'on SIGTERM, how long calls in flight may finish [10000]' },
   stock: { flag: 'stock', env: 'VMMD_STOCK', placeholder: 'LIST', help: 'allocations created and exported ahead per device, SIZE:DEPTH,… or none; sizes not a multiple of a device\'s granularity are skipped [auto: 2MiB:8,32MiB:2 on cuda, none on host]' },
+  busyPollMicros: { flag: 'busy-poll-us', env: 'VMMD_BUSY_POLL_US', placeholder: 'US', help: 'before its event loop sleeps, the daemon spins this long for the next message: a round trip with a spinning peer skips two wake-ups (on VMs ~30-70 us each); costs at most that much CPU per wake [200; 0: off]' },
   logLevel: { flag: 'log-level', env: 'VMMD_LOG_LEVEL', placeholder: 'LEVEL', help: `${LOG_LEVELS.join('|')} [info]` },
 };
 
@@ -286,7 +290,7 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
     return text === undefined ? 0n : parseBytes(key, text);
   };
   const integer = (
-    name: 'transferWaitMs' | 'metricsPort' | 'healthPort' | 'shutdownGraceMs' | 'maxSessionsPerUid' | 'maxTransfersPerUid' | 'streamStallMs',
+    name: 'transferWaitMs' | 'metricsPort' | 'healthPort' | 'shutdownGraceMs' | 'maxSessionsPerUid' | 'maxTransfersPerUid' | 'streamStallMs' | 'busyPollMicros',
     fallback: number,
     max: number,
     min = 0,
@@ -350,6 +354,7 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
       tcpListen,
       tls,
       shutdownGraceMs: integer('shutdownGraceMs', 10_000, 600_000),
+      busyPollMicros: integer('busyPollMicros', DEFAULT_BUSY_POLL_MICROS, 10_000),
     },
   };
 }

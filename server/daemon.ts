@@ -25,6 +25,7 @@ import { VirtualMemoryService } from './services/virtual-memory';
 import { StoresService } from './services/stores';
 import { SessionDispatcher } from './session-dispatcher';
 import { measureCompletions, TurnMeter } from './turns';
+import { busyPollAlways } from '../native/busy-poll';
 import { DEFAULT_SESSION_OPTIONS, SessionManager, SessionOptions } from './sessions';
 import { StagingBuffers } from './staging';
 import { CUDA_STAGING_PINNING } from './backends/cuda';
@@ -210,6 +211,8 @@ export class Daemon {
         log.info({ address }, 'health service (grpc.health.v1 only, plaintext) on %s', address);
       }
       for (const name of HEALTH_SERVICES) health.setStatus(name, 'SERVING');
+      // From now on the loop spins a little before it sleeps: a client's next message finds it awake.
+      busyPollAlways(config.busyPollMicros);
       log.info(
         { backend: backend.name, socketDir: config.socketDir, devices: registry.devices.length, version: VERSION },
         'vmmd serving',
@@ -229,6 +232,7 @@ export class Daemon {
   /** Stops serving: refuses new calls, lets in-flight ones finish, reclaims every session. */
   async stop(graceMs = this.config.shutdownGraceMs): Promise<void> {
     this.log.info('vmmd stopping');
+    busyPollAlways(0);
     for (const name of HEALTH_SERVICES) this.health.setStatus(name, 'NOT_SERVING');
     const drained = new Promise<void>((resolve) => this.server.tryShutdown(() => resolve()));
     const timeout = new Promise<void>((resolve) => setTimeout(resolve, graceMs).unref());

@@ -12,6 +12,7 @@ import type { Registry } from './registry';
 import type { SessionManager } from './sessions';
 import type { StoreRegistry } from './stores';
 import type { TurnMeter } from './turns';
+import { busyPollStats } from '../native/busy-poll';
 
 export interface MetricsInfo {
   version: string;
@@ -44,6 +45,20 @@ export class Metrics {
       labelNames: ['version', 'node', 'backend'],
       registers: [this.registry],
     }).set({ version: info.version, node: process.version, backend: info.backend }, 1);
+    // Busy polling (native/busy-poll.ts): what spinning before sleeping costs, and how often it met the next message awake.
+    const spinning = (name: string, help: string, value: (stats: ReturnType<typeof busyPollStats>) => number) =>
+      new Counter({
+        name,
+        help,
+        registers: [this.registry],
+        collect() {
+          this.reset();
+          this.inc(value(busyPollStats()));
+        },
+      });
+    spinning('vmmd_busy_poll_seconds_total', 'CPU time the event loop spent spinning for the next message before sleeping (--busy-poll-us).', (stats) => stats.spunMicroseconds / 1e6);
+    spinning('vmmd_busy_poll_spins_total', 'Times the event loop spun before sleeping.', (stats) => stats.spins);
+    spinning('vmmd_busy_poll_caught_total', 'Spins that met a message or a completion ready, the sleep and wake-up skipped.', (stats) => stats.caught);
     const labelNames = ['service', 'method'] as const;
     this.rpcDuration = new Histogram({
       name: 'vmmd_rpc_duration_seconds',

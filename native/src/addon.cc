@@ -1,6 +1,7 @@
 // The export table of the vmmd addon, and nothing else: one file per area.
 #include <napi.h>
 
+#include "busy_poll.h"
 #include "cuda_driver.h"
 #include "faults.h"
 #include "fd_passing.h"
@@ -13,6 +14,7 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   vmmd::InitHostMemory(env, exports);
   vmmd::InitFdPassing(env, exports);
   vmmd::InitCudaDriver(env, exports);
+  vmmd::InitBusyPoll(env, exports);
   return exports;
 }
 

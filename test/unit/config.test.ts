@@ -86,3 +86,15 @@ describe('the config file', () => {
     expect(() => run(['--config', '/nonexistent/vmmd.json'])).toThrow(/--config: cannot read/);
   });
 });
+
+describe('--busy-poll-us', () => {
+  it('defaults to 200 µs', () => expect(run([]).busyPollMicros).toBe(200));
+  it('takes the flag, else VMMD_BUSY_POLL_US; 0 turns it off', () => {
+    expect(run(['--busy-poll-us', '0']).busyPollMicros).toBe(0);
+    expect(run([], { VMMD_BUSY_POLL_US: '350' }).busyPollMicros).toBe(350);
+    expect(run(['--busy-poll-us', '50'], { VMMD_BUSY_POLL_US: '350' }).busyPollMicros).toBe(50);
+  });
+  it.each(['-1', '10001', '2.5', 'fast'])('refuses %j naming the flag', (text) =>
+    expect(() => run(['--busy-poll-us', text])).toThrow(/--busy-poll-us/),
+  );
+});
