@@ -36,6 +36,8 @@ export abstract class ImportedMemory implements AsyncDisposable {
   /** The CPU view of the pages, where there is one. */
   protected view: ArrayBuffer | undefined;
   private closing: Promise<void> | undefined;
+  // The unmap may be gathered with others (close({ gather: true })).
+  private gather = false;
   private readonly copies = new InFlight();
 
   constructor(
@@ -99,10 +101,13 @@ export abstract class ImportedMemory implements AsyncDisposable {
    * Unmaps the memory from this process, once every read and write started on
    * it has finished (they are never cut off by the unmap); reads and writes
    * started after close() fail with CLOSED. Every call returns the same promise.
+   * @param options.gather the caller does not wait: the unmap may wait a moment to go to the
+   *   driver with this process's other unmaps (native/unmap-batch.ts; NBEP 7 frees). The first call decides.
    */
-  close(): Promise<void> {
+  close(options: { gather?: boolean } = {}): Promise<void> {
     if (this.closing === undefined) {
       this.closed = true;
+      this.gather = options.gather ?? false;
       // Nothing in flight: unmap now, in this turn, as callers that do not await close() expect.
       this.closing = this.copies.idle ? this.unmapHere() : this.copies.drain().then(() => this.unmapHere());
     }
@@ -117,7 +122,7 @@ export abstract class ImportedMemory implements AsyncDisposable {
     // Detach first: a view left attached to unmapped pages would crash the process on access.
     if (this.view !== undefined) detachView(this.view);
     this.view = undefined;
-    await mapping.unmap();
+    await mapping.unmap(this.gather);
   }
 
   async [Symbol.asyncDispose](): Promise<void> {

@@ -12,8 +12,10 @@
 import { traceMark } from '../common/trace';
 import { AddressArena, AddressSpace, ArenaStats } from './address-arena';
 import { addon, CU_LOCATION, HOST_ACCESS } from './index';
+import { unmapGathered } from './unmap-batch';
 
 export { roundUp } from './address-arena';
+export { flushUnmaps } from './unmap-batch';
 
 const GiB = 1024n * 1024n * 1024n;
 
@@ -300,11 +302,14 @@ export class DeviceMapping {
    * address range back to the arena: no later mapping gets the range while
    * the driver may still be unmapping it. After a failure the next call
    * resumes at the step that failed; once done, a call does nothing.
+   * @param gather nobody waits: the unmap may wait a moment for others of this process (native/unmap-batch.ts)
    * @throws the addon's error
    */
-  async unmap(): Promise<void> {
+  async unmap(gather = false): Promise<void> {
     if (this.mapped) {
-      await addon.cudaUnmap(this.device, this.address, this.size, this.synchronizeUnmap);
+      // Nobody waits for it (a client's own mapping, synchronized first): gathered with its other unmaps into one driver job.
+      if (gather && this.synchronizeUnmap) await unmapGathered(this.device, this.address, this.size);
+      else await addon.cudaUnmap(this.device, this.address, this.size, this.synchronizeUnmap);
       this.mapped = false;
     }
     if (this.reserved) {

@@ -71,7 +71,7 @@ export interface StockLevel {
 export function defaultStock(backend: 'host' | 'cuda'): StockLevel[] {
   return backend === 'cuda'
     ? [
-        { size: 2n << 20n, depth: 8 },
+        { size: 2n << 20n, depth: 16 },
         { size: 32n << 20n, depth: 2 },
       ]
     : [];
@@ -171,7 +171,7 @@ const SETTINGS: Record<string, Setting> = {
   tlsKey: { flag: 'tls-key', env: 'VMMD_TLS_KEY', placeholder: 'FILE', help: "the TCP listener's private key (PEM)" },
   tlsCa: { flag: 'tls-ca', env: 'VMMD_TLS_CA', placeholder: 'FILE', help: 'require client certificates signed by this CA (mutual TLS)' },
   shutdownGraceMs: { flag: 'shutdown-grace-ms', env: 'VMMD_SHUTDOWN_GRACE_MS', placeholder: 'MS', help: 'on SIGTERM, how long calls in flight may finish [10000]' },
-  stock: { flag: 'stock', env: 'VMMD_STOCK', placeholder: 'LIST', help: 'allocations created and exported ahead per device, SIZE:DEPTH,… or none; sizes not a multiple of a device\'s granularity are skipped [auto: 2MiB:8,32MiB:2 on cuda, none on host]' },
+  stock: { flag: 'stock', env: 'VMMD_STOCK', placeholder: 'LIST', help: 'allocations created and exported ahead per device, SIZE:DEPTH,… or none; sizes not a multiple of a device\'s granularity are skipped [auto: 2MiB:16,32MiB:2 on cuda, none on host]' },
   busyPollMicros: { flag: 'busy-poll-us', env: 'VMMD_BUSY_POLL_US', placeholder: 'US', help: 'before its event loop sleeps, the daemon spins this long for the next message: a round trip with a spinning peer skips two wake-ups (on VMs ~30-70 us each); costs at most that much CPU per wake [200; 0: off]' },
   logLevel: { flag: 'log-level', env: 'VMMD_LOG_LEVEL', placeholder: 'LEVEL', help: `${LOG_LEVELS.join('|')} [info]` },
 };

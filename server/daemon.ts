@@ -119,7 +119,7 @@ export class Daemon {
       maxTransfersPerUid: config.maxTransfersPerUid,
       authorize: (peer) => access.refusal(peer),
     });
-    const quotas = new Quotas({ perUid: config.quotaPerUid, perSession: config.quotaPerSession }, (session) => sessions.uidOf(session));
+    const quotas = new Quotas({ perUid: config.quotaPerUid, perSession: config.quotaPerSession }, (session) => sessions.uidOf(session), () => backend.hurry?.());
     // The daemon's objects (made without a session, or left by an ended one) are acted on by admins' sessions only,
     // besides the daemon itself and store holders on their stores' memory.
     const actsForDaemon = (caller: bigint) => {

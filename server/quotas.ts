@@ -53,9 +53,13 @@ export class Quotas {
   private readonly beingFreed = new Map<QuotaHold, Promise<void>>();
   refusals = 0;
 
+  /**
+   * @param hurry starts at once the frees the backend holds back (Backend.hurry): a hold waiting for frees calls it
+   */
   constructor(
     private readonly limits: QuotaLimits,
     private readonly uidOf: (session: bigint) => number | undefined,
+    private readonly hurry: () => void = () => {},
   ) {}
 
   /** The adaptor that charges these quotas for memory `upstream` creates and adopts. */
@@ -95,6 +99,7 @@ export class Quotas {
         this.refusals++;
         throw refusal.error;
       }
+      this.hurry();
       await Promise.all(own.map(([, settled]) => settled));
     }
   }

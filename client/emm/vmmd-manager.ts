@@ -6,6 +6,7 @@
  * clearCaches() or reset(), and with the session if the process dies.
  */
 import { status as Status } from '@grpc/grpc-js';
+import { flushUnmaps } from '../../native/mapping';
 import type { VmmdClient } from '../connection';
 import { VmmdError } from '../errors';
 import { InFlight } from '../in-flight';
@@ -128,7 +129,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
       await this.deallocations.flush();
       await this.releaseEmptyChunks();
       // Memory freed here stays in use until its unmap completes, and counts in the daemon until its release is answered.
-      await this.unmaps.drain();
+      await this.settleUnmaps();
       await this.releases.drain();
       return this.allocate(bytes);
     }
@@ -221,7 +222,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     this.large.clear();
     this.hostLeases.clear();
     for (const lease of leases) await this.returnLease(lease);
-    await this.unmaps.drain();
+    await this.settleUnmaps();
     await this.releases.drain();
   }
 
@@ -229,14 +230,14 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   async clearCaches(): Promise<void> {
     await this.deallocations.flush();
     await this.releaseEmptyChunks();
-    await this.unmaps.drain();
+    await this.settleUnmaps();
     await this.releases.drain();
   }
 
   /** Runs pending frees (unless deferCleanup holds them); resolves once their memory is unmapped here. */
   async flush(): Promise<void> {
     await this.deallocations.flush();
-    await this.unmaps.drain();
+    await this.settleUnmaps();
     await this.releases.drain();
   }
 
@@ -373,9 +374,15 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     void this.releases.track(released);
   }
 
+  /** Resolves once every unmap started is done: those gathered for later go to the driver now. */
+  private async settleUnmaps(): Promise<void> {
+    flushUnmaps();
+    await this.unmaps.drain();
+  }
+
   /** Closes `memory` here without waiting: reads and writes on it are refused from now, the unmap follows. */
   private unmapInBackground(memory: ImportedMemory): void {
-    this.unmaps.track(memory.close()).catch((error: Error) => process.emitWarning(`vmmd: unmapping allocation ${memory.allocationId} failed: ${error.message}`));
+    this.unmaps.track(memory.close({ gather: true })).catch((error: Error) => process.emitWarning(`vmmd: unmapping allocation ${memory.allocationId} failed: ${error.message}`));
   }
 
   private async releaseEmptyChunks(): Promise<void> {

@@ -570,6 +570,55 @@ Napi::Value CudaUnmap(const Napi::CallbackInfo& info) {
       nullptr, address);
 }
 
+// cudaUnmapMany(device, addresses, sizes, synchronize = false) -> Promise<Array<string | null>>
+// Several unmaps as one job on the device's driver thread, after one synchronization of the
+// context when asked (a client's frees gathered: one cuCtxSynchronize for all, and one stretch
+// of driver work where each unmap alone would meet the next allocation; issue 18). Each range's
+// outcome is in the answer, null for unmapped, else the error's name: one failure stops none of
+// the others. A failed synchronization rejects the whole, and nothing is unmapped.
+Napi::Value CudaUnmapMany(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  int device = DeviceArg(info, 0);
+  if (!info[1].IsArray() || !info[2].IsArray()) ThrowArg(env, "cudaUnmapMany: addresses and sizes must be arrays");
+  Napi::Array addresses = info[1].As<Napi::Array>();
+  Napi::Array sizes = info[2].As<Napi::Array>();
+  if (addresses.Length() != sizes.Length()) {
+    ThrowArg(env, "cudaUnmapMany: " + std::to_string(addresses.Length()) + " addresses but " + std::to_string(sizes.Length()) + " sizes");
+  }
+  bool synchronize = info.Length() > 3 && info[3].ToBoolean().Value();
+  auto ranges = std::make_shared<std::vector<std::pair<uint64_t, uint64_t>>>();
+  for (uint32_t i = 0; i < addresses.Length(); i++) {
+    Napi::Value address = addresses.Get(i);
+    Napi::Value size = sizes.Get(i);
+    if (!address.IsBigInt() || !size.IsBigInt()) ThrowArg(env, "cudaUnmapMany: range " + std::to_string(i) + " needs a bigint address and size");
+    bool lossless = false;
+    ranges->emplace_back(address.As<Napi::BigInt>().Uint64Value(&lossless), size.As<Napi::BigInt>().Uint64Value(&lossless));
+  }
+  auto results = std::make_shared<std::vector<cu::Result>>(ranges->size(), cu::SUCCESS);
+  return CudaWorker::Queue(
+      env, device, (synchronize ? "cuCtxSynchronize+cuMemUnmap x" : "cuMemUnmap x") + std::to_string(ranges->size()),
+      [ranges, results, synchronize] {
+        if (synchronize) {
+          cu::Result result = driver.api.cuCtxSynchronize();
+          if (result != cu::SUCCESS) return result;
+        }
+        for (size_t i = 0; i < ranges->size(); i++) {
+          uint64_t address = (*ranges)[i].first;
+          uint64_t size = (*ranges)[i].second;
+          (*results)[i] = Injected("cuMemUnmap", [&] { return driver.api.cuMemUnmap(address, size); });
+        }
+        return cu::SUCCESS;
+      },
+      [results](Napi::Env env) {
+        Napi::Array outcome = Napi::Array::New(env, results->size());
+        for (size_t i = 0; i < results->size(); i++) {
+          outcome.Set(static_cast<uint32_t>(i), (*results)[i] == cu::SUCCESS ? env.Null() : Napi::String::New(env, ResultName((*results)[i])).As<Napi::Value>());
+        }
+        return outcome.As<Napi::Value>();
+      });
+}
+
 // cudaSetAccess(address, size, [{ type, id, flags }]) -> Promise<void>, on a driver thread
 // (setting access can take hundreds of microseconds). The descriptors are copied here.
 Napi::Value CudaSetAccess(const Napi::CallbackInfo& info) {
@@ -940,6 +989,7 @@ void InitCudaDriver(Napi::Env env, Napi::Object exports) {
   exports.Set("cudaRelease", Napi::Function::New(env, CudaRelease, "cudaRelease"));
   exports.Set("cudaMap", Napi::Function::New(env, CudaMap, "cudaMap"));
   exports.Set("cudaUnmap", Napi::Function::New(env, CudaUnmap, "cudaUnmap"));
+  exports.Set("cudaUnmapMany", Napi::Function::New(env, CudaUnmapMany, "cudaUnmapMany"));
   exports.Set("cudaSetAccess", Napi::Function::New(env, CudaSetAccess, "cudaSetAccess"));
   exports.Set("cudaGetAccess", Napi::Function::New(env, CudaGetAccess, "cudaGetAccess"));
   exports.Set("cudaExportFd", Napi::Function::New(env, CudaExportFd, "cudaExportFd"));

@@ -95,6 +95,13 @@ export interface Backend {
   /** Frees the handle's last reference (the memory goes once unmapped everywhere); `device` is the memory's. */
   release(handle: BackendHandle, size: bigint, imported: boolean, device: number): Promise<void>;
   /**
+   * Starts at once whatever frees the backend holds back to run later in a
+   * batch (server/backends/stock.ts holds a session-socket release's free
+   * until the daemon is quiet). Whoever waits for a free calls it first.
+   * Backends that hold nothing back leave it out.
+   */
+  hurry?(): void;
+  /**
    * One more driver reference to the handle mapped at `address`
    * (cuMemRetainAllocationHandle); returns the handle the driver names.
    */

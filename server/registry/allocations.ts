@@ -84,7 +84,9 @@ export class Allocations {
       // Nobody is left to release it: given back through the adaptors (refunded, uncounted) before the refusal.
       let fate = 'the memory was released';
       try {
-        await this.source.release({ owner: caller, handle, size: args.size, device, imported: false });
+        const releasing = this.source.release({ owner: caller, handle, size: args.size, device, imported: false });
+        this.backend.hurry?.();
+        await releasing;
       } catch (error) {
         // Kept in sight rather than lost: the daemon's, with no reference, freed by the next reclaim or Release.
         const orphan = this.add(DAEMON_OWNER, handle, args.size, device, args.location, handleTypes, false, granularity);
@@ -144,6 +146,8 @@ export class Allocations {
    */
   async release(caller: bigint, allocationId: bigint): Promise<ReleaseResult> {
     const { result, freeing } = await this.releaseAnswering(caller, allocationId);
+    // Waited for: not held back for a quiet moment.
+    this.backend.hurry?.();
     await freeing;
     return result;
   }
@@ -217,6 +221,7 @@ export class Allocations {
    * them would never go on (the outside review found it).
    */
   async settleFrees(): Promise<void> {
+    this.backend.hurry?.();
     await Promise.allSettled([...this.freeing]);
   }
 
@@ -384,6 +389,7 @@ export class Allocations {
   async freeIfUnused(allocation: AllocationRecord): Promise<boolean> {
     const freeing = this.startFree(allocation);
     if (freeing === undefined) return false;
+    this.backend.hurry?.();
     await freeing;
     return true;
   }

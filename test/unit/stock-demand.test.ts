@@ -28,11 +28,14 @@ function stocked(levels: StockLevel[] = [], capacity = 1024n * MiB) {
 }
 
 const creates = (fake: FakeBackend) => fake.calls.filter((call) => call === 'create').length;
-/** Asks for `count` allocations of `size`, each released at once (as a client that allocates and frees would). */
+/**
+ * Asks for `count` allocations of `size`, each released at once (as a client that allocates and frees would,
+ * on the session socket: nobody waits for the free, which the stock holds back until it is quiet).
+ */
 async function ask(stock: StockedBackend, size: bigint, count: number, spacingMs = 0): Promise<void> {
   for (let i = 0; i < count; i++) {
     const handle = await stock.create(0, DEVICE, size, ['POSIX_FD']);
-    await stock.release(handle, size, false, 0);
+    void stock.release(handle, size, false, 0);
     if (spacingMs > 0) await jest.advanceTimersByTimeAsync(spacingMs);
   }
 }
@@ -94,15 +97,23 @@ describe('a stock that follows demand and refills when quiet', () => {
     expect(creates(fake) - asked).toBeGreaterThan(onTheSpot);
   });
 
-  it('refills a shelf below half its depth at once, quiet or not', async () => {
+  it('refills a shelf left with a quarter of its depth or less at once, to full, quiet or not', async () => {
     const { fake, stock } = stocked([{ size: 2n * MiB, depth: 4 }]);
     await stock.fill();
     const start = creates(fake);
-    for (let i = 0; i < 3; i++) await stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
-    // One left, below half of four: no timer needed.
-    await new Promise((resolve) => setImmediate(resolve));
-    await new Promise((resolve) => setImmediate(resolve));
-    expect(creates(fake)).toBeGreaterThan(start);
+    const turns = async () => {
+      await new Promise((resolve) => setImmediate(resolve));
+      await new Promise((resolve) => setImmediate(resolve));
+    };
+    for (let i = 0; i < 2; i++) await stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
+    // Two left, more than a quarter of four: the refill waits for quiet.
+    await turns();
+    expect(creates(fake)).toBe(start);
+    await stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
+    // One left: a quarter. No timer needed, and the burst fills the shelf.
+    for (let i = 0; i < 5 && stock.stats().levels[0].held < 4; i++) await turns();
+    expect(stock.stats().levels[0].held).toBe(4);
+    expect(creates(fake)).toBe(start + 3);
   });
 
   it('keeps the shelves the demand added within the device total / 32', async () => {

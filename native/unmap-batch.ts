@@ -1,0 +1,80 @@
+/**
+ * A process's own CUDA unmaps, gathered per device into one driver-thread
+ * job (addon.cudaUnmapMany): one context synchronization for the lot, and
+ * one stretch of driver work where each unmap alone ran beside the next
+ * allocation's import and map (the driver serializes its calls: the cold
+ * probe of issue 18 had a client's own unmap overlap 396 of 400 back-to-back
+ * allocations). An unmap waits at most UNMAP_DELAY_MS, or until UNMAP_BATCH
+ * are waiting, or until flushUnmaps(): what a caller that needs the memory
+ * gone now (out of memory, flush, reset) calls first.
+ */
+import { addon } from './index';
+
+/** An unmap waits for others at most this long. */
+export const UNMAP_DELAY_MS = 2;
+/** This many waiting unmaps of a device go at once. */
+export const UNMAP_BATCH = 16;
+
+interface Waiting {
+  address: bigint;
+  size: bigint;
+  resolve(): void;
+  reject(error: Error): void;
+}
+
+class DeviceUnmaps {
+  // Invariant: the unmaps not yet handed to the driver, oldest first; a timer runs while any waits.
+  private readonly waiting: Waiting[] = [];
+  private timer: NodeJS.Timeout | undefined;
+
+  constructor(private readonly device: number) {}
+
+  add(address: bigint, size: bigint): Promise<void> {
+    return new Promise<void>((resolve, reject) => {
+      this.waiting.push({ address, size, resolve, reject });
+      if (this.waiting.length >= UNMAP_BATCH) this.flush();
+      else this.timer ??= setTimeout(() => this.flush(), UNMAP_DELAY_MS);
+    });
+  }
+
+  flush(): void {
+    clearTimeout(this.timer);
+    this.timer = undefined;
+    const batch = this.waiting.splice(0);
+    if (batch.length === 0) return;
+    addon
+      .cudaUnmapMany(
+        this.device,
+        batch.map((unmap) => unmap.address),
+        batch.map((unmap) => unmap.size),
+        true,
+      )
+      .then(
+        (outcomes) =>
+          outcomes.forEach((error, index) => {
+            if (error === null) batch[index].resolve();
+            else batch[index].reject(Object.assign(new Error(`${error}: cuMemUnmap of ${batch[index].size} bytes at 0x${batch[index].address.toString(16)}`), { code: error }));
+          }),
+        (error: Error) => batch.forEach((unmap) => unmap.reject(error)),
+      );
+  }
+}
+
+const devices = new Map<number, DeviceUnmaps>();
+
+/**
+ * Unmaps [address, address + size) of this process's own mapping on `device`
+ * after the context is synchronized (as cuMemFree would), gathered with
+ * others; resolves once it is unmapped.
+ * @throws (rejects) the driver's error, with its name as `code`
+ */
+export function unmapGathered(device: number, address: bigint, size: bigint): Promise<void> {
+  let unmaps = devices.get(device);
+  if (unmaps === undefined) devices.set(device, (unmaps = new DeviceUnmaps(device)));
+  return unmaps.add(address, size);
+}
+
+/** Hands every waiting unmap to the driver now. */
+export function flushUnmaps(): void {
+  for (const unmaps of devices.values()) unmaps.flush();
+}

@@ -1,0 +1,81 @@
+/**
+ * A client's own unmaps gathered into one driver job per device
+ * (native/unmap-batch.ts), over a stand-in for the addon's cudaUnmapMany:
+ * they go when UNMAP_BATCH wait, after UNMAP_DELAY_MS, or at flushUnmaps();
+ * each gets its own outcome.
+ */
+import { addon } from '../../native';
+import { flushUnmaps, UNMAP_BATCH, UNMAP_DELAY_MS, unmapGathered } from '../../native/unmap-batch';
+
+type Call = { device: number; addresses: bigint[]; sizes: bigint[]; synchronize: boolean | undefined };
+
+describe('gathered unmaps', () => {
+  let calls: Call[];
+  let answer: (call: Call) => Promise<Array<string | null>>;
+  let spy: jest.SpyInstance;
+  beforeEach(() => {
+    jest.useFakeTimers({ doNotFake: ['nextTick', 'queueMicrotask', 'setImmediate'] });
+    calls = [];
+    answer = async (call) => call.addresses.map(() => null);
+    spy = jest.spyOn(addon, 'cudaUnmapMany').mockImplementation((device, addresses, sizes, synchronize) => {
+      const call = { device, addresses, sizes, synchronize };
+      calls.push(call);
+      return answer(call);
+    });
+  });
+  afterEach(() => {
+    flushUnmaps();
+    spy.mockRestore();
+    jest.useRealTimers();
+  });
+
+  it('go together after UNMAP_DELAY_MS, one job per device, synchronized first', async () => {
+    const done: bigint[] = [];
+    const a = unmapGathered(0, 0x1000n, 0x200000n).then(() => done.push(0x1000n));
+    const b = unmapGathered(0, 0x3000n, 0x200000n).then(() => done.push(0x3000n));
+    const c = unmapGathered(1, 0x5000n, 0x400000n);
+    await jest.advanceTimersByTimeAsync(UNMAP_DELAY_MS - 1);
+    expect(calls).toEqual([]);
+    await jest.advanceTimersByTimeAsync(1);
+    await Promise.all([a, b, c]);
+    expect(calls).toEqual([
+      { device: 0, addresses: [0x1000n, 0x3000n], sizes: [0x200000n, 0x200000n], synchronize: true },
+      { device: 1, addresses: [0x5000n], sizes: [0x400000n], synchronize: true },
+    ]);
+    expect(done).toEqual([0x1000n, 0x3000n]);
+  });
+
+  it('go at once when UNMAP_BATCH wait', async () => {
+    const all = Array.from({ length: UNMAP_BATCH }, (_, index) => unmapGathered(0, BigInt(index) << 21n, 2n << 20n));
+    expect(calls).toHaveLength(1);
+    expect(calls[0].addresses).toHaveLength(UNMAP_BATCH);
+    await Promise.all(all);
+  });
+
+  it('go at flushUnmaps(), which a caller that needs the memory gone calls', async () => {
+    const one = unmapGathered(0, 0x1000n, 0x200000n);
+    flushUnmaps();
+    expect(calls).toHaveLength(1);
+    await one;
+    flushUnmaps();
+    expect(calls).toHaveLength(1);
+  });
+
+  it('each gets its own outcome: a failed range rejects with the driver error, the others resolve', async () => {
+    answer = async () => [null, 'CUDA_ERROR_INVALID_VALUE'];
+    const good = unmapGathered(0, 0x1000n, 0x200000n);
+    const bad = unmapGathered(0, 0x3000n, 0x200000n);
+    flushUnmaps();
+    await expect(good).resolves.toBeUndefined();
+    await expect(bad).rejects.toMatchObject({ code: 'CUDA_ERROR_INVALID_VALUE', message: expect.stringContaining('0x3000') });
+  });
+
+  it('all reject when the job fails as a whole (the synchronization)', async () => {
+    answer = async () => {
+      throw Object.assign(new Error('CUDA_ERROR_LAUNCH_FAILED: cuCtxSynchronize'), { code: 'CUDA_ERROR_LAUNCH_FAILED' });
+    };
+    const both = [unmapGathered(0, 0x1000n, 0x200000n), unmapGathered(0, 0x3000n, 0x200000n)];
+    flushUnmaps();
+    for (const one of both) await expect(one).rejects.toMatchObject({ code: 'CUDA_ERROR_LAUNCH_FAILED' });
+  });
+});
