@@ -14,7 +14,7 @@ export interface AllocationTotals {
 }
 
 export class AllocationStatistics implements AllocationSource {
-  // Invariant: counts exactly the allocations made by create()/adopt() and not yet released.
+  // Invariant: counts exactly the allocations made by create()/adopt() whose release has not started (or failed).
   private readonly counted: AllocationTotals = { allocations: 0, createdBytes: 0n, importedBytes: 0n };
   // Invariant: bytes of created (not adopted) allocations by device; no entry holds 0.
   private readonly createdByDevice = new Map<number, bigint>();
@@ -36,9 +36,21 @@ export class AllocationStatistics implements AllocationSource {
     return imported;
   }
 
+  /**
+   * Uncounted when its free starts, as the registry forgets it then (a
+   * session-socket release is answered, and the stock may hold the free a
+   * moment): counted again if the free fails, as the registry keeps it.
+   * The device's own free bytes (GetMemoryInfo) and the quotas still see
+   * the memory until it is freed.
+   */
   async release(allocation: SourcedAllocation): Promise<void> {
-    await this.upstream.release(allocation);
     this.count(allocation.device, allocation.size, allocation.imported, -1);
+    try {
+      await this.upstream.release(allocation);
+    } catch (error) {
+      this.count(allocation.device, allocation.size, allocation.imported, 1);
+      throw error;
+    }
   }
 
   totals(): AllocationTotals {

@@ -27,20 +27,15 @@
  * the latest MAX_REFILL_DELAY_MS after it was taken from; at a quarter or
  * less it refills at once, to full, in one burst.
  *
- * Frees are held back the same way: a release nobody waits for (a session
- * socket's, answered before its free) is held until the daemon is quiet, a
- * burst of refills runs, RELEASE_BATCH are held, or MAX_REFILL_DELAY_MS
- * passed; then they run together. A free and a refill are driver work that
- * serializes with the driver work of every client (the driver's own lock):
- * spread out, one of them met nearly every cold allocation of a client
- * allocating back to back (issue 18's probe: 396 of 400); gathered, most
- * meet none. Whoever waits for a free calls hurry() (Backend.hurry): the
- * held frees start at once.
+ * Frees are held back the same way (server/backends/held-releases.ts) and
+ * run when the daemon is quiet or a refill burst starts: the stock's driver
+ * work goes in as few stretches as it can.
  */
 import type { Logger } from 'pino';
 import { closeLater } from '../../common/close-later';
 import { addon } from '../../native';
 import { defaultExportCacheLimit, DescriptorCalls, ExportedDescriptors } from './exported-descriptors';
+import { HeldReleases } from './held-releases';
 import type {
   AccessGrant,
   Backend,
@@ -95,18 +90,7 @@ export const QUIET_MS = 5;
 export const MAX_REFILL_DELAY_MS = 100;
 /** A shelf left with at most its depth divided by this refills at once, in one burst. */
 export const REFILL_AT_FRACTION = 4;
-/** At most this many releases are held back; one more and they all run. */
-export const RELEASE_BATCH = 16;
-
-/** A release held back until the daemon is quiet, or hurried. */
-interface HeldRelease {
-  handle: BackendHandle;
-  size: bigint;
-  imported: boolean;
-  device: number;
-  resolve(): void;
-  reject(error: unknown): void;
-}
+export { RELEASE_BATCH } from './held-releases';
 
 const shelfKey = (device: number, size: bigint) => `${device}:${size}`;
 
@@ -140,10 +124,8 @@ export class StockedBackend implements Backend {
   private lastRequestAt = -Infinity;
   private refillAskedAt = 0;
   private refillTimer: NodeJS.Timeout | undefined;
-  // Invariant: the releases held back, oldest first; empty once closed.
-  private readonly held: HeldRelease[] = [];
-  // A hurry() is still to look again at the next turn (releases on their way through the registry's adaptors).
-  private hurrying = false;
+  // The releases held back; empty once closed.
+  private readonly held = new HeldReleases((handle, size, imported, device) => this.releaseNow(handle, size, imported, device));
 
   /**
    * @param closeDescriptor closes a descriptor the stock exported (tests give fakes their own)
@@ -198,8 +180,7 @@ export class StockedBackend implements Backend {
     // request of that size is created on its path (a steady stream of a new size never left the daemon quiet
     // long enough for it: the cold probe on the H100 had 89 of 200 64 MiB allocations missing the stock).
     if (stockable && this.noteDemand(device, size) === DEMAND_MIN_COUNT && !this.shelves.has(shelfKey(device, size))) {
-      this.followDemand();
-      const added = this.shelves.get(shelfKey(device, size));
+      const added = this.addDemandShelf(device, size);
       if (added !== undefined) setImmediate(() => void this.refillBurst(added));
     }
     const shelf = stockable ? this.shelves.get(shelfKey(device, size)) : undefined;
@@ -245,31 +226,19 @@ export class StockedBackend implements Backend {
       this.closeDescriptor(fd);
     }
     if (this.closed) return this.releaseNow(handle, size, imported, device);
-    return new Promise<void>((resolve, reject) => {
-      this.held.push({ handle, size, imported, device, resolve, reject });
-      if (this.held.length >= RELEASE_BATCH) this.releaseHeld();
-      else this.refillWhenQuiet();
-    });
+    const released = this.held.hold(handle, size, imported, device);
+    this.refillWhenQuiet();
+    return released;
   }
 
   /** Starts the held releases now, and those on their way here within this turn. */
   hurry(): void {
-    this.releaseHeld();
-    if (this.hurrying) return;
-    this.hurrying = true;
-    setImmediate(() => {
-      this.hurrying = false;
-      this.releaseHeld();
-    });
+    this.held.hurry();
   }
 
   /** Releases held back now. */
   get heldReleases(): number {
-    return this.held.length;
-  }
-
-  private releaseHeld(): void {
-    for (const held of this.held.splice(0)) this.releaseNow(held.handle, held.size, held.imported, held.device).then(held.resolve, held.reject);
+    return this.held.size;
   }
 
   private async releaseNow(handle: BackendHandle, size: bigint, imported: boolean, device: number): Promise<void> {
@@ -291,7 +260,7 @@ export class StockedBackend implements Backend {
 
   close(): void {
     this.closed = true;
-    this.releaseHeld();
+    this.held.runAll();
     clearTimeout(this.refillTimer);
     this.refillTimer = undefined;
     for (const device of this.inner.devices()) this.empty(device.index);
@@ -349,12 +318,30 @@ export class StockedBackend implements Backend {
         return;
       }
       // Quiet: the held frees first (their memory comes back), then the refills.
-      this.releaseHeld();
+      this.held.runAll();
       this.followDemand();
       void this.fill();
     }, delayMs);
     // A pending refill never keeps the daemon alive.
     this.refillTimer.unref();
+  }
+
+  /**
+   * A shelf of depth 1 for a size that just became steady demand, made on
+   * the request's path: only when it fits beside the demand's shelves (their
+   * number, their share of the device) as they are. The other shelves are
+   * left alone: fitting them all to the demand is the quiet moment's work
+   * (followDemand), never a request's (the outside review).
+   */
+  private addDemandShelf(device: number, size: bigint): Shelf | undefined {
+    const info = this.inner.devices().find((candidate) => candidate.index === device);
+    if (info === undefined || size % info.granularityMinimum !== 0n) return undefined;
+    const ours = [...this.shelves.values()].filter((shelf) => shelf.demand && shelf.device === device);
+    const held = ours.reduce((total, shelf) => total + BigInt(shelf.depth) * shelf.size, 0n);
+    if (ours.length >= DEMAND_MAX_SHELVES || held + size > info.totalBytes / DEMAND_SHARE) return undefined;
+    const shelf: Shelf = { device, size, depth: 1, items: [], refilling: false, demand: true };
+    this.shelves.set(shelfKey(device, size), shelf);
+    return shelf;
   }
 
   /**
@@ -400,7 +387,7 @@ export class StockedBackend implements Backend {
 
   /** A shelf run low: the held frees and its refill, now, together. */
   private refillBurst(shelf: Shelf): Promise<void> {
-    this.releaseHeld();
+    this.held.runAll();
     return this.refill(shelf);
   }
 

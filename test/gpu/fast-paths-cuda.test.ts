@@ -8,6 +8,7 @@ import { addon } from '../../native';
 import type { AccessDescriptor } from '../../generated/vmmd/v1/AccessDescriptor';
 import { eventually, MiB, TestDaemon } from '../e2e/harness';
 import { describeGpu } from './gpu';
+import { defaultStock } from '../../server/config';
 
 const RW: AccessDescriptor[] = [{ location: { type: 'LOCATION_TYPE_DEVICE', id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' }];
 
@@ -27,7 +28,7 @@ describeGpu('fast paths on the cuda backend', () => {
 
   it('stocks 2 MiB and 32 MiB allocations by default, and Allocate takes them', async () => {
     const report = (await client.admin.getReport()) as { stock: { levels: Array<{ size: string; held: number }>; hits: number } };
-    expect(report.stock.levels.filter((level) => level.size === String(2n * MiB))[0].held).toBe(8);
+    expect(report.stock.levels.filter((level) => level.size === String(2n * MiB))[0].held).toBe(defaultStock('cuda').find((level) => level.size === 2n * MiB)!.depth);
     const memory = await client.vmm.allocate({ size: 2n * MiB });
     const bytes = Buffer.alloc(1 << 20, 0x5c);
     await memory.write(4096, bytes);

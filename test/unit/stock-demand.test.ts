@@ -164,3 +164,33 @@ describe('a stock that follows demand and refills when quiet', () => {
     expect(creates(fake)).toBe(before);
   });
 });
+
+describe('a size that becomes steady demand on a request', () => {
+  beforeEach(() => jest.useFakeTimers({ doNotFake: ['nextTick', 'queueMicrotask', 'setImmediate'] }));
+  afterEach(() => jest.useRealTimers());
+
+  it('gets a shelf of its own there, and no other shelf changes until the quiet moment', async () => {
+    const { fake, stock } = stocked([], 8192n * MiB);
+    // 4 MiB asked twice the minimum: a shelf two deep.
+    await ask(stock, 4n * MiB, DEMAND_MIN_COUNT * 2);
+    await jest.advanceTimersByTimeAsync(QUIET_MS);
+    expect(demandLevels(stock)).toMatchObject([{ size: String(4n * MiB), depth: 2, held: 2 }]);
+    // Enough other sizes (each asked less than the minimum) to push most 4 MiB asks out of the window.
+    for (let i = 0; i < DEMAND_WINDOW - DEMAND_MIN_COUNT; i++) {
+      const size = BigInt(10 + 2 * (i % 20)) * MiB;
+      await stock.create(0, DEVICE, size, ['POSIX_FD']).then((handle) => void stock.release(handle, size, false, 0), () => undefined);
+      stock.hurry();
+      if (demandLevels(stock).length > 1) break;
+    }
+    const discards = fake.calls.filter((call) => call === 'release').length;
+    // 6 MiB becomes steady demand now, with no quiet moment: its shelf comes; the 4 MiB shelf stays as it was.
+    for (let i = 0; i < DEMAND_MIN_COUNT; i++) await stock.create(0, DEVICE, 6n * MiB, ['POSIX_FD']);
+    const levels = demandLevels(stock);
+    expect(levels.find((level) => level.size === String(6n * MiB))).toMatchObject({ depth: 1 });
+    expect(levels.find((level) => level.size === String(4n * MiB))).toMatchObject({ depth: 2, held: 2 });
+    expect(fake.calls.filter((call) => call === 'release').length).toBe(discards);
+    // The quiet moment fits the shelves to the demand: 4 MiB, now rarely asked, gives its memory back.
+    await jest.advanceTimersByTimeAsync(QUIET_MS);
+    expect(demandLevels(stock).find((level) => level.size === String(4n * MiB))).toBeUndefined();
+  });
+});
