@@ -324,7 +324,10 @@ export class ClientSession extends EventEmitter {
       ping?.resolve();
       return;
     }
-    if (typeof message !== 'string' && message.type === 'error') this.emit('daemon-error', message);
+    if (typeof message !== 'string' && message.type === 'error') {
+      // Nobody listening: a warning, so that what the daemon says (a free that failed after its answer) is not lost.
+      if (!this.emit('daemon-error', message)) process.emitWarning(`vmmd: the daemon says ${message.code}: ${message.message}`);
+    }
   }
 
   private onClose(): void {

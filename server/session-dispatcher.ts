@@ -5,6 +5,7 @@
  * handlers are peers over the registry. Adding a socket message is adding
  * one entry to HANDLERS.
  */
+import { status as Status } from '@grpc/grpc-js';
 import type { AllocateMessage, AllocatedMessage, ExportedMessage, OpenedMessage, ReleasedMessage, SharedMessage } from '../common/protocol';
 import { TRANSFER_ID_PATTERN } from '../common/protocol';
 import type { Registry } from './registry';
@@ -108,23 +109,50 @@ function allocationRequest(type: string, { request, allocation }: RequestMessage
   return typeof id === 'string' ? id : { request: request as string, allocation: id };
 }
 
+/** A free that failed after its release was answered is tried again after these delays; then the reclaim tries. */
+export const FREE_RETRY_MS = [100, 1_000, 10_000];
+
+/**
+ * A free that failed after the release was answered (the client was told
+ * `freed`): the session hears of it once (an error message without a request
+ * id: the client's 'daemon-error'), and the daemon tries the free again
+ * after each of FREE_RETRY_MS; the allocation stays recorded and charged to
+ * the session meanwhile. Past the last, the session's reclaim frees it (or a
+ * Release by id).
+ */
+function freeFailedAfterAnswer(session: Session, registry: Registry, allocation: bigint, error: Error, attempt = 0): void {
+  const delay = FREE_RETRY_MS[attempt];
+  session.log.error(
+    { err: error, allocation: String(allocation), attempt },
+    `release: freeing the memory failed after the answer; the allocation stays, charged, ${delay === undefined ? 'until a Release or the session\'s reclaim frees it' : `and the daemon tries again in ${delay} ms`}`,
+  );
+  if (attempt === 0) {
+    session.trySend({
+      type: 'error',
+      code: 'FREE_FAILED',
+      status: Status.INTERNAL,
+      message: `allocation ${allocation} was released, but freeing its memory failed (${error.message}); it stays charged to this session until the daemon's retries (${FREE_RETRY_MS.join(', ')} ms), a Release or the session's end free it`,
+    });
+  }
+  if (delay === undefined) return;
+  setTimeout(
+    () => registry.retryFree(allocation).catch((again: Error) => freeFailedAfterAnswer(session, registry, allocation, again, attempt + 1)),
+    delay,
+  ).unref();
+}
+
 /**
  * Release: the Release RPC, its answer the reference counts left, sent once
  * the references are dropped and the free (if due) has started: the driver's
- * free runs after, off the answer's path. A free that fails then is logged;
- * the allocation stays recorded and charged for the next Release or the reclaim.
+ * free runs after, off the answer's path. A free that fails then is told to
+ * the session and tried again (freeFailedAfterAnswer).
  */
 const release: Handler<{ request: string; allocation: bigint }> = {
   method: 'Release',
   parse: (message) => allocationRequest('release', message),
   async answer(session, { request, allocation }, { registry }) {
     const { result, freeing } = await registry.releaseAnswering(session.id, allocation);
-    freeing.catch((error) =>
-      session.log.error(
-        { err: error, allocation: String(allocation) },
-        'release: freeing the memory failed after the answer; the allocation stays, charged, until the next Release or the reclaim frees it',
-      ),
-    );
+    freeing.catch((error: Error) => freeFailedAfterAnswer(session, registry, allocation, error));
     const reply: ReleasedMessage = { type: 'released', request, allocation: String(allocation), ...result };
     return { reply };
   },

@@ -171,7 +171,7 @@ export class CudaBackend implements Backend {
       if (exported !== undefined) this.exported.restore(BigInt(handle), exported);
       throw error;
     }
-    if (exported !== undefined) this.exported.close(exported);
+    if (exported !== undefined) await this.exported.close(exported);
     // Only once the driver has freed it: a release that fails keeps the handle exportable.
     const fd = this.importedFds.get(BigInt(handle));
     if (fd !== undefined) {

@@ -8,6 +8,7 @@
  * out before it releases the handle, so a handle value the driver hands out
  * again never meets a descriptor of the memory it named before.
  */
+import { close as fsClose } from 'node:fs';
 import { closeLater } from '../../common/close-later';
 import { addon } from '../../native';
 
@@ -15,10 +16,16 @@ import { addon } from '../../native';
 export interface DescriptorCalls {
   dup(fd: number): number;
   close(fd: number): void;
+  /** Closes off the event loop and resolves once closed (without it: close(), then resolved). */
+  closeAwaited?(fd: number): Promise<void>;
 }
 
 // Closed off the event loop: a kept descriptor is usually the memory's last, whose close frees the driver's export object.
-const SYSTEM: DescriptorCalls = { dup: (fd) => addon.dup(fd), close: (fd) => closeLater(fd) };
+const SYSTEM: DescriptorCalls = {
+  dup: (fd) => addon.dup(fd),
+  close: (fd) => closeLater(fd),
+  closeAwaited: (fd) => new Promise<void>((resolve, reject) => fsClose(fd, (error) => (error ? reject(error) : resolve()))),
+};
 
 /** The default bound: 1024, or a sixteenth of the descriptor limit where that is less. */
 export function defaultExportCacheLimit(): number {
@@ -88,9 +95,16 @@ export class ExportedDescriptors {
     else this.kept.set(handle, fd);
   }
 
-  /** Closes a descriptor remove() took out, once the release it was taken out for succeeded. */
-  close(fd: number): void {
-    this.calls.close(fd);
+  /**
+   * Closes a descriptor remove() took out, once the release it was taken out
+   * for succeeded; resolves once it is closed, off the event loop. A CUDA
+   * allocation lives while a descriptor of it is open: the release resolves
+   * only after this, so that a create retried after a free (out of memory)
+   * finds the memory gone. A failed close is a warning, never the release's error.
+   */
+  async close(fd: number): Promise<void> {
+    if (this.calls.closeAwaited === undefined) return this.calls.close(fd);
+    await this.calls.closeAwaited(fd).catch((error: Error) => process.emitWarning(`vmmd: closing kept descriptor ${fd} failed: ${error.message}`));
   }
 
   /** Closes every kept descriptor (the backend closes). */

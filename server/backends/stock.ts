@@ -250,7 +250,7 @@ export class StockedBackend implements Backend {
       if (kept !== undefined) this.exported.restore(BigInt(handle), kept);
       throw error;
     }
-    if (kept !== undefined) this.exported.close(kept);
+    if (kept !== undefined) await this.exported.close(kept);
   }
 
   /** Descriptors of handed-out stocked memory kept for later exports. */

@@ -196,6 +196,19 @@ export class Allocations {
   }
 
   /**
+   * Tries again the free of an allocation whose free failed, if nothing
+   * references or maps it (the daemon's retry of a free that failed after a
+   * session-socket release was answered).
+   * @returns false when there is nothing to free (freed meanwhile, or in use again)
+   * @throws the free's error (the allocation stays, counted)
+   */
+  async retryFree(allocationId: bigint): Promise<boolean> {
+    const allocation = this.records.get(allocationId);
+    if (allocation === undefined || allocation.freed) return false;
+    return this.freeIfUnused(allocation);
+  }
+
+  /**
    * The source's create; when the device is out of memory while frees are
    * in flight (releases answered before their free), it waits for them and
    * asks once more: a client that frees and allocates at once must not fail

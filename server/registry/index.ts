@@ -76,6 +76,7 @@ export class Registry {
   importHandle = (caller: bigint, source: ImportSource, size: bigint) => this.allocations.importHandle(caller, source, size);
   release = (caller: bigint, allocationId: bigint) => this.allocations.release(caller, allocationId);
   releaseAnswering = (caller: bigint, allocationId: bigint) => this.allocations.releaseAnswering(caller, allocationId);
+  retryFree = (allocationId: bigint) => this.allocations.retryFree(allocationId);
   /** Resolves once every free in flight has settled (the daemon's shutdown waits for them before closing the backend). */
   settleFrees = () => this.allocations.settleFrees();
   allocation = (allocationId: bigint) => this.allocations.get(allocationId);

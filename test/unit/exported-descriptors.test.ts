@@ -134,3 +134,40 @@ describe('the kept export descriptors', () => {
     expect(failing.duplicate(1n)).toBeUndefined();
   });
 });
+
+describe('the close of a descriptor taken out for a release', () => {
+  it('resolves only once the descriptor is closed off the event loop (the memory lives while it is open)', async () => {
+    let finish!: () => void;
+    const closing: number[] = [];
+    const cache = new ExportedDescriptors(4, {
+      dup: (fd) => fd + 100,
+      close: () => undefined,
+      closeAwaited: (fd) => new Promise<void>((resolve) => {
+        closing.push(fd);
+        finish = resolve;
+      }),
+    });
+    cache.keep(1n, 7);
+    const taken = cache.remove(1n)!;
+    let closed = false;
+    const done = cache.close(taken).then(() => (closed = true));
+    await new Promise((resolve) => setImmediate(resolve));
+    expect(closing).toEqual([107]);
+    expect(closed).toBe(false);
+    finish();
+    await done;
+    expect(closed).toBe(true);
+  });
+
+  it('warns, never fails, when that close fails', async () => {
+    const warned = jest.spyOn(process, 'emitWarning').mockImplementation(() => undefined);
+    try {
+      const cache = new ExportedDescriptors(4, { dup: (fd) => fd + 100, close: () => undefined, closeAwaited: () => Promise.reject(new Error('EIO')) });
+      cache.keep(2n, 8);
+      await expect(cache.close(cache.remove(2n)!)).resolves.toBeUndefined();
+      expect(warned).toHaveBeenCalledWith(expect.stringContaining('closing kept descriptor 108 failed: EIO'));
+    } finally {
+      warned.mockRestore();
+    }
+  });
+});

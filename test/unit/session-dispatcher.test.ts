@@ -5,7 +5,7 @@
  */
 import pino from 'pino';
 import { Registry } from '../../server/registry';
-import { SessionDispatcher } from '../../server/session-dispatcher';
+import { FREE_RETRY_MS, SessionDispatcher } from '../../server/session-dispatcher';
 import { StoreRegistry } from '../../server/stores';
 import type { RequestMessage, Session } from '../../server/sessions';
 import { RecordingBackend } from '../contracts/recording-backend';
@@ -193,12 +193,13 @@ describe('session dispatcher', () => {
     expect(registry.snapshot().allocations).toEqual([]);
   });
 
-  it("answers release before the backend's free, which runs after; a free that fails then is logged and the allocation stays for the reclaim", async () => {
+  it("answers release before the backend's free, which runs after; a free that fails then is logged and told, and the allocation stays until freed (here: the reclaim, before the daemon's retry)", async () => {
     const backend = new RecordingBackend(new FakeBackend());
     const registry = new Registry(backend);
     const dispatcher = new SessionDispatcher({ registry, stores: new StoreRegistry(registry), reclaimers: [] });
     const logged: string[] = [];
-    const watched = { ...session, log: { error: (_fields: unknown, message: string) => logged.push(message) } } as unknown as Session;
+    const told: unknown[] = [];
+    const watched = { ...session, log: { error: (_fields: unknown, message: string) => logged.push(message) }, trySend: (message: unknown) => void told.push(message) } as unknown as Session;
     const allocate = async (request: string) =>
       ((await dispatcher.answer(watched, { type: 'allocate', request, size: String(GRANULARITY) }, -1)).reply as { allocation: string }).allocation;
     const first = await allocate('1');
@@ -216,8 +217,50 @@ describe('session dispatcher', () => {
     expect((await dispatcher.answer(watched, { type: 'release', request: '4', allocation: second }, -1)).reply).toMatchObject({ freed: true });
     await registry.settleFrees();
     expect(logged).toEqual([expect.stringMatching(/freeing the memory failed after the answer/)]);
+    expect(told).toEqual([expect.objectContaining({ type: 'error', code: 'FREE_FAILED' })]);
     expect(registry.snapshot().allocations.map((allocation) => allocation.id)).toEqual([second]);
     await dispatcher.reclaim(watched);
     expect({ allocations: registry.snapshot().allocations, handles: backend.liveHandles }).toEqual({ allocations: [], handles: 0 });
+  });
+});
+
+describe('a free that fails after its release was answered', () => {
+  /** A fake whose next `failures` releases fail with EIO. */
+  class FailingFrees extends FakeBackend {
+    failures = 0;
+    override async release(handle: Parameters<FakeBackend['release']>[0]): Promise<void> {
+      if (this.failures > 0) {
+        this.failures--;
+        throw Object.assign(new Error('EIO: the free failed'), { code: 'EIO' });
+      }
+      return super.release(handle);
+    }
+  }
+
+  beforeEach(() => jest.useFakeTimers({ doNotFake: ['nextTick', 'queueMicrotask', 'setImmediate'] }));
+  afterEach(() => jest.useRealTimers());
+
+  it('is told to the session once, and tried again by the daemon until it frees the memory', async () => {
+    const backend = new FailingFrees();
+    const registry = new Registry(backend);
+    const dispatcher = new SessionDispatcher({ registry, stores: new StoreRegistry(registry), reclaimers: [] });
+    const sent: unknown[] = [];
+    const owner = { id: 7n, log, trySend: (message: unknown) => void sent.push(message) } as unknown as Session;
+    const allocated = await dispatcher.answer(owner, { type: 'allocate', request: '1', size: String(GRANULARITY) }, -1);
+    const id = (allocated.reply as { allocation: string }).allocation;
+    backend.failures = 2;
+    const released = await dispatcher.answer(owner, { type: 'release', request: '2', allocation: id }, -1);
+    expect(released.reply).toMatchObject({ type: 'released', freed: true });
+    await jest.advanceTimersByTimeAsync(0);
+    // Back in the registry, charged; the session heard of it once, with the allocation named.
+    expect(registry.snapshot().allocations.map((allocation) => allocation.id)).toEqual([id]);
+    expect(sent).toEqual([expect.objectContaining({ type: 'error', code: 'FREE_FAILED', message: expect.stringContaining(`allocation ${id}`) })]);
+    // The first retry fails too, the second frees it: no Release, no session end needed.
+    await jest.advanceTimersByTimeAsync(FREE_RETRY_MS[0]);
+    expect(registry.snapshot().allocations).toHaveLength(1);
+    await jest.advanceTimersByTimeAsync(FREE_RETRY_MS[1]);
+    expect(registry.snapshot().allocations).toEqual([]);
+    expect(backend.memoryInfo().freeBytes).toBe(backend.memoryInfo().totalBytes);
+    expect(sent).toHaveLength(1);
   });
 });
