@@ -157,7 +157,12 @@ export interface Addon {
    * to that host NUMA node, then releases the imported handle (the mapping holds the memory).
    * A failed step undoes those before it; the error names the step. The caller keeps fd.
    */
-  cudaImportMap(fd: number, address: bigint, size: bigint, device: number, flags: 1 | 3, hostNuma: number): Promise<void>;
+  /**
+   * Import, map, set access and release of the imported handle, in one call (native/src/cuda_driver.cc):
+   * resolves with undefined, or with the name of the error of the handle's release after a mapping that works;
+   * rejects naming the failed step, with stillMapped: true when even undoing the map failed.
+   */
+  cudaImportMap(fd: number, address: bigint, size: bigint, device: number, flags: 1 | 3, hostNuma: number): Promise<string | undefined>;
   /** Whether an imported allocation is exactly `size` bytes (a trial map: the driver maps an allocation only whole). */
   cudaHandleHasSize(device: number, handle: bigint, size: bigint): Promise<boolean>;
   cudaAllocationProperties(handle: bigint): { locationType: number; locationId: number; requestedHandleTypes: number };

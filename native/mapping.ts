@@ -277,13 +277,21 @@ export class DeviceMapping {
     const space = deviceSource(device);
     const address = space.take(size, granularity);
     traceMark('mark:range taken');
+    let releaseFailed: string | undefined;
     try {
-      await addon.cudaImportMap(fd, address, size, device, access.readOnly ? 1 : 3, access.hostNuma ?? -1);
+      releaseFailed = await addon.cudaImportMap(fd, address, size, device, access.readOnly ? 1 : 3, access.hostNuma ?? -1);
     } catch (error) {
-      // The call undid its own steps: the range is free again.
-      space.give(address);
+      // The call undid its own steps: the range is free again. Unless even its unmap failed: the range stays
+      // mapped, and is never handed out again (a later map there would fail, or meet this memory).
+      if ((error as { stillMapped?: boolean }).stillMapped === true) {
+        process.emitWarning(`vmmd: a failed import left ${size} bytes mapped at 0x${address.toString(16)} (${(error as { unmapError?: string }).unmapError}); that range is not used again`);
+      } else {
+        space.give(address);
+      }
       throw error;
     }
+    // The mapping works; only the imported handle's reference is lost (as with separate calls, a warning, not a failure).
+    if (releaseFailed !== undefined) process.emitWarning(`vmmd: releasing the imported handle of the mapping at 0x${address.toString(16)} failed (${releaseFailed}); the mapping works, the handle's reference lasts until this process ends`);
     return new DeviceMapping(device, address, size, access.synchronizeUnmap ?? false);
   }
 

@@ -707,8 +707,12 @@ Napi::Value CudaImportFd(const Napi::CallbackInfo& info) {
 // the imported handle: the mapping holds the memory. One call where four would each cost the
 // client a turn of promises and, for the release, a driver thread (issue 18: the JavaScript
 // between the steps was a third of a cold allocation). A failed step undoes the ones before
-// it (unmap, release): nothing stays mapped or imported; the error names the step. The caller
-// keeps the fd. Each step is a line of the driver trace, as the separate calls' are.
+// it (unmap, release) and the error names the step; if the undoing unmap fails too, the error
+// has stillMapped: true (and unmapError): the range is still mapped and must not be reused.
+// A release of the imported handle that fails after the mapping worked keeps the mapping and
+// resolves with that error's name (the handle reference is lost until the process ends);
+// otherwise it resolves with undefined. The caller keeps the fd. Each step is a line of the
+// driver trace, as the separate calls' are.
 Napi::Value CudaImportMap(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   RequireDriver(env);
@@ -741,6 +745,10 @@ Napi::Value CudaImportMap(const Napi::CallbackInfo& info) {
   Napi::Promise::Deferred deferred = Napi::Promise::Deferred::New(env);
   cu::GenericHandle handle = 0;
   std::string failed = "cuMemImportFromShareableHandle(POSIX_FD)";
+  // A failed undo of the map (the range stays mapped), and a failed release of the imported handle after a
+  // mapping that works (its error name): each changes what the caller must do.
+  cu::Result unmapFailed = cu::SUCCESS;
+  std::string releaseFailed;
   cu::Result result = step(failed, [&] {
     return Injected("cuMemImportFromShareableHandle", [&] {
       return driver.api.cuMemImportFromShareableHandle(&handle, reinterpret_cast<void*>(static_cast<intptr_t>(fd)), cu::HANDLE_POSIX_FD);
@@ -752,21 +760,26 @@ Napi::Value CudaImportMap(const Napi::CallbackInfo& info) {
     if (result == cu::SUCCESS) {
       failed = Sized("cuMemSetAccess", size);
       result = step(failed, [&] { return Injected("cuMemSetAccess", [&] { return driver.api.cuMemSetAccess(address, size, access, grants); }); });
-      if (result != cu::SUCCESS) driver.api.cuMemUnmap(address, size);
+      if (result != cu::SUCCESS) {
+        // Undone; when even that fails the range stays mapped, and the caller must never reuse it.
+        unmapFailed = step("cuMemUnmap (undoing the map)", [&] { return Injected("cuMemUnmap", [&] { return driver.api.cuMemUnmap(address, size); }); });
+      }
     }
-    // The mapping (if any) holds the memory: the imported handle goes either way.
-    cu::Result released = step("cuMemRelease", [&] { return driver.api.cuMemRelease(handle); });
-    if (result == cu::SUCCESS && released != cu::SUCCESS) {
-      // Mapped, but the handle is still held: undone, so that nothing outlives the failure.
-      driver.api.cuMemUnmap(address, size);
-      failed = "cuMemRelease";
-      result = released;
-    }
+    // The mapping (if any) holds the memory: the imported handle goes either way. Its failure after a mapping
+    // that works fails nothing: the mapping is kept (as the separate calls did), the handle reference is lost
+    // until the process ends, and the answer says so.
+    cu::Result released = step("cuMemRelease", [&] { return Injected("cuMemRelease", [&] { return driver.api.cuMemRelease(handle); }); });
+    if (result == cu::SUCCESS && released != cu::SUCCESS) releaseFailed = ResultName(released);
   }
   if (result != cu::SUCCESS) {
-    deferred.Reject(CudaError(env, result, failed).Value());
+    Napi::Error error = CudaError(env, result, failed);
+    if (unmapFailed != cu::SUCCESS) {
+      error.Set("stillMapped", Napi::Boolean::New(env, true));
+      error.Set("unmapError", Napi::String::New(env, ResultName(unmapFailed)));
+    }
+    deferred.Reject(error.Value());
   } else {
-    deferred.Resolve(env.Undefined());
+    deferred.Resolve(releaseFailed.empty() ? env.Undefined() : Napi::String::New(env, releaseFailed).As<Napi::Value>());
   }
   return deferred.Promise();
 }

@@ -99,6 +99,55 @@ describeGpu('the address arena on the cuda backend (issue 18)', () => {
     expect(released.freed).toBe(true);
   });
 
+  describe('a one-call import whose driver calls fail (faults injected in this process)', () => {
+    const importWith = async (plan: string) => {
+      const allocation = await client.vmm.create({ size: SIZE });
+      const exported = await client.vmm.export({ allocationId: allocation.id, handleType: 'HANDLE_TYPE_POSIX_FD' });
+      const fd = await client.session.takeTransfer(exported.transferId);
+      const taken = addressArenaStats()['cuda:0']?.takenBytes ?? 0n;
+      const warnings: string[] = [];
+      const warned = jest.spyOn(process, 'emitWarning').mockImplementation((warning) => void warnings.push(String(warning)));
+      addon.faultsSet(plan);
+      try {
+        const outcome = await DeviceMapping.importDescriptor(0, fd, SIZE, 2n * MiB, { readOnly: false, synchronizeUnmap: true }).then(
+          (mapping) => ({ mapping, error: undefined }),
+          (error: Error & { stillMapped?: boolean }) => ({ mapping: undefined, error }),
+        );
+        return { ...outcome, allocation, taken, warnings, takenAfter: addressArenaStats()['cuda:0'].takenBytes };
+      } finally {
+        addon.faultsSet('');
+        warned.mockRestore();
+        addon.close(fd);
+      }
+    };
+
+    it('set access fails: undone, the range back in the arena, the step named', async () => {
+      const result = await importWith('cuMemSetAccess:1:CUDA_ERROR_INVALID_VALUE');
+      expect(result.error?.message).toMatch(/cuMemSetAccess/);
+      expect(result.error?.stillMapped).toBeUndefined();
+      expect(result.takenAfter).toBe(result.taken);
+      await expect(client.vmm.release({ allocationId: result.allocation.id })).resolves.toMatchObject({ freed: true });
+    });
+
+    it('set access fails and so does undoing the map: the error says stillMapped and the range is never handed out again', async () => {
+      const result = await importWith('cuMemSetAccess:1:CUDA_ERROR_INVALID_VALUE,cuMemUnmap:1:CUDA_ERROR_UNKNOWN');
+      expect(result.error).toMatchObject({ stillMapped: true, unmapError: 'CUDA_ERROR_UNKNOWN' });
+      expect(result.takenAfter).toBe(result.taken + SIZE);
+      expect(result.warnings).toEqual([expect.stringMatching(/left \d+ bytes mapped at 0x[0-9a-f]+ \(CUDA_ERROR_UNKNOWN\); that range is not used again/)]);
+    });
+
+    it("the imported handle's release fails after a mapping that works: the mapping is kept and works, with a warning", async () => {
+      const result = await importWith('cuMemRelease:1:CUDA_ERROR_UNKNOWN');
+      expect(result.error).toBeUndefined();
+      expect(result.warnings).toEqual([expect.stringMatching(/releasing the imported handle .* failed \(CUDA_ERROR_UNKNOWN\); the mapping works/)]);
+      const mapping = result.mapping!;
+      await addon.cudaCopyToDevice(0, mapping.address, Buffer.from('kept'));
+      expect((await addon.cudaCopyFromDevice(0, mapping.address, 4n)).toString()).toBe('kept');
+      await mapping.unmap();
+      expect(addressArenaStats()['cuda:0'].takenBytes).toBe(result.taken);
+    });
+  });
+
   it("the NBEP 7 manager's cold frees return before the unmap; allocations reuse the ranges, no new reservation each", async () => {
     const mm = new VmmdMemoryManager({ client, device: 0, backend: 'cuda', pool: { chunkSize: 2n * MiB, largeThreshold: 0n }, deferred: { count: 0, ratio: 1 } });
     await mm.initialize();
