@@ -315,6 +315,9 @@ export class ClientSession extends EventEmitter {
                 `the daemon answered request ${request} with ${message.type}${raw.fd >= 0 ? ' and a descriptor' : ''}, not ${pending.answer}${WITH_DESCRIPTOR.has(pending.answer) ? ' with a descriptor' : ''}`,
               ),
         );
+        // A refusal of a request is its caller's error, not the session's.
+        if (raw.fd >= 0) native.close(raw.fd);
+        return;
       }
     }
     if (raw.fd >= 0) native.close(raw.fd);

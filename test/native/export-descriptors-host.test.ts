@@ -65,13 +65,27 @@ describe('exported descriptors kept on the host backend', () => {
 
   it('attack: export A, release A, create B with the same handle number, export B: B is its own memory, not A\'s', async () => {
     const a = await create();
+    // Every free number below A's taken, for the attack's precondition: the next descriptor made after A's
+    // release is A's number (the kernel hands out the lowest free one).
+    await new Promise((resolve) => setImmediate(resolve));
+    const fillers: number[] = [];
+    for (let fd = fs.openSync('/dev/null', 'r'); ; fd = fs.openSync('/dev/null', 'r')) {
+      if (fd > Number(a.handle)) {
+        fs.closeSync(fd);
+        break;
+      }
+      fillers.push(fd);
+    }
     const aFile = fileOf(await exportFd(a.id));
     await exportFd(a.id);
     // Our descriptors of A keep its file alive: its inode cannot be reused for B.
     await registry.release(A, a.id);
     const bs: Array<Awaited<ReturnType<typeof create>>> = [];
-    // (The stock's refill and the kept descriptor's close may take numbers first: a few creates find it.)
-    for (let i = 0; i < 16 && !bs.some((b) => b.handle === a.handle); i++) bs.push(await create(4n * MiB));
+    try {
+      for (let i = 0; i < 4 && !bs.some((b) => b.handle === a.handle); i++) bs.push(await create(4n * MiB));
+    } finally {
+      for (const fd of fillers) fs.closeSync(fd);
+    }
     const b = bs.find((candidate) => candidate.handle === a.handle);
     // The host backend's handle is the memfd's number, reused at once: the attack's precondition.
     expect(b).toBeDefined();
