@@ -16,20 +16,14 @@
  * (Export again, a store's opens) are dups, never a driver export. Taken out
  * before the handle is released, as the cuda backend does with its own.
  *
- * Besides the configured shelves, the stock follows what clients ask for: a
- * size asked often among a device's last DEMAND_WINDOW stockable requests
- * gets a shelf of its own, deeper the more it is asked, within a share of
- * the device (DEMAND_SHARE); a size no longer asked loses its shelf and its
- * memory. A new shelf is made and filled as soon as its size is asked often
- * enough; its depth follows the demand at quiet moments. A shelf holding
- * more than a quarter of its depth refills when the daemon is quiet (no
- * Create for QUIET_MS), so that refills do not compete with requests, or at
- * the latest MAX_REFILL_DELAY_MS after it was taken from; at a quarter or
- * less it refills at once, to full, in one burst.
- *
- * Frees are held back the same way (server/backends/held-releases.ts) and
- * run when the daemon is quiet or a refill burst starts: the stock's driver
- * work goes in as few stretches as it can.
+ * The stock follows what clients ask for too: a size asked often among a
+ * device's last DEMAND_WINDOW stockable requests gets a shelf of its own at
+ * once, deeper the more it is asked (fitted at quiet moments), within a share
+ * of the device (DEMAND_SHARE); a size no longer asked loses it. A shelf above
+ * a quarter of its depth refills when the daemon is quiet (no Create for
+ * QUIET_MS) or MAX_REFILL_DELAY_MS after a take; at a quarter it refills at
+ * once, to full, in one burst. Frees are held back the same way
+ * (held-releases.ts): the stock's driver work goes in few stretches.
  */
 import type { Logger } from 'pino';
 import { closeLater } from '../../common/close-later';
@@ -88,6 +82,8 @@ export const DEMAND_SHARE = 32n;
 export const QUIET_MS = 5;
 /** A refill waits for quiet at most this long after a shelf was taken from: a steady stream still finds a stock. */
 export const MAX_REFILL_DELAY_MS = 100;
+/** Allocations a refill creates at once (each on a driver thread; libuv has four, the frees need some). */
+export const REFILL_PARALLEL = 2;
 /** A shelf left with at most its depth divided by this refills at once, in one burst. */
 export const REFILL_AT_FRACTION = 4;
 export { RELEASE_BATCH } from './held-releases';
@@ -394,11 +390,19 @@ export class StockedBackend implements Backend {
   private async refill(shelf: Shelf): Promise<void> {
     if (shelf.refilling) return;
     shelf.refilling = true;
-    try {
-      while (!this.closed && shelf.items.length < shelf.depth) {
-        if (this.freeBytes(shelf.device) < REFILL_HEADROOM * shelf.size) return;
-        // Created and exported on a driver thread: a refill costs the event loop nothing but this turn.
-        const item = await this.inner.createExported(shelf.device, { type: 'DEVICE', id: shelf.device }, shelf.size);
+    let making = 0;
+    // One of REFILL_PARALLEL creating in turn: a burst is over sooner, so fewer requests meet it.
+    const creating = async () => {
+      while (!this.closed && shelf.items.length + making < shelf.depth) {
+        if (this.freeBytes(shelf.device) - BigInt(making) * shelf.size < REFILL_HEADROOM * shelf.size) return;
+        making++;
+        let item: Item;
+        try {
+          // Created and exported on a driver thread: a refill costs the event loop nothing but this turn.
+          item = await this.inner.createExported(shelf.device, { type: 'DEVICE', id: shelf.device }, shelf.size);
+        } finally {
+          making--;
+        }
         this.counters.created++;
         // What this refill took, until the driver is asked again.
         const known = this.free.get(shelf.device);
@@ -407,9 +411,13 @@ export class StockedBackend implements Backend {
         if (this.closed || this.shelves.get(shelfKey(shelf.device, shelf.size)) !== shelf || shelf.items.length >= shelf.depth) this.discard(shelf, item);
         else shelf.items.push(item);
       }
-    } catch (error) {
-      this.counters.refillFailures++;
-      this.log.warn({ err: error, device: shelf.device, size: String(shelf.size) }, 'stock: a refill failed; the shelf stays short');
+    };
+    try {
+      const failed = (await Promise.allSettled(Array.from({ length: REFILL_PARALLEL }, creating))).find((outcome) => outcome.status === 'rejected');
+      if (failed !== undefined) {
+        this.counters.refillFailures++;
+        this.log.warn({ err: (failed as PromiseRejectedResult).reason, device: shelf.device, size: String(shelf.size) }, 'stock: a refill failed; the shelf stays short');
+      }
     } finally {
       shelf.refilling = false;
     }

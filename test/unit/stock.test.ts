@@ -1,7 +1,7 @@
 /** The stock of allocations created and exported ahead (server/backends/stock.ts), over the fake backend. */
 import pino from 'pino';
 import { parseStock } from '../../server/config';
-import { StockedBackend } from '../../server/backends/stock';
+import { REFILL_PARALLEL, StockedBackend } from '../../server/backends/stock';
 import { Registry } from '../../server/registry';
 import { FakeBackend, MiB } from './fake-backend';
 
@@ -162,4 +162,30 @@ describe('--stock', () => {
     ['0:2', /must be greater than 0/],
     ['2XB:1', /"2XB" is not a byte count/],
   ])('refuses %s', (text, message) => expect(() => parseStock('--stock', text)).toThrow(message));
+});
+
+describe('a refill', () => {
+  it('creates REFILL_PARALLEL at once, and no more than the shelf lacks', async () => {
+    class Concurrent extends FakeBackend {
+      now = 0;
+      most = 0;
+      override async createExported(...args: Parameters<FakeBackend['createExported']>) {
+        this.now++;
+        this.most = Math.max(this.most, this.now);
+        await new Promise((resolve) => setTimeout(resolve, 2));
+        try {
+          return await super.createExported(...args);
+        } finally {
+          this.now--;
+        }
+      }
+    }
+    const fake = new Concurrent({ capacity: 64n * MiB });
+    const stock = new StockedBackend(fake, [{ size: 2n * MiB, depth: 5 }], quiet, () => undefined);
+    await stock.fill();
+    expect(fake.most).toBe(REFILL_PARALLEL);
+    expect(stock.stats().levels[0].held).toBe(5);
+    expect(fake.calls.filter((call) => call === 'create')).toHaveLength(5);
+    stock.close();
+  });
 });
