@@ -40,6 +40,17 @@ async function ask(stock: StockedBackend, size: bigint, count: number, spacingMs
   }
 }
 const demandLevels = (stock: StockedBackend) => stock.stats().levels.filter((level) => level.demand);
+/**
+ * Waits for `condition` without advancing the (fake) clock: the event loop turns until it holds, so a test
+ * says what it waits for rather than how many turns the stock takes to get there. Fails after `maxTurns`.
+ */
+async function until(condition: () => boolean, maxTurns = 1000): Promise<void> {
+  for (let turn = 0; turn < maxTurns; turn++) {
+    if (condition()) return;
+    await new Promise((resolve) => setImmediate(resolve));
+  }
+  throw new Error(`condition not met after ${maxTurns} event-loop turns: ${condition.toString()}`);
+}
 
 describe('a stock that follows demand and refills when quiet', () => {
   beforeEach(() => jest.useFakeTimers({ doNotFake: ['nextTick', 'queueMicrotask', 'setImmediate'] }));
@@ -51,12 +62,11 @@ describe('a stock that follows demand and refills when quiet', () => {
     await jest.advanceTimersByTimeAsync(10 * QUIET_MS);
     expect(demandLevels(stock)).toEqual([]);
     const before = creates(fake);
-    // The ask that makes the size steady demand: its shelf exists on the spot and fills in the next turn,
+    // The ask that makes the size steady demand: its shelf exists on the spot and fills without a quiet moment,
     // while requests keep coming (no timer advances: never quiet).
     await ask(stock, 6n * MiB, 1);
     expect(demandLevels(stock)).toEqual([{ device: 0, size: String(6n * MiB), depth: 1, held: 0, demand: true }]);
-    await new Promise((resolve) => setImmediate(resolve));
-    await Promise.resolve();
+    await until(() => demandLevels(stock)[0]?.held === 1);
     expect(demandLevels(stock)).toEqual([{ device: 0, size: String(6n * MiB), depth: 1, held: 1, demand: true }]);
     expect(creates(fake)).toBe(before + 2);
     await stock.create(0, DEVICE, 6n * MiB, ['POSIX_FD']);
