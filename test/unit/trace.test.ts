@@ -3,21 +3,37 @@
  * and with VMMD_DRIVER_TRACE=1 one line per call in the addon's format, on
  * CLOCK_MONOTONIC (process.hrtime), which bench/probe/cold_timeline.py parses.
  */
-import { execFileSync } from 'node:child_process';
-import * as path from 'node:path';
-
-const TRACE = path.join(__dirname, '..', '..', 'dist', 'common', 'trace.js');
 const LINE = /^vmmd-trace pid=(\d+) tid=0 begin=(\d+) end=(\d+) result=0 address=0x0 call=(.*)$/;
 
-/** Runs a few trace calls in a fresh process (the switch is read at load) and returns its stderr lines. */
+/**
+ * Loads common/trace.ts from the sources afresh with VMMD_DRIVER_TRACE set to `env`'s value (the switch is read
+ * at load), runs a few trace calls and returns the lines it wrote to descriptor 2 (its writeSync, captured).
+ */
 function stderrOf(env: Record<string, string>): string[] {
-  const script = `const t = require(${JSON.stringify(TRACE)}); const b = t.traceClock(); t.traceSince('session:allocate', b); t.traceMark('mark:answered');`;
+  const lines: string[] = [];
+  const saved = process.env.VMMD_DRIVER_TRACE;
+  process.env.VMMD_DRIVER_TRACE = env.VMMD_DRIVER_TRACE ?? '';
   try {
-    execFileSync(process.execPath, ['-e', `${script} process.exit(3)`], { env: { ...process.env, VMMD_DRIVER_TRACE: '', ...env }, stdio: ['ignore', 'pipe', 'pipe'] });
-  } catch (error) {
-    return String((error as { stderr: Buffer }).stderr).split('\n').filter((line) => line !== '');
+    jest.isolateModules(() => {
+      jest.doMock('node:fs', () => ({
+        ...jest.requireActual('node:fs'),
+        writeSync: (fd: number, text: string) => {
+          if (fd === 2) lines.push(...String(text).split('\n').filter((line) => line !== ''));
+          return String(text).length;
+        },
+      }));
+      // eslint-disable-next-line @typescript-eslint/no-require-imports
+      const t = require('../../common/trace') as typeof import('../../common/trace');
+      const b = t.traceClock();
+      t.traceSince('session:allocate', b);
+      t.traceMark('mark:answered');
+    });
+  } finally {
+    jest.dontMock('node:fs');
+    if (saved === undefined) delete process.env.VMMD_DRIVER_TRACE;
+    else process.env.VMMD_DRIVER_TRACE = saved;
   }
-  throw new Error('the traced process should have exited 3');
+  return lines;
 }
 
 describe('the driver trace from JavaScript', () => {
