@@ -9,7 +9,8 @@
         "native/src/host_memory.cc",
         "native/src/fd_passing.cc",
         "native/src/cuda_driver.cc",
-        "native/src/busy_poll.cc"
+        "native/src/busy_poll.cc",
+        "native/src/thread_clock.cc"
       ],
       "include_dirs": [
         "<!(node -p \"require('node-addon-api').include_dir\")",

@@ -115,6 +115,8 @@ export interface Addon {
   busyPoll(microseconds: number): void;
   /** Since load: loop iterations before a sleep, spins begun, spins that met something ready, time spun. */
   busyPollStats(): { prepares: number; spins: number; caught: number; spunMicroseconds: number };
+  /** Nanoseconds the calling thread has run on a CPU (CLOCK_THREAD_CPUTIME_ID). */
+  threadCpuNanos(): number;
   /**
    * Fault injection (tests): "name:N:ERROR,…" makes the N-th call of an OS or
    * driver function fail once with ERROR; "" turns it off. VMMD_FAULTS sets

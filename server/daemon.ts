@@ -106,8 +106,9 @@ export class Daemon {
   /** @throws DaemonStartError, BackendUnavailableError, or the socket's error */
   static async start(config: DaemonConfig, log: Logger, sessionOptions: SessionOptions = DEFAULT_SESSION_OPTIONS): Promise<Daemon> {
     raiseDescriptorLimit(log);
-    // The daemon's own turns: each native completion's continuation is one (server/turns.ts).
-    const turns = new TurnMeter();
+    // The daemon's own turns: each native completion's continuation is one (server/turns.ts),
+    // measured by wall clock and by this thread's CPU time.
+    const turns = new TurnMeter(() => addon.threadCpuNanos());
     const backend = await selectBackend(config, log, (chosen) => measureCompletions(chosen, turns));
     armFaults(process.env.VMMD_FAULTS, log);
     const access = new AccessPolicy(config);

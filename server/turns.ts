@@ -16,6 +16,13 @@
  * yielding, exactly what holds up the next socket message. Other entries
  * (timers, grpc-js's own HTTP/2 reads before a call reaches a handler) are not
  * counted; the event-loop delay beside it counts everything.
+ *
+ * Each turn is measured twice: by the wall clock, and by the thread's own CPU
+ * time where a CPU clock is given (native threadCpuNanos). The two differ by
+ * the time the OS had the thread off its CPU in the middle of a turn: on a
+ * host whose cores are all busy (16 clients spinning on 16 cores) a turn of
+ * 100 us of work can take milliseconds of wall time. The CPU time is the
+ * daemon's own work; the wall time is what the clients waited.
  */
 import { createHistogram, RecordableHistogram } from 'node:perf_hooks';
 
@@ -25,12 +32,18 @@ export type TurnKind = 'session' | 'grpc' | 'completion';
 const now = () => process.hrtime.bigint();
 
 export class TurnMeter {
-  // The window GetStats reports and resets (nanoseconds); and since start.
+  // The window GetStats reports and resets (nanoseconds), by wall and by CPU; and since start.
   private window: RecordableHistogram = createHistogram();
+  private cpuWindow: RecordableHistogram = createHistogram();
   private longestNs = 0n;
   private longestKind?: TurnKind;
-  /** Sees each turn (seconds), for the Prometheus histogram. */
-  observe?: (kind: TurnKind, seconds: number) => void;
+  // Where the window's longest turn by CPU entered.
+  private cpuMaxKind?: TurnKind;
+  /** Sees each turn (seconds, by wall clock and by CPU time where measured), for the Prometheus histograms. */
+  observe?: (kind: TurnKind, seconds: number, cpuSeconds?: number) => void;
+
+  /** `cpuClock`: the calling thread's CPU time in nanoseconds; without it only wall time is measured. */
+  constructor(private readonly cpuClock?: () => number) {}
 
   /**
    * Starts a turn now, at an entry into the daemon's code; it ends once the
@@ -38,7 +51,8 @@ export class TurnMeter {
    */
   enter(kind: TurnKind): void {
     const start = now();
-    queueMicrotask(() => process.nextTick(() => this.record(kind, now() - start)));
+    const cpuStart = this.cpuClock?.() ?? 0;
+    queueMicrotask(() => process.nextTick(() => this.record(kind, now() - start, cpuStart)));
   }
 
   /**
@@ -58,12 +72,28 @@ export class TurnMeter {
     );
   }
 
-  /** Longest and 99th-percentile turn of the window, microseconds, and the longest since start. */
-  snapshot(): { maxUs: number; p99Us: number; count: number; longestUs: number; longestKind?: TurnKind } {
+  /**
+   * Longest and 99th-percentile turn of the window, microseconds, by wall
+   * clock and by CPU time (0 without a CPU clock), and the longest since start.
+   */
+  snapshot(): {
+    maxUs: number;
+    p99Us: number;
+    cpuMaxUs: number;
+    cpuP99Us: number;
+    cpuMaxKind?: TurnKind;
+    count: number;
+    longestUs: number;
+    longestKind?: TurnKind;
+  } {
     const count = this.window.count;
+    const cpuCount = this.cpuWindow.count;
     return {
       maxUs: count === 0 ? 0 : Math.round(this.window.max / 1000),
       p99Us: count === 0 ? 0 : Math.round(this.window.percentile(99) / 1000),
+      cpuMaxUs: cpuCount === 0 ? 0 : Math.round(this.cpuWindow.max / 1000),
+      cpuP99Us: cpuCount === 0 ? 0 : Math.round(this.cpuWindow.percentile(99) / 1000),
+      cpuMaxKind: this.cpuMaxKind,
       count,
       longestUs: Number(this.longestNs / 1000n),
       longestKind: this.longestKind,
@@ -73,22 +103,31 @@ export class TurnMeter {
   /** Starts a new window (GetStats with reset_event_loop_delay). */
   reset(): void {
     this.window.reset();
+    this.cpuWindow.reset();
+    this.cpuMaxKind = undefined;
   }
 
   private enterFromMicrotask(kind: TurnKind): void {
     // Already inside the microtask drain: a next-tick runs once it is over.
     const start = now();
-    process.nextTick(() => this.record(kind, now() - start));
+    const cpuStart = this.cpuClock?.() ?? 0;
+    process.nextTick(() => this.record(kind, now() - start, cpuStart));
   }
 
-  private record(kind: TurnKind, ns: bigint): void {
-    // The histogram takes integers from 1 up.
+  private record(kind: TurnKind, ns: bigint, cpuStart: number): void {
+    // The histograms take integers from 1 up.
     this.window.record(ns > 0n ? ns : 1n);
+    let cpuNs: number | undefined;
+    if (this.cpuClock !== undefined) {
+      cpuNs = Math.max(1, Math.round(this.cpuClock() - cpuStart));
+      if (this.cpuWindow.count === 0 || cpuNs > this.cpuWindow.max) this.cpuMaxKind = kind;
+      this.cpuWindow.record(cpuNs);
+    }
     if (ns > this.longestNs) {
       this.longestNs = ns;
       this.longestKind = kind;
     }
-    this.observe?.(kind, Number(ns) / 1e9);
+    this.observe?.(kind, Number(ns) / 1e9, cpuNs === undefined ? undefined : cpuNs / 1e9);
   }
 }
 

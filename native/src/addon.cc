@@ -6,6 +6,7 @@
 #include "faults.h"
 #include "fd_passing.h"
 #include "host_memory.h"
+#include "thread_clock.h"
 
 namespace {
 
@@ -15,6 +16,7 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   vmmd::InitFdPassing(env, exports);
   vmmd::InitCudaDriver(env, exports);
   vmmd::InitBusyPoll(env, exports);
+  vmmd::InitThreadClock(env, exports);
   return exports;
 }
 

@@ -69,6 +69,9 @@ export class AdminService {
       result.eventLoopTurnMaxUs = String(turns.maxUs);
       result.eventLoopTurnP99Us = String(turns.p99Us);
       result.eventLoopTurns = String(turns.count);
+      result.eventLoopTurnCpuMaxUs = String(turns.cpuMaxUs);
+      result.eventLoopTurnCpuP99Us = String(turns.cpuP99Us);
+      result.eventLoopTurnCpuMaxKind = turns.cpuMaxKind ?? '';
     }
     if (request?.resetEventLoopDelay) {
       this.loopDelay.reset();

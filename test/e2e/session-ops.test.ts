@@ -260,6 +260,10 @@ describe('the daemon counts socket requests and its own turns', () => {
       expect(Number(stats.eventLoopTurns)).toBeGreaterThan(0);
       expect(Number(stats.eventLoopTurnMaxUs)).toBeGreaterThan(0);
       expect(Number(stats.eventLoopTurnP99Us)).toBeLessThanOrEqual(Number(stats.eventLoopTurnMaxUs));
+      // The same turns by the daemon thread's CPU time: not longer than by wall clock, give or take the two clocks' accounting.
+      expect(Number(stats.eventLoopTurnCpuMaxUs)).toBeGreaterThan(0);
+      expect(Number(stats.eventLoopTurnCpuMaxUs)).toBeLessThanOrEqual(Number(stats.eventLoopTurnMaxUs) * 1.1 + 100);
+      expect(['session', 'grpc', 'completion']).toContain(stats.eventLoopTurnCpuMaxKind);
       const text = await new Promise<string>((resolve, reject) =>
         http.get({ host: '127.0.0.1', port, path: '/metrics' }, (response) => {
           let body = '';
@@ -273,6 +277,7 @@ describe('the daemon counts socket requests and its own turns', () => {
       expect(text).toMatch(/vmmd_event_loop_turn_seconds_count\{kind="session"\} [1-9]/);
       expect(text).toMatch(/vmmd_event_loop_turn_seconds_count\{kind="grpc"\} [1-9]/);
       expect(text).toMatch(/vmmd_event_loop_turn_max_seconds [0-9.e-]+/);
+      expect(text).toMatch(/vmmd_event_loop_turn_cpu_seconds_count\{kind="session"\} [1-9]/);
     } finally {
       c.close();
       await stopWhenClean(observed, []);

@@ -88,6 +88,45 @@ describe('TurnMeter', () => {
   });
 });
 
+describe('TurnMeter with a CPU clock', () => {
+  it("measures each turn by the thread's CPU time too: a turn the OS interrupted is long by wall clock, short by CPU", async () => {
+    // The CPU clock advances by what the test says the thread ran; the wall clock by what really passed.
+    let cpuNs = 5e9;
+    const meter = new TurnMeter(() => cpuNs);
+    const seen: Array<[string, number, number | undefined]> = [];
+    meter.observe = (kind, seconds, cpuSeconds) => seen.push([kind, seconds, cpuSeconds]);
+    meter.enter('session');
+    spin(3); // 3 ms of wall time, of which the thread "ran" 0.2 ms: off its CPU the rest
+    cpuNs += 200_000;
+    await settled();
+    meter.enter('completion');
+    spin(1);
+    cpuNs += 900_000; // 0.9 ms on the CPU: the window's longest by CPU, not by wall
+    await settled();
+    expect(seen.map(([kind]) => kind)).toEqual(['session', 'completion']);
+    expect(seen[0][1]).toBeGreaterThanOrEqual(0.003);
+    expect(seen[0][2]).toBeCloseTo(0.0002, 6);
+    expect(seen[1][2]).toBeCloseTo(0.0009, 6);
+    const snapshot = meter.snapshot();
+    expect(snapshot.maxUs).toBeGreaterThanOrEqual(3000);
+    expect(snapshot.cpuMaxUs).toBe(900);
+    expect(snapshot.cpuMaxKind).toBe('completion');
+    expect(snapshot.cpuP99Us).toBeLessThanOrEqual(snapshot.cpuMaxUs);
+    meter.reset();
+    expect(meter.snapshot()).toMatchObject({ count: 0, cpuMaxUs: 0, cpuP99Us: 0, cpuMaxKind: undefined });
+  });
+
+  it('reports no CPU time without a clock', async () => {
+    const meter = new TurnMeter();
+    const seen: Array<number | undefined> = [];
+    meter.observe = (_kind, _seconds, cpuSeconds) => seen.push(cpuSeconds);
+    meter.enter('grpc');
+    await settled();
+    expect(seen).toEqual([undefined]);
+    expect(meter.snapshot()).toMatchObject({ count: 1, cpuMaxUs: 0, cpuMaxKind: undefined });
+  });
+});
+
 describe('measureCompletions', () => {
   class Backend {
     readonly name = 'fake';
