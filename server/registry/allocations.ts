@@ -21,6 +21,7 @@ import {
   ownerName,
   ReleaseResult,
 } from './records';
+import { RetainedReferences } from './retained-references';
 import type { AllocationSource } from './source';
 
 /** A create awaiting its memory; a reclaim of its owner abandons it. */
@@ -36,6 +37,7 @@ export class Allocations {
   private readonly creating = new Map<bigint, Set<PendingCreate>>();
   // Invariant: one promise per free in flight (settled either way), removed once it settles.
   private readonly freeing = new Set<Promise<void>>();
+  private readonly retained: RetainedReferences;
 
   constructor(
     private readonly backend: Backend,
@@ -43,7 +45,9 @@ export class Allocations {
     private readonly devices: DeviceTable,
     private readonly ids: IdSequence,
     private readonly ownership: Ownership = new Ownership(),
-  ) {}
+  ) {
+    this.retained = new RetainedReferences(backend);
+  }
 
   /** Every allocation not freed nor being freed. */
   *all(): IterableIterator<AllocationRecord> {
@@ -162,7 +166,13 @@ export class Allocations {
    * @throws as release, but never the free's error (that is `freeing`'s)
    */
   async releaseAnswering(caller: bigint, allocationId: bigint): Promise<{ result: ReleaseResult; freeing: Promise<void> }> {
-    const allocation = this.get(allocationId);
+    let allocation = this.get(allocationId);
+    const dropping = this.retained.idle(allocation);
+    if (dropping !== undefined) {
+      // Another Release of it waits on the driver: this one looks at the references once it is done.
+      await dropping;
+      allocation = this.get(allocationId);
+    }
     const total = this.referenceCount(allocation);
     if (total === 0 && allocation.mappingCount === 0 && allocation.busy === 0) {
       // Every reference was dropped but freeing failed (a driver error): this Release tries again.
@@ -186,9 +196,8 @@ export class Allocations {
       }
       holder = allocation.owner;
     }
-    const dropping = this.dropReferences(allocation, holder, 1);
-    if (dropping !== undefined) await dropping;
-    const freeing = this.startFree(allocation);
+    const drop = this.retained.drop(allocation, holder, 1);
+    const freeing = drop === undefined ? this.startFree(allocation) : await this.retained.track(drop.then(() => this.startFree(allocation)));
     return {
       result: { freed: freeing !== undefined, handleReferences: this.referenceCount(allocation), mappingCount: allocation.mappingCount },
       freeing: freeing ?? Promise.resolve(),
@@ -216,6 +225,9 @@ export class Allocations {
    * Quotas.holdAfterFrees.)
    */
   private async createAfterFrees(caller: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
+    // A Release waiting on the driver has not started its free yet: the quota check comes after it has.
+    const releasing = this.retained.settled();
+    if (releasing !== undefined) await releasing;
     try {
       return await this.source.create(caller, device, location, size, handleTypes);
     } catch (error) {
@@ -299,9 +311,23 @@ export class Allocations {
   async dropHolder(holder: bigint, allocationId: bigint): Promise<void> {
     const allocation = this.records.get(allocationId);
     if (allocation === undefined || allocation.freed) return;
+    await this.dropAll(allocation, holder);
+  }
+
+  /** Drops every reference `holder` has (after a drop in flight), runs `dropped`, frees the allocation if now unused. */
+  private async dropAll(allocation: AllocationRecord, holder: bigint, dropped = () => {}): Promise<void> {
+    const dropping = this.retained.idle(allocation);
+    if (dropping !== undefined) await dropping;
     const held = allocation.references.get(holder);
-    if (held !== undefined) await this.dropReferences(allocation, holder, held);
-    await this.freeIfUnused(allocation);
+    const free = () => {
+      dropped();
+      return this.startFree(allocation);
+    };
+    const drop = held === undefined ? undefined : this.retained.drop(allocation, holder, held);
+    const freeing = drop === undefined ? free() : await this.retained.track(drop.then(free));
+    if (freeing === undefined) return;
+    this.backend.hurry?.();
+    await freeing;
   }
 
   /**
@@ -388,11 +414,11 @@ export class Allocations {
    * the daemon while others still reference or map the memory).
    */
   async reclaimFrom(owner: bigint, allocation: AllocationRecord): Promise<void> {
-    const held = allocation.references.get(owner);
-    if (held !== undefined) await this.dropReferences(allocation, owner, held);
-    if (allocation.owner === owner) allocation.owner = DAEMON_OWNER;
-    await this.freeIfUnused(allocation);
+    await this.dropAll(allocation, owner, () => {
+      if (allocation.owner === owner) allocation.owner = DAEMON_OWNER;
+    });
   }
+
 
   /**
    * Frees an allocation nobody references or maps. Recorded as freed only once
@@ -462,31 +488,6 @@ export class Allocations {
     };
     this.records.set(record.id, record);
     return record;
-  }
-
-  /**
-   * Drops a holder's references. The driver's references go first: when one
-   * fails, the holder keeps its references and a retry drops the rest (the
-   * driver references already dropped are not dropped twice). Synchronous
-   * when no driver reference is to be dropped (the usual case), so that a
-   * Release followed at once by a Create on the session socket has started
-   * its free before the Create's quota check sees it.
-   */
-  private dropReferences(allocation: AllocationRecord, holder: bigint, count: number): Promise<void> | undefined {
-    const forget = () => {
-      const left = (allocation.references.get(holder) ?? 0) - count;
-      if (left <= 0) allocation.references.delete(holder);
-      else allocation.references.set(holder, left);
-    };
-    const retained = Math.min(count, allocation.backendRetains);
-    if (retained === 0) return void forget();
-    return (async () => {
-      for (let i = 0; i < retained; i++) {
-        await this.backend.releaseReference(allocation.handle, allocation.device);
-        allocation.backendRetains--;
-      }
-      forget();
-    })();
   }
 
   private shareKeyMatches(allocation: AllocationRecord, key: string): boolean {

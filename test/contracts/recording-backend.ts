@@ -13,6 +13,8 @@ export class RecordingBackend implements Backend {
   maxLiveHandles = 0;
   liveMappings = 0;
   liveReservations = 0;
+  /** Driver references retained (RetainHandle) and not yet dropped, by handle. */
+  readonly liveRetains = new Map<BackendHandle, number>();
   /** While set, unmaps wait for it: tests use it to hold an unmap in flight. */
   unmapGate?: Promise<void>;
   /** While set, writes wait for it before their copy: tests use it to hold a copy in flight. */
@@ -21,6 +23,8 @@ export class RecordingBackend implements Backend {
   createGate?: Promise<void>;
   /** While set, releases wait for it before freeing: tests use it to hold a free in flight. */
   releaseGate?: Promise<void>;
+  /** While set, drops of retained references wait for it: tests use it to hold one in flight. */
+  releaseReferenceGate?: Promise<void>;
   /** Creates started and not yet settled. */
   createsInFlight = 0;
   /** Calls to fail, with their error and how many more times (as an injected driver fault would). */
@@ -101,11 +105,19 @@ export class RecordingBackend implements Backend {
 
   retainHandle(address: bigint, handle: BackendHandle) {
     this.calls.push('retainHandle');
-    return this.inner.retainHandle(address, handle);
+    const retained = this.inner.retainHandle(address, handle);
+    this.liveRetains.set(retained, (this.liveRetains.get(retained) ?? 0) + 1);
+    return retained;
   }
 
   async releaseReference(...args: Parameters<Backend['releaseReference']>) {
     this.record('releaseReference');
+    // One more than was retained would be the creator's own reference: the driver would free the memory under its holders.
+    const retains = this.liveRetains.get(args[0]) ?? 0;
+    if (retains === 0) throw new Error(`releaseReference of handle ${args[0]}, which holds no retained reference: the memory would be freed under its holders`);
+    if (retains === 1) this.liveRetains.delete(args[0]);
+    else this.liveRetains.set(args[0], retains - 1);
+    if (this.releaseReferenceGate) await this.releaseReferenceGate;
     await this.inner.releaseReference(...args);
   }
 

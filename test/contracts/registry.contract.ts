@@ -431,6 +431,19 @@ describe('Release', () => {
     expect((await registry.release(A, allocation.id)).freed).toBe(false);
     expect(await registry.release(A, allocation.id)).toEqual({ freed: true, handleReferences: 0, mappingCount: 0 });
   });
+  it('drops a retained reference once when two Releases come at once, and answers them in order', async () => {
+    const { address, size, allocation } = await mapped();
+    registry.retainHandle(A, address);
+    await registry.unmap(A, address, size);
+    // The second comes while the first waits for the driver: it must not drop the same retained reference again.
+    const [first, second] = await Promise.all([registry.release(A, allocation.id), registry.release(A, allocation.id)]);
+    expect([first, second]).toEqual([
+      { freed: false, handleReferences: 1, mappingCount: 0 },
+      { freed: true, handleReferences: 0, mappingCount: 0 },
+    ]);
+    expect(backend.calls.filter((call) => call === 'releaseReference')).toHaveLength(1);
+    expect({ retains: backend.liveRetains.size, handles: backend.liveHandles }).toEqual({ retains: 0, handles: 0 });
+  });
   it("refuses another session's allocation", async () => {
     const allocation = await create(A);
     await expectRefused(() => registry.release(B, allocation.id), Status.PERMISSION_DENIED, 'NOT_OWNER');

@@ -60,6 +60,7 @@ export function releaseEarlyContract(makeBackend: () => Backend | Promise<Backen
   afterEach(async () => {
     if (backend === undefined) return;
     backend.releaseGate = undefined;
+    backend.releaseReferenceGate = undefined;
     for (const owner of [A, B, DAEMON_OWNER]) await registry.reclaim(owner);
     expect({ handles: backend.liveHandles, charged: charged() }).toEqual({ handles: 0, charged: { byUid: {}, bySession: {} } });
     backend.close();
@@ -125,6 +126,34 @@ export function releaseEarlyContract(makeBackend: () => Backend | Promise<Backen
     held.open();
     expect((await second).owner).toBe(B);
     expect(backend.maxLiveHandles).toBe(1);
+  });
+
+  it("a create at the quota while a reclaim drops the last references, retained ones among them, waits for the driver and the free", async () => {
+    await setUp({ perSession: 1n });
+    const reservation = registry.reserve(DAEMON_OWNER, { size: GRANULARITY, alignment: 0n, address: 0n });
+    const first = await create(A);
+    await registry.map(A, { address: reservation.address, size: GRANULARITY, offset: 0n, allocationId: first.id });
+    registry.retainHandle(B, reservation.address);
+    registry.retainHandle(B, reservation.address);
+    await registry.unmap(DAEMON_OWNER, reservation.address, GRANULARITY);
+    await registry.freeAddress(DAEMON_OWNER, reservation.address, GRANULARITY);
+    // A's release drops one of the driver's two retained references; B holds the last two references, one retained.
+    expect((await registry.releaseAnswering(A, first.id)).result).toEqual({ freed: false, handleReferences: 2, mappingCount: 0 });
+    // B goes (its process died): its reclaim waits for the driver to drop the retained reference; A allocates meanwhile.
+    const held = gate();
+    backend.releaseReferenceGate = held.promise;
+    const drops = () => backend.calls.filter((call) => call === 'releaseReference').length;
+    const dropped = drops();
+    const reclaiming = registry.reclaim(B);
+    for (let turn = 0; drops() === dropped && turn < 100; turn++) await new Promise((resolve) => setImmediate(resolve));
+    expect(drops()).toBe(dropped + 1);
+    const second = create(A);
+    const early = await settled(second);
+    held.open();
+    expect(early).toBe(false);
+    await reclaiming;
+    expect((await second).size).toBe(GRANULARITY);
+    expect({ refusals: quotas.refusals, maxLive: backend.maxLiveHandles, retains: backend.liveRetains.size }).toEqual({ refusals: 0, maxLive: 1, retains: 0 });
   });
 
   it('a create over the quota with no free of its holder in flight is refused at once, nothing charged or made', async () => {
