@@ -8,6 +8,7 @@
  */
 import * as grpc from '@grpc/grpc-js';
 import { loadProtos } from '../common/proto';
+import { VmmdError } from './errors';
 import type { AdminClient } from '../generated/vmmd/v1/Admin';
 import type { DevicesClient } from '../generated/vmmd/v1/Devices';
 import type { StoresClient } from '../generated/vmmd/v1/Stores';
@@ -53,10 +54,22 @@ export class LazyServices {
     return this.made;
   }
 
-  /** A stand-in for one service's client: each property is the real client's (methods bound to it), made on first touch. */
+  /**
+   * A stand-in for one service's client: each property is the real client's
+   * (methods bound to it), made on first touch. What awaiting, printing or
+   * serialising the stand-in asks (then, symbols, toJSON, Object's own
+   * methods) makes nothing; after close() with no channel made, its methods
+   * refuse (CLIENT_CLOSED) rather than load the protos to fail on a closed channel.
+   */
   client<K extends keyof ServiceClients>(service: K): ServiceClients[K] {
     return new Proxy({} as ServiceClients[K], {
-      get: (_target, property) => {
+      get: (target, property) => {
+        if (property === 'then') return undefined;
+        const incidental = typeof property === 'symbol' || property === 'toJSON' || property in Object.prototype;
+        if (this.made === undefined && incidental) return Reflect.get(target, property);
+        if (this.made === undefined && this.closed) return () => {
+          throw new VmmdError('CLIENT_CLOSED', grpc.status.FAILED_PRECONDITION, `${String(property)} on a closed vmmd client: connect() again`);
+        };
         const real = this.clients()[service] as unknown as Record<PropertyKey, unknown>;
         const value = real[property];
         return typeof value === 'function' ? (value as (...args: unknown[]) => unknown).bind(real) : value;

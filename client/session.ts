@@ -81,7 +81,8 @@ export class ClientSession extends EventEmitter {
     super();
     this.id = hello.session;
     this.token = hello.token;
-    this.backend = hello.backend;
+    // An empty name is no name (proto3's default): the client asks ListDevices.
+    this.backend = hello.backend === '' ? undefined : hello.backend;
     connection.on('message', (message: SeqpacketMessage) => this.onMessage(message));
     connection.on('close', () => this.onClose());
     // The session must not keep a finished program alive; pending calls do.

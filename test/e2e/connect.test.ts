@@ -10,6 +10,7 @@ import * as grpc from '@grpc/grpc-js';
 import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
+import { inspect } from 'node:util';
 import { connect } from '../../client';
 import { socketPaths } from '../../common/paths';
 import { loadProtos } from '../../common/proto';
@@ -60,12 +61,63 @@ describe('connect() of a new worker', () => {
     }
   });
 
-  it('closes a client whose channel was never made, and a closed client refuses calls', async () => {
+  it('closes a client whose channel was never made, and a closed client refuses calls without making it', async () => {
     const client = await connect({ socketDir: daemon.dir });
     client.close();
     expect(grpcMade(client)).toBe(false);
-    // As before the channel was made lazily: grpc-js refuses calls on a channel closed by close().
+    await expect(client.admin.getStats()).rejects.toMatchObject({ code: 'CLIENT_CLOSED', status: grpc.status.FAILED_PRECONDITION });
+    await expect(client.vmm.reserve({ size: 2n * MiB })).rejects.toMatchObject({ code: 'CLIENT_CLOSED', message: expect.stringMatching(/Reserve.*closed/) });
+    expect(grpcMade(client)).toBe(false);
+  });
+
+  it('a closed client whose channel was made refuses calls as grpc-js does on a closed channel', async () => {
+    const client = await connect({ socketDir: daemon.dir });
+    await client.admin.getStats();
+    client.close();
     await expect(client.admin.getStats()).rejects.toThrow(/shut down/);
+  });
+
+  it('awaiting, printing or serialising a service stand-in makes no channel', async () => {
+    const client = await connect({ socketDir: daemon.dir });
+    try {
+      const standIn = (client.admin as unknown as { client: object }).client;
+      expect(await Promise.resolve(standIn)).toBe(standIn);
+      inspect(standIn);
+      JSON.stringify(standIn);
+      String(standIn);
+      expect(Object.prototype.hasOwnProperty.call(standIn, 'GetStats')).toBe(false);
+      expect(grpcMade(client)).toBe(false);
+    } finally {
+      client.close();
+    }
+  });
+});
+
+describe('a daemon whose gRPC socket is absent', () => {
+  let dir: string;
+  let listener: SeqpacketListener;
+
+  beforeAll(() => {
+    dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-no-grpc-'));
+    listener = new SeqpacketListener(socketPaths(dir).session);
+    listener.on('connection', (connection: SeqpacketConnection) => {
+      connection.send(encodeMessage({ type: 'hello', protocol: PROTOCOL_VERSION, session: '1', token: 'f'.repeat(64), pid: process.pid, uid: 0, gid: 0, backend: 'host' }));
+    });
+  });
+
+  afterAll(() => {
+    listener.close();
+    fs.rmSync(dir, { recursive: true, force: true });
+  });
+
+  it('connects (the session is enough), and the first gRPC call fails at once with UNAVAILABLE, not at its deadline', async () => {
+    // A deadline past the test's timeout: a call waiting for the socket to appear would fail the test.
+    const client = await connect({ socketDir: dir, deadlineMs: 120_000 });
+    try {
+      await expect(client.admin.getStats()).rejects.toMatchObject({ status: grpc.status.UNAVAILABLE });
+    } finally {
+      client.close();
+    }
   });
 });
 
@@ -75,6 +127,7 @@ describe('connect() to a daemon whose hello does not name its backend', () => {
   let server: grpc.Server;
   let served = 'host';
   let listed = 0;
+  let helloBackend: string | undefined;
 
   beforeAll(async () => {
     dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-old-daemon-'));
@@ -82,7 +135,8 @@ describe('connect() to a daemon whose hello does not name its backend', () => {
     // The session socket of a daemon before the hello named its backend.
     listener = new SeqpacketListener(paths.session);
     listener.on('connection', (connection: SeqpacketConnection) => {
-      connection.send(encodeMessage({ type: 'hello', protocol: PROTOCOL_VERSION, session: '1', token: 'f'.repeat(64), pid: process.pid, uid: 0, gid: 0 }));
+      const hello = { type: 'hello' as const, protocol: PROTOCOL_VERSION, session: '1', token: 'f'.repeat(64), pid: process.pid, uid: 0, gid: 0 };
+      connection.send(encodeMessage(helloBackend === undefined ? hello : { ...hello, backend: helloBackend }));
     });
     // Its Devices service, which says the backend.
     const { proto } = loadProtos();
@@ -111,6 +165,20 @@ describe('connect() to a daemon whose hello does not name its backend', () => {
     expect(client.backend).toBe('cuda');
     expect(listed).toBe(before + 1);
     client.close();
+  });
+
+  it('takes an empty backend in the hello as not named, and asks', async () => {
+    served = 'host';
+    helloBackend = '';
+    const before = listed;
+    try {
+      const client = await connect({ socketDir: dir });
+      expect(client.backend).toBe('host');
+      expect(listed).toBe(before + 1);
+      client.close();
+    } finally {
+      helloBackend = undefined;
+    }
   });
 
   it('refuses a backend the client does not know, and closes what it opened', async () => {
