@@ -36,12 +36,15 @@ export async function connectWhenReady(socketDir: string, child?: ChildProcess):
   }
 }
 
-/** @param profileDir where the daemon writes a V8 CPU profile (--cpu-prof) when it stops */
-export async function startDaemon(backend: string, extraArgs: string[] = [], profileDir?: string): Promise<BenchDaemon> {
+/**
+ * @param profileDir where the daemon writes a V8 CPU profile (--cpu-prof) when it stops
+ * @param nodeArgs Node's own options for the daemon's process (--trace-gc: its collections, on this process's stdout)
+ */
+export async function startDaemon(backend: string, extraArgs: string[] = [], profileDir?: string, nodeArgs: string[] = []): Promise<BenchDaemon> {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-bench-'));
   const child = spawn(
     process.execPath,
-    [...(profileDir ? ['--cpu-prof', `--cpu-prof-dir=${profileDir}`] : []), path.join(packageRoot, 'bin', 'vmmd.js'), '--backend', backend, '--socket-dir', dir, '--log-level', 'warn', ...extraArgs],
+    [...nodeArgs, ...(profileDir ? ['--cpu-prof', `--cpu-prof-dir=${profileDir}`] : []), path.join(packageRoot, 'bin', 'vmmd.js'), '--backend', backend, '--socket-dir', dir, '--log-level', 'warn', ...extraArgs],
     { stdio: ['ignore', 'inherit', 'inherit'] },
   );
   const client = await connectWhenReady(dir, child);

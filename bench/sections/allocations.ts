@@ -145,16 +145,32 @@ async function stepBreakdown(backend: string, size: bigint, count: number): Prom
   return Object.entries(steps).map(([name, samples]) => ({ path: `  step: ${name}`, size: sizeName(size), ...summarize(samples), p50_vs_in_process: null }));
 }
 
+/** Issue 18's cold targets (cuda): 2 MiB across processes ≤ the same steps in one process and ≤ 250 µs; 64 MiB ≤ 1.2× them. */
+function coldRatioTargets(size: bigint, across: number, local: number): Target[] {
+  const times = ratio(across, local);
+  if (size === 2n * MiB) {
+    return [
+      { target: 'cold 2 MiB across processes p50 ≤ the same steps in one process', measured: `${across} vs ${local} µs (×${times})`, limit: '×1', met: across <= local },
+      { target: 'cold 2 MiB across processes p50 ≤ 250 µs', measured: `${across} µs`, limit: '250 µs', met: across <= 250 },
+    ];
+  }
+  if (size === 64n * MiB) {
+    return [{ target: 'cold 64 MiB across processes p50 ≤ 1.2 × the same steps in one process', measured: `${across} vs ${local} µs (×${times})`, limit: '×1.2', met: across <= 1.2 * local }];
+  }
+  return [];
+}
+
 export async function cold(client: VmmdClient, iterations: number): Promise<Section> {
   const emm = await manager(client, true);
   const rows: Row[] = [];
-  const targets = [];
+  const targets: Target[] = [];
   for (const [size, share] of COLD_SIZES) {
     const count = Math.max(10, Math.round(iterations * share));
     const daemon = summarize(await sample(count, () => emm.memalloc(size), { warmup: 50, after: (pointer) => pointer.free() }));
     const local = summarize(await sample(count, () => inProcessSteps(client.backend, size), { warmup: 50, after: (teardown) => teardown() }));
     rows.push({ path: 'vmmd memalloc across processes', size: sizeName(size), ...daemon, p50_vs_in_process: ratio(daemon.p50_us, local.p50_us) });
     rows.push({ path: 'same steps in one process', size: sizeName(size), ...local, p50_vs_in_process: 1 });
+    if (client.backend === 'cuda') targets.push(...coldRatioTargets(size, daemon.p50_us, local.p50_us));
     if (client.backend === 'cuda') {
       const memAlloc = summarize(sampleSync(count, () => addon.cudaMemAlloc(0, size), (pointer) => addon.cudaMemFree(0, pointer), 5));
       rows.push({ path: 'cuMemAlloc in one process', size: sizeName(size), ...memAlloc, p50_vs_in_process: ratio(memAlloc.p50_us, local.p50_us) });
