@@ -26,6 +26,7 @@ import { native } from '../native/client';
 import { SeqpacketConnection, SeqpacketMessage } from '../native/seqpacket';
 import { VmmdError } from './errors';
 import { busyPollWhile, DEFAULT_BUSY_POLL_MICROS } from '../native/busy-poll';
+import { flushUnmapsIfIdle } from '../native/unmap-batch';
 
 /** Answers to request messages, and those that carry a descriptor. */
 const ANSWERS = new Set<string>(['allocated', 'released', 'shared', 'exported', 'opened']);
@@ -230,6 +231,9 @@ export class ClientSession extends EventEmitter {
       });
       try {
         this.send({ ...message, request } as unknown as SessionMessage);
+        // While the answer is on its way this process makes no driver call: its waiting unmaps go now,
+        // rather than beside the import and map the answer leads to (the driver serializes them).
+        if (message.type === 'allocate' || message.type === 'open') flushUnmapsIfIdle();
       } catch (error) {
         clearTimeout(timer);
         this.requests.delete(request);

@@ -6,7 +6,11 @@
  * probe of issue 18 had a client's own unmap overlap 396 of 400 back-to-back
  * allocations). An unmap waits at most UNMAP_DELAY_MS, or until UNMAP_BATCH
  * are waiting, or until flushUnmaps(): what a caller that needs the memory
- * gone now (out of memory, flush, reset) calls first.
+ * gone now (out of memory, flush, reset) calls first. A process that has
+ * just asked the daemon for memory calls flushUnmapsIfIdle(): while the
+ * answer is on its way it makes no driver call of its own, so its unmaps
+ * then meet none of its own import, map and set access (on the H100, cold
+ * 2 MiB memallocs back to back were 9-14% faster than with the 2 ms wait).
  */
 import { addon } from './index';
 
@@ -26,8 +30,15 @@ class DeviceUnmaps {
   // Invariant: the unmaps not yet handed to the driver, oldest first; a timer runs while any waits.
   private readonly waiting: Waiting[] = [];
   private timer: NodeJS.Timeout | undefined;
+  // Jobs handed to the driver and not yet done.
+  private running = 0;
 
   constructor(private readonly device: number) {}
+
+  /** flush(), unless a job of this device is still running: at most one such job per device, so a busy GPU (the job's synchronization waits for it) never ties up more than one driver thread this way. */
+  flushIfIdle(): void {
+    if (this.running === 0) this.flush();
+  }
 
   add(address: bigint, size: bigint): Promise<void> {
     return new Promise<void>((resolve, reject) => {
@@ -42,6 +53,7 @@ class DeviceUnmaps {
     this.timer = undefined;
     const batch = this.waiting.splice(0);
     if (batch.length === 0) return;
+    this.running++;
     addon
       .cudaUnmapMany(
         this.device,
@@ -56,7 +68,8 @@ class DeviceUnmaps {
             else batch[index].reject(Object.assign(new Error(`${error}: cuMemUnmap of ${batch[index].size} bytes at 0x${batch[index].address.toString(16)}`), { code: error }));
           }),
         (error: Error) => batch.forEach((unmap) => unmap.reject(error)),
-      );
+      )
+      .finally(() => this.running--);
   }
 }
 
@@ -77,4 +90,9 @@ export function unmapGathered(device: number, address: bigint, size: bigint): Pr
 /** Hands every waiting unmap to the driver now. */
 export function flushUnmaps(): void {
   for (const unmaps of devices.values()) unmaps.flush();
+}
+
+/** Hands the waiting unmaps of each device with no job of them running to the driver now (see the module's comment). */
+export function flushUnmapsIfIdle(): void {
+  for (const unmaps of devices.values()) unmaps.flushIfIdle();
 }

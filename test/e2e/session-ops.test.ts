@@ -12,6 +12,7 @@ import { socketPaths } from '../../common/paths';
 import { decodeMessage } from '../../common/protocol';
 import { addon } from '../../native';
 import { SeqpacketConnection, SeqpacketMessage } from '../../native/seqpacket';
+import { flushUnmaps, unmapGathered } from '../../native/unmap-batch';
 import { call, eventually, freePort, MiB, objectsOf, stopWhenClean, RawSession, TestDaemon } from './harness';
 
 let daemon: TestDaemon;
@@ -96,6 +97,27 @@ describe('release on the session socket', () => {
     await expect(other.session.release(0n)).rejects.toMatchObject({ code: 'UNKNOWN_ALLOCATION', status: grpc.status.NOT_FOUND });
     expect(objectsOf(await daemon.stats())).toEqual(before);
     expect((await owner.vmm.getProperties({ allocationId: allocation.id })).released).toBe(false);
+  });
+});
+
+describe("the client's own driver work while an answer is on its way", () => {
+  it('hands its waiting unmaps to the driver as an allocate goes out, not beside the import that follows the answer', async () => {
+    const c = await client();
+    const spy = jest.spyOn(addon, 'cudaUnmapMany').mockImplementation(async (_device, addresses) => addresses.map(() => null));
+    try {
+      const unmapped = unmapGathered(0, 0x7f0000000000n, 2n * MiB);
+      expect(spy).not.toHaveBeenCalled();
+      const made = c.session.allocate(2n * MiB);
+      // Sent and flushed in the same call: the unmap's job started before the answer can come.
+      expect(spy).toHaveBeenCalledTimes(1);
+      await unmapped;
+      const { message, fd } = await made;
+      addon.close(fd);
+      await c.session.release(message.allocation);
+    } finally {
+      flushUnmaps();
+      spy.mockRestore();
+    }
   });
 });
 

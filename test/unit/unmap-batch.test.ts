@@ -1,11 +1,11 @@
 /**
  * A client's own unmaps gathered into one driver job per device
  * (native/unmap-batch.ts), over a stand-in for the addon's cudaUnmapMany:
- * they go when UNMAP_BATCH wait, after UNMAP_DELAY_MS, or at flushUnmaps();
- * each gets its own outcome.
+ * they go when UNMAP_BATCH wait, after UNMAP_DELAY_MS, at flushUnmaps(), or
+ * at flushUnmapsIfIdle() when no job of their device runs; each gets its own outcome.
  */
 import { addon } from '../../native';
-import { flushUnmaps, UNMAP_BATCH, UNMAP_DELAY_MS, unmapGathered } from '../../native/unmap-batch';
+import { flushUnmaps, flushUnmapsIfIdle, UNMAP_BATCH, UNMAP_DELAY_MS, unmapGathered } from '../../native/unmap-batch';
 
 type Call = { device: number; addresses: bigint[]; sizes: bigint[]; synchronize: boolean | undefined };
 
@@ -59,6 +59,30 @@ describe('gathered unmaps', () => {
     await one;
     flushUnmaps();
     expect(calls).toHaveLength(1);
+  });
+
+  it('go at flushUnmapsIfIdle() only where no job of their device is running: one job at a time per device', async () => {
+    const finish: Array<() => void> = [];
+    answer = (call) => new Promise((resolve) => finish.push(() => resolve(call.addresses.map(() => null))));
+    const first = unmapGathered(0, 0x1000n, 0x200000n);
+    flushUnmapsIfIdle();
+    expect(calls).toHaveLength(1);
+    // The first job still runs (its synchronization waits for the GPU): the next unmap waits.
+    const second = unmapGathered(0, 0x3000n, 0x200000n);
+    flushUnmapsIfIdle();
+    expect(calls).toHaveLength(1);
+    // Another device has no job running: its unmap goes.
+    const other = unmapGathered(1, 0x5000n, 0x200000n);
+    flushUnmapsIfIdle();
+    expect(calls.map((call) => call.device)).toEqual([0, 1]);
+    finish[0]();
+    await first;
+    await new Promise((resolve) => setImmediate(resolve));
+    flushUnmapsIfIdle();
+    expect(calls.map((call) => call.addresses)).toEqual([[0x1000n], [0x5000n], [0x3000n]]);
+    finish[1]();
+    finish[2]();
+    await Promise.all([second, other]);
   });
 
   it('each gets its own outcome: a failed range rejects with the driver error, the others resolve', async () => {
