@@ -26,7 +26,7 @@ import { native } from '../native/client';
 import { SeqpacketConnection, SeqpacketMessage } from '../native/seqpacket';
 import { VmmdError } from './errors';
 import { busyPollWhile, DEFAULT_BUSY_POLL_MICROS } from '../native/busy-poll';
-import { flushUnmapsIfIdle } from '../native/unmap-batch';
+import { flushUnmapsIfIdle } from '../native/mapping';
 
 /** Answers to request messages, and those that carry a descriptor. */
 const ANSWERS = new Set<string>(['allocated', 'released', 'shared', 'exported', 'opened']);

@@ -15,7 +15,7 @@ import { addon, CU_LOCATION, HOST_ACCESS } from './index';
 import { unmapGathered } from './unmap-batch';
 
 export { roundUp } from './address-arena';
-export { flushUnmaps } from './unmap-batch';
+export { flushUnmaps, flushUnmapsIfIdle } from './unmap-batch';
 
 const GiB = 1024n * 1024n * 1024n;
 
