@@ -300,6 +300,8 @@ describe('the daemon counts socket requests and its own turns', () => {
       expect(text).toMatch(/vmmd_event_loop_turn_seconds_count\{kind="grpc"\} [1-9]/);
       expect(text).toMatch(/vmmd_event_loop_turn_max_seconds [0-9.e-]+/);
       expect(text).toMatch(/vmmd_event_loop_turn_cpu_seconds_count\{kind="session"\} [1-9]/);
+      // GC pauses are the other part of the event loop's delay: exported beside the turns (OPERATIONS.md).
+      expect(text).toMatch(/# TYPE vmmd_nodejs_gc_duration_seconds histogram/);
     } finally {
       c.close();
       await stopWhenClean(observed, []);
