@@ -4,7 +4,7 @@
  * references by holder, export, share keys, and the free that happens once
  * nothing references or maps the memory any more.
  */
-import { randomBytes, timingSafeEqual } from 'node:crypto';
+import { randomBytes } from 'node:crypto';
 import type { Backend, BackendHandle, HandleKind, ImportSource, MemLocation } from '../backends/backend';
 import { failedPrecondition, invalidArgument, notFound, permissionDenied, unavailable } from '../errors';
 import type { DeviceTable } from './devices';
@@ -19,7 +19,9 @@ import {
   IdSequence,
   Ownership,
   ownerName,
+  Released,
   ReleaseResult,
+  shareKeyMatches,
 } from './records';
 import { RetainedReferences } from './retained-references';
 import type { AllocationSource } from './source';
@@ -165,14 +167,13 @@ export class Allocations {
    * The quota charge stays until the free is done.
    * @throws as release, but never the free's error (that is `freeing`'s)
    */
-  async releaseAnswering(caller: bigint, allocationId: bigint): Promise<{ result: ReleaseResult; freeing: Promise<void> }> {
-    let allocation = this.get(allocationId);
-    const dropping = this.retained.idle(allocation);
-    if (dropping !== undefined) {
-      // Another Release of it waits on the driver: this one looks at the references once it is done.
-      await dropping;
-      allocation = this.get(allocationId);
-    }
+  async releaseAnswering(caller: bigint, allocationId: bigint): Promise<Released> {
+    return this.retained.run(this.get(allocationId), () => this.releaseStep(caller, allocationId));
+  }
+
+  /** releaseAnswering once no drop of the allocation is in flight: synchronous unless a driver reference is dropped. */
+  private releaseStep(caller: bigint, allocationId: bigint): Released | Promise<Released> {
+    const allocation = this.get(allocationId);
     const total = this.referenceCount(allocation);
     if (total === 0 && allocation.mappingCount === 0 && allocation.busy === 0) {
       // Every reference was dropped but freeing failed (a driver error): this Release tries again.
@@ -196,12 +197,15 @@ export class Allocations {
       }
       holder = allocation.owner;
     }
-    const drop = this.retained.drop(allocation, holder, 1);
-    const freeing = drop === undefined ? this.startFree(allocation) : await this.retained.track(drop.then(() => this.startFree(allocation)));
-    return {
-      result: { freed: freeing !== undefined, handleReferences: this.referenceCount(allocation), mappingCount: allocation.mappingCount },
-      freeing: freeing ?? Promise.resolve(),
+    const answer = (): Released => {
+      const freeing = this.startFree(allocation);
+      return {
+        result: { freed: freeing !== undefined, handleReferences: this.referenceCount(allocation), mappingCount: allocation.mappingCount },
+        freeing: freeing ?? Promise.resolve(),
+      };
     };
+    const drop = this.retained.drop(allocation, holder, 1);
+    return drop === undefined ? answer() : drop.then(answer);
   }
 
   /**
@@ -314,21 +318,23 @@ export class Allocations {
     await this.dropAll(allocation, holder);
   }
 
-  /** Drops every reference `holder` has (after a drop in flight), runs `dropped`, frees the allocation if now unused. */
+  /** Drops every reference `holder` has (after the drops in flight), runs `dropped`, frees the allocation if now unused. */
   private async dropAll(allocation: AllocationRecord, holder: bigint, dropped = () => {}): Promise<void> {
-    const dropping = this.retained.idle(allocation);
-    if (dropping !== undefined) await dropping;
-    const held = allocation.references.get(holder);
-    const free = () => {
-      dropped();
-      return this.startFree(allocation);
-    };
-    const drop = held === undefined ? undefined : this.retained.drop(allocation, holder, held);
-    const freeing = drop === undefined ? free() : await this.retained.track(drop.then(free));
+    const { freeing } = await this.retained.run(allocation, () => {
+      const held = allocation.references.get(holder);
+      // In an object: a promise returned from then() would be waited for, and the step is over once the free has started.
+      const free = () => {
+        dropped();
+        return { freeing: this.startFree(allocation) };
+      };
+      const drop = held === undefined ? undefined : this.retained.drop(allocation, holder, held);
+      return drop === undefined ? free() : drop.then(free);
+    });
     if (freeing === undefined) return;
     this.backend.hurry?.();
     await freeing;
   }
+
 
   /**
    * Makes an allocation read-only for good, for the read-only store `store`:
@@ -372,7 +378,7 @@ export class Allocations {
           `allocation ${allocation.id} belongs to ${ownerName(allocation.owner)}; its owner can Share it and hand you the key`,
         );
       }
-      if (!this.shareKeyMatches(allocation, args.shareKey)) {
+      if (!shareKeyMatches(allocation, args.shareKey)) {
         throw permissionDenied('BAD_SHARE_KEY', `the share key does not open allocation ${allocation.id}`);
       }
     }
@@ -418,7 +424,6 @@ export class Allocations {
       if (allocation.owner === owner) allocation.owner = DAEMON_OWNER;
     });
   }
-
 
   /**
    * Frees an allocation nobody references or maps. Recorded as freed only once
@@ -488,12 +493,5 @@ export class Allocations {
     };
     this.records.set(record.id, record);
     return record;
-  }
-
-  private shareKeyMatches(allocation: AllocationRecord, key: string): boolean {
-    if (allocation.shareKey === undefined) return false;
-    const expected = Buffer.from(allocation.shareKey);
-    const given = Buffer.from(key);
-    return expected.length === given.length && timingSafeEqual(expected, given);
   }
 }

@@ -4,6 +4,7 @@
  * plain data; the parts (allocations, address space, I/O, reclaim) own the
  * operations on them.
  */
+import { timingSafeEqual } from 'node:crypto';
 import type { Access, BackendHandle, HandleKind, MemLocation } from '../backends/backend';
 import { failedPrecondition, invalidArgument, permissionDenied } from '../errors';
 import type { SerialQueue } from '../serial-queue';
@@ -92,6 +93,20 @@ export interface ReleaseResult {
   freed: boolean;
   handleReferences: number;
   mappingCount: number;
+}
+
+/** A Release's answer, and its free (settles when the backend has freed the memory). */
+export interface Released {
+  result: ReleaseResult;
+  freeing: Promise<void>;
+}
+
+/** Whether `key` is the allocation's share key (compared in constant time). */
+export function shareKeyMatches(allocation: AllocationRecord, key: string): boolean {
+  if (allocation.shareKey === undefined) return false;
+  const expected = Buffer.from(allocation.shareKey);
+  const given = Buffer.from(key);
+  return expected.length === given.length && timingSafeEqual(expected, given);
 }
 
 /** An export's result: the allocation and its descriptor (owned by the caller) or fabric bytes. */

@@ -115,10 +115,12 @@ export class RecordingBackend implements Backend {
     // One more than was retained would be the creator's own reference: the driver would free the memory under its holders.
     const retains = this.liveRetains.get(args[0]) ?? 0;
     if (retains === 0) throw new Error(`releaseReference of handle ${args[0]}, which holds no retained reference: the memory would be freed under its holders`);
-    if (retains === 1) this.liveRetains.delete(args[0]);
-    else this.liveRetains.set(args[0], retains - 1);
     if (this.releaseReferenceGate) await this.releaseReferenceGate;
     await this.inner.releaseReference(...args);
+    // Counted down once the driver dropped it: a failed drop keeps it.
+    const left = (this.liveRetains.get(args[0]) ?? 0) - 1;
+    if (left <= 0) this.liveRetains.delete(args[0]);
+    else this.liveRetains.set(args[0], left);
   }
 
   async map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint) {

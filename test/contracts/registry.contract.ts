@@ -444,6 +444,60 @@ describe('Release', () => {
     expect(backend.calls.filter((call) => call === 'releaseReference')).toHaveLength(1);
     expect({ retains: backend.liveRetains.size, handles: backend.liveHandles }).toEqual({ retains: 0, handles: 0 });
   });
+  it('three Releases at once with two retained references drop one each, in order (outside review)', async () => {
+    const { address, size, allocation } = await mapped();
+    registry.retainHandle(A, address);
+    registry.retainHandle(A, address);
+    await registry.unmap(A, address, size);
+    const results = await Promise.allSettled([0, 1, 2].map(() => registry.release(A, allocation.id)));
+    expect(results.map((outcome) => (outcome.status === 'fulfilled' ? outcome.value : String(outcome.reason)))).toEqual([
+      { freed: false, handleReferences: 2, mappingCount: 0 },
+      { freed: false, handleReferences: 1, mappingCount: 0 },
+      { freed: true, handleReferences: 0, mappingCount: 0 },
+    ]);
+    expect({ retains: backend.liveRetains.size, handles: backend.liveHandles }).toEqual({ retains: 0, handles: 0 });
+  });
+  it('a reclaim behind two Releases waiting on the driver drops what is left and frees it (outside review)', async () => {
+    const { address, size, allocation } = await mapped();
+    registry.retainHandle(A, address);
+    registry.retainHandle(A, address);
+    await registry.unmap(A, address, size);
+    let open!: () => void;
+    backend.releaseReferenceGate = new Promise<void>((resolve) => (open = resolve));
+    const releases = [registry.release(A, allocation.id), registry.release(A, allocation.id)];
+    const reclaiming = registry.reclaim(A);
+    for (let turn = 0; turn < 20; turn++) await new Promise((resolve) => setImmediate(resolve));
+    backend.releaseReferenceGate = undefined;
+    open();
+    await reclaiming;
+    await Promise.allSettled(releases);
+    expect(() => registry.allocation(allocation.id)).toThrow(/does not exist/);
+    expect({ retains: backend.liveRetains.size, handles: backend.liveHandles }).toEqual({ retains: 0, handles: 0 });
+  });
+  it("a create waits for a reclaim's free to start, not for it to finish (outside review)", async () => {
+    const { address, size, reservation } = await mapped();
+    registry.retainHandle(A, address);
+    await registry.unmap(A, address, size);
+    await registry.freeAddress(A, reservation.address, reservation.size);
+    let open!: () => void;
+    backend.releaseGate = new Promise<void>((resolve) => (open = resolve));
+    try {
+      const reclaiming = registry.reclaim(A);
+      for (let turn = 0; !backend.calls.includes('release') && turn < 100; turn++) await new Promise((resolve) => setImmediate(resolve));
+      expect(backend.calls).toContain('release');
+      let done = false;
+      const creating = create(B).finally(() => (done = true));
+      for (let turn = 0; !done && turn < 20; turn++) await new Promise((resolve) => setImmediate(resolve));
+      const early = done;
+      open();
+      await reclaiming;
+      await creating;
+      expect(early).toBe(true);
+    } finally {
+      backend.releaseGate = undefined;
+      open();
+    }
+  });
   it("refuses another session's allocation", async () => {
     const allocation = await create(A);
     await expectRefused(() => registry.release(B, allocation.id), Status.PERMISSION_DENIED, 'NOT_OWNER');
