@@ -34,8 +34,12 @@ export class LazyServices {
     return this.made !== undefined;
   }
 
-  /** The clients, made now if they were not; a closed connection's are made closed. */
+  /**
+   * The clients, made now if they were not.
+   * @throws VmmdError FAILED_PRECONDITION CLIENT_CLOSED after close()
+   */
   clients(): ServiceClients {
+    if (this.closed) throw this.closedError('a gRPC call');
     if (this.made === undefined) {
       const { proto } = loadProtos();
       const credentials = grpc.credentials.createInsecure();
@@ -49,7 +53,6 @@ export class LazyServices {
         admin: new v1.Admin(this.target, credentials, { channelOverride }) as unknown as AdminClient,
         stores: new v1.Stores(this.target, credentials, { channelOverride }) as unknown as StoresClient,
       };
-      if (this.closed) devices.close();
     }
     return this.made;
   }
@@ -58,8 +61,8 @@ export class LazyServices {
    * A stand-in for one service's client: each property is the real client's
    * (methods bound to it), made on first touch. What awaiting, printing or
    * serialising the stand-in asks (then, symbols, toJSON, Object's own
-   * methods) makes nothing; after close() with no channel made, its methods
-   * refuse (CLIENT_CLOSED) rather than load the protos to fail on a closed channel.
+   * methods) makes nothing; after close() its methods refuse with
+   * CLIENT_CLOSED, channel made or not (never loading the protos to fail).
    */
   client<K extends keyof ServiceClients>(service: K): ServiceClients[K] {
     return new Proxy({} as ServiceClients[K], {
@@ -67,9 +70,11 @@ export class LazyServices {
         if (property === 'then') return undefined;
         const incidental = typeof property === 'symbol' || property === 'toJSON' || property in Object.prototype;
         if (this.made === undefined && incidental) return Reflect.get(target, property);
-        if (this.made === undefined && this.closed) return () => {
-          throw new VmmdError('CLIENT_CLOSED', grpc.status.FAILED_PRECONDITION, `${String(property)} on a closed vmmd client: connect() again`);
-        };
+        if (this.closed) {
+          return () => {
+            throw this.closedError(String(property));
+          };
+        }
         const real = this.clients()[service] as unknown as Record<PropertyKey, unknown>;
         const value = real[property];
         return typeof value === 'function' ? (value as (...args: unknown[]) => unknown).bind(real) : value;
@@ -77,9 +82,13 @@ export class LazyServices {
     });
   }
 
-  /** Closes the channel if it was made; later calls fail as on a closed channel. */
+  /** Closes the channel if it was made; later calls refuse with CLIENT_CLOSED. */
   close(): void {
     this.closed = true;
     this.made?.devices.close();
+  }
+
+  private closedError(what: string): VmmdError {
+    return new VmmdError('CLIENT_CLOSED', grpc.status.FAILED_PRECONDITION, `${what} on a closed vmmd client: connect() again`);
   }
 }

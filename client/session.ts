@@ -231,15 +231,16 @@ export class ClientSession extends EventEmitter {
       });
       try {
         this.send({ ...message, request } as unknown as SessionMessage);
-        // While the answer is on its way this process makes no driver call: its waiting unmaps go now,
-        // rather than beside the import and map the answer leads to (the driver serializes them).
-        if (message.type === 'allocate' || message.type === 'open') flushUnmapsIfIdle();
       } catch (error) {
         clearTimeout(timer);
         this.requests.delete(request);
         spun();
         reject(error);
+        return;
       }
+      // While the answer is on its way this process makes no driver call: its waiting unmaps go now,
+      // rather than beside the import and map the answer leads to (the driver serializes them). Never throws.
+      if (message.type === 'allocate' || message.type === 'open') flushUnmapsIfIdle();
     });
   }
 

@@ -138,7 +138,18 @@ export class StoresApi {
 
   /** Store events after `since`; the call ends when `cancel()` runs or the session goes. */
   watch(since: bigint | string = 0n): { events: AsyncIterable<StoreEvent__Output>; cancel: () => void } {
-    const call = this.client.Watch({ since: String(since) }, this.settings.metadata());
+    let call: ReturnType<StoresClient['Watch']>;
+    try {
+      call = this.client.Watch({ since: String(since) }, this.settings.metadata());
+    } catch (error) {
+      // A closed client: the events fail, as a failed stream's would; nothing to cancel.
+      return {
+        events: (async function* (): AsyncGenerator<StoreEvent__Output> {
+          throw VmmdError.from(error);
+        })(),
+        cancel: () => {},
+      };
+    }
     return {
       events: (async function* () {
         try {

@@ -26,41 +26,52 @@ interface Waiting {
   reject(error: Error): void;
 }
 
+/** One device's gathered unmaps: at most one job of them runs at a time, but for flushUnmaps(). */
 class DeviceUnmaps {
-  // Invariant: the unmaps not yet handed to the driver, oldest first; a timer runs while any waits.
+  // Invariant: the unmaps not yet handed to the driver, oldest first; while any waits, a timer runs or a job does (whose end looks again).
   private readonly waiting: Waiting[] = [];
   private timer: NodeJS.Timeout | undefined;
-  // Jobs handed to the driver and not yet done.
+  // Invariant: the jobs handed to the driver and not yet settled.
   private running = 0;
 
   constructor(private readonly device: number) {}
 
-  /** flush(), unless a job of this device is still running: at most one such job per device, so a busy GPU (the job's synchronization waits for it) never ties up more than one driver thread this way. */
+  add(address: bigint, size: bigint): Promise<void> {
+    return new Promise<void>((resolve, reject) => {
+      this.waiting.push({ address, size, resolve, reject });
+      if (this.waiting.length >= UNMAP_BATCH) this.flushIfIdle();
+      this.arm();
+    });
+  }
+
+  /**
+   * flush(), unless a job of this device still runs: a busy GPU (each job
+   * synchronizes first) then ties up one driver thread for it, not one per
+   * flush; the job's end hands on what waited meanwhile.
+   */
   flushIfIdle(): void {
     if (this.running === 0) this.flush();
   }
 
-  add(address: bigint, size: bigint): Promise<void> {
-    return new Promise<void>((resolve, reject) => {
-      this.waiting.push({ address, size, resolve, reject });
-      if (this.waiting.length >= UNMAP_BATCH) this.flush();
-      else this.timer ??= setTimeout(() => this.flush(), UNMAP_DELAY_MS);
-    });
-  }
-
+  /** Hands what waits to the driver now, job running or not (a caller that needs the memory gone). Never throws: a job that cannot start rejects its unmaps. */
   flush(): void {
     clearTimeout(this.timer);
     this.timer = undefined;
     const batch = this.waiting.splice(0);
     if (batch.length === 0) return;
-    this.running++;
-    addon
-      .cudaUnmapMany(
+    let job: Promise<Array<string | null>>;
+    try {
+      job = addon.cudaUnmapMany(
         this.device,
         batch.map((unmap) => unmap.address),
         batch.map((unmap) => unmap.size),
         true,
-      )
+      );
+    } catch (error) {
+      job = Promise.reject(error);
+    }
+    this.running++;
+    job
       .then(
         (outcomes) =>
           outcomes.forEach((error, index) => {
@@ -69,7 +80,21 @@ class DeviceUnmaps {
           }),
         (error: Error) => batch.forEach((unmap) => unmap.reject(error)),
       )
-      .finally(() => this.running--);
+      .catch((error: unknown) => batch.forEach((unmap) => unmap.reject(error as Error)))
+      .then(() => {
+        this.running--;
+        if (this.waiting.length >= UNMAP_BATCH) this.flushIfIdle();
+        this.arm();
+      });
+  }
+
+  /** The wait of UNMAP_DELAY_MS for what waits, if none runs; its end flushes if no job runs, else the job's end looks again. */
+  private arm(): void {
+    if (this.waiting.length === 0 || this.timer !== undefined) return;
+    this.timer = setTimeout(() => {
+      this.timer = undefined;
+      this.flushIfIdle();
+    }, UNMAP_DELAY_MS);
   }
 }
 

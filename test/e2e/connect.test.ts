@@ -70,11 +70,14 @@ describe('connect() of a new worker', () => {
     expect(grpcMade(client)).toBe(false);
   });
 
-  it('a closed client whose channel was made refuses calls as grpc-js does on a closed channel', async () => {
+  it('a closed client whose channel was made refuses calls the same way, streams too (outside review)', async () => {
     const client = await connect({ socketDir: daemon.dir });
     await client.admin.getStats();
     client.close();
-    await expect(client.admin.getStats()).rejects.toThrow(/shut down/);
+    await expect(client.admin.getStats()).rejects.toMatchObject({ code: 'CLIENT_CLOSED', status: grpc.status.FAILED_PRECONDITION });
+    const watching = client.stores.watch();
+    await expect(watching.events[Symbol.asyncIterator]().next()).rejects.toMatchObject({ code: 'CLIENT_CLOSED' });
+    watching.cancel();
   });
 
   it('awaiting, printing or serialising a service stand-in makes no channel', async () => {

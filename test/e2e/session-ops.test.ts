@@ -101,11 +101,29 @@ describe('release on the session socket', () => {
 });
 
 describe("the client's own driver work while an answer is on its way", () => {
+  it('sends the allocate even when the unmaps cannot go: their failure is theirs, the allocate is answered (outside review)', async () => {
+    const c = await client();
+    const spy = jest.spyOn(addon, 'cudaUnmapMany').mockImplementationOnce(() => {
+      throw new Error('no CUDA driver in this process');
+    });
+    try {
+      const unmapped = expect(unmapGathered(0, 0x7f0000000000n, 2n * MiB)).rejects.toThrow('no CUDA driver');
+      const { message, fd } = await c.session.allocate(2n * MiB);
+      addon.close(fd);
+      await unmapped;
+      await c.session.release(message.allocation);
+    } finally {
+      spy.mockRestore();
+    }
+  });
+
   it('hands its waiting unmaps to the driver as an allocate goes out, not beside the import that follows the answer', async () => {
     const c = await client();
     const spy = jest.spyOn(addon, 'cudaUnmapMany').mockImplementation(async (_device, addresses) => addresses.map(() => null));
     try {
       const unmapped = unmapGathered(0, 0x7f0000000000n, 2n * MiB);
+      // Only requests whose answer leads to an import flush: a ping does not.
+      await c.session.ping();
       expect(spy).not.toHaveBeenCalled();
       const made = c.session.allocate(2n * MiB);
       // Sent and flushed in the same call: the unmap's job started before the answer can come.

@@ -85,6 +85,38 @@ describe('gathered unmaps', () => {
     await Promise.all([second, other]);
   });
 
+  it('a synchronous throw of cudaUnmapMany rejects its batch and leaves the device flushable (outside review)', async () => {
+    spy.mockImplementationOnce(() => {
+      throw new Error('device 7 does not exist');
+    });
+    const first = unmapGathered(7, 0x1000n, 0x200000n);
+    expect(() => flushUnmapsIfIdle()).not.toThrow();
+    await expect(first).rejects.toThrow('device 7 does not exist');
+    // The failed job's end (after its unmaps' rejections) lets the device run the next one.
+    await new Promise((resolve) => setImmediate(resolve));
+    const second = unmapGathered(7, 0x3000n, 0x200000n);
+    flushUnmapsIfIdle();
+    await expect(second).resolves.toBeUndefined();
+    expect(calls.map((call) => call.addresses)).toEqual([[0x3000n]]);
+  });
+
+  it('the timer and a full batch start no second job of a device while one runs; what waits goes when it ends', async () => {
+    const finish: Array<() => void> = [];
+    answer = (call) => new Promise((resolve) => finish.push(() => resolve(call.addresses.map(() => null))));
+    const first = unmapGathered(0, 0x1000n, 0x200000n);
+    flushUnmapsIfIdle();
+    const more = Array.from({ length: UNMAP_BATCH }, (_, index) => unmapGathered(0, BigInt(index + 1) << 21n, 2n << 20n));
+    await jest.advanceTimersByTimeAsync(UNMAP_DELAY_MS * 5);
+    expect(calls).toHaveLength(1);
+    finish[0]();
+    await first;
+    await jest.advanceTimersByTimeAsync(UNMAP_DELAY_MS);
+    expect(calls).toHaveLength(2);
+    expect(calls[1].addresses).toHaveLength(UNMAP_BATCH);
+    finish[1]();
+    await Promise.all(more);
+  });
+
   it('each gets its own outcome: a failed range rejects with the driver error, the others resolve', async () => {
     answer = async () => [null, 'CUDA_ERROR_INVALID_VALUE'];
     const good = unmapGathered(0, 0x1000n, 0x200000n);
