@@ -69,7 +69,7 @@ export class LazyServices {
       get: (target, property) => {
         if (property === 'then') return undefined;
         const incidental = typeof property === 'symbol' || property === 'toJSON' || property in Object.prototype;
-        if (this.made === undefined && incidental) return Reflect.get(target, property);
+        if (incidental && (this.made === undefined || this.closed)) return Reflect.get(target, property);
         if (this.closed) {
           return () => {
             throw this.closedError(String(property));

@@ -47,7 +47,9 @@ class DeviceUnmaps {
   /**
    * flush(), unless a job of this device still runs: a busy GPU (each job
    * synchronizes first) then ties up one driver thread for it, not one per
-   * flush; the job's end hands on what waited meanwhile.
+   * flush; the job's end hands on what waited meanwhile. A job that never
+   * ends (a kernel that never does) holds the device's later unmaps until
+   * flushUnmaps(), whose job would block on the same synchronization.
    */
   flushIfIdle(): void {
     if (this.running === 0) this.flush();
@@ -74,9 +76,10 @@ class DeviceUnmaps {
     job
       .then(
         (outcomes) =>
-          outcomes.forEach((error, index) => {
-            if (error === null) batch[index].resolve();
-            else batch[index].reject(Object.assign(new Error(`${error}: cuMemUnmap of ${batch[index].size} bytes at 0x${batch[index].address.toString(16)}`), { code: error }));
+          batch.forEach((unmap, index) => {
+            const error = outcomes[index] === undefined ? 'NO_OUTCOME' : outcomes[index];
+            if (error === null) unmap.resolve();
+            else unmap.reject(Object.assign(new Error(`${error}: cuMemUnmap of ${unmap.size} bytes at 0x${unmap.address.toString(16)}`), { code: error }));
           }),
         (error: Error) => batch.forEach((unmap) => unmap.reject(error)),
       )

@@ -25,6 +25,8 @@ export class RecordingBackend implements Backend {
   releaseGate?: Promise<void>;
   /** While set, drops of retained references wait for it: tests use it to hold one in flight. */
   releaseReferenceGate?: Promise<void>;
+  // Drops of retained references in flight, by handle: one more than is retained is refused while they run.
+  private readonly retainDrops = new Map<BackendHandle, number>();
   /** Creates started and not yet settled. */
   createsInFlight = 0;
   /** Calls to fail, with their error and how many more times (as an injected driver fault would). */
@@ -114,9 +116,17 @@ export class RecordingBackend implements Backend {
     this.record('releaseReference');
     // One more than was retained would be the creator's own reference: the driver would free the memory under its holders.
     const retains = this.liveRetains.get(args[0]) ?? 0;
-    if (retains === 0) throw new Error(`releaseReference of handle ${args[0]}, which holds no retained reference: the memory would be freed under its holders`);
-    if (this.releaseReferenceGate) await this.releaseReferenceGate;
-    await this.inner.releaseReference(...args);
+    const inFlight = this.retainDrops.get(args[0]) ?? 0;
+    if (retains - inFlight <= 0) throw new Error(`releaseReference of handle ${args[0]}, which holds no retained reference not already being dropped: the memory would be freed under its holders`);
+    this.retainDrops.set(args[0], inFlight + 1);
+    try {
+      if (this.releaseReferenceGate) await this.releaseReferenceGate;
+      await this.inner.releaseReference(...args);
+    } finally {
+      const still = (this.retainDrops.get(args[0]) ?? 1) - 1;
+      if (still === 0) this.retainDrops.delete(args[0]);
+      else this.retainDrops.set(args[0], still);
+    }
     // Counted down once the driver dropped it: a failed drop keeps it.
     const left = (this.liveRetains.get(args[0]) ?? 0) - 1;
     if (left <= 0) this.liveRetains.delete(args[0]);

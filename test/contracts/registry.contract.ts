@@ -498,6 +498,44 @@ describe('Release', () => {
       open();
     }
   });
+  it('Releases behind a drop in flight are refused after waiting as they would be after it: UNKNOWN_ALLOCATION, ALREADY_RELEASED, NOT_OWNER', async () => {
+    // UNKNOWN_ALLOCATION: one retained reference, three Releases: the second frees it, the third finds it gone.
+    const first = await mapped();
+    registry.retainHandle(A, first.address);
+    await registry.unmap(A, first.address, first.size);
+    const gone = await Promise.allSettled([0, 1, 2].map(() => registry.release(A, first.allocation.id)));
+    expect(gone.map((o) => (o.status === 'fulfilled' ? o.value.freed : (o.reason as RpcError).code))).toEqual([false, true, 'UNKNOWN_ALLOCATION']);
+    // ALREADY_RELEASED: still mapped.
+    const second = await mapped();
+    registry.retainHandle(A, second.address);
+    const kept = await Promise.allSettled([0, 1, 2].map(() => registry.release(A, second.allocation.id)));
+    expect(kept.map((o) => (o.status === 'fulfilled' ? o.value.handleReferences : (o.reason as RpcError).code))).toEqual([1, 0, 'ALREADY_RELEASED']);
+    // NOT_OWNER: B's Release waits behind A's drop, then is refused.
+    const third = await mapped();
+    registry.retainHandle(A, third.address);
+    const refused = await Promise.allSettled([registry.release(A, third.allocation.id), registry.release(B, third.allocation.id)]);
+    expect(refused.map((o) => (o.status === 'fulfilled' ? o.value.handleReferences : (o.reason as RpcError).code))).toEqual([1, 'NOT_OWNER']);
+  });
+  it('a Release with no driver reference to drop starts its free in the same turn', async () => {
+    const allocation = await create();
+    const releasing = registry.release(A, allocation.id);
+    const startedAtOnce = backend.calls.includes('release');
+    await releasing;
+    expect(startedAtOnce).toBe(true);
+  });
+  it('the recording backend refuses two drops at once of one retained reference (what the registry must never do)', async () => {
+    const { address, allocation } = await mapped();
+    registry.retainHandle(A, address);
+    const record = registry.allocation(allocation.id);
+    const both = await Promise.allSettled([
+      backend.releaseReference(record.handle, record.device),
+      backend.releaseReference(record.handle, record.device),
+    ]);
+    expect(both.map((o) => o.status).sort()).toEqual(['fulfilled', 'rejected']);
+    // Dropped behind the registry's back: its books set right for the reclaim after the test.
+    record.backendRetains = 0;
+    record.references.set(A, 1);
+  });
   it("refuses another session's allocation", async () => {
     const allocation = await create(A);
     await expectRefused(() => registry.release(B, allocation.id), Status.PERMISSION_DENIED, 'NOT_OWNER');

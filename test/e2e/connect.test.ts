@@ -80,6 +80,17 @@ describe('connect() of a new worker', () => {
     watching.cancel();
   });
 
+  it('printing or serialising a stand-in of a closed client whose channel was made does not throw', async () => {
+    const client = await connect({ socketDir: daemon.dir });
+    await client.admin.getStats();
+    client.close();
+    const standIn = (client.admin as unknown as { client: object }).client;
+    expect(await Promise.resolve(standIn)).toBe(standIn);
+    expect(() => inspect(standIn)).not.toThrow();
+    expect(() => JSON.stringify(standIn)).not.toThrow();
+    expect(() => String(standIn)).not.toThrow();
+    expect(() => JSON.stringify(client.admin)).not.toThrow();
+  });
   it('awaiting, printing or serialising a service stand-in makes no channel', async () => {
     const client = await connect({ socketDir: daemon.dir });
     try {

@@ -117,6 +117,33 @@ describe('gathered unmaps', () => {
     await Promise.all(more);
   });
 
+  it('an answer shorter than its batch still settles every unmap (a missing outcome is an error)', async () => {
+    answer = async () => [null];
+    const a = unmapGathered(0, 0x1000n, 0x200000n);
+    const b = unmapGathered(0, 0x3000n, 0x200000n);
+    flushUnmaps();
+    const outcome = await Promise.race([
+      Promise.allSettled([a, b]).then((all) => all.map((o) => o.status)),
+      new Promise((resolve) => setImmediate(() => setImmediate(() => resolve('hung')))),
+    ]);
+    expect(outcome).toEqual(['fulfilled', 'rejected']);
+  });
+  it('the timer fires while a job runs; the job ending arms it again and what waits goes', async () => {
+    const finish: Array<() => void> = [];
+    answer = (call) => new Promise((resolve) => finish.push(() => resolve(call.addresses.map(() => null))));
+    const first = unmapGathered(0, 0x1000n, 0x200000n);
+    flushUnmapsIfIdle();
+    const second = unmapGathered(0, 0x3000n, 0x200000n);
+    await jest.advanceTimersByTimeAsync(UNMAP_DELAY_MS * 3);
+    expect(calls).toHaveLength(1);
+    finish[0]();
+    await first;
+    await jest.advanceTimersByTimeAsync(UNMAP_DELAY_MS);
+    expect(calls).toHaveLength(2);
+    finish[1]();
+    await second;
+    expect(jest.getTimerCount()).toBe(0);
+  });
   it('each gets its own outcome: a failed range rejects with the driver error, the others resolve', async () => {
     answer = async () => [null, 'CUDA_ERROR_INVALID_VALUE'];
     const good = unmapGathered(0, 0x1000n, 0x200000n);
