@@ -84,6 +84,14 @@ async function mapped(caller = A, size = GRANULARITY) {
   return { reservation, allocation, address: reservation.address, size };
 }
 
+/** An allocation of A's, unmapped, with `retains` driver references retained (RetainHandle) while it was mapped: 1 + retains references. */
+async function retainedUnmapped(retains: number) {
+  const { address, size, allocation } = await mapped();
+  for (let i = 0; i < retains; i++) registry.retainHandle(A, address);
+  await registry.unmap(A, address, size);
+  return allocation;
+}
+
 describe('Reserve', () => {
   it('refuses size 0', () => expectRefused(() => reserve(A, 0n), Status.INVALID_ARGUMENT, 'ZERO_SIZE'));
   it('refuses a size that is not a multiple of the granularity', () =>
@@ -445,10 +453,7 @@ describe('Release', () => {
     expect({ retains: backend.liveRetains.size, handles: backend.liveHandles }).toEqual({ retains: 0, handles: 0 });
   });
   it('three Releases at once with two retained references drop one each, in order (outside review)', async () => {
-    const { address, size, allocation } = await mapped();
-    registry.retainHandle(A, address);
-    registry.retainHandle(A, address);
-    await registry.unmap(A, address, size);
+    const allocation = await retainedUnmapped(2);
     const results = await Promise.allSettled([0, 1, 2].map(() => registry.release(A, allocation.id)));
     expect(results.map((outcome) => (outcome.status === 'fulfilled' ? outcome.value : String(outcome.reason)))).toEqual([
       { freed: false, handleReferences: 2, mappingCount: 0 },
@@ -458,10 +463,7 @@ describe('Release', () => {
     expect({ retains: backend.liveRetains.size, handles: backend.liveHandles }).toEqual({ retains: 0, handles: 0 });
   });
   it('a reclaim behind two Releases waiting on the driver drops what is left and frees it (outside review)', async () => {
-    const { address, size, allocation } = await mapped();
-    registry.retainHandle(A, address);
-    registry.retainHandle(A, address);
-    await registry.unmap(A, address, size);
+    const allocation = await retainedUnmapped(2);
     let open!: () => void;
     backend.releaseReferenceGate = new Promise<void>((resolve) => (open = resolve));
     const releases = [registry.release(A, allocation.id), registry.release(A, allocation.id)];

@@ -29,6 +29,13 @@ describe('gathered unmaps', () => {
     jest.useRealTimers();
   });
 
+  /** Jobs answered only when the test says: finish[i]() ends the i-th job, every unmap of it done. */
+  function heldAnswers(): Array<() => void> {
+    const finish: Array<() => void> = [];
+    answer = (call) => new Promise((resolve) => finish.push(() => resolve(call.addresses.map(() => null))));
+    return finish;
+  }
+
   it('go together after UNMAP_DELAY_MS, one job per device, synchronized first', async () => {
     const done: bigint[] = [];
     const a = unmapGathered(0, 0x1000n, 0x200000n).then(() => done.push(0x1000n));
@@ -62,8 +69,7 @@ describe('gathered unmaps', () => {
   });
 
   it('go at flushUnmapsIfIdle() only where no job of their device is running: one job at a time per device', async () => {
-    const finish: Array<() => void> = [];
-    answer = (call) => new Promise((resolve) => finish.push(() => resolve(call.addresses.map(() => null))));
+    const finish = heldAnswers();
     const first = unmapGathered(0, 0x1000n, 0x200000n);
     flushUnmapsIfIdle();
     expect(calls).toHaveLength(1);
@@ -100,21 +106,24 @@ describe('gathered unmaps', () => {
     expect(calls.map((call) => call.addresses)).toEqual([[0x3000n]]);
   });
 
-  it('the timer and a full batch start no second job of a device while one runs; what waits goes when it ends', async () => {
-    const finish: Array<() => void> = [];
-    answer = (call) => new Promise((resolve) => finish.push(() => resolve(call.addresses.map(() => null))));
+  it.each([
+    ['one unmap', 1],
+    ['a full batch', UNMAP_BATCH],
+  ])('%s waiting while a job runs: neither the timer nor the batch starts a second job; the job ending hands it on', async (_what, count) => {
+    const finish = heldAnswers();
     const first = unmapGathered(0, 0x1000n, 0x200000n);
     flushUnmapsIfIdle();
-    const more = Array.from({ length: UNMAP_BATCH }, (_, index) => unmapGathered(0, BigInt(index + 1) << 21n, 2n << 20n));
+    const more = Array.from({ length: count }, (_, index) => unmapGathered(0, BigInt(index + 1) << 21n, 2n << 20n));
     await jest.advanceTimersByTimeAsync(UNMAP_DELAY_MS * 5);
     expect(calls).toHaveLength(1);
     finish[0]();
     await first;
+    // A full batch goes at the job's end; fewer wait for the timer, armed again there.
     await jest.advanceTimersByTimeAsync(UNMAP_DELAY_MS);
-    expect(calls).toHaveLength(2);
-    expect(calls[1].addresses).toHaveLength(UNMAP_BATCH);
+    expect(calls.map((call) => call.addresses.length)).toEqual([1, count]);
     finish[1]();
     await Promise.all(more);
+    expect(jest.getTimerCount()).toBe(0);
   });
 
   it('an answer shorter than its batch still settles every unmap (a missing outcome is an error)', async () => {
@@ -127,22 +136,6 @@ describe('gathered unmaps', () => {
       new Promise((resolve) => setImmediate(() => setImmediate(() => resolve('hung')))),
     ]);
     expect(outcome).toEqual(['fulfilled', 'rejected']);
-  });
-  it('the timer fires while a job runs; the job ending arms it again and what waits goes', async () => {
-    const finish: Array<() => void> = [];
-    answer = (call) => new Promise((resolve) => finish.push(() => resolve(call.addresses.map(() => null))));
-    const first = unmapGathered(0, 0x1000n, 0x200000n);
-    flushUnmapsIfIdle();
-    const second = unmapGathered(0, 0x3000n, 0x200000n);
-    await jest.advanceTimersByTimeAsync(UNMAP_DELAY_MS * 3);
-    expect(calls).toHaveLength(1);
-    finish[0]();
-    await first;
-    await jest.advanceTimersByTimeAsync(UNMAP_DELAY_MS);
-    expect(calls).toHaveLength(2);
-    finish[1]();
-    await second;
-    expect(jest.getTimerCount()).toBe(0);
   });
   it('each gets its own outcome: a failed range rejects with the driver error, the others resolve', async () => {
     answer = async () => [null, 'CUDA_ERROR_INVALID_VALUE'];
