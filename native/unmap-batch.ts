@@ -39,8 +39,7 @@ class DeviceUnmaps {
   add(address: bigint, size: bigint): Promise<void> {
     return new Promise<void>((resolve, reject) => {
       this.waiting.push({ address, size, resolve, reject });
-      if (this.waiting.length >= UNMAP_BATCH) this.flushIfIdle();
-      this.arm();
+      this.handOn();
     });
   }
 
@@ -74,25 +73,28 @@ class DeviceUnmaps {
     }
     this.running++;
     job
-      .then(
-        (outcomes) =>
-          batch.forEach((unmap, index) => {
-            const error = outcomes[index] === undefined ? 'NO_OUTCOME' : outcomes[index];
-            if (error === null) unmap.resolve();
-            else unmap.reject(Object.assign(new Error(`${error}: cuMemUnmap of ${unmap.size} bytes at 0x${unmap.address.toString(16)}`), { code: error }));
-          }),
-        (error: Error) => batch.forEach((unmap) => unmap.reject(error)),
+      .then((outcomes) =>
+        batch.forEach((unmap, index) => {
+          const error = outcomes[index] === undefined ? 'NO_OUTCOME' : outcomes[index];
+          if (error === null) unmap.resolve();
+          else unmap.reject(Object.assign(new Error(`${error}: cuMemUnmap of ${unmap.size} bytes at 0x${unmap.address.toString(16)}`), { code: error }));
+        }),
       )
+      // The job failed as a whole (the synchronization, or it could not start): every unmap of it with it.
       .catch((error: unknown) => batch.forEach((unmap) => unmap.reject(error as Error)))
       .then(() => {
         this.running--;
-        if (this.waiting.length >= UNMAP_BATCH) this.flushIfIdle();
-        this.arm();
+        this.handOn();
       });
   }
 
-  /** The wait of UNMAP_DELAY_MS for what waits, if none runs; its end flushes if no job runs, else the job's end looks again. */
-  private arm(): void {
+  /**
+   * What waits goes now if a full batch does and no job runs; else it waits
+   * for UNMAP_DELAY_MS (a timer, armed once), whose end flushes if no job
+   * runs, else that job's end looks again.
+   */
+  private handOn(): void {
+    if (this.waiting.length >= UNMAP_BATCH) this.flushIfIdle();
     if (this.waiting.length === 0 || this.timer !== undefined) return;
     this.timer = setTimeout(() => {
       this.timer = undefined;

@@ -170,8 +170,8 @@ export async function cold(client: VmmdClient, iterations: number): Promise<Sect
     const local = summarize(await sample(count, () => inProcessSteps(client.backend, size), { warmup: 50, after: (teardown) => teardown() }));
     rows.push({ path: 'vmmd memalloc across processes', size: sizeName(size), ...daemon, p50_vs_in_process: ratio(daemon.p50_us, local.p50_us) });
     rows.push({ path: 'same steps in one process', size: sizeName(size), ...local, p50_vs_in_process: 1 });
-    if (client.backend === 'cuda') targets.push(...coldRatioTargets(size, daemon.p50_us, local.p50_us));
     if (client.backend === 'cuda') {
+      targets.push(...coldRatioTargets(size, daemon.p50_us, local.p50_us));
       const memAlloc = summarize(sampleSync(count, () => addon.cudaMemAlloc(0, size), (pointer) => addon.cudaMemFree(0, pointer), 5));
       rows.push({ path: 'cuMemAlloc in one process', size: sizeName(size), ...memAlloc, p50_vs_in_process: ratio(memAlloc.p50_us, local.p50_us) });
     }

@@ -335,7 +335,6 @@ export class Allocations {
     await freeing;
   }
 
-
   /**
    * Makes an allocation read-only for good, for the read-only store `store`:
    * the backend seals it where it can (host memfds), and the registry refuses
