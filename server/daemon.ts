@@ -107,8 +107,8 @@ export class Daemon {
   static async start(config: DaemonConfig, log: Logger, sessionOptions: SessionOptions = DEFAULT_SESSION_OPTIONS): Promise<Daemon> {
     raiseDescriptorLimit(log);
     // The daemon's own turns: each native completion's continuation is one (server/turns.ts),
-    // measured by wall clock and by this thread's CPU time.
-    const turns = new TurnMeter(() => addon.threadCpuNanos());
+    // measured by wall clock, and with --turn-cpu by this thread's CPU time too.
+    const turns = new TurnMeter(config.turnCpu ? () => addon.threadCpuNanos() : undefined);
     const backend = await selectBackend(config, log, (chosen) => measureCompletions(chosen, turns));
     armFaults(process.env.VMMD_FAULTS, log);
     const access = new AccessPolicy(config);

@@ -7,7 +7,8 @@
   (cuMemAlloc with Numba's deferred frees, as a kernel's temporaries get).
 
 Each pair is timed alone with perf_counter_ns after a warm-up (as many pairs as are timed for CuPy, as for vmmd).
-  python3 bench/reference/cupy_numba.py SIZE[,SIZE...] ITERATIONS   -> JSON on stdout
+  python3 bench/reference/cupy_numba.py SIZE[,SIZE...] ITERATIONS [all|cupy]   -> JSON on stdout
+(cupy: CuPy's pool only, for the rounds that alternate with vmmd's; all, the default: Numba's too)
 """
 import json
 import sys
@@ -42,6 +43,9 @@ def timed(iterations, body, warmup=2000):
 def main():
     sizes = [int(size) for size in sys.argv[1].split(",")]
     iterations = int(sys.argv[2])
+    which = sys.argv[3] if len(sys.argv) > 3 else "all"
+    if which not in ("all", "cupy"):
+        sys.exit(f"cupy_numba.py: the third argument must be all or cupy, not {which!r}")
     rows = []
     errors = []
     try:
@@ -58,6 +62,9 @@ def main():
         pool.free_all_blocks()
     except Exception as error:  # reported, not fatal: the other reference may still run
         errors.append(f"cupy: {error!r}")
+    if which == "cupy":
+        json.dump({"rows": rows, "errors": errors}, sys.stdout)
+        return
     try:
         import numba
         from numba import cuda

@@ -286,9 +286,14 @@ describe('malformed requests on the session socket', () => {
 });
 
 describe('the daemon counts socket requests and its own turns', () => {
-  it('reports socket requests under their RPC names, and its turns in GetStats and Prometheus metrics', async () => {
+  // By CPU time only with --turn-cpu on: its clock read costs 1-3 µs a turn on a VM (issue 18).
+  it.each([
+    ['wall clock only, by default', []],
+    ['CPU time too, with --turn-cpu on', ['--turn-cpu', 'on']],
+  ])('reports socket requests under their RPC names, and its turns in GetStats and Prometheus metrics: %s', async (_name, flags) => {
     const port = await freePort();
-    const observed = await TestDaemon.start(['--metrics-port', String(port)]);
+    const byCpu = flags.length > 0;
+    const observed = await TestDaemon.start(['--metrics-port', String(port), ...flags]);
     const c = await connect({ socketDir: observed.dir });
     try {
       const { message, fd } = await c.session.allocate(2n * MiB);
@@ -300,10 +305,14 @@ describe('the daemon counts socket requests and its own turns', () => {
       expect(Number(stats.eventLoopTurns)).toBeGreaterThan(0);
       expect(Number(stats.eventLoopTurnMaxUs)).toBeGreaterThan(0);
       expect(Number(stats.eventLoopTurnP99Us)).toBeLessThanOrEqual(Number(stats.eventLoopTurnMaxUs));
-      // The same turns by the daemon thread's CPU time: not longer than by wall clock, give or take the two clocks' accounting.
-      expect(Number(stats.eventLoopTurnCpuMaxUs)).toBeGreaterThan(0);
-      expect(Number(stats.eventLoopTurnCpuMaxUs)).toBeLessThanOrEqual(Number(stats.eventLoopTurnMaxUs) * 1.1 + 100);
-      expect(['session', 'grpc', 'completion']).toContain(stats.eventLoopTurnCpuMaxKind);
+      if (byCpu) {
+        // The same turns by the daemon thread's CPU time: not longer than by wall clock, give or take the two clocks' accounting.
+        expect(Number(stats.eventLoopTurnCpuMaxUs)).toBeGreaterThan(0);
+        expect(Number(stats.eventLoopTurnCpuMaxUs)).toBeLessThanOrEqual(Number(stats.eventLoopTurnMaxUs) * 1.1 + 100);
+        expect(['session', 'grpc', 'completion']).toContain(stats.eventLoopTurnCpuMaxKind);
+      } else {
+        expect(stats).toMatchObject({ eventLoopTurnCpuMaxUs: '0', eventLoopTurnCpuP99Us: '0', eventLoopTurnCpuMaxKind: '' });
+      }
       const text = await new Promise<string>((resolve, reject) =>
         http.get({ host: '127.0.0.1', port, path: '/metrics' }, (response) => {
           let body = '';
@@ -317,7 +326,8 @@ describe('the daemon counts socket requests and its own turns', () => {
       expect(text).toMatch(/vmmd_event_loop_turn_seconds_count\{kind="session"\} [1-9]/);
       expect(text).toMatch(/vmmd_event_loop_turn_seconds_count\{kind="grpc"\} [1-9]/);
       expect(text).toMatch(/vmmd_event_loop_turn_max_seconds [0-9.e-]+/);
-      expect(text).toMatch(/vmmd_event_loop_turn_cpu_seconds_count\{kind="session"\} [1-9]/);
+      if (byCpu) expect(text).toMatch(/vmmd_event_loop_turn_cpu_seconds_count\{kind="session"\} [1-9]/);
+      else expect(text).not.toMatch(/vmmd_event_loop_turn_cpu_seconds_count/);
       // GC pauses are the other part of the event loop's delay: exported beside the turns (OPERATIONS.md).
       expect(text).toMatch(/# TYPE vmmd_nodejs_gc_duration_seconds histogram/);
     } finally {

@@ -87,6 +87,18 @@ describe('the config file', () => {
   });
 });
 
+describe('--turn-cpu', () => {
+  it('is off by default', () => expect(run([]).turnCpu).toBe(false));
+  it('takes on/off or true/false from the flag, else VMMD_TURN_CPU', () => {
+    expect(run(['--turn-cpu', 'on']).turnCpu).toBe(true);
+    expect(run(['--turn-cpu', 'false'], { VMMD_TURN_CPU: 'on' }).turnCpu).toBe(false);
+    expect(run([], { VMMD_TURN_CPU: 'true' }).turnCpu).toBe(true);
+  });
+  it.each(['yes', '1', ''])('refuses %j naming the flag and the values it takes', (text) =>
+    expect(() => run(['--turn-cpu', text])).toThrow(/--turn-cpu: ".*" is not one of on, off, true, false/),
+  );
+});
+
 describe('--busy-poll-us', () => {
   it('defaults to 200 µs', () => expect(run([]).busyPollMicros).toBe(200));
   it('takes the flag, else VMMD_BUSY_POLL_US; 0 turns it off', () => {
