@@ -86,17 +86,6 @@ const SECTIONS: Record<string, (daemon: BenchDaemon, args: SectionArgs) => Promi
   },
 };
 
-/**
- * Daemon options a section needs beyond the run's: such a section gets a
- * daemon of its own. The concurrency section judges the longest turn by the
- * daemon thread's CPU time, which the daemon measures only with --turn-cpu
- * (its clock read costs every turn 1-3 µs on a VM: the other sections run
- * the daemon as it ships).
- */
-const SECTION_DAEMON_ARGS: Record<string, string[]> = {
-  concurrency: ['--turn-cpu', 'on'],
-};
-
 /** Iterations: --quick, the host backend (npm run bench stays within 3 minutes on 2 cores), the GPU host. */
 function count(args: SectionArgs, quick: number, host: number, gpu: number): number {
   return args.quick ? quick : args.backend === 'host' ? host : gpu;
@@ -130,13 +119,11 @@ async function main() {
     for (const id of Object.keys(SECTIONS)) {
       if (!wanted(id)) continue;
       const sectionStart = Date.now();
-      const own = SECTION_DAEMON_ARGS[id];
-      const served = own === undefined ? daemon : await startDaemon(backend, [...words('daemon-args'), ...own], undefined, words('daemon-node-args'));
       const out = path.join(daemon.dir, `${id}.json`);
       const code = await new Promise<number | null>((resolve) => {
-        const args = [__filename, '--section', id, '--socket-dir', served.dir, '--daemon-pid', String(served.pid), '--out', out, '--backend', backend];
+        const args = [__filename, '--section', id, '--socket-dir', daemon.dir, '--daemon-pid', String(daemon.pid), '--out', out, '--backend', backend];
         spawn(process.execPath, quick ? [...args, '--quick'] : args, { stdio: 'inherit' }).once('exit', resolve);
-      }).finally(() => (served === daemon ? undefined : served.stop()));
+      });
       if (code !== 0) throw new Error(`bench: section ${id} failed (exit ${code})`);
       const section = JSON.parse(fs.readFileSync(out, 'utf8')) as Section;
       sections.push(section);

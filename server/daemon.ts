@@ -107,7 +107,7 @@ export class Daemon {
   static async start(config: DaemonConfig, log: Logger, sessionOptions: SessionOptions = DEFAULT_SESSION_OPTIONS): Promise<Daemon> {
     raiseDescriptorLimit(log);
     // The daemon's own turns: each native completion's continuation is one (server/turns.ts),
-    // measured by wall clock, and with --turn-cpu by this thread's CPU time too.
+    // measured by wall clock, and (unless --turn-cpu off) by this thread's CPU time too.
     const turns = new TurnMeter(config.turnCpu ? () => addon.threadCpuNanos() : undefined);
     const backend = await selectBackend(config, log, (chosen) => measureCompletions(chosen, turns));
     armFaults(process.env.VMMD_FAULTS, log);

@@ -88,7 +88,7 @@ describe('the config file', () => {
 });
 
 describe('--turn-cpu', () => {
-  it('is off by default', () => expect(run([]).turnCpu).toBe(false));
+  it('is on by default', () => expect(run([]).turnCpu).toBe(true));
   it('takes on/off or true/false from the flag, else VMMD_TURN_CPU', () => {
     expect(run(['--turn-cpu', 'on']).turnCpu).toBe(true);
     expect(run(['--turn-cpu', 'false'], { VMMD_TURN_CPU: 'on' }).turnCpu).toBe(false);
