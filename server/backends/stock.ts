@@ -78,8 +78,8 @@ export const DEMAND_MAX_SHELVES = 4;
 export const DEMAND_MAX_DEPTH = 8;
 /** All shelves the demand added hold at most the device's total bytes divided by this. */
 export const DEMAND_SHARE = 32n;
-/** The daemon is quiet once no Create came for this long: refills wait for it. */
-export const QUIET_MS = 5;
+/** The daemon is quiet once no Create came for this long: refills and held frees wait for it (a client allocating every 2 ms leaves 1 ms quiet after each, time enough for one free and one refill). */
+export const QUIET_MS = 1;
 /** A refill waits for quiet at most this long after a shelf was taken from: a steady stream still finds a stock. */
 export const MAX_REFILL_DELAY_MS = 100;
 /** Allocations a refill creates at once (each on a driver thread; libuv has four, the frees need some). */

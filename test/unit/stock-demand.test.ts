@@ -87,22 +87,23 @@ describe('a stock that follows demand and refills when quiet', () => {
     const { fake, stock } = stocked([{ size: 2n * MiB, depth: 8 }]);
     await stock.fill();
     const start = creates(fake);
-    // Three takes leave five: half the depth or more, so the refill waits for quiet.
+    // Three takes leave five: half the depth or more, so the refill waits for quiet. Each comes before QUIET_MS.
+    const spacing = QUIET_MS * 0.6;
     for (let i = 0; i < 3; i++) {
       await stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
-      await jest.advanceTimersByTimeAsync(QUIET_MS - 1);
+      await jest.advanceTimersByTimeAsync(spacing);
     }
     expect(creates(fake)).toBe(start);
     expect(stock.stats().levels[0].held).toBe(5);
-    await jest.advanceTimersByTimeAsync(1);
+    await jest.advanceTimersByTimeAsync(2 * QUIET_MS);
     expect(stock.stats().levels[0].held).toBe(8);
-    // Requests of another size every QUIET_MS - 1 ms: never quiet; the refill of one take runs at the latest delay.
+    // Requests of another size every 0.6 QUIET_MS: never quiet; the refill of one take runs at the latest delay.
     await stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
     const asked = creates(fake);
-    await ask(stock, 4n * MiB, Math.floor(MAX_REFILL_DELAY_MS / (QUIET_MS - 1)) - 2, QUIET_MS - 1);
+    await ask(stock, 4n * MiB, Math.floor(MAX_REFILL_DELAY_MS / spacing) - 2, spacing);
     expect(stock.stats().levels[0].held).toBe(7);
     const onTheSpot = creates(fake) - asked;
-    await jest.advanceTimersByTimeAsync(2 * (QUIET_MS - 1));
+    await jest.advanceTimersByTimeAsync(4 * spacing);
     expect(stock.stats().levels[0].held).toBe(8);
     expect(creates(fake) - asked).toBeGreaterThan(onTheSpot);
   });

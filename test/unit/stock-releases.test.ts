@@ -55,16 +55,16 @@ describe('frees the stock holds back', () => {
 
   it('holds them while creates keep coming, but not past MAX_REFILL_DELAY_MS', async () => {
     // A deep shelf: the takes below never bring it down to a quarter (which would start a burst).
-    const { fake, stock } = stocked([{ size: 2n * MiB, depth: 64 }], 512n * MiB);
+    const { fake, stock } = stocked([{ size: 2n * MiB, depth: 160 }], 512n * MiB);
     await stock.fill();
     const [handle] = await made(fake, 1);
     void stock.release(handle, 4n * MiB, false, 0);
-    // A stocked create every QUIET_MS - 1 ms: never quiet.
+    // A stocked create every 0.9 QUIET_MS: never quiet.
     let elapsed = 0;
     while (releases(fake) === 0 && elapsed <= 2 * MAX_REFILL_DELAY_MS) {
       await stock.create(0, DEVICE, 2n * MiB, ['POSIX_FD']);
-      await jest.advanceTimersByTimeAsync(QUIET_MS - 1);
-      elapsed += QUIET_MS - 1;
+      await jest.advanceTimersByTimeAsync(QUIET_MS * 0.9);
+      elapsed += QUIET_MS * 0.9;
     }
     expect(releases(fake)).toBeGreaterThan(0);
     expect(elapsed).toBeGreaterThanOrEqual(MAX_REFILL_DELAY_MS - QUIET_MS);

@@ -1,11 +1,13 @@
 /**
  * A client's own unmaps gathered into one driver job per device
  * (native/unmap-batch.ts), over a stand-in for the addon's cudaUnmapMany:
- * they go when UNMAP_BATCH wait, after UNMAP_DELAY_MS, at flushUnmaps(), or
+ * they go when UNMAP_BATCH wait, at the end of the turn they came in, at flushUnmaps(), or
  * at flushUnmapsIfIdle() when no job of their device runs; each gets its own outcome.
  */
 import { addon } from '../../native';
-import { flushUnmaps, flushUnmapsIfIdle, UNMAP_BATCH, UNMAP_DELAY_MS, unmapGathered } from '../../native/unmap-batch';
+import { flushUnmaps, flushUnmapsIfIdle, UNMAP_BATCH, unmapGathered } from '../../native/unmap-batch';
+
+const turnEnd = () => new Promise((resolve) => setImmediate(resolve));
 
 type Call = { device: number; addresses: bigint[]; sizes: bigint[]; synchronize: boolean | undefined };
 
@@ -36,14 +38,15 @@ describe('gathered unmaps', () => {
     return finish;
   }
 
-  it('go together after UNMAP_DELAY_MS, one job per device, synchronized first', async () => {
+  it('go together at the end of the turn they came in (no timer), one job per device, synchronized first', async () => {
     const done: bigint[] = [];
     const a = unmapGathered(0, 0x1000n, 0x200000n).then(() => done.push(0x1000n));
     const b = unmapGathered(0, 0x3000n, 0x200000n).then(() => done.push(0x3000n));
     const c = unmapGathered(1, 0x5000n, 0x400000n);
-    await jest.advanceTimersByTimeAsync(UNMAP_DELAY_MS - 1);
+    await Promise.resolve();
     expect(calls).toEqual([]);
-    await jest.advanceTimersByTimeAsync(1);
+    expect(jest.getTimerCount()).toBe(0);
+    await turnEnd();
     await Promise.all([a, b, c]);
     expect(calls).toEqual([
       { device: 0, addresses: [0x1000n, 0x3000n], sizes: [0x200000n, 0x200000n], synchronize: true },
@@ -109,17 +112,18 @@ describe('gathered unmaps', () => {
   it.each([
     ['one unmap', 1],
     ['a full batch', UNMAP_BATCH],
-  ])('%s waiting while a job runs: neither the timer nor the batch starts a second job; the job ending hands it on', async (_what, count) => {
+  ])('%s waiting while a job runs: neither the turn\'s end nor the batch starts a second job; the job ending hands it on', async (_what, count) => {
     const finish = heldAnswers();
     const first = unmapGathered(0, 0x1000n, 0x200000n);
     flushUnmapsIfIdle();
     const more = Array.from({ length: count }, (_, index) => unmapGathered(0, BigInt(index + 1) << 21n, 2n << 20n));
-    await jest.advanceTimersByTimeAsync(UNMAP_DELAY_MS * 5);
+    for (let turn = 0; turn < 5; turn++) await turnEnd();
     expect(calls).toHaveLength(1);
     finish[0]();
     await first;
-    // A full batch goes at the job's end; fewer wait for the timer, armed again there.
-    await jest.advanceTimersByTimeAsync(UNMAP_DELAY_MS);
+    // A full batch goes at the job's end; fewer at the end of that turn, armed there (after this test's own turn end).
+    await turnEnd();
+    await turnEnd();
     expect(calls.map((call) => call.addresses.length)).toEqual([1, count]);
     finish[1]();
     await Promise.all(more);
