@@ -121,14 +121,19 @@ describe("the client's own driver work while an answer is on its way", () => {
     const c = await client();
     const spy = jest.spyOn(addon, 'cudaUnmapMany').mockImplementation(async (_device, addresses) => addresses.map(() => null));
     try {
-      const unmapped = unmapGathered(0, 0x7f0000000000n, 2n * MiB);
-      // Only requests whose answer leads to an import flush: a ping does not.
-      await c.session.ping();
+      // Only requests whose answer leads to an import flush: a ping sent in the unmap's turn does not.
+      const first = unmapGathered(0, 0x7f0000000000n, 2n * MiB);
+      const pinged = c.session.ping();
       expect(spy).not.toHaveBeenCalled();
+      // The unmap went at the end of the turn it came in.
+      await pinged;
+      expect(spy).toHaveBeenCalledTimes(1);
+      await first;
+      const second = unmapGathered(0, 0x7f0000200000n, 2n * MiB);
       const made = c.session.allocate(2n * MiB);
       // Sent and flushed in the same call: the unmap's job started before the answer can come.
-      expect(spy).toHaveBeenCalledTimes(1);
-      await unmapped;
+      expect(spy).toHaveBeenCalledTimes(2);
+      await second;
       const { message, fd } = await made;
       addon.close(fd);
       await c.session.release(message.allocation);
