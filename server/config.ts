@@ -175,7 +175,7 @@ const SETTINGS: Record<string, Setting> = {
   shutdownGraceMs: { flag: 'shutdown-grace-ms', env: 'VMMD_SHUTDOWN_GRACE_MS', placeholder: 'MS', help: 'on SIGTERM, how long calls in flight may finish [10000]' },
   stock: { flag: 'stock', env: 'VMMD_STOCK', placeholder: 'LIST', help: 'allocations created and exported ahead per device, SIZE:DEPTH,… or none; sizes not a multiple of a device\'s granularity are skipped [auto: 2MiB:16,32MiB:2 on cuda, none on host]' },
   busyPollMicros: { flag: 'busy-poll-us', env: 'VMMD_BUSY_POLL_US', placeholder: 'US', help: 'before its event loop sleeps, the daemon spins this long for the next message: a round trip with a spinning peer skips two wake-ups (on VMs ~30-70 us each); costs at most that much CPU per wake [200; 0: off]' },
-  turnCpu: { flag: 'turn-cpu', env: 'VMMD_TURN_CPU', placeholder: 'on|off', help: "measure each turn by the event-loop thread's CPU time too, not only by wall clock: two CLOCK_THREAD_CPUTIME_ID reads a turn, 0.35 us each on the H100 host, 1-3 us on a small VM (off saves a 2-core VM ~25 us a 2 MiB allocate) [on]" },
+  turnCpu: { flag: 'turn-cpu', env: 'VMMD_TURN_CPU', placeholder: 'on|off', help: "measure each turn by the event-loop thread's CPU time too, not only by wall clock (on, off; or true, false): two clock system calls a turn, well under 1 us on a GPU host, 1-3 us on a small VM (docs/OPERATIONS.md) [on]" },
   logLevel: { flag: 'log-level', env: 'VMMD_LOG_LEVEL', placeholder: 'LEVEL', help: `${LOG_LEVELS.join('|')} [info]` },
 };
 

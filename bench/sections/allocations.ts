@@ -110,12 +110,12 @@ export async function pooled(client: VmmdClient, iterations: number): Promise<Se
     notes.push(...references.errors.filter((error) => !notes.includes(error)));
   }
   await emm.reset();
-  const pick = (table: Row[][], allocator: string, size: bigint) =>
+  const roundsOf = (table: Row[][], allocator: string, size: bigint) =>
     table.map((rows) => rows.find((row) => row.size === sizeName(size) && String(row.allocator).startsWith(allocator))).filter((row): row is Row => row !== undefined);
   const rows: Row[] = [];
-  for (const size of POOLED_SIZES) rows.push(rounds > 1 ? medianRound(pick(ours, 'vmmd', size)) : ours[0].find((row) => row.size === sizeName(size))!);
+  for (const size of POOLED_SIZES) rows.push(rounds > 1 ? medianRound(roundsOf(ours, 'vmmd', size)) : ours[0].find((row) => row.size === sizeName(size))!);
   for (const size of POOLED_SIZES) {
-    const cupy = pick(theirs, 'CuPy', size);
+    const cupy = roundsOf(theirs, 'CuPy', size);
     if (cupy.length > 0) rows.push(medianRound(cupy));
   }
   rows.push(...(theirs.at(-1) ?? []).filter((row) => String(row.allocator).startsWith('Numba')));
@@ -128,7 +128,7 @@ export async function pooled(client: VmmdClient, iterations: number): Promise<Se
     if (mine && cupy) {
       targets.push({
         target: `pooled ${sizeName(size)}: p50 at or below CuPy MemoryPool's`,
-        measured: `${mine.p50_us} µs vs ${cupy.p50_us} µs (median of ${rounds} alternating rounds: ${mine.round_p50s_us} vs ${cupy.round_p50s_us})`,
+        measured: `${mine.p50_us} µs vs ${cupy.p50_us} µs (median rounds of ${mine.round_p50s_us} vs ${cupy.round_p50s_us})`,
         limit: `${cupy.p50_us} µs`,
         met: (mine.p50_us as number) <= (cupy.p50_us as number),
       });
@@ -136,7 +136,7 @@ export async function pooled(client: VmmdClient, iterations: number): Promise<Se
   }
   if (cuda) {
     notes.push(
-      `vmmd and CuPy alternate, ${rounds} rounds (vmmd's loop, then CuPy's in a new python3), ${cpu === undefined ? 'unpinned (taskset missing or refused)' : `both pinned to CPU ${cpu} (taskset)`}; each row is its median round, round_p50s_us every round's p50.`,
+      `vmmd and CuPy alternate, ${rounds} rounds (vmmd's loop, then CuPy's in a new python3; a round whose CuPy failed has no CuPy row), ${cpu === undefined ? 'unpinned (taskset missing or refused)' : `both pinned to CPU ${cpu} (taskset; vmmd's process with all its threads, V8's GC helpers too)`}; each row is its median round (of two, the lower), round_p50s_us every round's p50.`,
     );
   }
   return { id: 'pooled', title: 'Pooled memalloc + free through the NBEP 7 manager', rows, targets, notes };

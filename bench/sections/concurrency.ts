@@ -108,18 +108,21 @@ export async function concurrency(daemon: BenchDaemon, counts: number[], phaseMs
   } catch (error) {
     notes.push(`The nice -10 row needs root: ${(error as Error).message}`);
   }
+  // A daemon run with --turn-cpu off measured no CPU time (0 over its turns): the wall clock is then the measure.
+  const byCpu = (coldAtMost.turn_cpu_max_ms as number) > 0 || coldAtMost.turns === 0;
+  const longest = (byCpu ? coldAtMost.turn_cpu_max_ms : coldAtMost.turn_max_ms) as number;
   const targets = [
     {
       // Its own work is the thread's CPU time in a turn; the wall time beside it adds what the OS took from it
       // mid-turn (16 clients, their driver calls and the daemon's threads on 16 cores), which is host scheduling,
       // like the event-loop delay.
-      target: `the daemon's longest synchronous turn ≤ 2 ms with ${most} clients allocating cold (its own measure: the thread's CPU time in a turn)`,
+      target: `the daemon's longest synchronous turn ≤ 2 ms with ${most} clients allocating cold (its own measure: the thread's CPU time in a turn${byCpu ? '' : '; by wall clock here, the daemon runs with --turn-cpu off'})`,
       measured:
-        `max ${coldAtMost.turn_cpu_max_ms} ms (at a ${coldAtMost.turn_cpu_max_at} turn), p99 ${coldAtMost.turn_cpu_p99_ms} ms over ${coldAtMost.turns} turns;` +
+        (byCpu ? `max ${coldAtMost.turn_cpu_max_ms} ms (at a ${coldAtMost.turn_cpu_max_at} turn), p99 ${coldAtMost.turn_cpu_p99_ms} ms over ${coldAtMost.turns} turns;` : `not measured by CPU time over ${coldAtMost.turns} turns;`) +
         ` by wall clock max ${coldAtMost.turn_max_ms} ms, p99 ${coldAtMost.turn_p99_ms} ms` +
         ` (monitorEventLoopDelay max ${coldAtMost.loop_delay_max_ms} ms; idle floor: turn ${rows[0].turn_max_ms} ms, delay ${rows[0].loop_delay_max_ms} ms)`,
       limit: '2 ms',
-      met: (coldAtMost.turn_cpu_max_ms as number) <= 2,
+      met: longest <= 2,
     },
     {
       target: `the daemon's event loop never stalls more than 5 ms with ${most} clients`,
