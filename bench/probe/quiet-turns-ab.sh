@@ -6,8 +6,7 @@ set -uo pipefail
 bundle=$(cd "$1" && pwd); out=$2; rounds=${3:-2}
 mkdir -p "$out"; out=$(cd "$out" && pwd); logs=$(mktemp -d)
 here=$(cd "$(dirname "$0")/../.." && pwd)
-q1=$(bash "$here/scripts/gpu-unpack.sh" "$bundle"); q5=$(bash "$here/scripts/gpu-unpack.sh" "$bundle")
-cp "$here/bench/probe/ab-before/stock.js" "$q5/vmmd/dist/server/backends/"
+read -r q1 q5 < <(bash "$here/bench/probe/ab-unpack.sh" "$bundle" stock.js:dist/server/backends)
 grep -c "QUIET_MS = 5;" "$q5/vmmd/dist/server/backends/stock.js"; grep -c "QUIET_MS = 1;" "$q1/vmmd/dist/server/backends/stock.js"
 for r in $(seq 1 "$rounds"); do
   for v in q1 q5; do

@@ -6,9 +6,7 @@ set -uo pipefail
 bundle=$(cd "$1" && pwd); out=$2; rounds=${3:-3}
 mkdir -p "$out"; out=$(cd "$out" && pwd); json=$(mktemp -d)
 here=$(cd "$(dirname "$0")/../.." && pwd)
-after=$(bash "$here/scripts/gpu-unpack.sh" "$bundle"); before=$(bash "$here/scripts/gpu-unpack.sh" "$bundle")
-cp "$here/bench/probe/ab-before/unmap-batch.js" "$before/vmmd/dist/native/"
-cp "$here/bench/probe/ab-before/stock.js" "$before/vmmd/dist/server/backends/"
+read -r after before < <(bash "$here/bench/probe/ab-unpack.sh" "$bundle" unmap-batch.js:dist/native stock.js:dist/server/backends)
 grep -c "UNMAP_DELAY_MS = 2" "$before/vmmd/dist/native/unmap-batch.js"; grep -c "QUIET_MS = 1;" "$after/vmmd/dist/server/backends/stock.js"
 for r in $(seq 1 "$rounds"); do
   for v in before after; do
