@@ -88,3 +88,41 @@ def test_zero_and_bad_sizes_are_refused(client: vmmd.VmmdClient) -> None:
         with pytest.raises(vmmd.VmmdError) as raised:
             pool.allocate(size)  # type: ignore[arg-type]
         assert (raised.value.code, raised.value.status_name) == ("ZERO_SIZE", "INVALID_ARGUMENT")
+
+
+def test_trim_and_close_send_every_release_before_waiting_for_any_answer(daemon: Daemon, client: vmmd.VmmdClient) -> None:
+    # One round trip for the lot, not one per chunk (issue 18: frees that need not wait one after another).
+    pool = DevicePool(client, chunk_size=4 * MiB, large_threshold=64 * MiB)
+    blocks = [pool.allocate(3 * MiB) for _ in range(4)]
+    for block in blocks:
+        pool.free(block)
+    session = client.session
+    events: list = []
+    send, wait = session._send, session._await
+    session._send = lambda message: (events.append(("send", message.get("type"))), send(message))[1]  # type: ignore[method-assign]
+    session._await = lambda *args, **kwargs: (events.append(("wait", None)), wait(*args, **kwargs))[1]  # type: ignore[method-assign]
+    try:
+        before = daemon.stats().allocations
+        assert pool.trim() == 16 * MiB
+    finally:
+        session._send, session._await = send, wait  # type: ignore[method-assign]
+    assert events == [("send", "release")] * 4 + [("wait", None)] * 4
+    assert daemon.stats().allocations == before - 4
+    kept = pool.allocate(3 * MiB)
+    pool.close()
+    assert kept.address and all(o.owner_session != int(client.session.id) for o in client.admin.list_objects().objects if o.kind == "allocation")
+
+
+def test_a_release_refused_among_many_is_raised_after_the_others_are_answered(daemon: Daemon, client: vmmd.VmmdClient) -> None:
+    made = [client.vmm.allocate(size=2 * MiB) for _ in range(3)]
+    ids = [int(memory.allocation_id) for memory in made]
+    for memory in made:
+        memory.close()
+    client.vmm.release(allocation_id=ids[1])
+    results = client.session.release_many(ids)
+    assert [isinstance(result, dict) for result in results] == [True, False, True]
+    assert (results[1].code, results[1].status_name) == ("UNKNOWN_ALLOCATION", "NOT_FOUND")  # type: ignore[union-attr]
+    assert all(result["freed"] for result in (results[0], results[2]))  # type: ignore[index]
+    with pytest.raises(vmmd.VmmdError) as raised:
+        client.session.release_many([ids[0], 1 << 64])
+    assert raised.value.code == "BAD_ID" and "18446744073709551616" in str(raised.value)

@@ -302,6 +302,28 @@ class VirtualMemoryApi:
             freed=bool(answer["freed"]), handle_references=int(answer["handleReferences"]), mapping_count=int(answer["mappingCount"])
         )
 
+    def release_many(self, allocation_ids: List[int]) -> List[Union[Message, VmmdError]]:
+        """Releases several allocations: on the session socket in one round
+        trip (every request sent before any answer is waited for), else one
+        Release RPC each. Returns, in order, each ReleaseResponse or the
+        VmmdError that refused it; a refusal does not stop the others.
+        Raises VmmdError BAD_ID, or SESSION_LOST / NO_ANSWER when the session fails."""
+        if self._session.closed:
+            results: List[Union[Message, VmmdError]] = []
+            for allocation_id in allocation_ids:
+                try:
+                    results.append(self._service.unary("Release", allocation_id=allocation_id))
+                except VmmdError as error:
+                    results.append(error)
+            return results
+        response = _proto.message("ReleaseResponse")
+        return [
+            answer
+            if isinstance(answer, VmmdError)
+            else response(freed=bool(answer["freed"]), handle_references=int(answer["handleReferences"]), mapping_count=int(answer["mappingCount"]))
+            for answer in self._session.release_many(list(allocation_ids))
+        ]
+
     def map(self, request: Request = None, **fields: Any) -> Message:
         """Raises VmmdError ALREADY_MAPPED, NOT_ALIGNED, NONZERO_OFFSET, BEYOND_ALLOCATION, BEYOND_RESERVATION."""
         return self._service.unary("Map", request, **fields)

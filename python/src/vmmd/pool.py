@@ -282,11 +282,16 @@ class DevicePool:
         for chunk in chunks:
             self.counters["chunks_returned"] += 1
             chunk.memory.close()
-            try:
-                self.client.vmm.release(allocation_id=int(chunk.memory.allocation_id))
-            except VmmdError as error:
-                if error.code != "SESSION_LOST":
-                    raise
+        # One round trip for them all: every release is sent before any answer is waited for.
+        try:
+            results = self.client.vmm.release_many([int(chunk.memory.allocation_id) for chunk in chunks])
+        except VmmdError as error:
+            if error.code != "SESSION_LOST":
+                raise
+            return
+        refused = [result for result in results if isinstance(result, VmmdError) and result.code != "SESSION_LOST"]
+        if refused:
+            raise refused[0]
 
     def stats(self) -> Dict[str, int]:
         with self._lock:

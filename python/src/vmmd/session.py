@@ -9,7 +9,7 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from .errors import STATUS, VmmdError
 
@@ -221,7 +221,45 @@ class ClientSession:
         self._request({"type": "ping"}, timeout, "ping", key="nonce")
         return time.perf_counter() - start
 
+    def release_many(self, allocations: List[int], timeout: float = 30.0) -> List[Union[Dict[str, Any], VmmdError]]:
+        """Releases several allocations in one round trip: every request is
+        sent before any answer is waited for. Returns, in order, each answer
+        (as release()'s) or the VmmdError that refused it; a refusal does not
+        stop the others. Raises VmmdError BAD_ID (nothing sent) for an id that
+        is not a uint64, and NO_ANSWER (`timeout` seconds for them all) or
+        SESSION_LOST, after waiting for the requests already sent, when the
+        session fails."""
+        ids = [_u64(allocation, "allocation") for allocation in allocations]
+        sent: List[Tuple[str, _Pending]] = []
+        failure: Optional[VmmdError] = None
+        for allocation in ids:
+            try:
+                sent.append(self._send_request({"type": "release", "allocation": allocation}))
+            except VmmdError as error:
+                failure = error
+                break
+        results: List[Union[Dict[str, Any], VmmdError]] = []
+        deadline = time.monotonic() + timeout
+        for request, pending in sent:
+            try:
+                self._await(request, pending, max(0.0, deadline - time.monotonic()), "release")
+                assert pending.message is not None
+                results.append(pending.message)
+            except VmmdError as error:
+                if error.code in ("NO_ANSWER", "SESSION_LOST"):
+                    failure = failure or error
+                results.append(error)
+        if failure is not None:
+            raise failure
+        return results
+
     def _request(self, message: Dict[str, Any], timeout: float, what: str, key: str = "request") -> _Pending:
+        request, pending = self._send_request(message, key)
+        self._await(request, pending, timeout, what, key)
+        return pending
+
+    def _send_request(self, message: Dict[str, Any], key: str = "request") -> Tuple[str, _Pending]:
+        """Sends a request under a new id, registered for its answer: (the id, its pending answer)."""
         pending = _Pending()
         with self._send_lock:
             request = str(self._next_request)
@@ -237,6 +275,10 @@ class ClientSession:
                 with self._lock:
                     self._requests.pop(f"{key}:{request}", None)
                 raise
+        return request, pending
+
+    def _await(self, request: str, pending: _Pending, timeout: float, what: str, key: str = "request") -> None:
+        """Waits for a sent request's answer; raises its refusal, or NO_ANSWER after `timeout` seconds."""
         if not pending.event.wait(timeout):
             with self._lock:
                 self._requests.pop(f"{key}:{request}", None)
@@ -245,7 +287,6 @@ class ClientSession:
             raise VmmdError("NO_ANSWER", STATUS["DEADLINE_EXCEEDED"], f"the daemon did not answer {what} request {request} within {timeout} s")
         if pending.error is not None:
             raise pending.error
-        return pending
 
     # -- lifetime ----------------------------------------------------------
 
