@@ -126,3 +126,50 @@ def test_a_release_refused_among_many_is_raised_after_the_others_are_answered(da
     with pytest.raises(vmmd.VmmdError) as raised:
         client.session.release_many([ids[0], 1 << 64])
     assert raised.value.code == "BAD_ID" and "18446744073709551616" in str(raised.value)
+
+
+def _owned(client: vmmd.VmmdClient) -> int:
+    session = int(client.session.id)
+    return sum(1 for o in client.admin.list_objects().objects if o.kind == "allocation" and o.owner_session == session)
+
+
+def test_a_chunk_that_cannot_unmap_stays_and_the_others_still_go_back(client: vmmd.VmmdClient) -> None:
+    pool = DevicePool(client, chunk_size=4 * MiB, large_threshold=64 * MiB)
+    blocks = [pool.allocate(3 * MiB) for _ in range(3)]
+    assert _owned(client) == 3
+    view = pool._chunks[-1].memory.buffer  # a live view: that chunk's mapping refuses to close (VIEWS_ALIVE)
+    with pytest.raises(vmmd.VmmdError) as raised:
+        pool.close()
+    assert raised.value.code == "VIEWS_ALIVE"
+    assert _owned(client) == 1
+    del view, blocks
+
+
+def test_release_many_checks_every_id_before_it_sends_any(client: vmmd.VmmdClient) -> None:
+    memory = client.vmm.allocate(size=2 * MiB)
+    ident = int(memory.allocation_id)
+    memory.close()
+    for release_many in (client.session.release_many, client.vmm.release_many):
+        with pytest.raises(vmmd.VmmdError) as raised:
+            release_many([ident, -1])  # type: ignore[operator]
+        assert (raised.value.code, raised.value.status_name) == ("BAD_ID", "INVALID_ARGUMENT")
+        assert "allocation -1 is not an integer in [0, 2^64)" in str(raised.value)
+        assert _owned(client) == 1  # nothing sent
+    # A numpy-style integer (anything with __index__) is an id too.
+    class Index:
+        def __index__(self) -> int:
+            return ident
+
+    assert client.vmm.release_many([Index()])[0].freed  # type: ignore[union-attr]
+    assert _owned(client) == 0
+
+
+def test_release_many_without_a_session_refuses_a_bad_id_too(daemon: Daemon) -> None:
+    client = daemon.connect()
+    try:
+        client.session.close()
+        with pytest.raises(vmmd.VmmdError) as raised:
+            client.vmm.release_many([1 << 64])
+        assert raised.value.code == "BAD_ID"
+    finally:
+        client.close()

@@ -16,7 +16,7 @@ from . import _proto
 from .errors import STATUS, VmmdError
 from .memory import CudaImportedMemory, HostImportedMemory, ImportedMemory
 from .paths import default_socket_dir, socket_paths
-from .session import ClientSession
+from .session import ClientSession, allocation_id
 
 SESSION_METADATA_KEY = "vmmd-session-token"
 # Reads and writes from this size up take the staging buffer; smaller ones stream over gRPC.
@@ -307,12 +307,14 @@ class VirtualMemoryApi:
         trip (every request sent before any answer is waited for), else one
         Release RPC each. Returns, in order, each ReleaseResponse or the
         VmmdError that refused it; a refusal does not stop the others.
-        Raises VmmdError BAD_ID, or SESSION_LOST / NO_ANSWER when the session fails."""
+        Raises VmmdError BAD_ID (nothing released) for an id that is not a
+        uint64, or SESSION_LOST / NO_ANSWER when the session fails."""
+        ids = [allocation_id(allocation) for allocation in allocation_ids]
         if self._session.closed:
             results: List[Union[Message, VmmdError]] = []
-            for allocation_id in allocation_ids:
+            for allocation in ids:
                 try:
-                    results.append(self._service.unary("Release", allocation_id=allocation_id))
+                    results.append(self._service.unary("Release", allocation_id=int(allocation)))
                 except VmmdError as error:
                     results.append(error)
             return results
@@ -321,7 +323,7 @@ class VirtualMemoryApi:
             answer
             if isinstance(answer, VmmdError)
             else response(freed=bool(answer["freed"]), handle_references=int(answer["handleReferences"]), mapping_count=int(answer["mappingCount"]))
-            for answer in self._session.release_many(list(allocation_ids))
+            for answer in self._session.release_many([int(allocation) for allocation in ids])
         ]
 
     def map(self, request: Request = None, **fields: Any) -> Message:

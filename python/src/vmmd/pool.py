@@ -279,19 +279,27 @@ class DevicePool:
 
             # Work queued on the memory must be done before it is unmapped.
             _cuda.synchronize(chunks[0].memory.device)
+        # A mapping that cannot close (a view of it still alive) is not released: its memory stays mapped and held; the others go back.
+        unmapped: List[Chunk] = []
+        failed: List[VmmdError] = []
         for chunk in chunks:
+            try:
+                chunk.memory.close()
+            except VmmdError as error:
+                failed.append(error)
+                continue
             self.counters["chunks_returned"] += 1
-            chunk.memory.close()
+            unmapped.append(chunk)
         # One round trip for them all: every release is sent before any answer is waited for.
         try:
-            results = self.client.vmm.release_many([int(chunk.memory.allocation_id) for chunk in chunks])
+            results = self.client.vmm.release_many([int(chunk.memory.allocation_id) for chunk in unmapped]) if unmapped else []
         except VmmdError as error:
             if error.code != "SESSION_LOST":
                 raise
-            return
-        refused = [result for result in results if isinstance(result, VmmdError) and result.code != "SESSION_LOST"]
-        if refused:
-            raise refused[0]
+            results = []
+        failed += [result for result in results if isinstance(result, VmmdError) and result.code != "SESSION_LOST"]
+        if failed:
+            raise failed[0]
 
     def stats(self) -> Dict[str, int]:
         with self._lock:

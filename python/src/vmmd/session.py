@@ -5,6 +5,7 @@ release, share, export, open, ping)."""
 from __future__ import annotations
 
 import json
+import operator
 import os
 import socket
 import threading
@@ -28,6 +29,16 @@ def _u64(value: Any, what: str) -> str:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value >= 1 << 64:
         raise VmmdError("BAD_ID", STATUS["INVALID_ARGUMENT"], f"{what} {value!r} is not an integer in [0, 2^64)")
     return str(value)
+
+
+def allocation_id(value: Any) -> str:
+    """An allocation id as the socket spells it: any integer type (a numpy
+    integer too) in [0, 2^64). Raises VmmdError INVALID_ARGUMENT BAD_ID."""
+    try:
+        number = operator.index(value) if not isinstance(value, bool) else value
+    except TypeError:
+        number = value
+    return _u64(number, "allocation")
 
 
 class _Pending:
@@ -221,15 +232,16 @@ class ClientSession:
         self._request({"type": "ping"}, timeout, "ping", key="nonce")
         return time.perf_counter() - start
 
-    def release_many(self, allocations: List[int], timeout: float = 30.0) -> List[Union[Dict[str, Any], VmmdError]]:
+    def release_many(self, allocations: List[int], timeout: Optional[float] = 30.0) -> List[Union[Dict[str, Any], VmmdError]]:
         """Releases several allocations in one round trip: every request is
         sent before any answer is waited for. Returns, in order, each answer
         (as release()'s) or the VmmdError that refused it; a refusal does not
         stop the others. Raises VmmdError BAD_ID (nothing sent) for an id that
-        is not a uint64, and NO_ANSWER (`timeout` seconds for them all) or
-        SESSION_LOST, after waiting for the requests already sent, when the
-        session fails."""
-        ids = [_u64(allocation, "allocation") for allocation in allocations]
+        is not a uint64, and NO_ANSWER (`timeout` seconds for them all; None:
+        no limit) or SESSION_LOST, after waiting for the requests already
+        sent, when the session fails."""
+        ids = [allocation_id(allocation) for allocation in allocations]
+        deadline = None if timeout is None else time.monotonic() + float(timeout)
         sent: List[Tuple[str, _Pending]] = []
         failure: Optional[VmmdError] = None
         for allocation in ids:
@@ -239,10 +251,10 @@ class ClientSession:
                 failure = error
                 break
         results: List[Union[Dict[str, Any], VmmdError]] = []
-        deadline = time.monotonic() + timeout
         for request, pending in sent:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                self._await(request, pending, max(0.0, deadline - time.monotonic()), "release")
+                self._await(request, pending, left, "release", limit=timeout)
                 assert pending.message is not None
                 results.append(pending.message)
             except VmmdError as error:
@@ -277,14 +289,16 @@ class ClientSession:
                 raise
         return request, pending
 
-    def _await(self, request: str, pending: _Pending, timeout: float, what: str, key: str = "request") -> None:
-        """Waits for a sent request's answer; raises its refusal, or NO_ANSWER after `timeout` seconds."""
+    def _await(self, request: str, pending: _Pending, timeout: Optional[float], what: str, key: str = "request", limit: Optional[float] = None) -> None:
+        """Waits for a sent request's answer; raises its refusal, or NO_ANSWER
+        after `timeout` seconds (None: no limit; `limit`: the caller's, when
+        this wait had only what was left of it)."""
         if not pending.event.wait(timeout):
             with self._lock:
                 self._requests.pop(f"{key}:{request}", None)
             if pending.fd >= 0:
                 os.close(pending.fd)
-            raise VmmdError("NO_ANSWER", STATUS["DEADLINE_EXCEEDED"], f"the daemon did not answer {what} request {request} within {timeout} s")
+            raise VmmdError("NO_ANSWER", STATUS["DEADLINE_EXCEEDED"], f"the daemon did not answer {what} request {request} within {timeout if limit is None else limit} s")
         if pending.error is not None:
             raise pending.error
 
