@@ -24,6 +24,7 @@ import { HandlerDeps } from './services/handler';
 import { VirtualMemoryService } from './services/virtual-memory';
 import { StoresService } from './services/stores';
 import { SessionDispatcher } from './session-dispatcher';
+import { GcPauses } from './gc-pauses';
 import { measureCompletions, TurnMeter } from './turns';
 import { busyPollAlways } from '../native/busy-poll';
 import { DEFAULT_SESSION_OPTIONS, SessionManager, SessionOptions } from './sessions';
@@ -108,7 +109,9 @@ export class Daemon {
     raiseDescriptorLimit(log);
     // The daemon's own turns: each native completion's continuation is one (server/turns.ts),
     // measured by wall clock, and (unless --turn-cpu off) by this thread's CPU time too.
-    const turns = new TurnMeter(config.turnCpu ? () => addon.threadCpuNanos() : undefined);
+    // With the collector's pauses, which GetStats sets beside its longest turns (started with the admin service).
+    const gcPauses = new GcPauses();
+    const turns = new TurnMeter(config.turnCpu ? () => addon.threadCpuNanos() : undefined, (fromMs, toMs) => gcPauses.within(fromMs, toMs));
     const backend = await selectBackend(config, log, (chosen) => measureCompletions(chosen, turns));
     armFaults(process.env.VMMD_FAULTS, log);
     const access = new AccessPolicy(config);
@@ -187,7 +190,7 @@ export class Daemon {
       new DevicesService(registry).addToServer(server, proto, depsOf('vmmd.v1.Devices'));
       new VirtualMemoryService(registry, sessions, staging).addToServer(server, proto, depsOf('vmmd.v1.VirtualMemory'));
       new StoresService(registry, stores, sessions).addToServer(server, proto, depsOf('vmmd.v1.Stores'));
-      const admin = new AdminService({ registry, sessions, stores, quotas, metrics, version: VERSION, turns });
+      const admin = new AdminService({ registry, sessions, stores, quotas, metrics, version: VERSION, turns, gcPauses: gcPauses.start() });
       admin.addToServer(server, proto, depsOf('vmmd.v1.Admin'));
       // Accepted here, not by grpc-js: each connection is attributed to its peer's uid (server/access.ts).
       const unix = await GrpcUnixListener.listen(server, paths.grpc, log);

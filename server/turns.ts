@@ -22,7 +22,9 @@
  * the time the OS had the thread off its CPU in the middle of a turn: on a
  * host whose cores are all busy (16 clients spinning on 16 cores) a turn of
  * 100 us of work can take milliseconds of wall time. The CPU time is the
- * daemon's own work; the wall time is what the clients waited.
+ * daemon's own work; the wall time is what the clients waited. A collector
+ * pause that ran inside a turn counts in both: given the pauses
+ * (server/gc-pauses.ts), the window's longest turns tell how much of them it was.
  */
 import { createHistogram, RecordableHistogram } from 'node:perf_hooks';
 
@@ -39,11 +41,20 @@ export class TurnMeter {
   private longestKind?: TurnKind;
   // Where the window's longest turn by CPU entered.
   private cpuMaxKind?: TurnKind;
+  // When the window's longest turn by wall clock, and by CPU, ran (performance.now() milliseconds).
+  private maxSpan?: [number, number];
+  private cpuMaxSpan?: [number, number];
   /** Sees each turn (seconds, by wall clock and by CPU time where measured), for the Prometheus histograms. */
   observe?: (kind: TurnKind, seconds: number, cpuSeconds?: number) => void;
 
-  /** `cpuClock`: the calling thread's CPU time in nanoseconds; without it only wall time is measured. */
-  constructor(private readonly cpuClock?: () => number) {}
+  /**
+   * @param cpuClock the calling thread's CPU time in nanoseconds; without it only wall time is measured
+   * @param gcWithin milliseconds of collector pauses between two performance.now() times (GcPauses.within)
+   */
+  constructor(
+    private readonly cpuClock?: () => number,
+    private readonly gcWithin?: (fromMs: number, toMs: number) => number,
+  ) {}
 
   /**
    * Starts a turn now, at an entry into the daemon's code; it ends once the
@@ -82,6 +93,9 @@ export class TurnMeter {
     cpuMaxUs: number;
     cpuP99Us: number;
     cpuMaxKind?: TurnKind;
+    /** Of the longest turn by wall clock, and by CPU, the microseconds a collector pause took inside it. */
+    maxGcUs: number;
+    cpuMaxGcUs: number;
     count: number;
     longestUs: number;
     longestKind?: TurnKind;
@@ -94,6 +108,8 @@ export class TurnMeter {
       cpuMaxUs: cpuCount === 0 ? 0 : Math.round(this.cpuWindow.max / 1000),
       cpuP99Us: cpuCount === 0 ? 0 : Math.round(this.cpuWindow.percentile(99) / 1000),
       cpuMaxKind: this.cpuMaxKind,
+      maxGcUs: this.gcUs(count === 0 ? undefined : this.maxSpan),
+      cpuMaxGcUs: this.gcUs(cpuCount === 0 ? undefined : this.cpuMaxSpan),
       count,
       longestUs: Number(this.longestNs / 1000n),
       longestKind: this.longestKind,
@@ -105,6 +121,12 @@ export class TurnMeter {
     this.window.reset();
     this.cpuWindow.reset();
     this.cpuMaxKind = undefined;
+    this.maxSpan = undefined;
+    this.cpuMaxSpan = undefined;
+  }
+
+  private gcUs(span: [number, number] | undefined): number {
+    return span === undefined || this.gcWithin === undefined ? 0 : Math.round(this.gcWithin(span[0], span[1]) * 1000);
   }
 
   private enterFromMicrotask(kind: TurnKind): void {
@@ -115,12 +137,21 @@ export class TurnMeter {
   }
 
   private record(kind: TurnKind, ns: bigint, cpuStart: number): void {
+    // The span only of a new longest turn (a clock read then, not every turn).
+    const span = (): [number, number] => {
+      const end = performance.now();
+      return [end - Number(ns) / 1e6, end];
+    };
+    if (this.window.count === 0 || Number(ns) > this.window.max) this.maxSpan = span();
     // The histograms take integers from 1 up.
     this.window.record(ns > 0n ? ns : 1n);
     let cpuNs: number | undefined;
     if (this.cpuClock !== undefined) {
       cpuNs = Math.max(1, Math.round(this.cpuClock() - cpuStart));
-      if (this.cpuWindow.count === 0 || cpuNs > this.cpuWindow.max) this.cpuMaxKind = kind;
+      if (this.cpuWindow.count === 0 || cpuNs > this.cpuWindow.max) {
+        this.cpuMaxKind = kind;
+        this.cpuMaxSpan = span();
+      }
       this.cpuWindow.record(cpuNs);
     }
     if (ns > this.longestNs) {

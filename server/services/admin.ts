@@ -18,6 +18,7 @@ import type { Registry } from '../registry';
 import type { SessionManager } from '../sessions';
 import type { StoreRegistry } from '../stores';
 import type { Session } from '../sessions';
+import type { GcPauses } from '../gc-pauses';
 import type { TurnMeter } from '../turns';
 import { CallContext, HandlerDeps, unary } from './handler';
 import { u64 } from './wire';
@@ -34,6 +35,8 @@ export interface AdminDeps {
   version: string;
   /** The daemon's own turns (server/turns.ts), reported and reset with the event-loop delay. */
   turns?: TurnMeter;
+  /** The collector's pauses (server/gc-pauses.ts), the same way; stopped with this service. */
+  gcPauses?: GcPauses;
 }
 
 export class AdminService {
@@ -72,10 +75,18 @@ export class AdminService {
       result.eventLoopTurnCpuMaxUs = String(turns.cpuMaxUs);
       result.eventLoopTurnCpuP99Us = String(turns.cpuP99Us);
       result.eventLoopTurnCpuMaxKind = turns.cpuMaxKind ?? '';
+      result.eventLoopTurnMaxGcUs = String(turns.maxGcUs);
+      result.eventLoopTurnCpuMaxGcUs = String(turns.cpuMaxGcUs);
+    }
+    const pauses = this.deps.gcPauses?.snapshot();
+    if (pauses !== undefined) {
+      result.gcPauses = String(pauses.count);
+      result.gcPauseMaxUs = String(Math.round(pauses.maxMs * 1000));
     }
     if (request?.resetEventLoopDelay) {
       this.loopDelay.reset();
       this.deps.turns?.reset();
+      this.deps.gcPauses?.reset();
     }
     return result;
   }
@@ -201,6 +212,7 @@ export class AdminService {
 
   close(): void {
     this.loopDelay.disable();
+    this.deps.gcPauses?.stop();
   }
 
   addToServer(server: grpc.Server, proto: VmmdProto, deps: HandlerDeps): void {

@@ -310,6 +310,10 @@ describe('the daemon counts socket requests and its own turns', () => {
       expect(Number(stats.eventLoopTurns)).toBeGreaterThan(0);
       expect(Number(stats.eventLoopTurnMaxUs)).toBeGreaterThan(0);
       expect(Number(stats.eventLoopTurnP99Us)).toBeLessThanOrEqual(Number(stats.eventLoopTurnMaxUs));
+      // The collector's pauses beside the turns: counted, and never more of the longest turn than the turn itself.
+      expect(stats.gcPauses).toMatch(/^\d+$/);
+      expect(Number(stats.gcPauseMaxUs) > 0).toBe(Number(stats.gcPauses) > 0);
+      expect(Number(stats.eventLoopTurnMaxGcUs)).toBeLessThanOrEqual(Number(stats.eventLoopTurnMaxUs) + 1);
       if (byCpu) {
         // The same turns by the daemon thread's CPU time: not longer than by wall clock, give or take the two clocks' accounting.
         expect(Number(stats.eventLoopTurnCpuMaxUs)).toBeGreaterThan(0);

@@ -3,6 +3,7 @@
  * the microtasks it runs without yielding are one turn; a continuation after
  * a native completion is one; waiting for a timer ends a turn.
  */
+import { GcPauses } from '../../server/gc-pauses';
 import { measureCompletions, TurnMeter } from '../../server/turns';
 
 /** Busy for `ms` milliseconds: a synchronous stretch of known length. */
@@ -151,5 +152,39 @@ describe('measureCompletions', () => {
     await settled();
     expect(meter.snapshot().count).toBe(1);
     expect(backend.create).toBe(backend.create);
+  });
+});
+
+describe('TurnMeter with the GC pauses', () => {
+  it('tells how much of the longest turn (by wall clock and by CPU) was a collector pause inside it', async () => {
+    const pauses = new GcPauses();
+    let cpuNs = 1e9;
+    const meter = new TurnMeter(() => cpuNs, (from, to) => pauses.within(from, to));
+    meter.enter('session');
+    const started = performance.now();
+    spin(3);
+    cpuNs += 3_000_000;
+    // A 1.5 ms pause in the middle of this turn, and one long after it.
+    pauses.add(started + 1, 1.5);
+    pauses.add(started + 60_000, 5);
+    await settled();
+    meter.enter('completion');
+    spin(1);
+    cpuNs += 1_000_000;
+    await settled();
+    const snapshot = meter.snapshot();
+    expect(snapshot.cpuMaxKind).toBe('session');
+    expect(snapshot.maxGcUs).toBe(1500);
+    expect(snapshot.cpuMaxGcUs).toBe(1500);
+    meter.reset();
+    expect(meter.snapshot()).toMatchObject({ maxGcUs: 0, cpuMaxGcUs: 0 });
+  });
+
+  it('reports none without the pauses', async () => {
+    const meter = new TurnMeter(() => 0);
+    meter.enter('grpc');
+    spin(1);
+    await settled();
+    expect(meter.snapshot()).toMatchObject({ maxGcUs: 0, cpuMaxGcUs: 0 });
   });
 });

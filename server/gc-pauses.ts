@@ -1,0 +1,70 @@
+/**
+ * The daemon's garbage-collection pauses as V8 reports them ('gc' performance
+ * entries), kept for a while: so that the longest turn (server/turns.ts) can
+ * be split into the daemon's own code and a collector's pause that ran inside
+ * it (issue 18: the longest turns with 16 clients were 2-3 ms of CPU time, and
+ * scavenges of 2.4-4.6 ms ran in the same runs).
+ */
+import { PerformanceObserver } from 'node:perf_hooks';
+
+/** Pauses remembered (a few minutes of them at the daemon's rate under load). */
+export const KEEP_PAUSES = 4096;
+
+export class GcPauses {
+  // Invariant: a ring of the last KEEP_PAUSES pauses, [start, start + duration] in performance.now() milliseconds.
+  private readonly starts = new Float64Array(KEEP_PAUSES);
+  private readonly durations = new Float64Array(KEEP_PAUSES);
+  private next = 0;
+  private kept = 0;
+  // Since the last reset(): how many, and the longest (milliseconds).
+  private windowCount = 0;
+  private windowMaxMs = 0;
+  private observer?: PerformanceObserver;
+
+  /** Starts listening for V8's pauses. */
+  start(): this {
+    if (this.observer === undefined) {
+      this.observer = new PerformanceObserver((list) => {
+        for (const entry of list.getEntries()) this.add(entry.startTime, entry.duration);
+      });
+      this.observer.observe({ entryTypes: ['gc'] });
+    }
+    return this;
+  }
+
+  stop(): void {
+    this.observer?.disconnect();
+    this.observer = undefined;
+  }
+
+  /** Notes a pause of `durationMs` that began at `startMs` (performance.now() time). */
+  add(startMs: number, durationMs: number): void {
+    this.starts[this.next] = startMs;
+    this.durations[this.next] = durationMs;
+    this.next = (this.next + 1) % KEEP_PAUSES;
+    this.kept = Math.min(this.kept + 1, KEEP_PAUSES);
+    this.windowCount++;
+    this.windowMaxMs = Math.max(this.windowMaxMs, durationMs);
+  }
+
+  /** Milliseconds of the remembered pauses that fall inside [fromMs, toMs]. */
+  within(fromMs: number, toMs: number): number {
+    let total = 0;
+    for (let i = 0; i < this.kept; i++) {
+      const start = this.starts[i];
+      const overlap = Math.min(toMs, start + this.durations[i]) - Math.max(fromMs, start);
+      if (overlap > 0) total += overlap;
+    }
+    return total;
+  }
+
+  /** Pauses since the last reset() and the longest of them (milliseconds). */
+  snapshot(): { count: number; maxMs: number } {
+    return { count: this.windowCount, maxMs: this.windowMaxMs };
+  }
+
+  reset(): void {
+    this.windowCount = 0;
+    this.windowMaxMs = 0;
+  }
+}
