@@ -53,7 +53,7 @@ describeGpu('session socket operations on the cuda backend', () => {
     // 4 MiB: a size the stock does not keep, so the first export is the driver's (the stock's own are the next case).
     const memory = await owner.vmm.allocate({ size: 4n * MiB });
     await memory.write(0, Buffer.from('kept export'));
-    // The stock refills what the allocation took once the daemon is quiet (5 ms): settled before counting.
+    // The stock refills what the allocation took once the daemon is quiet (QUIET_MS, 1 ms): settled before counting.
     await new Promise((resolve) => setTimeout(resolve, 100));
     // The allocate's own export asked the driver and kept a descriptor (the H100 run at a2b3ce0 counted it):
     // the exports after it are copies of that one, and add none.
