@@ -191,6 +191,8 @@ export class Daemon {
       new VirtualMemoryService(registry, sessions, staging).addToServer(server, proto, depsOf('vmmd.v1.VirtualMemory'));
       new StoresService(registry, stores, sessions).addToServer(server, proto, depsOf('vmmd.v1.Stores'));
       const admin = new AdminService({ registry, sessions, stores, quotas, metrics, version: VERSION, turns, gcPauses: gcPauses.start() });
+      // A start that fails from here on stops its delay sampler and GC observer too.
+      undo.push(() => admin.close());
       admin.addToServer(server, proto, depsOf('vmmd.v1.Admin'));
       // Accepted here, not by grpc-js: each connection is attributed to its peer's uid (server/access.ts).
       const unix = await GrpcUnixListener.listen(server, paths.grpc, log);

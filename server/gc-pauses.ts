@@ -16,9 +16,10 @@ export class GcPauses {
   private readonly durations = new Float64Array(KEEP_PAUSES);
   private next = 0;
   private kept = 0;
-  // Since the last reset(): how many, and the longest (milliseconds).
+  // Since the last reset() (pauses that began after it): how many, and the longest (milliseconds).
   private windowCount = 0;
   private windowMaxMs = 0;
+  private windowStartMs = -Infinity;
   private observer?: PerformanceObserver;
 
   /** Starts listening for V8's pauses. */
@@ -43,6 +44,8 @@ export class GcPauses {
     this.durations[this.next] = durationMs;
     this.next = (this.next + 1) % KEEP_PAUSES;
     this.kept = Math.min(this.kept + 1, KEEP_PAUSES);
+    // V8 reports a pause a little after it: one that began before the window did is not the window's.
+    if (startMs < this.windowStartMs) return;
     this.windowCount++;
     this.windowMaxMs = Math.max(this.windowMaxMs, durationMs);
   }
@@ -60,11 +63,15 @@ export class GcPauses {
 
   /** Pauses since the last reset() and the longest of them (milliseconds). */
   snapshot(): { count: number; maxMs: number } {
+    // The entries V8 has queued and not yet handed to the observer's callback.
+    for (const entry of this.observer?.takeRecords() ?? []) this.add(entry.startTime, entry.duration);
     return { count: this.windowCount, maxMs: this.windowMaxMs };
   }
 
+  /** Starts a new window now: pauses that began before it are not counted in it (within() still sees them). */
   reset(): void {
     this.windowCount = 0;
     this.windowMaxMs = 0;
+    this.windowStartMs = performance.now();
   }
 }

@@ -41,9 +41,13 @@ export class TurnMeter {
   private longestKind?: TurnKind;
   // Where the window's longest turn by CPU entered.
   private cpuMaxKind?: TurnKind;
-  // When the window's longest turn by wall clock, and by CPU, ran (performance.now() milliseconds).
+  // The window's longest turn by wall clock and by CPU (kept here: the histograms' max is a bucket's bound), and
+  // when each ran (performance.now() milliseconds); when the window began.
+  private windowMaxNs = 0n;
+  private cpuWindowMaxNs = 0;
   private maxSpan?: [number, number];
   private cpuMaxSpan?: [number, number];
+  private windowStartMs = -Infinity;
   /** Sees each turn (seconds, by wall clock and by CPU time where measured), for the Prometheus histograms. */
   observe?: (kind: TurnKind, seconds: number, cpuSeconds?: number) => void;
 
@@ -108,8 +112,8 @@ export class TurnMeter {
       cpuMaxUs: cpuCount === 0 ? 0 : Math.round(this.cpuWindow.max / 1000),
       cpuP99Us: cpuCount === 0 ? 0 : Math.round(this.cpuWindow.percentile(99) / 1000),
       cpuMaxKind: this.cpuMaxKind,
-      maxGcUs: this.gcUs(count === 0 ? undefined : this.maxSpan),
-      cpuMaxGcUs: this.gcUs(cpuCount === 0 ? undefined : this.cpuMaxSpan),
+      maxGcUs: this.gcUs(count === 0 ? undefined : this.maxSpan, Number(this.windowMaxNs)),
+      cpuMaxGcUs: this.gcUs(cpuCount === 0 ? undefined : this.cpuMaxSpan, this.cpuWindowMaxNs),
       count,
       longestUs: Number(this.longestNs / 1000n),
       longestKind: this.longestKind,
@@ -121,12 +125,23 @@ export class TurnMeter {
     this.window.reset();
     this.cpuWindow.reset();
     this.cpuMaxKind = undefined;
+    this.windowMaxNs = 0n;
+    this.cpuWindowMaxNs = 0;
     this.maxSpan = undefined;
     this.cpuMaxSpan = undefined;
+    this.windowStartMs = performance.now();
   }
 
-  private gcUs(span: [number, number] | undefined): number {
-    return span === undefined || this.gcWithin === undefined ? 0 : Math.round(this.gcWithin(span[0], span[1]) * 1000);
+  /**
+   * Microseconds of collector pauses inside a turn's span, from the window's
+   * start on (a turn recorded after a reset may have begun before it), and at
+   * most the turn's own measure (`ns`): a pause during which the OS took the
+   * thread off its CPU lasts longer by the wall clock than the CPU time it cost.
+   */
+  private gcUs(span: [number, number] | undefined, ns: number): number {
+    if (span === undefined || this.gcWithin === undefined) return 0;
+    const ms = this.gcWithin(Math.max(span[0], this.windowStartMs), span[1]);
+    return Math.round(Math.min(ms * 1000, ns / 1000));
   }
 
   private enterFromMicrotask(kind: TurnKind): void {
@@ -142,13 +157,17 @@ export class TurnMeter {
       const end = performance.now();
       return [end - Number(ns) / 1e6, end];
     };
-    if (this.window.count === 0 || Number(ns) > this.window.max) this.maxSpan = span();
+    if (ns > this.windowMaxNs) {
+      this.windowMaxNs = ns;
+      this.maxSpan = span();
+    }
     // The histograms take integers from 1 up.
     this.window.record(ns > 0n ? ns : 1n);
     let cpuNs: number | undefined;
     if (this.cpuClock !== undefined) {
       cpuNs = Math.max(1, Math.round(this.cpuClock() - cpuStart));
-      if (this.cpuWindow.count === 0 || cpuNs > this.cpuWindow.max) {
+      if (cpuNs > this.cpuWindowMaxNs) {
+        this.cpuWindowMaxNs = cpuNs;
         this.cpuMaxKind = kind;
         this.cpuMaxSpan = span();
       }

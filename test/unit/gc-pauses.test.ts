@@ -46,4 +46,23 @@ describe('GC pauses', () => {
       pauses.stop();
     }
   });
+
+  it('counts in a window only the pauses that began after its reset, even those V8 reports later', async () => {
+    v8.setFlagsFromString('--expose-gc');
+    const gc = vm.runInNewContext('gc') as () => void;
+    const pauses = new GcPauses().start();
+    try {
+      gc();
+      // GetStats with reset_event_loop_delay, in the same turn as the pause (or the next one).
+      // (V8's entry reaches the observer two immediates later: this snapshot has not seen it yet.)
+      pauses.snapshot();
+      pauses.reset();
+      for (let i = 0; i < 10; i++) await new Promise((resolve) => setImmediate(resolve));
+      // The pause ran before the reset: it does not belong to the new window (gc_pauses, gc_pause_max_us).
+      expect(pauses.snapshot()).toEqual({ count: 0, maxMs: 0 });
+    } finally {
+      pauses.stop();
+    }
+  });
+
 });
