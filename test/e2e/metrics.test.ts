@@ -11,6 +11,7 @@ import * as http from 'node:http';
 import * as net from 'node:net';
 import * as os from 'node:os';
 import * as path from 'node:path';
+import pino from 'pino';
 import { connect, VmmdClient } from '../../client';
 import { socketPaths } from '../../common/paths';
 import { eventually, freePort, MiB, packageRoot, TestDaemon } from './harness';
@@ -189,25 +190,52 @@ describe('metrics', () => {
   });
 });
 
+// Required at run time (a static import of dist/ would make its declarations the compiler's inputs).
+const fromDist = <T>(module: string): T => require(path.join(packageRoot(), 'dist', module)) as T;
+
 describe('a start that fails on the metrics port', () => {
-  test('exits 1 naming the port, and removes the socket files it made', async () => {
-    const busy = net.createServer();
+  let busy: net.Server;
+  let port: number;
+  let dir: string;
+  beforeEach(async () => {
+    busy = net.createServer();
     await new Promise<void>((resolve) => busy.listen(0, '127.0.0.1', resolve));
-    const port = (busy.address() as net.AddressInfo).port;
-    const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-busy-'));
+    port = (busy.address() as net.AddressInfo).port;
+    dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-busy-'));
+  });
+  afterEach(() => {
+    busy.close();
+    fs.rmSync(dir, { recursive: true, force: true });
+  });
+
+  test('exits 1 naming the port, and removes the socket files it made', async () => {
+    const child = spawn(process.execPath, [path.join(packageRoot(), 'bin', 'vmmd.js'), '--backend', 'host', '--socket-dir', dir, '--metrics-port', String(port)], { stdio: ['ignore', 'pipe', 'pipe'] });
+    let output = '';
+    child.stdout!.on('data', (chunk) => (output += chunk));
+    child.stderr!.on('data', (chunk) => (output += chunk));
+    const code = await new Promise<number | null>((resolve) => child.once('exit', resolve));
+    expect(code).toBe(1);
+    expect(output).toMatch(new RegExp(`vmmd cannot start: .*EADDRINUSE.*${port}`));
+    const paths = socketPaths(dir);
+    expect([fs.existsSync(paths.grpc), fs.existsSync(paths.session)]).toEqual([false, false]);
+  });
+
+  test('stops the GC observer its admin service started (in process, from dist/: the daemon finds its package.json there)', async () => {
+    const { addon } = fromDist<typeof import('../../native')>('native');
+    const { parseCommandLine } = fromDist<typeof import('../../server/config')>('server/config');
+    const { Daemon } = fromDist<typeof import('../../server/daemon')>('server/daemon');
+    const { GcPauses } = fromDist<typeof import('../../server/gc-pauses')>('server/gc-pauses');
+    const started = jest.spyOn(GcPauses.prototype, 'start');
+    const stopped = jest.spyOn(GcPauses.prototype, 'stop');
     try {
-      const child = spawn(process.execPath, [path.join(packageRoot(), 'bin', 'vmmd.js'), '--backend', 'host', '--socket-dir', dir, '--metrics-port', String(port)], { stdio: ['ignore', 'pipe', 'pipe'] });
-      let output = '';
-      child.stdout!.on('data', (chunk) => (output += chunk));
-      child.stderr!.on('data', (chunk) => (output += chunk));
-      const code = await new Promise<number | null>((resolve) => child.once('exit', resolve));
-      expect(code).toBe(1);
-      expect(output).toMatch(new RegExp(`vmmd cannot start: .*EADDRINUSE.*${port}`));
-      const paths = socketPaths(dir);
-      expect([fs.existsSync(paths.grpc), fs.existsSync(paths.session)]).toEqual([false, false]);
+      const command = parseCommandLine(['--backend', 'host', '--socket-dir', dir, '--metrics-port', String(port)], {}, addon.pageSize());
+      if (command.kind !== 'run') throw new Error('not a run');
+      await expect(Daemon.start(command.config, pino({ level: 'silent' }))).rejects.toThrow(/EADDRINUSE/);
+      expect(started).toHaveBeenCalledTimes(1);
+      expect(stopped).toHaveBeenCalledTimes(1);
     } finally {
-      busy.close();
-      fs.rmSync(dir, { recursive: true, force: true });
+      started.mockRestore();
+      stopped.mockRestore();
     }
   });
 });

@@ -156,21 +156,30 @@ describe('measureCompletions', () => {
 });
 
 describe('TurnMeter with the GC pauses', () => {
-  it('tells how much of the longest turn (by wall clock and by CPU) was a collector pause inside it', async () => {
-    const pauses = new GcPauses();
-    let cpuNs = 1e9;
-    const meter = new TurnMeter(() => cpuNs, (from, to) => pauses.within(from, to));
+  /**
+   * A meter asking `pauses`, and one turn of `wallMs` by the wall clock of
+   * which the thread had `cpuMs` of CPU, with a pause of `pauseMs` 1 ms into it.
+   */
+  function turnWithPause(pauses: GcPauses, wallMs: number, cpuMs: number, pauseMs: number): { meter: TurnMeter; cpu: { ns: number } } {
+    const cpu = { ns: 1e9 };
+    const meter = new TurnMeter(() => cpu.ns, (from, to) => pauses.within(from, to));
     meter.enter('session');
     const started = performance.now();
-    spin(3);
-    cpuNs += 3_000_000;
-    // A 1.5 ms pause in the middle of this turn, and one long after it.
-    pauses.add(started + 1, 1.5);
-    pauses.add(started + 60_000, 5);
+    spin(wallMs);
+    cpu.ns += cpuMs * 1e6;
+    pauses.add(started + 1, pauseMs);
+    return { meter, cpu };
+  }
+
+  it('tells how much of the longest turn (by wall clock and by CPU) was a collector pause inside it', async () => {
+    const pauses = new GcPauses();
+    const { meter, cpu } = turnWithPause(pauses, 3, 3, 1.5);
+    // And one long after it.
+    pauses.add(performance.now() + 60_000, 5);
     await settled();
     meter.enter('completion');
     spin(1);
-    cpuNs += 1_000_000;
+    cpu.ns += 1_000_000;
     await settled();
     const snapshot = meter.snapshot();
     expect(snapshot.cpuMaxKind).toBe('session');
@@ -189,16 +198,9 @@ describe('TurnMeter with the GC pauses', () => {
   });
 
   it('never reports more of the longest CPU turn as a pause than the turn\'s CPU time (a pause the OS interrupted)', async () => {
-    const pauses = new GcPauses();
-    let cpuNs = 1e9;
-    const meter = new TurnMeter(() => cpuNs, (from, to) => pauses.within(from, to));
-    // A turn of 4 ms by wall clock of which the thread had 1 ms of CPU (preempted, as with 16 clients on 16 cores),
+    // 4 ms by wall clock of which the thread had 1 ms of CPU (preempted, as with 16 clients on 16 cores),
     // with a 2 ms collector pause (wall clock) inside it.
-    meter.enter('session');
-    const started = performance.now();
-    spin(4);
-    cpuNs += 1_000_000;
-    pauses.add(started + 1, 2);
+    const { meter } = turnWithPause(new GcPauses(), 4, 1, 2);
     await settled();
     const snapshot = meter.snapshot();
     expect(snapshot.cpuMaxUs).toBe(1000);
