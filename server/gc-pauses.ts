@@ -5,7 +5,7 @@
  * it (issue 18: the longest turns with 16 clients were 2-3 ms of CPU time, and
  * scavenges of 2.4-4.6 ms ran in the same runs).
  */
-import { PerformanceObserver } from 'node:perf_hooks';
+import { PerformanceEntry, PerformanceObserver } from 'node:perf_hooks';
 
 /** Pauses remembered (a few minutes of them at the daemon's rate under load). */
 export const KEEP_PAUSES = 4096;
@@ -25,9 +25,7 @@ export class GcPauses {
   /** Starts listening for V8's pauses. */
   start(): this {
     if (this.observer === undefined) {
-      this.observer = new PerformanceObserver((list) => {
-        for (const entry of list.getEntries()) this.add(entry.startTime, entry.duration);
-      });
+      this.observer = new PerformanceObserver((list) => this.addEntries(list.getEntries()));
       this.observer.observe({ entryTypes: ['gc'] });
     }
     return this;
@@ -50,6 +48,10 @@ export class GcPauses {
     this.windowMaxMs = Math.max(this.windowMaxMs, durationMs);
   }
 
+  private addEntries(entries: PerformanceEntry[]): void {
+    for (const entry of entries) this.add(entry.startTime, entry.duration);
+  }
+
   /** Milliseconds of the remembered pauses that fall inside [fromMs, toMs]. */
   within(fromMs: number, toMs: number): number {
     let total = 0;
@@ -64,7 +66,7 @@ export class GcPauses {
   /** Pauses since the last reset() and the longest of them (milliseconds). */
   snapshot(): { count: number; maxMs: number } {
     // The entries V8 has queued and not yet handed to the observer's callback.
-    for (const entry of this.observer?.takeRecords() ?? []) this.add(entry.startTime, entry.duration);
+    this.addEntries(this.observer?.takeRecords() ?? []);
     return { count: this.windowCount, maxMs: this.windowMaxMs };
   }
 

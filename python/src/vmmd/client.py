@@ -268,6 +268,13 @@ def _location_message(location: Any) -> Optional[Dict[str, Any]]:
     return None
 
 
+def _release_response(answer: Dict[str, Any]) -> Message:
+    """A session-socket `released` answer as the Release RPC's ReleaseResponse."""
+    return _proto.message("ReleaseResponse")(
+        freed=bool(answer["freed"]), handle_references=int(answer["handleReferences"]), mapping_count=int(answer["mappingCount"])
+    )
+
+
 class VirtualMemoryApi:
     """The VirtualMemory service, and mapping exported memory here."""
 
@@ -297,10 +304,7 @@ class VirtualMemoryApi:
         message = self._service._request("Release", request, fields)
         if self._session.closed:
             return self._service.unary("Release", message)
-        answer = self._session.release(int(message.allocation_id))
-        return _proto.message("ReleaseResponse")(
-            freed=bool(answer["freed"]), handle_references=int(answer["handleReferences"]), mapping_count=int(answer["mappingCount"])
-        )
+        return _release_response(self._session.release(int(message.allocation_id)))
 
     def release_many(self, allocation_ids: List[int]) -> List[Union[Message, VmmdError]]:
         """Releases several allocations: on the session socket in one round
@@ -309,22 +313,18 @@ class VirtualMemoryApi:
         VmmdError that refused it; a refusal does not stop the others.
         Raises VmmdError BAD_ID (nothing released) for an id that is not a
         uint64, or SESSION_LOST / NO_ANSWER when the session fails."""
-        ids = [allocation_id(allocation) for allocation in allocation_ids]
-        if self._session.closed:
-            results: List[Union[Message, VmmdError]] = []
-            for allocation in ids:
-                try:
-                    results.append(self._service.unary("Release", allocation_id=int(allocation)))
-                except VmmdError as error:
-                    results.append(error)
-            return results
-        response = _proto.message("ReleaseResponse")
-        return [
-            answer
-            if isinstance(answer, VmmdError)
-            else response(freed=bool(answer["freed"]), handle_references=int(answer["handleReferences"]), mapping_count=int(answer["mappingCount"]))
-            for answer in self._session.release_many([int(allocation) for allocation in ids])
-        ]
+        if not self._session.closed:
+            # The session checks every id before it sends any.
+            answers = self._session.release_many(list(allocation_ids))
+            return [answer if isinstance(answer, VmmdError) else _release_response(answer) for answer in answers]
+        ids = [int(allocation_id(allocation)) for allocation in allocation_ids]
+        results: List[Union[Message, VmmdError]] = []
+        for allocation in ids:
+            try:
+                results.append(self._service.unary("Release", allocation_id=allocation))
+            except VmmdError as error:
+                results.append(error)
+        return results
 
     def map(self, request: Request = None, **fields: Any) -> Message:
         """Raises VmmdError ALREADY_MAPPED, NOT_ALIGNED, NONZERO_OFFSET, BEYOND_ALLOCATION, BEYOND_RESERVATION."""
