@@ -2,6 +2,7 @@
  * The benchmarks, side by side with their references, in one run:
  *   node dist/bench/run.js [--backend host|cuda] [--quick] [--only id,id] [--json FILE]
  *                          [--daemon-args 'ARGS'] [--daemon-node-args 'ARGS' (e.g. --trace-gc)] [--profile DIR (the daemon's CPU profile)]
+ *                          [--daemon-cpus LIST (the daemon pinned: taskset -c LIST)]
  * `npm run bench` runs it on the host backend; scripts/gpu-bench.sh runs it
  * with --backend cuda on a GPU host, next to CuPy and Numba (bench/reference/).
  * Prints each section's table and the targets; --json writes everything with
@@ -113,7 +114,7 @@ async function main() {
     process.exit(0);
   }
   const words = (name: string) => option(name)?.split(' ').filter(Boolean) ?? [];
-  const daemon = await startDaemon(backend, words('daemon-args'), option('profile'), words('daemon-node-args'));
+  const daemon = await startDaemon(backend, words('daemon-args'), option('profile'), words('daemon-node-args'), option('daemon-cpus'));
   const sections: Section[] = [];
   try {
     for (const id of Object.keys(SECTIONS)) {

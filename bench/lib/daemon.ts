@@ -39,12 +39,14 @@ export async function connectWhenReady(socketDir: string, child?: ChildProcess):
 /**
  * @param profileDir where the daemon writes a V8 CPU profile (--cpu-prof) when it stops
  * @param nodeArgs Node's own options for the daemon's process (--trace-gc: its collections, on this process's stdout)
+ * @param cpus the CPUs the daemon runs on (taskset -c LIST; all its threads), else wherever the bench runs
  */
-export async function startDaemon(backend: string, extraArgs: string[] = [], profileDir?: string, nodeArgs: string[] = []): Promise<BenchDaemon> {
+export async function startDaemon(backend: string, extraArgs: string[] = [], profileDir?: string, nodeArgs: string[] = [], cpus?: string): Promise<BenchDaemon> {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-bench-'));
+  const pinned = cpus === undefined ? [] : ['-c', cpus, process.execPath];
   const child = spawn(
-    process.execPath,
-    [...nodeArgs, ...(profileDir ? ['--cpu-prof', `--cpu-prof-dir=${profileDir}`] : []), path.join(packageRoot, 'bin', 'vmmd.js'), '--backend', backend, '--socket-dir', dir, '--log-level', 'warn', ...extraArgs],
+    cpus === undefined ? process.execPath : 'taskset',
+    [...pinned, ...nodeArgs, ...(profileDir ? ['--cpu-prof', `--cpu-prof-dir=${profileDir}`] : []), path.join(packageRoot, 'bin', 'vmmd.js'), '--backend', backend, '--socket-dir', dir, '--log-level', 'warn', ...extraArgs],
     { stdio: ['ignore', 'inherit', 'inherit'] },
   );
   const client = await connectWhenReady(dir, child);
