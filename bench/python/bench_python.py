@@ -61,6 +61,19 @@ for size in SIZES:
 print(json.dumps({"allocator": MODE, "sizes": out}))
 '''
 
+PING = r'''
+import json, time, vmmd
+client = vmmd.connect()
+for _ in range(200):
+    client.session.ping()
+samples = []
+for _ in range(ITERATIONS):
+    t = time.perf_counter_ns()
+    client.session.ping()
+    samples.append(time.perf_counter_ns() - t)
+samples.sort()
+print(json.dumps({"p50_us": samples[len(samples) // 2] / 1e3, "p99_us": samples[len(samples) * 99 // 100] / 1e3}))
+'''
 COLD = r'''
 import json, os, sys, time, vmmd
 from vmmd import _cuda
@@ -98,10 +111,14 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, default=2000)
     parser.add_argument("--processes", type=int, default=8)
     parser.add_argument("--cold", type=int, default=50)
+    parser.add_argument("--only", default="", help="comma-separated measurement names (default: all)")
     args = parser.parse_args()
+    only = [name for name in args.only.split(",") if name]
     result: Dict[str, Any] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "errors": {}}
 
     def measure(name: str, body: Any) -> None:
+        if only and name not in only:
+            return
         try:
             result[name] = body()
             print(f"[bench] {name}: {json.dumps(result[name])}", flush=True)
@@ -111,6 +128,7 @@ def main() -> int:
         json.dump(result, open(args.out, "w"), indent=1)
 
     prelude = f"SIZES = {SIZES}\nITERATIONS = {args.iterations}\n"
+    measure("session_ping", lambda: child(prelude + PING, {}))
     measure("memalloc_numba_vmmd", lambda: child(prelude + NUMBA, {"NUMBA_CUDA_MEMORY_MANAGER": "vmmd.numba"}))
     measure("memalloc_numba_default", lambda: child(prelude + NUMBA, {"NUMBA_CUDA_MEMORY_MANAGER": "default"}))
     measure("malloc_cupy_memorypool", lambda: child(prelude + CUPY.replace("MODE_", "cupy"), {}))

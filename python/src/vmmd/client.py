@@ -16,7 +16,7 @@ from . import _proto
 from .errors import STATUS, VmmdError
 from .memory import CudaImportedMemory, HostImportedMemory, ImportedMemory
 from .paths import default_socket_dir, socket_paths
-from .session import ClientSession, allocation_id
+from .session import DEFAULT_BUSY_POLL_US, ClientSession, allocation_id, busy_poll_budget
 
 SESSION_METADATA_KEY = "vmmd-session-token"
 # Reads and writes from this size up take the staging buffer; smaller ones stream over gRPC.
@@ -666,7 +666,7 @@ class VmmdClient:
     """A connected client: the session (the lease on everything it creates)
     and the services: devices, vmm, stores, admin. Usable as a context manager."""
 
-    def __init__(self, session: ClientSession, socket_dir: str, channel: grpc.Channel, deadline: float, staging_bytes: int) -> None:
+    def __init__(self, session: ClientSession, socket_dir: str, channel: grpc.Channel, deadline: float, staging_bytes: int, busy_poll_us: int = DEFAULT_BUSY_POLL_US) -> None:
         self.session = session
         self.socket_dir = socket_dir
         self._channel = channel
@@ -680,7 +680,7 @@ class VmmdClient:
         self.backend: str = session.backend if session.backend is not None else self.devices.list_devices().backend
         self.vmm = VirtualMemoryApi(_Service(channel, "VirtualMemory", metadata, deadline), session, self.backend, staging_bytes)
         self.stores = StoresApi(_Service(channel, "Stores", metadata, deadline), session, self.backend)
-        self._options = (deadline, staging_bytes)
+        self._options = (deadline, staging_bytes, busy_poll_us)
         session.on_close.append(self._on_session_close)
 
     def _on_session_close(self) -> None:
@@ -700,7 +700,7 @@ class VmmdClient:
         restart of the daemon, say). This client stays closed.
         Raises VmmdError UNAVAILABLE DAEMON_UNREACHABLE while no daemon serves the directory."""
         self.close()
-        return connect(self.socket_dir, deadline=self._options[0], staging_bytes=self._options[1])
+        return connect(self.socket_dir, deadline=self._options[0], staging_bytes=self._options[1], busy_poll_us=self._options[2])
 
     def close(self) -> None:
         """Ends the session: the daemon reclaims everything it owns. Local mappings stay valid."""
@@ -716,23 +716,32 @@ class VmmdClient:
         self.close()
 
 
-def connect(socket_dir: Optional[str] = None, deadline: float = 30.0, connect_timeout: float = 5.0, staging_bytes: int = DEFAULT_STAGING_BYTES) -> VmmdClient:
+def connect(
+    socket_dir: Optional[str] = None,
+    deadline: float = 30.0,
+    connect_timeout: float = 5.0,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    busy_poll_us: Optional[int] = None,
+) -> VmmdClient:
     """Opens a session with the daemon and a gRPC channel to it.
 
     socket_dir: the daemon's socket directory (default VMMD_SOCKET_DIR, then the
     daemon's own default); deadline: seconds per call; staging_bytes: the
-    staging buffer of large reads and writes (0: stream everything over gRPC).
-    Raises VmmdError UNAVAILABLE DAEMON_UNREACHABLE when no daemon serves the
-    directory, INVALID_ARGUMENT BAD_STAGING_SIZE."""
+    staging buffer of large reads and writes (0: stream everything over gRPC);
+    busy_poll_us: how long a caller spins for its answer on the session
+    socket before it sleeps (default VMMD_CLIENT_BUSY_POLL_US, else 200; 0:
+    never). Raises VmmdError UNAVAILABLE DAEMON_UNREACHABLE when no daemon
+    serves the directory, INVALID_ARGUMENT BAD_STAGING_SIZE, BAD_OPTION."""
     page = mmap.PAGESIZE
     if not isinstance(staging_bytes, int) or staging_bytes < 0 or staging_bytes % (2 * page) != 0 or staging_bytes > 1 << 30:
         raise VmmdError("BAD_STAGING_SIZE", STATUS["INVALID_ARGUMENT"], f"staging_bytes {staging_bytes!r} must be 0 or a positive multiple of twice the page size ({2 * page}), at most 1 GiB")
+    spin = busy_poll_budget(busy_poll_us)
     directory = socket_dir or default_socket_dir()
     grpc_path, session_path = socket_paths(directory)
-    session = ClientSession.open(session_path, connect_timeout)
+    session = ClientSession.open(session_path, connect_timeout, spin)
     channel = grpc.insecure_channel(f"unix://{grpc_path}")
     try:
-        return VmmdClient(session, directory, channel, deadline, staging_bytes)
+        return VmmdClient(session, directory, channel, deadline, staging_bytes, spin)
     except BaseException:
         session.close()
         channel.close()

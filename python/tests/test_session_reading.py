@@ -1,0 +1,264 @@
+"""Who reads the session socket: a caller waiting for its answer reads it on
+its own thread (no hand-off through the reader thread and the GIL), the reader
+thread takes what arrives while no caller reads, and neither loses a message,
+an answer or the end of the session. A fake daemon on a socketpair makes the
+timing cases exact; a real daemon checks many threads at once."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+
+import vmmd
+from vmmd.session import ClientSession
+
+from conftest import MiB, Daemon
+
+HELLO = {"type": "hello", "protocol": 1, "session": "7", "token": "0" * 64, "pid": os.getpid(), "uid": os.getuid(), "gid": os.getgid()}
+
+
+class FakeDaemon:
+    """The daemon's end of a SEQPACKET socketpair, answering by hand."""
+
+    def __init__(self) -> None:
+        self.end, client_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.session = ClientSession(client_end, dict(HELLO))
+        self.end.settimeout(5)
+
+    def request(self) -> Dict[str, Any]:
+        data, fds, _, _ = socket.recv_fds(self.end, 8192, 4)
+        for fd in fds:
+            os.close(fd)
+        return json.loads(data)
+
+    def send(self, message: Dict[str, Any], fd: int = -1) -> None:
+        data = json.dumps(message).encode()
+        if fd >= 0:
+            socket.send_fds(self.end, [data], [fd])
+        else:
+            self.end.send(data)
+
+    def pong(self, request: Dict[str, Any]) -> None:
+        self.send({"type": "pong", "nonce": request["nonce"]})
+
+    def close(self) -> None:
+        self.end.close()
+        self.session.close()
+
+
+@pytest.fixture
+def fake() -> Any:
+    made = FakeDaemon()
+    yield made
+    made.close()
+
+
+def in_thread(body: Any) -> Tuple[threading.Thread, Dict[str, Any]]:
+    out: Dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = body()
+        except BaseException as error:  # noqa: BLE001 - handed to the test
+            out["error"] = error
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def dispatch_threads(session: ClientSession) -> List[Tuple[str, str]]:
+    """Records (message type, thread name) for every message the session dispatches."""
+    seen: List[Tuple[str, str]] = []
+    original = session._dispatch
+
+    def recording(data: bytes, fds: List[int]) -> None:
+        seen.append((json.loads(data)["type"], threading.current_thread().name))
+        original(data, fds)
+
+    session._dispatch = recording  # type: ignore[method-assign]
+    return seen
+
+
+def test_the_caller_reads_its_own_answer_on_its_thread(fake: FakeDaemon) -> None:
+    seen = dispatch_threads(fake.session)
+    thread, out = in_thread(lambda: fake.session.ping(timeout=5))
+    fake.pong(fake.request())
+    thread.join(5)
+    assert "error" not in out and out["value"] > 0
+    assert seen == [("pong", thread.name)]
+
+
+def test_what_arrives_while_no_caller_waits_is_taken_by_the_reader_thread(fake: FakeDaemon) -> None:
+    seen = dispatch_threads(fake.session)
+    errors: List[Dict[str, Any]] = []
+    fake.session.on_daemon_error.append(errors.append)
+    read, write = os.pipe()
+    try:
+        fake.send({"type": "transfer", "transfer": "3"}, read)
+        fake.send({"type": "error", "code": "FREE_FAILED", "status": 13, "message": "a free failed after its answer"})
+        fd = fake.session.take_transfer("3", timeout=5)
+        os.close(fd)
+        deadline = time.monotonic() + 5
+        while not errors and time.monotonic() < deadline:
+            time.sleep(0.005)
+    finally:
+        os.close(read)
+        os.close(write)
+    assert errors and errors[0]["code"] == "FREE_FAILED"
+    assert [name for _, name in seen] == [f"vmmd-session-{fake.session.id}"] * 2
+
+
+def test_an_answer_that_comes_after_the_timeout_is_dropped_and_the_session_goes_on(fake: FakeDaemon) -> None:
+    with pytest.raises(vmmd.VmmdError) as raised:
+        fake.session.ping(timeout=0.2)
+    assert raised.value.code == "NO_ANSWER"
+    late = fake.request()
+    # The late answer (with a descriptor, as an allocate's) lands after the caller gave up: closed, not kept.
+    before = len(os.listdir("/proc/self/fd"))
+    read, write = os.pipe()
+    fake.send({"type": "allocated", "request": late["nonce"], "allocation": "1"}, read)
+    os.close(read)
+    os.close(write)
+    fake.pong(late)
+    thread, out = in_thread(lambda: fake.session.ping(timeout=5))
+    fake.pong(fake.request())
+    thread.join(5)
+    assert "error" not in out, out.get("error")
+    # Every message before the last pong was dispatched before it: the descriptor is closed by now.
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_the_daemon_going_away_fails_a_reading_caller_at_once(fake: FakeDaemon) -> None:
+    thread, out = in_thread(lambda: fake.session.ping(timeout=30))
+    fake.request()
+    started = time.monotonic()
+    fake.end.close()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert isinstance(out.get("error"), vmmd.VmmdError) and out["error"].code == "SESSION_LOST"
+    assert time.monotonic() - started < 5
+    assert fake.session.closed
+    with pytest.raises(vmmd.VmmdError) as raised:
+        fake.session.ping(timeout=1)
+    assert raised.value.code == "SESSION_LOST"
+
+
+def test_close_while_a_caller_reads_ends_its_wait(fake: FakeDaemon) -> None:
+    thread, out = in_thread(lambda: fake.session.ping(timeout=30))
+    fake.request()
+    fake.session.close()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert isinstance(out.get("error"), vmmd.VmmdError) and out["error"].code == "SESSION_LOST"
+
+
+def test_answers_out_of_order_reach_their_callers(fake: FakeDaemon) -> None:
+    """Two callers: whichever reads dispatches the other's answer too, and the
+    one whose answer comes after the reader left still gets it."""
+    first, first_out = in_thread(lambda: fake.session.ping(timeout=5))
+    one = fake.request()
+    second, second_out = in_thread(lambda: fake.session.ping(timeout=5))
+    two = fake.request()
+    fake.pong(one)
+    first.join(5)
+    time.sleep(0.05)
+    fake.pong(two)
+    second.join(5)
+    assert "error" not in first_out and "error" not in second_out
+    third, third_out = in_thread(lambda: fake.session.ping(timeout=5))
+    three = fake.request()
+    fourth, fourth_out = in_thread(lambda: fake.session.ping(timeout=5))
+    four = fake.request()
+    fake.pong(four)
+    fourth.join(5)
+    fake.pong(three)
+    third.join(5)
+    assert "error" not in third_out and "error" not in fourth_out
+
+
+def test_many_threads_at_once_each_get_their_answers(daemon: Daemon) -> None:
+    with daemon.connect() as client:
+        session = client.session
+        failures: List[BaseException] = []
+
+        def work() -> None:
+            try:
+                for _ in range(100):
+                    session.ping(timeout=10)
+                    message, fd = session.allocate(2 * MiB, timeout=10)
+                    os.close(fd)
+                    assert session.release(int(message["allocation"]), timeout=10)["freed"]
+            except BaseException as error:  # noqa: BLE001 - collected
+                failures.append(error)
+
+        before = daemon.stats().allocations
+        threads = [threading.Thread(target=work) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not any(thread.is_alive() for thread in threads)
+        assert failures == []
+        assert daemon.stats().allocations == before
+
+
+class RecordingPoll:
+    """Stands in for a session's caller poll object, recording each wait's timeout."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.timeouts: List[Optional[int]] = []
+
+    def poll(self, timeout: Optional[int] = None) -> Any:
+        self.timeouts.append(timeout)
+        return self.inner.poll(timeout)
+
+
+@pytest.mark.parametrize("budget", [0, 200])
+def test_a_caller_spins_for_its_answer_only_within_its_budget(budget: int) -> None:
+    end, client_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    session = ClientSession(client_end, dict(HELLO), busy_poll_us=budget)
+    recording = RecordingPoll(session._caller_poll)
+    session._caller_poll = recording  # type: ignore[assignment]
+    try:
+        thread, out = in_thread(lambda: session.ping(timeout=5))
+        request = json.loads(end.recv(8192))
+        time.sleep(0.05)  # well past any budget: the caller sleeps in poll by now
+        end.send(json.dumps({"type": "pong", "nonce": request["nonce"]}).encode())
+        thread.join(5)
+        assert "error" not in out, out.get("error")
+    finally:
+        end.close()
+        session.close()
+    if budget == 0:
+        assert 0 not in recording.timeouts
+    else:
+        assert recording.timeouts[0] == 0
+    # Past the budget it sleeps: a poll with a timeout (the rest of the call's 5 s).
+    assert any(timeout is not None and timeout > 0 for timeout in recording.timeouts)
+
+
+@pytest.mark.parametrize("value", [-1, 10_001, 1.5, True, "200"])
+def test_a_bad_busy_poll_budget_is_refused_by_name(daemon: Daemon, value: Any) -> None:
+    with pytest.raises(vmmd.VmmdError) as raised:
+        daemon.connect(busy_poll_us=value)
+    assert raised.value.code == "BAD_OPTION" and raised.value.status == 3
+    assert "busy_poll_us" in str(raised.value) and "0 to 10000" in str(raised.value)
+
+
+def test_a_bad_busy_poll_budget_in_the_environment_is_refused_by_name(daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VMMD_CLIENT_BUSY_POLL_US", "fast")
+    with pytest.raises(vmmd.VmmdError) as raised:
+        daemon.connect()
+    assert raised.value.code == "BAD_OPTION"
+    assert "VMMD_CLIENT_BUSY_POLL_US" in str(raised.value) and "'fast'" in str(raised.value)
+    monkeypatch.setenv("VMMD_CLIENT_BUSY_POLL_US", "0")
+    with daemon.connect() as client:
+        assert client.session._busy_poll_s == 0
+        assert client.session.ping() > 0
