@@ -2,7 +2,7 @@
 # The Python client's session round trip, its reading (on the caller's thread, spinning first) against the client
 # BEFORE (its reader thread handing each answer over), alternated on one lease with one cuda daemon: the session
 # ping, cold 2 MiB allocations from one process and from 8 at once (bench/python/bench_python.py --only).
-# Usage: bench/probe/python-session-ab.sh BUNDLE OUT [ROUNDS [BEFORE]]
+# Usage: [VARIANTS='after after-nospin before'] bench/probe/python-session-ab.sh BUNDLE OUT [ROUNDS [BEFORE]]
 #   BEFORE: a directory holding python/src of the client to compare with (default BUNDLE/python-before, made by
 #   `git archive REV python/src | tar -x -C .gpu/python-before` after scripts/gpu-bundle.sh).
 set -uo pipefail
@@ -20,10 +20,12 @@ for _ in $(seq 1 150); do
   sleep 0.2
 done
 for r in $(seq 1 "$rounds"); do
-  for v in after before; do
+  for v in ${VARIANTS:-after before}; do
+    # after-nospin: the new reading without the spin (VMMD_CLIENT_BUSY_POLL_US=0)
     src=python/src; [ "$v" = before ] && src="$before/python/src"
+    spin=200; [ "$v" = after-nospin ] && spin=0
     echo "== round $r: $v"
-    PYTHONPATH="$src" python3 bench/python/bench_python.py "$out/$v-$r.json" --only session_ping,cold_2mib_one_process,cold_2mib_across_processes 2>&1 | grep "\[bench\]"
+    VMMD_CLIENT_BUSY_POLL_US=$spin PYTHONPATH="$src" python3 bench/python/bench_python.py "$out/$v-$r.json" --only session_ping,cold_2mib_one_process,cold_2mib_across_processes 2>&1 | grep "\[bench\]"
   done
 done
 kill "$daemon"
