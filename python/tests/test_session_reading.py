@@ -75,13 +75,13 @@ def in_thread(body: Any) -> Tuple[threading.Thread, Dict[str, Any]]:
 def dispatch_threads(session: ClientSession) -> List[Tuple[str, str]]:
     """Records (message type, thread name) for every message the session dispatches."""
     seen: List[Tuple[str, str]] = []
-    original = session._dispatch
+    original = session._reading._dispatch
 
-    def recording(data: bytes, fds: List[int]) -> None:
+    def recording(data: bytes, fds: List[int], parsed: Optional[Dict[str, Any]] = None) -> None:
         seen.append((json.loads(data)["type"], threading.current_thread().name))
-        original(data, fds)
+        original(data, fds, parsed)
 
-    session._dispatch = recording  # type: ignore[method-assign]
+    session._reading._dispatch = recording  # type: ignore[method-assign]
     return seen
 
 
@@ -224,8 +224,8 @@ class RecordingPoll:
 def test_a_caller_spins_for_its_answer_only_within_its_budget(budget: int) -> None:
     end, client_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     session = ClientSession(client_end, dict(HELLO), busy_poll_us=budget)
-    recording = RecordingPoll(session._caller_poll)
-    session._caller_poll = recording  # type: ignore[assignment]
+    recording = RecordingPoll(session._reading._caller_poll)
+    session._reading._caller_poll = recording  # type: ignore[assignment]
     try:
         thread, out = in_thread(lambda: session.ping(timeout=5))
         request = json.loads(end.recv(8192))
@@ -260,5 +260,44 @@ def test_a_bad_busy_poll_budget_in_the_environment_is_refused_by_name(daemon: Da
     assert "VMMD_CLIENT_BUSY_POLL_US" in str(raised.value) and "'fast'" in str(raised.value)
     monkeypatch.setenv("VMMD_CLIENT_BUSY_POLL_US", "0")
     with daemon.connect() as client:
-        assert client.session._busy_poll_s == 0
+        assert client.session._reading.busy_poll_s == 0
         assert client.session.ping() > 0
+
+
+def test_the_main_thread_takes_only_its_own_answer_and_leaves_the_rest_to_the_reader_thread(fake: FakeDaemon) -> None:
+    """Signal handlers run in the main thread between any two bytecodes: a
+    message it took off the socket but had not dispatched would be lost. So
+    the main thread looks before it takes, and a message for anyone else
+    (here a descriptor the daemon sends meanwhile) goes to the reader thread;
+    its own answer, behind it, still reaches it."""
+    seen = dispatch_threads(fake.session)
+    read, write = os.pipe()
+
+    def daemon_side() -> None:
+        request = fake.request()
+        fake.send({"type": "transfer", "transfer": "5"}, read)
+        fake.pong(request)
+
+    side = threading.Thread(target=daemon_side, daemon=True)
+    side.start()
+    try:
+        assert fake.session.ping(timeout=5) > 0
+        side.join(5)
+        fd = fake.session.take_transfer("5", timeout=5)
+        os.close(fd)
+    finally:
+        os.close(read)
+        os.close(write)
+    reader = f"vmmd-session-{fake.session.id}"
+    assert ("transfer", reader) in seen
+    assert ("transfer", threading.main_thread().name) not in seen
+    assert [kind for kind, _ in seen] == ["transfer", "pong"]
+
+
+def test_the_main_thread_reads_its_own_answer_itself(fake: FakeDaemon) -> None:
+    seen = dispatch_threads(fake.session)
+    side = threading.Thread(target=lambda: fake.pong(fake.request()), daemon=True)
+    side.start()
+    assert fake.session.ping(timeout=5) > 0
+    side.join(5)
+    assert seen == [("pong", threading.main_thread().name)]

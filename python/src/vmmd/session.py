@@ -4,48 +4,36 @@ id, descriptors sent to the daemon, and the requests on the socket (allocate,
 release, share, export, open, ping)."""
 from __future__ import annotations
 
-import array
 import json
 import operator
 import os
-import select
 import socket
 import threading
 import time
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
+from ._reading import MAX_MESSAGE_BYTES, TIMED_OUT, SocketReading, answer_key, recv_message
 from .errors import STATUS, VmmdError
 
 PROTOCOL_VERSION = 1
-MAX_MESSAGE_BYTES = 4096
 # A descriptor the daemon sent and nobody claimed is closed after this long.
 UNCLAIMED_TRANSFER_S = 30.0
-# A caller that could not take the socket to read its own answer (another thread reads) looks again this often;
-# meanwhile whoever reads dispatches its answer too.
-_RETRY_READING_S = 0.001
 # How long a caller spins for its answer before it sleeps in poll (as the TypeScript client:
 # common/busy-poll.ts): a sleeping thread's wake-up costs 30-70 us on the GPU VMs.
 DEFAULT_BUSY_POLL_US = 200
-# What the reader thread waits for: messages and the hang-up, or (while a caller reads) only the hang-up.
-_WATCH_ALL = select.EPOLLIN | select.EPOLLRDHUP
-_WATCH_HANGUP = select.EPOLLRDHUP
-
 
 # Answers to request messages, and those that carry a descriptor.
 _ANSWERS = ("allocated", "released", "shared", "exported", "opened")
 _WITH_DESCRIPTOR = ("allocated", "exported", "opened")
 
 
-def _recv_message(sock: socket.socket, flags: int = 0) -> Tuple[bytes, List[int]]:
-    """One message and the descriptors that came with it (socket.recv_fds
-    before Python 3.13 drops its `flags`: MSG_DONTWAIT would not hold).
-    Descriptors are received close-on-exec, as Python opens its own (PEP 446)."""
-    fds = array.array("i")
-    data, ancillary, _, _ = sock.recvmsg(MAX_MESSAGE_BYTES * 2, socket.CMSG_LEN(4 * fds.itemsize), flags | socket.MSG_CMSG_CLOEXEC)
-    for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-    return data, list(fds)
+def _close(fd: int) -> None:
+    if fd >= 0:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def busy_poll_budget(option: Optional[int] = None, env: Optional[str] = None) -> int:
@@ -107,19 +95,15 @@ class ClientSession:
     `on_daemon_error` callbacks. The connection closing (the daemon stopped)
     fails everything waiting with SESSION_LOST.
 
-    Who reads: a caller waiting for an answer reads the socket itself, on its
-    own thread, and dispatches whatever comes until its answer has (one
-    caller at a time: the others wait for theirs to be dispatched, and look
-    again every millisecond). The reader thread reads only while no caller
-    does: descriptors and errors that come between requests, and answers
-    whose callers gave up reading. A reply handed from a reader thread to the
-    caller costs two thread wake-ups and a GIL hand-off (a ping took 101 us
-    that way on the build VM, 44 us from TypeScript).
+    Who reads (vmmd/_reading.py): a caller waiting for its answer reads the
+    socket on its own thread, spinning up to `busy_poll_us` before it sleeps;
+    the reader thread reads while no caller does. `on_daemon_error` callbacks
+    therefore run on whichever thread reads: a caller's (the main thread's
+    never: it takes only its own answer) or the reader thread.
     """
 
     def __init__(self, sock: socket.socket, hello: Dict[str, Any], busy_poll_us: int = DEFAULT_BUSY_POLL_US) -> None:
         self._sock = sock
-        self._busy_poll_s = busy_poll_us / 1e6
         self.id: str = str(hello["session"])
         self.token: str = str(hello["token"])
         self.pid: int = int(hello.get("pid", 0))
@@ -137,19 +121,7 @@ class ClientSession:
         self._next_request = 1
         self._closed = False
         self._closing = False
-        # Whoever holds _recv_lock reads the socket: a caller (counted in _readers from before it tries
-        # until it leaves) or the reader thread, which waits while _readers > 0.
-        self._recv_lock = threading.Lock()
-        self._readers = 0
-        # The connection has ended (EOF or a failed read): the reader thread finishes the session.
-        self._ended = False
-        # Callers wait for messages on _caller_poll (one at a time: under _recv_lock). The reader thread
-        # waits on _watch, which looks for messages only while no caller reads (for a hang-up always):
-        # two threads woken by one answer would pass the GIL back and forth for it.
-        self._caller_poll = select.poll()
-        self._caller_poll.register(sock, select.POLLIN)
-        self._watch = select.epoll()
-        self._watch.register(sock, _WATCH_ALL)
+        self._reading = SocketReading(sock, self._lock, self._dispatch, _ANSWERS, busy_poll_us)
         self._reader = threading.Thread(target=self._read_loop, name=f"vmmd-session-{self.id}", daemon=True)
         self._reader.start()
 
@@ -168,7 +140,7 @@ class ClientSession:
             raise VmmdError("DAEMON_UNREACHABLE", STATUS["UNAVAILABLE"], f"cannot reach vmmd at {path}: {error.strerror or error}") from None
         sock.settimeout(timeout)
         try:
-            data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE_BYTES * 2, 4)
+            data, fds = recv_message(sock)
         except socket.timeout:
             sock.close()
             raise VmmdError("NO_GREETING", STATUS["DEADLINE_EXCEEDED"], f"vmmd at {path} sent no greeting within {timeout} s") from None
@@ -313,37 +285,39 @@ class ClientSession:
         deadline = None if timeout is None else time.monotonic() + float(timeout)
         sent: List[Tuple[str, _Pending]] = []
         failure: Optional[VmmdError] = None
-        for allocation in ids:
-            try:
-                sent.append(self._send_request({"type": "release", "allocation": allocation}))
-            except VmmdError as error:
-                failure = error
-                break
         results: List[Union[Dict[str, Any], VmmdError]] = []
-        for request, pending in sent:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                self._await(request, pending, left, "release", limit=timeout)
-                assert pending.message is not None
-                results.append(pending.message)
-            except VmmdError as error:
-                if error.code in ("NO_ANSWER", "SESSION_LOST"):
-                    failure = failure or error
-                results.append(error)
+        try:
+            self._reading.take(self._closed)  # as _request: before the first release goes
+            for allocation in ids:
+                try:
+                    sent.append(self._send_request({"type": "release", "allocation": allocation}))
+                except VmmdError as error:
+                    failure = error
+                    break
+            for request, pending in sent:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    self._await(request, pending, left, "release", limit=timeout)
+                    assert pending.message is not None
+                    results.append(pending.message)
+                except VmmdError as error:
+                    if error.code in ("NO_ANSWER", "SESSION_LOST"):
+                        failure = failure or error
+                    results.append(error)
+        finally:
+            self._reading.leave()
         if failure is not None:
             raise failure
         return results
 
     def _request(self, message: Dict[str, Any], timeout: float, what: str, key: str = "request") -> _Pending:
-        # The socket is taken for reading before the request goes: its answer cannot reach the reader thread first.
-        reading = self._take_reading()
         try:
+            # The socket is taken before the request goes: its answer cannot reach the reader thread first.
+            self._reading.take(self._closed)
             request, pending = self._send_request(message, key)
-        except BaseException:
-            if reading:
-                self._leave_reading()
-            raise
-        self._await(request, pending, timeout, what, key, reading=reading)
+            self._await(request, pending, timeout, what, key)
+        finally:
+            self._reading.leave()
         return pending
 
     def _send_request(self, message: Dict[str, Any], key: str = "request") -> Tuple[str, _Pending]:
@@ -365,29 +339,20 @@ class ClientSession:
                 raise
         return request, pending
 
-    def _await(self, request: str, pending: _Pending, timeout: Optional[float], what: str, key: str = "request", limit: Optional[float] = None, reading: bool = False) -> None:
-        """Waits for a sent request's answer, reading the socket on this thread
-        while no other does (`reading`: this thread holds it already); raises
-        its refusal, or NO_ANSWER after `timeout` seconds (None: no limit;
-        `limit`: the caller's, when this wait had only what was left of it)."""
+    def _await(self, request: str, pending: _Pending, timeout: Optional[float], what: str, key: str = "request", limit: Optional[float] = None) -> None:
+        """Waits for a sent request's answer, reading the socket on this
+        thread when no other reads it (the caller leaves it afterwards);
+        raises its refusal, or NO_ANSWER after `timeout` seconds (None: no
+        limit; `limit`: the caller's, when this wait had only what was left
+        of it)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while not pending.event.is_set():
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                if not reading:
-                    reading = self._take_reading()
-                if reading:
-                    if not self._read_until(pending, deadline):
-                        # The connection ended: the reader thread finishes the session, which fails this wait.
-                        self._leave_reading()
-                        reading = False
-                else:
-                    pending.event.wait(_RETRY_READING_S if left is None else min(left, _RETRY_READING_S))
-        finally:
-            if reading:
-                self._leave_reading()
+        if not pending.event.is_set() and self._reading.take(self._closed):
+            outcome = self._reading.read_until(pending.event, f"{key}:{request}", deadline)
+            if outcome != TIMED_OUT and not pending.event.is_set():
+                # The connection ended, or (main thread) another message came first: the reader thread goes on.
+                self._reading.leave()
+        if not pending.event.is_set():
+            pending.event.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if not pending.event.is_set():
             with self._lock:
                 self._requests.pop(f"{key}:{request}", None)
@@ -396,90 +361,6 @@ class ClientSession:
             raise VmmdError("NO_ANSWER", STATUS["DEADLINE_EXCEEDED"], f"the daemon did not answer {what} request {request} within {timeout if limit is None else limit} s")
         if pending.error is not None:
             raise pending.error
-
-    def _take_reading(self) -> bool:
-        """Takes the socket for reading on this thread, unless another thread
-        reads it or the connection has ended; True when taken."""
-        with self._lock:
-            if self._closed or self._ended:
-                return False
-            self._count_reader(1)
-        if self._recv_lock.acquire(blocking=False):
-            return True
-        with self._lock:
-            self._count_reader(-1)
-        return False
-
-    def _leave_reading(self) -> None:
-        self._recv_lock.release()
-        with self._lock:
-            self._count_reader(-1)
-
-    def _count_reader(self, change: int) -> None:
-        """Counts a caller in or out of reading (under _lock); the reader
-        thread watches for messages again once none is left."""
-        before = self._readers
-        self._readers += change
-        if (before == 0) != (self._readers == 0):
-            try:
-                self._watch.modify(self._sock, _WATCH_HANGUP if self._readers > 0 else _WATCH_ALL)
-            except (OSError, ValueError):
-                pass  # closed: nothing left to watch
-        if self._readers == 0:
-            self._lock.notify_all()
-
-    def _read_until(self, pending: _Pending, deadline: Optional[float]) -> bool:
-        """Reads and dispatches (this thread holds the socket) until `pending`
-        is answered or the deadline passes, spinning up to the busy-poll
-        budget before each sleep; False when the connection ended."""
-        spin_until = time.monotonic() + self._busy_poll_s
-        while not pending.event.is_set():
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                return True
-            if now < spin_until:
-                wait_ms: Optional[int] = 0
-            elif deadline is None:
-                wait_ms = None
-            else:
-                wait_ms = max(1, int((deadline - now) * 1000 + 0.999))
-            try:
-                ready = self._caller_poll.poll(wait_ms)
-            except (OSError, ValueError):
-                self._ended = True
-                return False
-            if ready:
-                if not self._drain(pending):
-                    return False
-                spin_until = time.monotonic() + self._busy_poll_s
-        return True
-
-    def _drain(self, until: Optional[_Pending] = None) -> bool:
-        """Dispatches the messages waiting on the socket, without blocking (the
-        caller holds _recv_lock), all of them or up to `until`'s answer (the
-        rest wait for the next reader); False when the connection ended."""
-        while until is None or not until.event.is_set():
-            try:
-                data, fds = _recv_message(self._sock, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return True
-            except (OSError, ValueError):
-                self._ended = True
-                return False
-            if not data:
-                for fd in fds:
-                    os.close(fd)
-                self._ended = True
-                return False
-            try:
-                self._dispatch(data, fds)
-            except Exception:  # a bad message from the daemon must not stop the reading
-                for fd in fds:
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
-        return True
 
     # -- lifetime ----------------------------------------------------------
 
@@ -490,7 +371,9 @@ class ClientSession:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        if threading.current_thread() is not self._reader:
+        # The reader thread ends once no caller reads: not waited for from itself, nor from a caller that
+        # reads (an on_daemon_error callback), whose reading then ends on the closed socket.
+        if threading.current_thread() is not self._reader and not self._reading.holds():
             self._reader.join(5)
         self._finish()
 
@@ -518,79 +401,63 @@ class ClientSession:
             raise VmmdError("SESSION_LOST", STATUS["UNAVAILABLE"], f"the session socket failed: {error}") from None
 
     def _read_loop(self) -> None:
-        """The reader thread: reads while no caller does, until the connection ends."""
-        while True:
-            with self._lock:
-                while self._readers > 0 and not self._closed:
-                    self._lock.wait()
-                if self._closed:
-                    break
-            if not self._ended:
-                try:
-                    events = self._watch.poll()
-                except (OSError, ValueError):
-                    break
-                if not any(mask & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR) for _, mask in events):
-                    # A hang-up while a caller reads: the caller sees it and leaves; then this thread finishes.
-                    with self._lock:
-                        while self._readers > 0 and not self._closed:
-                            self._lock.wait()
-            if not self._recv_lock.acquire(blocking=False):
-                continue  # a caller took it meanwhile (and counts in _readers: the wait above holds this thread)
-            try:
-                alive = self._drain()
-            finally:
-                self._recv_lock.release()
-            if not alive:
-                break
-        self._finish()
+        """The reader thread: reads while no caller does, until the connection ends; then finishes the session."""
+        try:
+            self._reading.reader_loop(lambda: self._closed)
+        finally:
+            self._finish()
+            self._reading.close()
 
-    def _dispatch(self, data: bytes, fds: List[int]) -> None:
+    def _dispatch(self, data: bytes, fds: List[int], parsed: Optional[Dict[str, Any]] = None) -> None:
+        """Takes one message and its descriptors (owned from here: each is
+        handed on or closed); never raises for what the daemon sent, nor for
+        a callback's error. `parsed`: the message, when the reading parsed it."""
         # At most one descriptor per message; extras are closed.
         fd = fds[0] if fds else -1
         for extra in fds[1:]:
-            os.close(extra)
-        try:
-            message = json.loads(data.decode("utf-8"))
-        except ValueError:
-            message = None
+            _close(extra)
+        message: Any = parsed
+        if message is None:
+            try:
+                message = json.loads(data.decode("utf-8"))
+            except Exception:  # ValueError, UnicodeDecodeError, RecursionError: a bad message is dropped
+                message = None
         if not isinstance(message, dict):
-            if fd >= 0:
-                os.close(fd)
+            _close(fd)
             return
         kind = message.get("type")
         now = time.monotonic()
+        key = answer_key(message, _ANSWERS)
         with self._lock:
             self._expire(now)
             if kind == "transfer" and fd >= 0 and isinstance(message.get("transfer"), str):
                 old = self._inbox.pop(message["transfer"], None)
                 if old is not None:
-                    os.close(old[0])
+                    _close(old[0])
                 self._inbox[message["transfer"]] = (fd, now)
                 self._lock.notify_all()
                 return
-            key = None
-            if (kind in _ANSWERS or kind == "error") and message.get("request") is not None:
-                key = f"request:{message['request']}"
-            elif kind == "pong" and message.get("nonce") is not None:
-                key = f"nonce:{message['nonce']}"
-            pending = self._requests.pop(key, None) if key is not None else None
-        if pending is not None:
-            if kind in _WITH_DESCRIPTOR and fd >= 0:
-                pending.message, pending.fd = message, fd
-                fd = -1
-            elif kind == "error":
-                pending.error = VmmdError(str(message.get("code")), int(message.get("status") or STATUS["UNKNOWN"]), str(message.get("message")))
-            elif kind in _WITH_DESCRIPTOR:
-                pending.error = VmmdError("NO_DESCRIPTOR", STATUS["INTERNAL"], f"the daemon's answer ({kind}) to request {message.get('request')} carried no descriptor")
-            else:
-                pending.message = message
-            pending.event.set()
-        if fd >= 0:
-            os.close(fd)
+            pending = self._requests.get(key) if key is not None else None
+            if pending is not None:
+                # Answered, then forgotten: a caller is never left unregistered and unanswered.
+                if kind in _WITH_DESCRIPTOR and fd >= 0:
+                    pending.message, pending.fd = message, fd
+                    fd = -1
+                elif kind == "error":
+                    pending.error = VmmdError(str(message.get("code")), int(message.get("status") or STATUS["UNKNOWN"]), str(message.get("message")))
+                elif kind in _WITH_DESCRIPTOR:
+                    pending.error = VmmdError("NO_DESCRIPTOR", STATUS["INTERNAL"], f"the daemon's answer ({kind}) to request {message.get('request')} carried no descriptor")
+                else:
+                    pending.message = message
+                pending.event.set()
+                del self._requests[key]  # type: ignore[arg-type]
+        _close(fd)
         if pending is None and kind == "error":
             for callback in list(self.on_daemon_error):
-                callback(message)
+                try:
+                    callback(message)
+                except Exception as error:  # a callback's failure is its own: the reading goes on
+                    warnings.warn(f"vmmd: an on_daemon_error callback failed: {error!r}", RuntimeWarning, stacklevel=2)
 
     def _expire(self, now: float) -> None:
         for transfer, (fd, since) in list(self._inbox.items()):
@@ -616,10 +483,7 @@ class ClientSession:
             self._sock.close()
         except OSError:
             pass
-        try:
-            self._watch.close()
-        except OSError:
-            pass
+        self._reading.wake()
         if not self._closing:
             for callback in list(self.on_close):
                 callback()

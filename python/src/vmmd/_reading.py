@@ -1,0 +1,273 @@
+"""Who reads the session socket: one thread at a time holds it, a caller
+waiting for its answer or the session's reader thread.
+
+A caller reads its own answer on its own thread: no hand-off through the
+reader thread and the GIL (on the 2-core build VM a ping from Python took
+101 us that way, 44 us from TypeScript; on an H100 host 78 us, 44 once the
+caller read it). It spins up to its busy-poll budget before it sleeps in
+poll. The reader thread reads only while no caller does: descriptors and
+errors that come between calls, answers whose callers did not hold the
+socket; while a caller holds it, the reader thread's epoll watches only for
+the hang-up, so that one answer does not wake two threads.
+
+Signals: Python runs a signal handler (KeyboardInterrupt) in the main thread
+between any two bytecodes, so a message the main thread has taken off the
+socket but not dispatched would be lost. The main thread therefore takes
+only its own answer: it looks at the next message first (MSG_PEEK, no
+descriptors) and leaves anything else to the reader thread, which signals
+never interrupt. An interrupt can lose only the interrupted call's own
+answer, as it could before.
+"""
+from __future__ import annotations
+
+import array
+import errno
+import json
+import os
+import select
+import socket
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+MAX_MESSAGE_BYTES = 4096
+
+# What the reader thread waits for: messages and the hang-up, or (while a caller reads) only the hang-up.
+_WATCH_ALL = select.EPOLLIN | select.EPOLLRDHUP
+_WATCH_HANGUP = select.EPOLLRDHUP
+# A caller sleeps in poll at most this long at a time (poll takes a C int of milliseconds).
+_POLL_CAP_MS = 60_000
+# Errors of a read that mean the connection is gone (a signal handler's OSError is not one of them).
+_GONE = (errno.EBADF, errno.ENOTCONN, errno.ECONNRESET, errno.EPIPE, errno.ENOTSOCK)
+
+# How a caller's reading ended.
+ANSWERED = "answered"  # its answer was dispatched
+TIMED_OUT = "timed out"  # its deadline passed
+ENDED = "ended"  # the connection ended: the reader thread finishes the session
+YIELDED = "yielded"  # (main thread) the next message is not its answer: the reader thread takes it
+
+
+def recv_message(sock: socket.socket, flags: int = 0) -> Tuple[bytes, List[int]]:
+    """One message and the descriptors that came with it (socket.recv_fds
+    before Python 3.13 drops its `flags`: MSG_DONTWAIT would not hold).
+    Descriptors are received close-on-exec, as Python opens its own (PEP 446)."""
+    fds = array.array("i")
+    data, ancillary, _, _ = sock.recvmsg(MAX_MESSAGE_BYTES * 2, socket.CMSG_LEN(4 * fds.itemsize), flags | socket.MSG_CMSG_CLOEXEC)
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    return data, list(fds)
+
+
+def answer_key(message: Any, answers: Tuple[str, ...]) -> Optional[str]:
+    """The key of the request a message answers ("request:N", "nonce:N"), or None."""
+    if not isinstance(message, dict):
+        return None
+    kind = message.get("type")
+    if (kind in answers or kind == "error") and message.get("request") is not None:
+        return f"request:{message['request']}"
+    if kind == "pong" and message.get("nonce") is not None:
+        return f"nonce:{message['nonce']}"
+    return None
+
+
+def _gone(error: OSError) -> bool:
+    return isinstance(error, ConnectionError) or error.errno in _GONE
+
+
+class SocketReading:
+    """The session socket's reading: who holds it (under the session's lock)
+    and the reads themselves. `dispatch(data, fds, message)` takes every
+    message and its descriptors (it owns them from the call on, and does not
+    raise); `message` is the parsed one when the reading parsed it already."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        lock: threading.Condition,
+        dispatch: Callable[[bytes, List[int], Optional[Dict[str, Any]]], None],
+        answers: Tuple[str, ...],
+        busy_poll_us: int,
+    ) -> None:
+        self._sock = sock
+        self._lock = lock
+        self._dispatch = dispatch
+        self._answers = answers
+        self.busy_poll_s = busy_poll_us / 1e6
+        # Invariant: the thread that reads the socket (its ident), else None; changed under _lock.
+        self.holder: Optional[int] = None
+        # The connection has ended (EOF, or the socket closed under a reader): the reader thread finishes the session.
+        self.ended = False
+        self._caller_poll = select.poll()
+        self._caller_poll.register(sock, select.POLLIN)
+        # The reader thread's epoll: the socket, and an eventfd that wake() writes when the session is
+        # finished (a socket closed before the thread waits leaves nothing in the epoll to wake it).
+        # Both are closed by the reader thread only (close()), never under its wait.
+        self._watch = select.epoll()
+        self._watch.register(sock, _WATCH_ALL)
+        self._wake = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._watch.register(self._wake, select.EPOLLIN)
+        self._watch_closed = False
+
+    # -- the role ------------------------------------------------------------
+
+    def take(self, closed: bool) -> bool:
+        """A caller takes the socket, unless someone reads it, the session is
+        `closed` or the connection ended (the caller holds the session's lock
+        for none of this). True when this thread holds it (now or already)."""
+        me = threading.get_ident()
+        with self._lock:
+            if self.holder == me:
+                return True
+            if closed or self.ended or self.holder is not None:
+                return False
+            self.holder = me
+            self._watch_for(_WATCH_HANGUP)
+        return True
+
+    def leave(self) -> None:
+        """This thread gives the socket back, if it holds it (any number of times)."""
+        me = threading.get_ident()
+        with self._lock:
+            if self.holder != me:
+                return
+            self.holder = None
+            self._watch_for(_WATCH_ALL)
+            self._lock.notify_all()
+
+    def holds(self) -> bool:
+        return self.holder == threading.get_ident()
+
+    def _watch_for(self, mask: int) -> None:
+        try:
+            self._watch.modify(self._sock, mask)
+        except (OSError, ValueError):
+            pass  # closed: nothing left to watch
+
+    # -- a caller's reading ----------------------------------------------------
+
+    def read_until(self, event: threading.Event, key: str, deadline: Optional[float]) -> str:
+        """Reads and dispatches (this thread holds the socket) until `event`
+        is set (the answer keyed `key`), the deadline passes, the connection
+        ends or (main thread) a message that is not the answer comes first.
+        Spins up to the busy-poll budget before each sleep. A signal
+        handler's exception goes through (the caller's finally leaves)."""
+        main = threading.current_thread() is threading.main_thread()
+        spin_until = time.monotonic() + self.busy_poll_s
+        while not event.is_set():
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                return TIMED_OUT
+            if now < spin_until:
+                wait_ms: int = 0
+            elif deadline is None:
+                wait_ms = _POLL_CAP_MS
+            else:
+                wait_ms = min(_POLL_CAP_MS, max(1, int((deadline - now) * 1000 + 0.999)))
+            if not self._caller_poll.poll(wait_ms):
+                continue
+            outcome = self.drain(event, key if main else None, deadline)
+            if outcome in (ENDED, YIELDED):
+                return outcome
+            spin_until = time.monotonic() + self.busy_poll_s
+        return ANSWERED
+
+    def drain(self, until: Optional[threading.Event] = None, only: Optional[str] = None, deadline: Optional[float] = None) -> str:
+        """Dispatches the messages waiting on the socket without blocking
+        (this thread holds it): all of them, or up to `until` being set, or
+        to the deadline. `only`: take a message only if it answers that key
+        (YIELDED at the first that does not). ENDED when the connection
+        ended, else ANSWERED (nothing more waiting, or `until` set)."""
+        while until is None or not until.is_set():
+            if deadline is not None and time.monotonic() >= deadline:
+                return ANSWERED
+            parsed: Optional[Dict[str, Any]] = None
+            try:
+                if only is not None:
+                    head = self._sock.recv(MAX_MESSAGE_BYTES * 2, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                    if not head:
+                        self.ended = True
+                        return ENDED
+                    try:
+                        parsed = json.loads(head.decode("utf-8"))
+                    except Exception:  # a bad message: the reader thread drops it
+                        return YIELDED
+                    if answer_key(parsed, self._answers) != only:
+                        return YIELDED
+                data, fds = recv_message(self._sock, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return ANSWERED
+            except OSError as error:
+                if not _gone(error):
+                    raise
+                self.ended = True
+                return ENDED
+            except ValueError:  # the socket object was closed under this reader
+                self.ended = True
+                return ENDED
+            if not data:
+                for fd in fds:
+                    _close(fd)
+                self.ended = True
+                return ENDED
+            self._dispatch(data, fds, parsed)
+        return ANSWERED
+
+    # -- the reader thread ---------------------------------------------------
+
+    def reader_loop(self, closed: Callable[[], bool]) -> None:
+        """The reader thread: reads while no caller does, until the
+        connection ends or `closed()` (checked under the lock)."""
+        me = threading.get_ident()
+        while True:
+            with self._lock:
+                while self.holder is not None and not closed():
+                    self._lock.wait()
+                if closed():
+                    return
+            if not self.ended:
+                try:
+                    self._watch.poll()
+                except (OSError, ValueError):
+                    return
+            with self._lock:
+                if self.holder is not None or closed():
+                    continue  # a caller took it meanwhile (or the hang-up came while it reads): it reads
+                self.holder = me
+            try:
+                outcome = self.drain()
+            finally:
+                with self._lock:
+                    self.holder = None
+                    self._lock.notify_all()
+            if outcome == ENDED:
+                return
+
+    def wake(self) -> None:
+        """Wakes the reader thread's wait (the session is finished)."""
+        with self._lock:
+            if self._watch_closed:
+                return
+            try:
+                os.eventfd_write(self._wake, 1)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """The reader thread's epoll and eventfd: closed by the reader thread as it ends."""
+        with self._lock:
+            if self._watch_closed:
+                return
+            self._watch_closed = True
+            for close in (self._watch.close, lambda: os.close(self._wake)):
+                try:
+                    close()
+                except OSError:
+                    pass
+
+
+def _close(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
