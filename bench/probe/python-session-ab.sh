@@ -23,6 +23,7 @@ for r in $(seq 1 "$rounds"); do
   for v in ${VARIANTS:-after before}; do
     # after-nospin: the new reading without the spin (VMMD_CLIENT_BUSY_POLL_US=0)
     src=python/src; [ "$v" = before ] && src="$before/python/src"
+    [ "$v" = mid ] && src="$bundle/python-mid/python/src"  # a third client: BUNDLE/python-mid, made as python-before
     spin=200; [ "$v" = after-nospin ] && spin=0
     echo "== round $r: $v"
     VMMD_CLIENT_BUSY_POLL_US=$spin PYTHONPATH="$src" python3 bench/python/bench_python.py "$out/$v-$r.json" --only session_ping,cold_2mib_one_process,cold_2mib_across_processes 2>&1 | grep "\[bench\]"

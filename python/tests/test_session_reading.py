@@ -301,3 +301,22 @@ def test_the_main_thread_reads_its_own_answer_itself(fake: FakeDaemon) -> None:
     assert fake.session.ping(timeout=5) > 0
     side.join(5)
     assert seen == [("pong", threading.main_thread().name)]
+
+
+def test_the_main_thread_alone_reads_what_comes_before_its_answer_too(fake: FakeDaemon) -> None:
+    """With no other Python thread but the reader, nothing can wait on what
+    the main thread reads: it reads straight on, and an unsolicited daemon
+    error in front of its answer (read by whichever thread comes first) still
+    reaches the callbacks, the answer its caller."""
+    if threading.active_count() != 2:
+        pytest.skip(f"other Python threads run here ({threading.active_count()})")
+    seen = dispatch_threads(fake.session)
+    errors: List[Dict[str, Any]] = []
+    fake.session.on_daemon_error.append(errors.append)
+    nonce = str(fake.session._next_request)  # the ping's, sent below: its answer can wait on the socket first
+    fake.send({"type": "error", "code": "FREE_FAILED", "status": 13, "message": "a free failed after its answer"})
+    fake.send({"type": "pong", "nonce": nonce})
+    assert fake.session.ping(timeout=5) > 0
+    assert fake.request()["nonce"] == nonce
+    assert [code["code"] for code in errors] == ["FREE_FAILED"]
+    assert [kind for kind, _ in seen] == ["error", "pong"]

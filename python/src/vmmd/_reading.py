@@ -12,11 +12,14 @@ the hang-up, so that one answer does not wake two threads.
 
 Signals: Python runs a signal handler (KeyboardInterrupt) in the main thread
 between any two bytecodes, so a message the main thread has taken off the
-socket but not dispatched would be lost. The main thread therefore takes
-only its own answer: it looks at the next message first (MSG_PEEK, no
-descriptors) and leaves anything else to the reader thread, which signals
-never interrupt. An interrupt can lose only the interrupted call's own
-answer, as it could before.
+socket but not dispatched would be lost. When other Python threads run (and
+might wait for an answer, or for a descriptor of an RPC), the main thread
+therefore takes only its own answer: it looks at the next message first
+(MSG_PEEK, no descriptors) and leaves anything else to the reader thread,
+which signals never interrupt. Alone with the reader thread it reads
+straight away: nothing but its own answer, or an unsolicited daemon error
+(only logged), can come while it waits. An interrupt can lose only the
+interrupted call's own answer, as it could before.
 """
 from __future__ import annotations
 
@@ -152,7 +155,9 @@ class SocketReading:
         ends or (main thread) a message that is not the answer comes first.
         Spins up to the busy-poll budget before each sleep. A signal
         handler's exception goes through (the caller's finally leaves)."""
-        main = threading.current_thread() is threading.main_thread()
+        # The main thread of a program with other Python threads takes only its own answer (module docstring);
+        # alone with the reader thread, nothing but its own answer or an unsolicited daemon error can come.
+        careful = threading.active_count() > 2 and threading.current_thread() is threading.main_thread()
         spin_until = time.monotonic() + self.busy_poll_s
         while not event.is_set():
             now = time.monotonic()
@@ -166,7 +171,7 @@ class SocketReading:
                 wait_ms = min(_POLL_CAP_MS, max(1, int((deadline - now) * 1000 + 0.999)))
             if not self._caller_poll.poll(wait_ms):
                 continue
-            outcome = self.drain(event, key if main else None, deadline)
+            outcome = self.drain(event, key if careful else None, deadline)
             if outcome in (ENDED, YIELDED):
                 return outcome
             spin_until = time.monotonic() + self.busy_poll_s
