@@ -158,28 +158,25 @@ def test_close_while_a_caller_reads_ends_its_wait(fake: FakeDaemon) -> None:
     assert isinstance(out.get("error"), vmmd.VmmdError) and out["error"].code == "SESSION_LOST"
 
 
-def test_answers_out_of_order_reach_their_callers(fake: FakeDaemon) -> None:
-    """Two callers: whichever reads dispatches the other's answer too, and the
-    one whose answer comes after the reader left still gets it."""
+def two_callers(fake: FakeDaemon, later_first: bool) -> None:
+    """Two pings from two threads, answered in the order they were sent or the other way round, each answer
+    after the thread before it got its own."""
     first, first_out = in_thread(lambda: fake.session.ping(timeout=5))
     one = fake.request()
     second, second_out = in_thread(lambda: fake.session.ping(timeout=5))
     two = fake.request()
-    fake.pong(one)
-    first.join(5)
-    time.sleep(0.05)
-    fake.pong(two)
-    second.join(5)
+    for request, thread in ([(two, second), (one, first)] if later_first else [(one, first), (two, second)]):
+        fake.pong(request)
+        thread.join(5)
+        time.sleep(0.05)
     assert "error" not in first_out and "error" not in second_out
-    third, third_out = in_thread(lambda: fake.session.ping(timeout=5))
-    three = fake.request()
-    fourth, fourth_out = in_thread(lambda: fake.session.ping(timeout=5))
-    four = fake.request()
-    fake.pong(four)
-    fourth.join(5)
-    fake.pong(three)
-    third.join(5)
-    assert "error" not in third_out and "error" not in fourth_out
+
+
+def test_answers_out_of_order_reach_their_callers(fake: FakeDaemon) -> None:
+    """Whichever caller reads dispatches the other's answer too, and the one
+    whose answer comes after the reader left still gets it."""
+    two_callers(fake, later_first=False)
+    two_callers(fake, later_first=True)
 
 
 def test_many_threads_at_once_each_get_their_answers(daemon: Daemon) -> None:
