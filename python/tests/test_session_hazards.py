@@ -157,8 +157,8 @@ def test_an_interrupt_as_a_caller_takes_the_socket_does_not_wedge_the_session(fa
     real_take = reading.take
     fired: List[bool] = []
 
-    def take(closed: bool) -> bool:
-        got = real_take(closed)
+    def take(closed: bool, caller: bool = True) -> bool:
+        got = real_take(closed, caller)
         if got and not fired and threading.current_thread() is threading.main_thread():
             fired.append(True)
             interrupt()
@@ -250,3 +250,39 @@ def test_the_reader_thread_ends_and_leaves_no_descriptor_however_the_session_clo
         assert not made.session._reader.is_alive()
         made.end.close()
     assert len(os.listdir("/proc/self/fd")) == baseline
+
+
+def test_a_forked_child_cannot_use_its_parents_session_nor_end_it(fake: FakeDaemon) -> None:
+    """A child forked while a session is open shares its socket: a request
+    from it would take the parent's answers, and its close() (a `with` block
+    ending in the child) would shut the parent's session down. The child is
+    refused (FORKED), and its close() only drops its own copy."""
+    import warnings
+
+    read, write = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork() with threads running: this child runs no Python thread
+        child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            os.close(read)
+            try:
+                fake.session.ping(timeout=1)
+                os.write(write, b"answered")
+            except vmmd.VmmdError as error:
+                os.write(write, error.code.encode())
+            fake.session.close()
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    _, status = os.waitpid(child, 0)
+    said = os.read(read, 100).decode()
+    os.close(read)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert said == "FORKED"
+    thread, out = in_thread(lambda: fake.session.ping(timeout=5))
+    fake.pong(fake.request())
+    thread.join(10)
+    assert "error" not in out, f"the parent's session did not survive its child: {out.get('error')!r}"

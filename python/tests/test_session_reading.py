@@ -143,6 +143,10 @@ def test_the_daemon_going_away_fails_a_reading_caller_at_once(fake: FakeDaemon) 
     assert not thread.is_alive()
     assert isinstance(out.get("error"), vmmd.VmmdError) and out["error"].code == "SESSION_LOST"
     assert time.monotonic() - started < 5
+    # The caller fails at the end it read; the reader thread finishes the session right after.
+    deadline = time.monotonic() + 5
+    while not fake.session.closed and time.monotonic() < deadline:
+        time.sleep(0.005)
     assert fake.session.closed
     with pytest.raises(vmmd.VmmdError) as raised:
         fake.session.ping(timeout=1)

@@ -17,8 +17,9 @@ might wait for an answer, or for a descriptor of an RPC), the main thread
 therefore takes only its own answer: it looks at the next message first
 (MSG_PEEK, no descriptors) and leaves anything else to the reader thread,
 which signals never interrupt. Alone with the reader thread it reads
-straight away: nothing but its own answer, or an unsolicited daemon error
-(only logged), can come while it waits. An interrupt can lose only the
+straight away: nothing but its own answer, an unsolicited daemon error (only
+logged) or a descriptor nobody will claim (sent for a call that gave up) can
+come while it waits. An interrupt can lose only the
 interrupted call's own answer, as it could before.
 """
 from __future__ import annotations
@@ -97,8 +98,13 @@ class SocketReading:
         self._dispatch = dispatch
         self._answers = answers
         self.busy_poll_s = busy_poll_us / 1e6
-        # Invariant: the thread that reads the socket (its ident), else None; changed under _lock.
+        # Invariant: the thread that reads the socket (its ident), else None, and how many of its takes
+        # it has not left yet (a request made from a callback on the reading thread takes it again);
+        # both changed under _lock.
         self.holder: Optional[int] = None
+        self._depth = 0
+        # Whether the reader thread's epoll looks for messages (else only for the hang-up); under _lock.
+        self._watching_all = True
         # The connection has ended (EOF, or the socket closed under a reader): the reader thread finishes the session.
         self.ended = False
         self._caller_poll = select.poll()
@@ -114,29 +120,48 @@ class SocketReading:
 
     # -- the role ------------------------------------------------------------
 
-    def take(self, closed: bool) -> bool:
-        """A caller takes the socket, unless someone reads it, the session is
-        `closed` or the connection ended (the caller holds the session's lock
-        for none of this). True when this thread holds it (now or already)."""
+    def take(self, closed: bool, caller: bool = True) -> bool:
+        """Takes the socket for this thread, unless another reads it, the
+        session is `closed` or the connection ended; True when this thread
+        holds it (now, or again: each take is left once). A caller's take
+        turns the reader thread's epoll to the hang-up only."""
         me = threading.get_ident()
         with self._lock:
             if self.holder == me:
+                self._depth += 1
                 return True
             if closed or self.ended or self.holder is not None:
                 return False
             self.holder = me
-            self._watch_for(_WATCH_HANGUP)
+            self._depth = 1
+            if caller and self._watching_all:
+                self._watching_all = False
+                self._watch_for(_WATCH_HANGUP)
         return True
 
     def leave(self) -> None:
-        """This thread gives the socket back, if it holds it (any number of times)."""
+        """Leaves one take of this thread's; once none is left, the socket is
+        free and the reader thread watches for messages again. Safe to call
+        again after an interrupt inside it, and when this thread holds nothing."""
         me = threading.get_ident()
         with self._lock:
-            if self.holder != me:
-                return
-            self.holder = None
-            self._watch_for(_WATCH_ALL)
-            self._lock.notify_all()
+            if self.holder == me:
+                self._depth -= 1
+                if self._depth <= 0:
+                    self.holder = None
+            if self.holder is None:
+                if not self._watching_all:
+                    self._watch_for(_WATCH_ALL)
+                    self._watching_all = True
+                self._lock.notify_all()
+
+    def leave_surely(self) -> None:
+        """leave(), once more if an exception (a signal handler's) cuts the first short."""
+        try:
+            self.leave()
+        except BaseException:
+            self.leave()
+            raise
 
     def holds(self) -> bool:
         return self.holder == threading.get_ident()
@@ -162,7 +187,10 @@ class SocketReading:
         while not event.is_set():
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                return TIMED_OUT
+                # One last look without waiting: an answer already here is not a timeout.
+                if self._caller_poll.poll(0) and self.drain(event, key if careful else None) == ENDED:
+                    return ENDED
+                return ANSWERED if event.is_set() else TIMED_OUT
             if now < spin_until:
                 wait_ms: int = 0
             elif deadline is None:
@@ -223,28 +251,22 @@ class SocketReading:
     def reader_loop(self, closed: Callable[[], bool]) -> None:
         """The reader thread: reads while no caller does, until the
         connection ends or `closed()` (checked under the lock)."""
-        me = threading.get_ident()
         while True:
             with self._lock:
                 while self.holder is not None and not closed():
                     self._lock.wait()
-                if closed():
-                    return
-            if not self.ended:
-                try:
-                    self._watch.poll()
-                except (OSError, ValueError):
-                    return
-            with self._lock:
-                if self.holder is not None or closed():
-                    continue  # a caller took it meanwhile (or the hang-up came while it reads): it reads
-                self.holder = me
+                if closed() or self.ended:
+                    return  # (a caller read the end: every message before it was read too)
+            try:
+                self._watch.poll()
+            except (OSError, ValueError):
+                return
+            if closed() or not self.take(False, caller=False):
+                continue  # a caller took it meanwhile (or the hang-up came while it reads): it reads
             try:
                 outcome = self.drain()
             finally:
-                with self._lock:
-                    self.holder = None
-                    self._lock.notify_all()
+                self.leave()
             if outcome == ENDED:
                 return
 

@@ -5,20 +5,25 @@ release, share, export, open, ping)."""
 from __future__ import annotations
 
 import json
+import math
 import operator
 import os
 import socket
 import threading
 import time
 import warnings
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
-from ._reading import MAX_MESSAGE_BYTES, TIMED_OUT, SocketReading, answer_key, recv_message
+from ._reading import ENDED, MAX_MESSAGE_BYTES, YIELDED, SocketReading, answer_key, recv_message
 from .errors import STATUS, VmmdError
 
 PROTOCOL_VERSION = 1
 # A descriptor the daemon sent and nobody claimed is closed after this long.
 UNCLAIMED_TRANSFER_S = 30.0
+# release_many keeps at most this many requests unanswered: the daemon's socket buffer holds a few hundred
+# answers, and one the client's socket cannot take is dropped (SESSION_SOCKET_FULL).
+RELEASE_WINDOW = 64
 # How long a caller spins for its answer before it sleeps in poll (as the TypeScript client:
 # common/busy-poll.ts): a sleeping thread's wake-up costs 30-70 us on the GPU VMs.
 DEFAULT_BUSY_POLL_US = 200
@@ -26,6 +31,18 @@ DEFAULT_BUSY_POLL_US = 200
 # Answers to request messages, and those that carry a descriptor.
 _ANSWERS = ("allocated", "released", "shared", "exported", "opened")
 _WITH_DESCRIPTOR = ("allocated", "exported", "opened")
+
+
+# Open sessions, for the fork hook below.
+_SESSIONS: "weakref.WeakSet[ClientSession]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for session in list(_SESSIONS):
+        session._forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _close(fd: int) -> None:
@@ -121,9 +138,13 @@ class ClientSession:
         self._next_request = 1
         self._closed = False
         self._closing = False
+        # Set in a child forked while this session was open: the socket is its parent's (see _check_process).
+        self._forked = False
+        self._pid = os.getpid()
         self._reading = SocketReading(sock, self._lock, self._dispatch, _ANSWERS, busy_poll_us)
         self._reader = threading.Thread(target=self._read_loop, name=f"vmmd-session-{self.id}", daemon=True)
         self._reader.start()
+        _SESSIONS.add(self)
 
     @classmethod
     def open(cls, path: str, timeout: float = 5.0, busy_poll_us: int = DEFAULT_BUSY_POLL_US) -> "ClientSession":
@@ -177,7 +198,8 @@ class ClientSession:
     def take_transfer(self, transfer: str | int, timeout: float = 5.0) -> int:
         """The descriptor the daemon sent as `transfer`; the caller owns it.
 
-        Raises VmmdError DEADLINE_EXCEEDED TRANSFER_NOT_RECEIVED, UNAVAILABLE SESSION_LOST."""
+        Raises VmmdError DEADLINE_EXCEEDED TRANSFER_NOT_RECEIVED, UNAVAILABLE SESSION_LOST, FAILED_PRECONDITION FORKED."""
+        self._check_process()
         key = str(transfer)
         deadline = time.monotonic() + timeout
         with self._lock:
@@ -284,49 +306,69 @@ class ClientSession:
         ids = [allocation_id(allocation) for allocation in allocations]
         deadline = None if timeout is None else time.monotonic() + float(timeout)
         sent: List[Tuple[str, _Pending]] = []
+        registered: List[Tuple[str, _Pending]] = []
         failure: Optional[VmmdError] = None
         results: List[Union[Dict[str, Any], VmmdError]] = []
+
+        def collect(request: str, pending: _Pending) -> None:
+            nonlocal failure
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                self._await(request, pending, left, "release", limit=timeout)
+                assert pending.message is not None
+                results.append(pending.message)
+            except VmmdError as error:
+                if error.code in ("NO_ANSWER", "SESSION_LOST"):
+                    failure = failure or error
+                results.append(error)
+
         try:
             self._reading.take(self._closed)  # as _request: before the first release goes
             for allocation in ids:
+                # At most RELEASE_WINDOW unanswered: the daemon drops answers a full socket cannot take.
+                if len(sent) - len(results) >= RELEASE_WINDOW:
+                    collect(*sent[len(results)])
                 try:
-                    sent.append(self._send_request({"type": "release", "allocation": allocation}))
+                    sent.append(self._send_request({"type": "release", "allocation": allocation}, "request", registered))
                 except VmmdError as error:
-                    failure = error
+                    failure = failure or error
                     break
-            for request, pending in sent:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    self._await(request, pending, left, "release", limit=timeout)
-                    assert pending.message is not None
-                    results.append(pending.message)
-                except VmmdError as error:
-                    if error.code in ("NO_ANSWER", "SESSION_LOST"):
-                        failure = failure or error
-                    results.append(error)
+            for request, pending in sent[len(results):]:
+                collect(request, pending)
+        except BaseException:
+            self._abandon_all(registered)
+            raise
         finally:
-            self._reading.leave()
+            self._reading.leave_surely()
         if failure is not None:
             raise failure
         return results
 
     def _request(self, message: Dict[str, Any], timeout: float, what: str, key: str = "request") -> _Pending:
+        sent: List[Tuple[str, _Pending]] = []
         try:
             # The socket is taken before the request goes: its answer cannot reach the reader thread first.
             self._reading.take(self._closed)
-            request, pending = self._send_request(message, key)
+            request, pending = self._send_request(message, key, sent)
             self._await(request, pending, timeout, what, key)
+        except BaseException:
+            self._abandon_all(sent)
+            raise
         finally:
-            self._reading.leave()
+            self._reading.leave_surely()
         return pending
 
-    def _send_request(self, message: Dict[str, Any], key: str = "request") -> Tuple[str, _Pending]:
-        """Sends a request under a new id, registered for its answer: (the id, its pending answer)."""
+    def _send_request(self, message: Dict[str, Any], key: str = "request", sent: Optional[List[Tuple[str, _Pending]]] = None) -> Tuple[str, _Pending]:
+        """Sends a request under a new id, registered for its answer: (the id,
+        its pending answer). `sent` gets (its key, the pending answer) before
+        the registration: a caller cut short anywhere after it can forget it."""
         pending = _Pending()
         with self._send_lock:
             request = str(self._next_request)
             self._next_request += 1
             message[key] = request
+            if sent is not None:
+                sent.append((f"{key}:{request}", pending))
             with self._lock:
                 if self._closed:
                     raise self._lost()
@@ -339,33 +381,56 @@ class ClientSession:
                 raise
         return request, pending
 
+    def _abandon_all(self, sent: List[Tuple[str, _Pending]]) -> None:
+        """Forgets every request of a call cut short (an interrupt, a failure) that is not answered and taken."""
+        for key, pending in sent:
+            self._abandon(key, pending)
+
     def _await(self, request: str, pending: _Pending, timeout: Optional[float], what: str, key: str = "request", limit: Optional[float] = None) -> None:
         """Waits for a sent request's answer, reading the socket on this
-        thread when no other reads it (the caller leaves it afterwards);
-        raises its refusal, or NO_ANSWER after `timeout` seconds (None: no
-        limit; `limit`: the caller's, when this wait had only what was left
-        of it)."""
+        thread when no other reads it (a take the caller leaves); raises its
+        refusal, SESSION_LOST, or NO_ANSWER after `timeout` seconds (None or
+        infinite: no limit; `limit`: the caller's, when this wait had only
+        what was left of it). A wait cut short (an interrupt) forgets the
+        request and closes a descriptor that came for it."""
+        if timeout is not None and math.isinf(timeout):
+            timeout = None
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not pending.event.is_set() and self._reading.take(self._closed):
-            outcome = self._reading.read_until(pending.event, f"{key}:{request}", deadline)
-            if outcome != TIMED_OUT and not pending.event.is_set():
-                # The connection ended, or (main thread) another message came first: the reader thread goes on.
-                self._reading.leave()
-        if not pending.event.is_set():
-            pending.event.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        if not pending.event.is_set():
-            with self._lock:
-                self._requests.pop(f"{key}:{request}", None)
-            if pending.fd >= 0:
-                os.close(pending.fd)
-            raise VmmdError("NO_ANSWER", STATUS["DEADLINE_EXCEEDED"], f"the daemon did not answer {what} request {request} within {timeout if limit is None else limit} s")
+        try:
+            if not pending.event.is_set() and (self._reading.holds() or self._reading.take(self._closed)):
+                outcome = self._reading.read_until(pending.event, f"{key}:{request}", deadline)
+                if outcome == ENDED and not pending.event.is_set():
+                    raise self._lost()
+                if outcome == YIELDED:
+                    # (main thread) another message came first: the reader thread reads on.
+                    self._reading.leave_surely()
+            if not pending.event.is_set():
+                pending.event.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if not pending.event.is_set():
+                raise VmmdError("NO_ANSWER", STATUS["DEADLINE_EXCEEDED"], f"the daemon did not answer {what} request {request} within {timeout if limit is None else limit} s")
+        except BaseException:
+            self._abandon(f"{key}:{request}", pending)
+            raise
         if pending.error is not None:
             raise pending.error
+
+    def _abandon(self, key: str, pending: _Pending) -> None:
+        """Forgets a request its caller gave up on: an answer that comes later is dropped, a descriptor already here closed."""
+        with self._lock:
+            self._requests.pop(key, None)
+            fd, pending.fd = pending.fd, -1
+        _close(fd)
 
     # -- lifetime ----------------------------------------------------------
 
     def close(self) -> None:
-        """Ends the session: the daemon reclaims everything it owns."""
+        """Ends the session: the daemon reclaims everything it owns. In a
+        child forked from the process that opened it, only drops the child's
+        copy of the socket: the session is the parent's."""
+        if self._forked:
+            self._closing = self._closed = True
+            self._sock.close()
+            return
         self._closing = True
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
@@ -385,10 +450,17 @@ class ClientSession:
 
     # -- internals ---------------------------------------------------------
 
+    def _check_process(self) -> None:
+        """Refuses a forked child: its requests would take the parent's answers off the shared socket.
+        Raises VmmdError FAILED_PRECONDITION FORKED."""
+        if self._forked:
+            raise VmmdError("FORKED", STATUS["FAILED_PRECONDITION"], f"session {self.id} belongs to process {self._pid}, which forked this one; connect() here for a session of this process's own")
+
     def _lost(self) -> VmmdError:
         return VmmdError("SESSION_LOST", STATUS["UNAVAILABLE"], f"session {self.id} with vmmd is closed")
 
     def _send(self, message: Dict[str, Any], fd: int = -1) -> None:
+        self._check_process()
         if self._closed:
             raise self._lost()
         data = json.dumps(message, separators=(",", ":")).encode("utf-8")
@@ -405,8 +477,10 @@ class ClientSession:
         try:
             self._reading.reader_loop(lambda: self._closed)
         finally:
-            self._finish()
-            self._reading.close()
+            try:
+                self._finish()
+            finally:
+                self._reading.close()
 
     def _dispatch(self, data: bytes, fds: List[int], parsed: Optional[Dict[str, Any]] = None) -> None:
         """Takes one message and its descriptors (owned from here: each is
@@ -416,6 +490,14 @@ class ClientSession:
         fd = fds[0] if fds else -1
         for extra in fds[1:]:
             _close(extra)
+        try:
+            fd = self._dispatch_one(data, fd, parsed)
+        except Exception as error:  # a message malformed past what _dispatch_one checks (it raises only before it hands fd on)
+            warnings.warn(f"vmmd: a message from the daemon could not be taken: {error!r}", RuntimeWarning, stacklevel=2)
+        _close(fd)
+
+    def _dispatch_one(self, data: bytes, fd: int, parsed: Optional[Dict[str, Any]]) -> int:
+        """_dispatch's work; returns the descriptor if it is still the caller's to close, else -1."""
         message: Any = parsed
         if message is None:
             try:
@@ -423,8 +505,7 @@ class ClientSession:
             except Exception:  # ValueError, UnicodeDecodeError, RecursionError: a bad message is dropped
                 message = None
         if not isinstance(message, dict):
-            _close(fd)
-            return
+            return fd
         kind = message.get("type")
         now = time.monotonic()
         key = answer_key(message, _ANSWERS)
@@ -436,7 +517,7 @@ class ClientSession:
                     _close(old[0])
                 self._inbox[message["transfer"]] = (fd, now)
                 self._lock.notify_all()
-                return
+                return -1
             pending = self._requests.get(key) if key is not None else None
             if pending is not None:
                 # Answered, then forgotten: a caller is never left unregistered and unanswered.
@@ -444,20 +525,22 @@ class ClientSession:
                     pending.message, pending.fd = message, fd
                     fd = -1
                 elif kind == "error":
-                    pending.error = VmmdError(str(message.get("code")), int(message.get("status") or STATUS["UNKNOWN"]), str(message.get("message")))
+                    status = message.get("status")
+                    status = status if isinstance(status, int) and not isinstance(status, bool) and 0 <= status <= 16 else STATUS["UNKNOWN"]
+                    pending.error = VmmdError(str(message.get("code")), status, str(message.get("message")))
                 elif kind in _WITH_DESCRIPTOR:
                     pending.error = VmmdError("NO_DESCRIPTOR", STATUS["INTERNAL"], f"the daemon's answer ({kind}) to request {message.get('request')} carried no descriptor")
                 else:
                     pending.message = message
                 pending.event.set()
                 del self._requests[key]  # type: ignore[arg-type]
-        _close(fd)
         if pending is None and kind == "error":
             for callback in list(self.on_daemon_error):
                 try:
                     callback(message)
                 except Exception as error:  # a callback's failure is its own: the reading goes on
                     warnings.warn(f"vmmd: an on_daemon_error callback failed: {error!r}", RuntimeWarning, stacklevel=2)
+        return fd
 
     def _expire(self, now: float) -> None:
         for transfer, (fd, since) in list(self._inbox.items()):
@@ -486,4 +569,7 @@ class ClientSession:
         self._reading.wake()
         if not self._closing:
             for callback in list(self.on_close):
-                callback()
+                try:
+                    callback()
+                except Exception as error:  # one callback's failure stops neither the others nor the session's end
+                    warnings.warn(f"vmmd: an on_close callback failed: {error!r}", RuntimeWarning, stacklevel=2)
