@@ -39,15 +39,15 @@ def test_an_interrupt_as_the_caller_leaves_the_socket_does_not_wedge_the_reader(
     fired: List[bool] = []
     main = threading.main_thread()
     if where == "before the holder is cleared":
-        real_leave = reading.leave
+        real_leave = reading.leave_to
 
-        def leave() -> None:
+        def leave(depth: int) -> None:
             if not fired and threading.current_thread() is main and reading.holds():
                 fired.append(True)
                 interrupt()  # the handler runs here, before the real leave's first line
-            real_leave()
+            real_leave(depth)
 
-        reading.leave = leave
+        reading.leave_to = leave  # type: ignore[method-assign]
     else:
         real_watch_for = reading._watch_for
 
@@ -227,14 +227,12 @@ def test_an_interrupted_allocate_leaks_neither_its_request_nor_its_descriptor(fa
     baseline = open_fds()
     read, write = os.pipe()
 
-    def daemon_side() -> None:
-        request = fake.request()
+    def answer_late(request: Any) -> None:
         interrupt()  # the main thread is in read_until's poll
         time.sleep(0.2)
-        fake.send({"type": "allocated", "request": request["request"], "allocation": "5", "size": "4096"}, read)
+        fake.allocated(request, read)
 
-    side = threading.Thread(target=daemon_side, daemon=True)
-    side.start()
+    side = fake.serve(answer_late)
     with pytest.raises(Interrupted):
         fake.session.allocate(4096, timeout=5)
     side.join(5)

@@ -46,6 +46,15 @@ class FakeDaemon:
     def pong(self, request: Dict[str, Any]) -> None:
         self.send({"type": "pong", "nonce": request["nonce"]})
 
+    def serve(self, body: Any) -> threading.Thread:
+        """On a thread of its own: waits for the next request and runs body(request)."""
+        side = threading.Thread(target=lambda: body(self.request()), daemon=True)
+        side.start()
+        return side
+
+    def allocated(self, request: Dict[str, Any], fd: int) -> None:
+        self.send({"type": "allocated", "request": request["request"], "allocation": "5", "size": "4096"}, fd)
+
     def close(self) -> None:
         self.end.close()
         self.session.close()
@@ -274,19 +283,19 @@ def test_the_main_thread_takes_only_its_own_answer_and_leaves_the_rest_to_the_re
     seen = dispatch_threads(fake.session)
     read, write = os.pipe()
 
-    def daemon_side() -> None:
-        request = fake.request()
-        fake.send({"type": "transfer", "transfer": "5"}, read)
-        fake.pong(request)
-
-    side = threading.Thread(target=daemon_side, daemon=True)
-    side.start()
+    # Another Python thread for the whole call (the daemon's side may be done before the ping reads):
+    # the main thread is careful only while others run.
+    done = threading.Event()
+    idle = threading.Thread(target=done.wait, daemon=True)
+    idle.start()
+    side = fake.serve(lambda request: (fake.send({"type": "transfer", "transfer": "5"}, read), fake.pong(request)))
     try:
         assert fake.session.ping(timeout=5) > 0
         side.join(5)
         fd = fake.session.take_transfer("5", timeout=5)
         os.close(fd)
     finally:
+        done.set()
         os.close(read)
         os.close(write)
     reader = f"vmmd-session-{fake.session.id}"

@@ -141,27 +141,32 @@ class SocketReading:
 
     def leave(self) -> None:
         """Leaves one take of this thread's; once none is left, the socket is
-        free and the reader thread watches for messages again. Safe to call
-        again after an interrupt inside it, and when this thread holds nothing."""
+        free and the reader thread watches for messages again (when this
+        thread holds nothing: only that)."""
+        self.leave_to(self.depth() - 1)
+
+    def depth(self) -> int:
+        """How many takes this thread holds now (0: it does not hold the socket): what leave_to() returns to."""
+        return self._depth if self.holder == threading.get_ident() else 0
+
+    def leave_to(self, depth: int) -> None:
+        """Leaves this thread's takes down to `depth` (what depth() said
+        before the call took any): idempotent, so a caller repeats it when
+        an interrupt cuts it short, and an interrupt anywhere in take() or
+        leave() leaves no take behind and releases no outer one."""
         me = threading.get_ident()
         with self._lock:
             if self.holder == me:
-                self._depth -= 1
-                if self._depth <= 0:
+                if depth > 0:
+                    self._depth = min(self._depth, depth)
+                else:
                     self.holder = None
+                    self._depth = 0
             if self.holder is None:
                 if not self._watching_all:
                     self._watch_for(_WATCH_ALL)
                     self._watching_all = True
                 self._lock.notify_all()
-
-    def leave_surely(self) -> None:
-        """leave(), once more if an exception (a signal handler's) cuts the first short."""
-        try:
-            self.leave()
-        except BaseException:
-            self.leave()
-            raise
 
     def holds(self) -> bool:
         return self.holder == threading.get_ident()
@@ -187,9 +192,12 @@ class SocketReading:
         while not event.is_set():
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                # One last look without waiting: an answer already here is not a timeout.
-                if self._caller_poll.poll(0) and self.drain(event, key if careful else None) == ENDED:
-                    return ENDED
+                # One last look without waiting: an answer already here is not a timeout (behind another
+                # message, for a careful main thread: YIELDED, and the reader thread dispatches it).
+                if self._caller_poll.poll(0):
+                    last = self.drain(event, key if careful else None)
+                    if last in (ENDED, YIELDED) and not event.is_set():
+                        return last
                 return ANSWERED if event.is_set() else TIMED_OUT
             if now < spin_until:
                 wait_ms: int = 0

@@ -24,6 +24,8 @@ UNCLAIMED_TRANSFER_S = 30.0
 # release_many keeps at most this many requests unanswered: the daemon's socket buffer holds a few hundred
 # answers, and one the client's socket cannot take is dropped (SESSION_SOCKET_FULL).
 RELEASE_WINDOW = 64
+# A main thread that leaves the socket to the reader thread at its deadline waits this much longer for it.
+YIELD_GRACE_S = 0.005
 # How long a caller spins for its answer before it sleeps in poll (as the TypeScript client:
 # common/busy-poll.ts): a sleeping thread's wake-up costs 30-70 us on the GPU VMs.
 DEFAULT_BUSY_POLL_US = 200
@@ -43,6 +45,16 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _deadline(timeout: Optional[float]) -> Optional[float]:
+    """The monotonic deadline of a wait of `timeout` seconds; None (no limit) for None or +inf.
+    Raises VmmdError INVALID_ARGUMENT BAD_TIMEOUT for NaN."""
+    if timeout is None or timeout == math.inf:
+        return None
+    if timeout != timeout:
+        raise VmmdError("BAD_TIMEOUT", STATUS["INVALID_ARGUMENT"], "timeout nan is not a number of seconds")
+    return time.monotonic() + timeout
 
 
 def _close(fd: int) -> None:
@@ -201,7 +213,7 @@ class ClientSession:
         Raises VmmdError DEADLINE_EXCEEDED TRANSFER_NOT_RECEIVED, UNAVAILABLE SESSION_LOST, FAILED_PRECONDITION FORKED."""
         self._check_process()
         key = str(transfer)
-        deadline = time.monotonic() + timeout
+        deadline = _deadline(timeout)
         with self._lock:
             while True:
                 held = self._inbox.pop(key, None)
@@ -209,8 +221,8 @@ class ClientSession:
                     return held[0]
                 if self._closed:
                     raise self._lost()
-                left = deadline - time.monotonic()
-                if left <= 0:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
                     raise VmmdError("TRANSFER_NOT_RECEIVED", STATUS["DEADLINE_EXCEEDED"], f"descriptor {key} did not arrive within {timeout} s")
                 self._lock.wait(left)
 
@@ -304,9 +316,10 @@ class ClientSession:
         no limit) or SESSION_LOST, after waiting for the requests already
         sent, when the session fails."""
         ids = [allocation_id(allocation) for allocation in allocations]
-        deadline = None if timeout is None else time.monotonic() + float(timeout)
+        deadline = _deadline(None if timeout is None else float(timeout))
         sent: List[Tuple[str, _Pending]] = []
         registered: List[Tuple[str, _Pending]] = []
+        tail: List[VmmdError] = []
         failure: Optional[VmmdError] = None
         results: List[Union[Dict[str, Any], VmmdError]] = []
 
@@ -322,12 +335,19 @@ class ClientSession:
                     failure = failure or error
                 results.append(error)
 
+        held = self._reading.depth()
         try:
             self._reading.take(self._closed)  # as _request: before the first release goes
-            for allocation in ids:
+            for index, allocation in enumerate(ids):
                 # At most RELEASE_WINDOW unanswered: the daemon drops answers a full socket cannot take.
                 if len(sent) - len(results) >= RELEASE_WINDOW:
                     collect(*sent[len(results)])
+                if deadline is not None and time.monotonic() >= deadline:
+                    # Past the deadline nothing more is sent: the rest are not released.
+                    unsent = VmmdError("NO_ANSWER", STATUS["DEADLINE_EXCEEDED"], f"release_many: {len(ids) - index} release(s) not sent: the {timeout} s deadline passed")
+                    failure = failure or unsent
+                    tail = [unsent] * (len(ids) - index)
+                    break
                 try:
                     sent.append(self._send_request({"type": "release", "allocation": allocation}, "request", registered))
                 except VmmdError as error:
@@ -335,27 +355,33 @@ class ClientSession:
                     break
             for request, pending in sent[len(results):]:
                 collect(request, pending)
+            results.extend(tail)
         except BaseException:
+            self._reading.leave_to(held)
             self._abandon_all(registered)
             raise
         finally:
-            self._reading.leave_surely()
+            self._reading.leave_to(held)
         if failure is not None:
             raise failure
         return results
 
     def _request(self, message: Dict[str, Any], timeout: float, what: str, key: str = "request") -> _Pending:
         sent: List[Tuple[str, _Pending]] = []
+        held = self._reading.depth()
         try:
-            # The socket is taken before the request goes: its answer cannot reach the reader thread first.
-            self._reading.take(self._closed)
-            request, pending = self._send_request(message, key, sent)
-            self._await(request, pending, timeout, what, key)
+            try:
+                # The socket is taken before the request goes: its answer cannot reach the reader thread first.
+                self._reading.take(self._closed)
+                request, pending = self._send_request(message, key, sent)
+                self._await(request, pending, timeout, what, key)
+            finally:
+                self._reading.leave_to(held)
         except BaseException:
+            # Cut short anywhere (an interrupt in the leave too): the socket left, the request forgotten.
+            self._reading.leave_to(held)
             self._abandon_all(sent)
             raise
-        finally:
-            self._reading.leave_surely()
         return pending
 
     def _send_request(self, message: Dict[str, Any], key: str = "request", sent: Optional[List[Tuple[str, _Pending]]] = None) -> Tuple[str, _Pending]:
@@ -393,19 +419,20 @@ class ClientSession:
         infinite: no limit; `limit`: the caller's, when this wait had only
         what was left of it). A wait cut short (an interrupt) forgets the
         request and closes a descriptor that came for it."""
-        if timeout is not None and math.isinf(timeout):
-            timeout = None
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = _deadline(timeout)
         try:
+            grace = 0.0
             if not pending.event.is_set() and (self._reading.holds() or self._reading.take(self._closed)):
                 outcome = self._reading.read_until(pending.event, f"{key}:{request}", deadline)
                 if outcome == ENDED and not pending.event.is_set():
                     raise self._lost()
                 if outcome == YIELDED:
-                    # (main thread) another message came first: the reader thread reads on.
-                    self._reading.leave_surely()
+                    # (main thread) another message came first: the reader thread reads on, and an answer
+                    # already here behind it is not a timeout (it has YIELD_GRACE_S to dispatch it).
+                    self._reading.leave()
+                    grace = YIELD_GRACE_S
             if not pending.event.is_set():
-                pending.event.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                pending.event.wait(None if deadline is None else max(grace, deadline - time.monotonic()))
             if not pending.event.is_set():
                 raise VmmdError("NO_ANSWER", STATUS["DEADLINE_EXCEEDED"], f"the daemon did not answer {what} request {request} within {timeout if limit is None else limit} s")
         except BaseException:
@@ -428,8 +455,15 @@ class ClientSession:
         child forked from the process that opened it, only drops the child's
         copy of the socket: the session is the parent's."""
         if self._forked:
+            # This process's copies only: the socket, the reader thread's epoll and eventfd, unclaimed descriptors.
             self._closing = self._closed = True
+            with self._lock:
+                inbox = [fd for fd, _ in self._inbox.values()]
+                self._inbox.clear()
+            for fd in inbox:
+                _close(fd)
             self._sock.close()
+            self._reading.close()
             return
         self._closing = True
         try:
@@ -494,7 +528,9 @@ class ClientSession:
             fd = self._dispatch_one(data, fd, parsed)
         except Exception as error:  # a message malformed past what _dispatch_one checks (it raises only before it hands fd on)
             warnings.warn(f"vmmd: a message from the daemon could not be taken: {error!r}", RuntimeWarning, stacklevel=2)
-        _close(fd)
+        finally:
+            # Still ours unless handed on (a callback's KeyboardInterrupt too: callbacks get no descriptor).
+            _close(fd)
 
     def _dispatch_one(self, data: bytes, fd: int, parsed: Optional[Dict[str, Any]]) -> int:
         """_dispatch's work; returns the descriptor if it is still the caller's to close, else -1."""
