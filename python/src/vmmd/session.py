@@ -316,6 +316,7 @@ class ClientSession:
         no limit) or SESSION_LOST, after waiting for the requests already
         sent, when the session fails."""
         ids = [allocation_id(allocation) for allocation in allocations]
+        self._check_process()
         deadline = _deadline(None if timeout is None else float(timeout))
         sent: List[Tuple[str, _Pending]] = []
         registered: List[Tuple[str, _Pending]] = []
@@ -367,6 +368,7 @@ class ClientSession:
         return results
 
     def _request(self, message: Dict[str, Any], timeout: float, what: str, key: str = "request") -> _Pending:
+        self._check_process()  # before the take: a forked child's take would turn its parent's epoll
         sent: List[Tuple[str, _Pending]] = []
         held = self._reading.depth()
         try:
