@@ -248,7 +248,7 @@ class SocketReading:
                 return ENDED
             if not data:
                 for fd in fds:
-                    _close(fd)
+                    close_fd(fd)
                 self.ended = True
                 return ENDED
             self._dispatch(data, fds, parsed)
@@ -301,8 +301,10 @@ class SocketReading:
                     pass
 
 
-def _close(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError:
-        pass
+def close_fd(fd: int) -> None:
+    """Closes a descriptor, if any (-1: none); one already closed is no error."""
+    if fd >= 0:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

@@ -16,6 +16,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from ._reading import ENDED, MAX_MESSAGE_BYTES, YIELDED, SocketReading, answer_key, recv_message
+from ._reading import close_fd as _close
 from .errors import STATUS, VmmdError
 
 PROTOCOL_VERSION = 1
@@ -55,14 +56,6 @@ def _deadline(timeout: Optional[float]) -> Optional[float]:
     if timeout != timeout:
         raise VmmdError("BAD_TIMEOUT", STATUS["INVALID_ARGUMENT"], "timeout nan is not a number of seconds")
     return time.monotonic() + timeout
-
-
-def _close(fd: int) -> None:
-    if fd >= 0:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 def busy_poll_budget(option: Optional[int] = None, env: Optional[str] = None) -> int:
@@ -128,7 +121,8 @@ class ClientSession:
     socket on its own thread, spinning up to `busy_poll_us` before it sleeps;
     the reader thread reads while no caller does. `on_daemon_error` callbacks
     therefore run on whichever thread reads: a caller's (the main thread's
-    never: it takes only its own answer) or the reader thread.
+    only while no other Python thread runs: else it takes only its own
+    answer) or the reader thread.
     """
 
     def __init__(self, sock: socket.socket, hello: Dict[str, Any], busy_poll_us: int = DEFAULT_BUSY_POLL_US) -> None:
