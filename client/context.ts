@@ -15,6 +15,7 @@ import { DEFAULT_DEFERRED_FREE, DeferredFreeSettings } from './emm/deallocations
 import type { MemoryPointer } from './emm/memory';
 import { createMemoryManager } from './emm/plugin';
 import { DEFAULT_POOL, PoolSettings } from './emm/pool';
+import { AheadSettings, checkAhead, DEFAULT_AHEAD } from './emm/ahead';
 import { VmmdManagerContext, VmmdMemoryManager } from './emm/vmmd-manager';
 
 /** Futhark's unified memory setting: 0 never, 1 always, 2 where the device supports it (the default). */
@@ -28,6 +29,7 @@ export interface ConfigSettings {
   unifiedMemory: UnifiedMemory;
   pool: PoolSettings;
   deferredFree: DeferredFreeSettings;
+  ahead: AheadSettings;
   socketDir?: string;
   log: (line: string) => void;
 }
@@ -43,6 +45,7 @@ export class Config {
     unifiedMemory: 2,
     pool: DEFAULT_POOL,
     deferredFree: DEFAULT_DEFERRED_FREE,
+    ahead: DEFAULT_AHEAD,
     log: (line) => process.stderr.write(`${line}\n`),
   };
   private frozen = false;
@@ -98,6 +101,14 @@ export class Config {
     if (!Number.isInteger(deferred.count) || deferred.count < 0) throw badConfig(`deferred free count ${deferred.count} must be an integer >= 0`);
     if (!(deferred.ratio >= 0 && deferred.ratio <= 1)) throw badConfig(`deferred free ratio ${deferred.ratio} must be within [0, 1]`);
     return this.set('deferredFree', deferred);
+  }
+
+  /**
+   * Allocations received ahead of need, for sizes asked for repeatedly: at most `maxBytes` held (0: none), each
+   * given back after `idleMs` unused.
+   */
+  setAhead(settings: Partial<AheadSettings>): this {
+    return this.set('ahead', checkAhead({ ...this.values.ahead, ...settings }));
   }
 
   setSocketDir(dir: string): this {
@@ -162,6 +173,7 @@ export class Context implements ArrayContext {
         client,
         pool: settings.pool,
         deferred: settings.deferredFree,
+        ahead: settings.ahead,
         unified: settings.unifiedMemory === 1,
         checks: settings.debugging,
       };

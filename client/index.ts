@@ -15,6 +15,8 @@ export { Config, Context } from './context';
 export type { ConfigSettings, UnifiedMemory } from './context';
 export { DeviceArray } from './device-array';
 export type { TypedArray, TypedArrayClass } from './device-array';
+export { DEFAULT_AHEAD } from './emm/ahead';
+export type { AheadSettings } from './emm/ahead';
 export { BaseMemoryManager, HostOnlyMemoryManager } from './emm/base';
 export type { HostAllocOptions } from './emm/base';
 export { DEFAULT_DEFERRED_FREE, PendingDeallocations } from './emm/deallocations';

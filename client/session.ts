@@ -166,10 +166,17 @@ export class ClientSession extends EventEmitter {
   /**
    * Allocate on the session socket: a new allocation of this session and its
    * descriptor (the caller owns it), in one round trip.
+   * @param awaited false for an allocation asked for ahead of need: nobody waits on it yet, so this process's
+   *   gathered unmaps do not go to the driver with it (they would run beside the caller's map)
    * @throws VmmdError as the Allocate RPC (OUT_OF_MEMORY, NOT_ALIGNED…), DEADLINE_EXCEEDED NO_ANSWER, UNAVAILABLE SESSION_LOST
    */
-  allocate(size: bigint, location?: AllocateMessage['location'], timeoutMs = 30_000): Promise<{ message: AllocatedMessage; fd: number }> {
-    return this.request('allocated', { type: 'allocate', size: String(size), ...(location === undefined ? {} : { location }) }, timeoutMs);
+  allocate(
+    size: bigint,
+    location?: AllocateMessage['location'],
+    timeoutMs = 30_000,
+    awaited = true,
+  ): Promise<{ message: AllocatedMessage; fd: number }> {
+    return this.request('allocated', { type: 'allocate', size: String(size), ...(location === undefined ? {} : { location }) }, timeoutMs, awaited);
   }
 
   /**
@@ -209,6 +216,7 @@ export class ClientSession extends EventEmitter {
     answer: T,
     message: Record<string, unknown> & { type: string },
     timeoutMs: number,
+    awaited = true,
   ): Promise<{ message: Extract<RequestAnswer, { type: T }>; fd: number }> {
     const request = String(this.nextRequest++);
     const sent = tracing ? traceClock() : 0n;
@@ -240,7 +248,8 @@ export class ClientSession extends EventEmitter {
       }
       // While the answer is on its way this process makes no driver call: its waiting unmaps go now,
       // rather than beside the import and map the answer leads to (the driver serializes them). Never throws.
-      if (message.type === 'allocate' || message.type === 'open') flushUnmapsIfIdle();
+      // Not for a request nobody waits on yet (an allocation ahead, sent as its caller starts mapping).
+      if (awaited && (message.type === 'allocate' || message.type === 'open')) flushUnmapsIfIdle();
     });
   }
 

@@ -4,6 +4,7 @@
  * process, importDescriptor() hands one of this process's descriptors to the
  * daemon.
  */
+import { status as Status } from '@grpc/grpc-js';
 import { traceMark } from '../common/trace';
 import type { Allocation__Output } from '../generated/vmmd/v1/Allocation';
 import type { CreateRequest } from '../generated/vmmd/v1/CreateRequest';
@@ -230,19 +231,41 @@ export class VirtualMemoryApi {
   async allocate(request: Input<CreateRequest>, options: { hostAccess?: boolean } = {}): Promise<ImportedMemory> {
     // The session socket when the request fits its message (the default handle type); else the RPC.
     const location = sessionLocation(request.location);
-    let exported: Exported;
-    let fd: number;
     if (location !== null && (request.handleType === undefined || request.handleType === 'HANDLE_TYPE_POSIX_FD') && request.size !== undefined) {
-      const answer = await this.session.allocate(BigInt(request.size as bigint | string | number), location);
-      fd = answer.fd;
-      exported = fromSocket(answer.message);
-    } else {
-      const response = await this.allocateRaw(request);
-      exported = response;
-      fd = await this.session.takeTransfer(response.transferId);
+      return this.mapAllocated(await this.session.allocate(BigInt(request.size as bigint | string | number), location), options.hostAccess ?? false);
     }
+    const response = await this.allocateRaw(request);
+    const fd = await this.session.takeTransfer(response.transferId);
     try {
-      return await this.mapDescriptor(exported, fd, false, options.hostAccess ?? false);
+      return await this.mapDescriptor(response, fd, false, options.hostAccess ?? false);
+    } catch (error) {
+      await this.release({ allocationId: response.allocationId }).catch(() => undefined);
+      throw error;
+    }
+  }
+
+  /**
+   * A new allocation of this session's on the session socket, not mapped: the answer and its descriptor (the
+   * caller owns it; mapAllocated() maps it). For an allocation asked for ahead of need (`awaited` false).
+   * @throws VmmdError as the Allocate RPC, SESSION_LOST; INVALID_ARGUMENT UNSUPPORTED_LOCATION for a location the
+   *   session socket cannot name (by UUID, HOST)
+   */
+  allocateUnmapped(size: bigint, location: Input<CreateRequest>['location'], awaited = true): Promise<{ message: AllocatedMessage; fd: number }> {
+    const named = sessionLocation(location);
+    if (named === null) {
+      return Promise.reject(new VmmdError('UNSUPPORTED_LOCATION', Status.INVALID_ARGUMENT, `location ${JSON.stringify(location)} cannot be named on the session socket; use allocate()`));
+    }
+    return this.session.allocate(size, named, undefined, awaited);
+  }
+
+  /**
+   * Maps an allocation allocateUnmapped() received (taking over its descriptor).
+   * @throws VmmdError NO_CUDA, LOCAL_MAP_FAILED: the allocation is then released
+   */
+  async mapAllocated(allocated: { message: AllocatedMessage; fd: number }, hostAccess = false): Promise<ImportedMemory> {
+    const exported = fromSocket(allocated.message);
+    try {
+      return await this.mapDescriptor(exported, allocated.fd, false, hostAccess);
     } catch (error) {
       await this.release({ allocationId: exported.allocationId }).catch(() => undefined);
       throw error;

@@ -6,6 +6,7 @@
  * 4. Descriptor handoff: export → received → imported and mapped.
  */
 import type { VmmdClient } from '../../client';
+import { DEFAULT_AHEAD } from '../../client/emm/ahead';
 import { VmmdMemoryManager } from '../../client/emm/vmmd-manager';
 import type { MemoryPointer } from '../../client/emm/memory';
 import { CudaImportedMemory, HostImportedMemory } from '../../client/local-memory';
@@ -23,14 +24,18 @@ const GiB = 1024n * MiB;
 export const sizeName = (size: bigint) =>
   size >= GiB ? `${size / GiB} GiB` : size >= MiB ? `${size / MiB} MiB` : size >= KiB ? `${size / KiB} KiB` : `${size} B`;
 
-/** A manager whose every memalloc is pooled (the default pool) or, with `cold`, its own allocation from the daemon. */
-export async function manager(client: VmmdClient, cold: boolean): Promise<VmmdMemoryManager> {
+/**
+ * A manager whose every memalloc is pooled (the default pool) or, with `cold`, its own allocation from the daemon
+ * (with `nothingAhead`, none received before it is asked for: each waits for its allocate round trip).
+ */
+export async function manager(client: VmmdClient, cold: boolean, nothingAhead = false): Promise<VmmdMemoryManager> {
   const made = new VmmdMemoryManager({
     client,
     device: 0,
     backend: client.backend as 'host' | 'cuda',
     // Cold: nothing pooled, and frees run at once, so each memalloc goes to the daemon.
     ...(cold ? { pool: { chunkSize: 2n * MiB, largeThreshold: 0n }, deferred: { count: 0, ratio: 1 } } : {}),
+    ...(nothingAhead ? { ahead: { ...DEFAULT_AHEAD, maxBytes: 0n } } : {}),
   });
   await made.initialize();
   return made;
@@ -221,6 +226,8 @@ function coldRatioTargets(size: bigint, across: number, local: number): Target[]
 
 export async function cold(client: VmmdClient, iterations: number): Promise<Section> {
   const emm = await manager(client, true);
+  // The same loop with no allocation received ahead: each memalloc waits for its round trip (as before issue 18's holder).
+  const waiting = await manager(client, true, true);
   const rows: Row[] = [];
   const targets: Target[] = [];
   const roundRatios: string[] = [];
@@ -229,25 +236,36 @@ export async function cold(client: VmmdClient, iterations: number): Promise<Sect
     // Alternated rounds, vmmd's then the one process's, so that the machine's drift (on the GPU VMs the same loop
     // moves by up to 2× between minutes) hits both alike; each p50 is over all of its rounds' samples.
     const across: number[] = [];
+    const acrossWaiting: number[] = [];
     const inOne: number[] = [];
     const perRound = Math.max(5, Math.ceil(count / COLD_ROUNDS));
     const ratios: number[] = [];
+    const waitingRatios: number[] = [];
+    // The frees' driver work (this process's unmaps, the daemon's releases and its stock's refill, which wait
+    // for a quiet moment) ends before the next loop starts.
+    const settle = async (manager: VmmdMemoryManager) => {
+      await manager.flush();
+      await new Promise((resolve) => setTimeout(resolve, 20));
+    };
     for (let round = 0; round < COLD_ROUNDS; round++) {
       const warmup = round === 0 ? 50 : 10;
       const mine = await sample(perRound, () => emm.memalloc(size), { warmup, after: (pointer) => pointer.free() });
-      // The frees' driver work (this process's unmaps, the daemon's releases and its stock's refill, which wait
-      // for a quiet moment) ends before the other loop starts.
-      await emm.flush();
-      await new Promise((resolve) => setTimeout(resolve, 20));
+      await settle(emm);
+      const mineWaiting = await sample(perRound, () => waiting.memalloc(size), { warmup, after: (pointer) => pointer.free() });
+      await settle(waiting);
       const theirs = await sample(perRound, () => inProcessSteps(client.backend, size), { warmup, after: (teardown) => teardown() });
       across.push(...mine);
+      acrossWaiting.push(...mineWaiting);
       inOne.push(...theirs);
       ratios.push(ratio(summarize(mine).p50_us, summarize(theirs).p50_us));
+      waitingRatios.push(ratio(summarize(mineWaiting).p50_us, summarize(theirs).p50_us));
     }
-    roundRatios.push(`${sizeName(size)}: ×${ratios.join(', ×')}`);
+    roundRatios.push(`${sizeName(size)}: ×${ratios.join(', ×')} (nothing ahead: ×${waitingRatios.join(', ×')})`);
     const daemon = summarize(across);
+    const daemonWaiting = summarize(acrossWaiting);
     const local = summarize(inOne);
     rows.push({ path: 'vmmd memalloc across processes', size: sizeName(size), ...daemon, p50_vs_in_process: ratio(daemon.p50_us, local.p50_us) });
+    rows.push({ path: 'vmmd memalloc across processes, nothing ahead', size: sizeName(size), ...daemonWaiting, p50_vs_in_process: ratio(daemonWaiting.p50_us, local.p50_us) });
     rows.push({ path: 'same steps in one process', size: sizeName(size), ...local, p50_vs_in_process: 1 });
     if (client.backend === 'cuda') {
       targets.push(...coldRatioTargets(size, daemon.p50_us, local.p50_us));
@@ -268,8 +286,11 @@ export async function cold(client: VmmdClient, iterations: number): Promise<Sect
         met: daemon.p50_us < 400,
       });
     }
+    // What this size held ahead goes back now, not (idle) during the next size's loops.
+    await emm.clearCaches();
   }
   await emm.reset();
+  await waiting.reset();
   return {
     id: 'cold',
     title: 'Cold memalloc: a new allocation from the daemon, mapped here',
@@ -277,6 +298,7 @@ export async function cold(client: VmmdClient, iterations: number): Promise<Sect
     targets,
     notes: [
       'vmmd: an allocate request on the session socket (create + export, served from the stock where it has the size; the descriptor comes with the answer), then import, reserve, map and set access in this process.',
+      'The manager as users get it holds one allocation ahead for a size it has asked for twice (client/emm/ahead.ts): a memalloc maps the one received and asks for the next as it does; "nothing ahead" is the same loop with that off (each memalloc waits for its round trip). Each memalloc maps a new allocation of the daemon\'s either way.',
       'Published reference: legacy cuIpcOpenMemHandle about 1.3 ms.',
       `vmmd's loop and the one process's alternate in ${COLD_ROUNDS} rounds; each p50 is over every round. The ratio of p50s in each round: ${roundRatios.join('; ')}.`,
     ],

@@ -12,6 +12,7 @@ import { VmmdError } from '../errors';
 import { InFlight } from '../in-flight';
 import type { ImportedMemory } from '../local-memory';
 import { native } from '../../native/client';
+import { AheadSettings, AllocationsAhead, checkAhead, DEFAULT_AHEAD, Received } from './ahead';
 import { HostAllocOptions, HostOnlyMemoryManager } from './base';
 import { DEFAULT_DEFERRED_FREE, DeferredFreeSettings } from './deallocations';
 import { IpcHandle, ManagerContext, MappedMemory, MemoryInfo, MemoryPointer, PinnedMemory } from './memory';
@@ -22,6 +23,8 @@ export interface VmmdManagerContext extends ManagerContext {
   readonly client: VmmdClient;
   readonly pool?: PoolSettings;
   readonly deferred?: DeferredFreeSettings;
+  /** Allocations received ahead of need for sizes asked for repeatedly (./ahead.ts); maxBytes 0 turns them off. */
+  readonly ahead?: AheadSettings;
   /** Create device memory host-located (HOST_NUMA), reachable by the CPU too: unified memory 1. */
   readonly unified?: boolean;
   /** Check the pool's invariant after every change (debugging). */
@@ -40,8 +43,12 @@ export interface ManagerStats {
   large: { allocations: number; bytes: string };
   host: { allocations: number };
   pending: { frees: number; bytes: string };
+  ahead: { allocations: number; bytes: string; arriving: number; requested: number; taken: number; expired: number; refused: number; dropped: number };
   counters: Record<string, number>;
 }
+
+/** Where the manager's memory lives: the device, or host memory near it (unified memory, memhostalloc). */
+type Location = { type: 'LOCATION_TYPE_DEVICE' | 'LOCATION_TYPE_HOST_NUMA'; id: number };
 
 const isOutOfMemory = (error: unknown) => error instanceof VmmdError && error.status === Status.RESOURCE_EXHAUSTED;
 
@@ -61,6 +68,8 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   private readonly unmaps = new InFlight();
   // The releases that frees sent and did not wait for the answer of.
   private readonly releases = new InFlight();
+  // Allocations received before a memalloc asks for them (one per size asked for repeatedly).
+  private readonly ahead: AllocationsAhead<Location>;
   private initialized?: Promise<void>;
   // The chunk lease in progress: concurrent requests that find no room wait for it rather than lease their own.
   private leasing?: Promise<void>;
@@ -75,6 +84,14 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     this.client = context.client;
     this.settings = context.pool ?? DEFAULT_POOL;
     this.largeThresholdBytes = Number(this.settings.largeThreshold);
+    this.ahead = new AllocationsAhead<Location>(
+      checkAhead(context.ahead ?? DEFAULT_AHEAD),
+      {
+        allocate: (size, location) => this.client.vmm.allocateUnmapped(size, location, false),
+        giveBack: (received) => this.giveBackUnmapped(received),
+      },
+      (size, location) => `${location.type}:${location.id}:${size}`,
+    );
   }
 
   /** Reads the device's size and granularity once; later calls return at once. */
@@ -128,6 +145,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
       this.counters.outOfMemoryRetries++;
       await this.deallocations.flush();
       await this.releaseEmptyChunks();
+      await this.ahead.dropAll();
       // Memory freed here stays in use until its unmap completes, and counts in the daemon until its release is answered.
       await this.settleUnmaps();
       await this.releases.drain();
@@ -222,14 +240,16 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     this.large.clear();
     this.hostLeases.clear();
     for (const lease of leases) await this.returnLease(lease);
+    await this.ahead.dropAll();
     await this.settleUnmaps();
     await this.releases.drain();
   }
 
-  /** Runs pending frees and gives empty chunks back to the daemon; resolves once their memory is unmapped here. */
+  /** Runs pending frees and gives empty chunks and allocations held ahead back to the daemon; resolves once their memory is unmapped here. */
   async clearCaches(): Promise<void> {
     await this.deallocations.flush();
     await this.releaseEmptyChunks();
+    await this.ahead.dropAll();
     await this.settleUnmaps();
     await this.releases.drain();
   }
@@ -270,11 +290,12 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
       large: { allocations: this.large.size, bytes: String(largeBytes) },
       host: { allocations: this.hostLeases.size },
       pending: { frees: this.deallocations.pendingCount, bytes: String(this.deallocations.pendingBytes) },
+      ahead: { allocations: this.ahead.held, bytes: String(this.ahead.heldBytes), arriving: this.ahead.arriving, ...this.ahead.counters },
       counters: { ...this.counters },
     };
   }
 
-  private location() {
+  private location(): Location {
     return this.context.unified && this.context.backend === 'cuda'
       ? { type: 'LOCATION_TYPE_HOST_NUMA' as const, id: this.hostNumaId }
       : { type: 'LOCATION_TYPE_DEVICE' as const, id: this.context.device };
@@ -333,10 +354,28 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     this.check();
   }
 
-  /** A new allocation of the daemon's, mapped here: one Allocate round trip. */
-  private async lease(size: bigint, location: { type: 'LOCATION_TYPE_DEVICE' | 'LOCATION_TYPE_HOST_NUMA'; id: number }): Promise<Lease> {
-    const memory = await this.client.vmm.allocate({ size, location }, { hostAccess: location.type === 'LOCATION_TYPE_HOST_NUMA' });
+  /**
+   * A new allocation of the daemon's, mapped here: the one received ahead for
+   * this size (the next one asked for as it is taken), else one Allocate round trip.
+   */
+  private async lease(size: bigint, location: Location): Promise<Lease> {
+    const hostAccess = location.type === 'LOCATION_TYPE_HOST_NUMA';
+    const ahead = this.ahead.take(size, location);
+    const received = ahead === undefined ? undefined : await ahead;
+    let memory: ImportedMemory;
+    if (received !== undefined) {
+      memory = await this.client.vmm.mapAllocated(received, hostAccess);
+    } else {
+      memory = await this.client.vmm.allocate({ size, location }, { hostAccess });
+      this.ahead.noteAllocated(size, location);
+    }
     return { allocationId: memory.allocationId, memory };
+  }
+
+  /** An allocation received ahead and never mapped goes back: its descriptor closed, its release not waited for. */
+  private giveBackUnmapped(received: Received): void {
+    native.close(received.fd);
+    this.returnAllocation(BigInt(received.message.allocation));
   }
 
   private async giveBackLarge(generation: number, lease: Lease): Promise<void> {
@@ -363,12 +402,17 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
    */
   private async returnLease(lease: Lease): Promise<void> {
     this.unmapInBackground(lease.memory);
-    const released = this.client.vmm.release({ allocationId: lease.allocationId }).then(
+    this.returnAllocation(lease.allocationId);
+  }
+
+  /** Sends the release of an allocation of this session's and does not wait for its answer (releases.drain() does). */
+  private returnAllocation(allocationId: bigint): void {
+    const released = this.client.vmm.release({ allocationId }).then(
       () => undefined,
       (error: unknown) => {
         // The session may be gone already: the daemon reclaimed the allocation with it.
         if (error instanceof VmmdError && (error.code === 'SESSION_LOST' || error.status === Status.UNAUTHENTICATED)) return;
-        process.emitWarning(`vmmd: releasing allocation ${lease.allocationId} failed: ${(error as Error).message}`);
+        process.emitWarning(`vmmd: releasing allocation ${allocationId} failed: ${(error as Error).message}`);
       },
     );
     void this.releases.track(released);
