@@ -104,8 +104,9 @@ export class Config {
   }
 
   /**
-   * Allocations received ahead of need, for sizes asked for repeatedly: at most `maxBytes` held (0: none), each
-   * given back after `idleMs` unused.
+   * Allocations received ahead of need, for sizes asked for repeatedly: `depth` per size, at most `maxBytes` held
+   * in all (0: none), each given back after `idleMs` unused.
+   * @throws VmmdError INVALID_ARGUMENT BAD_CONFIG for a value out of its range
    */
   setAhead(settings: Partial<AheadSettings>): this {
     return this.set('ahead', checkAhead({ ...this.values.ahead, ...settings }));

@@ -68,7 +68,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   private readonly unmaps = new InFlight();
   // The releases that frees sent and did not wait for the answer of.
   private readonly releases = new InFlight();
-  // Allocations received before a memalloc asks for them (one per size asked for repeatedly).
+  // Allocations received before a memalloc asks for them (`depth` per size asked for repeatedly).
   private readonly ahead: AllocationsAhead<Location>;
   private initialized?: Promise<void>;
   // The chunk lease in progress: concurrent requests that find no room wait for it rather than lease their own.
