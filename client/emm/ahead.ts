@@ -84,6 +84,20 @@ export class AllocationsAhead<Location> {
   private readonly refused = new Set<string>();
   private readonly inFlight = new Set<Promise<unknown>>();
   readonly counters = { requested: 0, taken: 0, expired: 0, refused: 0, dropped: 0 };
+  // dropAll() starts a new epoch: refusals of requests from an earlier one do not mark their key.
+  private epoch = 0;
+  // While above 0 (an out-of-memory retry runs), nothing new is asked for ahead.
+  private paused = 0;
+
+  /** No allocation is asked for ahead until the returned function is called. */
+  pause(): () => void {
+    this.paused++;
+    let resumed = false;
+    return () => {
+      if (!resumed) this.paused--;
+      resumed = true;
+    };
+  }
 
   constructor(
     private readonly settings: AheadSettings,
@@ -135,6 +149,7 @@ export class AllocationsAhead<Location> {
 
   /** Gives back everything held ahead, and resolves once what was on its way has come and gone back too. */
   async dropAll(): Promise<void> {
+    this.epoch++;
     const gone: Array<Promise<unknown>> = [...this.inFlight];
     for (const [key, entry] of [...this.entries].flatMap(([key, queue]) => queue.map((entry) => [key, entry] as const))) {
       this.forget(key, entry, 'dropped');
@@ -148,6 +163,7 @@ export class AllocationsAhead<Location> {
 
   /** Asks for as many as the size's queue lacks, within the bytes. */
   private request(key: string, size: bigint, location: Location): void {
+    if (this.paused > 0) return;
     while ((this.entries.get(key)?.length ?? 0) < this.settings.depth && !this.refused.has(key) && this.bytes + size <= this.settings.maxBytes) {
       this.requestOne(key, size, location);
     }
@@ -155,6 +171,7 @@ export class AllocationsAhead<Location> {
 
   private requestOne(key: string, size: bigint, location: Location): void {
     this.counters.requested++;
+    const epoch = this.epoch;
     let entry: Entry;
     const answer = this.source.allocate(size, location).then(
       (received): Received | undefined => {
@@ -172,7 +189,7 @@ export class AllocationsAhead<Location> {
       () => {
         // Refused (over the quota, the session gone): the caller allocates as it would have; no more ahead of this size for now.
         this.counters.refused++;
-        this.refused.add(key);
+        if (epoch === this.epoch) this.refused.add(key);
         if (entry.state === 'held') this.forget(key, entry, 'dropped');
         return undefined;
       },

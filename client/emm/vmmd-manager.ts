@@ -143,14 +143,24 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
       if (!isOutOfMemory(error)) throw VmmdError.from(error);
       // As Numba does: run the pending frees, give back what is cached, and try once more.
       this.counters.outOfMemoryRetries++;
-      await this.deallocations.flush();
-      await this.releaseEmptyChunks();
-      await this.ahead.dropAll();
-      // Memory freed here stays in use until its unmap completes, and counts in the daemon until its release is answered.
-      await this.settleUnmaps();
-      await this.releases.drain();
-      return this.allocate(bytes);
+      const resume = this.ahead.pause();
+      try {
+        await this.makeRoom();
+        return await this.allocate(bytes);
+      } finally {
+        resume();
+      }
     }
+  }
+
+  /** Runs pending frees, gives back empty chunks and what is held ahead; resolves once the daemon has it back. */
+  private async makeRoom(): Promise<void> {
+    await this.deallocations.flush();
+    await this.releaseEmptyChunks();
+    await this.ahead.dropAll();
+    // Memory freed here stays in use until its unmap completes, and counts in the daemon until its release is answered.
+    await this.settleUnmaps();
+    await this.releases.drain();
   }
 
   /** Host memory from the daemon (shareable), mapped here with CPU access. */
@@ -164,7 +174,21 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
         ? { type: 'LOCATION_TYPE_HOST_NUMA' as const, id: this.hostNumaId }
         : { type: 'LOCATION_TYPE_DEVICE' as const, id: this.context.device };
     const granularity = BigInt((await this.client.devices.getGranularity({ location })).minimum);
-    const lease = await this.lease(((bytes + granularity - 1n) / granularity) * granularity, location);
+    const rounded = ((bytes + granularity - 1n) / granularity) * granularity;
+    let lease: Lease;
+    try {
+      lease = await this.lease(rounded, location);
+    } catch (error) {
+      if (!isOutOfMemory(error)) throw VmmdError.from(error);
+      this.counters.outOfMemoryRetries++;
+      const resume = this.ahead.pause();
+      try {
+        await this.makeRoom();
+        lease = await this.lease(rounded, location);
+      } finally {
+        resume();
+      }
+    }
     this.hostLeases.set(lease.memory.address, lease);
     const generation = this.generation;
     const finalizer = () => {
@@ -375,6 +399,8 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   /** An allocation received ahead and never mapped goes back: its descriptor closed, its release not waited for. */
   private giveBackUnmapped(received: Received): void {
     native.close(received.fd);
+    // A closed client's session is gone, and the daemon reclaimed the allocation with it.
+    if (this.client.session.closed) return;
     this.returnAllocation(BigInt(received.message.allocation));
   }
 
