@@ -3,16 +3,16 @@
  * chunks the session leases from the daemon (each mapped into this process
  * once); requests above the large threshold get an allocation of their own.
  * Frees go through Numba's deferred strategy; chunks go back to the daemon on
- * clearCaches() or reset(), and with the session if the process dies.
+ * clearCaches() or reset(), and with the session if the process dies; the
+ * leasing and giving back itself is ./leases.ts.
  */
 import { status as Status } from '@grpc/grpc-js';
-import { flushUnmaps } from '../../native/mapping';
 import type { VmmdClient } from '../connection';
 import { VmmdError } from '../errors';
-import { InFlight } from '../in-flight';
 import type { ImportedMemory } from '../local-memory';
 import { native } from '../../native/client';
-import { AheadSettings, AllocationsAhead, checkAhead, DEFAULT_AHEAD, Received } from './ahead';
+import { AheadSettings, DEFAULT_AHEAD } from './ahead';
+import { DaemonLeases, Lease, Location } from './leases';
 import { HostAllocOptions, HostOnlyMemoryManager } from './base';
 import { DEFAULT_DEFERRED_FREE, DeferredFreeSettings } from './deallocations';
 import { IpcHandle, ManagerContext, MappedMemory, MemoryInfo, MemoryPointer, PinnedMemory } from './memory';
@@ -31,13 +31,6 @@ export interface VmmdManagerContext extends ManagerContext {
   readonly checks?: boolean;
 }
 
-/** One allocation of the daemon's, mapped into this process. */
-interface Lease {
-  allocationId: bigint;
-  memory: ImportedMemory;
-  shareKey?: string;
-}
-
 export interface ManagerStats {
   pool: { chunks: number; bytes: string; used: string; blocks: number };
   large: { allocations: number; bytes: string };
@@ -46,9 +39,6 @@ export interface ManagerStats {
   ahead: { allocations: number; bytes: string; arriving: number; requested: number; taken: number; expired: number; refused: number; dropped: number };
   counters: Record<string, number>;
 }
-
-/** Where the manager's memory lives: the device, or host memory near it (unified memory, memhostalloc). */
-type Location = { type: 'LOCATION_TYPE_DEVICE' | 'LOCATION_TYPE_HOST_NUMA'; id: number };
 
 const isOutOfMemory = (error: unknown) => error instanceof VmmdError && error.status === Status.RESOURCE_EXHAUSTED;
 
@@ -64,12 +54,8 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   private readonly hostLeases = new Map<bigint, Lease>();
   // Invariant: the mappings openIpcHandle made and free() has not yet closed; read and write reach them.
   private readonly opened = new Set<ImportedMemory>();
-  // The unmaps that frees started and did not wait for (a driver thread on cuda runs them).
-  private readonly unmaps = new InFlight();
-  // The releases that frees sent and did not wait for the answer of.
-  private readonly releases = new InFlight();
-  // Allocations received before a memalloc asks for them (`depth` per size asked for repeatedly).
-  private readonly ahead: AllocationsAhead<Location>;
+  // This manager's allocations of the daemon: leased, given back, and what is in flight of that.
+  private readonly leases: DaemonLeases;
   private initialized?: Promise<void>;
   // The chunk lease in progress: concurrent requests that find no room wait for it rather than lease their own.
   private leasing?: Promise<void>;
@@ -84,14 +70,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     this.client = context.client;
     this.settings = context.pool ?? DEFAULT_POOL;
     this.largeThresholdBytes = Number(this.settings.largeThreshold);
-    this.ahead = new AllocationsAhead<Location>(
-      checkAhead(context.ahead ?? DEFAULT_AHEAD),
-      {
-        allocate: (size, location) => this.client.vmm.allocateUnmapped(size, location, false),
-        giveBack: (received) => this.giveBackUnmapped(received),
-      },
-      (size, location) => `${location.type}:${location.id}:${size}`,
-    );
+    this.leases = new DaemonLeases(this.client, context.ahead ?? DEFAULT_AHEAD);
   }
 
   /** Reads the device's size and granularity once; later calls return at once. */
@@ -143,7 +122,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
       if (!isOutOfMemory(error)) throw VmmdError.from(error);
       // As Numba does: run the pending frees, give back what is cached, and try once more.
       this.counters.outOfMemoryRetries++;
-      const resume = this.ahead.pause();
+      const resume = this.leases.ahead.pause();
       try {
         await this.makeRoom();
         return await this.allocate(bytes);
@@ -157,10 +136,9 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   private async makeRoom(): Promise<void> {
     await this.deallocations.flush();
     await this.releaseEmptyChunks();
-    await this.ahead.dropAll();
+    await this.leases.ahead.dropAll();
     // Memory freed here stays in use until its unmap completes, and counts in the daemon until its release is answered.
-    await this.settleUnmaps();
-    await this.releases.drain();
+    await this.leases.settle();
   }
 
   /** Host memory from the daemon (shareable), mapped here with CPU access. */
@@ -177,14 +155,14 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     const rounded = ((bytes + granularity - 1n) / granularity) * granularity;
     let lease: Lease;
     try {
-      lease = await this.lease(rounded, location);
+      lease = await this.leases.lease(rounded, location);
     } catch (error) {
       if (!isOutOfMemory(error)) throw VmmdError.from(error);
       this.counters.outOfMemoryRetries++;
-      const resume = this.ahead.pause();
+      const resume = this.leases.ahead.pause();
       try {
         await this.makeRoom();
-        lease = await this.lease(rounded, location);
+        lease = await this.leases.lease(rounded, location);
       } finally {
         resume();
       }
@@ -237,7 +215,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     this.opened.add(memory);
     return new MemoryPointer(this.context, memory.address + BigInt(handle.offset), BigInt(handle.size), memory, async () => {
       this.opened.delete(memory);
-      this.unmapInBackground(memory);
+      this.leases.unmapInBackground(memory);
     });
   }
 
@@ -263,26 +241,23 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     this.pool.chunks.length = 0;
     this.large.clear();
     this.hostLeases.clear();
-    for (const lease of leases) await this.returnLease(lease);
-    await this.ahead.dropAll();
-    await this.settleUnmaps();
-    await this.releases.drain();
+    for (const lease of leases) this.leases.giveBack(lease);
+    await this.leases.ahead.dropAll();
+    await this.leases.settle();
   }
 
   /** Runs pending frees and gives empty chunks and allocations held ahead back to the daemon; resolves once their memory is unmapped here. */
   async clearCaches(): Promise<void> {
     await this.deallocations.flush();
     await this.releaseEmptyChunks();
-    await this.ahead.dropAll();
-    await this.settleUnmaps();
-    await this.releases.drain();
+    await this.leases.ahead.dropAll();
+    await this.leases.settle();
   }
 
   /** Runs pending frees (unless deferCleanup holds them); resolves once their memory is unmapped here. */
   async flush(): Promise<void> {
     await this.deallocations.flush();
-    await this.settleUnmaps();
-    await this.releases.drain();
+    await this.leases.settle();
   }
 
   /** Copies bytes into managed memory at a device pointer. */
@@ -314,7 +289,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
       large: { allocations: this.large.size, bytes: String(largeBytes) },
       host: { allocations: this.hostLeases.size },
       pending: { frees: this.deallocations.pendingCount, bytes: String(this.deallocations.pendingBytes) },
-      ahead: { allocations: this.ahead.held, bytes: String(this.ahead.heldBytes), arriving: this.ahead.arriving, ...this.ahead.counters },
+      ahead: { allocations: this.leases.ahead.held, bytes: String(this.leases.ahead.heldBytes), arriving: this.leases.ahead.arriving, ...this.leases.ahead.counters },
       counters: { ...this.counters },
     };
   }
@@ -332,7 +307,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   private async allocate(bytes: bigint): Promise<MemoryPointer> {
     const generation = this.generation;
     if (sizeClassBytes(Number(bytes)) > this.largeThresholdBytes) {
-      const lease = await this.lease(this.roundToGranularity(bytes), this.location());
+      const lease = await this.leases.lease(this.roundToGranularity(bytes), this.location());
       this.large.set(lease.memory.address, lease);
       this.counters.large++;
       const finalizer = () => {
@@ -345,7 +320,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     while (block === undefined) {
       if (this.leasing === undefined) {
         this.leasing = (async () => {
-          const lease = await this.lease(this.roundToGranularity(this.settings.chunkSize), this.location());
+          const lease = await this.leases.lease(this.roundToGranularity(this.settings.chunkSize), this.location());
           this.counters.chunksLeased++;
           this.pool.add(new Chunk(lease, lease.memory.address, lease.memory.size));
         })().finally(() => {
@@ -378,81 +353,16 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     this.check();
   }
 
-  /**
-   * A new allocation of the daemon's, mapped here: the one received ahead for
-   * this size (the next one asked for as it is taken), else one Allocate round trip.
-   */
-  private async lease(size: bigint, location: Location): Promise<Lease> {
-    const hostAccess = location.type === 'LOCATION_TYPE_HOST_NUMA';
-    const ahead = this.ahead.take(size, location);
-    const received = ahead === undefined ? undefined : await ahead;
-    let memory: ImportedMemory;
-    if (received !== undefined) {
-      memory = await this.client.vmm.mapAllocated(received, hostAccess);
-    } else {
-      memory = await this.client.vmm.allocate({ size, location }, { hostAccess });
-      this.ahead.noteAllocated(size, location);
-    }
-    return { allocationId: memory.allocationId, memory };
-  }
-
-  /** An allocation received ahead and never mapped goes back: its descriptor closed, its release not waited for. */
-  private giveBackUnmapped(received: Received): void {
-    native.close(received.fd);
-    // A closed client's session is gone, and the daemon reclaimed the allocation with it.
-    if (this.client.session.closed) return;
-    this.returnAllocation(BigInt(received.message.allocation));
-  }
-
   private async giveBackLarge(generation: number, lease: Lease): Promise<void> {
     if (generation !== this.generation) return;
     this.large.delete(lease.memory.address);
-    await this.returnLease(lease);
+    this.leases.giveBack(lease);
   }
 
   private async giveBack(generation: number, lease: Lease): Promise<void> {
     if (generation !== this.generation) return;
     this.hostLeases.delete(lease.memory.address);
-    await this.returnLease(lease);
-  }
-
-  /**
-   * Gives an allocation back without waiting, as an NBEP 7 free does not:
-   * the release is sent at once on the session socket and its answer not
-   * waited for (the daemon takes this session's requests in order, and a
-   * create over a quota waits for the frees in flight), the unmap runs behind
-   * it (after any copy still in flight on the memory, on a driver thread on
-   * cuda), and the address range goes back to the arena once unmapped. The
-   * mapping keeps the memory alive until then. A release that fails is a
-   * warning; flush(), clearCaches() and reset() wait for both.
-   */
-  private async returnLease(lease: Lease): Promise<void> {
-    this.unmapInBackground(lease.memory);
-    this.returnAllocation(lease.allocationId);
-  }
-
-  /** Sends the release of an allocation of this session's and does not wait for its answer (releases.drain() does). */
-  private returnAllocation(allocationId: bigint): void {
-    const released = this.client.vmm.release({ allocationId }).then(
-      () => undefined,
-      (error: unknown) => {
-        // The session may be gone already: the daemon reclaimed the allocation with it.
-        if (error instanceof VmmdError && (error.code === 'SESSION_LOST' || error.status === Status.UNAUTHENTICATED)) return;
-        process.emitWarning(`vmmd: releasing allocation ${allocationId} failed: ${(error as Error).message}`);
-      },
-    );
-    void this.releases.track(released);
-  }
-
-  /** Resolves once every unmap started is done: those gathered for later go to the driver now. */
-  private async settleUnmaps(): Promise<void> {
-    flushUnmaps();
-    await this.unmaps.drain();
-  }
-
-  /** Closes `memory` here without waiting: reads and writes on it are refused from now, the unmap follows. */
-  private unmapInBackground(memory: ImportedMemory): void {
-    this.unmaps.track(memory.close({ gather: true })).catch((error: Error) => process.emitWarning(`vmmd: unmapping allocation ${memory.allocationId} failed: ${error.message}`));
+    this.leases.giveBack(lease);
   }
 
   private async releaseEmptyChunks(): Promise<void> {
@@ -460,7 +370,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
       if (!chunk.empty) continue;
       this.pool.remove(chunk);
       this.counters.chunksReturned++;
-      await this.returnLease(chunk.lease);
+      this.leases.giveBack(chunk.lease);
     }
   }
 

@@ -76,8 +76,8 @@ describe('session quota 16 MiB', () => {
       const { mm } = await manager({ ahead });
       await warm(mm, settled);
       // Forced interleaving: two concurrent memallocs of 2 MiB run while the 10 MiB memalloc awaits its
-      // retry's settleUnmaps()/releases.drain() (right after its dropAll()).
-      const holder = (mm as unknown as { ahead: AllocationsAhead<unknown> }).ahead;
+      // retry's settle() (right after its dropAll()).
+      const holder = (mm as unknown as { leases: { ahead: AllocationsAhead<unknown> } }).leases.ahead;
       const dropAll = holder.dropAll.bind(holder);
       const others: Array<Promise<unknown>> = [];
       holder.dropAll = async () => {
