@@ -25,6 +25,7 @@ import { VirtualMemoryService } from './services/virtual-memory';
 import { StoresService } from './services/stores';
 import { SessionDispatcher } from './session-dispatcher';
 import { GcPauses } from './gc-pauses';
+import { LogLimiter } from './log-limiter';
 import { measureCompletions, TurnMeter } from './turns';
 import { busyPollAlways } from '../native/busy-poll';
 import { DEFAULT_SESSION_OPTIONS, SessionManager, SessionOptions } from './sessions';
@@ -112,6 +113,12 @@ export class Daemon {
     // With the collector's pauses, which GetStats sets beside its longest turns (started with the admin service).
     const gcPauses = new GcPauses();
     const turns = new TurnMeter(config.turnCpu ? () => addon.threadCpuNanos() : undefined, (fromMs, toMs) => gcPauses.within(fromMs, toMs));
+    // A turn past 2 ms holds up every session's next message: said, at most a few times a minute.
+    const longTurns = new LogLimiter();
+    turns.onLong = (turn) => {
+      const allowed = longTurns.allow('long turn');
+      if (allowed !== undefined) log.warn({ turn, heldBack: allowed.suppressed }, `a turn of the event loop ran ${(turn.cpuMs ?? turn.wallMs).toFixed(2)} ms${turn.cpuMs === undefined ? '' : ' of CPU'}: ${turn.kind} ${turn.what ?? ''}`.trimEnd());
+    };
     const backend = await selectBackend(config, log, (chosen) => measureCompletions(chosen, turns));
     armFaults(process.env.VMMD_FAULTS, log);
     const access = new AccessPolicy(config);

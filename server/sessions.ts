@@ -368,7 +368,7 @@ export class SessionManager {
   }
 
   private onMessage(session: Session, raw: SeqpacketMessage): void {
-    this.hooks.turns?.enter('session');
+    const turn = this.hooks.turns?.enter('session');
     const received = tracing ? traceClock() : 0n;
     if (session.closing) {
       if (raw.fd >= 0) addon.close(raw.fd);
@@ -378,6 +378,7 @@ export class SessionManager {
     if (raw.extraFds > 0) return this.refuse(session, raw.fd, 'TOO_MANY_DESCRIPTORS', `a message may carry one descriptor, not ${raw.extraFds + 1}`);
     const message = decodeMessage(raw.data);
     if (typeof message === 'string') return this.refuse(session, raw.fd, 'BAD_MESSAGE', message, undefined, readableRequestId(raw.data));
+    if (turn !== undefined) turn.what = message.type;
     if (message.type === 'transfer') {
       if (raw.descriptorsDropped) {
         const dropped = `the daemon is out of descriptors: the one sent as transfer ${message.transfer} was dropped; send it again later`;

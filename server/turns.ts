@@ -31,6 +31,24 @@ import { createHistogram, RecordableHistogram } from 'node:perf_hooks';
 /** Where a turn entered the daemon's code. */
 export type TurnKind = 'session' | 'grpc' | 'completion';
 
+/** What a turn is doing, filled in by whoever entered it once known (a session message's type after decoding). */
+export interface Turn {
+  what?: string;
+}
+
+/** A turn past the long-turn limit, as onLong is told of it. */
+export interface LongTurn {
+  kind: TurnKind;
+  what?: string;
+  wallMs: number;
+  cpuMs?: number;
+  /** Entries that ran in it: itself and those entered inside its synchronous run. */
+  entries: number;
+}
+
+/** A turn longer than this (by CPU time where measured, else by wall clock) is told to onLong: issue 18's limit. */
+export const LONG_TURN_MS = 2;
+
 const now = () => process.hrtime.bigint();
 
 export class TurnMeter {
@@ -39,8 +57,11 @@ export class TurnMeter {
   private cpuWindow: RecordableHistogram = createHistogram();
   private longestNs = 0n;
   private longestKind?: TurnKind;
-  // Where the window's longest turn by CPU entered.
+  // Where the window's longest turn by CPU entered, and what it was.
   private cpuMaxKind?: TurnKind;
+  private cpuMaxWhat?: string;
+  // Entries so far: a turn's count at its end less that at its start is how many ran inside it.
+  private entered = 0;
   // The window's longest turn by wall clock and by CPU (kept here: the histograms' max is a bucket's bound), and
   // when each ran (performance.now() milliseconds); when the window began.
   private windowMaxNs = 0n;
@@ -50,38 +71,47 @@ export class TurnMeter {
   private windowStartMs = -Infinity;
   /** Sees each turn (seconds, by wall clock and by CPU time where measured), for the Prometheus histograms. */
   observe?: (kind: TurnKind, seconds: number, cpuSeconds?: number) => void;
+  /** Told of each turn longer than the long-turn limit (the daemon logs it, rate-limited). */
+  onLong?: (turn: LongTurn) => void;
 
   /**
    * @param cpuClock the calling thread's CPU time in nanoseconds; without it only wall time is measured
    * @param gcWithin milliseconds of collector pauses between two performance.now() times (GcPauses.within)
+   * @param longMs the long-turn limit: a longer turn goes to onLong
    */
   constructor(
     private readonly cpuClock?: () => number,
     private readonly gcWithin?: (fromMs: number, toMs: number) => number,
+    private readonly longMs = LONG_TURN_MS,
   ) {}
 
   /**
    * Starts a turn now, at an entry into the daemon's code; it ends once the
-   * microtasks and next-ticks queued meanwhile have run.
+   * microtasks and next-ticks queued meanwhile have run. The returned turn's
+   * `what` may be set until then.
    */
-  enter(kind: TurnKind): void {
+  enter(kind: TurnKind, what?: string): Turn {
+    const turn: Turn = { what };
     const start = now();
     const cpuStart = this.cpuClock?.() ?? 0;
-    queueMicrotask(() => process.nextTick(() => this.record(kind, now() - start, cpuStart)));
+    const entered = this.entered++;
+    queueMicrotask(() => process.nextTick(() => this.record(kind, now() - start, cpuStart, turn, entered)));
+    return turn;
   }
 
   /**
    * The promise of a native call, its continuation measured as a turn: the
    * code that awaited it starts running when the completion resolves it.
+   * @param what the call (a backend method's name)
    */
-  completion<T>(promise: Promise<T>): Promise<T> {
+  completion<T>(promise: Promise<T>, what?: string): Promise<T> {
     return promise.then(
       (value) => {
-        this.enterFromMicrotask('completion');
+        this.enterFromMicrotask('completion', what);
         return value;
       },
       (error: unknown) => {
-        this.enterFromMicrotask('completion');
+        this.enterFromMicrotask('completion', what);
         throw error;
       },
     );
@@ -97,6 +127,8 @@ export class TurnMeter {
     cpuMaxUs: number;
     cpuP99Us: number;
     cpuMaxKind?: TurnKind;
+    /** What the longest turn by CPU was: its kind, what entered it, and the entries that ran inside it. */
+    cpuMaxWhat?: string;
     /** Of the longest turn by wall clock, and by CPU, the microseconds a collector pause took inside it. */
     maxGcUs: number;
     cpuMaxGcUs: number;
@@ -112,6 +144,7 @@ export class TurnMeter {
       cpuMaxUs: cpuCount === 0 ? 0 : Math.round(this.cpuWindow.max / 1000),
       cpuP99Us: cpuCount === 0 ? 0 : Math.round(this.cpuWindow.percentile(99) / 1000),
       cpuMaxKind: this.cpuMaxKind,
+      cpuMaxWhat: this.cpuMaxWhat,
       maxGcUs: this.gcUs(count === 0 ? undefined : this.maxSpan, Number(this.windowMaxNs)),
       cpuMaxGcUs: this.gcUs(cpuCount === 0 ? undefined : this.cpuMaxSpan, this.cpuWindowMaxNs),
       count,
@@ -125,6 +158,7 @@ export class TurnMeter {
     this.window.reset();
     this.cpuWindow.reset();
     this.cpuMaxKind = undefined;
+    this.cpuMaxWhat = undefined;
     this.windowMaxNs = 0n;
     this.cpuWindowMaxNs = 0;
     this.maxSpan = undefined;
@@ -144,14 +178,15 @@ export class TurnMeter {
     return Math.round(Math.min(ms * 1000, ns / 1000));
   }
 
-  private enterFromMicrotask(kind: TurnKind): void {
+  private enterFromMicrotask(kind: TurnKind, what?: string): void {
     // Already inside the microtask drain: a next-tick runs once it is over.
     const start = now();
     const cpuStart = this.cpuClock?.() ?? 0;
-    process.nextTick(() => this.record(kind, now() - start, cpuStart));
+    const entered = this.entered++;
+    process.nextTick(() => this.record(kind, now() - start, cpuStart, { what }, entered));
   }
 
-  private record(kind: TurnKind, ns: bigint, cpuStart: number): void {
+  private record(kind: TurnKind, ns: bigint, cpuStart: number, turn: Turn, entered: number): void {
     // The span only of a new longest turn (a clock read then, not every turn).
     const span = (): [number, number] => {
       const end = performance.now();
@@ -169,9 +204,20 @@ export class TurnMeter {
       if (cpuNs > this.cpuWindowMaxNs) {
         this.cpuWindowMaxNs = cpuNs;
         this.cpuMaxKind = kind;
+        const inside = this.entered - entered - 1;
+        this.cpuMaxWhat = `${kind}${turn.what === undefined ? '' : ` ${turn.what}`}${inside > 0 ? ` (+${inside} entr${inside === 1 ? 'y' : 'ies'} inside it)` : ''}`;
         this.cpuMaxSpan = span();
       }
       this.cpuWindow.record(cpuNs);
+    }
+    if (this.onLong !== undefined && (cpuNs ?? Number(ns)) > this.longMs * 1e6) {
+      this.onLong({
+        kind,
+        what: turn.what,
+        wallMs: Number(ns) / 1e6,
+        ...(cpuNs === undefined ? {} : { cpuMs: cpuNs / 1e6 }),
+        entries: this.entered - entered,
+      });
     }
     if (ns > this.longestNs) {
       this.longestNs = ns;
@@ -198,7 +244,7 @@ export function measureCompletions<T extends object>(target: T, meter: TurnMeter
         method = Object.assign(
           function (this: unknown, ...args: unknown[]) {
             const result = original.apply(this === receiver ? object : this, args);
-            return result instanceof Promise ? meter.completion(result) : result;
+            return result instanceof Promise ? meter.completion(result, String(property)) : result;
           },
           { original },
         );

@@ -64,7 +64,7 @@ function loopColumns(stats: Stats): Row {
     turn_p99_ms: +(Number(stats.eventLoopTurnP99Us) / 1000).toFixed(2),
     turn_cpu_max_ms: +(Number(stats.eventLoopTurnCpuMaxUs) / 1000).toFixed(2),
     turn_cpu_p99_ms: +(Number(stats.eventLoopTurnCpuP99Us) / 1000).toFixed(2),
-    turn_cpu_max_at: stats.eventLoopTurnCpuMaxKind || null,
+    turn_cpu_max_at: stats.eventLoopTurnCpuMaxWhat || stats.eventLoopTurnCpuMaxKind || null,
     // Of the longest turn by CPU, a collector's pause that ran inside it; and the window's longest pause.
     turn_cpu_max_gc_ms: +(Number(stats.eventLoopTurnCpuMaxGcUs) / 1000).toFixed(2),
     gc_max_ms: +(Number(stats.gcPauseMaxUs) / 1000).toFixed(2),

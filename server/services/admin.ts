@@ -75,6 +75,7 @@ export class AdminService {
       result.eventLoopTurnCpuMaxUs = String(turns.cpuMaxUs);
       result.eventLoopTurnCpuP99Us = String(turns.cpuP99Us);
       result.eventLoopTurnCpuMaxKind = turns.cpuMaxKind ?? '';
+      result.eventLoopTurnCpuMaxWhat = turns.cpuMaxWhat ?? '';
       result.eventLoopTurnMaxGcUs = String(turns.maxGcUs);
       result.eventLoopTurnCpuMaxGcUs = String(turns.cpuMaxGcUs);
     }

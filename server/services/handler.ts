@@ -134,7 +134,7 @@ export function unary<Req, Res>(
   body: (request: Req, context: CallContext) => Promise<Res> | Res,
 ): grpc.handleUnaryCall<Req, Res> {
   return (call, callback) => {
-    deps.turns?.enter('grpc');
+    deps.turns?.enter('grpc', method);
     void settle(deps, method, withContext(deps, call, method, async (context) => body(call.request, context))).then(({ value, error }) => {
       if (error !== undefined) return callback(error as grpc.ServiceError);
       countUnaryBytes(deps, method, value);
@@ -215,7 +215,7 @@ export function serverStream<Req, Res>(
   options: { tracked?: boolean } = {},
 ): grpc.handleServerStreamingCall<Req, Res> {
   return (call) => {
-    deps.turns?.enter('grpc');
+    deps.turns?.enter('grpc', method);
     const run = withContext(
       deps,
       call,
@@ -243,7 +243,7 @@ export function clientStream<Req, Res>(
   body: (requests: AsyncIterable<Req>, context: CallContext) => Promise<Res>,
 ): grpc.handleClientStreamingCall<Req, Res> {
   return (call, callback) => {
-    deps.turns?.enter('grpc');
+    deps.turns?.enter('grpc', method);
     const requests = countingWrites(deps, method, call as AsyncIterable<Req>);
     const settled = settle(deps, method, withContext(deps, call, method, (context) => body(requests, context)));
     countStream(deps, method, call, settled);

@@ -231,3 +231,62 @@ describe('TurnMeter with the GC pauses', () => {
     expect(meter.snapshot().maxGcUs).toBe(0);
   });
 });
+
+describe('what a turn was (issue 18: a 4 ms session turn on the H100 that the kind alone could not explain)', () => {
+  it('names the longest turn by CPU: what entered, and how many more entries ran inside it', async () => {
+    let cpuNs = 1e9;
+    const meter = new TurnMeter(() => cpuNs);
+    // A session message whose type is known once decoded, and two more entries in the same synchronous run.
+    await new Promise<void>((resolve) =>
+      setImmediate(() => {
+        const turn = meter.enter('session');
+        turn.what = 'allocate';
+        meter.enter('session').what = 'release';
+        meter.enter('grpc', 'Map');
+        cpuNs += 3_000_000;
+        resolve();
+      }),
+    );
+    await settled();
+    meter.enter('completion', 'release');
+    cpuNs += 100_000;
+    await settled();
+    const snapshot = meter.snapshot();
+    expect(snapshot.cpuMaxKind).toBe('session');
+    expect(snapshot.cpuMaxWhat).toBe('session allocate (+2 entries inside it)');
+    meter.reset();
+    expect(meter.snapshot().cpuMaxWhat).toBeUndefined();
+  });
+
+  it('tells each turn past the long-turn limit, by CPU time where measured, to onLong', async () => {
+    let cpuNs = 0;
+    const meter = new TurnMeter(() => cpuNs, undefined, 2);
+    const long: Array<{ kind: string; what?: string; cpuMs?: number; entries: number }> = [];
+    meter.onLong = (turn) => long.push({ kind: turn.kind, what: turn.what, cpuMs: turn.cpuMs, entries: turn.entries });
+    meter.enter('grpc', 'GetStats');
+    cpuNs += 1_000_000; // 1 ms: under the limit
+    await settled();
+    meter.enter('session').what = 'allocate';
+    cpuNs += 4_500_000;
+    await settled();
+    expect(long).toEqual([{ kind: 'session', what: 'allocate', cpuMs: 4.5, entries: 1 }]);
+    // Without a CPU clock, the wall clock decides.
+    const walled = new TurnMeter(undefined, undefined, 2);
+    const seen: string[] = [];
+    walled.onLong = (turn) => seen.push(`${turn.kind} ${turn.what} ${turn.wallMs >= 3}`);
+    walled.enter('completion', 'create');
+    spin(3);
+    await settled();
+    expect(seen).toEqual(['completion create true']);
+  });
+
+  it("names a completion by the backend method whose promise resumed it", async () => {
+    let cpuNs = 0;
+    const meter = new TurnMeter(() => cpuNs);
+    const backend = measureCompletions({ async exportHandle(): Promise<number> { return 7; } }, meter);
+    await backend.exportHandle();
+    cpuNs += 500_000;
+    await settled();
+    expect(meter.snapshot().cpuMaxWhat).toBe('completion exportHandle');
+  });
+});
