@@ -113,12 +113,6 @@ export class Daemon {
     // With the collector's pauses, which GetStats sets beside its longest turns (started with the admin service).
     const gcPauses = new GcPauses();
     const turns = new TurnMeter(config.turnCpu ? () => addon.threadCpuNanos() : undefined, (fromMs, toMs) => gcPauses.within(fromMs, toMs));
-    // A turn past 2 ms holds up every session's next message: said, at most a few times a minute.
-    const longTurns = new LogLimiter();
-    turns.onLong = (turn) => {
-      const allowed = longTurns.allow('long turn');
-      if (allowed !== undefined) log.warn({ turn, heldBack: allowed.suppressed }, `a turn of the event loop ran ${(turn.cpuMs ?? turn.wallMs).toFixed(2)} ms${turn.cpuMs === undefined ? '' : ' of CPU'}: ${turn.kind} ${turn.what ?? ''}`.trimEnd());
-    };
     const backend = await selectBackend(config, log, (chosen) => measureCompletions(chosen, turns));
     armFaults(process.env.VMMD_FAULTS, log);
     const access = new AccessPolicy(config);
@@ -226,6 +220,13 @@ export class Daemon {
       for (const name of HEALTH_SERVICES) health.setStatus(name, 'SERVING');
       // From now on the loop spins a little before it sleeps: a client's next message finds it awake.
       busyPollAlways(config.busyPollMicros);
+      // And a turn past 2 ms, which holds up every session's next message, is said (at most a line per 10 s);
+      // not before: the start's own turns (the first driver calls make the CUDA context: 74-123 ms on the H100) keep no one waiting.
+      const longTurns = new LogLimiter();
+      turns.onLong = (turn) => {
+        const allowed = longTurns.allow('long turn');
+        if (allowed !== undefined) log.warn({ turn, heldBack: allowed.suppressed }, `a turn of the event loop ran ${(turn.cpuMs ?? turn.wallMs).toFixed(2)} ms${turn.cpuMs === undefined ? '' : ' of CPU'}: ${turn.kind} ${turn.what ?? ''}`.trimEnd());
+      };
       log.info(
         { backend: backend.name, socketDir: config.socketDir, devices: registry.devices.length, version: VERSION },
         'vmmd serving',
