@@ -99,7 +99,7 @@ def test_trim_and_close_send_every_release_before_waiting_for_any_answer(daemon:
     session = client.session
     events: list = []
     send, wait = session._send, session._await
-    session._send = lambda message: (events.append(("send", message.get("type"))), send(message))[1]  # type: ignore[method-assign]
+    session._send = lambda message, *rest, **options: (events.append(("send", message.get("type"))), send(message, *rest, **options))[1]  # type: ignore[method-assign]
     session._await = lambda *args, **kwargs: (events.append(("wait", None)), wait(*args, **kwargs))[1]  # type: ignore[method-assign]
     try:
         before = daemon.stats().allocations

@@ -8,6 +8,7 @@ import json
 import math
 import operator
 import os
+import select
 import socket
 import threading
 import time
@@ -46,6 +47,10 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# How long a send with no timeout of its own (send_descriptor) waits for the daemon to read.
+SEND_WAIT_S = 30.0
 
 
 def _deadline(timeout: Optional[float]) -> Optional[float]:
@@ -234,7 +239,7 @@ class ClientSession:
         with self._send_lock:
             transfer = str(self._next_transfer)
             self._next_transfer += 1
-            self._send({"type": "transfer", "transfer": transfer}, fd)
+            self._send({"type": "transfer", "transfer": transfer}, fd, time.monotonic() + SEND_WAIT_S)
             return transfer
 
     # -- requests ----------------------------------------------------------
@@ -344,7 +349,7 @@ class ClientSession:
                     tail = [unsent] * (len(ids) - index)
                     break
                 try:
-                    sent.append(self._send_request({"type": "release", "allocation": allocation}, "request", registered))
+                    sent.append(self._send_request({"type": "release", "allocation": allocation}, "request", registered, deadline))
                 except VmmdError as error:
                     failure = failure or error
                     break
@@ -369,8 +374,10 @@ class ClientSession:
             try:
                 # The socket is taken before the request goes: its answer cannot reach the reader thread first.
                 self._reading.take(self._closed)
-                request, pending = self._send_request(message, key, sent)
-                self._await(request, pending, timeout, what, key)
+                deadline = _deadline(timeout)
+                request, pending = self._send_request(message, key, sent, deadline)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self._await(request, pending, left, what, key, limit=timeout)
             finally:
                 self._reading.leave_to(held)
         except BaseException:
@@ -380,10 +387,11 @@ class ClientSession:
             raise
         return pending
 
-    def _send_request(self, message: Dict[str, Any], key: str = "request", sent: Optional[List[Tuple[str, _Pending]]] = None) -> Tuple[str, _Pending]:
+    def _send_request(self, message: Dict[str, Any], key: str = "request", sent: Optional[List[Tuple[str, _Pending]]] = None, deadline: Optional[float] = None) -> Tuple[str, _Pending]:
         """Sends a request under a new id, registered for its answer: (the id,
         its pending answer). `sent` gets (its key, the pending answer) before
-        the registration: a caller cut short anywhere after it can forget it."""
+        the registration: a caller cut short anywhere after it can forget it.
+        The send waits for room in the socket until `deadline` (_send)."""
         pending = _Pending()
         with self._send_lock:
             request = str(self._next_request)
@@ -396,7 +404,7 @@ class ClientSession:
                     raise self._lost()
                 self._requests[f"{key}:{request}"] = pending
             try:
-                self._send(message)
+                self._send(message, deadline=deadline)
             except VmmdError:
                 with self._lock:
                     self._requests.pop(f"{key}:{request}", None)
@@ -489,18 +497,37 @@ class ClientSession:
     def _lost(self) -> VmmdError:
         return VmmdError("SESSION_LOST", STATUS["UNAVAILABLE"], f"session {self.id} with vmmd is closed")
 
-    def _send(self, message: Dict[str, Any], fd: int = -1) -> None:
+    def _send(self, message: Dict[str, Any], fd: int = -1, deadline: Optional[float] = None) -> None:
+        """Sends one message (and a descriptor), waiting for room in the socket
+        until `deadline` (monotonic; None: no limit): a daemon that stops
+        reading fills it. Raises VmmdError UNAVAILABLE SESSION_SOCKET_FULL at
+        the deadline (nothing sent; the session stays), SESSION_LOST."""
         self._check_process()
         if self._closed:
             raise self._lost()
         data = json.dumps(message, separators=(",", ":")).encode("utf-8")
-        try:
-            if fd >= 0:
-                socket.send_fds(self._sock, [data], [fd])
-            else:
-                self._sock.send(data)
-        except OSError as error:
-            raise VmmdError("SESSION_LOST", STATUS["UNAVAILABLE"], f"the session socket failed: {error}") from None
+        started = time.monotonic()
+        while True:
+            try:
+                # A SEQPACKET message goes whole or not at all.
+                if fd >= 0:
+                    socket.send_fds(self._sock, [data], [fd], socket.MSG_DONTWAIT)
+                else:
+                    self._sock.send(data, socket.MSG_DONTWAIT)
+                return
+            except BlockingIOError:
+                pass
+            except OSError as error:
+                raise VmmdError("SESSION_LOST", STATUS["UNAVAILABLE"], f"the session socket failed: {error}") from None
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise VmmdError("SESSION_SOCKET_FULL", STATUS["UNAVAILABLE"], f"the session socket is full: the daemon has not read for {time.monotonic() - started:.3f} s; nothing was sent")
+            if self._closed:
+                raise self._lost()
+            # Until there is room, the deadline, or a second (to look at the session again).
+            poller = select.poll()
+            poller.register(self._sock.fileno(), select.POLLOUT)
+            poller.poll(1000 if left is None else max(1, min(1000, math.ceil(left * 1000))))
 
     def _read_loop(self) -> None:
         """The reader thread: reads while no caller does, until the connection ends; then finishes the session."""
