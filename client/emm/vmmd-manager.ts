@@ -116,16 +116,24 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     await this.initialize();
     this.counters.memalloc++;
     noteAllocation();
+    return this.withRoomRetry(() => this.allocate(bytes));
+  }
+
+  /**
+   * `attempt`, and once more if it ran out of memory, as Numba does: after the
+   * pending frees ran and what is cached (empty chunks, allocations ahead) went
+   * back; nothing is asked for ahead meanwhile.
+   */
+  private async withRoomRetry<T>(attempt: () => Promise<T>): Promise<T> {
     try {
-      return await this.allocate(bytes);
+      return await attempt();
     } catch (error) {
       if (!isOutOfMemory(error)) throw VmmdError.from(error);
-      // As Numba does: run the pending frees, give back what is cached, and try once more.
       this.counters.outOfMemoryRetries++;
       const resume = this.leases.ahead.pause();
       try {
         await this.makeRoom();
-        return await this.allocate(bytes);
+        return await attempt();
       } finally {
         resume();
       }
@@ -153,20 +161,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
         : { type: 'LOCATION_TYPE_DEVICE' as const, id: this.context.device };
     const granularity = BigInt((await this.client.devices.getGranularity({ location })).minimum);
     const rounded = ((bytes + granularity - 1n) / granularity) * granularity;
-    let lease: Lease;
-    try {
-      lease = await this.leases.lease(rounded, location);
-    } catch (error) {
-      if (!isOutOfMemory(error)) throw VmmdError.from(error);
-      this.counters.outOfMemoryRetries++;
-      const resume = this.leases.ahead.pause();
-      try {
-        await this.makeRoom();
-        lease = await this.leases.lease(rounded, location);
-      } finally {
-        resume();
-      }
-    }
+    const lease = await this.withRoomRetry(() => this.leases.lease(rounded, location));
     this.hostLeases.set(lease.memory.address, lease);
     const generation = this.generation;
     const finalizer = () => {

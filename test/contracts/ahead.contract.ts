@@ -10,6 +10,33 @@ import { Config, connect, Context, DEFAULT_AHEAD, VmmdClient, VmmdError, VmmdMem
 import type { VmmdManagerContext } from '../../client';
 import { call, eventually, MiB, stopWhenClean, TestDaemon } from '../e2e/harness';
 
+/**
+ * A manager of a session of its own whose every memalloc is an allocation of its own (nothing pooled, frees at
+ * once); its client and itself join `clients` and `managers`, for the caller's teardown.
+ */
+export async function coldManager(
+  socketDir: string,
+  backend: 'host' | 'cuda',
+  clients: VmmdClient[],
+  managers: VmmdMemoryManager[],
+  overrides: Partial<VmmdManagerContext> = {},
+): Promise<{ mm: VmmdMemoryManager; client: VmmdClient }> {
+  const client = await connect({ socketDir });
+  clients.push(client);
+  const mm = new VmmdMemoryManager({
+    device: 0,
+    backend,
+    client,
+    checks: true,
+    pool: { chunkSize: 2n * MiB, largeThreshold: 0n },
+    deferred: { count: 0, ratio: 1 },
+    ...overrides,
+  });
+  managers.push(mm);
+  await mm.initialize();
+  return { mm, client };
+}
+
 export function aheadContract(backend: 'host' | 'cuda'): void {
   let daemon: TestDaemon;
   const clients: VmmdClient[] = [];
@@ -29,23 +56,7 @@ export function aheadContract(backend: 'host' | 'cuda'): void {
     expect(await daemon.stop()).toBe(0);
   });
 
-  /** A manager of its own session whose every memalloc is an allocation of its own (nothing pooled, frees at once). */
-  async function manager(overrides: Partial<VmmdManagerContext> = {}): Promise<{ mm: VmmdMemoryManager; client: VmmdClient }> {
-    const client = await connect({ socketDir: daemon.dir });
-    clients.push(client);
-    const mm = new VmmdMemoryManager({
-      device: 0,
-      backend,
-      client,
-      checks: true,
-      pool: { chunkSize: 2n * MiB, largeThreshold: 0n },
-      deferred: { count: 0, ratio: 1 },
-      ...overrides,
-    });
-    managers.push(mm);
-    await mm.initialize();
-    return { mm, client };
-  }
+  const manager = (overrides: Partial<VmmdManagerContext> = {}) => coldManager(daemon.dir, backend, clients, managers, overrides);
 
   /** The bytes the daemon charges `client`'s session (GetReport; the tests run as an admin). */
   async function charged(client: VmmdClient): Promise<bigint> {

@@ -3,9 +3,10 @@
  * cases, each run with allocations ahead off and on, so that what fails on
  * is the holder's doing (host backend).
  */
-import { connect, DEFAULT_AHEAD, VmmdClient, VmmdMemoryManager } from '../../client';
+import { DEFAULT_AHEAD, VmmdClient, VmmdMemoryManager } from '../../client';
 import type { VmmdManagerContext } from '../../client';
 import { AllocationsAhead, Received } from '../../client/emm/ahead';
+import { coldManager } from '../contracts/ahead.contract';
 import { call, eventually, MiB, stopWhenClean, TestDaemon } from './harness';
 
 function harness(args: string[]) {
@@ -23,22 +24,7 @@ function harness(args: string[]) {
     await stopWhenClean(state.daemon, clients);
     expect(await state.daemon.stop()).toBe(0);
   });
-  async function manager(overrides: Partial<VmmdManagerContext> = {}): Promise<{ mm: VmmdMemoryManager; client: VmmdClient }> {
-    const client = await connect({ socketDir: state.daemon.dir });
-    clients.push(client);
-    const mm = new VmmdMemoryManager({
-      device: 0,
-      backend: 'host',
-      client,
-      checks: true,
-      pool: { chunkSize: 2n * MiB, largeThreshold: 0n },
-      deferred: { count: 0, ratio: 1 },
-      ...overrides,
-    });
-    managers.push(mm);
-    await mm.initialize();
-    return { mm, client };
-  }
+  const manager = (overrides: Partial<VmmdManagerContext> = {}) => coldManager(state.daemon.dir, 'host', clients, managers, overrides);
   const settled = (mm: VmmdMemoryManager) => eventually(() => (mm.stats().ahead.arriving === 0 ? true : undefined), 5_000, 'the answers ahead');
   async function charged(client: VmmdClient): Promise<bigint> {
     const report = JSON.parse((await call(state.daemon.raw.admin, 'GetReport', {})).json);
