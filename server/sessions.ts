@@ -193,6 +193,15 @@ export class Session {
   }
 }
 
+/**
+ * What a session message's turn is called (GetStats, the long-turn log): its
+ * type where the daemon knows it (a request, a transfer), else "unknown
+ * message": a client's own text never reaches them.
+ */
+export function sessionTurnLabel(type: string, isRequest: (type: string) => boolean): string {
+  return type === 'transfer' || isRequest(type) ? type : 'unknown message';
+}
+
 /** Accepts session connections and owns every live session. */
 export class SessionManager {
   private listener?: SeqpacketListener;
@@ -378,7 +387,7 @@ export class SessionManager {
     if (raw.extraFds > 0) return this.refuse(session, raw.fd, 'TOO_MANY_DESCRIPTORS', `a message may carry one descriptor, not ${raw.extraFds + 1}`);
     const message = decodeMessage(raw.data);
     if (typeof message === 'string') return this.refuse(session, raw.fd, 'BAD_MESSAGE', message, undefined, readableRequestId(raw.data));
-    if (turn !== undefined) turn.what = message.type;
+    if (turn !== undefined) turn.what = sessionTurnLabel(message.type, (type) => this.services?.methodOf?.(type) !== undefined);
     if (message.type === 'transfer') {
       if (raw.descriptorsDropped) {
         const dropped = `the daemon is out of descriptors: the one sent as transfer ${message.transfer} was dropped; send it again later`;

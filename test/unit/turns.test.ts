@@ -4,6 +4,7 @@
  * a native completion is one; waiting for a timer ends a turn.
  */
 import { GcPauses } from '../../server/gc-pauses';
+import { sessionTurnLabel } from '../../server/sessions';
 import { measureCompletions, TurnMeter } from '../../server/turns';
 
 /** Busy for `ms` milliseconds: a synchronous stretch of known length. */
@@ -288,5 +289,16 @@ describe('what a turn was (issue 18: a 4 ms session turn on the H100 that the ki
     cpuNs += 500_000;
     await settled();
     expect(meter.snapshot().cpuMaxWhat).toBe('completion exportHandle');
+  });
+});
+
+describe("a session turn's name", () => {
+  it("is the message's type only for types the daemon knows: a client's own text never reaches GetStats or the log", () => {
+    const known = (type: string) => ['allocate', 'release', 'ping'].includes(type);
+    expect(sessionTurnLabel('allocate', known)).toBe('allocate');
+    expect(sessionTurnLabel('transfer', known)).toBe('transfer');
+    expect(sessionTurnLabel('X'.repeat(4000), known)).toBe('unknown message');
+    expect(sessionTurnLabel('allocate\n{"level":60}', known)).toBe('unknown message');
+    expect(sessionTurnLabel('constructor', known)).toBe('unknown message');
   });
 });
