@@ -62,6 +62,8 @@ export class TurnMeter {
   private cpuMaxWhat?: string;
   // Entries so far: a turn's count at its end less that at its start is how many ran inside it.
   private entered = 0;
+  // A turn is open (entered, not yet recorded): entries meanwhile are inside it, not turns of their own.
+  private open = false;
   // The window's longest turn by wall clock and by CPU (kept here: the histograms' max is a bucket's bound), and
   // when each ran (performance.now() milliseconds); when the window began.
   private windowMaxNs = 0n;
@@ -92,6 +94,12 @@ export class TurnMeter {
    */
   enter(kind: TurnKind, what?: string): Turn {
     const turn: Turn = { what };
+    // An entry inside a turn still open (several messages drained in one readable callback) is counted in it.
+    if (this.open) {
+      this.entered++;
+      return turn;
+    }
+    this.open = true;
     const start = now();
     const cpuStart = this.cpuClock?.() ?? 0;
     const entered = this.entered++;
@@ -179,6 +187,11 @@ export class TurnMeter {
   }
 
   private enterFromMicrotask(kind: TurnKind, what?: string): void {
+    if (this.open) {
+      this.entered++;
+      return;
+    }
+    this.open = true;
     // Already inside the microtask drain: a next-tick runs once it is over.
     const start = now();
     const cpuStart = this.cpuClock?.() ?? 0;
@@ -187,6 +200,7 @@ export class TurnMeter {
   }
 
   private record(kind: TurnKind, ns: bigint, cpuStart: number, turn: Turn, entered: number): void {
+    this.open = false;
     // The span only of a new longest turn (a clock read then, not every turn).
     const span = (): [number, number] => {
       const end = performance.now();

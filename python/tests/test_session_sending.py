@@ -4,6 +4,8 @@ SESSION_SOCKET_FULL (as the TypeScript client's), where its send used to
 block for as long as the daemon did not read."""
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import threading
 import time
@@ -75,3 +77,58 @@ def test_a_ping_to_a_daemon_that_stopped_reading_fails_within_its_timeout(fake: 
     assert "error" in outcome, outcome
     assert getattr(outcome["error"], "code", None) == "SESSION_SOCKET_FULL"
     assert time.monotonic() - started < 2.0
+
+
+def test_a_call_behind_a_waiting_sender_still_fails_within_its_own_timeout(fake: FakeDaemon) -> None:
+    """A sender waiting for room holds _send_lock; a second call's timeout must still hold."""
+    fill(fake.session._sock)
+    r, w = os.pipe()
+    try:
+        # send_descriptor waits up to SEND_WAIT_S (30 s) for room, holding the send lock.
+        first = threading.Thread(target=lambda: outcome_within(40, lambda: fake.session.send_descriptor(r)), daemon=True)
+        first.start()
+        time.sleep(0.2)
+        started = time.monotonic()
+        outcome = outcome_within(3, lambda: fake.session.ping(timeout=0.3))
+        took = time.monotonic() - started
+        assert "stuck" not in outcome, f"ping(timeout=0.3) still waiting after {took:.1f} s: blocked on _send_lock behind send_descriptor"
+        assert getattr(outcome.get("error"), "code", None) == "SESSION_SOCKET_FULL"
+    finally:
+        fake.session.close()  # ends the first sender (SESSION_LOST)
+        os.close(r)
+        os.close(w)
+
+
+def test_a_call_behind_a_sender_with_no_limit_is_not_held_forever(fake: FakeDaemon) -> None:
+    fill(fake.session._sock)
+    waiting = threading.Thread(target=lambda: outcome_within(60, lambda: fake.session.release(5, timeout=None)), daemon=True)
+    waiting.start()
+    time.sleep(0.2)
+    outcome = outcome_within(3, lambda: fake.session.release(6, timeout=0.3))
+    fake.session.close()
+    assert "stuck" not in outcome, "release(timeout=0.3) blocked behind release(timeout=None) for as long as the daemon does not read"
+
+
+def test_close_while_a_sender_waits_fails_it_promptly(fake: FakeDaemon) -> None:
+    fill(fake.session._sock)
+    result: dict = {}
+    side = threading.Thread(target=lambda: result.update(outcome_within(10, lambda: fake.session.ping(timeout=None))), daemon=True)
+    side.start()
+    time.sleep(0.2)
+    started = time.monotonic()
+    fake.session.close()
+    side.join(5)
+    assert getattr(result.get("error"), "code", None) == "SESSION_LOST", result
+    assert time.monotonic() - started < 2.0
+
+
+def test_an_interrupt_while_waiting_for_room_sends_nothing_and_forgets_the_request(fake: FakeDaemon) -> None:
+    fill(fake.session._sock)
+    main = threading.get_ident()
+    timer = threading.Timer(0.3, lambda: signal.pthread_kill(main, signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        fake.session.ping(timeout=5)
+    assert fake.session._requests == {}
+    assert not fake.session._reading.holds()
+    assert not fake.session._send_lock.locked()

@@ -302,3 +302,32 @@ describe("a session turn's name", () => {
     expect(sessionTurnLabel('constructor', known)).toBe('unknown message');
   });
 });
+
+describe('entries inside a turn (an outside review: one readable callback drains several messages)', () => {
+  it('are counted in the outermost turn, not as turns of their own: one stretch, one record, one long-turn report', async () => {
+    let cpuNs = 0;
+    const meter = new TurnMeter(() => cpuNs, undefined, 2);
+    const long: string[] = [];
+    const observed: string[] = [];
+    meter.onLong = (turn) => long.push(`${turn.kind} ${turn.what} entries=${turn.entries} cpu=${turn.cpuMs}`);
+    meter.observe = (kind) => observed.push(kind);
+    await new Promise<void>((resolve) =>
+      setImmediate(() => {
+        meter.enter('session').what = 'release';
+        meter.enter('session').what = 'allocate';
+        meter.enter('grpc', 'Map');
+        cpuNs += 3_000_000;
+        resolve();
+      }),
+    );
+    await settled();
+    expect(long).toEqual(['session release entries=3 cpu=3']);
+    expect(observed).toEqual(['session']);
+    expect(meter.snapshot()).toMatchObject({ count: 1, cpuMaxWhat: 'session release (+2 entries inside it)' });
+    // The next stretch is a turn of its own again.
+    meter.enter('completion', 'release');
+    cpuNs += 100_000;
+    await settled();
+    expect(meter.snapshot().count).toBe(2);
+  });
+});

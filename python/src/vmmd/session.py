@@ -4,6 +4,7 @@ id, descriptors sent to the daemon, and the requests on the socket (allocate,
 release, share, export, open, ping)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import operator
@@ -14,7 +15,7 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 from ._reading import ENDED, MAX_MESSAGE_BYTES, YIELDED, SocketReading, answer_key, recv_message
 from ._reading import close_fd as _close
@@ -236,10 +237,11 @@ class ClientSession:
         Ids are picked and sent under one lock, so they rise in sending order.
 
         Raises VmmdError UNAVAILABLE SESSION_LOST."""
-        with self._send_lock:
+        deadline = time.monotonic() + SEND_WAIT_S
+        with self._sending(deadline):
             transfer = str(self._next_transfer)
             self._next_transfer += 1
-            self._send({"type": "transfer", "transfer": transfer}, fd, time.monotonic() + SEND_WAIT_S)
+            self._send({"type": "transfer", "transfer": transfer}, fd, deadline)
             return transfer
 
     # -- requests ----------------------------------------------------------
@@ -393,7 +395,7 @@ class ClientSession:
         the registration: a caller cut short anywhere after it can forget it.
         The send waits for room in the socket until `deadline` (_send)."""
         pending = _Pending()
-        with self._send_lock:
+        with self._sending(deadline):
             request = str(self._next_request)
             self._next_request += 1
             message[key] = request
@@ -497,6 +499,19 @@ class ClientSession:
     def _lost(self) -> VmmdError:
         return VmmdError("SESSION_LOST", STATUS["UNAVAILABLE"], f"session {self.id} with vmmd is closed")
 
+    @contextlib.contextmanager
+    def _sending(self, deadline: Optional[float]) -> Iterator[None]:
+        """Holds the send lock, taken by `deadline` (None: no limit): a sender
+        waiting for room holds it, and a call behind it keeps its own timeout.
+        Raises VmmdError UNAVAILABLE SESSION_SOCKET_FULL at the deadline."""
+        wait = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._send_lock.acquire(timeout=wait):
+            raise VmmdError("SESSION_SOCKET_FULL", STATUS["UNAVAILABLE"], "the session socket is full: another call of this process is still waiting for the daemon to read; nothing was sent")
+        try:
+            yield
+        finally:
+            self._send_lock.release()
+
     def _send(self, message: Dict[str, Any], fd: int = -1, deadline: Optional[float] = None) -> None:
         """Sends one message (and a descriptor), waiting for room in the socket
         until `deadline` (monotonic; None: no limit): a daemon that stops
@@ -525,9 +540,13 @@ class ClientSession:
             if self._closed:
                 raise self._lost()
             # Until there is room, the deadline, or a second (to look at the session again).
-            poller = select.poll()
-            poller.register(self._sock.fileno(), select.POLLOUT)
-            poller.poll(1000 if left is None else max(1, min(1000, math.ceil(left * 1000))))
+            try:
+                poller = select.poll()
+                poller.register(self._sock.fileno(), select.POLLOUT)
+                poller.poll(1000 if left is None else max(1, min(1000, math.ceil(left * 1000))))
+            except (ValueError, OSError):
+                # The session closed meanwhile (its socket's descriptor is gone).
+                raise self._lost() from None
 
     def _read_loop(self) -> None:
         """The reader thread: reads while no caller does, until the connection ends; then finishes the session."""
