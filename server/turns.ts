@@ -93,18 +93,7 @@ export class TurnMeter {
    * `what` may be set until then.
    */
   enter(kind: TurnKind, what?: string): Turn {
-    const turn: Turn = { what };
-    // An entry inside a turn still open (several messages drained in one readable callback) is counted in it.
-    if (this.open) {
-      this.entered++;
-      return turn;
-    }
-    this.open = true;
-    const start = now();
-    const cpuStart = this.cpuClock?.() ?? 0;
-    const entered = this.entered++;
-    queueMicrotask(() => process.nextTick(() => this.record(kind, now() - start, cpuStart, turn, entered)));
-    return turn;
+    return this.begin(kind, { what }, (end) => queueMicrotask(() => process.nextTick(end)));
   }
 
   /**
@@ -187,16 +176,23 @@ export class TurnMeter {
   }
 
   private enterFromMicrotask(kind: TurnKind, what?: string): void {
+    // Already inside the microtask drain: a next-tick runs once it is over.
+    this.begin(kind, { what }, (end) => process.nextTick(end));
+  }
+
+  /** Starts a turn now, recorded when `schedule` calls its end; an entry inside a turn still open is counted in it instead. */
+  private begin(kind: TurnKind, turn: Turn, schedule: (end: () => void) => void): Turn {
+    // Several messages drained in one readable callback: one stretch, one turn.
     if (this.open) {
       this.entered++;
-      return;
+      return turn;
     }
     this.open = true;
-    // Already inside the microtask drain: a next-tick runs once it is over.
     const start = now();
     const cpuStart = this.cpuClock?.() ?? 0;
     const entered = this.entered++;
-    process.nextTick(() => this.record(kind, now() - start, cpuStart, { what }, entered));
+    schedule(() => this.record(kind, now() - start, cpuStart, turn, entered));
+    return turn;
   }
 
   private record(kind: TurnKind, ns: bigint, cpuStart: number, turn: Turn, entered: number): void {

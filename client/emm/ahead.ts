@@ -74,9 +74,8 @@ interface Entry {
 const REMEMBERED_SIZES = 64;
 
 export class AllocationsAhead<Location> {
-  // Invariant: at most settings.depth entries per key, oldest first, none empty; `bytes` is the sum of their sizes, ≤ settings.maxBytes.
+  // Invariant: at most settings.depth entries per key, oldest first, no queue empty; `bytes` is the sum of their sizes, ≤ settings.maxBytes.
   private readonly entries = new Map<string, Entry[]>();
-  private count = 0;
   private bytes = 0n;
   // Keys allocated from the daemon at least once (a second time starts holding one ahead).
   private readonly seen = new Set<string>();
@@ -112,7 +111,9 @@ export class AllocationsAhead<Location> {
 
   /** The number of allocations held ahead (received or on their way). */
   get held(): number {
-    return this.count;
+    let count = 0;
+    for (const queue of this.entries.values()) count += queue.length;
+    return count;
   }
 
   /** The number of allocations asked for ahead whose answer has not come yet (taken ones too). */
@@ -154,7 +155,7 @@ export class AllocationsAhead<Location> {
     for (const [key, entry] of [...this.entries].flatMap(([key, queue]) => queue.map((entry) => [key, entry] as const))) {
       this.forget(key, entry, 'dropped');
       this.counters.dropped++;
-      gone.push(entry.answer.then((received) => received && this.source.giveBack(received)));
+      gone.push(this.giveBackOnArrival(entry));
     }
     this.refused.clear();
     this.seen.clear();
@@ -198,7 +199,6 @@ export class AllocationsAhead<Location> {
     const queue = this.entries.get(key);
     if (queue === undefined) this.entries.set(key, [entry]);
     else queue.push(entry);
-    this.count++;
     this.bytes += size;
     this.inFlight.add(answer);
     void answer.then(() => this.inFlight.delete(answer));
@@ -208,7 +208,14 @@ export class AllocationsAhead<Location> {
     if (entry.state !== 'held') return;
     this.forget(key, entry, 'dropped');
     this.counters.expired++;
-    void entry.answer.then((received) => received && this.source.giveBack(received));
+    void this.giveBackOnArrival(entry);
+  }
+
+  /** A dropped entry's allocation goes back once its answer is here (an answer the daemon refused is nothing to give back). */
+  private giveBackOnArrival(entry: Entry): Promise<void> {
+    return entry.answer.then((received) => {
+      if (received !== undefined) this.source.giveBack(received);
+    });
   }
 
   private forget(key: string, entry: Entry, state: 'taken' | 'dropped'): void {
@@ -217,7 +224,6 @@ export class AllocationsAhead<Location> {
     const queue = this.entries.get(key)!;
     queue.splice(queue.indexOf(entry), 1);
     if (queue.length === 0) this.entries.delete(key);
-    this.count--;
     this.bytes -= entry.size;
   }
 }

@@ -64,6 +64,11 @@ def _deadline(timeout: Optional[float]) -> Optional[float]:
     return time.monotonic() + timeout
 
 
+def _left(deadline: Optional[float]) -> Optional[float]:
+    """Seconds until `deadline` (0 once passed); None for no deadline."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
 def busy_poll_budget(option: Optional[int] = None, env: Optional[str] = None) -> int:
     """The busy-poll budget in microseconds: the option, else
     VMMD_CLIENT_BUSY_POLL_US, else DEFAULT_BUSY_POLL_US (0: never spin).
@@ -221,8 +226,8 @@ class ClientSession:
                     return held[0]
                 if self._closed:
                     raise self._lost()
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                left = _left(deadline)
+                if left == 0:
                     raise VmmdError("TRANSFER_NOT_RECEIVED", STATUS["DEADLINE_EXCEEDED"], f"descriptor {key} did not arrive within {timeout} s")
                 self._lock.wait(left)
 
@@ -327,9 +332,8 @@ class ClientSession:
 
         def collect(request: str, pending: _Pending) -> None:
             nonlocal failure
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                self._await(request, pending, left, "release", limit=timeout)
+                self._await(request, pending, _left(deadline), "release", limit=timeout)
                 assert pending.message is not None
                 results.append(pending.message)
             except VmmdError as error:
@@ -378,8 +382,7 @@ class ClientSession:
                 self._reading.take(self._closed)
                 deadline = _deadline(timeout)
                 request, pending = self._send_request(message, key, sent, deadline)
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                self._await(request, pending, left, what, key, limit=timeout)
+                self._await(request, pending, _left(deadline), what, key, limit=timeout)
             finally:
                 self._reading.leave_to(held)
         except BaseException:
@@ -438,7 +441,8 @@ class ClientSession:
                     self._reading.leave()
                     grace = YIELD_GRACE_S
             if not pending.event.is_set():
-                pending.event.wait(None if deadline is None else max(grace, deadline - time.monotonic()))
+                left = _left(deadline)
+                pending.event.wait(None if left is None else max(grace, left))
             if not pending.event.is_set():
                 raise VmmdError("NO_ANSWER", STATUS["DEADLINE_EXCEEDED"], f"the daemon did not answer {what} request {request} within {timeout if limit is None else limit} s")
         except BaseException:
@@ -504,8 +508,8 @@ class ClientSession:
         """Holds the send lock, taken by `deadline` (None: no limit): a sender
         waiting for room holds it, and a call behind it keeps its own timeout.
         Raises VmmdError UNAVAILABLE SESSION_SOCKET_FULL at the deadline."""
-        wait = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
-        if not self._send_lock.acquire(timeout=wait):
+        left = _left(deadline)
+        if not self._send_lock.acquire(timeout=-1.0 if left is None else left):
             raise VmmdError("SESSION_SOCKET_FULL", STATUS["UNAVAILABLE"], "the session socket is full: another call of this process is still waiting for the daemon to read; nothing was sent")
         try:
             yield
@@ -534,8 +538,8 @@ class ClientSession:
                 pass
             except OSError as error:
                 raise VmmdError("SESSION_LOST", STATUS["UNAVAILABLE"], f"the session socket failed: {error}") from None
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
+            left = _left(deadline)
+            if left == 0:
                 raise VmmdError("SESSION_SOCKET_FULL", STATUS["UNAVAILABLE"], f"the session socket is full: the daemon has not read for {time.monotonic() - started:.3f} s; nothing was sent")
             if self._closed:
                 raise self._lost()
