@@ -16,20 +16,22 @@
  * (Export again, a store's opens) are dups, never a driver export. Taken out
  * before the handle is released, as the cuda backend does with its own.
  *
- * The stock follows what clients ask for too: a size asked often among a
- * device's last DEMAND_WINDOW stockable requests gets a shelf of its own at
- * once, deeper the more it is asked (fitted at quiet moments), within a share
- * of the device (DEMAND_SHARE); a size no longer asked loses it. A shelf above
- * a quarter of its depth refills when the daemon is quiet (no Create for
- * QUIET_MS) or MAX_REFILL_DELAY_MS after a take; at a quarter it refills at
- * once, to full, in one burst. Frees are held back the same way
- * (held-releases.ts): the stock's driver work goes in few stretches.
+ * The stock follows what clients ask for too (stock-demand.ts): a size asked
+ * often gets a shelf of its own at once, deeper the more it is asked, and any
+ * shelf as deep as the bursts its size comes in (fitted at quiet moments),
+ * all within a share of the device (DEMAND_SHARE); a size no longer asked
+ * loses what the demand gave it. A shelf above a quarter of its depth refills
+ * when the daemon is quiet (no Create for QUIET_MS) or MAX_REFILL_DELAY_MS
+ * after a take; at a quarter it refills at once, to full, in one burst. Frees
+ * are held back the same way (held-releases.ts): the stock's driver work goes
+ * in few stretches, after a client's burst rather than beside it.
  */
 import type { Logger } from 'pino';
 import { closeLater } from '../../common/close-later';
 import { addon } from '../../native';
 import { defaultExportCacheLimit, DescriptorCalls, ExportedDescriptors } from './exported-descriptors';
 import { HeldReleases } from './held-releases';
+import { DEMAND_MAX_SHELVES, DEMAND_MIN_COUNT, DEMAND_SHARE, StockDemand } from './stock-demand';
 import type {
   AccessGrant,
   Backend,
@@ -62,22 +64,14 @@ interface Shelf {
   refilling: boolean;
   /** Added for what clients asked (else configured): its depth follows the demand, and it goes when the demand does. */
   demand: boolean;
+  /** The depth configured (0 for a shelf the demand added): the demand deepens a shelf, never below this. */
+  floor: number;
 }
 
 /** A refill stops when the device has less free than this many times the shelf's size. */
 const REFILL_HEADROOM = 4n;
 /** How long a device's free bytes are trusted before the backend is asked again. */
 const FREE_BYTES_TTL_MS = 100;
-/** Stockable requests (device memory, a descriptor handle) remembered per device: the demand the stock follows. */
-export const DEMAND_WINDOW = 64;
-/** A size asked this many times in the window gets a shelf of depth 1, and one more per as many again. */
-export const DEMAND_MIN_COUNT = 4;
-/** Shelves the demand may add per device, beside the configured ones. */
-export const DEMAND_MAX_SHELVES = 4;
-/** The deepest a shelf the demand added gets. */
-export const DEMAND_MAX_DEPTH = 8;
-/** All shelves the demand added hold at most the device's total bytes divided by this. */
-export const DEMAND_SHARE = 32n;
 /** The daemon is quiet once no Create came for this long: refills and held frees wait for it (a client allocating every 2 ms leaves 1 ms quiet after each, time enough for one free and one refill). */
 export const QUIET_MS = 1;
 /** A refill waits for quiet at most this long after a shelf was taken from: a steady stream still finds a stock. */
@@ -86,7 +80,8 @@ export const MAX_REFILL_DELAY_MS = 100;
 export const REFILL_PARALLEL = 2;
 /** A shelf left with at most its depth divided by this refills at once, in one burst. */
 export const REFILL_AT_FRACTION = 4;
-export { RELEASE_BATCH } from './held-releases';
+export { RELEASE_HOLD_MAX, RELEASE_HOLD_MIN_BYTES, RELEASE_PARALLEL } from './held-releases';
+export { BURST_HEADROOM, BURST_MAX_DEPTH, BURST_MEMORY, DEMAND_MAX_DEPTH, DEMAND_MAX_SHELVES, DEMAND_MIN_COUNT, DEMAND_SHARE, DEMAND_WINDOW } from './stock-demand';
 
 const shelfKey = (device: number, size: bigint) => `${device}:${size}`;
 
@@ -114,14 +109,16 @@ export class StockedBackend implements Backend {
   // The last free bytes asked of each device, and when; refills count down what they take.
   private readonly free = new Map<number, { bytes: bigint; at: number }>();
   private readonly counters = { hits: 0, misses: 0, created: 0, refillFailures: 0 };
-  // Invariant: per device, the sizes of its last DEMAND_WINDOW stockable requests, oldest first, and how often each occurs there.
-  private readonly demand = new Map<number, { sizes: bigint[]; counts: Map<bigint, number> }>();
+  private readonly demand = new StockDemand();
   // When the last stockable Create came, and when the first refill not yet run was asked for (performance.now()).
   private lastRequestAt = -Infinity;
   private refillAskedAt = 0;
   private refillTimer: NodeJS.Timeout | undefined;
-  // The releases held back; empty once closed.
-  private readonly held = new HeldReleases((handle, size, imported, device) => this.releaseNow(handle, size, imported, device));
+  // The releases held back (at most the demand's share of a device in bytes); empty once closed.
+  private readonly held = new HeldReleases(
+    (handle, size, imported, device) => this.releaseNow(handle, size, imported, device),
+    (device) => (this.inner.devices().find((info) => info.index === device)?.totalBytes ?? 0n) / DEMAND_SHARE,
+  );
 
   /**
    * @param closeDescriptor closes a descriptor the stock exported (tests give fakes their own)
@@ -139,7 +136,7 @@ export class StockedBackend implements Backend {
     for (const device of inner.devices()) {
       for (const level of levels) {
         if (level.depth <= 0 || level.size % device.granularityMinimum !== 0n) continue;
-        this.shelves.set(shelfKey(device.index, level.size), { device: device.index, size: level.size, depth: level.depth, items: [], refilling: false, demand: false });
+        this.shelves.set(shelfKey(device.index, level.size), { device: device.index, size: level.size, depth: level.depth, items: [], refilling: false, demand: false, floor: level.depth });
       }
     }
   }
@@ -175,7 +172,8 @@ export class StockedBackend implements Backend {
     // A size just asked often enough for a shelf of its own gets one now, filled at once: until it exists every
     // request of that size is created on its path (a steady stream of a new size never left the daemon quiet
     // long enough for it: the cold probe on the H100 had 89 of 200 64 MiB allocations missing the stock).
-    if (stockable && this.noteDemand(device, size) === DEMAND_MIN_COUNT && !this.shelves.has(shelfKey(device, size))) {
+    if (stockable) this.lastRequestAt = performance.now();
+    if (stockable && this.demand.note(device, size) === DEMAND_MIN_COUNT && !this.shelves.has(shelfKey(device, size))) {
       const added = this.addDemandShelf(device, size);
       if (added !== undefined) setImmediate(() => void this.refillBurst(added));
     }
@@ -256,7 +254,7 @@ export class StockedBackend implements Backend {
 
   close(): void {
     this.closed = true;
-    this.held.runAll();
+    this.held.startAll();
     clearTimeout(this.refillTimer);
     this.refillTimer = undefined;
     for (const device of this.inner.devices()) this.empty(device.index);
@@ -279,23 +277,6 @@ export class StockedBackend implements Backend {
     this.inner.release(item.handle, shelf.size, false, shelf.device).catch((error) => this.log.error({ err: error }, 'stock: releasing stocked memory failed'));
   }
 
-  /** Counts a stockable request of `size` on `device`; returns how often the window now holds that size. */
-  private noteDemand(device: number, size: bigint): number {
-    this.lastRequestAt = performance.now();
-    let seen = this.demand.get(device);
-    if (seen === undefined) this.demand.set(device, (seen = { sizes: [], counts: new Map() }));
-    seen.sizes.push(size);
-    const count = (seen.counts.get(size) ?? 0) + 1;
-    seen.counts.set(size, count);
-    if (seen.sizes.length > DEMAND_WINDOW) {
-      const oldest = seen.sizes.shift()!;
-      const left = seen.counts.get(oldest)! - 1;
-      if (left === 0) seen.counts.delete(oldest);
-      else seen.counts.set(oldest, left);
-    }
-    return seen.counts.get(size) ?? 0;
-  }
-
   /** Refills (and follows the demand) once no Create came for QUIET_MS, or MAX_REFILL_DELAY_MS after the first ask. */
   private refillWhenQuiet(): void {
     if (this.closed || this.refillTimer !== undefined) return;
@@ -313,7 +294,8 @@ export class StockedBackend implements Backend {
         this.scheduleRefill(QUIET_MS - quietFor);
         return;
       }
-      // Quiet: the held frees first (their memory comes back), then the refills.
+      // Quiet (else waited for long enough): the held frees first (their memory comes back), then the refills.
+      if (quietFor >= QUIET_MS) this.demand.quiet();
       this.held.runAll();
       this.followDemand();
       void this.fill();
@@ -332,51 +314,32 @@ export class StockedBackend implements Backend {
   private addDemandShelf(device: number, size: bigint): Shelf | undefined {
     const info = this.inner.devices().find((candidate) => candidate.index === device);
     if (info === undefined || size % info.granularityMinimum !== 0n) return undefined;
-    const ours = [...this.shelves.values()].filter((shelf) => shelf.demand && shelf.device === device);
-    const held = ours.reduce((total, shelf) => total + BigInt(shelf.depth) * shelf.size, 0n);
-    if (ours.length >= DEMAND_MAX_SHELVES || held + size > info.totalBytes / DEMAND_SHARE) return undefined;
-    const shelf: Shelf = { device, size, depth: 1, items: [], refilling: false, demand: true };
+    const ours = [...this.shelves.values()].filter((shelf) => shelf.device === device);
+    const added = ours.reduce((total, shelf) => total + BigInt(shelf.depth - shelf.floor) * shelf.size, 0n);
+    if (ours.filter((shelf) => shelf.demand).length >= DEMAND_MAX_SHELVES || added + size > info.totalBytes / DEMAND_SHARE) return undefined;
+    const shelf: Shelf = { device, size, depth: 1, items: [], refilling: false, demand: true, floor: 0 };
     this.shelves.set(shelfKey(device, size), shelf);
     return shelf;
   }
 
   /**
-   * Fits the shelves the demand added to the demand now: sizes asked at
-   * least DEMAND_MIN_COUNT times in the window (a multiple of the device's
-   * granularity, not configured already), most asked first, at most
-   * DEMAND_MAX_SHELVES, each DEMAND_MIN_COUNT asks deep one more up to
-   * DEMAND_MAX_DEPTH, all within the device's total / DEMAND_SHARE. A shelf
-   * no longer wanted, or shallower, gives its extra memory back.
+   * Fits every shelf to the demand now (StockDemand.plan): shelves the demand
+   * added come, deepen, shrink or go; configured ones deepen to their bursts
+   * and shrink back, never below their configured depth. A shelf made
+   * shallower gives its extra memory back.
    */
   private followDemand(): void {
     for (const device of this.inner.devices()) {
-      const counts = this.demand.get(device.index)?.counts ?? new Map<bigint, number>();
-      const wanted = [...counts]
-        .filter(([size, count]) => {
-          if (count < DEMAND_MIN_COUNT || size % device.granularityMinimum !== 0n) return false;
-          const shelf = this.shelves.get(shelfKey(device.index, size));
-          return shelf === undefined || shelf.demand;
-        })
-        .sort(([sizeA, countA], [sizeB, countB]) => countB - countA || (sizeA < sizeB ? -1 : sizeA > sizeB ? 1 : 0))
-        .slice(0, DEMAND_MAX_SHELVES);
-      let budget = device.totalBytes / DEMAND_SHARE;
-      const depths = new Map<bigint, number>();
-      for (const [size, count] of wanted) {
-        let depth = Math.min(DEMAND_MAX_DEPTH, Math.floor(count / DEMAND_MIN_COUNT));
-        while (depth > 0 && BigInt(depth) * size > budget) depth--;
-        if (depth === 0) continue;
-        depths.set(size, depth);
-        budget -= BigInt(depth) * size;
-      }
-      for (const [key, shelf] of this.shelves) {
-        if (!shelf.demand || shelf.device !== device.index) continue;
+      const ours = [...this.shelves.entries()].filter(([, shelf]) => shelf.device === device.index);
+      const depths = this.demand.plan(device.index, device.totalBytes, device.granularityMinimum, ours.map(([, shelf]) => shelf));
+      for (const [key, shelf] of ours) {
         shelf.depth = depths.get(shelf.size) ?? 0;
         while (shelf.items.length > shelf.depth) this.discard(shelf, shelf.items.pop()!);
         if (shelf.depth === 0) this.shelves.delete(key);
       }
       for (const [size, depth] of depths) {
         const key = shelfKey(device.index, size);
-        if (!this.shelves.has(key)) this.shelves.set(key, { device: device.index, size, depth, items: [], refilling: false, demand: true });
+        if (!this.shelves.has(key)) this.shelves.set(key, { device: device.index, size, depth, items: [], refilling: false, demand: true, floor: 0 });
       }
     }
   }

@@ -7,6 +7,9 @@
  */
 import pino from 'pino';
 import {
+  BURST_HEADROOM,
+  BURST_MAX_DEPTH,
+  BURST_MEMORY,
   DEMAND_MAX_DEPTH,
   DEMAND_MAX_SHELVES,
   DEMAND_MIN_COUNT,
@@ -16,6 +19,7 @@ import {
   StockedBackend,
   StockLevel,
 } from '../../server/backends/stock';
+import { StockDemand } from '../../server/backends/stock-demand';
 import { FakeBackend, MiB } from './fake-backend';
 
 const DEVICE = { type: 'DEVICE' as const, id: 0 };
@@ -75,10 +79,11 @@ describe('a stock that follows demand and refills when quiet', () => {
 
   it('deepens a shelf the more its size is asked, up to DEMAND_MAX_DEPTH', async () => {
     const { stock } = stocked();
-    await ask(stock, 2n * MiB, DEMAND_MIN_COUNT * 2);
+    // One at a time, quiet after each (bursts of one, which ask for a depth of two: see the bursts' tests).
+    await ask(stock, 2n * MiB, DEMAND_MIN_COUNT * 2, 2 * QUIET_MS);
     await jest.advanceTimersByTimeAsync(QUIET_MS);
     expect(demandLevels(stock)).toMatchObject([{ size: String(2n * MiB), depth: 2, held: 2 }]);
-    await ask(stock, 2n * MiB, DEMAND_MIN_COUNT * 10);
+    await ask(stock, 2n * MiB, DEMAND_MIN_COUNT * 10, 2 * QUIET_MS);
     await jest.advanceTimersByTimeAsync(QUIET_MS);
     expect(demandLevels(stock)).toMatchObject([{ size: String(2n * MiB), depth: DEMAND_MAX_DEPTH, held: DEMAND_MAX_DEPTH }]);
   });
@@ -141,13 +146,15 @@ describe('a stock that follows demand and refills when quiet', () => {
     const { stock } = stocked([{ size: 2n * MiB, depth: 1 }], 8192n * MiB);
     await stock.fill();
     const sizes = [4n, 6n, 8n, 10n, 12n, 14n].map((n) => n * MiB);
-    for (const [index, size] of sizes.entries()) await ask(stock, size, DEMAND_MIN_COUNT + index);
-    await ask(stock, 2n * MiB, DEMAND_MIN_COUNT * 2);
-    await ask(stock, 3n * MiB, DEMAND_MIN_COUNT * 2); // not a multiple of the fake's 2 MiB granularity
+    // One at a time, quiet after each: how often counts here, not how many at once.
+    for (const [index, size] of sizes.entries()) await ask(stock, size, DEMAND_MIN_COUNT + index, 2 * QUIET_MS);
+    await ask(stock, 2n * MiB, DEMAND_MIN_COUNT * 2, 2 * QUIET_MS);
+    await ask(stock, 3n * MiB, DEMAND_MIN_COUNT * 2, 2 * QUIET_MS); // not a multiple of the fake's 2 MiB granularity
     await jest.advanceTimersByTimeAsync(QUIET_MS);
     // The most asked sizes, whichever order their shelves were made in.
     expect(demandLevels(stock).map((level) => Number(BigInt(level.size) / MiB)).sort((x, y) => y - x)).toEqual([14, 12, 10, 8].slice(0, DEMAND_MAX_SHELVES));
-    expect(stock.stats().levels.filter((level) => !level.demand)).toEqual([{ device: 0, size: String(2n * MiB), depth: 1, held: 1 }]);
+    // The configured shelf: as deep as its bursts of one ask (two), not below its depth.
+    expect(stock.stats().levels.filter((level) => !level.demand)).toEqual([{ device: 0, size: String(2n * MiB), depth: 2, held: 2 }]);
   });
 
   it('gives back a shelf and its memory once its size is no longer asked', async () => {
@@ -182,8 +189,8 @@ describe('a size that becomes steady demand on a request', () => {
 
   it('gets a shelf of its own there, and no other shelf changes until the quiet moment', async () => {
     const { fake, stock } = stocked([], 8192n * MiB);
-    // 4 MiB asked twice the minimum: a shelf two deep.
-    await ask(stock, 4n * MiB, DEMAND_MIN_COUNT * 2);
+    // 4 MiB asked twice the minimum, one at a time: a shelf two deep.
+    await ask(stock, 4n * MiB, DEMAND_MIN_COUNT * 2, 2 * QUIET_MS);
     await jest.advanceTimersByTimeAsync(QUIET_MS);
     expect(demandLevels(stock)).toMatchObject([{ size: String(4n * MiB), depth: 2, held: 2 }]);
     // Enough other sizes (each asked less than the minimum) to push most 4 MiB asks out of the window.
@@ -203,5 +210,108 @@ describe('a size that becomes steady demand on a request', () => {
     // The quiet moment fits the shelves to the demand: 4 MiB, now rarely asked, gives its memory back.
     await jest.advanceTimersByTimeAsync(QUIET_MS);
     expect(demandLevels(stock).find((level) => level.size === String(4n * MiB))).toBeUndefined();
+  });
+});
+
+describe('a stock as deep as the bursts it serves', () => {
+  beforeEach(() => jest.useFakeTimers({ doNotFake: ['nextTick', 'queueMicrotask', 'setImmediate'] }));
+  afterEach(() => jest.useRealTimers());
+  const releases = (fake: FakeBackend) => fake.calls.filter((call) => call === 'release').length;
+  const level = (stock: StockedBackend, size: bigint) => stock.stats().levels.find((candidate) => candidate.size === String(size));
+
+  it('deepens a configured shelf to its bursts: a second burst like the first meets no create and no free until it ends', async () => {
+    // 4 GiB: 128 MiB for what the demand adds, room for 64 more 2 MiB.
+    const { fake, stock } = stocked([{ size: 2n * MiB, depth: 4 }], 4096n * MiB);
+    await stock.fill();
+    // A burst of 20 (the shelf of 4 refills as it goes: it runs low), then quiet.
+    await ask(stock, 2n * MiB, 20);
+    await jest.advanceTimersByTimeAsync(QUIET_MS);
+    const deep = Math.ceil(20 * BURST_HEADROOM);
+    await until(() => level(stock, 2n * MiB)?.held === deep);
+    expect(level(stock, 2n * MiB)).toEqual({ device: 0, size: String(2n * MiB), depth: deep, held: deep });
+    // The same burst again, with no quiet moment in it: all hits, and the daemon's driver work waits.
+    const before = { creates: creates(fake), releases: releases(fake), hits: stock.stats().hits };
+    await ask(stock, 2n * MiB, 20);
+    for (let i = 0; i < 10; i++) await new Promise((resolve) => setImmediate(resolve));
+    expect({ creates: creates(fake), releases: releases(fake), hits: stock.stats().hits }).toEqual({ ...before, hits: before.hits + 20 });
+    // Then quiet: the frees and the refill run.
+    await jest.advanceTimersByTimeAsync(QUIET_MS);
+    await until(() => level(stock, 2n * MiB)?.held === deep && releases(fake) === before.releases + 20);
+    expect(creates(fake)).toBe(before.creates + 20);
+  });
+
+  it('forgets a burst after BURST_MEMORY smaller ones and gives its memory back, never below the configured depth', async () => {
+    const capacity = 4096n * MiB;
+    const { fake, stock } = stocked([{ size: 2n * MiB, depth: 4 }], capacity);
+    await stock.fill();
+    await ask(stock, 2n * MiB, 20);
+    await jest.advanceTimersByTimeAsync(QUIET_MS);
+    await until(() => level(stock, 2n * MiB)?.held === Math.ceil(20 * BURST_HEADROOM));
+    for (let i = 0; i < BURST_MEMORY; i++) {
+      await ask(stock, 2n * MiB, 1);
+      await jest.advanceTimersByTimeAsync(QUIET_MS);
+    }
+    await until(() => level(stock, 2n * MiB)?.held === 4);
+    expect(level(stock, 2n * MiB)).toEqual({ device: 0, size: String(2n * MiB), depth: 4, held: 4 });
+    await until(() => fake.memoryInfo().freeBytes === capacity - 4n * 2n * MiB);
+  });
+
+  it('keeps what bursts add within the device total / 32', async () => {
+    // 1 GiB: 32 MiB beyond the configured depth of 4 (16 more 2 MiB), however large the burst.
+    const { stock } = stocked([{ size: 2n * MiB, depth: 4 }], 1024n * MiB);
+    await stock.fill();
+    await ask(stock, 2n * MiB, 60);
+    await jest.advanceTimersByTimeAsync(QUIET_MS);
+    await until(() => level(stock, 2n * MiB)?.held === 20);
+    expect(level(stock, 2n * MiB)).toMatchObject({ depth: 20, held: 20 });
+  });
+
+  it('gives a size that comes in bursts a shelf of its own as deep as them', async () => {
+    const { stock } = stocked([], 4096n * MiB);
+    await ask(stock, 6n * MiB, 10);
+    await jest.advanceTimersByTimeAsync(QUIET_MS);
+    await until(() => level(stock, 6n * MiB)?.held === 15);
+    expect(level(stock, 6n * MiB)).toEqual({ device: 0, size: String(6n * MiB), depth: 15, held: 15, demand: true });
+  });
+});
+
+describe('the demand the stock follows (StockDemand)', () => {
+  it('asks for BURST_HEADROOM times the largest of the last BURST_MEMORY bursts, at most BURST_MAX_DEPTH', () => {
+    const demand = new StockDemand();
+    const burst = (count: number) => {
+      for (let i = 0; i < count; i++) demand.note(0, 2n * MiB);
+      demand.quiet();
+    };
+    expect(demand.burstDepth(0, 2n * MiB)).toBe(0);
+    burst(10);
+    burst(3);
+    expect(demand.burstDepth(0, 2n * MiB)).toBe(Math.ceil(10 * BURST_HEADROOM));
+    for (let i = 0; i < BURST_MEMORY - 1; i++) burst(3);
+    expect(demand.burstDepth(0, 2n * MiB)).toBe(Math.ceil(3 * BURST_HEADROOM));
+    // Quiet moments with no request of the size are no bursts of it.
+    demand.quiet();
+    expect(demand.burstDepth(0, 2n * MiB)).toBe(Math.ceil(3 * BURST_HEADROOM));
+    burst(100_000);
+    expect(demand.burstDepth(0, 2n * MiB)).toBe(BURST_MAX_DEPTH);
+    expect(demand.burstDepth(1, 2n * MiB)).toBe(0);
+  });
+
+  it('forgets the bursts of a size once it leaves the window: a stream of new sizes keeps what is remembered bounded', () => {
+    const demand = new StockDemand();
+    for (let i = 0; i < 20; i++) demand.note(0, 2n * MiB);
+    demand.quiet();
+    expect(demand.burstDepth(0, 2n * MiB)).toBe(30);
+    // A client asking a new size every time, with no quiet moment: each falls out of the window in turn.
+    for (let i = 1; i <= 100_000; i++) demand.note(0, BigInt(i) * 4n * MiB);
+    expect(demand.burstDepth(0, 2n * MiB)).toBe(0);
+    expect(demand.remembered).toBeLessThanOrEqual(DEMAND_WINDOW);
+  });
+
+  it('plans configured shelves at least at their depth, and none of the demand below DEMAND_MIN_COUNT asks', () => {
+    const demand = new StockDemand();
+    for (let i = 0; i < DEMAND_MIN_COUNT - 1; i++) demand.note(0, 4n * MiB);
+    demand.quiet();
+    const plan = demand.plan(0, 1024n * MiB, 2n * MiB, [{ size: 2n * MiB, floor: 3 }]);
+    expect([...plan]).toEqual([[2n * MiB, 3]]);
   });
 });

@@ -9,7 +9,7 @@
 import pino from 'pino';
 import { Quotas } from '../../server/quotas';
 import { Registry } from '../../server/registry';
-import { QUIET_MS, RELEASE_BATCH, StockedBackend, MAX_REFILL_DELAY_MS } from '../../server/backends/stock';
+import { DEMAND_SHARE, QUIET_MS, RELEASE_HOLD_MAX, RELEASE_HOLD_MIN_BYTES, RELEASE_PARALLEL, StockedBackend, MAX_REFILL_DELAY_MS } from '../../server/backends/stock';
 import type { BackendHandle } from '../../server/backends/backend';
 import { FakeBackend, MiB } from './fake-backend';
 
@@ -21,7 +21,7 @@ const turns = async (count = 3) => {
   for (let i = 0; i < count; i++) await new Promise((resolve) => setImmediate(resolve));
 };
 
-function stocked(levels = [{ size: 2n * MiB, depth: 4 }], capacity = 64n * MiB) {
+function stocked(levels = [{ size: 2n * MiB, depth: 4 }], capacity = 256n * MiB) {
   const fake = new FakeBackend({ capacity });
   const stock = new StockedBackend(fake, levels, quiet, () => undefined);
   return { fake, stock };
@@ -46,11 +46,11 @@ describe('frees the stock holds back', () => {
     await turns();
     expect(releases(fake)).toBe(0);
     expect(stock.heldReleases).toBe(1);
-    expect(fake.memoryInfo().freeBytes).toBe(60n * MiB);
+    expect(fake.memoryInfo().freeBytes).toBe(252n * MiB);
     await jest.advanceTimersByTimeAsync(QUIET_MS);
     expect(releases(fake)).toBe(1);
     expect(freed).toBe(true);
-    expect(fake.memoryInfo().freeBytes).toBe(64n * MiB);
+    expect(fake.memoryInfo().freeBytes).toBe(256n * MiB);
   });
 
   it('holds them while creates keep coming, but not past MAX_REFILL_DELAY_MS', async () => {
@@ -71,16 +71,64 @@ describe('frees the stock holds back', () => {
     expect(elapsed).toBeLessThanOrEqual(MAX_REFILL_DELAY_MS + QUIET_MS);
   });
 
-  it('runs them all once RELEASE_BATCH are held', async () => {
-    const { fake, stock } = stocked([], 256n * MiB);
-    const handles = await made(fake, RELEASE_BATCH);
-    for (const handle of handles.slice(0, -1)) void stock.release(handle, 4n * MiB, false, 0);
+  it('runs them all once RELEASE_HOLD_MAX are held', async () => {
+    // 64 KiB each: 16 MiB in all, under the bytes bound of 1 GiB (32 MiB).
+    const size = MiB / 16n;
+    const { fake, stock } = stocked([], 1024n * MiB);
+    const handles = await made(fake, RELEASE_HOLD_MAX, size);
+    for (const handle of handles.slice(0, -1)) void stock.release(handle, size, false, 0);
     await turns();
     expect(releases(fake)).toBe(0);
-    void stock.release(handles[handles.length - 1], 4n * MiB, false, 0);
-    await turns();
-    expect(releases(fake)).toBe(RELEASE_BATCH);
+    void stock.release(handles[handles.length - 1], size, false, 0);
+    await turns(RELEASE_HOLD_MAX);
+    expect(releases(fake)).toBe(RELEASE_HOLD_MAX);
     expect(stock.heldReleases).toBe(0);
+  });
+
+  it("runs them all once a device's held bytes pass its total / DEMAND_SHARE (at least RELEASE_HOLD_MIN_BYTES)", async () => {
+    // 4 GiB: at most 128 MiB held. Two 48 MiB frees are 96 MiB: held; the third passes the bound.
+    const capacity = 4096n * MiB;
+    expect(capacity / DEMAND_SHARE).toBe(128n * MiB);
+    expect(RELEASE_HOLD_MIN_BYTES).toBeLessThan(128n * MiB);
+    const { fake, stock } = stocked([], capacity);
+    const handles = await made(fake, 3, 48n * MiB);
+    for (const handle of handles.slice(0, 2)) void stock.release(handle, 48n * MiB, false, 0);
+    await turns();
+    expect(releases(fake)).toBe(0);
+    void stock.release(handles[2], 48n * MiB, false, 0);
+    await turns(6);
+    expect(releases(fake)).toBe(3);
+  });
+
+  it('runs RELEASE_PARALLEL at a time, the next as one ends', async () => {
+    class Gated extends FakeBackend {
+      running = 0;
+      most = 0;
+      gate: Promise<void> = Promise.resolve();
+      override async release(handle: BackendHandle): Promise<void> {
+        this.running++;
+        this.most = Math.max(this.most, this.running);
+        await this.gate;
+        try {
+          return await super.release(handle);
+        } finally {
+          this.running--;
+        }
+      }
+    }
+    const fake = new Gated({ capacity: 64n * MiB });
+    const stock = new StockedBackend(fake, [], quiet, () => undefined);
+    const handles = await made(fake, 6);
+    let open!: () => void;
+    fake.gate = new Promise((resolve) => (open = resolve));
+    const released = handles.map((handle) => stock.release(handle, 4n * MiB, false, 0));
+    stock.hurry();
+    await turns();
+    expect(fake.running).toBe(RELEASE_PARALLEL);
+    open();
+    await Promise.all(released);
+    expect(fake.most).toBe(RELEASE_PARALLEL);
+    expect(fake.memoryInfo().freeBytes).toBe(64n * MiB);
   });
 
   it('runs them before the refill of a shelf run low, in one burst: frees first, then creates', async () => {
@@ -112,7 +160,7 @@ describe('frees the stock holds back', () => {
     const failing = stock.release(Number(handle) + 1000, 4n * MiB, false, 0);
     stock.hurry();
     await expect(failing).rejects.toMatchObject({ code: 'EBADF' });
-    expect(fake.memoryInfo().freeBytes).toBe(60n * MiB);
+    expect(fake.memoryInfo().freeBytes).toBe(252n * MiB);
   });
 
   it('runs them at close()', async () => {
@@ -121,7 +169,7 @@ describe('frees the stock holds back', () => {
     const released = stock.release(handle, 4n * MiB, false, 0);
     stock.close();
     await released;
-    expect(fake.memoryInfo().freeBytes).toBe(64n * MiB);
+    expect(fake.memoryInfo().freeBytes).toBe(256n * MiB);
   });
 });
 
@@ -138,7 +186,7 @@ describe('whoever waits for a free hurries the held ones (no timer advances in t
     expect(releases(fake)).toBe(1);
     const b = await registry.create(SESSION, ARGS);
     await registry.reclaim(SESSION);
-    expect(fake.memoryInfo().freeBytes).toBe(64n * MiB);
+    expect(fake.memoryInfo().freeBytes).toBe(256n * MiB);
     expect(b.freed).toBe(true);
   });
 
