@@ -237,7 +237,7 @@ export class Daemon {
         for (const step of undo) step();
         await sessions.close().catch(() => undefined);
         for (const path of [paths.grpc, paths.session]) fs.rmSync(path, { force: true });
-        backend.close();
+        await backend.close();
       }
     }
     return started;
@@ -256,7 +256,7 @@ export class Daemon {
     this.healthServer.forceShutdown();
     await this.sessions.close();
     for (const path of [this.paths.grpc, this.paths.session]) fs.rmSync(path, { force: true });
-    this.backend.close();
+    await this.backend.close();
     this.admin.close();
     this.metrics.close();
     this.log.info('vmmd stopped');

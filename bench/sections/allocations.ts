@@ -51,13 +51,17 @@ export const POOLED_ROUNDS = 3;
  * loop and CuPy's (pinned to the same CPU) run on the same core: a process
  * otherwise lands in a fast or a slow state of its own (on the H100 host
  * 0.44-0.49 or 0.87-1.0 µs for the same loop, bench/results/h100-1a2b5ec-pooled-reruns.log).
- * @returns the CPU, or undefined where taskset is missing or refused
+ * @returns the CPU and how to give the process back the CPUs it had (later
+ *   sections, and the processes they start, which inherit it, must not run
+ *   pinned: until 2026-11-26 they did), or undefined where taskset is missing or refused
  */
-function pinToOneCpu(): number | undefined {
+function pinToOneCpu(): { cpu: number; unpin(): void } | undefined {
   const cpu = os.cpus().length - 1;
   try {
+    const mask = /affinity mask: ([0-9a-f,]+)/i.exec(execFileSync('taskset', ['-p', String(process.pid)], { encoding: 'utf8' }))?.[1];
+    if (mask === undefined) return undefined;
     execFileSync('taskset', ['-a', '-cp', String(cpu), String(process.pid)], { stdio: 'ignore' });
-    return cpu;
+    return { cpu, unpin: () => execFileSync('taskset', ['-a', '-p', mask, String(process.pid)], { stdio: 'ignore' }) };
   } catch {
     return undefined;
   }
@@ -101,18 +105,23 @@ export async function pooled(client: VmmdClient, iterations: number): Promise<Se
   const emm = await manager(client, false);
   const cuda = client.backend === 'cuda';
   // On a GPU host vmmd and CuPy alternate, POOLED_ROUNDS rounds on one CPU: neither gets a better core or a later, warmer machine.
-  const cpu = cuda ? pinToOneCpu() : undefined;
+  const pinned = cuda ? pinToOneCpu() : undefined;
+  const cpu = pinned?.cpu;
   const rounds = cuda ? POOLED_ROUNDS : 1;
   const ours: Row[][] = [];
   const theirs: Row[][] = [];
   const notes: string[] = [];
-  for (let round = 0; round < rounds; round++) {
-    // A long first warm-up: the JIT settles and V8's young generation grows to its working size, as in a running program.
-    ours.push(await pooledRound(emm, iterations, round === 0 ? 100_000 : 10_000));
-    if (!cuda) continue;
-    const references = pythonReferences(iterations, round === rounds - 1, cpu);
-    theirs.push(references.rows);
-    notes.push(...references.errors.filter((error) => !notes.includes(error)));
+  try {
+    for (let round = 0; round < rounds; round++) {
+      // A long first warm-up: the JIT settles and V8's young generation grows to its working size, as in a running program.
+      ours.push(await pooledRound(emm, iterations, round === 0 ? 100_000 : 10_000));
+      if (!cuda) continue;
+      const references = pythonReferences(iterations, round === rounds - 1, cpu);
+      theirs.push(references.rows);
+      notes.push(...references.errors.filter((error) => !notes.includes(error)));
+    }
+  } finally {
+    pinned?.unpin();
   }
   await emm.reset();
   const roundsOf = (table: Row[][], allocator: string, size: bigint) =>

@@ -153,7 +153,8 @@ export interface Backend {
   readBytes(address: bigint, length: number, device: number, into?: Buffer): Promise<Buffer>;
   /** Copies into mapped memory, through `device` (which has write access to it). */
   writeBytes(address: bigint, data: Buffer, device: number): Promise<void>;
-  close(): void;
+  /** Gives back what the backend holds; where it has driver work in flight, resolves once that has settled (the process may exit then). */
+  close(): void | Promise<void>;
 }
 
 /** An error with a string code, as the addon throws them (the codes server/errors.ts maps). */

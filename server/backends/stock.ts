@@ -76,6 +76,8 @@ const FREE_BYTES_TTL_MS = 100;
 export const QUIET_MS = 1;
 /** A refill waits for quiet at most this long after a shelf was taken from: a steady stream still finds a stock. */
 export const MAX_REFILL_DELAY_MS = 100;
+/** close() waits at most this long for the driver work in flight. */
+export const CLOSE_WAIT_MS = 10_000;
 /** Allocations a refill creates at once (each on a driver thread; libuv has four, the frees need some). */
 export const REFILL_PARALLEL = 2;
 /** A shelf left with at most its depth divided by this refills at once, in one burst. */
@@ -106,6 +108,8 @@ export class StockedBackend implements Backend {
   // Invariant: descriptors of stocked handles handed out, exported and not yet released (bounded, least recently used out first).
   private readonly exported: ExportedDescriptors;
   private closed = false;
+  // Invariant: the driver work started and not yet settled (frees, refills); close() waits for it.
+  private readonly working = new Set<Promise<unknown>>();
   // The last free bytes asked of each device, and when; refills count down what they take.
   private readonly free = new Map<number, { bytes: bigint; at: number }>();
   private readonly counters = { hits: 0, misses: 0, created: 0, refillFailures: 0 };
@@ -116,7 +120,7 @@ export class StockedBackend implements Backend {
   private refillTimer: NodeJS.Timeout | undefined;
   // The releases held back (at most the demand's share of a device in bytes); empty once closed.
   private readonly held = new HeldReleases(
-    (handle, size, imported, device) => this.releaseNow(handle, size, imported, device),
+    (handle, size, imported, device) => this.track(this.releaseNow(handle, size, imported, device)),
     (device) => (this.inner.devices().find((info) => info.index === device)?.totalBytes ?? 0n) / DEMAND_SHARE,
   );
 
@@ -252,16 +256,39 @@ export class StockedBackend implements Backend {
     return this.exported.size;
   }
 
-  close(): void {
+  /**
+   * Gives everything back, and resolves once the driver work the stock
+   * started (frees, creates of a refill in flight) has settled, at most
+   * CLOSE_WAIT_MS: the daemon exits next, and a driver call still running on a
+   * driver thread then meets the driver's teardown (a deep stock gives back
+   * hundreds at once: the cuda load test's daemon died of it).
+   */
+  async close(): Promise<void> {
     this.closed = true;
-    this.held.startAll();
     clearTimeout(this.refillTimer);
     this.refillTimer = undefined;
+    this.held.startAll();
     for (const device of this.inner.devices()) this.empty(device.index);
     for (const fd of this.ready.values()) this.closeDescriptor(fd);
     this.ready.clear();
     this.exported.clear();
-    this.inner.close();
+    const deadline = performance.now() + CLOSE_WAIT_MS;
+    while (this.working.size > 0 && performance.now() < deadline) {
+      let timer: NodeJS.Timeout | undefined;
+      const late = new Promise<void>((resolve) => (timer = setTimeout(resolve, deadline - performance.now())));
+      await Promise.race([Promise.allSettled([...this.working]), late]);
+      clearTimeout(timer);
+    }
+    if (this.working.size > 0) this.log.warn({ running: this.working.size }, `stock: closing with driver work still running after ${CLOSE_WAIT_MS} ms`);
+    await this.inner.close();
+  }
+
+  /** Counts `work` (driver work the stock started) until it settles: close() waits for it. */
+  private track<T>(work: Promise<T>): Promise<T> {
+    this.working.add(work);
+    const done = () => void this.working.delete(work);
+    work.then(done, done);
+    return work;
   }
 
   /** Gives back every stocked allocation of a device. */
@@ -274,7 +301,7 @@ export class StockedBackend implements Backend {
 
   private discard(shelf: Shelf, item: Item): void {
     this.closeDescriptor(item.fd);
-    this.inner.release(item.handle, shelf.size, false, shelf.device).catch((error) => this.log.error({ err: error }, 'stock: releasing stocked memory failed'));
+    void this.track(this.inner.release(item.handle, shelf.size, false, shelf.device).catch((error) => this.log.error({ err: error }, 'stock: releasing stocked memory failed')));
   }
 
   /** Refills (and follows the demand) once no Create came for QUIET_MS, or MAX_REFILL_DELAY_MS after the first ask. */
@@ -350,8 +377,11 @@ export class StockedBackend implements Backend {
     return this.refill(shelf);
   }
 
-  private async refill(shelf: Shelf): Promise<void> {
-    if (shelf.refilling) return;
+  private refill(shelf: Shelf): Promise<void> {
+    return shelf.refilling ? Promise.resolve() : this.track(this.refillNow(shelf));
+  }
+
+  private async refillNow(shelf: Shelf): Promise<void> {
     shelf.refilling = true;
     let making = 0;
     // One of REFILL_PARALLEL creating in turn: a burst is over sooner, so fewer requests meet it.

@@ -205,6 +205,6 @@ export class RecordingBackend implements Backend {
   }
 
   close() {
-    this.inner.close();
+    return this.inner.close();
   }
 }

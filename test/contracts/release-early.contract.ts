@@ -63,7 +63,7 @@ export function releaseEarlyContract(makeBackend: () => Backend | Promise<Backen
     backend.releaseReferenceGate = undefined;
     for (const owner of [A, B, DAEMON_OWNER]) await registry.reclaim(owner);
     expect({ handles: backend.liveHandles, charged: charged() }).toEqual({ handles: 0, charged: { byUid: {}, bySession: {} } });
-    backend.close();
+    await backend.close();
   });
 
   it('answers once the references are dropped: the memory is gone for callers, still charged, and freed after', async () => {

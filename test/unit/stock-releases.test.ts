@@ -163,6 +163,36 @@ describe('frees the stock holds back', () => {
     expect(fake.memoryInfo().freeBytes).toBe(252n * MiB);
   });
 
+  it('close() resolves once every release it started (held, queued, the shelves emptied) has run, and closes the backend after them', async () => {
+    // The daemon exits once close() resolves: a driver call still running then meets the driver's teardown.
+    class Gated extends FakeBackend {
+      gate: Promise<void> = Promise.resolve();
+      closedWith = -1;
+      override async release(handle: BackendHandle): Promise<void> {
+        await this.gate;
+        return super.release(handle);
+      }
+      override close(): void {
+        this.closedWith = this.memory.size;
+      }
+    }
+    const fake = new Gated({ capacity: 256n * MiB });
+    const stock = new StockedBackend(fake, [{ size: 2n * MiB, depth: 4 }], quiet, () => undefined);
+    await stock.fill();
+    const handles = await made(fake, 5);
+    for (const handle of handles) void stock.release(handle, 4n * MiB, false, 0);
+    let open!: () => void;
+    fake.gate = new Promise((resolve) => (open = resolve));
+    let closed = false;
+    const closing = Promise.resolve(stock.close()).then(() => (closed = true));
+    await turns(6);
+    expect({ closed, backendClosed: fake.closedWith }).toEqual({ closed: false, backendClosed: -1 });
+    open();
+    await closing;
+    // Nothing left: the five released, the four stocked given back, and only then the backend closed.
+    expect({ live: fake.memory.size, backendClosed: fake.closedWith }).toEqual({ live: 0, backendClosed: 0 });
+  });
+
   it('runs them at close()', async () => {
     const { fake, stock } = stocked([]);
     const [handle] = await made(fake, 1);
