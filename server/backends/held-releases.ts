@@ -7,9 +7,10 @@
  * client (the driver's own lock): one beside a client's import and map slows
  * it (issue 18: a client allocating and freeing back to back met the one
  * process's speed only with the daemon's frees held until it stopped). Run,
- * they go RELEASE_PARALLEL at a time: the driver threads stay free for other
- * work, and their completions come to the event loop spread out. Whoever
- * waits for a free calls hurry() (Backend.hurry).
+ * they all start at once, as the driver threads take them (started two at a
+ * time instead, under the cuda load test's 32 clients the frees fell behind
+ * and the daemon's heap grew to its cap). Whoever waits for a free calls
+ * hurry() (Backend.hurry).
  */
 import type { BackendHandle } from './backend';
 
@@ -17,8 +18,6 @@ import type { BackendHandle } from './backend';
 export const RELEASE_HOLD_MAX = 256;
 /** The byte bound of a device is never below this (a small device's share of it would hold next to nothing). */
 export const RELEASE_HOLD_MIN_BYTES = 64n << 20n;
-/** Held releases run this many at a time. */
-export const RELEASE_PARALLEL = 2;
 
 /** What a held release frees: the backend's release arguments. */
 export type ReleaseCall = (handle: BackendHandle, size: bigint, imported: boolean, device: number) => Promise<void>;
@@ -38,9 +37,6 @@ export class HeldReleases {
   // Invariant: the releases not yet started, oldest first; `bytes` sums their sizes per device.
   private readonly held: Held[] = [];
   private readonly bytes = new Map<number, bigint>();
-  // Invariant: the releases let go and not yet started (at most RELEASE_PARALLEL run), oldest first.
-  private readonly queue: Held[] = [];
-  private running = 0;
   // A hurry() is still to look again at the next turn (releases on their way through the registry's adaptors).
   private hurrying = false;
 
@@ -65,18 +61,10 @@ export class HeldReleases {
     });
   }
 
-  /** Lets every held release go now (they start RELEASE_PARALLEL at a time). */
+  /** Starts every held release now. */
   runAll(): void {
-    this.queue.push(...this.held.splice(0));
     this.bytes.clear();
-    this.startNext();
-  }
-
-  /** Starts every held and queued release now, all at once (the owner closes: the backend goes next). */
-  startAll(): void {
-    this.queue.push(...this.held.splice(0));
-    this.bytes.clear();
-    for (const next of this.queue.splice(0)) this.release(next.handle, next.size, next.imported, next.device).then(next.resolve, next.reject);
+    for (const held of this.held.splice(0)) this.release(held.handle, held.size, held.imported, held.device).then(held.resolve, held.reject);
   }
 
   /** Lets the held releases go now, and those that reach hold() later in this turn. */
@@ -88,18 +76,5 @@ export class HeldReleases {
       this.hurrying = false;
       this.runAll();
     });
-  }
-
-  private startNext(): void {
-    while (this.running < RELEASE_PARALLEL && this.queue.length > 0) {
-      const next = this.queue.shift()!;
-      this.running++;
-      this.release(next.handle, next.size, next.imported, next.device)
-        .then(next.resolve, next.reject)
-        .finally(() => {
-          this.running--;
-          this.startNext();
-        });
-    }
   }
 }

@@ -31,6 +31,7 @@ function heapLimit(): NodeJS.ProcessEnv {
 /** The scenario, on either backend (test/gpu/load-cuda.test.ts runs it on cuda). */
 export async function loadScenario(backend: 'host' | 'cuda', CLIENTS: number, SECONDS: number, daemonArgs: string[] = []): Promise<void> {
   const daemon = await TestDaemon.start(daemonArgs, backend, heapLimit());
+  let failed = false;
   try {
     const baseline = await daemon.stats();
     const baselineFds = daemon.openFds();
@@ -83,7 +84,16 @@ export async function loadScenario(backend: 'host' | 'cuda', CLIENTS: number, SE
     if (growthMiB >= GROWTH_LIMIT_MIB) {
       throw new Error(`the daemon's RSS grew ${growthMiB.toFixed(0)} MiB (limit ${GROWTH_LIMIT_MIB}) over ${ops} operations; every 5 s: ${rssSeries.join(', ')} MiB`);
     }
+  } catch (error) {
+    failed = true;
+    // The daemon's last words with the first failure (a stop that fails next would hide it).
+    const code = await daemon.stop();
+    const words = `daemon exit ${code}; its last log lines:\n${daemon.logs.slice(-30).join('\n')}`;
+    throw Object.assign(error as Error, { message: `${(error as Error).message}\n\n${words}`, stack: `${(error as Error).stack}\n\n${words}` });
   } finally {
-    expect(await daemon.stop()).toBe(0);
+    if (!failed) {
+      const code = await daemon.stop();
+      if (code !== 0) throw new Error(`the daemon exited ${code}; its last log lines:\n${daemon.logs.slice(-30).join('\n')}`);
+    }
   }
 }

@@ -9,7 +9,7 @@
 import pino from 'pino';
 import { Quotas } from '../../server/quotas';
 import { Registry } from '../../server/registry';
-import { DEMAND_SHARE, QUIET_MS, RELEASE_HOLD_MAX, RELEASE_HOLD_MIN_BYTES, RELEASE_PARALLEL, StockedBackend, MAX_REFILL_DELAY_MS } from '../../server/backends/stock';
+import { DEMAND_SHARE, QUIET_MS, RELEASE_HOLD_MAX, RELEASE_HOLD_MIN_BYTES, StockedBackend, MAX_REFILL_DELAY_MS } from '../../server/backends/stock';
 import type { BackendHandle } from '../../server/backends/backend';
 import { FakeBackend, MiB } from './fake-backend';
 
@@ -100,37 +100,6 @@ describe('frees the stock holds back', () => {
     expect(releases(fake)).toBe(3);
   });
 
-  it('runs RELEASE_PARALLEL at a time, the next as one ends', async () => {
-    class Gated extends FakeBackend {
-      running = 0;
-      most = 0;
-      gate: Promise<void> = Promise.resolve();
-      override async release(handle: BackendHandle): Promise<void> {
-        this.running++;
-        this.most = Math.max(this.most, this.running);
-        await this.gate;
-        try {
-          return await super.release(handle);
-        } finally {
-          this.running--;
-        }
-      }
-    }
-    const fake = new Gated({ capacity: 64n * MiB });
-    const stock = new StockedBackend(fake, [], quiet, () => undefined);
-    const handles = await made(fake, 6);
-    let open!: () => void;
-    fake.gate = new Promise((resolve) => (open = resolve));
-    const released = handles.map((handle) => stock.release(handle, 4n * MiB, false, 0));
-    stock.hurry();
-    await turns();
-    expect(fake.running).toBe(RELEASE_PARALLEL);
-    open();
-    await Promise.all(released);
-    expect(fake.most).toBe(RELEASE_PARALLEL);
-    expect(fake.memoryInfo().freeBytes).toBe(64n * MiB);
-  });
-
   it('runs them before the refill of a shelf run low, in one burst: frees first, then creates', async () => {
     const { fake, stock } = stocked([{ size: 2n * MiB, depth: 4 }]);
     await stock.fill();
@@ -163,7 +132,7 @@ describe('frees the stock holds back', () => {
     expect(fake.memoryInfo().freeBytes).toBe(252n * MiB);
   });
 
-  it('close() resolves once every release it started (held, queued, the shelves emptied) has run, and closes the backend after them', async () => {
+  it('close() resolves once every release it started (held, the shelves emptied) has run, and closes the backend after them', async () => {
     // The daemon exits once close() resolves: a driver call still running then meets the driver's teardown.
     class Gated extends FakeBackend {
       gate: Promise<void> = Promise.resolve();
