@@ -16,6 +16,8 @@ import type { BackendHandle } from './backend';
 
 /** At most this many releases are held; one more and they all run. */
 export const RELEASE_HOLD_MAX = 256;
+/** Let go, held releases start this many a turn of the event loop (each start is an addon call: 256 in one turn were 2-4 ms of it). */
+export const RELEASE_START_BATCH = 16;
 /** The byte bound of a device is never below this (a small device's share of it would hold next to nothing). */
 export const RELEASE_HOLD_MIN_BYTES = 64n << 20n;
 
@@ -61,10 +63,16 @@ export class HeldReleases {
     });
   }
 
-  /** Starts every held release now. */
-  runAll(): void {
+  /** Starts every held release: RELEASE_START_BATCH now, the next as many at each following turn (with `allNow`, all now: the owner closes). */
+  runAll(allNow = false): void {
     this.bytes.clear();
-    for (const held of this.held.splice(0)) this.release(held.handle, held.size, held.imported, held.device).then(held.resolve, held.reject);
+    const batch = this.held.splice(0);
+    const step = allNow ? batch.length : RELEASE_START_BATCH;
+    const start = (from: number) => {
+      for (const held of batch.slice(from, from + step)) this.release(held.handle, held.size, held.imported, held.device).then(held.resolve, held.reject);
+      if (from + step < batch.length) setImmediate(() => start(from + step));
+    };
+    start(0);
   }
 
   /** Lets the held releases go now, and those that reach hold() later in this turn. */

@@ -82,7 +82,7 @@ export const CLOSE_WAIT_MS = 10_000;
 export const REFILL_PARALLEL = 2;
 /** A shelf left with at most its depth divided by this refills at once, in one burst. */
 export const REFILL_AT_FRACTION = 4;
-export { RELEASE_HOLD_MAX, RELEASE_HOLD_MIN_BYTES } from './held-releases';
+export { RELEASE_HOLD_MAX, RELEASE_HOLD_MIN_BYTES, RELEASE_START_BATCH } from './held-releases';
 export { BURST_HEADROOM, BURST_MAX_DEPTH, BURST_MEMORY, DEMAND_MAX_DEPTH, DEMAND_MAX_SHELVES, DEMAND_MIN_COUNT, DEMAND_SHARE, DEMAND_WINDOW } from './stock-demand';
 
 const shelfKey = (device: number, size: bigint) => `${device}:${size}`;
@@ -267,7 +267,7 @@ export class StockedBackend implements Backend {
     this.closed = true;
     clearTimeout(this.refillTimer);
     this.refillTimer = undefined;
-    this.held.runAll();
+    this.held.runAll(true);
     for (const device of this.inner.devices()) this.empty(device.index);
     for (const fd of this.ready.values()) this.closeDescriptor(fd);
     this.ready.clear();
