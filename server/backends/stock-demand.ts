@@ -7,7 +7,7 @@
  *   as many asks again, up to DEMAND_MAX_DEPTH;
  * - how many at once: the requests of each size between two quiet moments (a
  *   burst). Any shelf, configured or not, gets as deep as the largest of its
- *   size's last BURST_MEMORY bursts times BURST_HEADROOM (at most
+ *   size's last BURST_MEMORY bursts (of DEMAND_MIN_COUNT or more) times BURST_HEADROOM (at most
  *   BURST_MAX_DEPTH), so that a burst like it is served from the shelf without
  *   a refill: the daemon's creates and frees then wait for the quiet after it,
  *   away from the clients' imports and maps, which they slow (issue 18: a
@@ -86,10 +86,10 @@ export class StockDemand {
     }
   }
 
-  /** The depth the bursts of `size` ask for (0: none remembered). */
+  /** The depth the bursts of `size` ask for (0: none remembered, or none of DEMAND_MIN_COUNT requests or more). */
   burstDepth(device: number, size: bigint): number {
-    const recent = this.bursts.get(burstKey(device, size))?.recent ?? [];
-    return recent.length === 0 ? 0 : Math.min(BURST_MAX_DEPTH, Math.ceil(Math.max(...recent) * BURST_HEADROOM));
+    const largest = Math.max(0, ...(this.bursts.get(burstKey(device, size))?.recent ?? []));
+    return largest < DEMAND_MIN_COUNT ? 0 : Math.min(BURST_MAX_DEPTH, Math.ceil(largest * BURST_HEADROOM));
   }
 
   /**

@@ -79,7 +79,7 @@ describe('a stock that follows demand and refills when quiet', () => {
 
   it('deepens a shelf the more its size is asked, up to DEMAND_MAX_DEPTH', async () => {
     const { stock } = stocked();
-    // One at a time, quiet after each (bursts of one, which ask for a depth of two: see the bursts' tests).
+    // One at a time, quiet after each (bursts of one deepen nothing: how often counts here).
     await ask(stock, 2n * MiB, DEMAND_MIN_COUNT * 2, 2 * QUIET_MS);
     await jest.advanceTimersByTimeAsync(QUIET_MS);
     expect(demandLevels(stock)).toMatchObject([{ size: String(2n * MiB), depth: 2, held: 2 }]);
@@ -153,8 +153,8 @@ describe('a stock that follows demand and refills when quiet', () => {
     await jest.advanceTimersByTimeAsync(QUIET_MS);
     // The most asked sizes, whichever order their shelves were made in.
     expect(demandLevels(stock).map((level) => Number(BigInt(level.size) / MiB)).sort((x, y) => y - x)).toEqual([14, 12, 10, 8].slice(0, DEMAND_MAX_SHELVES));
-    // The configured shelf: as deep as its bursts of one ask (two), not below its depth.
-    expect(stock.stats().levels.filter((level) => !level.demand)).toEqual([{ device: 0, size: String(2n * MiB), depth: 2, held: 2 }]);
+    // The configured shelf: bursts of one ask deepen nothing.
+    expect(stock.stats().levels.filter((level) => !level.demand)).toEqual([{ device: 0, size: String(2n * MiB), depth: 1, held: 1 }]);
   });
 
   it('gives back a shelf and its memory once its size is no longer asked', async () => {
@@ -284,13 +284,16 @@ describe('the demand the stock follows (StockDemand)', () => {
     };
     expect(demand.burstDepth(0, 2n * MiB)).toBe(0);
     burst(10);
-    burst(3);
+    burst(5);
     expect(demand.burstDepth(0, 2n * MiB)).toBe(Math.ceil(10 * BURST_HEADROOM));
-    for (let i = 0; i < BURST_MEMORY - 1; i++) burst(3);
-    expect(demand.burstDepth(0, 2n * MiB)).toBe(Math.ceil(3 * BURST_HEADROOM));
+    for (let i = 0; i < BURST_MEMORY - 1; i++) burst(5);
+    expect(demand.burstDepth(0, 2n * MiB)).toBe(Math.ceil(5 * BURST_HEADROOM));
     // Quiet moments with no request of the size are no bursts of it.
     demand.quiet();
-    expect(demand.burstDepth(0, 2n * MiB)).toBe(Math.ceil(3 * BURST_HEADROOM));
+    expect(demand.burstDepth(0, 2n * MiB)).toBe(Math.ceil(5 * BURST_HEADROOM));
+    // Bursts smaller than DEMAND_MIN_COUNT ask for nothing.
+    for (let i = 0; i < BURST_MEMORY; i++) burst(DEMAND_MIN_COUNT - 1);
+    expect(demand.burstDepth(0, 2n * MiB)).toBe(0);
     burst(100_000);
     expect(demand.burstDepth(0, 2n * MiB)).toBe(BURST_MAX_DEPTH);
     expect(demand.burstDepth(1, 2n * MiB)).toBe(0);
