@@ -4,14 +4,18 @@
  * object in the kernel, 25-45 us on an H100 host (bench/results/cold-probe),
  * which neither a client's allocation nor the daemon's event loop should wait
  * for. The number stays taken until then, so nothing else can meet it; a
- * failure is reported to `failed` (a process warning by default).
+ * failure is reported to `failed` (a process warning by default). Resolves once
+ * closed (or failed): callers that need the memory gone wait for it.
  */
 import { close } from 'node:fs';
 
-export function closeLater(fd: number, failed: (error: Error) => void = (error) => process.emitWarning(`vmmd: closing descriptor ${fd} failed: ${error.message}`)): void {
-  setImmediate(() =>
-    close(fd, (error) => {
-      if (error) failed(error);
-    }),
+export function closeLater(fd: number, failed: (error: Error) => void = (error) => process.emitWarning(`vmmd: closing descriptor ${fd} failed: ${error.message}`)): Promise<void> {
+  return new Promise((resolve) =>
+    setImmediate(() =>
+      close(fd, (error) => {
+        if (error) failed(error);
+        resolve();
+      }),
+    ),
   );
 }

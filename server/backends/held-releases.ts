@@ -39,6 +39,9 @@ export class HeldReleases {
   // Invariant: the releases not yet started, oldest first; `bytes` sums their sizes per device.
   private readonly held: Held[] = [];
   private readonly bytes = new Map<number, bigint>();
+  // Invariant: the releases let go and not yet started, oldest first; while any waits, a turn's start is due.
+  private readonly letGo: Held[] = [];
+  private starting: NodeJS.Immediate | undefined;
   // A hurry() is still to look again at the next turn (releases on their way through the registry's adaptors).
   private hurrying = false;
 
@@ -63,16 +66,22 @@ export class HeldReleases {
     });
   }
 
-  /** Starts every held release: RELEASE_START_BATCH now, the next as many at each following turn (with `allNow`, all now: the owner closes). */
+  /**
+   * Lets every held release go: RELEASE_START_BATCH start now, as many more at
+   * each following turn. With `allNow` (the owner closes), every release not
+   * yet started, held or let go earlier, starts now.
+   */
   runAll(allNow = false): void {
     this.bytes.clear();
-    const batch = this.held.splice(0);
-    const step = allNow ? batch.length : RELEASE_START_BATCH;
-    const start = (from: number) => {
-      for (const held of batch.slice(from, from + step)) this.release(held.handle, held.size, held.imported, held.device).then(held.resolve, held.reject);
-      if (from + step < batch.length) setImmediate(() => start(from + step));
-    };
-    start(0);
+    this.letGo.push(...this.held.splice(0));
+    this.startSome(allNow ? this.letGo.length : RELEASE_START_BATCH);
+  }
+
+  private startSome(count: number): void {
+    clearImmediate(this.starting);
+    this.starting = undefined;
+    for (const next of this.letGo.splice(0, count)) this.release(next.handle, next.size, next.imported, next.device).then(next.resolve, next.reject);
+    if (this.letGo.length > 0) this.starting = setImmediate(() => this.startSome(RELEASE_START_BATCH));
   }
 
   /** Lets the held releases go now, and those that reach hold() later in this turn. */

@@ -35,6 +35,8 @@ export const BURST_MEMORY = 8;
 export const BURST_HEADROOM = 1.5;
 /** The deepest a shelf gets by bursts. */
 export const BURST_MAX_DEPTH = 512;
+/** A device asked nothing stockable for this long forgets its bursts: what they added goes back (the stock keeps no deep shelves for an idle device). */
+export const BURST_IDLE_MS = 10_000;
 
 /** A shelf as the plan sees it: its size, and the depth configured for it (0: the demand added it). */
 export interface PlannedShelf {
@@ -84,6 +86,11 @@ export class StockDemand {
       if (burst.recent.length > BURST_MEMORY) burst.recent.shift();
       burst.current = 0;
     }
+  }
+
+  /** Forgets every burst (the device has been idle): shelves go back to what the configuration and the counts ask. */
+  forgetBursts(): void {
+    for (const burst of this.bursts.values()) burst.recent.length = 0;
   }
 
   /** The depth the bursts of `size` ask for (0: none remembered, or none of DEMAND_MIN_COUNT requests or more). */

@@ -28,21 +28,11 @@
  */
 import type { Logger } from 'pino';
 import { closeLater } from '../../common/close-later';
-import { addon } from '../../native';
 import { defaultExportCacheLimit, DescriptorCalls, ExportedDescriptors } from './exported-descriptors';
 import { HeldReleases } from './held-releases';
-import { DEMAND_MAX_SHELVES, DEMAND_MIN_COUNT, DEMAND_SHARE, StockDemand } from './stock-demand';
-import type {
-  AccessGrant,
-  Backend,
-  BackendHandle,
-  DeviceInfo,
-  HandleKind,
-  ImportedHandle,
-  ImportSource,
-  MemLocation,
-  MemoryInfo,
-} from './backend';
+import { PassThroughBackend } from './pass-through';
+import { BURST_IDLE_MS, DEMAND_MAX_SHELVES, DEMAND_MIN_COUNT, DEMAND_SHARE, StockDemand } from './stock-demand';
+import type { Backend, BackendHandle, HandleKind, MemLocation } from './backend';
 
 export interface StockLevel {
   /** Bytes of each allocation (a multiple of the device's granularity). */
@@ -83,7 +73,7 @@ export const REFILL_PARALLEL = 2;
 /** A shelf left with at most its depth divided by this refills at once, in one burst. */
 export const REFILL_AT_FRACTION = 4;
 export { RELEASE_HOLD_MAX, RELEASE_HOLD_MIN_BYTES, RELEASE_START_BATCH } from './held-releases';
-export { BURST_HEADROOM, BURST_MAX_DEPTH, BURST_MEMORY, DEMAND_MAX_DEPTH, DEMAND_MAX_SHELVES, DEMAND_MIN_COUNT, DEMAND_SHARE, DEMAND_WINDOW } from './stock-demand';
+export { BURST_HEADROOM, BURST_IDLE_MS, BURST_MAX_DEPTH, BURST_MEMORY, DEMAND_MAX_DEPTH, DEMAND_MAX_SHELVES, DEMAND_MIN_COUNT, DEMAND_SHARE, DEMAND_WINDOW } from './stock-demand';
 
 const shelfKey = (device: number, size: bigint) => `${device}:${size}`;
 
@@ -100,7 +90,7 @@ const isOutOfMemory = (error: unknown) => {
   return code === 'CUDA_ERROR_OUT_OF_MEMORY' || code === 'OUT_OF_MEMORY' || code === 'ENOMEM';
 };
 
-export class StockedBackend implements Backend {
+export class StockedBackend extends PassThroughBackend {
   // Invariant: one shelf per (device, size) of the levels; items are created, exported, and in no registry.
   private readonly shelves = new Map<string, Shelf>();
   // Invariant: the ready descriptor of every stocked handle handed out and not yet exported nor released.
@@ -108,6 +98,7 @@ export class StockedBackend implements Backend {
   // Invariant: descriptors of stocked handles handed out, exported and not yet released (bounded, least recently used out first).
   private readonly exported: ExportedDescriptors;
   private closed = false;
+  private closing: Promise<void> | undefined;
   // Invariant: the driver work started and not yet settled (frees, refills); close() waits for it.
   private readonly working = new Set<Promise<unknown>>();
   // The last free bytes asked of each device, and when; refills count down what they take.
@@ -118,6 +109,7 @@ export class StockedBackend implements Backend {
   private lastRequestAt = -Infinity;
   private refillAskedAt = 0;
   private refillTimer: NodeJS.Timeout | undefined;
+  private idleTimer: NodeJS.Timeout | undefined;
   // The releases held back (at most the demand's share of a device in bytes); empty once closed.
   private readonly held = new HeldReleases(
     (handle, size, imported, device) => this.track(this.releaseNow(handle, size, imported, device)),
@@ -129,13 +121,14 @@ export class StockedBackend implements Backend {
    * @param keptDescriptors how the kept exported descriptors are dup'ed and closed, and how many at most (tests give fakes their own)
    */
   constructor(
-    private readonly inner: Backend,
+    inner: Backend,
     levels: StockLevel[],
     private readonly log: Logger,
     // Off the event loop: a stocked descriptor is its memory's last, and its close frees the driver's export object.
-    private readonly closeDescriptor: (fd: number) => void = (fd) => closeLater(fd),
+    private readonly closeDescriptor: (fd: number) => void | Promise<void> = (fd) => closeLater(fd),
     keptDescriptors: { calls?: DescriptorCalls; limit?: number } = {},
   ) {
+    super(inner);
     this.exported = new ExportedDescriptors(keptDescriptors.limit ?? defaultExportCacheLimit(), keptDescriptors.calls);
     for (const device of inner.devices()) {
       for (const level of levels) {
@@ -143,14 +136,6 @@ export class StockedBackend implements Backend {
         this.shelves.set(shelfKey(device.index, level.size), { device: device.index, size: level.size, depth: level.depth, items: [], refilling: false, demand: false, floor: level.depth });
       }
     }
-  }
-
-  get name() {
-    return this.inner.name;
-  }
-
-  get capabilities() {
-    return this.inner.capabilities;
   }
 
   /** Fills every shelf; resolves when they are full (or a refill gave up). */
@@ -171,7 +156,7 @@ export class StockedBackend implements Backend {
     };
   }
 
-  async create(device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
+  override async create(device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
     const stockable = location.type === 'DEVICE' && handleTypes.length === 1 && handleTypes[0] === 'POSIX_FD';
     // A size just asked often enough for a shelf of its own gets one now, filled at once: until it exists every
     // request of that size is created on its path (a steady stream of a new size never left the daemon quiet
@@ -198,17 +183,18 @@ export class StockedBackend implements Backend {
     try {
       return await this.inner.create(device, location, size, handleTypes);
     } catch (error) {
-      // Stocked memory yields to sessions': the next Create finds it free.
-      if (isOutOfMemory(error)) {
-        this.empty(device);
-        this.free.delete(device);
-      }
-      throw error;
+      if (!isOutOfMemory(error)) throw error;
+      // Stocked memory yields to sessions': given back (freed, its descriptors closed), and this Create tried once more.
+      this.free.delete(device);
+      const given = this.empty(device);
+      if (given.length === 0) throw error;
+      await Promise.allSettled(given);
+      return this.inner.create(device, location, size, handleTypes);
     }
   }
 
   /** A stocked handle's first export: its ready descriptor (a dup of it kept); later ones: a dup of the kept one. */
-  async exportHandle(handle: BackendHandle, device: number): Promise<number> {
+  override async exportHandle(handle: BackendHandle, device: number): Promise<number> {
     const fd = this.ready.get(handle);
     if (fd === undefined) return this.exported.duplicate(BigInt(handle)) ?? this.inner.exportHandle(handle, device);
     this.ready.delete(handle);
@@ -217,20 +203,20 @@ export class StockedBackend implements Backend {
   }
 
   /** Frees the handle, held back until the daemon is quiet (or hurried); resolves once it is freed. */
-  release(handle: BackendHandle, size: bigint, imported: boolean, device: number): Promise<void> {
+  override release(handle: BackendHandle, size: bigint, imported: boolean, device: number): Promise<void> {
     const fd = this.ready.get(handle);
     if (fd !== undefined) {
       this.ready.delete(handle);
       this.closeDescriptor(fd);
     }
-    if (this.closed) return this.releaseNow(handle, size, imported, device);
+    if (this.closed) return this.track(this.releaseNow(handle, size, imported, device));
     const released = this.held.hold(handle, size, imported, device);
     this.refillWhenQuiet();
     return released;
   }
 
   /** Starts the held releases now, and those on their way here within this turn. */
-  hurry(): void {
+  override hurry(): void {
     this.held.hurry();
   }
 
@@ -263,9 +249,15 @@ export class StockedBackend implements Backend {
    * driver thread then meets the driver's teardown (a deep stock gives back
    * hundreds at once: the cuda load test's daemon died of it).
    */
-  async close(): Promise<void> {
+  override close(): Promise<void> {
+    this.closing ??= this.closeNow();
+    return this.closing;
+  }
+
+  private async closeNow(): Promise<void> {
     this.closed = true;
     clearTimeout(this.refillTimer);
+    clearTimeout(this.idleTimer);
     this.refillTimer = undefined;
     this.held.runAll(true);
     for (const device of this.inner.devices()) this.empty(device.index);
@@ -291,17 +283,20 @@ export class StockedBackend implements Backend {
     return work;
   }
 
-  /** Gives back every stocked allocation of a device. */
-  private empty(device: number): void {
+  /** Gives back every stocked allocation of a device; each settles once its memory is freed and its descriptor closed. */
+  private empty(device: number): Array<Promise<unknown>> {
+    const given: Array<Promise<unknown>> = [];
     for (const shelf of this.shelves.values()) {
       if (shelf.device !== device) continue;
-      for (const item of shelf.items.splice(0)) this.discard(shelf, item);
+      for (const item of shelf.items.splice(0)) given.push(this.discard(shelf, item));
     }
+    return given;
   }
 
-  private discard(shelf: Shelf, item: Item): void {
-    this.closeDescriptor(item.fd);
-    void this.track(this.inner.release(item.handle, shelf.size, false, shelf.device).catch((error) => this.log.error({ err: error }, 'stock: releasing stocked memory failed')));
+  private discard(shelf: Shelf, item: Item): Promise<unknown> {
+    const closed = this.closeDescriptor(item.fd);
+    const released = this.track(this.inner.release(item.handle, shelf.size, false, shelf.device).catch((error) => this.log.error({ err: error }, 'stock: releasing stocked memory failed')));
+    return Promise.all([closed, released]);
   }
 
   /** Refills (and follows the demand) once no Create came for QUIET_MS, or MAX_REFILL_DELAY_MS after the first ask. */
@@ -326,9 +321,23 @@ export class StockedBackend implements Backend {
       this.held.runAll();
       this.followDemand();
       void this.fill();
+      this.forgetBurstsWhenIdle();
     }, delayMs);
     // A pending refill never keeps the daemon alive.
     this.refillTimer.unref();
+  }
+
+  /** BURST_IDLE_MS from now, if no stockable request came meanwhile, the bursts are forgotten and what they added goes back. */
+  private forgetBurstsWhenIdle(): void {
+    clearTimeout(this.idleTimer);
+    const armedAt = performance.now();
+    this.idleTimer = setTimeout(() => {
+      this.idleTimer = undefined;
+      if (this.closed || this.lastRequestAt > armedAt) return;
+      this.demand.forgetBursts();
+      this.followDemand();
+    }, BURST_IDLE_MS);
+    this.idleTimer.unref();
   }
 
   /**
@@ -424,68 +433,5 @@ export class StockedBackend implements Backend {
     const bytes = this.inner.memoryInfo(device).freeBytes;
     this.free.set(device, { bytes, at: now });
     return bytes;
-  }
-
-  // ---- everything else is the inner backend's ----
-
-  devices(): DeviceInfo[] {
-    return this.inner.devices();
-  }
-  createExported(device: number, location: MemLocation, size: bigint): Promise<{ handle: BackendHandle; fd: number }> {
-    return this.inner.createExported(device, location, size);
-  }
-  memoryInfo(device: number): MemoryInfo {
-    return this.inner.memoryInfo(device);
-  }
-  granularity(location: MemLocation): { minimum: bigint; recommended: bigint } {
-    return this.inner.granularity(location);
-  }
-  canAccessPeer(device: number, owner: number): boolean {
-    return this.inner.canAccessPeer(device, owner);
-  }
-  reserve(size: bigint, alignment: bigint, hint: bigint): bigint {
-    return this.inner.reserve(size, alignment, hint);
-  }
-  freeAddress(address: bigint, size: bigint): void {
-    this.inner.freeAddress(address, size);
-  }
-  retainHandle(address: bigint, handle: BackendHandle): BackendHandle {
-    return this.inner.retainHandle(address, handle);
-  }
-  releaseReference(handle: BackendHandle, device: number): Promise<void> {
-    return this.inner.releaseReference(handle, device);
-  }
-  map(address: bigint, size: bigint, handle: BackendHandle, offset: bigint): Promise<void> {
-    return this.inner.map(address, size, handle, offset);
-  }
-  unmap(address: bigint, size: bigint, device: number): Promise<void> {
-    return this.inner.unmap(address, size, device);
-  }
-  setAccess(address: bigint, size: bigint, grants: AccessGrant[]): Promise<void> {
-    return this.inner.setAccess(address, size, grants);
-  }
-  sealReadOnly(handle: BackendHandle): void {
-    this.inner.sealReadOnly(handle);
-  }
-  memoryIdentity(handle: BackendHandle, device: number): string {
-    return this.inner.memoryIdentity(handle, device);
-  }
-  holdClientMemfd(fd: number, size: bigint): string {
-    return this.inner.holdClientMemfd(fd, size);
-  }
-  dropClientMemfd(identity: string): void {
-    this.inner.dropClientMemfd(identity);
-  }
-  exportFabric(handle: BackendHandle, device: number): Promise<Buffer> {
-    return this.inner.exportFabric(handle, device);
-  }
-  importHandle(source: ImportSource, size: bigint): Promise<ImportedHandle> {
-    return this.inner.importHandle(source, size);
-  }
-  readBytes(address: bigint, length: number, device: number, into?: Buffer): Promise<Buffer> {
-    return this.inner.readBytes(address, length, device, into);
-  }
-  writeBytes(address: bigint, data: Buffer, device: number): Promise<void> {
-    return this.inner.writeBytes(address, data, device);
   }
 }

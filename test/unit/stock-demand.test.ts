@@ -8,6 +8,7 @@
 import pino from 'pino';
 import {
   BURST_HEADROOM,
+  BURST_IDLE_MS,
   BURST_MAX_DEPTH,
   BURST_MEMORY,
   DEMAND_MAX_DEPTH,
@@ -254,6 +255,26 @@ describe('a stock as deep as the bursts it serves', () => {
     await until(() => level(stock, 2n * MiB)?.held === 4);
     expect(level(stock, 2n * MiB)).toEqual({ device: 0, size: String(2n * MiB), depth: 4, held: 4 });
     await until(() => fake.memoryInfo().freeBytes === capacity - 4n * 2n * MiB);
+  });
+
+  it('gives back what bursts added once the device has been idle for BURST_IDLE_MS', async () => {
+    const capacity = 4096n * MiB;
+    const { fake, stock } = stocked([{ size: 2n * MiB, depth: 4 }], capacity);
+    await stock.fill();
+    await ask(stock, 2n * MiB, 20);
+    await jest.advanceTimersByTimeAsync(QUIET_MS);
+    await until(() => level(stock, 2n * MiB)?.held === 30);
+    // Nothing asked since: the deepened shelf stays until the idle bound, then goes back to its configured depth.
+    await jest.advanceTimersByTimeAsync(BURST_IDLE_MS - 10 * QUIET_MS);
+    expect(level(stock, 2n * MiB)).toMatchObject({ depth: 30 });
+    await jest.advanceTimersByTimeAsync(20 * QUIET_MS);
+    await until(() => level(stock, 2n * MiB)?.held === 4);
+    expect(level(stock, 2n * MiB)).toEqual({ device: 0, size: String(2n * MiB), depth: 4, held: 4 });
+    await until(() => fake.memoryInfo().freeBytes === capacity - 4n * 2n * MiB);
+    // The next burst teaches it again.
+    await ask(stock, 2n * MiB, 20);
+    await jest.advanceTimersByTimeAsync(QUIET_MS);
+    await until(() => level(stock, 2n * MiB)?.held === 30);
   });
 
   it('keeps what bursts add within the device total / 32', async () => {
