@@ -1,14 +1,15 @@
 /**
  * Frees held back to run later: a release nobody waits for (a session
  * socket's, answered before its free) waits here until its owner (the stock,
- * server/backends/stock.ts) runs them all, when the daemon is quiet or a
- * refill burst starts, or until RELEASE_HOLD_MAX (or more than the device's
- * byte bound, at least RELEASE_HOLD_MIN_BYTES) wait. A free is driver work that serializes with the driver work of every
- * client (the driver's own lock): one beside a client's import and map slows
- * it (issue 18: a client allocating and freeing back to back met the one
- * process's speed only with the daemon's frees held until it stopped). Run,
- * they all start at once, as the driver threads take them (started two at a
- * time instead, under the cuda load test's 32 clients the frees fell behind
+ * server/backends/stock.ts) lets them all go, when the daemon is quiet or a
+ * refill burst starts, or once RELEASE_HOLD_MAX wait (or more bytes of a
+ * device than its bound, at least RELEASE_HOLD_MIN_BYTES). A free is driver
+ * work that serializes with the driver work of every client (the driver's
+ * own lock): one beside a client's import and map slows it (issue 18: a
+ * client allocating and freeing back to back met the one process's speed
+ * only with the daemon's frees held until it stopped). Let go, they start
+ * RELEASE_START_BATCH a turn, none waiting for another to end (started two
+ * at a time instead, under the cuda load test's 32 clients they fell behind
  * and the daemon's heap grew to its cap). Whoever waits for a free calls
  * hurry() (Backend.hurry).
  */

@@ -7,8 +7,9 @@
  *   as many asks again, up to DEMAND_MAX_DEPTH;
  * - how many at once: the requests of each size between two quiet moments (a
  *   burst). Any shelf, configured or not, gets as deep as the largest of its
- *   size's last BURST_MEMORY bursts (of DEMAND_MIN_COUNT or more) times BURST_HEADROOM (at most
- *   BURST_MAX_DEPTH), so that a burst like it is served from the shelf without
+ *   size's last BURST_MEMORY bursts (of DEMAND_MIN_COUNT or more) times
+ *   BURST_HEADROOM (at most BURST_MAX_DEPTH; forgotten once the device is
+ *   idle for BURST_IDLE_MS), so that a burst like it is served from the shelf without
  *   a refill: the daemon's creates and frees then wait for the quiet after it,
  *   away from the clients' imports and maps, which they slow (issue 18: a
  *   client allocating back to back, cold, met the one process's speed only
@@ -119,8 +120,8 @@ export class StockDemand {
     for (const [size, count] of candidates) {
       const floor = floors.get(size) ?? 0;
       const byCountDepth = floor > 0 ? 0 : Math.min(DEMAND_MAX_DEPTH, Math.floor(count / DEMAND_MIN_COUNT));
-      let depth = Math.max(floor, byCountDepth, this.burstDepth(device, size));
-      while (depth > floor && BigInt(depth - floor) * size > budget) depth--;
+      // Beyond the floor, only what the budget left holds.
+      const depth = Math.min(Math.max(floor, byCountDepth, this.burstDepth(device, size)), floor + Number(budget / size));
       if (depth === 0) continue;
       depths.set(size, depth);
       budget -= BigInt(depth - floor) * size;
