@@ -9,6 +9,13 @@ import { addon, Credentials, Poller } from './index';
 
 /** The largest message either side reads; longer ones arrive truncated. */
 export const MAX_MESSAGE_BYTES = 4096;
+/**
+ * The most messages one readable callback reads: the poller is level-triggered,
+ * so the rest come at the loop's next turn, after the other sockets and timers
+ * had theirs (a client with a socket-full of pipelined requests held the
+ * daemon's loop ~6 ms, all of it one turn).
+ */
+export const MAX_MESSAGES_PER_READ = 32;
 
 const UV_DISCONNECT = 4;
 
@@ -98,9 +105,9 @@ export class SeqpacketConnection extends EventEmitter {
       this.close();
       return;
     }
-    // Drain every waiting message: the poller is level-triggered, but reading
-    // all of them here saves a trip through the loop for each.
-    for (;;) {
+    // Several waiting messages in one callback (a trip through the loop for each costs more),
+    // but at most MAX_MESSAGES_PER_READ: the poller calls again for the rest.
+    for (let read = 0; read < MAX_MESSAGES_PER_READ; read++) {
       let received;
       try {
         received = addon.seqpacketRecv(this.fd, MAX_MESSAGE_BYTES);
@@ -109,7 +116,11 @@ export class SeqpacketConnection extends EventEmitter {
         this.close();
         return;
       }
-      if (received === null) break;
+      if (received === null) {
+        // Drained: a peer that hung up is gone once all it sent was read.
+        if (events & UV_DISCONNECT) this.close();
+        return;
+      }
       if (received.eof) {
         this.close();
         return;
@@ -128,7 +139,6 @@ export class SeqpacketConnection extends EventEmitter {
       }
       if (this.closed) return;
     }
-    if (events & UV_DISCONNECT) this.close();
   }
 }
 

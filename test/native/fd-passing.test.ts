@@ -3,7 +3,7 @@ import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import { addon } from '../../native';
-import { SeqpacketConnection, SeqpacketListener, SeqpacketMessage, MAX_MESSAGE_BYTES } from '../../native/seqpacket';
+import { SeqpacketConnection, SeqpacketListener, SeqpacketMessage, MAX_MESSAGE_BYTES, MAX_MESSAGES_PER_READ } from '../../native/seqpacket';
 
 let dir: string;
 let listener: SeqpacketListener;
@@ -67,6 +67,39 @@ describe('SEQPACKET with descriptors', () => {
     const next = nextMessage(server);
     client.send(Buffer.from('still here'));
     expect((await next).data.toString()).toBe('still here');
+  });
+
+  it('reads at most MAX_MESSAGES_PER_READ messages a turn: a peer with many queued cannot hold the event loop, and every one arrives, in order', async () => {
+    const count = 3 * MAX_MESSAGES_PER_READ + 5;
+    const seen: string[] = [];
+    let atFirstTurnEnd = -1;
+    const all = new Promise<void>((resolve) => {
+      const onMessage = (message: SeqpacketMessage) => {
+        // The check phase right after the poll callback that read the first message: how many that callback read.
+        if (seen.length === 0) setImmediate(() => (atFirstTurnEnd = seen.length));
+        seen.push(message.data.toString());
+        if (seen.length === count) {
+          server.off('message', onMessage);
+          resolve();
+        }
+      };
+      server.on('message', onMessage);
+    });
+    for (let i = 0; i < count; i++) client.send(Buffer.from(`m${i}`));
+    await all;
+    expect(atFirstTurnEnd).toBe(MAX_MESSAGES_PER_READ);
+    expect(seen).toEqual(Array.from({ length: count }, (_, i) => `m${i}`));
+  });
+
+  it('delivers every queued message before the close when the peer sends many and goes away', async () => {
+    const count = 2 * MAX_MESSAGES_PER_READ + 3;
+    const seen: string[] = [];
+    server.on('message', (message: SeqpacketMessage) => seen.push(message.data.toString()));
+    const closed = new Promise((resolve) => server.once('close', resolve));
+    for (let i = 0; i < count; i++) client.send(Buffer.from(`m${i}`));
+    client.close();
+    await closed;
+    expect(seen).toHaveLength(count);
   });
 
   it('emits close when the peer goes away', async () => {
