@@ -243,10 +243,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
 
   /** Runs pending frees and gives empty chunks and allocations held ahead back to the daemon; resolves once their memory is unmapped here. */
   async clearCaches(): Promise<void> {
-    await this.deallocations.flush();
-    await this.releaseEmptyChunks();
-    await this.leases.ahead.dropAll();
-    await this.leases.settle();
+    await this.makeRoom();
   }
 
   /** Runs pending frees (unless deferCleanup holds them); resolves once their memory is unmapped here. */

@@ -52,11 +52,11 @@ interface Shelf {
   depth: number;
   items: Item[];
   refilling: boolean;
-  /** Added for what clients asked (else configured): its depth follows the demand, and it goes when the demand does. */
-  demand: boolean;
-  /** The depth configured (0 for a shelf the demand added): the demand deepens a shelf, never below this. */
+  /** The depth configured, never gone below; 0 for a shelf the demand added, which goes when the demand does. */
   floor: number;
 }
+
+const newShelf = (device: number, size: bigint, depth: number, floor: number): Shelf => ({ device, size, depth, items: [], refilling: false, floor });
 
 /** A refill stops when the device has less free than this many times the shelf's size. */
 const REFILL_HEADROOM = 4n;
@@ -133,7 +133,7 @@ export class StockedBackend extends PassThroughBackend {
     for (const device of inner.devices()) {
       for (const level of levels) {
         if (level.depth <= 0 || level.size % device.granularityMinimum !== 0n) continue;
-        this.shelves.set(shelfKey(device.index, level.size), { device: device.index, size: level.size, depth: level.depth, items: [], refilling: false, demand: false, floor: level.depth });
+        this.shelves.set(shelfKey(device.index, level.size), newShelf(device.index, level.size, level.depth, level.depth));
       }
     }
   }
@@ -150,7 +150,7 @@ export class StockedBackend extends PassThroughBackend {
         size: String(shelf.size),
         depth: shelf.depth,
         held: shelf.items.length,
-        ...(shelf.demand ? { demand: true as const } : {}),
+        ...(shelf.floor === 0 ? { demand: true as const } : {}),
       })),
       ...this.counters,
     };
@@ -352,8 +352,8 @@ export class StockedBackend extends PassThroughBackend {
     if (info === undefined || size % info.granularityMinimum !== 0n) return undefined;
     const ours = [...this.shelves.values()].filter((shelf) => shelf.device === device);
     const added = ours.reduce((total, shelf) => total + BigInt(shelf.depth - shelf.floor) * shelf.size, 0n);
-    if (ours.filter((shelf) => shelf.demand).length >= DEMAND_MAX_SHELVES || added + size > info.totalBytes / DEMAND_SHARE) return undefined;
-    const shelf: Shelf = { device, size, depth: 1, items: [], refilling: false, demand: true, floor: 0 };
+    if (ours.filter((shelf) => shelf.floor === 0).length >= DEMAND_MAX_SHELVES || added + size > info.totalBytes / DEMAND_SHARE) return undefined;
+    const shelf = newShelf(device, size, 1, 0);
     this.shelves.set(shelfKey(device, size), shelf);
     return shelf;
   }
@@ -375,7 +375,7 @@ export class StockedBackend extends PassThroughBackend {
       }
       for (const [size, depth] of depths) {
         const key = shelfKey(device.index, size);
-        if (!this.shelves.has(key)) this.shelves.set(key, { device: device.index, size, depth, items: [], refilling: false, demand: true, floor: 0 });
+        if (!this.shelves.has(key)) this.shelves.set(key, newShelf(device.index, size, depth, 0));
       }
     }
   }
