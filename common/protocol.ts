@@ -207,7 +207,7 @@ export function encodeMessage(message: SessionMessage): Buffer {
 /**
  * Frames one message: a JSON object with a string type; a transfer's id is
  * checked here (transfers are the transport's own). Other types and fields
- * are the receiver's to check (the daemon: server/session-dispatcher.ts), so
+ * are the receiver's to check (the daemon: server/transport/session/session-dispatcher.ts), so
  * the result may be a type this union does not name. Returns an
  * error string instead of throwing: a peer's bad message is answered, never fatal.
  */

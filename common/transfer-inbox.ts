@@ -1,7 +1,7 @@
 /**
  * The transfer inbox: descriptors that arrived on a session socket, each
  * named by its transfer id, until the call that names the id claims them.
- * One inbox serves both ends (server/sessions.ts, client/session.ts): a
+ * One inbox serves both ends (server/transport/session/sessions.ts, client/session.ts): a
  * descriptor may arrive before or after its claim, and one nobody claims is
  * closed after a while. Errors are the caller's own kind (RpcError or VmmdError).
  */

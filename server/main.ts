@@ -1,9 +1,9 @@
 /** `vmmd`: parses the command line, starts the daemon, stops it on SIGTERM or SIGINT. */
 import pino from 'pino';
 import { addon } from '../native';
-import { ConfigError, parseCommandLine, USAGE } from './config';
-import { Daemon, VERSION } from './daemon';
-import { Notifier } from './notify';
+import { ConfigError, parseCommandLine, USAGE } from './app/config';
+import { Daemon, VERSION } from './app/daemon';
+import { Notifier } from './app/notify';
 
 export async function main(argv: string[]): Promise<number> {
   let command;

@@ -159,7 +159,7 @@ def test_release_many_of_a_large_batch_gets_every_answer(daemon: Daemon) -> None
     """release_many takes the socket before it sends and reads nothing until
     every request is sent, and the reader thread may not read meanwhile. The
     daemon answers as the requests come and drops an answer when the
-    client's socket is full (SESSION_SOCKET_FULL, server/sessions.ts
+    client's socket is full (SESSION_SOCKET_FULL, server/transport/session/sessions.ts
     trySend): past a few hundred unread answers the rest are lost, and the
     call ends NO_ANSWER although the daemon did every release. Before, the
     reader thread read the answers while the requests went out."""

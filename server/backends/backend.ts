@@ -126,7 +126,7 @@ export interface Backend {
    * The physical memory a live handle names, as a string equal for every
    * handle of the same memory however it came in (created here, imported
    * from a descriptor this daemon exported, imported twice): what quotas count
-   * memory by (server/quotas.ts). Host: the memfd's file (st_dev, st_ino).
+   * memory by (server/registry/quotas.ts). Host: the memfd's file (st_dev, st_ino).
    * Cuda: memory this daemon created is known by its creation; memory it did
    * not create is its own identity, charged by the size its sender gave.
    */

@@ -17,7 +17,7 @@ import {
   MemLocation,
   MemoryInfo,
 } from './backend';
-import { memfdIdentity } from '../client-memfd';
+import { memfdIdentity } from './client-memfd';
 import { closeLater } from '../../common/close-later';
 import { defaultExportCacheLimit, ExportedDescriptors } from './exported-descriptors';
 
@@ -29,7 +29,7 @@ function handleBits(kinds: HandleKind[]): number {
 }
 
 /**
- * Page-locking for the daemon's staging buffers (server/staging.ts): portable
+ * Page-locking for the daemon's staging buffers (server/stores/staging.ts): portable
  * registrations (every device's context sees them), on a driver thread.
  */
 export const CUDA_STAGING_PINNING = {

@@ -15,7 +15,7 @@ import {
   MemLocation,
   MemoryInfo,
 } from './backend';
-import { admitClientMemfd, memfdIdentity } from '../client-memfd';
+import { admitClientMemfd, memfdIdentity } from './client-memfd';
 
 export interface HostBackendOptions {
   /** Bytes the backend may create in all; creation past it is OUT_OF_MEMORY. */

@@ -3,7 +3,7 @@
  * a device exists, host otherwise, and says why in one log line.
  */
 import type { Logger } from 'pino';
-import { DaemonConfig, defaultStock } from '../config';
+import { DaemonConfig, defaultStock } from '../app/config';
 import type { Backend } from './backend';
 import { CudaBackend } from './cuda';
 import { HostBackend } from './host';

@@ -7,7 +7,7 @@
  * behaviour; a refused request throws RpcError and changes nothing.
  */
 import type { AccessGrant, Backend, DeviceInfo, ImportSource, MemLocation } from '../backends/backend';
-import { AllocationStatistics } from '../statistics';
+import { AllocationStatistics } from './statistics';
 import { AddressSpace } from './address-space';
 import { Allocations } from './allocations';
 import { DeviceTable } from './devices';

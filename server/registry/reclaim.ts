@@ -6,7 +6,7 @@
 import type { AddressSpace } from './address-space';
 import type { Allocations } from './allocations';
 import { breathe, hex } from './records';
-import type { AllocationStatistics } from '../statistics';
+import type { AllocationStatistics } from './statistics';
 
 export interface RegistryStats {
   reservations: number;

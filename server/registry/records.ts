@@ -146,7 +146,7 @@ export function indexAfter(list: ReadonlyArray<{ address: bigint }>, address: bi
  * without a session, or left behind by a session that ended while others
  * still used them) the daemon itself and the callers `actsForDaemon` admits.
  * A bare registry admits every caller; the daemon admits admins' sessions and
- * store holders only (server/daemon.ts).
+ * store holders only (server/app/daemon.ts).
  */
 export class Ownership {
   constructor(private readonly actsForDaemon: (caller: bigint) => boolean = () => true) {}

@@ -1,7 +1,7 @@
 /**
  * Where the allocation part gets physical memory: the backend, seen through
- * adaptors in the style of RMM's resource adaptors (server/quotas.ts charges,
- * server/statistics.ts counts). Every adaptor passes each call to its
+ * adaptors in the style of RMM's resource adaptors (server/registry/quotas.ts charges,
+ * server/registry/statistics.ts counts). Every adaptor passes each call to its
  * upstream and undoes its own step when the upstream fails.
  */
 import type { Backend, BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from '../backends/backend';

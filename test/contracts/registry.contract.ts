@@ -7,7 +7,7 @@
 import { status as Status } from '@grpc/grpc-js';
 import { AccessGrant, Backend } from '../../server/backends/backend';
 import { RpcError, toServiceError } from '../../server/errors';
-import { QuotaLimits, Quotas } from '../../server/quotas';
+import { QuotaLimits, Quotas } from '../../server/registry/quotas';
 import { DAEMON_OWNER, MAX_RESERVATION_BYTES, Registry } from '../../server/registry';
 import { addon } from '../../native';
 import { RecordingBackend } from './recording-backend';

@@ -12,7 +12,7 @@
 import { status as Status } from '@grpc/grpc-js';
 import { Backend } from '../../server/backends/backend';
 import { RpcError } from '../../server/errors';
-import { QuotaLimits, Quotas } from '../../server/quotas';
+import { QuotaLimits, Quotas } from '../../server/registry/quotas';
 import { DAEMON_OWNER, Registry } from '../../server/registry';
 import { RecordingBackend } from './recording-backend';
 

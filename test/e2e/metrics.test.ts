@@ -222,9 +222,9 @@ describe('a start that fails on the metrics port', () => {
 
   test('stops the GC observer its admin service started (in process, from dist/: the daemon finds its package.json there)', async () => {
     const { addon } = fromDist<typeof import('../../native')>('native');
-    const { parseCommandLine } = fromDist<typeof import('../../server/config')>('server/config');
-    const { Daemon } = fromDist<typeof import('../../server/daemon')>('server/daemon');
-    const { GcPauses } = fromDist<typeof import('../../server/gc-pauses')>('server/gc-pauses');
+    const { parseCommandLine } = fromDist<typeof import('../../server/app/config')>('server/app/config');
+    const { Daemon } = fromDist<typeof import('../../server/app/daemon')>('server/app/daemon');
+    const { GcPauses } = fromDist<typeof import('../../server/observability/gc-pauses')>('server/observability/gc-pauses');
     const started = jest.spyOn(GcPauses.prototype, 'start');
     const stopped = jest.spyOn(GcPauses.prototype, 'stop');
     try {

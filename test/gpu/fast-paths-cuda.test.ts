@@ -8,7 +8,7 @@ import { addon } from '../../native';
 import type { AccessDescriptor } from '../../generated/vmmd/v1/AccessDescriptor';
 import { eventually, MiB, TestDaemon } from '../e2e/harness';
 import { describeGpu } from './gpu';
-import { defaultStock } from '../../server/config';
+import { defaultStock } from '../../server/app/config';
 
 const RW: AccessDescriptor[] = [{ location: { type: 'LOCATION_TYPE_DEVICE', id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' }];
 

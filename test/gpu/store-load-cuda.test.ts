@@ -1,7 +1,7 @@
 /**
  * Store load and dump and staged Read/Write through page-locked memory on the
  * cuda backend (issue 18): vmmctl's pinned pipeline (client/pinned-copy.ts)
- * and the daemon's page-locked staging buffers (server/staging.ts) move every
+ * and the daemon's page-locked staging buffers (server/stores/staging.ts) move every
  * byte to its place, whatever the size's remainder, and the bytes read back
  * are the ones written.
  */

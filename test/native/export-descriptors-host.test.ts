@@ -13,7 +13,7 @@ import pino from 'pino';
 import { HostBackend } from '../../server/backends/host';
 import { StockedBackend } from '../../server/backends/stock';
 import { Registry } from '../../server/registry';
-import { StoreRecord, StoreRegistry } from '../../server/stores';
+import { StoreRecord, StoreRegistry } from '../../server/stores/stores';
 import { addon } from '../../native';
 
 const MiB = 1n << 20n;

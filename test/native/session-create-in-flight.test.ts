@@ -1,7 +1,7 @@
 /**
  * A session whose socket closes while its allocate is in flight (the memory
  * being made off the event loop, as cuMemCreate is on a driver thread): the
- * real transport (server/sessions.ts) over the real dispatcher, registry,
+ * real transport (server/transport/session/sessions.ts) over the real dispatcher, registry,
  * quotas and host backend. The reclaim waits for the create, then frees what
  * it made: no memory, no descriptor and no quota charge is left.
  */
@@ -11,11 +11,11 @@ import * as path from 'node:path';
 import pino from 'pino';
 import { ClientSession } from '../../client/session';
 import { HostBackend } from '../../server/backends/host';
-import { Quotas } from '../../server/quotas';
+import { Quotas } from '../../server/registry/quotas';
 import { Registry } from '../../server/registry';
-import { SessionDispatcher } from '../../server/session-dispatcher';
-import { SessionManager } from '../../server/sessions';
-import { StoreRegistry } from '../../server/stores';
+import { SessionDispatcher } from '../../server/transport/session/session-dispatcher';
+import { SessionManager } from '../../server/transport/session/sessions';
+import { StoreRegistry } from '../../server/stores/stores';
 import { RecordingBackend } from '../contracts/recording-backend';
 
 const MiB = 1n << 20n;

@@ -6,7 +6,7 @@
  * (the host backend) nothing changes.
  */
 import { addon } from '../../native';
-import { MAX_PINNED_STAGING_BYTES, StagingBuffers, StagingPinning } from '../../server/staging';
+import { MAX_PINNED_STAGING_BYTES, StagingBuffers, StagingPinning } from '../../server/stores/staging';
 
 const MiB = 1n << 20n;
 const SESSION = 7n;

@@ -15,11 +15,11 @@
 import * as fc from 'fast-check';
 import { addon } from '../../native';
 import { HostBackend } from '../../server/backends/host';
-import { memfdIdentity } from '../../server/client-memfd';
+import { memfdIdentity } from '../../server/backends/client-memfd';
 import { RpcError } from '../../server/errors';
-import { Quotas } from '../../server/quotas';
+import { Quotas } from '../../server/registry/quotas';
 import { Registry } from '../../server/registry';
-import { StoreRecord, StoreRegistry } from '../../server/stores';
+import { StoreRecord, StoreRegistry } from '../../server/stores/stores';
 import { figure } from './figures';
 
 const MiB = 1n << 20n;

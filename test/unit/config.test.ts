@@ -1,4 +1,4 @@
-import { ConfigError, parseBytes, parseCommandLine } from '../../server/config';
+import { ConfigError, parseBytes, parseCommandLine } from '../../server/app/config';
 
 const PAGE = 4096;
 

@@ -1,11 +1,11 @@
 /**
- * The daemon's GC pauses (server/gc-pauses.ts): what falls inside a span of
+ * The daemon's GC pauses (server/observability/gc-pauses.ts): what falls inside a span of
  * time, the window's count and longest pause, the ring's bound, and V8's own
  * pauses seen through the observer.
  */
 import * as v8 from 'node:v8';
 import * as vm from 'node:vm';
-import { GcPauses, KEEP_PAUSES } from '../../server/gc-pauses';
+import { GcPauses, KEEP_PAUSES } from '../../server/observability/gc-pauses';
 
 describe('GC pauses', () => {
   it('tells how much of a span of time was spent in pauses, counting only the overlap', () => {

@@ -1,4 +1,4 @@
-import { LogLimiter } from '../../server/log-limiter';
+import { LogLimiter } from '../../server/observability/log-limiter';
 
 describe('LogLimiter', () => {
   it('logs one line per key and interval by default, the next one saying how many were held back', () => {

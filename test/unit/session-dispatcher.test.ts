@@ -5,9 +5,9 @@
  */
 import pino from 'pino';
 import { Registry } from '../../server/registry';
-import { FREE_RETRY_MS, SessionDispatcher } from '../../server/session-dispatcher';
-import { StoreRegistry } from '../../server/stores';
-import type { RequestMessage, Session } from '../../server/sessions';
+import { FREE_RETRY_MS, SessionDispatcher } from '../../server/transport/session/session-dispatcher';
+import { StoreRegistry } from '../../server/stores/stores';
+import type { RequestMessage, Session } from '../../server/transport/session/sessions';
 import { RecordingBackend } from '../contracts/recording-backend';
 import { FakeBackend, GRANULARITY } from './fake-backend';
 

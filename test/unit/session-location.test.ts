@@ -5,9 +5,9 @@
  */
 import pino from 'pino';
 import { Registry } from '../../server/registry';
-import { SessionDispatcher } from '../../server/session-dispatcher';
-import { StoreRegistry } from '../../server/stores';
-import type { Session } from '../../server/sessions';
+import { SessionDispatcher } from '../../server/transport/session/session-dispatcher';
+import { StoreRegistry } from '../../server/stores/stores';
+import type { Session } from '../../server/transport/session/sessions';
 import { FakeBackend, GRANULARITY } from './fake-backend';
 
 const session = { id: 7n, log: pino({ level: 'silent' }) } as unknown as Session;

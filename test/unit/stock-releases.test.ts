@@ -7,7 +7,7 @@
  * here depends on the machine's speed.
  */
 import pino from 'pino';
-import { Quotas } from '../../server/quotas';
+import { Quotas } from '../../server/registry/quotas';
 import { Registry } from '../../server/registry';
 import { DEMAND_SHARE, QUIET_MS, RELEASE_HOLD_MAX, RELEASE_HOLD_MIN_BYTES, RELEASE_START_BATCH, StockedBackend, MAX_REFILL_DELAY_MS } from '../../server/backends/stock';
 import type { BackendHandle } from '../../server/backends/backend';

@@ -1,6 +1,6 @@
 /** The stock of allocations created and exported ahead (server/backends/stock.ts), over the fake backend. */
 import pino from 'pino';
-import { parseStock } from '../../server/config';
+import { parseStock } from '../../server/app/config';
 import { REFILL_PARALLEL, StockedBackend } from '../../server/backends/stock';
 import { Registry } from '../../server/registry';
 import { FakeBackend, MiB } from './fake-backend';

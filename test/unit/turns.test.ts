@@ -1,11 +1,11 @@
 /**
- * The daemon's own turns (server/turns.ts): an entry's synchronous run and
+ * The daemon's own turns (server/observability/turns.ts): an entry's synchronous run and
  * the microtasks it runs without yielding are one turn; a continuation after
  * a native completion is one; waiting for a timer ends a turn.
  */
-import { GcPauses } from '../../server/gc-pauses';
-import { sessionTurnLabel } from '../../server/sessions';
-import { measureCompletions, TurnMeter } from '../../server/turns';
+import { GcPauses } from '../../server/observability/gc-pauses';
+import { sessionTurnLabel } from '../../server/transport/session/sessions';
+import { measureCompletions, TurnMeter } from '../../server/observability/turns';
 
 /** Busy for `ms` milliseconds: a synchronous stretch of known length. */
 function spin(ms: number): void {

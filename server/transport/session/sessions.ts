@@ -2,7 +2,7 @@
  * The session socket as a transport: it accepts connections, authenticates
  * each peer (SO_PEERCRED and the allow lists), frames messages, holds the
  * descriptors clients send until a call claims them, and hands every request
- * message to the dispatcher (server/session-dispatcher.ts), whose answer it
+ * message to the dispatcher (server/transport/session/session-dispatcher.ts), whose answer it
  * sends back. The connection is the lease: when it closes, the session's
  * in-flight calls drain and the daemon reclaims everything it owns.
  */
@@ -10,14 +10,14 @@ import { randomBytes } from 'node:crypto';
 import { describeProcess, PeerProcess, stillRunning } from './peer-process';
 import type { Logger } from 'pino';
 import { status as Status } from '@grpc/grpc-js';
-import { traceClock, traceMark, traceSince, tracing } from '../common/trace';
-import { decodeMessage, encodeMessage, PROTOCOL_VERSION, readableRequestId, SessionMessage, TRANSFER_ID_PATTERN } from '../common/protocol';
-import { TransferInbox } from '../common/transfer-inbox';
-import { addon, Credentials } from '../native';
-import { SeqpacketConnection, SeqpacketListener, SeqpacketMessage } from '../native/seqpacket';
-import { LogLimiter } from './log-limiter';
-import type { TurnMeter } from './turns';
-import { deadlineExceeded, ERROR_CODE_KEY, failedPrecondition, RpcError, toServiceError, unauthenticated, unavailable } from './errors';
+import { traceClock, traceMark, traceSince, tracing } from '../../../common/trace';
+import { decodeMessage, encodeMessage, PROTOCOL_VERSION, readableRequestId, SessionMessage, TRANSFER_ID_PATTERN } from '../../../common/protocol';
+import { TransferInbox } from '../../../common/transfer-inbox';
+import { addon, Credentials } from '../../../native';
+import { SeqpacketConnection, SeqpacketListener, SeqpacketMessage } from '../../../native/seqpacket';
+import { LogLimiter } from '../../observability/log-limiter';
+import type { TurnMeter } from '../../observability/turns';
+import { deadlineExceeded, ERROR_CODE_KEY, failedPrecondition, RpcError, toServiceError, unauthenticated, unavailable } from '../../errors';
 
 export interface SessionOptions {
   /** Why a peer may not open a session, or undefined when it may. */
@@ -77,7 +77,7 @@ export interface SessionServices {
 export interface SessionHooks {
   /** Sees every request's method (the RPC's name), status name, error code and duration (metrics). */
   observe?: (method: string, status: string, code: string | undefined, seconds: number) => void;
-  /** Measures each message's turn of the event loop (server/turns.ts). */
+  /** Measures each message's turn of the event loop (server/observability/turns.ts). */
   turns?: TurnMeter;
 }
 

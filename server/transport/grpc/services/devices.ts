@@ -1,14 +1,14 @@
 /** The Devices service: what memory the daemon owns and how it is carved. */
 import * as grpc from '@grpc/grpc-js';
-import type { Device } from '../../generated/vmmd/v1/Device';
-import type { GetGranularityRequest__Output } from '../../generated/vmmd/v1/GetGranularityRequest';
-import type { GetMemoryInfoRequest__Output } from '../../generated/vmmd/v1/GetMemoryInfoRequest';
-import type { Granularity } from '../../generated/vmmd/v1/Granularity';
-import type { ListDevicesResponse } from '../../generated/vmmd/v1/ListDevicesResponse';
-import type { MemoryInfo } from '../../generated/vmmd/v1/MemoryInfo';
-import type { VmmdProto } from '../../common/proto';
-import { outOfRange } from '../errors';
-import type { Registry } from '../registry';
+import type { Device } from '../../../../generated/vmmd/v1/Device';
+import type { GetGranularityRequest__Output } from '../../../../generated/vmmd/v1/GetGranularityRequest';
+import type { GetMemoryInfoRequest__Output } from '../../../../generated/vmmd/v1/GetMemoryInfoRequest';
+import type { Granularity } from '../../../../generated/vmmd/v1/Granularity';
+import type { ListDevicesResponse } from '../../../../generated/vmmd/v1/ListDevicesResponse';
+import type { MemoryInfo } from '../../../../generated/vmmd/v1/MemoryInfo';
+import type { VmmdProto } from '../../../../common/proto';
+import { outOfRange } from '../../../errors';
+import type { Registry } from '../../../registry';
 import { HandlerDeps, unary } from './handler';
 import { location, toWireHandleType } from './wire';
 

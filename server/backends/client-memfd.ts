@@ -8,8 +8,8 @@
  * and a refusal says what the descriptor lacks (docs/PROTOCOL.md, "Client
  * memory").
  */
-import { ACCESS_MODE, addon, FdInfo, MEMFD_SEALS } from '../native';
-import { invalidArgument, RpcError } from './errors';
+import { ACCESS_MODE, addon, FdInfo, MEMFD_SEALS } from '../../native';
+import { invalidArgument, RpcError } from '../errors';
 
 export interface ClientMemfdUse {
   /** What the descriptor is for, as the refusal names it ("a staging buffer"). */

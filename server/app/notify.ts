@@ -4,7 +4,7 @@
  * daemon not started by systemd (no NOTIFY_SOCKET) sends nothing.
  */
 import type { Logger } from 'pino';
-import { addon } from '../native';
+import { addon } from '../../native';
 
 export class Notifier {
   private readonly socket: string | undefined;

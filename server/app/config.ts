@@ -8,8 +8,8 @@ import * as fs from 'node:fs';
 import * as net from 'node:net';
 import * as os from 'node:os';
 import { parseArgs } from 'node:util';
-import { defaultSocketDir } from '../common/paths';
-import { DEFAULT_BUSY_POLL_MICROS } from '../common/busy-poll';
+import { defaultSocketDir } from '../../common/paths';
+import { DEFAULT_BUSY_POLL_MICROS } from '../../common/busy-poll';
 
 export type BackendChoice = 'auto' | 'host' | 'cuda';
 

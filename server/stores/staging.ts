@@ -6,10 +6,10 @@
  * 0.3 GB/s, bench/grpc-stream-floor.js). One buffer per session; it goes
  * with the session.
  */
-import { addon } from '../native';
-import { detachView, pageSize } from '../native/mapping';
-import { admitClientMemfd } from './client-memfd';
-import { failedPrecondition, invalidArgument, outOfRange } from './errors';
+import { addon } from '../../native';
+import { detachView, pageSize } from '../../native/mapping';
+import { admitClientMemfd } from '../backends/client-memfd';
+import { failedPrecondition, invalidArgument, outOfRange } from '../errors';
 import { MemfdMemory } from './store-memory';
 
 /** The largest staging buffer a session may open. */

@@ -2,13 +2,13 @@
  * The gRPC Unix socket, accepted by the daemon itself so that every
  * connection is attributed to its peer: SO_PEERCRED is read on each accepted
  * socket and written into the socket's remote address, which grpc-js reports
- * as each call's peer (server/access.ts reads it back). grpc-js serves the
+ * as each call's peer (server/transport/grpc/access.ts reads it back). grpc-js serves the
  * connections through a connection injector (Server.createConnectionInjector).
  */
 import * as grpc from '@grpc/grpc-js';
 import * as net from 'node:net';
 import type { Logger } from 'pino';
-import { addon } from '../native';
+import { addon } from '../../../native';
 import { unixPeerAddress } from './access';
 
 /** How often a failing accept (EMFILE, ENFILE) is logged at most. */

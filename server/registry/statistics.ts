@@ -4,8 +4,8 @@
  * as they come and go, so that Admin's stats and GetMemoryInfo never walk
  * the registry.
  */
-import type { BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from './backends/backend';
-import type { AllocationSource, SourcedAllocation } from './registry/source';
+import type { BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from '../backends/backend';
+import type { AllocationSource, SourcedAllocation } from './source';
 
 export interface AllocationTotals {
   allocations: number;

@@ -5,9 +5,9 @@
  * staging buffers use the memfd kind too.
  */
 import * as fs from 'node:fs';
-import { addon } from '../native';
-import { HostMapping, pageSize, roundUp } from '../native/mapping';
-import { AllocationRecord, DAEMON_OWNER, Registry } from './registry';
+import { addon } from '../../native';
+import { HostMapping, pageSize, roundUp } from '../../native/mapping';
+import { AllocationRecord, DAEMON_OWNER, Registry } from '../registry';
 
 /**
  * The same memfd open O_RDONLY: its holder can neither write(2) it nor map it

@@ -24,7 +24,7 @@
  * 100 us of work can take milliseconds of wall time. The CPU time is the
  * daemon's own work; the wall time is what the clients waited. A collector
  * pause that ran inside a turn counts in both: given the pauses
- * (server/gc-pauses.ts), the window's longest turns tell how much of them it was.
+ * (server/observability/gc-pauses.ts), the window's longest turns tell how much of them it was.
  */
 import { createHistogram, RecordableHistogram } from 'node:perf_hooks';
 

@@ -6,14 +6,14 @@
  * one entry to HANDLERS.
  */
 import { status as Status } from '@grpc/grpc-js';
-import type { AllocateMessage, AllocatedMessage, ExportedMessage, OpenedMessage, ReleasedMessage, SharedMessage } from '../common/protocol';
-import { TRANSFER_ID_PATTERN } from '../common/protocol';
-import type { Registry } from './registry';
-import type { CreateArgs, ExportArgs } from './registry/records';
-import { toWireStore } from './services/wire';
+import type { AllocateMessage, AllocatedMessage, ExportedMessage, OpenedMessage, ReleasedMessage, SharedMessage } from '../../../common/protocol';
+import { TRANSFER_ID_PATTERN } from '../../../common/protocol';
+import type { Registry } from '../../registry';
+import type { CreateArgs, ExportArgs } from '../../registry/records';
+import { toWireStore } from '../grpc/services/wire';
 import { Answer, ReclaimSummary, refuseMessage, RequestMessage, Session, SessionServices } from './sessions';
-import { openFor, StoreCaller } from './store-writers';
-import type { StoreRegistry } from './stores';
+import { openFor, StoreCaller } from '../../stores/store-writers';
+import type { StoreRegistry } from '../../stores/stores';
 
 const DECIMAL_U64 = /^(0|[1-9][0-9]{0,19})$/;
 const U64_LIMIT = 1n << 64n;
@@ -26,11 +26,11 @@ export interface DispatcherDeps {
   /** Runs before the registry reclaims a closed session's objects, in order (stores drop its opens, staging unmaps). */
   reclaimers: Array<(session: bigint) => Promise<void>>;
   /**
-   * Who may call what (server/access.ts), checked before each request as
+   * Who may call what (server/transport/grpc/access.ts), checked before each request as
    * before the RPC of the same name; throws the RPC's refusal.
    */
   check?: (session: Session, method: string) => void;
-  /** Who the session's peer is for the store rules (its uid, whether it is an admin: server/access.ts); default: its uid, no admin. */
+  /** Who the session's peer is for the store rules (its uid, whether it is an admin: server/transport/grpc/access.ts); default: its uid, no admin. */
   who?: (session: Session) => StoreCaller;
 }
 

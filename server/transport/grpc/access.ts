@@ -14,10 +14,10 @@
  *   info, stats, version); with mutual TLS the certificate's holder is an
  *   admin, as the operator who issued it chose (no sessions over TCP either way).
  */
-import type { Credentials } from '../native';
-import type { DaemonConfig } from './config';
-import { permissionDenied, unauthenticated } from './errors';
-import type { Session } from './sessions';
+import type { Credentials } from '../../../native';
+import type { DaemonConfig } from '../../app/config';
+import { permissionDenied, unauthenticated } from '../../errors';
+import type { Session } from '../session/sessions';
 
 /** Who is calling, as the connection says. */
 export interface Caller {

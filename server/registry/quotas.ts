@@ -18,10 +18,10 @@
  * so that release-then-allocate at the limit is never refused. Calls without a session
  * (operators) are not limited.
  */
-import type { BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from './backends/backend';
-import { resourceExhausted } from './errors';
-import { DAEMON_OWNER } from './registry/records';
-import type { AllocationSource, SourcedAllocation } from './registry/source';
+import type { BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from '../backends/backend';
+import { resourceExhausted } from '../errors';
+import { DAEMON_OWNER } from './records';
+import type { AllocationSource, SourcedAllocation } from './source';
 
 export interface QuotaLimits {
   /** 0: no limit. */

@@ -1,33 +1,33 @@
 /** The Stores service: shared memory with Legate's attach/detach semantics, and the data path. */
 import * as grpc from '@grpc/grpc-js';
-import type { AttachRequest__Output } from '../../generated/vmmd/v1/AttachRequest';
-import type { CloseRequest__Output } from '../../generated/vmmd/v1/CloseRequest';
-import type { CloseResponse } from '../../generated/vmmd/v1/CloseResponse';
-import type { CopyRequest__Output } from '../../generated/vmmd/v1/CopyRequest';
-import type { CreateStoreRequest__Output } from '../../generated/vmmd/v1/CreateStoreRequest';
-import type { DataChunk } from '../../generated/vmmd/v1/DataChunk';
-import type { DataReadRequest__Output } from '../../generated/vmmd/v1/DataReadRequest';
-import type { DataWriteRequest__Output } from '../../generated/vmmd/v1/DataWriteRequest';
-import type { DataWriteResponse } from '../../generated/vmmd/v1/DataWriteResponse';
-import type { DetachRequest__Output } from '../../generated/vmmd/v1/DetachRequest';
-import type { FillRequest__Output } from '../../generated/vmmd/v1/FillRequest';
-import type { ListStoresResponse } from '../../generated/vmmd/v1/ListStoresResponse';
-import type { OpenRequest__Output } from '../../generated/vmmd/v1/OpenRequest';
-import type { OpenResponse } from '../../generated/vmmd/v1/OpenResponse';
-import type { Span__Output } from '../../generated/vmmd/v1/Span';
-import type { Store } from '../../generated/vmmd/v1/Store';
-import type { StoreEvent as WireStoreEvent } from '../../generated/vmmd/v1/StoreEvent';
-import type { StoreRef__Output } from '../../generated/vmmd/v1/StoreRef';
-import type { WatchRequest__Output } from '../../generated/vmmd/v1/WatchRequest';
-import type { VmmdProto } from '../../common/proto';
-import { addon } from '../../native';
-import { invalidArgument, permissionDenied, resourceExhausted } from '../errors';
-import { DAEMON_OWNER, IO_CHUNK_BYTES, Registry } from '../registry';
-import type { SessionManager } from '../sessions';
-import { StoreEvent, StoreRecord, StoreRegistry, StoreTarget } from '../stores';
+import type { AttachRequest__Output } from '../../../../generated/vmmd/v1/AttachRequest';
+import type { CloseRequest__Output } from '../../../../generated/vmmd/v1/CloseRequest';
+import type { CloseResponse } from '../../../../generated/vmmd/v1/CloseResponse';
+import type { CopyRequest__Output } from '../../../../generated/vmmd/v1/CopyRequest';
+import type { CreateStoreRequest__Output } from '../../../../generated/vmmd/v1/CreateStoreRequest';
+import type { DataChunk } from '../../../../generated/vmmd/v1/DataChunk';
+import type { DataReadRequest__Output } from '../../../../generated/vmmd/v1/DataReadRequest';
+import type { DataWriteRequest__Output } from '../../../../generated/vmmd/v1/DataWriteRequest';
+import type { DataWriteResponse } from '../../../../generated/vmmd/v1/DataWriteResponse';
+import type { DetachRequest__Output } from '../../../../generated/vmmd/v1/DetachRequest';
+import type { FillRequest__Output } from '../../../../generated/vmmd/v1/FillRequest';
+import type { ListStoresResponse } from '../../../../generated/vmmd/v1/ListStoresResponse';
+import type { OpenRequest__Output } from '../../../../generated/vmmd/v1/OpenRequest';
+import type { OpenResponse } from '../../../../generated/vmmd/v1/OpenResponse';
+import type { Span__Output } from '../../../../generated/vmmd/v1/Span';
+import type { Store } from '../../../../generated/vmmd/v1/Store';
+import type { StoreEvent as WireStoreEvent } from '../../../../generated/vmmd/v1/StoreEvent';
+import type { StoreRef__Output } from '../../../../generated/vmmd/v1/StoreRef';
+import type { WatchRequest__Output } from '../../../../generated/vmmd/v1/WatchRequest';
+import type { VmmdProto } from '../../../../common/proto';
+import { addon } from '../../../../native';
+import { invalidArgument, permissionDenied, resourceExhausted } from '../../../errors';
+import { DAEMON_OWNER, IO_CHUNK_BYTES, Registry } from '../../../registry';
+import type { SessionManager } from '../../session/sessions';
+import { StoreEvent, StoreRecord, StoreRegistry, StoreTarget } from '../../../stores/stores';
 import { CallContext, clientStream, HandlerDeps, requireSession, serverStream, unary } from './handler';
 import { toWireStore, u64 } from './wire';
-import { checkWriter, openFor } from '../store-writers';
+import { checkWriter, openFor } from '../../../stores/store-writers';
 
 const TARGETS: Record<string, StoreTarget | undefined> = {
   STORE_TARGET_UNSPECIFIED: 'SYSMEM',
@@ -108,7 +108,7 @@ export class StoresService {
     };
   }
 
-  /** @throws PERMISSION_DENIED NOT_STORE_WRITER (server/store-writers.ts) */
+  /** @throws PERMISSION_DENIED NOT_STORE_WRITER (server/stores/store-writers.ts) */
   private checkWriter(store: StoreRecord, context: CallContext): void {
     checkWriter(store, context.who);
   }

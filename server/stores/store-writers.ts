@@ -5,7 +5,7 @@
  * that cannot write where the backend can narrow one. One copy of the rule,
  * for the Stores service and the session socket's open alike.
  */
-import { permissionDenied } from './errors';
+import { permissionDenied } from '../errors';
 import type { StoreRecord, StoreRegistry } from './stores';
 
 /** Who asks, as far as the store rules go: the caller's uid (its session's peer) and whether it is an admin. */

@@ -8,12 +8,12 @@
  */
 import { EventEmitter } from 'node:events';
 import type { Logger } from 'pino';
-import { addon } from '../native';
-import { ACCESS_READWRITE } from './backends/backend';
-import { admitClientMemfd } from './client-memfd';
-import { alreadyExists, failedPrecondition, invalidArgument, notFound, outOfRange, permissionDenied } from './errors';
-import type { Quotas } from './quotas';
-import { AllocationRecord, DAEMON_OWNER, Registry } from './registry';
+import { addon } from '../../native';
+import { ACCESS_READWRITE } from '../backends/backend';
+import { admitClientMemfd } from '../backends/client-memfd';
+import { alreadyExists, failedPrecondition, invalidArgument, notFound, outOfRange, permissionDenied } from '../errors';
+import type { Quotas } from '../registry/quotas';
+import { AllocationRecord, DAEMON_OWNER, Registry } from '../registry';
 import { AllocationMemory, ChargedMemory, MemfdMemory, StoreMemory } from './store-memory';
 
 export type StoreTarget = 'SYSMEM' | 'ZCMEM' | 'FBMEM';

@@ -7,33 +7,33 @@ import { ReflectionService } from '@grpc/reflection';
 import { HealthImplementation } from 'grpc-health-check';
 import * as fs from 'node:fs';
 import type { Logger } from 'pino';
-import { socketPaths } from '../common/paths';
-import { loadProtos, reflectedDefinition } from '../common/proto';
-import { addon, isNativeError } from '../native';
-import type { Backend } from './backends/backend';
-import { selectBackend } from './backends/select';
+import { socketPaths } from '../../common/paths';
+import { loadProtos, reflectedDefinition } from '../../common/proto';
+import { addon, isNativeError } from '../../native';
+import type { Backend } from '../backends/backend';
+import { selectBackend } from '../backends/select';
 import type { DaemonConfig } from './config';
-import { AccessPolicy } from './access';
-import { GrpcUnixListener } from './grpc-unix';
-import { Metrics } from './metrics';
-import { Quotas } from './quotas';
-import { Registry } from './registry';
-import { AdminService } from './services/admin';
-import { DevicesService } from './services/devices';
-import { HandlerDeps } from './services/handler';
-import { VirtualMemoryService } from './services/virtual-memory';
-import { StoresService } from './services/stores';
-import { SessionDispatcher } from './session-dispatcher';
-import { GcPauses } from './gc-pauses';
-import { LogLimiter } from './log-limiter';
-import { measureCompletions, TurnMeter } from './turns';
-import { busyPollAlways } from '../native/busy-poll';
-import { DEFAULT_SESSION_OPTIONS, SessionManager, SessionOptions } from './sessions';
-import { StagingBuffers } from './staging';
-import { CUDA_STAGING_PINNING } from './backends/cuda';
-import { isStoreHolder, StoreRegistry } from './stores';
+import { AccessPolicy } from '../transport/grpc/access';
+import { GrpcUnixListener } from '../transport/grpc/grpc-unix';
+import { Metrics } from '../observability/metrics';
+import { Quotas } from '../registry/quotas';
+import { Registry } from '../registry';
+import { AdminService } from '../transport/grpc/services/admin';
+import { DevicesService } from '../transport/grpc/services/devices';
+import { HandlerDeps } from '../transport/grpc/services/handler';
+import { VirtualMemoryService } from '../transport/grpc/services/virtual-memory';
+import { StoresService } from '../transport/grpc/services/stores';
+import { SessionDispatcher } from '../transport/session/session-dispatcher';
+import { GcPauses } from '../observability/gc-pauses';
+import { LogLimiter } from '../observability/log-limiter';
+import { measureCompletions, TurnMeter } from '../observability/turns';
+import { busyPollAlways } from '../../native/busy-poll';
+import { DEFAULT_SESSION_OPTIONS, SessionManager, SessionOptions } from '../transport/session/sessions';
+import { StagingBuffers } from '../stores/staging';
+import { CUDA_STAGING_PINNING } from '../backends/cuda';
+import { isStoreHolder, StoreRegistry } from '../stores/stores';
 
-export const VERSION: string = require('../../package.json').version;
+export const VERSION: string = require('../../../package.json').version;
 
 /** The health service answers for the whole server ('') and for each vmmd service. */
 const HEALTH_SERVICES = ['', 'vmmd.v1.Devices', 'vmmd.v1.VirtualMemory', 'vmmd.v1.Stores', 'vmmd.v1.Admin'];
@@ -108,7 +108,7 @@ export class Daemon {
   /** @throws DaemonStartError, BackendUnavailableError, or the socket's error */
   static async start(config: DaemonConfig, log: Logger, sessionOptions: SessionOptions = DEFAULT_SESSION_OPTIONS): Promise<Daemon> {
     raiseDescriptorLimit(log);
-    // The daemon's own turns: each native completion's continuation is one (server/turns.ts),
+    // The daemon's own turns: each native completion's continuation is one (server/observability/turns.ts),
     // measured by wall clock, and (unless --turn-cpu off) by this thread's CPU time too.
     // With the collector's pauses, which GetStats sets beside its longest turns (started with the admin service).
     const gcPauses = new GcPauses();
@@ -195,7 +195,7 @@ export class Daemon {
       // A start that fails from here on stops its delay sampler and GC observer too.
       undo.push(() => admin.close());
       admin.addToServer(server, proto, depsOf('vmmd.v1.Admin'));
-      // Accepted here, not by grpc-js: each connection is attributed to its peer's uid (server/access.ts).
+      // Accepted here, not by grpc-js: each connection is attributed to its peer's uid (server/transport/grpc/access.ts).
       const unix = await GrpcUnixListener.listen(server, paths.grpc, log);
       undo.push(() => unix.close());
       restrictSockets(config, paths);

@@ -1,30 +1,30 @@
 /** The Admin service: what the daemon holds and runs, for operators, vmmctl and tests. */
 import * as grpc from '@grpc/grpc-js';
 import { IntervalHistogram, monitorEventLoopDelay } from 'node:perf_hooks';
-import type { ClearCachesResponse } from '../../generated/vmmd/v1/ClearCachesResponse';
-import { StockedBackend } from '../backends/stock';
-import type { GetStatsRequest__Output } from '../../generated/vmmd/v1/GetStatsRequest';
-import type { ListObjectsRequest__Output } from '../../generated/vmmd/v1/ListObjectsRequest';
-import type { ListObjectsResponse } from '../../generated/vmmd/v1/ListObjectsResponse';
-import type { ListSessionsResponse } from '../../generated/vmmd/v1/ListSessionsResponse';
-import type { ObjectInfo } from '../../generated/vmmd/v1/ObjectInfo';
-import type { Report } from '../../generated/vmmd/v1/Report';
-import type { Stats } from '../../generated/vmmd/v1/Stats';
-import type { VersionInfo } from '../../generated/vmmd/v1/VersionInfo';
-import type { VmmdProto } from '../../common/proto';
-import type { Metrics } from '../metrics';
-import type { Quotas } from '../quotas';
-import type { Registry } from '../registry';
-import type { SessionManager } from '../sessions';
-import type { StoreRegistry } from '../stores';
-import type { Session } from '../sessions';
-import type { GcPauses } from '../gc-pauses';
-import type { TurnMeter } from '../turns';
+import type { ClearCachesResponse } from '../../../../generated/vmmd/v1/ClearCachesResponse';
+import { StockedBackend } from '../../../backends/stock';
+import type { GetStatsRequest__Output } from '../../../../generated/vmmd/v1/GetStatsRequest';
+import type { ListObjectsRequest__Output } from '../../../../generated/vmmd/v1/ListObjectsRequest';
+import type { ListObjectsResponse } from '../../../../generated/vmmd/v1/ListObjectsResponse';
+import type { ListSessionsResponse } from '../../../../generated/vmmd/v1/ListSessionsResponse';
+import type { ObjectInfo } from '../../../../generated/vmmd/v1/ObjectInfo';
+import type { Report } from '../../../../generated/vmmd/v1/Report';
+import type { Stats } from '../../../../generated/vmmd/v1/Stats';
+import type { VersionInfo } from '../../../../generated/vmmd/v1/VersionInfo';
+import type { VmmdProto } from '../../../../common/proto';
+import type { Metrics } from '../../../observability/metrics';
+import type { Quotas } from '../../../registry/quotas';
+import type { Registry } from '../../../registry';
+import type { SessionManager } from '../../session/sessions';
+import type { StoreRegistry } from '../../../stores/stores';
+import type { Session } from '../../session/sessions';
+import type { GcPauses } from '../../../observability/gc-pauses';
+import type { TurnMeter } from '../../../observability/turns';
 import { CallContext, HandlerDeps, unary } from './handler';
 import { u64 } from './wire';
 
 // Written by scripts/gen-types.js at build time; tsc copies it beside the compiled code.
-import BUILD from '../../generated/build-info.json';
+import BUILD from '../../../../generated/build-info.json';
 
 export interface AdminDeps {
   registry: Registry;
@@ -33,9 +33,9 @@ export interface AdminDeps {
   quotas: Quotas;
   metrics: Metrics;
   version: string;
-  /** The daemon's own turns (server/turns.ts), reported and reset with the event-loop delay. */
+  /** The daemon's own turns (server/observability/turns.ts), reported and reset with the event-loop delay. */
   turns?: TurnMeter;
-  /** The collector's pauses (server/gc-pauses.ts), the same way; stopped with this service. */
+  /** The collector's pauses (server/observability/gc-pauses.ts), the same way; stopped with this service. */
   gcPauses?: GcPauses;
 }
 

@@ -6,19 +6,19 @@
  */
 import * as grpc from '@grpc/grpc-js';
 import type { Logger } from 'pino';
-import { ERROR_CODE_KEY, SESSION_METADATA_KEY } from '../../common/protocol';
+import { ERROR_CODE_KEY, SESSION_METADATA_KEY } from '../../../../common/protocol';
 import type { AccessPolicy, Caller } from '../access';
-import { failedPrecondition, resourceExhausted, toServiceError } from '../errors';
-import { DAEMON_OWNER } from '../registry/records';
-import type { Session, SessionManager } from '../sessions';
-import type { TurnMeter } from '../turns';
+import { failedPrecondition, resourceExhausted, toServiceError } from '../../../errors';
+import { DAEMON_OWNER } from '../../../registry/records';
+import type { Session, SessionManager } from '../../session/sessions';
+import type { TurnMeter } from '../../../observability/turns';
 
 /** Who is calling: a session, or nobody (owner 0, the daemon). */
 export interface CallContext {
   /** The owner id new objects get and permissions are checked against. */
   caller: bigint;
   session?: Session;
-  /** The connection's peer: its uid, whether it is an admin (server/access.ts). Absent for the session socket's own requests. */
+  /** The connection's peer: its uid, whether it is an admin (server/transport/grpc/access.ts). Absent for the session socket's own requests. */
   who?: Caller;
   log: Logger;
 }
@@ -36,7 +36,7 @@ export interface HandlerDeps {
   streams?: (method: string, delta: 1 | -1) => void;
   /** Bytes that a call moved, by method and direction (read: to the client). */
   moved?: (method: string, direction: 'read' | 'write', bytes: number) => void;
-  /** Measures each call's turn of the event loop from its handler on (server/turns.ts). */
+  /** Measures each call's turn of the event loop from its handler on (server/observability/turns.ts). */
   turns?: TurnMeter;
 }
 

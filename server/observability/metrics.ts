@@ -8,11 +8,11 @@
 import * as http from 'node:http';
 import type { Logger } from 'pino';
 import { collectDefaultMetrics, Counter, Gauge, Histogram, Registry as MetricsRegistry } from 'prom-client';
-import type { Registry } from './registry';
-import type { SessionManager } from './sessions';
-import type { StoreRegistry } from './stores';
+import type { Registry } from '../registry';
+import type { SessionManager } from '../transport/session/sessions';
+import type { StoreRegistry } from '../stores/stores';
 import type { TurnMeter } from './turns';
-import { busyPollStats } from '../native/busy-poll';
+import { busyPollStats } from '../../native/busy-poll';
 
 export interface MetricsInfo {
   version: string;
