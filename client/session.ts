@@ -18,7 +18,6 @@ import {
   ReleasedMessage,
   RequestAnswer,
   SessionMessage,
-  SharedMessage,
 } from '../common/protocol';
 import { TransferInbox } from '../common/transfer-inbox';
 import { traceClock, traceSince, tracing } from '../common/trace';

@@ -10,7 +10,7 @@ import type { BenchDaemon } from '../lib/daemon';
 import { percentile, Row, Section } from '../lib/stats';
 import type { WorkerReport } from '../worker';
 
-async function runPhase(daemon: BenchDaemon, workers: ChildProcess[], phase: 'cold' | 'pooled', phaseMs: number) {
+async function runPhase(daemon: BenchDaemon, workers: ChildProcess[], phase: 'cold' | 'pooled') {
   await daemon.client.admin.getStats({ resetEventLoopDelay: true });
   const reports = workers.map(
     (worker) =>
@@ -41,7 +41,7 @@ async function phaseRow(daemon: BenchDaemon, count: number, phase: 'cold' | 'poo
         }),
     ),
   );
-  const { results, stats } = await runPhase(daemon, workers, phase, phaseMs);
+  const { results, stats } = await runPhase(daemon, workers, phase);
   await Promise.all(workers.map((worker) => (worker.exitCode !== null ? undefined : new Promise((resolve) => worker.once('exit', resolve)))));
   const samples = Float64Array.from(results.flatMap((report) => report[phase].samples)).sort();
   const operations = results.reduce((sum, report) => sum + report[phase].count, 0);

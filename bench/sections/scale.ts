@@ -8,7 +8,7 @@ import * as fs from 'node:fs';
 import type { VmmdClient } from '../../client';
 import type { Stats__Output } from '../../generated/vmmd/v1/Stats';
 import type { BenchDaemon } from '../lib/daemon';
-import { ratio, Row, sample, Section, summarize } from '../lib/stats';
+import { ratio, Row, Section, summarize } from '../lib/stats';
 
 const RW = [{ location: { type: 'LOCATION_TYPE_DEVICE' as const, id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' as const }];
 

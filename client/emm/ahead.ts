@@ -173,6 +173,8 @@ export class AllocationsAhead<Location> {
   private requestOne(key: string, size: bigint, location: Location): void {
     this.counters.requested++;
     const epoch = this.epoch;
+    // The answer's continuations name the entry, which holds the answer: declared first, assigned once below.
+    // eslint-disable-next-line prefer-const
     let entry: Entry;
     const answer = this.source.allocate(size, location).then(
       (received): Received | undefined => {

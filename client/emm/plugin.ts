@@ -26,6 +26,7 @@ export function noteAllocation(): void {
  * Uses `cls` for every context created from now on.
  * @throws VmmdError PROGRAM_ERROR MANAGER_IN_USE once memory was allocated
  */
+// eslint-disable-next-line @typescript-eslint/no-explicit-any -- any context type: the manager is the caller's
 export function setMemoryManager(cls: MemoryManagerClass<any>): void {
   if (allocated) {
     throw new VmmdError('MANAGER_IN_USE', Status.FAILED_PRECONDITION, 'the memory manager cannot change once memory was allocated');
@@ -72,6 +73,7 @@ export function memoryManagerClass<C extends ManagerContext>(fallback: MemoryMan
   if (!name) return fallback;
   let loaded: Record<string, unknown>;
   try {
+    // eslint-disable-next-line @typescript-eslint/no-require-imports -- the manager's module is named at run time
     loaded = require(name.startsWith('.') ? path.resolve(name) : name);
   } catch (error) {
     throw new VmmdError('BAD_MEMORY_MANAGER', Status.FAILED_PRECONDITION, `${MEMORY_MANAGER_VARIABLE}=${name} cannot be loaded: ${(error as Error).message}`);

@@ -10,8 +10,12 @@ import * as os from 'node:os';
 import { parseArgs } from 'node:util';
 import { defaultSocketDir } from '../../common/paths';
 import { DEFAULT_BUSY_POLL_MICROS } from '../../common/busy-poll';
+import { type BackendChoice, defaultStock } from '../backends/select';
+import type { StockLevel } from '../backends/stock';
 
-export type BackendChoice = 'auto' | 'host' | 'cuda';
+export { defaultStock };
+export type { BackendChoice, StockLevel };
+
 
 export interface TlsConfig {
   cert: string;
@@ -64,20 +68,6 @@ export interface DaemonConfig {
   turnCpu: boolean;
 }
 
-export interface StockLevel {
-  size: bigint;
-  depth: number;
-}
-
-/** What --stock auto means: on cuda, a few of the sizes cold allocations ask for most (the client's 2 MiB granule and 32 MiB pool chunk); none on host, where creating is a memfd. */
-export function defaultStock(backend: 'host' | 'cuda'): StockLevel[] {
-  return backend === 'cuda'
-    ? [
-        { size: 2n << 20n, depth: 16 },
-        { size: 32n << 20n, depth: 2 },
-      ]
-    : [];
-}
 
 /** "2MiB:4,32MiB:2" → levels; "none" → []; "auto" stays. @throws ConfigError naming the key */
 export function parseStock(key: string, text: string): StockLevel[] | 'auto' {

@@ -33,6 +33,7 @@ import { StagingBuffers } from '../stores/staging';
 import { CUDA_STAGING_PINNING } from '../backends/cuda';
 import { isStoreHolder, StoreRegistry } from '../stores/stores';
 
+// eslint-disable-next-line @typescript-eslint/no-require-imports -- package.json lies outside the compiled tree
 export const VERSION: string = require('../../../package.json').version;
 
 /** The health service answers for the whole server ('') and for each vmmd service. */

@@ -3,17 +3,38 @@
  * a device exists, host otherwise, and says why in one log line.
  */
 import type { Logger } from 'pino';
-import { DaemonConfig, defaultStock } from '../app/config';
 import type { Backend } from './backend';
 import { CudaBackend } from './cuda';
 import { HostBackend } from './host';
-import { StockedBackend } from './stock';
+import { StockedBackend, StockLevel } from './stock';
 
 export class BackendUnavailableError extends Error {
   constructor(message: string) {
     super(message);
     this.name = 'BackendUnavailableError';
   }
+}
+
+
+export type BackendChoice = 'auto' | 'host' | 'cuda';
+
+/** What choosing a backend needs of the daemon's configuration. */
+export interface BackendSelection {
+  backend: BackendChoice;
+  hostCapacity: bigint;
+  hostGranularity: bigint;
+  /** Allocations created and exported ahead, per device ('auto': the backend's default). */
+  stock: StockLevel[] | 'auto';
+}
+
+/** What --stock auto means: on cuda, a few of the sizes cold allocations ask for most (the client's 2 MiB granule and 32 MiB pool chunk); none on host, where creating is a memfd. */
+export function defaultStock(backend: 'host' | 'cuda'): StockLevel[] {
+  return backend === 'cuda'
+    ? [
+        { size: 2n << 20n, depth: 16 },
+        { size: 32n << 20n, depth: 2 },
+      ]
+    : [];
 }
 
 /**
@@ -23,7 +44,7 @@ export class BackendUnavailableError extends Error {
  * daemon measures its completions), so the stock's calls go through it too.
  * @throws BackendUnavailableError when cuda is asked for and cannot run
  */
-export async function selectBackend(config: DaemonConfig, log: Logger, wrap: (backend: Backend) => Backend = (backend) => backend): Promise<Backend> {
+export async function selectBackend(config: BackendSelection, log: Logger, wrap: (backend: Backend) => Backend = (backend) => backend): Promise<Backend> {
   const backend = wrap(await chooseBackend(config, log));
   const levels = config.stock === 'auto' ? defaultStock(backend.name) : config.stock;
   if (levels.length === 0) return backend;
@@ -33,7 +54,7 @@ export async function selectBackend(config: DaemonConfig, log: Logger, wrap: (ba
   return stocked;
 }
 
-async function chooseBackend(config: DaemonConfig, log: Logger): Promise<Backend> {
+async function chooseBackend(config: BackendSelection, log: Logger): Promise<Backend> {
   const host = () => new HostBackend({ capacity: config.hostCapacity, granularity: config.hostGranularity });
   switch (config.backend) {
     case 'host':

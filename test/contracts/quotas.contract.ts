@@ -27,7 +27,7 @@ const CAPACITY = 64n * MiB;
 const TiB = 1n << 40n;
 const access = (flags: AccessDescriptor['flags']): AccessDescriptor[] => [{ location: { type: 'LOCATION_TYPE_DEVICE', id: 0 }, flags }];
 
-export function quotaContract(backend: Backend, options: { full: boolean }): void {
+export function quotaContract(backend: Backend, _options: { full: boolean }): void {
   let daemon: TestDaemon | undefined;
   const clients: VmmdClient[] = [];
   const figures: Record<string, Record<string, string | number | boolean>> = {};

@@ -21,7 +21,7 @@ import * as path from 'node:path';
 import { protoPath as HEALTH_PROTO } from 'grpc-health-check';
 import { freePort } from '../e2e/harness';
 
-// eslint-disable-next-line @typescript-eslint/no-require-imports
+ 
 const yaml = require('js-yaml') as { loadAll(text: string): any[] };
 
 const ROOT = path.resolve(__dirname, '../..');

@@ -9,12 +9,12 @@ import { execFileSync } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
-import { connect, VmmdClient } from '../../client';
+import { VmmdClient } from '../../client';
 import { socketPaths } from '../../common/paths';
 import { loadProtos } from '../../common/proto';
 import { addon } from '../../native';
 import { SeqpacketConnection, SeqpacketMessage } from '../../native/seqpacket';
-import { call, eventually, MiB, Peer, TestDaemon } from './harness';
+import { call, eventually, Peer, TestDaemon } from './harness';
 
 const isRoot = process.getuid?.() === 0;
 const NOBODY = 65534;
@@ -26,12 +26,6 @@ afterEach(async () => {
   await daemon?.stop();
   daemon = undefined;
 });
-
-async function client(dir: string): Promise<VmmdClient> {
-  const connected = await connect({ socketDir: dir });
-  clients.push(connected);
-  return connected;
-}
 
 describe('sockets and peers', () => {
   it('creates the socket directory and sockets owner-only by default', async () => {

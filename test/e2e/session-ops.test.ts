@@ -8,10 +8,8 @@
 import * as grpc from '@grpc/grpc-js';
 import * as http from 'node:http';
 import { connect, VmmdClient } from '../../client';
-import { socketPaths } from '../../common/paths';
-import { decodeMessage } from '../../common/protocol';
 import { addon } from '../../native';
-import { SeqpacketConnection, SeqpacketMessage } from '../../native/seqpacket';
+import { SeqpacketConnection } from '../../native/seqpacket';
 import { flushUnmaps, unmapGathered } from '../../native/unmap-batch';
 import { call, eventually, freePort, MiB, objectsOf, stopWhenClean, RawSession, TestDaemon } from './harness';
 

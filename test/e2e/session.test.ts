@@ -5,11 +5,10 @@
 import * as grpc from '@grpc/grpc-js';
 import * as fs from 'node:fs';
 import { connect, VmmdClient } from '../../client';
-import { socketPaths } from '../../common/paths';
-import { decodeMessage, SESSION_METADATA_KEY } from '../../common/protocol';
+import { SESSION_METADATA_KEY } from '../../common/protocol';
 import type { AccessDescriptor } from '../../generated/vmmd/v1/AccessDescriptor';
 import { addon, HOST_ACCESS } from '../../native';
-import { SeqpacketConnection, SeqpacketMessage } from '../../native/seqpacket';
+import { SeqpacketConnection } from '../../native/seqpacket';
 import { call, eventually, MiB, RawSession, TestDaemon } from './harness';
 
 const RW: AccessDescriptor[] = [{ location: { type: 'LOCATION_TYPE_DEVICE', id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' }];

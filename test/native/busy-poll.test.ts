@@ -117,7 +117,7 @@ describe('busy polling', () => {
 });
 
 describe("the client's budget (connect's busyPollMicros)", () => {
-  // eslint-disable-next-line @typescript-eslint/no-require-imports
+   
   const { busyPollBudget } = require('../../client/connection') as typeof import('../../client/connection');
   it('is the option, else VMMD_CLIENT_BUSY_POLL_US, else 200', () => {
     expect(busyPollBudget(undefined, undefined)).toBe(200);

@@ -22,7 +22,7 @@ function stderrOf(env: Record<string, string>): string[] {
           return String(text).length;
         },
       }));
-      // eslint-disable-next-line @typescript-eslint/no-require-imports
+       
       const t = require('../../common/trace') as typeof import('../../common/trace');
       const b = t.traceClock();
       t.traceSince('session:allocate', b);

@@ -15,7 +15,6 @@
  *   admin, as the operator who issued it chose (no sessions over TCP either way).
  */
 import type { Credentials } from '../../../native';
-import type { DaemonConfig } from '../../app/config';
 import { permissionDenied, unauthenticated } from '../../errors';
 import type { Session } from '../session/sessions';
 
@@ -64,15 +63,23 @@ function parseUnixPeer(address: string): Credentials | undefined {
   return match === null ? undefined : { uid: Number(match[1]), gid: Number(match[2]), pid: Number(match[3]) };
 }
 
+/** The configured allow and admin lists, by uid or gid. */
+export interface AccessLists {
+  allowUids: number[];
+  allowGids: number[];
+  adminUids: number[];
+  adminGids: number[];
+}
+
 /** Why a peer may not use the daemon under the allow lists, or undefined. */
-export function authorize(config: Pick<DaemonConfig, 'allowUids' | 'allowGids'>, peer: { uid: number; gid: number }): string | undefined {
+export function authorize(config: Pick<AccessLists, 'allowUids' | 'allowGids'>, peer: { uid: number; gid: number }): string | undefined {
   if (config.allowUids.length === 0 && config.allowGids.length === 0) return undefined;
   if (config.allowUids.includes(peer.uid) || config.allowGids.includes(peer.gid)) return undefined;
   return `uid ${peer.uid} (gid ${peer.gid}) is not allowed: allowed uids [${config.allowUids.join(', ')}], gids [${config.allowGids.join(', ')}]`;
 }
 
 export class AccessPolicy {
-  constructor(private readonly config: Pick<DaemonConfig, 'allowUids' | 'allowGids' | 'adminUids' | 'adminGids'>) {}
+  constructor(private readonly config: AccessLists) {}
 
   isAdmin(peer: { uid: number; gid: number }): boolean {
     return this.config.adminUids.includes(peer.uid) || this.config.adminGids.includes(peer.gid);

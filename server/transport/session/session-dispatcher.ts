@@ -10,7 +10,7 @@ import type { AllocateMessage, AllocatedMessage, ExportedMessage, OpenedMessage,
 import { TRANSFER_ID_PATTERN } from '../../../common/protocol';
 import type { Registry } from '../../registry';
 import type { CreateArgs, ExportArgs } from '../../registry/records';
-import { toWireStore } from '../grpc/services/wire';
+import { toWireStore } from '../wire';
 import { Answer, ReclaimSummary, refuseMessage, RequestMessage, Session, SessionServices } from './sessions';
 import { openFor, StoreCaller } from '../../stores/store-writers';
 import type { StoreRegistry } from '../../stores/stores';

@@ -21,7 +21,7 @@ import type { Session } from '../../session/sessions';
 import type { GcPauses } from '../../../observability/gc-pauses';
 import type { TurnMeter } from '../../../observability/turns';
 import { CallContext, HandlerDeps, unary } from './handler';
-import { u64 } from './wire';
+import { u64 } from '../../wire';
 
 // Written by scripts/gen-types.js at build time; tsc copies it beside the compiled code.
 import BUILD from '../../../../generated/build-info.json';

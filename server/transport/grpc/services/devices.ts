@@ -10,7 +10,7 @@ import type { VmmdProto } from '../../../../common/proto';
 import { outOfRange } from '../../../errors';
 import type { Registry } from '../../../registry';
 import { HandlerDeps, unary } from './handler';
-import { location, toWireHandleType } from './wire';
+import { location, toWireHandleType } from '../../wire';
 
 export class DevicesService {
   constructor(private readonly registry: Registry) {}

@@ -17,7 +17,6 @@ import type { OpenResponse } from '../../../../generated/vmmd/v1/OpenResponse';
 import type { Span__Output } from '../../../../generated/vmmd/v1/Span';
 import type { Store } from '../../../../generated/vmmd/v1/Store';
 import type { StoreEvent as WireStoreEvent } from '../../../../generated/vmmd/v1/StoreEvent';
-import type { StoreRef__Output } from '../../../../generated/vmmd/v1/StoreRef';
 import type { WatchRequest__Output } from '../../../../generated/vmmd/v1/WatchRequest';
 import type { VmmdProto } from '../../../../common/proto';
 import { addon } from '../../../../native';
@@ -26,7 +25,7 @@ import { DAEMON_OWNER, IO_CHUNK_BYTES, Registry } from '../../../registry';
 import type { SessionManager } from '../../session/sessions';
 import { StoreEvent, StoreRecord, StoreRegistry, StoreTarget } from '../../../stores/stores';
 import { CallContext, clientStream, HandlerDeps, requireSession, serverStream, unary } from './handler';
-import { toWireStore, u64 } from './wire';
+import { toWireStore, u64 } from '../../wire';
 import { checkWriter, openFor } from '../../../stores/store-writers';
 
 const TARGETS: Record<string, StoreTarget | undefined> = {

@@ -40,7 +40,7 @@ import type { StagingBuffer } from '../../../../generated/vmmd/v1/StagingBuffer'
 import type { StagedCopy__Output } from '../../../../generated/vmmd/v1/StagedCopy';
 import type { StagedCopyResponse } from '../../../../generated/vmmd/v1/StagedCopyResponse';
 import { CallContext, clientStream, HandlerDeps, requireSession, serverStream, unary } from './handler';
-import { accessGrant, DeviceResolver, handleType, location, toWireAccess, toWireHandleType, toWireLocation, u64 } from './wire';
+import { accessGrant, DeviceResolver, handleType, location, toWireAccess, toWireHandleType, toWireLocation, u64 } from '../../wire';
 
 export class VirtualMemoryService {
   private readonly resolveDevice: DeviceResolver;

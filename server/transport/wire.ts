@@ -1,14 +1,14 @@
 /**
- * Conversions between the wire's shapes (uint64 as decimal strings, enums as
+ * Conversions, for both transports, between the wire's shapes (uint64 as decimal strings, enums as
  * names) and the registry's (bigint, short names). Unknown enum values are
  * the caller's error, named with the field.
  */
-import type { AccessDescriptor__Output } from '../../../../generated/vmmd/v1/AccessDescriptor';
-import type { Location, Location__Output } from '../../../../generated/vmmd/v1/Location';
-import { Access, AccessGrant, HandleKind, LocationKind, MemLocation } from '../../../backends/backend';
-import type { OpenedMessage } from '../../../../common/protocol';
-import { invalidArgument } from '../../../errors';
-import type { StoreRecord } from '../../../stores/stores';
+import type { AccessDescriptor__Output } from '../../generated/vmmd/v1/AccessDescriptor';
+import type { Location, Location__Output } from '../../generated/vmmd/v1/Location';
+import { Access, AccessGrant, HandleKind, LocationKind, MemLocation } from '../backends/backend';
+import type { OpenedMessage } from '../../common/protocol';
+import { invalidArgument } from '../errors';
+import type { StoreRecord } from '../stores/stores';
 
 export function u64(value: string | number | undefined): bigint {
   return BigInt(value ?? 0);
