@@ -24,7 +24,7 @@ mkdir -p "$stage/vmmd/build/Release" "$stage/vmmd/test"
 cp -r package.json package-lock.json README.md bin dist proto jest.gpu.config.js "$stage/vmmd/"
 cp test/summary-reporter.js test/setup-symbols.js "$stage/vmmd/test/"
 mkdir -p "$stage/vmmd/bench"
-cp -r bench/echo.proto bench/reference bench/probe "$stage/vmmd/bench/"
+cp -r bench/echo.proto bench/reference bench/cold_timeline.py "$stage/vmmd/bench/"
 cp build/Release/vmmd_native.node "$stage/vmmd/build/Release/"
 # The Python client (pure Python and the descriptor set generated from proto/;
 # its C allocation library is built there) and its GPU tests and benchmarks.

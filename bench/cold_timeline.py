@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Lines up bench/probe/cold-probe.ts's memallocs with the driver trace of
+"""Lines up bench/cold-probe.ts's memallocs with the driver trace of
 the daemon and the client (VMMD_DRIVER_TRACE=1 lines, CLOCK_MONOTONIC):
 for each schedule and size, the p50 of each step of the client's path
 (the allocate round trip up to the import, the import, map and set access,
@@ -7,7 +7,7 @@ the return), and how the memallocs that overlap other driver work (the
 daemon's, or the client's own background unmaps and releases) compare with
 those that do not.
 
-    python3 bench/probe/cold_timeline.py DIR   (DIR: the probe's --out)
+    python3 bench/cold_timeline.py DIR   (DIR: the probe's --out)
 Prints a text report; writes DIR/timeline.json.
 """
 import json

@@ -5,9 +5,9 @@
  * writes each call's begin and end (CLOCK_MONOTONIC, as the addon's driver
  * trace) to a JSON file. Run with VMMD_DRIVER_TRACE=1 and stderr kept: the
  * daemon's and this process's driver calls are then on the same clock, and
- * bench/probe/cold_timeline.py lines them up (which driver calls of which
+ * bench/cold_timeline.py lines them up (which driver calls of which
  * process overlap each memalloc, and the gaps between the client's steps).
- *   VMMD_DRIVER_TRACE=1 node dist/bench/probe/cold-probe.js --backend cuda --out DIR 2> DIR/client-trace.txt
+ *   VMMD_DRIVER_TRACE=1 node dist/bench/cold-probe.js --backend cuda --out DIR 2> DIR/client-trace.txt
  * (--profile PROFILE_DIR: the daemon writes a V8 CPU profile there)
  * First 1 s busy (the CPU at work, as in the benchmark) and session pings,
  * the round trip's floor in the same state. Schedules, each after the one before:
@@ -21,8 +21,8 @@ import { spawn } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
-import { connectWhenReady, packageRoot } from '../lib/daemon';
-import { manager, sizeName } from '../sections/allocations';
+import { connectWhenReady, packageRoot } from './lib/daemon';
+import { manager, sizeName } from './sections/allocations';
 
 const MiB = 1n << 20n;
 
