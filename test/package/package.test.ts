@@ -5,7 +5,8 @@
  * of this repository's lockfile), with a PATH that holds no compiler. From
  * there: every README example as written, `npx vmmd --help`,
  * `npx vmmctl --version`, and a TypeScript consumer type-checked against the
- * shipped declarations.
+ * shipped declarations. And the checkout that was packed is left as it was:
+ * its built addon still loads and its daemon still starts.
  */
 import { ChildProcess, execFileSync, spawn, spawnSync, SpawnSyncReturns } from 'node:child_process';
 import * as crypto from 'node:crypto';
@@ -18,6 +19,7 @@ const TSC = path.join(REPO, 'node_modules', 'typescript', 'bin', 'tsc');
 const pkg = JSON.parse(fs.readFileSync(path.join(REPO, 'package.json'), 'utf8'));
 
 let work: string; // temporary: the tarball, the consumer project, the daemon's sockets
+let source: string; // the checkout that was packed (a copy of this one)
 let consumer: string;
 let tarball: string;
 let noCompilerPath: string; // a PATH with node, npm and a shell, and no compiler
@@ -80,7 +82,7 @@ beforeAll(() => {
   fs.mkdirSync(packed);
   // Packed from a copy of the source tree (what git holds, as a clone has it), so that
   // the rebuilds of pack do not touch the dist/ and build/ that other tests run from.
-  const source = path.join(work, 'source');
+  source = path.join(work, 'source');
   const tracked = execFileSync('git', ['ls-files', '-z', '--cached', '--others', '--exclude-standard'], { cwd: REPO, encoding: 'utf8' }).split('\0').filter(Boolean);
   for (const file of tracked) {
     if (!fs.existsSync(path.join(REPO, file))) continue; // deleted, not yet committed
@@ -152,6 +154,33 @@ describe('the tarball', () => {
     expect(license).toContain('END OF TERMS AND CONDITIONS');
     expect(license.split('\n').length).toBeGreaterThan(190);
   });
+});
+
+describe('the checkout that was packed', () => {
+  test('still loads its own built addon and starts its daemon (npm start after npm pack)', async () => {
+    // prebuildify moves build/Release's addon into prebuilds/, which postpack removes.
+    expect(fs.existsSync(path.join(source, 'prebuilds'))).toBe(false);
+    const loaded = ok(
+      run('node', ['-e', "require('./dist/native'); process.stdout.write(Object.keys(require.cache).filter((f) => f.endsWith('.node')).join('\\n'))"], { cwd: source }),
+      'loading the checkout\'s addon',
+    );
+    expect(loaded).toBe(path.join(fs.realpathSync(source), 'build', 'Release', 'vmmd_native.node'));
+    const sockets = path.join(work, 'packed-checkout-sockets');
+    const daemon = spawn('node', ['bin/vmmd.js', '--backend', 'host', '--socket-dir', sockets, '--log-level', 'warn'], { cwd: source, stdio: ['ignore', 'ignore', 'pipe'] });
+    let stderr = '';
+    daemon.stderr!.on('data', (chunk) => (stderr += chunk));
+    const exited = new Promise((resolve) => daemon.once('exit', resolve));
+    try {
+      const deadline = Date.now() + 30_000;
+      while (!fs.existsSync(path.join(sockets, 'vmmd.session.sock'))) {
+        if (Date.now() > deadline || daemon.exitCode !== null) throw new Error(`the packed checkout's daemon did not start:\n${stderr}`);
+        await new Promise((resolve) => setTimeout(resolve, 100));
+      }
+    } finally {
+      if (daemon.exitCode === null) daemon.kill('SIGTERM');
+      await exited;
+    }
+  }, 60_000);
 });
 
 describe('installed offline with no compiler', () => {

@@ -1,5 +1,5 @@
 /**
- * The shape of the sources (issue 13): no TypeScript file under server/,
+ * The shape of the sources (small files, each saying what it is for): no TypeScript file under server/,
  * client/, common/ or native/ over 500 lines, and each opens with the
  * comment that names its one job.
  */

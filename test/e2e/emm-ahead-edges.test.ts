@@ -1,6 +1,6 @@
 /**
- * Allocations ahead (client/emm/ahead.ts) under attack: an outside review's
- * cases, each run with allocations ahead off and on, so that what fails on
+ * Allocations ahead (client/emm/ahead.ts) at their edges (quotas, retries,
+ * closing), each case run with allocations ahead off and on, so that what fails on
  * is the holder's doing (host backend).
  */
 import { DEFAULT_AHEAD, VmmdClient, VmmdMemoryManager } from '../../client';

@@ -1,5 +1,5 @@
 /**
- * A review of the stock that follows bursts and holds frees (server/backends/
+ * The stock that follows bursts and holds frees (server/backends/
  * stock.ts, stock-demand.ts, held-releases.ts), as a hostile client would
  * drive it: close() must wait for every free it let go (those started a
  * RELEASE_START_BATCH a turn included, and those that reach a closing stock)
