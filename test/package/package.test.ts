@@ -3,7 +3,7 @@
  * a fresh project, offline (the registry is never asked: the dependencies come
  * from npm's cache, which `npm ci` filled for this repository, at the versions
  * of this repository's lockfile), with a PATH that holds no compiler. From
- * there: every README example as written, `npx vmmd --help`,
+ * there: every example of the README and docs/CLIENT.md as written, `npx vmmd --help`,
  * `npx vmmctl --version`, and a TypeScript consumer type-checked against the
  * shipped declarations. And the checkout that was packed is left as it was:
  * its built addon still loads and its daemon still starts.
@@ -245,14 +245,14 @@ export async function use(): Promise<number> {
   });
 });
 
-/** The README's fenced blocks: [info string, body]. */
+/** The fenced blocks of a markdown text: [info string, body]. */
 function fencedBlocks(markdown: string): Array<{ lang: string; body: string }> {
   return [...markdown.matchAll(/^```(\w*)\n([\s\S]*?)^```$/gm)].map(([, lang, body]) => ({ lang, body }));
 }
 
 /**
  * Blocks not run here, each with the reason. Any other block is run: a new
- * README example that is neither run nor listed here fails the last test.
+ * example that is neither run nor listed here fails the last test.
  */
 const NOT_RUN: Array<[RegExp, string]> = [
   [/^npm ci && npm start/, 'commands of the repository (CI runs `npm ci` and `npm test` itself)'],
@@ -266,7 +266,7 @@ const NOT_RUN: Array<[RegExp, string]> = [
 /** Languages whose blocks belong to other packages, with the reason. */
 const OTHER_PACKAGES: Record<string, string> = { python: 'the Python package (python/); its own tests run its README examples' };
 
-describe('the README examples, as written, against the installed package', () => {
+describe('the examples of the README and docs/CLIENT.md, as written, against the installed package', () => {
   let daemon: ChildProcess | undefined;
   let socketDir: string;
   let env: NodeJS.ProcessEnv;
@@ -275,7 +275,8 @@ describe('the README examples, as written, against the installed package', () =>
   beforeAll(async () => {
     socketDir = path.join(work, 'sockets');
     env = { ...process.env, PATH: `${path.join(consumer, 'node_modules', '.bin')}:${noCompilerPath}`, VMMD_SOCKET_DIR: socketDir };
-    readme = fs.readFileSync(path.join(installedRoot(), 'README.md'), 'utf8');
+    // The README as shipped, and the client's reference page (not shipped: read from the repository).
+    readme = `${fs.readFileSync(path.join(installedRoot(), 'README.md'), 'utf8')}\n${fs.readFileSync(path.join(REPO, 'docs', 'CLIENT.md'), 'utf8')}`;
     // The daemon as README users start it: npx vmmd, from the installed package.
     // Its own process group: npx runs vmmd as a child, and the group is stopped whole.
     daemon = spawn('npx', ['--offline', 'vmmd', '--backend', 'host', '--log-level', 'warn'], { cwd: consumer, env, stdio: ['ignore', 'ignore', 'inherit'], detached: true });
