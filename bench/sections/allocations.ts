@@ -53,7 +53,7 @@ export const POOLED_ROUNDS = 3;
  * for the same loop).
  * @returns the CPU and how to give the process back the CPUs it had (later
  *   sections, and the processes they start, which inherit it, must not run
- *   pinned: until 2026-11-26 they did), or undefined where taskset is missing or refused
+ *   pinned: they would all share one CPU), or undefined where taskset is missing or refused
  */
 function pinToOneCpu(): { cpu: number; unpin(): void } | undefined {
   const cpu = os.cpus().length - 1;
