@@ -24,6 +24,9 @@ function tracked(...paths: string[]): string[] | undefined {
   }
 }
 
+// Written in pieces so that this file does not match itself.
+const CITATION = new RegExp(['issue', '[0-9]+|outside', 'review|finding', '[0-9]'].join(' '));
+
 const PAGES = ['README.md', 'BENCHMARKS.md', 'RELIABILITY.md', 'CHANGELOG.md', ...fs.readdirSync(path.join(root, 'docs')).map((name) => `docs/${name}`)];
 
 describe('the pages', () => {
@@ -66,7 +69,7 @@ describe('comments and test names', () => {
       read(file)
         .split('\n')
         .map((line, i) => ({ where: `${file}:${i + 1}`, line }))
-        .filter(({ line }) => /issue [0-9]+|outside review|finding [0-9]/.test(line) && !line.includes('/issue [0-9]+|outside review|finding [0-9]/')),
+        .filter(({ line }) => CITATION.test(line)),
     );
     expect(cited).toEqual([]);
   });
