@@ -14,7 +14,7 @@ from conftest import ROOT, Daemon
 def python_examples() -> list:
     """The README's Python quick start, then docs/PYTHON.md's examples, in order."""
     text = open(os.path.join(ROOT, "README.md")).read()
-    start = text.index("### Python")
+    start = text.index("## Quick start: Python")
     section = text[start : text.index("\n## ", start)]
     page = open(os.path.join(ROOT, "docs", "PYTHON.md")).read()
     return re.findall(r"```python\n(.*?)```", section, re.S) + re.findall(r"```python\n(.*?)```", page, re.S)
@@ -25,7 +25,7 @@ def test_the_examples_compile_and_the_install_command_is_what_ci_runs() -> None:
     assert len(examples) == 3
     for code in examples:
         compile(code, "README.md or docs/PYTHON.md", "exec")
-    section = open(os.path.join(ROOT, "README.md")).read().split("### Python")[1]
+    section = open(os.path.join(ROOT, "README.md")).read().split("## Quick start: Python")[1]
     assert "pip install ./python" in section and "./python[test]" in open(os.path.join(ROOT, ".ci", "run")).read()
 
 

@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 def examples() -> list:
     """The README's Python quick start, then docs/PYTHON.md's examples (as python/tests/test_readme.py)."""
     text = open(os.path.join(ROOT, "README.md")).read()
-    start = text.index("### Python")
+    start = text.index("## Quick start: Python")
     page = open(os.path.join(ROOT, "docs", "PYTHON.md")).read()
     return re.findall(r"```python\n(.*?)```", text[start : text.index("\n## ", start)], re.S) + re.findall(r"```python\n(.*?)```", page, re.S)
 
