@@ -46,7 +46,7 @@ export interface ConnectOptions {
   /**
    * While a session-socket request (allocate, release, export, open, share) waits for its answer, this
    * process's event loop spins up to this long before it sleeps, µs: an answer that comes within it
-   * finds the process awake, without the wake-up a sleeping process pays (30-70 µs on GPU VMs).
+   * finds the process awake, without the wake-up a sleeping process pays (slow on a virtual machine).
    * Costs at most that much CPU per wait. Default VMMD_CLIENT_BUSY_POLL_US, else 200; 0: never spin.
    */
   busyPollMicros?: number;

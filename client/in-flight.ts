@@ -1,7 +1,7 @@
 /**
  * The copies a piece of mapped memory has in flight: no unmap, address free or
  * release may run while a copy this process issued into the range is still
- * running (issue 15), and copies that overlap run in the order they were
+ * running (the copy engine would fault the context), and copies that overlap run in the order they were
  * issued, as `cuMemcpy` calls on one stream would (a read started after a
  * write, neither awaited, sees the write).
  */

@@ -2,8 +2,8 @@
  * The gRPC side of a connection, made on its first use: a worker that only
  * allocates, releases and opens stores (all on the session socket) never
  * parses the protos or opens an HTTP/2 connection, which were most of a new
- * process's connect() (issue 18: 50-65 ms of proto loading and 25 ms of a
- * first RPC on a loaded 2-core host, against 2 ms for the session). The
+ * process's connect(): loading the protos and a first RPC take tens of
+ * milliseconds where the session takes a few. The
  * service APIs hold stand-ins that make the clients on first touch.
  */
 import * as grpc from '@grpc/grpc-js';

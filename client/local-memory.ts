@@ -244,7 +244,7 @@ export class CudaImportedMemory extends ImportedMemory {
       throw localMapFailed(error, readOnly);
     } finally {
       // Closed on a libuv thread: the last close of a CUDA descriptor frees the driver's export
-      // object in the kernel, 25-45 us on an H100 host (the cold probe), which the caller need not wait for.
+      // object in the kernel, tens of microseconds the caller need not wait for.
       if ('fd' in source) closeLater(source.fd);
       traceMark('mark:descriptor close queued');
       // The mapping holds the memory: the handle's release need not be waited for (a driver thread does it).

@@ -1,10 +1,11 @@
 /**
  * Bulk copies between a file and mapped memory through page-locked buffers
- * (issue 18): on cuda, a few buffers of this process registered with
+ * (the file is read while the copy engine works): on cuda, a few buffers of this process registered with
  * cuMemHostRegister, each going round file read → device copy (or device
  * copy → file write), several at once, so that reading the file, which runs
  * on the thread pool, overlaps the copy engine's DMA. Every copy resolves
- * only once its bytes are in place (issue 15), and the memory's close()
+ * only once its bytes are in place (unmapping under a copy faults the
+ * context), and the memory's close()
  * waits for any still running.
  */
 import * as fs from 'node:fs';

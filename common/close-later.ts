@@ -1,8 +1,7 @@
 /**
  * Closing a descriptor off the caller's path: after its turn, on a libuv
  * thread. The last close of a CUDA export descriptor frees the driver's export
- * object in the kernel, 25-45 us on an H100 host (bench/results/cold-probe),
- * which neither a client's allocation nor the daemon's event loop should wait
+ * object in the kernel, tens of microseconds, which neither a client's allocation nor the daemon's event loop should wait
  * for. The number stays taken until then, so nothing else can meet it; a
  * failure is reported to `failed` (a process warning by default). Resolves once
  * closed (or failed): callers that need the memory gone wait for it.

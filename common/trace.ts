@@ -3,7 +3,7 @@
  * requests (the client's from send to answer, the daemon's from receipt to
  * its answer's send) are written to stderr in the addon's line format
  * (native/src/cuda_driver.cc TraceCall), on the same clock (CLOCK_MONOTONIC:
- * process.hrtime), so that bench/probe/cold_timeline.py lines them up with
+ * process.hrtime), so that bench/cold_timeline.py lines them up with
  * the driver calls of both processes. Off, it costs one boolean test.
  */
 import { writeSync } from 'node:fs';

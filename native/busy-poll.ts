@@ -2,7 +2,8 @@
  * Busy polling of this thread's event loop (native/src/busy_poll.cc): before
  * the loop sleeps in epoll it spins, at most a budget, for whatever comes
  * next. Between two processes that both spin, a session round trip skips the
- * two wake-ups a sleeping pair pays (on the GPU VMs 30-70 us each; issue 18).
+ * two wake-ups a sleeping pair pays (on a virtual machine each is an
+ * interrupt the hypervisor delivers, slow beside the round trip's own work).
  * The daemon spins always (its budget, --busy-poll-us); a client spins only
  * while a request of its is waiting for its answer (want()).
  */

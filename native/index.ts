@@ -131,7 +131,7 @@ export interface Addon {
   cudaGranularity(locationType: number, locationId: number, handleTypes: number, recommended: boolean): bigint;
   cudaReserve(size: bigint, alignment: bigint, hint: bigint): bigint;
   cudaFreeAddress(address: bigint, size: bigint): void;
-  /** On a driver thread (cuMemCreate's p99 passes 50 us); `inline` runs it on the calling thread (the client's own memory). */
+  /** On a driver thread (cuMemCreate is too slow for the event loop); `inline` runs it on the calling thread (the client's own memory). */
   cudaCreate(device: number, locationType: number, locationId: number, size: bigint, handleTypes: number, inline?: boolean): Promise<bigint>;
   cudaRelease(device: number, handle: bigint): Promise<void>;
   /** cuMemCreate and its POSIX-fd export in one job on a driver thread. */
@@ -154,15 +154,11 @@ export interface Addon {
   cudaImportFd(fd: number, inline?: boolean): Promise<bigint>;
   cudaImportFabric(fabric: Buffer, inline?: boolean): Promise<bigint>;
   /**
-   * On the calling thread (a settled promise): imports the descriptor, maps it at [address,
-   * address + size), grants `flags` (1 read, 3 read-write) to `device` and, when hostNuma >= 0,
-   * to that host NUMA node, then releases the imported handle (the mapping holds the memory).
-   * A failed step undoes those before it; the error names the step. The caller keeps fd.
-   */
-  /**
-   * Import, map, set access and release of the imported handle, in one call (native/src/cuda_driver.cc):
-   * resolves with undefined, or with the name of the error of the handle's release after a mapping that works;
-   * rejects naming the failed step, with stillMapped: true when even undoing the map failed.
+   * Import, map, set access (`flags` 1 read, 3 read-write, to `device` and, when hostNuma >= 0, to that
+   * host NUMA node) and release of the imported handle, in one call on the calling thread (a settled
+   * promise; native/src/cuda_driver.cc): resolves with undefined, or with the name of the error of the
+   * handle's release after a mapping that works; rejects naming the failed step, those before it undone,
+   * with stillMapped: true when even undoing the map failed. The caller keeps fd.
    */
   cudaImportMap(fd: number, address: bigint, size: bigint, device: number, flags: 1 | 3, hostNuma: number): Promise<string | undefined>;
   /** Whether an imported allocation is exactly `size` bytes (a trial map: the driver maps an allocation only whole). */

@@ -218,8 +218,8 @@ export interface DeviceAccess {
   /**
    * Map and set access on the calling thread, not a driver thread: for a
    * client's own mappings, where no other session waits on this event loop
-   * and the hop to a driver thread costs more than the calls (H100: +40-90 us
-   * each, doubling a client's import + map + access). The daemon leaves it off.
+   * and the hop to a driver thread costs more than the calls (it about
+   * doubles a client's import + map + access). The daemon leaves it off.
    */
   inline?: boolean;
 }

@@ -200,8 +200,8 @@ export class SeqpacketListener extends EventEmitter {
         const code = (error as { code?: string }).code;
         if (code === 'EMFILE' || code === 'ENFILE') {
           // NOTE: accept4 takes the new descriptor before it looks at the backlog, so EMFILE
-          // comes whether or not a connection waits (issue 14, finding 4: reading it as "one
-          // waits" looped here for good, the event loop never turned again, and sessions whose
+          // comes whether or not a connection waits (reading it as "one
+          // waits" would loop here for good, the event loop never turned again, and sessions whose
           // peers hung up were never reclaimed). The spare tells the two apart.
           const outcome = this.turnAway();
           if (outcome === 'none waiting') return; // the level-triggered poller calls again when one arrives

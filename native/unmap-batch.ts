@@ -2,9 +2,8 @@
  * A process's own CUDA unmaps, gathered per device into one driver-thread
  * job (addon.cudaUnmapMany): one context synchronization for the lot, and
  * one stretch of driver work where each unmap alone ran beside the next
- * allocation's import and map (the driver serializes its calls: the cold
- * probe of issue 18 had a client's own unmap overlap 396 of 400 back-to-back
- * allocations). What the process frees in one turn goes at that turn's end,
+ * allocation's import and map (the driver serializes its calls: back to back,
+ * nearly every allocation met the unmap of the one before). What the process frees in one turn goes at that turn's end,
  * when no job of the device runs (else at that job's end), or at once when
  * UNMAP_BATCH wait, or at flushUnmaps(): what a caller that needs the memory
  * gone now (out of memory, flush, reset) calls first. A process that has just

@@ -21,10 +21,10 @@ npm run build >/dev/null || { echo "gpu-bundle: the build failed (npm run build)
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/vmmd/build/Release" "$stage/vmmd/test"
-cp -r package.json package-lock.json README.md bin dist proto jest.gpu.config.js "$stage/vmmd/"
+cp -r package.json package-lock.json README.md docs bin dist proto jest.gpu.config.js "$stage/vmmd/"
 cp test/summary-reporter.js test/setup-symbols.js "$stage/vmmd/test/"
 mkdir -p "$stage/vmmd/bench"
-cp -r bench/echo.proto bench/reference bench/probe "$stage/vmmd/bench/"
+cp -r bench/echo.proto bench/reference bench/cold_timeline.py "$stage/vmmd/bench/"
 cp build/Release/vmmd_native.node "$stage/vmmd/build/Release/"
 # The Python client (pure Python and the descriptor set generated from proto/;
 # its C allocation library is built there) and its GPU tests and benchmarks.

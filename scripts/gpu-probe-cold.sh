@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Runs the cold-path diagnostic (bench/probe/cold-probe.ts) on the cuda backend
+# Runs the cold-path diagnostic (bench/cold-probe.ts) on the cuda backend
 # from the bundle that scripts/gpu-bundle.sh made, with the driver trace of the
-# daemon and the client, and lines them up (bench/probe/cold_timeline.py).
+# daemon and the client, and lines them up (bench/cold_timeline.py).
 # Usage: scripts/gpu-probe-cold.sh [BUNDLE_DIR [OUTPUT_DIR [probe options]]]
 #   Writes OUTPUT_DIR/cold-probe/{calls.json,daemon-trace.txt,client-trace.txt,timeline.json,timeline.txt}.
 #   PROBE_PROFILE=1: also V8 CPU profiles of the client and the daemon (OUTPUT_DIR/cold-probe/profiles).
@@ -18,9 +18,9 @@ cd "$work/vmmd"
 profile=()
 [ "${PROBE_PROFILE:-0}" = 1 ] && profile=(--cpu-prof --cpu-prof-dir="$out/profiles")
 [ "${PROBE_PROFILE:-0}" = 1 ] && set -- "$@" --profile "$out/profiles"
-VMMD_DRIVER_TRACE=1 node "${profile[@]}" dist/bench/probe/cold-probe.js --backend cuda --out "$out" "$@" 2> "$out/client-trace.txt"
+VMMD_DRIVER_TRACE=1 node "${profile[@]}" dist/bench/cold-probe.js --backend cuda --out "$out" "$@" 2> "$out/client-trace.txt"
 echo "probe exit: $?"
-python3 bench/probe/cold_timeline.py "$out" | tee "$out/timeline.txt"
+python3 bench/cold_timeline.py "$out" | tee "$out/timeline.txt"
 # The profiles go back as one file (the device returns a bounded number of files).
 [ -d "$out/profiles" ] && tar -C "$out" -czf "$out/profiles.tgz" profiles && rm -rf "$out/profiles"
 exit 0

@@ -49,11 +49,11 @@ export const POOLED_ROUNDS = 3;
 /**
  * Pins this process (every thread) to one CPU, by taskset, so that vmmd's
  * loop and CuPy's (pinned to the same CPU) run on the same core: a process
- * otherwise lands in a fast or a slow state of its own (on the H100 host
- * 0.44-0.49 or 0.87-1.0 µs for the same loop, bench/results/h100-1a2b5ec-pooled-reruns.log).
+ * otherwise lands in a fast or a slow state of its own (one twice the other
+ * for the same loop).
  * @returns the CPU and how to give the process back the CPUs it had (later
  *   sections, and the processes they start, which inherit it, must not run
- *   pinned: until 2026-11-26 they did), or undefined where taskset is missing or refused
+ *   pinned: they would all share one CPU), or undefined where taskset is missing or refused
  */
 function pinToOneCpu(): { cpu: number; unpin(): void } | undefined {
   const cpu = os.cpus().length - 1;
@@ -218,7 +218,7 @@ async function stepBreakdown(backend: string, size: bigint, count: number): Prom
   return Object.entries(steps).map(([name, samples]) => ({ path: `  step: ${name}`, size: sizeName(size), ...summarize(samples), p50_vs_in_process: null }));
 }
 
-/** Issue 18's cold targets (cuda): 2 MiB across processes ≤ the same steps in one process and ≤ 250 µs; 64 MiB ≤ 1.2× them. */
+/** The cold targets (cuda): 2 MiB across processes ≤ the same steps in one process and ≤ 250 µs; 64 MiB ≤ 1.2× them. */
 function coldRatioTargets(size: bigint, across: number, local: number): Target[] {
   const times = ratio(across, local);
   if (size === 2n * MiB) {
@@ -235,7 +235,7 @@ function coldRatioTargets(size: bigint, across: number, local: number): Target[]
 
 export async function cold(client: VmmdClient, iterations: number): Promise<Section> {
   const emm = await manager(client, true);
-  // The same loop with no allocation received ahead: each memalloc waits for its round trip (as before issue 18's holder).
+  // The same loop with no allocation received ahead: each memalloc waits for its round trip (as without allocations ahead).
   const waiting = await manager(client, true, true);
   const rows: Row[] = [];
   const targets: Target[] = [];

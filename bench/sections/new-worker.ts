@@ -1,5 +1,5 @@
 /**
- * A new worker ready to read a store (issue 18): processes that have loaded
+ * A new worker ready to read a store: processes that have loaded
  * the client library and made their CUDA context, released at once, each
  * timing connect() and the open of the store (Open on the session socket,
  * the descriptor imported, mapped and opened here). 8 at once, and one alone

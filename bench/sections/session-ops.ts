@@ -1,5 +1,5 @@
 /**
- * Issue 18's hot operations on the session socket: allocate (from the stock
+ * The hot operations on the session socket: allocate (from the stock
  * where the daemon has one), release, share, export and open, each one
  * SEQPACKET round trip, against the session socket's ping in the same run
  * (interleaved rounds, so that drift of the machine hits every row alike), and

@@ -1,5 +1,5 @@
 /**
- * 10. Filling a store from a file and dumping it (issue 18): `vmmctl store
+ * 10. Filling a store from a file and dumping it: `vmmctl store
  * load` of a file in the page cache (8 GiB on a GPU host) and `vmmctl store
  * dump` of it, against the same bytes copied in one process in the same run:
  * from page-locked memory (the copy engine's rate) and, where PyTorch is

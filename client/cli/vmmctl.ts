@@ -209,7 +209,7 @@ async function load(client: VmmdClient, name: string, file: string, options: { m
       const progress = new Progress(`load ${name}`, source.size);
       try {
         if (client.backend === 'cuda' && source.regular !== undefined) {
-          // Page-locked buffers, several chunks in flight: file reads overlap the copy engine (issue 18).
+          // Page-locked buffers, several chunks in flight: file reads overlap the copy engine instead of waiting for it.
           await copyFileToMemory(memory, source.regular.fd, source.size, shown, (done) => progress.update(done));
         } else {
           let done = 0;
@@ -257,7 +257,7 @@ async function dump(client: VmmdClient, store: StoreName, file: string): Promise
     };
     try {
       if (client.backend === 'cuda') {
-        // Page-locked buffers: device copies of later chunks run while earlier ones are written (issue 18).
+        // Page-locked buffers: device copies of later chunks run while earlier ones are written, not one after the other.
         await copyMemoryToWriter(opened.memory, size, write, (done) => progress.update(done));
       } else {
         for (let done = 0; done < size; ) {

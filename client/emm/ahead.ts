@@ -2,8 +2,8 @@
  * Allocations ahead: for each size this process has asked the daemon for more
  * than once, `depth` more allocations of it, received (their descriptors held,
  * not mapped) before they are asked for, so that the next memalloc of that size maps
- * it without waiting for a round trip (issue 18: in a cold cycle the allocate
- * round trip cost as much as the create and export the stock saves). It is an
+ * it without waiting for a round trip (in a cold cycle the allocate round
+ * trip costs about as much as the create and export the stock saves). It is an
  * ordinary allocate of the session's: the daemon accounts it to this user
  * and reclaims it with the session. Bounded in bytes; given back when unused
  * for `idleMs`, and by dropAll() (clearCaches, reset, out of memory).
@@ -20,7 +20,7 @@ export interface AheadSettings {
   /**
    * How many are held for each size. Two: back to back, the one a memalloc takes was asked for a memalloc
    * earlier, and its answer is here (with one, the answer asked for as the caller maps was often still on its
-   * way at the next memalloc: 484 µs round trips against 318 µs memallocs in the H100 cold probe).
+   * way at the next memalloc: a round trip takes longer than a cold memalloc's own work).
    */
   depth: number;
 }

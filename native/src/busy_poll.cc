@@ -2,9 +2,9 @@
 //
 // Why: on the virtual machines GPUs are rented on, a thread asleep in epoll
 // is woken by an inter-processor interrupt that the hypervisor delivers, and
-// the sender pays for it inside sendmsg(): a session round trip between two
-// idle processes cost 50-60 us, of which the daemon's work was under 20
-// (issue 18, bench/results/cold-probe). A thread that spins instead of
+// the sender pays for it inside sendmsg(): most of a session round trip
+// between two idle processes is those wake-ups, not the daemon's work
+// (BENCHMARKS.md). A thread that spins instead of
 // sleeping is found awake: no interrupt, no wake-up.
 //
 // How: a uv_prepare handle runs right before libuv computes its poll timeout

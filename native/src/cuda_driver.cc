@@ -248,7 +248,7 @@ cu::Result CopyStream(int device, cu::Stream* stream) {
   return cu::SUCCESS;
 }
 
-// Copies host bytes into device memory and returns only once they are there. NOTE (issue 15):
+// Copies host bytes into device memory and returns only once they are there. NOTE:
 // cuMemcpyHtoD from pageable memory returns as soon as the bytes are staged for DMA, before
 // the DMA lands (the driver API's "API synchronization behavior"); a caller that unmapped the
 // range then faulted the context under the copy engine (CUDA_ERROR_LAUNCH_FAILED at the next
@@ -296,7 +296,7 @@ class CudaWorker : public Napi::AsyncWorker {
 
   // As Queue, or with `inline` on the calling thread, returning a settled promise: for a
   // client's own mappings, where no other session waits on this event loop and a hop to a
-  // driver thread costs more than the call (40-90 us on an H100 against 3-40 us).
+  // driver thread costs more than the call itself.
   static Napi::Promise Run(Napi::Env env, bool inlineCall, int device, std::string call, std::function<cu::Result()> work,
                            std::function<Napi::Value(Napi::Env)> make, uint64_t address = 0) {
     if (!inlineCall) return Queue(env, device, std::move(call), std::move(work), std::move(make), address);
@@ -476,8 +476,8 @@ Napi::Value CudaFreeAddress(const Napi::CallbackInfo& info) {
 }
 
 // cudaCreate(device, locationType, locationId, size, handleTypes, inline = false) -> Promise<handle>,
-// on a driver thread with the device's primary context current (cuMemCreate takes 20-40 us at
-// p50 and past 50 us at p99 on an H100, more for large sizes); `inline` is the client's.
+// on a driver thread with the device's primary context current (cuMemCreate takes tens of
+// microseconds, more for large sizes: too long for the event loop); `inline` is the client's.
 Napi::Value CudaCreate(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   RequireDriver(env);
@@ -573,7 +573,7 @@ Napi::Value CudaUnmap(const Napi::CallbackInfo& info) {
 // cudaUnmapMany(device, addresses, sizes, synchronize = false) -> Promise<Array<string | null>>
 // Several unmaps as one job on the device's driver thread, after one synchronization of the
 // context when asked (a client's frees gathered: one cuCtxSynchronize for all, and one stretch
-// of driver work where each unmap alone would meet the next allocation; issue 18). Each range's
+// of driver work where each unmap alone would slow the next allocation). Each range's
 // outcome is in the answer, null for unmapped, else the error's name: one failure stops none of
 // the others. A failed synchronization rejects the whole, and nothing is unmapped.
 Napi::Value CudaUnmapMany(const Napi::CallbackInfo& info) {
@@ -700,13 +700,13 @@ Napi::Value CudaImportFd(const Napi::CallbackInfo& info) {
       [handle](Napi::Env env) { return Big(env, *handle).As<Napi::Value>(); });
 }
 
-// cudaImportMap(fd, address, size, device, flags, hostNuma) -> Promise<void>, settled, run on
+// cudaImportMap(fd, address, size, device, flags, hostNuma) -> Promise<string | undefined>, settled, run on
 // the calling thread: a client's whole import of a descriptor into a range it reserved. It
 // imports the descriptor, maps it at [address, address + size), grants `flags` (1 read,
 // 3 read-write) to `device` (and to host NUMA node hostNuma when it is >= 0), and releases
 // the imported handle: the mapping holds the memory. One call where four would each cost the
-// client a turn of promises and, for the release, a driver thread (issue 18: the JavaScript
-// between the steps was a third of a cold allocation). A failed step undoes the ones before
+// client a turn of promises and, for the release, a driver thread (the JavaScript between
+// the steps would be a large part of a cold allocation). A failed step undoes the ones before
 // it (unmap, release) and the error names the step; if the undoing unmap fails too, the error
 // has stillMapped: true (and unmapError): the range is still mapped and must not be reused.
 // A release of the imported handle that fails after the mapping worked keeps the mapping and
@@ -787,8 +787,7 @@ Napi::Value CudaImportMap(const Napi::CallbackInfo& info) {
 // cudaHandleHasSize(device, handle, size) -> Promise<boolean>, on a driver thread: whether
 // an imported allocation is exactly `size` bytes. The driver does not say how large an
 // imported allocation is, but cuMemMap maps one only whole (offset 0, its own size) and
-// answers CUDA_ERROR_NOT_SUPPORTED for any other size (driver 580, H100:
-// test/gpu/results/2026-11-23-h100-map-size-probe.txt), so a trial map of a fresh range
+// answers CUDA_ERROR_NOT_SUPPORTED for any other size (as driver 580 does), so a trial map of a fresh range
 // tells. The range is unmapped and freed again; no access is ever set on it.
 Napi::Value CudaHandleHasSize(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
@@ -952,7 +951,7 @@ Napi::Value CudaHostRegister(const Napi::CallbackInfo& info) {
 // cudaPinHost(device, address, size) -> Promise<void>: cuMemHostRegister (portable: every
 // context sees it page-locked) on a driver thread, where page-locking tens of MiB takes
 // milliseconds that the daemon's event loop cannot spare. Copies between device memory and
-// the range are then DMAs of the copy engine (the daemon's staging buffers, issue 18).
+// the range are then DMAs of the copy engine (the daemon's staging buffers).
 Napi::Value CudaPinHost(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   RequireDriver(env);

@@ -69,7 +69,7 @@ def build() -> types.ModuleType:
     # As the real driver does from pageable memory, cuMemcpyHtoD returns once the bytes are
     # staged; they land at the next synchronization (or device-to-host copy). An unmap of a
     # range with bytes still in flight poisons the context: every later call fails with
-    # CUDA_ERROR_LAUNCH_FAILED (issue 15).
+    # CUDA_ERROR_LAUNCH_FAILED, as the real driver's does.
     in_flight: List[Any] = []
     poisoned: List[bool] = []
     m.in_flight, m.poisoned = in_flight, poisoned  # type: ignore[attr-defined]

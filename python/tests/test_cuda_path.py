@@ -109,7 +109,7 @@ def test_weights_load_into_device_memory_and_open_elsewhere(daemon: Daemon, cuda
 
 
 def test_a_write_has_landed_before_close_unmaps(cuda_client: vmmd.VmmdClient, driver: types.ModuleType) -> None:
-    """Issue 15: cuMemcpyHtoD from pageable memory returns once the bytes are staged; the
+    """cuMemcpyHtoD from pageable memory returns once the bytes are staged; the
     stand-in driver lands them only at a synchronization and poisons the context when a range
     is unmapped under them, as the real one does. Write then close, with no read between."""
     for round_ in range(3):

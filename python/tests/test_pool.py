@@ -91,7 +91,7 @@ def test_zero_and_bad_sizes_are_refused(client: vmmd.VmmdClient) -> None:
 
 
 def test_trim_and_close_send_every_release_before_waiting_for_any_answer(daemon: Daemon, client: vmmd.VmmdClient) -> None:
-    # One round trip for the lot, not one per chunk (issue 18: frees that need not wait one after another).
+    # One round trip for the lot, not one per chunk (frees need not wait one after another).
     pool = DevicePool(client, chunk_size=4 * MiB, large_threshold=64 * MiB)
     blocks = [pool.allocate(3 * MiB) for _ in range(4)]
     for block in blocks:

@@ -1,5 +1,6 @@
-"""The README's Python examples: the client one runs here (host backend);
-the CuPy and weights ones need a GPU and run in test/gpu/python; all compile."""
+"""The Python examples of the README (the client one, run here on the host
+backend) and of docs/PYTHON.md (CuPy and shared weights: they need a GPU and
+run in test/gpu/python); all compile."""
 from __future__ import annotations
 
 import os
@@ -11,17 +12,20 @@ from conftest import ROOT, Daemon
 
 
 def python_examples() -> list:
+    """The README's Python quick start, then docs/PYTHON.md's examples, in order."""
     text = open(os.path.join(ROOT, "README.md")).read()
-    section = text[text.index("### Python") : text.index("## Layout")]
-    return re.findall(r"```python\n(.*?)```", section, re.S)
+    start = text.index("## Quick start: Python")
+    section = text[start : text.index("\n## ", start)]
+    page = open(os.path.join(ROOT, "docs", "PYTHON.md")).read()
+    return re.findall(r"```python\n(.*?)```", section, re.S) + re.findall(r"```python\n(.*?)```", page, re.S)
 
 
 def test_the_examples_compile_and_the_install_command_is_what_ci_runs() -> None:
     examples = python_examples()
     assert len(examples) == 3
     for code in examples:
-        compile(code, "README.md", "exec")
-    section = open(os.path.join(ROOT, "README.md")).read().split("### Python")[1]
+        compile(code, "README.md or docs/PYTHON.md", "exec")
+    section = open(os.path.join(ROOT, "README.md")).read().split("## Quick start: Python")[1]
     assert "pip install ./python" in section and "./python[test]" in open(os.path.join(ROOT, ".ci", "run")).read()
 
 

@@ -1,8 +1,8 @@
 """The session's reading (vmmd/_reading.py, vmmd/session.py) at its edges:
 a request nested in a callback and an interrupt after its leave, an
 allocate answered and then interrupted as it leaves the socket, timeouts of
--inf and inf, and the main thread's last look at its deadline. (A third
-outside review's cases, each failing when written.)"""
+-inf and inf, and the main thread's last look at its deadline. (Each case
+failed when written.)"""
 from __future__ import annotations
 
 import json

@@ -2,8 +2,7 @@
 or the program misbehaves around it: an interrupt as a caller leaves the
 socket or waits for an allocate, a malformed answer, an on_close callback
 that raises, a batch of releases larger than the daemon can queue, a request
-made from an on_daemon_error callback. (A second outside review's cases,
-each failing when written.)"""
+made from an on_daemon_error callback. (Each case failed when written.)"""
 from __future__ import annotations
 
 import os

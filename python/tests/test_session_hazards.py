@@ -5,7 +5,7 @@ close() from a daemon-error callback, and the reader thread's end. Each runs
 on a fake daemon (a SEQPACKET socketpair answered by hand). Where an
 exception raised asynchronously is needed at an exact point, the test raises
 it where CPython would run the handler: right after a C call returns.
-(First written as an outside review of the change, every case failing then.)"""
+(Every case failed when written.)"""
 from __future__ import annotations
 
 import os

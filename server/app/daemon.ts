@@ -142,7 +142,7 @@ export class Daemon {
     clearStaleSockets(paths);
 
     const stores = new StoreRegistry(registry, log, quotas);
-    // On cuda the staging buffers are page-locked: staged Read and Write are DMAs of the copy engine (issue 18).
+    // On cuda the staging buffers are page-locked: staged Read and Write are DMAs of the copy engine, not CPU copies.
     const staging = new StagingBuffers(backend.capabilities.gpuMemory ? CUDA_STAGING_PINNING : undefined, (message) => log.warn(message));
     // A start that fails once the sockets exist (a metrics port in use, say) closes what it opened and removes them.
     let started: Daemon | undefined;
@@ -222,7 +222,7 @@ export class Daemon {
       // From now on the loop spins a little before it sleeps: a client's next message finds it awake.
       busyPollAlways(config.busyPollMicros);
       // And a turn past 2 ms, which holds up every session's next message, is said (at most a line per 10 s);
-      // not before: the start's own turns (the first driver calls make the CUDA context: 74-123 ms on the H100) keep no one waiting.
+      // not before: the start's own turns (the first driver calls make the CUDA context, tens of milliseconds) keep no one waiting.
       const longTurns = new LogLimiter();
       turns.onLong = (turn) => {
         const allowed = longTurns.allow('long turn');

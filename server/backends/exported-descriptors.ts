@@ -1,9 +1,9 @@
 /**
  * Descriptors of the daemon's own memory already exported once, kept so that
  * the next export of the same memory (Export, a store's Open) is a dup() on
- * the event loop instead of a driver call on a driver thread (issue 18:
- * cuMemExportToShareableHandle with its hop was 47 us on an H100, against a
- * session-socket round trip of 34). Bounded: at most `limit` descriptors, the
+ * the event loop instead of a driver call on a driver thread
+ * (cuMemExportToShareableHandle with its hop to the thread costs more than a
+ * whole session-socket round trip). Bounded: at most `limit` descriptors, the
  * least recently used closed first. The backend takes a handle's descriptor
  * out before it releases the handle, so a handle value the driver hands out
  * again never meets a descriptor of the memory it named before.

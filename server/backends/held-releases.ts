@@ -5,9 +5,9 @@
  * refill burst starts, or once RELEASE_HOLD_MAX wait (or more bytes of a
  * device than its bound, at least RELEASE_HOLD_MIN_BYTES). A free is driver
  * work that serializes with the driver work of every client (the driver's
- * own lock): one beside a client's import and map slows it (issue 18: a
- * client allocating and freeing back to back met the one process's speed
- * only with the daemon's frees held until it stopped). Let go, they start
+ * own lock): one beside a client's import and map slows it (a client
+ * allocating and freeing back to back meets one process's speed only with
+ * the daemon's frees held until it stops). Let go, they start
  * RELEASE_START_BATCH a turn, none waiting for another to end (started two
  * at a time instead, under the cuda load test's 32 clients they fell behind
  * and the daemon's heap grew to its cap). Whoever waits for a free calls

@@ -11,10 +11,9 @@
  *   BURST_HEADROOM (at most BURST_MAX_DEPTH; forgotten once the device is
  *   idle for BURST_IDLE_MS), so that a burst like it is served from the shelf without
  *   a refill: the daemon's creates and frees then wait for the quiet after it,
- *   away from the clients' imports and maps, which they slow (issue 18: a
- *   client allocating back to back, cold, met the one process's speed only
- *   with no driver work of the daemon's beside its loop; bench/results/
- *   h200-6085443-cold-variants.log).
+ *   away from the clients' imports and maps, which they slow (a client
+ *   allocating back to back, cold, meets one process's speed only with no
+ *   driver work of the daemon's beside its loop).
  *
  * Beyond the configured depths, everything the demand adds on a device holds
  * at most its total bytes / DEMAND_SHARE, the most asked sizes first.

@@ -160,7 +160,7 @@ export class StockedBackend extends PassThroughBackend {
     const stockable = location.type === 'DEVICE' && handleTypes.length === 1 && handleTypes[0] === 'POSIX_FD';
     // A size just asked often enough for a shelf of its own gets one now, filled at once: until it exists every
     // request of that size is created on its path (a steady stream of a new size never left the daemon quiet
-    // long enough for it: the cold probe on the H100 had 89 of 200 64 MiB allocations missing the stock).
+    // long enough for it, and nearly half of such a stream missed the stock).
     if (stockable) this.lastRequestAt = performance.now();
     if (stockable && this.demand.note(device, size) === DEMAND_MIN_COUNT && !this.shelves.has(shelfKey(device, size))) {
       const added = this.addDemandShelf(device, size);
@@ -345,7 +345,8 @@ export class StockedBackend extends PassThroughBackend {
    * the request's path: only when it fits beside the demand's shelves (their
    * number, their share of the device) as they are. The other shelves are
    * left alone: fitting them all to the demand is the quiet moment's work
-   * (followDemand), never a request's (the outside review).
+   * (followDemand), never a request's: a request would pay for reshaping
+   * shelves it does not use.
    */
   private addDemandShelf(device: number, size: bigint): Shelf | undefined {
     const info = this.inner.devices().find((candidate) => candidate.index === device);

@@ -2,8 +2,8 @@
  * The daemon's garbage-collection pauses as V8 reports them ('gc' performance
  * entries), kept for a while: so that the longest turn (server/observability/turns.ts) can
  * be split into the daemon's own code and a collector's pause that ran inside
- * it (issue 18: the longest turns with 16 clients were 2-3 ms of CPU time, and
- * scavenges of 2.4-4.6 ms ran in the same runs).
+ * it (under many clients the longest turns and the scavenges are of the
+ * same order, and only this split tells which one a long turn was).
  */
 import { PerformanceEntry, PerformanceObserver } from 'node:perf_hooks';
 

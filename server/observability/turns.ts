@@ -1,6 +1,6 @@
 /**
  * The daemon's own turns: how long its event loop runs without a break for
- * one piece of its work (issue 18). monitorEventLoopDelay measures how late a
+ * one piece of its work (what every client waiting on it pays). monitorEventLoopDelay measures how late a
  * timer fires, which also counts the host's scheduling (the OS running other
  * processes, a GC); this measures the daemon's synchronous stretches themselves.
  *
@@ -46,7 +46,7 @@ export interface LongTurn {
   entries: number;
 }
 
-/** A turn longer than this (by CPU time where measured, else by wall clock) is told to onLong: issue 18's limit. */
+/** A turn longer than this (by CPU time where measured, else by wall clock) is told to onLong: the daemon's target for its longest turn (BENCHMARKS.md). */
 export const LONG_TURN_MS = 2;
 
 const now = () => process.hrtime.bigint();

@@ -247,7 +247,7 @@ export class Allocations {
    * Resolves once every free in flight now has settled, done or failed.
    * Frees started meanwhile are not waited for: under steady load one is
    * always in flight, and a reclaim or a retried create waiting for all of
-   * them would never go on (the outside review found it).
+   * them would never go on.
    */
   async settleFrees(): Promise<void> {
     this.backend.hurry?.();

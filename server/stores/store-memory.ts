@@ -244,7 +244,7 @@ export class ChargedMemory implements StoreMemory {
   }
 
   exportFd(readOnly?: boolean): Promise<number> {
-    // NOTE: this dropped `readOnly` before (issue 18, noticed): a non-writer's open of a writable SYSMEM attachment got a writable descriptor.
+    // `readOnly` passed on: without it a non-writer's open of a writable SYSMEM attachment would get a writable descriptor.
     return this.inner.exportFd(readOnly);
   }
 

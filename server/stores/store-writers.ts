@@ -1,5 +1,5 @@
 /**
- * Who may write a store (issue 14's trust rules): a writable store is written
+ * Who may write a store (the trust rules of stores): a writable store is written
  * (Write, Fill, Copy into it, a writable open) only by the uid that made it
  * and by admins; other uids read it and open it read-only, with a descriptor
  * that cannot write where the backend can narrow one. One copy of the rule,

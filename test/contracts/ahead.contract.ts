@@ -1,5 +1,5 @@
 /**
- * Allocations ahead (client/emm/ahead.ts, issue 18) against a real daemon
+ * Allocations ahead (client/emm/ahead.ts) against a real daemon
  * with a session quota: what the manager holds ahead is an ordinary
  * allocation of its session's, charged to it, taken by the next memalloc of
  * its size, given back when idle or asked to, never a cause of an

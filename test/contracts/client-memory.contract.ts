@@ -1,5 +1,5 @@
 /**
- * Client memory the daemon maps, attacked as issue 14 found it, on either
+ * Client memory the daemon maps, attacked as a hostile client would, on either
  * backend: memfds shrunk under the daemon after it mapped them (SIGBUS for
  * the whole daemon in 0.1.0), and descriptors whose access mode or seals
  * forbid the mapping asked for (INTERNAL in 0.1.0). Each attempt must end in

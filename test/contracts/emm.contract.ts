@@ -150,7 +150,7 @@ export function emmContract(backend: 'host' | 'cuda'): void {
       expect(mm.stats().large.allocations).toBe(0);
     });
 
-    it('maps cold allocations into reserved address space: no reservation per allocation, freed ranges reused (issue 18)', async () => {
+    it('maps cold allocations into reserved address space: no reservation per allocation, freed ranges reused', async () => {
       const mm = await manager({ pool: { chunkSize: 2n * MiB, largeThreshold: 0n }, deferred: { count: 0, ratio: 1 } });
       const arena = () => addressArenaStats()[backend === 'cuda' ? 'cuda:0' : 'host'];
       const held = await mm.memalloc(4n * MiB);

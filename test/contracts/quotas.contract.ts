@@ -1,6 +1,6 @@
 /**
- * Quotas and capacity by physical memory, attacked as issue 14 (finding 2)
- * found them, on either backend: Create (charged) → Export → Import of one's
+ * Quotas and capacity by physical memory, attacked through one's own
+ * descriptors, on either backend: Create (charged) → Export → Import of one's
  * own descriptor → Release of the original kept memory alive uncharged (one
  * session held 160 MiB against an 8 MiB quota, and GetMemoryInfo still said
  * 64 MiB free), and a 32 TiB sparse memfd was accepted by Import and Attach.

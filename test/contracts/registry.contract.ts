@@ -452,7 +452,7 @@ describe('Release', () => {
     expect(backend.calls.filter((call) => call === 'releaseReference')).toHaveLength(1);
     expect({ retains: backend.liveRetains.size, handles: backend.liveHandles }).toEqual({ retains: 0, handles: 0 });
   });
-  it('three Releases at once with two retained references drop one each, in order (outside review)', async () => {
+  it('three Releases at once with two retained references drop one each, in order', async () => {
     const allocation = await retainedUnmapped(2);
     const results = await Promise.allSettled([0, 1, 2].map(() => registry.release(A, allocation.id)));
     expect(results.map((outcome) => (outcome.status === 'fulfilled' ? outcome.value : String(outcome.reason)))).toEqual([
@@ -462,7 +462,7 @@ describe('Release', () => {
     ]);
     expect({ retains: backend.liveRetains.size, handles: backend.liveHandles }).toEqual({ retains: 0, handles: 0 });
   });
-  it('a reclaim behind two Releases waiting on the driver drops what is left and frees it (outside review)', async () => {
+  it('a reclaim behind two Releases waiting on the driver drops what is left and frees it', async () => {
     const allocation = await retainedUnmapped(2);
     let open!: () => void;
     backend.releaseReferenceGate = new Promise<void>((resolve) => (open = resolve));
@@ -476,7 +476,7 @@ describe('Release', () => {
     expect(() => registry.allocation(allocation.id)).toThrow(/does not exist/);
     expect({ retains: backend.liveRetains.size, handles: backend.liveHandles }).toEqual({ retains: 0, handles: 0 });
   });
-  it("a create waits for a reclaim's free to start, not for it to finish (outside review)", async () => {
+  it("a create waits for a reclaim's free to start, not for it to finish", async () => {
     const { address, size, reservation } = await mapped();
     registry.retainHandle(A, address);
     await registry.unmap(A, address, size);
@@ -693,7 +693,7 @@ describe('serialization per reservation', () => {
   });
 });
 
-describe('copies and unmaps of one range (issue 15)', () => {
+describe('copies and unmaps of one range: no unmap under a copy in flight', () => {
   it('makes an unmap, a free of the address and a release wait for a write in flight, and the bytes land', async () => {
     const { address, size, allocation, reservation } = await mapped();
     await registry.setAccess(A, address, size, RW);

@@ -1,5 +1,6 @@
 /**
- * A Release that answers before the free (issue 18: the session socket's
+ * A Release that answers before the free (so that a client's free costs no
+ * driver time: the session socket's
  * release answers once the references are dropped and the free has
  * started), as a contract on the fake, host and cuda backends: the memory
  * is gone for callers at once but stays charged until the backend has freed

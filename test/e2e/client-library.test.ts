@@ -1,9 +1,9 @@
 /**
- * The client library as issue 17 (item 7) found it: memory opened from
+ * The client library's handling of other processes' memory: memory opened from
  * another process's IPC handle is read and written through the manager that
  * opened it, like its own (no reaching into `pointer.owner`); once freed, the
  * manager says so; and client.backend is the type the manager takes. A cold
- * free (issue 18) returns before the daemon answers its release: flush()
+ * free returns before the daemon answers its release: flush()
  * waits for the release, and a refused release is a warning, not a free that
  * fails.
  */

@@ -1,5 +1,5 @@
 /**
- * connect() for a new worker (issue 18): the daemon names its backend in the
+ * connect() for a new worker, kept cheap for short-lived processes: the daemon names its backend in the
  * session's hello, so connect() needs no RPC, and the gRPC channel is made
  * only when a call needs it (the session socket serves allocate, release,
  * share, export and open). A daemon whose hello does not name its backend
@@ -70,7 +70,7 @@ describe('connect() of a new worker', () => {
     expect(grpcMade(client)).toBe(false);
   });
 
-  it('a closed client whose channel was made refuses calls the same way, streams too (outside review)', async () => {
+  it('a closed client whose channel was made refuses calls the same way, streams too', async () => {
     const client = await connect({ socketDir: daemon.dir });
     await client.admin.getStats();
     client.close();

@@ -1,5 +1,5 @@
 /**
- * The fast paths of issue 7, over the real sockets: Allocate (create and
+ * The fast paths, over the real sockets: Allocate (create and
  * export in one call), the stock of allocations created and exported ahead,
  * and the staging buffer of bulk Read/Write. Each keeps the rules of the slow
  * path it shortens: refusals change nothing, and everything is reclaimed.

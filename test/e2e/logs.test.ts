@@ -1,5 +1,5 @@
 /**
- * What the daemon's log tells an operator (issue 17, item 6): a clean close
+ * What the daemon's log tells an operator: a clean close
  * and a crash read differently and say what was reclaimed; store create and
  * detach at info; sessions listed with command name and cgroup; an existing
  * socket directory is made owner-only.

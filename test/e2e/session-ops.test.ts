@@ -1,5 +1,5 @@
 /**
- * The hot operations on the session socket (issue 18): release, share,
+ * The hot operations on the session socket: release, share,
  * export and open, each one round trip, over a real daemon. Each keeps the
  * rules of its RPC: the same refusals with the same status and code, quotas
  * charged and refunded, other sessions' objects refused, nothing changed by
@@ -99,7 +99,7 @@ describe('release on the session socket', () => {
 });
 
 describe("the client's own driver work while an answer is on its way", () => {
-  it('sends the allocate even when the unmaps cannot go: their failure is theirs, the allocate is answered (outside review)', async () => {
+  it('sends the allocate even when the unmaps cannot go: their failure is theirs, the allocate is answered', async () => {
     const c = await client();
     const spy = jest.spyOn(addon, 'cudaUnmapMany').mockImplementationOnce(() => {
       throw new Error('no CUDA driver in this process');
@@ -289,7 +289,7 @@ describe('malformed requests on the session socket', () => {
 });
 
 describe('the daemon counts socket requests and its own turns', () => {
-  // By CPU time too unless --turn-cpu off: its clock read costs 1-3 µs a turn on a small VM (issue 18).
+  // By CPU time too unless --turn-cpu off: its clock read costs something every turn, which a slow VM may not want to pay.
   it.each([
     ['CPU time too, by default', []],
     ['wall clock only, with --turn-cpu off', ['--turn-cpu', 'off']],

@@ -1,7 +1,7 @@
 /**
  * vmmctl as an operator runs it: a real daemon, the real bin/vmmctl.js, its
- * exit status, standard output and standard error. One test per point of
- * issue 17's item 4.
+ * exit status, standard output and standard error: what it prints, where,
+ * and with which exit status.
  */
 import { spawn } from 'node:child_process';
 import { randomBytes } from 'node:crypto';

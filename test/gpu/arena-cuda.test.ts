@@ -1,5 +1,5 @@
 /**
- * The client's address arena on the cuda backend (issue 18): allocations
+ * The client's address arena on the cuda backend: allocations
  * mapped side by side in one cuMemAddressReserve'd range, memory freed while
  * a copy into its neighbour is in flight (the neighbour's bytes land whole,
  * the context stays healthy), a freed range handed out again only once its
@@ -17,7 +17,7 @@ import { describeGpu } from './gpu';
 const SIZE = 64n * MiB;
 const ROUNDS = 20;
 
-describeGpu('the address arena on the cuda backend (issue 18)', () => {
+describeGpu('the address arena on the cuda backend', () => {
   let daemon: TestDaemon;
   let client: VmmdClient;
 

@@ -1,5 +1,5 @@
 /**
- * Issue 15's audit on the cuda backend: every path of the client library that
+ * Copies in flight against unmaps on the cuda backend: every path of the client library that
  * copies into memory it later unmaps, each closed or freed while its write is
  * still in flight (not awaited), over and over: LocalDeviceMemory (what
  * createFbmem takes), a store opened writable, and the NBEP 7 manager's pooled
@@ -14,7 +14,7 @@ import { describeGpu } from './gpu';
 
 const ROUNDS = 10;
 
-describeGpu('copies and unmaps on the cuda backend (issue 15 audit)', () => {
+describeGpu('copies and unmaps on the cuda backend: every path waits for copies in flight', () => {
   let daemon: TestDaemon;
   let client: VmmdClient;
 

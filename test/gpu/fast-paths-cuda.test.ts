@@ -1,5 +1,5 @@
 /**
- * Issue 7's fast paths on a GPU: Allocate served from the default stock
+ * The fast paths on a GPU: Allocate served from the default stock
  * (created and exported ahead), memory usable by this process's CUDA
  * context, and bulk Read/Write through the staging buffer with device copies.
  */

@@ -1,5 +1,5 @@
 /**
- * Issue 18's hot operations on the session socket (release, share, export,
+ * The hot operations on the session socket (release, share, export,
  * open) on the cuda backend: the descriptors they attach are CUDA shareable
  * handles this process imports and maps, the memory is the same device memory,
  * and the rules, quota and reclaim are those of the RPCs.
@@ -55,7 +55,7 @@ describeGpu('session socket operations on the cuda backend', () => {
     await memory.write(0, Buffer.from('kept export'));
     // The stock refills what the allocation took once the daemon is quiet (QUIET_MS, 1 ms): settled before counting.
     await new Promise((resolve) => setTimeout(resolve, 100));
-    // The allocate's own export asked the driver and kept a descriptor (the H100 run at a2b3ce0 counted it):
+    // The allocate's own export asked the driver and kept a descriptor (counted in what the daemon holds):
     // the exports after it are copies of that one, and add none.
     const before = daemon.openFds();
     const exports = [];

@@ -1,6 +1,6 @@
 /**
  * Store load and dump and staged Read/Write through page-locked memory on the
- * cuda backend (issue 18): vmmctl's pinned pipeline (client/pinned-copy.ts)
+ * cuda backend: vmmctl's pinned pipeline (client/pinned-copy.ts)
  * and the daemon's page-locked staging buffers (server/stores/staging.ts) move every
  * byte to its place, whatever the size's remainder, and the bytes read back
  * are the ones written.
@@ -14,7 +14,7 @@ import { connect, VmmdClient } from '../../client';
 import { MiB, packageRoot, TestDaemon } from '../e2e/harness';
 import { describeGpu } from './gpu';
 
-describeGpu('pinned copies on the cuda backend (issue 18)', () => {
+describeGpu('pinned copies on the cuda backend', () => {
   let daemon: TestDaemon;
   let client: VmmdClient;
   let dir: string;

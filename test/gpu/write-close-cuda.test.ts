@@ -1,5 +1,5 @@
 /**
- * Issue 15's regression on the cuda backend: allocate → write 4 KiB → close →
+ * Write then close on the cuda backend (no unmap under a copy in flight): allocate → write 4 KiB → close →
  * release in a loop, no read between the write and the close, in 4 and in 32
  * processes at once. Before the fix a write resolved once the driver had
  * staged the bytes, close() unmapped under the copy engine's DMA, and the

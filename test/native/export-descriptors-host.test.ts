@@ -1,5 +1,5 @@
 /**
- * Exports handed out as dups of a kept descriptor, on real memfds (issue 18):
+ * Exports handed out as dups of a kept descriptor, on real memfds:
  * the stock keeps the descriptor a stocked allocation's first export handed
  * out, so its later exports are dups of the same memory; the kept one goes
  * with the memory, so a handle number the host backend reuses at once (a

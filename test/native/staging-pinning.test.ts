@@ -1,6 +1,6 @@
 /**
  * The daemon's staging buffers page-locked where the backend copies by DMA
- * (issue 18), against a recorded pinning: pinned when opened (up to the
+ * (so a staged copy is a DMA), against a recorded pinning: pinned when opened (up to the
  * limit), unpinned only once no copy uses the buffer and before it is
  * unmapped, a refused pin leaves a working buffer, and without pinning
  * (the host backend) nothing changes.

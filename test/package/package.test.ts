@@ -3,9 +3,10 @@
  * a fresh project, offline (the registry is never asked: the dependencies come
  * from npm's cache, which `npm ci` filled for this repository, at the versions
  * of this repository's lockfile), with a PATH that holds no compiler. From
- * there: every README example as written, `npx vmmd --help`,
+ * there: every example of the README and docs/CLIENT.md as written, `npx vmmd --help`,
  * `npx vmmctl --version`, and a TypeScript consumer type-checked against the
- * shipped declarations.
+ * shipped declarations. And the checkout that was packed is left as it was:
+ * its built addon still loads and its daemon still starts.
  */
 import { ChildProcess, execFileSync, spawn, spawnSync, SpawnSyncReturns } from 'node:child_process';
 import * as crypto from 'node:crypto';
@@ -18,6 +19,7 @@ const TSC = path.join(REPO, 'node_modules', 'typescript', 'bin', 'tsc');
 const pkg = JSON.parse(fs.readFileSync(path.join(REPO, 'package.json'), 'utf8'));
 
 let work: string; // temporary: the tarball, the consumer project, the daemon's sockets
+let source: string; // the checkout that was packed (a copy of this one)
 let consumer: string;
 let tarball: string;
 let noCompilerPath: string; // a PATH with node, npm and a shell, and no compiler
@@ -80,7 +82,7 @@ beforeAll(() => {
   fs.mkdirSync(packed);
   // Packed from a copy of the source tree (what git holds, as a clone has it), so that
   // the rebuilds of pack do not touch the dist/ and build/ that other tests run from.
-  const source = path.join(work, 'source');
+  source = path.join(work, 'source');
   const tracked = execFileSync('git', ['ls-files', '-z', '--cached', '--others', '--exclude-standard'], { cwd: REPO, encoding: 'utf8' }).split('\0').filter(Boolean);
   for (const file of tracked) {
     if (!fs.existsSync(path.join(REPO, file))) continue; // deleted, not yet committed
@@ -154,6 +156,33 @@ describe('the tarball', () => {
   });
 });
 
+describe('the checkout that was packed', () => {
+  test('still loads its own built addon and starts its daemon (npm start after npm pack)', async () => {
+    // prebuildify moves build/Release's addon into prebuilds/, which postpack removes.
+    expect(fs.existsSync(path.join(source, 'prebuilds'))).toBe(false);
+    const loaded = ok(
+      run('node', ['-e', "require('./dist/native'); process.stdout.write(Object.keys(require.cache).filter((f) => f.endsWith('.node')).join('\\n'))"], { cwd: source }),
+      'loading the checkout\'s addon',
+    );
+    expect(loaded).toBe(path.join(fs.realpathSync(source), 'build', 'Release', 'vmmd_native.node'));
+    const sockets = path.join(work, 'packed-checkout-sockets');
+    const daemon = spawn('node', ['bin/vmmd.js', '--backend', 'host', '--socket-dir', sockets, '--log-level', 'warn'], { cwd: source, stdio: ['ignore', 'ignore', 'pipe'] });
+    let stderr = '';
+    daemon.stderr!.on('data', (chunk) => (stderr += chunk));
+    const exited = new Promise((resolve) => daemon.once('exit', resolve));
+    try {
+      const deadline = Date.now() + 30_000;
+      while (!fs.existsSync(path.join(sockets, 'vmmd.session.sock'))) {
+        if (Date.now() > deadline || daemon.exitCode !== null) throw new Error(`the packed checkout's daemon did not start:\n${stderr}`);
+        await new Promise((resolve) => setTimeout(resolve, 100));
+      }
+    } finally {
+      if (daemon.exitCode === null) daemon.kill('SIGTERM');
+      await exited;
+    }
+  }, 60_000);
+});
+
 describe('installed offline with no compiler', () => {
   test('the PATH used has no compiler, and the addon loads from the shipped prebuild', () => {
     const probe = run('sh', ['-c', 'command -v g++ || command -v c++ || command -v cc || command -v make || echo none'], { cwd: consumer, env: { PATH: noCompilerPath } });
@@ -216,14 +245,14 @@ export async function use(): Promise<number> {
   });
 });
 
-/** The README's fenced blocks: [info string, body]. */
+/** The fenced blocks of a markdown text: [info string, body]. */
 function fencedBlocks(markdown: string): Array<{ lang: string; body: string }> {
   return [...markdown.matchAll(/^```(\w*)\n([\s\S]*?)^```$/gm)].map(([, lang, body]) => ({ lang, body }));
 }
 
 /**
  * Blocks not run here, each with the reason. Any other block is run: a new
- * README example that is neither run nor listed here fails the last test.
+ * example that is neither run nor listed here fails the last test.
  */
 const NOT_RUN: Array<[RegExp, string]> = [
   [/^npm ci && npm start/, 'commands of the repository (CI runs `npm ci` and `npm test` itself)'],
@@ -237,7 +266,7 @@ const NOT_RUN: Array<[RegExp, string]> = [
 /** Languages whose blocks belong to other packages, with the reason. */
 const OTHER_PACKAGES: Record<string, string> = { python: 'the Python package (python/); its own tests run its README examples' };
 
-describe('the README examples, as written, against the installed package', () => {
+describe('the examples of the README and docs/CLIENT.md, as written, against the installed package', () => {
   let daemon: ChildProcess | undefined;
   let socketDir: string;
   let env: NodeJS.ProcessEnv;
@@ -246,7 +275,8 @@ describe('the README examples, as written, against the installed package', () =>
   beforeAll(async () => {
     socketDir = path.join(work, 'sockets');
     env = { ...process.env, PATH: `${path.join(consumer, 'node_modules', '.bin')}:${noCompilerPath}`, VMMD_SOCKET_DIR: socketDir };
-    readme = fs.readFileSync(path.join(installedRoot(), 'README.md'), 'utf8');
+    // The README as shipped, and the client's reference page (not shipped: read from the repository).
+    readme = `${fs.readFileSync(path.join(installedRoot(), 'README.md'), 'utf8')}\n${fs.readFileSync(path.join(REPO, 'docs', 'CLIENT.md'), 'utf8')}`;
     // The daemon as README users start it: npx vmmd, from the installed package.
     // Its own process group: npx runs vmmd as a child, and the group is stopped whole.
     daemon = spawn('npx', ['--offline', 'vmmd', '--backend', 'host', '--log-level', 'warn'], { cwd: consumer, env, stdio: ['ignore', 'ignore', 'inherit'], detached: true });

@@ -56,7 +56,7 @@ export async function crashScenario(backend: 'host' | 'cuda', CLIENTS: number): 
     };
     await eventually(stockFull, 20_000, 'the stock to be full');
     // The stock holds one exported descriptor per allocation on its shelves, and its
-    // shelves follow what clients ask (issue 18): descriptors are compared net of them.
+    // shelves follow what clients ask: descriptors are compared net of them.
     const stockHeld = async () => {
       const report = (await witness.admin.getReport()) as { stock: { levels: Array<{ held: number }> } | null };
       return (report.stock?.levels ?? []).reduce((sum, level) => sum + level.held, 0);

@@ -1,5 +1,5 @@
 /**
- * Descriptor pressure (issue 14, finding 4), attacked as found: raw sessions
+ * Descriptor pressure, attacked the way a hostile uid would: raw sessions
  * each sending unclaimed copies of one memfd until the daemon holds all it
  * will. With per-uid bounds the attacker's uid reaches its bound, not the
  * daemon's: another uid's new session is served within 1 s. And when the

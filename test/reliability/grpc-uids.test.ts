@@ -1,5 +1,5 @@
 /**
- * The uid model of gRPC (issue 14, finding 3), attacked as found: a uid the
+ * The uid model of gRPC, attacked: a uid the
  * allow list refuses, and an allowed uid that is not an admin, call without
  * a session what acts daemon-wide or on root's objects (ClearCaches, the
  * listings, GetReport, Detach of root's stores, Fill of root's writable
@@ -61,7 +61,7 @@ async function rootHoldings(daemon: TestDaemon, root: VmmdClient) {
   return { stores: [rw, ro, handed] };
 }
 
-/** The attack of finding 3, as one list of calls. */
+/** The attack on the uid model, as one list of calls. */
 function attackCalls(stores: Array<{ id: string }>, creates: number): RawCall[] {
   return [
     { service: 'Admin', method: 'ClearCaches', request: {} },
@@ -305,7 +305,7 @@ describe('the uid model of gRPC (host)', () => {
         const raw = await attacker.do<{ write: string; writableMapping: string; readOnlyMapping: string }>({ op: 'storeOpenRaw', id: store.id });
         expect(raw).toEqual({ write: 'EBADF', writableMapping: 'EACCES', readOnlyMapping: 'ok' });
         statuses.readOnlyDescriptor = (statuses.readOnlyDescriptor ?? 0) + 1;
-        // Again after the maker opened it writable: the store hands out dups of the read-only descriptor it kept (issue 18), never the writable one.
+        // Again after the maker opened it writable: the store hands out dups of the read-only descriptor it kept, never the writable one.
         await maker.do({ op: 'storeClose', handle: (await maker.do<{ handle: number }>({ op: 'storeOpen', name: 'maker-rw', writable: true })).handle });
         tried++;
         expect(await attacker.do({ op: 'storeOpenRaw', id: store.id })).toEqual({ write: 'EBADF', writableMapping: 'EACCES', readOnlyMapping: 'ok' });

@@ -17,8 +17,8 @@ const GROWTH_LIMIT_MIB = 96;
 /**
  * The daemon's V8 old space is capped for the run (--max-old-space-size, 64 MiB; VMMD_LOAD_HEAP_MIB
  * changes it, 0 lifts it). Uncapped, V8 lets garbage pile up under 1,000 operations a second
- * (on an H100 the daemon's RSS climbed 120 MiB in 60 s with 86 MiB of heap at the end, then
- * fell when collected); capped, garbage cannot pass for growth, a JavaScript leak past the cap
+ * (the daemon's RSS climbed by about a hundred MiB in a minute, mostly heap, then fell when
+ * collected); capped, garbage cannot pass for growth, a JavaScript leak past the cap
  * kills the daemon (its exit code is checked), and the RSS bound watches native memory.
  */
 const HEAP_LIMIT_MIB = Number(process.env.VMMD_LOAD_HEAP_MIB ?? 64);

@@ -1,5 +1,5 @@
 /**
- * Quotas by physical memory as a property (issue 14, finding 2): random
+ * Quotas by physical memory as a property: random
  * sequences of Create, Export, Import, Attach (SYSMEM), Release, Share (and
  * the other session's Export with the key), Map, Unmap, Detach and session
  * ends, by sessions of two uids, on the real host backend (memfds, in this

@@ -1,6 +1,6 @@
 /**
  * Quotas and capacity by physical memory on the host backend, with figures
- * (test/contracts/quotas.contract.ts: issue 14, finding 2, as found).
+ * (test/contracts/quotas.contract.ts: charges dodged through one's own descriptors).
  * Larger with VMMD_RELIABILITY=full (npm run reliability).
  */
 import { quotaContract } from '../contracts/quotas.contract';

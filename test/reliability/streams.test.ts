@@ -1,5 +1,5 @@
 /**
- * Server streams whose readers stop (issue 14, finding 6), attacked as found:
+ * Server streams whose readers stop, attacked:
  * Watch streams that never read while the stores make events, and Read
  * streams of large ranges nobody reads. The daemon's memory must stay
  * bounded whatever the readers do: a watcher that falls behind is dropped

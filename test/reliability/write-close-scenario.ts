@@ -1,5 +1,5 @@
 /**
- * Write-then-close on either backend (issue 15): PROCESSES clients at once,
+ * Write-then-close on either backend: PROCESSES clients at once,
  * each allocating, writing 4 KiB and closing with no read in between, over and
  * over. A write resolves only when its bytes are in the memory and close()
  * waits for copies in flight, so no client may see an error and every byte

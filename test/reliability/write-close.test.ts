@@ -1,6 +1,7 @@
 /**
  * Write-then-close on the host backend (test/reliability/write-close-scenario.ts),
- * the host analogue of issue 15's cuda regression: a copy in flight when close()
+ * the host analogue of the cuda failure it guards against (an unmap under a copy
+ * in flight faults the context): a copy in flight when close()
  * is called completes before the unmap, and the bytes land.
  */
 import { writeCloseScenario } from './write-close-scenario';

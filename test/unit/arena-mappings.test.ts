@@ -1,6 +1,6 @@
 /**
  * The client's CUDA mappings in the address arena, against a stand-in driver
- * that behaves like the real one where it matters (issue 15, issue 18): an
+ * that behaves like the real one where it matters: an
  * unmap and a copy finish when the test says so, an unmap under a copy in
  * flight poisons the context, a map over a mapped range is refused. Memory
  * freed while a copy into its neighbour is in flight: the neighbour's copy

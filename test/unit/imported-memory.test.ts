@@ -1,5 +1,5 @@
 /**
- * The client's memory model for mapped memory (issue 15): close() waits for
+ * The client's memory model for mapped memory: close() waits for
  * every copy in flight before it unmaps, copies after close() are refused,
  * and a failed copy neither blocks nor skips the unmap.
  */

@@ -1,5 +1,5 @@
 /**
- * The bulk copy pipeline of vmmctl store load and dump on cuda (issue 18),
+ * The bulk copy pipeline of vmmctl store load and dump on cuda,
  * with plain buffers standing in for page-locked ones and memory whose
  * copies take their time: every byte lands at its offset, several chunks are
  * in flight at once, a dump writes in order, and no buffer is freed while a

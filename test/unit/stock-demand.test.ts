@@ -1,6 +1,6 @@
 /**
  * The stock following what clients ask for, refilled when the daemon is
- * quiet (issue 18): sizes asked often get shelves of their own, deeper the
+ * quiet: sizes asked often get shelves of their own, deeper the
  * more they are asked, within a share of the device; sizes no longer asked
  * give their memory back; refills wait while requests keep coming, but not
  * forever. Fake timers: nothing here depends on the machine's speed.

@@ -1,7 +1,7 @@
 /**
  * The driver trace's JavaScript lines (common/trace.ts): off by default,
  * and with VMMD_DRIVER_TRACE=1 one line per call in the addon's format, on
- * CLOCK_MONOTONIC (process.hrtime), which bench/probe/cold_timeline.py parses.
+ * CLOCK_MONOTONIC (process.hrtime), which bench/cold_timeline.py parses.
  */
 const LINE = /^vmmd-trace pid=(\d+) tid=0 begin=(\d+) end=(\d+) result=0 address=0x0 call=(.*)$/;
 

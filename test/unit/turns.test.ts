@@ -233,7 +233,7 @@ describe('TurnMeter with the GC pauses', () => {
   });
 });
 
-describe('what a turn was (issue 18: a 4 ms session turn on the H100 that the kind alone could not explain)', () => {
+describe('what a turn was: what entered it, beyond its kind', () => {
   it('names the longest turn by CPU: what entered, and how many more entries ran inside it', async () => {
     let cpuNs = 1e9;
     const meter = new TurnMeter(() => cpuNs);
@@ -303,7 +303,7 @@ describe("a session turn's name", () => {
   });
 });
 
-describe('entries inside a turn (an outside review: one readable callback drains several messages)', () => {
+describe('entries inside a turn (one readable callback drains several messages)', () => {
   it('are counted in the outermost turn, not as turns of their own: one stretch, one record, one long-turn report', async () => {
     let cpuNs = 0;
     const meter = new TurnMeter(() => cpuNs, undefined, 2);

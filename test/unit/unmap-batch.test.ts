@@ -94,7 +94,7 @@ describe('gathered unmaps', () => {
     await Promise.all([second, other]);
   });
 
-  it('a synchronous throw of cudaUnmapMany rejects its batch and leaves the device flushable (outside review)', async () => {
+  it('a synchronous throw of cudaUnmapMany rejects its batch and leaves the device flushable', async () => {
     spy.mockImplementationOnce(() => {
       throw new Error('device 7 does not exist');
     });

@@ -195,7 +195,7 @@ def copy_to_device(device: int, address: int, data: memoryview) -> None:
     # By address: every cuda-bindings version takes an int for a host pointer; `data` stays alive meanwhile.
     (result,) = cu.cuMemcpyHtoD(address, buffer_address(data), data.nbytes)
     check(result, f"cuMemcpyHtoD({data.nbytes})")
-    # NOTE (issue 15): from pageable memory cuMemcpyHtoD returns once the bytes are staged,
+    # NOTE: from pageable memory cuMemcpyHtoD returns once the bytes are staged,
     # before the DMA lands; a caller that unmapped the range then would fault the context.
     # The copy ran on the legacy default stream: synchronizing that stream waits for it.
     (result,) = cu.cuStreamSynchronize(cu.CUstream(0))

@@ -2,9 +2,8 @@
 waiting for its answer or the session's reader thread.
 
 A caller reads its own answer on its own thread: no hand-off through the
-reader thread and the GIL (on the 2-core build VM a ping from Python took
-101 us that way, 44 us from TypeScript; on an H100 host 78 us, 44 once the
-caller read it). It spins up to its busy-poll budget before it sleeps in
+reader thread and the GIL (that hand-off made a ping from Python cost about
+twice one from TypeScript). It spins up to its busy-poll budget before it sleeps in
 poll. The reader thread reads only while no caller does: descriptors and
 errors that come between calls, answers whose callers did not hold the
 socket; while a caller holds it, the reader thread's epoll watches only for

@@ -30,7 +30,7 @@ RELEASE_WINDOW = 64
 # A main thread that leaves the socket to the reader thread at its deadline waits this much longer for it.
 YIELD_GRACE_S = 0.005
 # How long a caller spins for its answer before it sleeps in poll (as the TypeScript client:
-# common/busy-poll.ts): a sleeping thread's wake-up costs 30-70 us on the GPU VMs.
+# common/busy-poll.ts): a sleeping thread's wake-up is slow on a virtual machine.
 DEFAULT_BUSY_POLL_US = 200
 
 # Answers to request messages, and those that carry a descriptor.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 15's evidence on a GPU host, from the bundle (scripts/gpu-bundle.sh):
+# Evidence for the write-then-close rule (no unmap under a copy in flight) on a GPU host, from the bundle (scripts/gpu-bundle.sh):
 # the write-then-close loop in 4 and 32 processes with a given addon, every
 # client tracing its worker-thread driver calls (VMMD_DRIVER_TRACE=1), plus one
 # client under compute-sanitizer. Run it once with the addon built before the

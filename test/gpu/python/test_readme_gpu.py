@@ -1,4 +1,4 @@
-"""The README's GPU examples (CuPy, shared weights), run as written."""
+"""The GPU examples of docs/PYTHON.md (CuPy, shared weights), run as written."""
 from __future__ import annotations
 
 import os
@@ -13,8 +13,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 
 
 def examples() -> list:
+    """The README's Python quick start, then docs/PYTHON.md's examples (as python/tests/test_readme.py)."""
     text = open(os.path.join(ROOT, "README.md")).read()
-    return re.findall(r"```python\n(.*?)```", text[text.index("### Python") : text.index("## Layout")], re.S)
+    start = text.index("## Quick start: Python")
+    page = open(os.path.join(ROOT, "docs", "PYTHON.md")).read()
+    return re.findall(r"```python\n(.*?)```", text[start : text.index("\n## ", start)], re.S) + re.findall(r"```python\n(.*?)```", page, re.S)
 
 
 def run(code: str, cwd: str) -> str:
