@@ -33,9 +33,9 @@ cp -r python/pyproject.toml python/setup.py python/README.md python/src python/t
 cp -r test/gpu/python "$stage/vmmd/test/gpu/"
 cp -r bench/python "$stage/vmmd/bench/"
 find "$stage/vmmd/python" "$stage/vmmd/test/gpu/python" "$stage/vmmd/bench/python" \( -name __pycache__ -o -name '*.egg-info' -o -name '*.so' \) -prune -exec rm -rf {} +
-# Production dependencies and jest's runtime; no compiler, no type packages.
+# Production dependencies and jest's runtime; no compiler, no type packages, no linters.
 cp -r node_modules "$stage/vmmd/node_modules"
-rm -rf "$stage/vmmd/node_modules/"{typescript,ts-jest,@types,.cache} "$stage/vmmd/node_modules/.bin"
+rm -rf "$stage/vmmd/node_modules/"{typescript,ts-jest,@types,.cache,eslint,@eslint,typescript-eslint,@typescript-eslint,dependency-cruiser,prettier} "$stage/vmmd/node_modules/.bin"
 # The bundle must load its addon as the GPU host will (a node_modules that lags
 # package.json once shipped without node-gyp-build and the daemon could not start there).
 (cd "$stage/vmmd" && node -e "require('./dist/native/index.js')") \
