@@ -34,6 +34,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ._locks import guarded
+
 MAX_MESSAGE_BYTES = 4096
 
 # What the reader thread waits for: messages and the hang-up, or (while a caller reads) only the hang-up.
@@ -126,7 +128,7 @@ class SocketReading:
         holds it (now, or again: each take is left once). A caller's take
         turns the reader thread's epoll to the hang-up only."""
         me = threading.get_ident()
-        with self._lock:
+        with guarded(self._lock):
             if self.holder == me:
                 self._depth += 1
                 return True
@@ -155,7 +157,7 @@ class SocketReading:
         an interrupt cuts it short, and an interrupt anywhere in take() or
         leave() leaves no take behind and releases no outer one."""
         me = threading.get_ident()
-        with self._lock:
+        with guarded(self._lock):
             if self.holder == me:
                 if depth > 0:
                     self._depth = min(self._depth, depth)
@@ -179,7 +181,7 @@ class SocketReading:
 
     # -- a caller's reading ----------------------------------------------------
 
-    def read_until(self, event: threading.Event, key: str, deadline: Optional[float]) -> str:
+    def read_until(self, event: Any, key: str, deadline: Optional[float]) -> str:
         """Reads and dispatches (this thread holds the socket) until `event`
         is set (the answer keyed `key`), the deadline passes, the connection
         ends or (main thread) a message that is not the answer comes first.
@@ -213,7 +215,7 @@ class SocketReading:
             spin_until = time.monotonic() + self.busy_poll_s
         return ANSWERED
 
-    def drain(self, until: Optional[threading.Event] = None, only: Optional[str] = None, deadline: Optional[float] = None) -> str:
+    def drain(self, until: Any = None, only: Optional[str] = None, deadline: Optional[float] = None) -> str:
         """Dispatches the messages waiting on the socket without blocking
         (this thread holds it): all of them, or up to `until` being set, or
         to the deadline. `only`: take a message only if it answers that key
@@ -260,7 +262,7 @@ class SocketReading:
         """The reader thread: reads while no caller does, until the
         connection ends or `closed()` (checked under the lock)."""
         while True:
-            with self._lock:
+            with guarded(self._lock):
                 while self.holder is not None and not closed():
                     self._lock.wait()
                 if closed() or self.ended:
@@ -280,7 +282,7 @@ class SocketReading:
 
     def wake(self) -> None:
         """Wakes the reader thread's wait (the session is finished)."""
-        with self._lock:
+        with guarded(self._lock):
             if self._watch_closed:
                 return
             try:
@@ -288,9 +290,16 @@ class SocketReading:
             except OSError:
                 pass
 
+    def forget_after_fork(self, lock: threading.Condition) -> None:
+        """In a forked child: the session's new lock, and this process's copies of the epoll and eventfd closed."""
+        self._lock = lock
+        self.holder = None
+        self._depth = 0
+        self.close()
+
     def close(self) -> None:
         """The reader thread's epoll and eventfd: closed by the reader thread as it ends."""
-        with self._lock:
+        with guarded(self._lock):
             if self._watch_closed:
                 return
             self._watch_closed = True

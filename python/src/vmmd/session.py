@@ -4,22 +4,24 @@ id, descriptors sent to the daemon, and the requests on the socket (allocate,
 release, share, export, open, ping)."""
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import operator
 import os
 import select
 import socket
 import threading
 import time
 import warnings
-import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
-from ._reading import ENDED, MAX_MESSAGE_BYTES, YIELDED, SocketReading, answer_key, recv_message
+from . import _fork
+from ._locks import Flag, condition, guarded, mutex, release_if_held
+from ._reading import ENDED, YIELDED, SocketReading, answer_key, recv_message
 from ._reading import close_fd as _close
+from ._values import DEFAULT_BUSY_POLL_US, allocation_id, busy_poll_budget, deadline_of, left_until, u64
 from .errors import STATUS, VmmdError
+
+__all__ = ["ClientSession", "DEFAULT_BUSY_POLL_US", "allocation_id", "busy_poll_budget"]
 
 PROTOCOL_VERSION = 1
 # A descriptor the daemon sent and nobody claimed is closed after this long.
@@ -29,94 +31,32 @@ UNCLAIMED_TRANSFER_S = 30.0
 RELEASE_WINDOW = 64
 # A main thread that leaves the socket to the reader thread at its deadline waits this much longer for it.
 YIELD_GRACE_S = 0.005
-# How long a caller spins for its answer before it sleeps in poll (as the TypeScript client:
-# common/busy-poll.ts): a sleeping thread's wake-up costs 30-70 us on the GPU VMs.
-DEFAULT_BUSY_POLL_US = 200
 
 # Answers to request messages, and those that carry a descriptor.
 _ANSWERS = ("allocated", "released", "shared", "exported", "opened")
 _WITH_DESCRIPTOR = ("allocated", "exported", "opened")
 
 
-# Open sessions, for the fork hook below.
-_SESSIONS: "weakref.WeakSet[ClientSession]" = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for session in list(_SESSIONS):
-        session._forked = True
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
 # How long a send with no timeout of its own (send_descriptor) waits for the daemon to read.
 SEND_WAIT_S = 30.0
 
 
-def _deadline(timeout: Optional[float]) -> Optional[float]:
-    """The monotonic deadline of a wait of `timeout` seconds; None (no limit) for None or +inf.
-    Raises VmmdError INVALID_ARGUMENT BAD_TIMEOUT for NaN."""
-    if timeout is None or timeout == math.inf:
-        return None
-    if timeout != timeout:
-        raise VmmdError("BAD_TIMEOUT", STATUS["INVALID_ARGUMENT"], "timeout nan is not a number of seconds")
-    return time.monotonic() + timeout
-
-
-def _left(deadline: Optional[float]) -> Optional[float]:
-    """Seconds until `deadline` (0 once passed); None for no deadline."""
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-def busy_poll_budget(option: Optional[int] = None, env: Optional[str] = None) -> int:
-    """The busy-poll budget in microseconds: the option, else
-    VMMD_CLIENT_BUSY_POLL_US, else DEFAULT_BUSY_POLL_US (0: never spin).
-    Raises VmmdError INVALID_ARGUMENT BAD_OPTION naming the value and the rule."""
-    if env is None:
-        env = os.environ.get("VMMD_CLIENT_BUSY_POLL_US")
-    if option is not None:
-        value: Any = option
-        source = "busy_poll_us"
-    elif env is not None and env != "":
-        source = "VMMD_CLIENT_BUSY_POLL_US"
-        try:
-            value = int(env, 10)
-        except ValueError:
-            value = env
-    else:
-        return DEFAULT_BUSY_POLL_US
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value > 10_000:
-        raise VmmdError("BAD_OPTION", STATUS["INVALID_ARGUMENT"], f"{source} must be a whole number of microseconds from 0 to 10000, got {option if option is not None else env!r}")
-    return value
-
-
-def _u64(value: Any, what: str) -> str:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value >= 1 << 64:
-        raise VmmdError("BAD_ID", STATUS["INVALID_ARGUMENT"], f"{what} {value!r} is not an integer in [0, 2^64)")
-    return str(value)
-
-
-def allocation_id(value: Any) -> str:
-    """An allocation id as the socket spells it: any integer type (a numpy
-    integer too) in [0, 2^64). Raises VmmdError INVALID_ARGUMENT BAD_ID."""
-    try:
-        number = operator.index(value) if not isinstance(value, bool) else value
-    except TypeError:
-        number = value
-    return _u64(number, "allocation")
+def _SOCKET_BUSY() -> VmmdError:
+    return VmmdError("SESSION_SOCKET_FULL", STATUS["UNAVAILABLE"], "the session socket is full: another call of this process is still waiting for the daemon to read; nothing was sent")
 
 
 class _Pending:
     """One answer awaited by a caller (an allocate request, a ping)."""
 
-    __slots__ = ("event", "message", "fd", "error")
+    __slots__ = ("event", "message", "fd", "error", "abandoned")
 
     def __init__(self) -> None:
-        self.event = threading.Event()
+        self.event = Flag()
         self.message: Optional[Dict[str, Any]] = None
         self.fd = -1
         self.error: Optional[VmmdError] = None
+        # Its caller gave up (an interrupt, a timeout): the answer, when it comes, is released by the session.
+        self.abandoned = False
 
 
 class ClientSession:
@@ -146,11 +86,15 @@ class ClientSession:
         self.backend: Optional[str] = backend if isinstance(backend, str) and backend != "" else None
         self.on_daemon_error: List[Callable[[Dict[str, Any]], None]] = []
         self.on_close: List[Callable[[], None]] = []
-        self._lock = threading.Condition()
+        # Both locks are taken through guarded() only: an interrupt anywhere leaves them free.
+        self._lock = condition()
         # Invariant: every fd in _inbox is owned by the session until claimed or expired.
         self._inbox: Dict[str, Tuple[int, float]] = {}
+        # Invariant: every request sent and not answered yet, awaited or abandoned (its answer released on arrival).
         self._requests: Dict[str, _Pending] = {}
-        self._send_lock = threading.Lock()
+        # Allocations whose answers came for abandoned requests: released by the session (its next send).
+        self._orphans: List[str] = []
+        self._send_lock = mutex()
         self._next_transfer = 1
         self._next_request = 1
         self._closed = False
@@ -161,7 +105,7 @@ class ClientSession:
         self._reading = SocketReading(sock, self._lock, self._dispatch, _ANSWERS, busy_poll_us)
         self._reader = threading.Thread(target=self._read_loop, name=f"vmmd-session-{self.id}", daemon=True)
         self._reader.start()
-        _SESSIONS.add(self)
+        _fork.track(self)
 
     @classmethod
     def open(cls, path: str, timeout: float = 5.0, busy_poll_us: int = DEFAULT_BUSY_POLL_US) -> "ClientSession":
@@ -218,22 +162,22 @@ class ClientSession:
         Raises VmmdError DEADLINE_EXCEEDED TRANSFER_NOT_RECEIVED, UNAVAILABLE SESSION_LOST, FAILED_PRECONDITION FORKED."""
         self._check_process()
         key = str(transfer)
-        deadline = _deadline(timeout)
-        with self._lock:
+        deadline = deadline_of(timeout)
+        with guarded(self._lock):
             while True:
                 held = self._inbox.pop(key, None)
                 if held is not None:
                     return held[0]
                 if self._closed:
                     raise self._lost()
-                left = _left(deadline)
+                left = left_until(deadline)
                 if left == 0:
                     raise VmmdError("TRANSFER_NOT_RECEIVED", STATUS["DEADLINE_EXCEEDED"], f"descriptor {key} did not arrive within {timeout} s")
                 self._lock.wait(left)
 
     def pending_transfers(self) -> List[str]:
         """Transfer ids received and not claimed yet."""
-        with self._lock:
+        with guarded(self._lock):
             return list(self._inbox)
 
     def send_descriptor(self, fd: int) -> str:
@@ -272,13 +216,13 @@ class ClientSession:
 
         Raises VmmdError as the Release RPC (UNKNOWN_ALLOCATION, NOT_OWNER,
         ALREADY_RELEASED…), NO_ANSWER, SESSION_LOST."""
-        pending = self._request({"type": "release", "allocation": _u64(allocation, "allocation")}, timeout, "release")
+        pending = self._request({"type": "release", "allocation": u64(allocation, "allocation")}, timeout, "release")
         assert pending.message is not None
         return pending.message
 
     def share(self, allocation: int, timeout: float = 30.0) -> str:
         """Share on the session socket: the key another session exports the allocation with."""
-        pending = self._request({"type": "share", "allocation": _u64(allocation, "allocation")}, timeout, "share")
+        pending = self._request({"type": "share", "allocation": u64(allocation, "allocation")}, timeout, "share")
         assert pending.message is not None
         return str(pending.message["shareKey"])
 
@@ -286,7 +230,7 @@ class ClientSession:
         """Export on the session socket: the allocation's descriptor (the caller owns it), attached to the answer.
 
         Raises VmmdError as the Export RPC (NOT_OWNER, BAD_SHARE_KEY, ALREADY_RELEASED…), NO_ANSWER, SESSION_LOST."""
-        message: Dict[str, Any] = {"type": "export", "allocation": _u64(allocation, "allocation")}
+        message: Dict[str, Any] = {"type": "export", "allocation": u64(allocation, "allocation")}
         if share_key:
             message["shareKey"] = share_key
         pending = self._request(message, timeout, "export")
@@ -300,7 +244,7 @@ class ClientSession:
         Raises VmmdError as Stores.Open (UNKNOWN_STORE, STORE_DETACHED, STORE_READ_ONLY…), NO_ANSWER, SESSION_LOST."""
         ref: Dict[str, Any] = {}
         if "id" in store:
-            ref["id"] = _u64(store["id"], "store id")
+            ref["id"] = u64(store["id"], "store id")
         if "name" in store:
             ref["name"] = str(store["name"])
         pending = self._request({"type": "open", "store": ref, "writable": bool(writable)}, timeout, "open")
@@ -323,7 +267,8 @@ class ClientSession:
         sent, when the session fails."""
         ids = [allocation_id(allocation) for allocation in allocations]
         self._check_process()
-        deadline = _deadline(None if timeout is None else float(timeout))
+        self._release_orphans()
+        deadline = deadline_of(None if timeout is None else float(timeout))
         sent: List[Tuple[str, _Pending]] = []
         registered: List[Tuple[str, _Pending]] = []
         tail: List[VmmdError] = []
@@ -333,7 +278,7 @@ class ClientSession:
         def collect(request: str, pending: _Pending) -> None:
             nonlocal failure
             try:
-                self._await(request, pending, _left(deadline), "release", limit=timeout)
+                self._await(request, pending, left_until(deadline), "release", limit=timeout)
                 assert pending.message is not None
                 results.append(pending.message)
             except VmmdError as error:
@@ -372,17 +317,18 @@ class ClientSession:
             raise failure
         return results
 
-    def _request(self, message: Dict[str, Any], timeout: float, what: str, key: str = "request") -> _Pending:
+    def _request(self, message: Dict[str, Any], timeout: Optional[float], what: str, key: str = "request") -> _Pending:
         self._check_process()  # before the take: a forked child's take would turn its parent's epoll
+        self._release_orphans()
         sent: List[Tuple[str, _Pending]] = []
         held = self._reading.depth()
         try:
             try:
                 # The socket is taken before the request goes: its answer cannot reach the reader thread first.
                 self._reading.take(self._closed)
-                deadline = _deadline(timeout)
+                deadline = deadline_of(timeout)
                 request, pending = self._send_request(message, key, sent, deadline)
-                self._await(request, pending, _left(deadline), what, key, limit=timeout)
+                self._await(request, pending, left_until(deadline), what, key, limit=timeout)
             finally:
                 self._reading.leave_to(held)
         except BaseException:
@@ -404,15 +350,19 @@ class ClientSession:
             message[key] = request
             if sent is not None:
                 sent.append((f"{key}:{request}", pending))
-            with self._lock:
+            with guarded(self._lock):
                 if self._closed:
                     raise self._lost()
                 self._requests[f"{key}:{request}"] = pending
+            stage = ["waiting"]
             try:
-                self._send(message, deadline=deadline)
-            except VmmdError:
-                with self._lock:
-                    self._requests.pop(f"{key}:{request}", None)
+                self._send(message, deadline=deadline, stage=stage)
+            except BaseException as error:
+                # Not sent (refused, or cut short while waiting for room): forgotten. Perhaps sent (an interrupt
+                # right after the send): the caller abandons it, and its answer is released when it comes.
+                if isinstance(error, VmmdError) or stage[0] == "waiting":
+                    with guarded(self._lock):
+                        self._requests.pop(f"{key}:{request}", None)
                 raise
         return request, pending
 
@@ -428,7 +378,7 @@ class ClientSession:
         infinite: no limit; `limit`: the caller's, when this wait had only
         what was left of it). A wait cut short (an interrupt) forgets the
         request and closes a descriptor that came for it."""
-        deadline = _deadline(timeout)
+        deadline = deadline_of(timeout)
         try:
             grace = 0.0
             if not pending.event.is_set() and (self._reading.holds() or self._reading.take(self._closed)):
@@ -441,7 +391,7 @@ class ClientSession:
                     self._reading.leave()
                     grace = YIELD_GRACE_S
             if not pending.event.is_set():
-                left = _left(deadline)
+                left = left_until(deadline)
                 pending.event.wait(None if left is None else max(grace, left))
             if not pending.event.is_set():
                 raise VmmdError("NO_ANSWER", STATUS["DEADLINE_EXCEEDED"], f"the daemon did not answer {what} request {request} within {timeout if limit is None else limit} s")
@@ -452,11 +402,49 @@ class ClientSession:
             raise pending.error
 
     def _abandon(self, key: str, pending: _Pending) -> None:
-        """Forgets a request its caller gave up on: an answer that comes later is dropped, a descriptor already here closed."""
-        with self._lock:
-            self._requests.pop(key, None)
+        """Gives up a request its caller will not take: what its answer made
+        is released, now if it is here (a descriptor closed, an allocation
+        released), else when it comes (_dispatch_one)."""
+        with guarded(self._lock):
+            pending.abandoned = True
             fd, pending.fd = pending.fd, -1
+            message, pending.message = pending.message, None
+            if message is not None and message.get("type") == "allocated":
+                self._orphans.append(str(message.get("allocation")))
         _close(fd)
+        self._release_orphans()
+
+    def _release_orphans(self) -> None:
+        """Sends a release for each allocation whose answer nobody took, while
+        the send lock is free and the socket has room now (never waiting: the
+        reading thread calls it); what is left goes with the next call. The
+        releases' own answers are abandoned: nobody awaits them."""
+        if not self._orphans or self._closed or self._forked or self._send_lock._is_owned():
+            return
+        try:
+            if not self._send_lock.acquire(False):
+                return
+            while self._orphans:
+                pending = _Pending()
+                pending.abandoned = True
+                request = str(self._next_request)
+                self._next_request += 1
+                with guarded(self._lock):
+                    self._requests[f"request:{request}"] = pending
+                try:
+                    self._send({"type": "release", "allocation": self._orphans[0], "request": request}, deadline=time.monotonic())
+                except VmmdError:
+                    with guarded(self._lock):
+                        self._requests.pop(f"request:{request}", None)
+                    return
+                # Removed once sent: an interrupt between the two sends it twice (the second refused, and ignored), never not at all.
+                self._orphans.pop(0)
+        finally:
+            release_if_held(self._send_lock)
+
+    def orphans(self) -> List[str]:
+        """Allocations whose answers came for requests given up on, not released yet (they go with the next call)."""
+        return list(self._orphans)
 
     # -- lifetime ----------------------------------------------------------
 
@@ -465,16 +453,7 @@ class ClientSession:
         child forked from the process that opened it, only drops the child's
         copy of the socket: the session is the parent's."""
         if self._forked:
-            # This process's copies only: the socket, the reader thread's epoll and eventfd, unclaimed descriptors.
-            self._closing = self._closed = True
-            with self._lock:
-                inbox = [fd for fd, _ in self._inbox.values()]
-                self._inbox.clear()
-            for fd in inbox:
-                _close(fd)
-            self._sock.close()
-            self._reading.close()
-            return
+            return  # this process's copies were dropped at the fork (forget_after_fork)
         self._closing = True
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
@@ -485,6 +464,28 @@ class ClientSession:
         if threading.current_thread() is not self._reader and not self._reading.holds():
             self._reader.join(5)
         self._finish()
+
+    def forget_after_fork(self) -> None:
+        """In a child forked while this session was open (the at-fork hook,
+        before the child runs anything): drops this process's copies of the
+        parent's session, so that the daemon ends it when the parent closes or
+        exits: the socket, the reader thread's epoll and eventfd (no reader
+        thread runs here), unclaimed descriptors. Its locks are made anew: a
+        parent thread may have held them at the fork."""
+        self._forked = True
+        self._lock = condition()
+        self._send_lock = mutex()
+        self._reading.forget_after_fork(self._lock)
+        fds = [fd for fd, _ in self._inbox.values()] + [pending.fd for pending in self._requests.values()]
+        self._inbox.clear()
+        self._requests.clear()
+        self._orphans.clear()
+        for fd in fds:
+            _close(fd)
+        try:
+            self._sock.close()
+        except OSError:
+            pass
 
     def __enter__(self) -> "ClientSession":
         return self
@@ -503,30 +504,26 @@ class ClientSession:
     def _lost(self) -> VmmdError:
         return VmmdError("SESSION_LOST", STATUS["UNAVAILABLE"], f"session {self.id} with vmmd is closed")
 
-    @contextlib.contextmanager
-    def _sending(self, deadline: Optional[float]) -> Iterator[None]:
+    def _sending(self, deadline: Optional[float]) -> guarded:
         """Holds the send lock, taken by `deadline` (None: no limit): a sender
         waiting for room holds it, and a call behind it keeps its own timeout.
         Raises VmmdError UNAVAILABLE SESSION_SOCKET_FULL at the deadline."""
-        left = _left(deadline)
-        if not self._send_lock.acquire(timeout=-1.0 if left is None else left):
-            raise VmmdError("SESSION_SOCKET_FULL", STATUS["UNAVAILABLE"], "the session socket is full: another call of this process is still waiting for the daemon to read; nothing was sent")
-        try:
-            yield
-        finally:
-            self._send_lock.release()
+        return guarded(self._send_lock, left_until(deadline), _SOCKET_BUSY)
 
-    def _send(self, message: Dict[str, Any], fd: int = -1, deadline: Optional[float] = None) -> None:
+    def _send(self, message: Dict[str, Any], fd: int = -1, deadline: Optional[float] = None, stage: Optional[List[str]] = None) -> None:
         """Sends one message (and a descriptor), waiting for room in the socket
         until `deadline` (monotonic; None: no limit): a daemon that stops
         reading fills it. Raises VmmdError UNAVAILABLE SESSION_SOCKET_FULL at
-        the deadline (nothing sent; the session stays), SESSION_LOST."""
+        the deadline (nothing sent; the session stays), SESSION_LOST.
+        `stage[0]`: "sending" from each send on, "waiting" once it found no room."""
         self._check_process()
         if self._closed:
             raise self._lost()
         data = json.dumps(message, separators=(",", ":")).encode("utf-8")
         started = time.monotonic()
         while True:
+            if stage is not None:
+                stage[0] = "sending"
             try:
                 # A SEQPACKET message goes whole or not at all.
                 if fd >= 0:
@@ -535,10 +532,11 @@ class ClientSession:
                     self._sock.send(data, socket.MSG_DONTWAIT)
                 return
             except BlockingIOError:
-                pass
+                if stage is not None:
+                    stage[0] = "waiting"
             except OSError as error:
                 raise VmmdError("SESSION_LOST", STATUS["UNAVAILABLE"], f"the session socket failed: {error}") from None
-            left = _left(deadline)
+            left = left_until(deadline)
             if left == 0:
                 raise VmmdError("SESSION_SOCKET_FULL", STATUS["UNAVAILABLE"], f"the session socket is full: the daemon has not read for {time.monotonic() - started:.3f} s; nothing was sent")
             if self._closed:
@@ -591,7 +589,8 @@ class ClientSession:
         kind = message.get("type")
         now = time.monotonic()
         key = answer_key(message, _ANSWERS)
-        with self._lock:
+        orphaned = False
+        with guarded(self._lock):
             self._expire(now)
             if kind == "transfer" and fd >= 0 and isinstance(message.get("transfer"), str):
                 old = self._inbox.pop(message["transfer"], None)
@@ -601,7 +600,13 @@ class ClientSession:
                 self._lock.notify_all()
                 return -1
             pending = self._requests.get(key) if key is not None else None
-            if pending is not None:
+            if pending is not None and pending.abandoned:
+                # Nobody awaits it: what it made is released (its descriptor by _dispatch, its allocation below).
+                del self._requests[key]  # type: ignore[arg-type]
+                if kind == "allocated" and isinstance(message.get("allocation"), str):
+                    self._orphans.append(message["allocation"])
+                orphaned = True
+            elif pending is not None:
                 # Answered, then forgotten: a caller is never left unregistered and unanswered.
                 if kind in _WITH_DESCRIPTOR and fd >= 0:
                     pending.message, pending.fd = message, fd
@@ -616,6 +621,9 @@ class ClientSession:
                     pending.message = message
                 pending.event.set()
                 del self._requests[key]  # type: ignore[arg-type]
+        if orphaned:
+            self._release_orphans()
+            return fd
         if pending is None and kind == "error":
             for callback in list(self.on_daemon_error):
                 try:
@@ -631,7 +639,7 @@ class ClientSession:
                 os.close(fd)
 
     def _finish(self) -> None:
-        with self._lock:
+        with guarded(self._lock):
             if self._closed:
                 return
             self._closed = True
