@@ -94,11 +94,14 @@ class SocketReading:
         dispatch: Callable[[bytes, List[int], Optional[Dict[str, Any]]], None],
         answers: Tuple[str, ...],
         busy_poll_us: int,
+        carrying: Tuple[str, ...] = (),
     ) -> None:
         self._sock = sock
         self._lock = lock
         self._dispatch = dispatch
         self._answers = answers
+        # The types of message that carry a descriptor: left to the reader thread by the main thread.
+        self._carrying = carrying
         self.busy_poll_s = busy_poll_us / 1e6
         # Invariant: the thread that reads the socket (its ident), else None, and how many of its takes
         # it has not left yet (a request made from a callback on the reading thread takes it again);
@@ -189,7 +192,8 @@ class SocketReading:
         handler's exception goes through (the caller's finally leaves)."""
         # The main thread of a program with other Python threads takes only its own answer (module docstring);
         # alone with the reader thread, nothing but its own answer or an unsolicited daemon error can come.
-        careful = threading.active_count() > 2 and threading.current_thread() is threading.main_thread()
+        main = threading.current_thread() is threading.main_thread()
+        careful = threading.active_count() > 2 and main
         spin_until = time.monotonic() + self.busy_poll_s
         while not event.is_set():
             now = time.monotonic()
@@ -197,7 +201,7 @@ class SocketReading:
                 # One last look without waiting: an answer already here is not a timeout (behind another
                 # message, for a careful main thread: YIELDED, and the reader thread dispatches it).
                 if self._caller_poll.poll(0):
-                    last = self.drain(event, key if careful else None)
+                    last = self.drain(event, key if careful else None, spare=main)
                     if last in (ENDED, YIELDED) and not event.is_set():
                         return last
                 return ANSWERED if event.is_set() else TIMED_OUT
@@ -209,24 +213,27 @@ class SocketReading:
                 wait_ms = min(_POLL_CAP_MS, max(1, int((deadline - now) * 1000 + 0.999)))
             if not self._caller_poll.poll(wait_ms):
                 continue
-            outcome = self.drain(event, key if careful else None, deadline)
+            outcome = self.drain(event, key if careful else None, deadline, main)
             if outcome in (ENDED, YIELDED):
                 return outcome
             spin_until = time.monotonic() + self.busy_poll_s
         return ANSWERED
 
-    def drain(self, until: Any = None, only: Optional[str] = None, deadline: Optional[float] = None) -> str:
+    def drain(self, until: Any = None, only: Optional[str] = None, deadline: Optional[float] = None, spare: bool = False) -> str:
         """Dispatches the messages waiting on the socket without blocking
         (this thread holds it): all of them, or up to `until` being set, or
         to the deadline. `only`: take a message only if it answers that key
-        (YIELDED at the first that does not). ENDED when the connection
-        ended, else ANSWERED (nothing more waiting, or `until` set)."""
+        (YIELDED at the first that does not). `spare` (the main thread):
+        leave a message that carries a descriptor (YIELDED): a signal handled
+        as recvmsg returns would lose the descriptor with the message.
+        ENDED when the connection ended, else ANSWERED (nothing more
+        waiting, or `until` set)."""
         while until is None or not until.is_set():
             if deadline is not None and time.monotonic() >= deadline:
                 return ANSWERED
             parsed: Optional[Dict[str, Any]] = None
             try:
-                if only is not None:
+                if only is not None or spare:
                     head = self._sock.recv(MAX_MESSAGE_BYTES * 2, socket.MSG_PEEK | socket.MSG_DONTWAIT)
                     if not head:
                         self.ended = True
@@ -235,7 +242,9 @@ class SocketReading:
                         parsed = json.loads(head.decode("utf-8"))
                     except Exception:  # a bad message: the reader thread drops it
                         return YIELDED
-                    if answer_key(parsed, self._answers) != only:
+                    if only is not None and answer_key(parsed, self._answers) != only:
+                        return YIELDED
+                    if spare and isinstance(parsed, dict) and parsed.get("type") in self._carrying:
                         return YIELDED
                 data, fds = recv_message(self._sock, socket.MSG_DONTWAIT)
             except BlockingIOError:

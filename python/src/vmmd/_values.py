@@ -66,3 +66,13 @@ def allocation_id(value: Any) -> str:
     except TypeError:
         number = value
     return u64(number, "allocation")
+
+
+def timeout_seconds(timeout: Optional[float], default: float) -> float:
+    """A call's `timeout` in seconds, `default` for None. Raises VmmdError
+    INVALID_ARGUMENT BAD_TIMEOUT for what is not a number of seconds above 0."""
+    if timeout is None:
+        return default
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise VmmdError("BAD_TIMEOUT", STATUS["INVALID_ARGUMENT"], f"timeout {timeout!r} is not a number of seconds above 0")
+    return float(timeout)

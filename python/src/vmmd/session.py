@@ -48,15 +48,35 @@ def _SOCKET_BUSY() -> VmmdError:
 class _Pending:
     """One answer awaited by a caller (an allocate request, a ping)."""
 
-    __slots__ = ("event", "message", "fd", "error", "abandoned")
+    __slots__ = ("event", "message", "fd", "error", "abandoned", "_orphans")
 
-    def __init__(self) -> None:
+    def __init__(self, orphans: List[str]) -> None:
         self.event = Flag()
         self.message: Optional[Dict[str, Any]] = None
         self.fd = -1
         self.error: Optional[VmmdError] = None
         # Its caller gave up (an interrupt, a timeout): the answer, when it comes, is released by the session.
         self.abandoned = False
+        self._orphans = orphans
+
+    def take(self) -> Tuple[Dict[str, Any], int]:
+        """The answer and its descriptor, now the caller's (no longer this record's to release)."""
+        message, fd, self.message, self.fd = self.message, self.fd, None, -1
+        assert message is not None
+        return message, fd
+
+    def __del__(self) -> None:
+        # An answer its caller never took (cut short where no except ran: an interrupt inside one):
+        # its descriptor is closed and its allocation released with the session's next send.
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        message, self.message = self.message, None
+        if message is not None and message.get("type") == "allocated" and isinstance(message.get("allocation"), str):
+            self._orphans.append(message["allocation"])
 
 
 class ClientSession:
@@ -102,7 +122,7 @@ class ClientSession:
         # Set in a child forked while this session was open: the socket is its parent's (see _check_process).
         self._forked = False
         self._pid = os.getpid()
-        self._reading = SocketReading(sock, self._lock, self._dispatch, _ANSWERS, busy_poll_us)
+        self._reading = SocketReading(sock, self._lock, self._dispatch, _ANSWERS, busy_poll_us, ("transfer",) + _WITH_DESCRIPTOR)
         self._reader = threading.Thread(target=self._read_loop, name=f"vmmd-session-{self.id}", daemon=True)
         self._reader.start()
         _fork.track(self)
@@ -151,12 +171,17 @@ class ClientSession:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def forked(self) -> bool:
+        """This process is a child forked from the one that opened the session (whose it stays)."""
+        return self._forked
+
     def fileno(self) -> int:
         return self._sock.fileno()
 
     # -- descriptors -------------------------------------------------------
 
-    def take_transfer(self, transfer: str | int, timeout: float = 5.0) -> int:
+    def take_transfer(self, transfer: str | int, timeout: Optional[float] = 5.0) -> int:
         """The descriptor the daemon sent as `transfer`; the caller owns it.
 
         Raises VmmdError DEADLINE_EXCEEDED TRANSFER_NOT_RECEIVED, UNAVAILABLE SESSION_LOST, FAILED_PRECONDITION FORKED."""
@@ -195,7 +220,7 @@ class ClientSession:
 
     # -- requests ----------------------------------------------------------
 
-    def allocate(self, size: int, location: Optional[Dict[str, Any]] = None, timeout: float = 30.0) -> Tuple[Dict[str, Any], int]:
+    def allocate(self, size: int, location: Optional[Dict[str, Any]] = None, timeout: Optional[float] = 30.0) -> Tuple[Dict[str, Any], int]:
         """Allocate on the session socket: a new allocation of this session
         and its descriptor (the caller owns it), in one round trip.
 
@@ -206,11 +231,9 @@ class ClientSession:
         message: Dict[str, Any] = {"type": "allocate", "size": str(size)}
         if location is not None:
             message["location"] = location
-        pending = self._request(message, timeout, "allocate")
-        assert pending.message is not None
-        return pending.message, pending.fd
+        return self._request(message, timeout, "allocate").take()
 
-    def release(self, allocation: int, timeout: float = 30.0) -> Dict[str, Any]:
+    def release(self, allocation: int, timeout: Optional[float] = 30.0) -> Dict[str, Any]:
         """Release on the session socket, one round trip: the answer has the
         Release RPC's fields (freed, handleReferences, mappingCount).
 
@@ -220,24 +243,22 @@ class ClientSession:
         assert pending.message is not None
         return pending.message
 
-    def share(self, allocation: int, timeout: float = 30.0) -> str:
+    def share(self, allocation: int, timeout: Optional[float] = 30.0) -> str:
         """Share on the session socket: the key another session exports the allocation with."""
         pending = self._request({"type": "share", "allocation": u64(allocation, "allocation")}, timeout, "share")
         assert pending.message is not None
         return str(pending.message["shareKey"])
 
-    def export(self, allocation: int, share_key: str = "", timeout: float = 30.0) -> Tuple[Dict[str, Any], int]:
+    def export(self, allocation: int, share_key: str = "", timeout: Optional[float] = 30.0) -> Tuple[Dict[str, Any], int]:
         """Export on the session socket: the allocation's descriptor (the caller owns it), attached to the answer.
 
         Raises VmmdError as the Export RPC (NOT_OWNER, BAD_SHARE_KEY, ALREADY_RELEASED…), NO_ANSWER, SESSION_LOST."""
         message: Dict[str, Any] = {"type": "export", "allocation": u64(allocation, "allocation")}
         if share_key:
             message["shareKey"] = share_key
-        pending = self._request(message, timeout, "export")
-        assert pending.message is not None
-        return pending.message, pending.fd
+        return self._request(message, timeout, "export").take()
 
-    def open_store(self, store: Dict[str, Any], writable: bool = False, timeout: float = 30.0) -> Tuple[Dict[str, Any], int]:
+    def open_store(self, store: Dict[str, Any], writable: bool = False, timeout: Optional[float] = 30.0) -> Tuple[Dict[str, Any], int]:
         """Open a store on the session socket: {"store": Store's JSON fields,
         "granularity", "mappedSize"} and its descriptor (the caller owns it).
 
@@ -247,11 +268,9 @@ class ClientSession:
             ref["id"] = u64(store["id"], "store id")
         if "name" in store:
             ref["name"] = str(store["name"])
-        pending = self._request({"type": "open", "store": ref, "writable": bool(writable)}, timeout, "open")
-        assert pending.message is not None
-        return pending.message, pending.fd
+        return self._request({"type": "open", "store": ref, "writable": bool(writable)}, timeout, "open").take()
 
-    def ping(self, timeout: float = 5.0) -> float:
+    def ping(self, timeout: Optional[float] = 5.0) -> float:
         """One round trip on the session socket; returns its seconds."""
         start = time.perf_counter()
         self._request({"type": "ping"}, timeout, "ping", key="nonce")
@@ -343,7 +362,7 @@ class ClientSession:
         its pending answer). `sent` gets (its key, the pending answer) before
         the registration: a caller cut short anywhere after it can forget it.
         The send waits for room in the socket until `deadline` (_send)."""
-        pending = _Pending()
+        pending = _Pending(self._orphans)
         with self._sending(deadline):
             request = str(self._next_request)
             self._next_request += 1
@@ -407,11 +426,16 @@ class ClientSession:
         released), else when it comes (_dispatch_one)."""
         with guarded(self._lock):
             pending.abandoned = True
-            fd, pending.fd = pending.fd, -1
             message, pending.message = pending.message, None
             if message is not None and message.get("type") == "allocated":
                 self._orphans.append(str(message.get("allocation")))
-        _close(fd)
+            # Closed where it is taken out: no call between the two (a signal runs its handler after a call).
+            fd, pending.fd = pending.fd, -1
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
         self._release_orphans()
 
     def _release_orphans(self) -> None:
@@ -425,7 +449,7 @@ class ClientSession:
             if not self._send_lock.acquire(False):
                 return
             while self._orphans:
-                pending = _Pending()
+                pending = _Pending(self._orphans)
                 pending.abandoned = True
                 request = str(self._next_request)
                 self._next_request += 1
@@ -441,6 +465,13 @@ class ClientSession:
                 self._orphans.pop(0)
         finally:
             release_if_held(self._send_lock)
+
+    def disown(self, allocation: str) -> None:
+        """Releases an allocation this process got but cannot use (its caller
+        was cut short after the answer came): now if the socket is free, else
+        with the next call."""
+        self._orphans.append(allocation)
+        self._release_orphans()
 
     def orphans(self) -> List[str]:
         """Allocations whose answers came for requests given up on, not released yet (they go with the next call)."""
