@@ -21,7 +21,7 @@ from .client import (
     sealed_memfd,
     shared_client,
 )
-from .errors import VmmdError
+from .errors import OutOfMemoryError, VmmdConnectionError, VmmdError, VmmdTimeoutError
 from .memory import ArrayView, CudaImportedMemory, HostImportedMemory, ImportedMemory
 from .paths import default_socket_dir
 from .session import ClientSession
@@ -37,10 +37,13 @@ __all__ = [
     "HostImportedMemory",
     "ImportedMemory",
     "OpenedStore",
+    "OutOfMemoryError",
     "StoresApi",
     "VirtualMemoryApi",
     "VmmdClient",
+    "VmmdConnectionError",
     "VmmdError",
+    "VmmdTimeoutError",
     "connect",
     "default_socket_dir",
     "sealed_memfd",

@@ -88,7 +88,7 @@ class StoresApi:
     def attach_descriptor(self, fd: int, target: str = "STORE_TARGET_SYSMEM", device: int = 0, size: int = 0, read_only: bool = False, name: str = "", has_deleter: bool = False, timeout: Optional[float] = None) -> Message:
         """Sends a descriptor and makes a store of it (the caller keeps its fd).
         Raises VmmdError NO_CUDA_BACKEND, UNKNOWN_DEVICE, BAD_DESCRIPTOR, NAME_TAKEN."""
-        transfer = self._session.send_descriptor(fd)
+        transfer = self._session.send_descriptor(fd, self._service.seconds(timeout))
         return self._service.unary("Attach", transfer_id=int(transfer), target=target, device=device, size=size, read_only=read_only, name=name, has_deleter=has_deleter, timeout=timeout)
 
     def attach_bytes(self, data: Any, name: str = "", read_only: bool = False, timeout: Optional[float] = None) -> Message:

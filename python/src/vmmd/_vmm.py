@@ -244,7 +244,7 @@ class VirtualMemoryApi:
         """Sends a descriptor of this process to the daemon and makes an
         allocation of it, owned by this session. The caller keeps its fd.
         Raises VmmdError INVALID_ARGUMENT BAD_DESCRIPTOR, SESSION_LOST."""
-        transfer = self._session.send_descriptor(fd)
+        transfer = self._session.send_descriptor(fd, self._service.seconds(timeout))
         return self.import_transfer(transfer_id=int(transfer), device=device, size=size, timeout=timeout)
 
     def read(self, address: int, length: int, timeout: Optional[float] = None) -> bytes:

@@ -205,13 +205,13 @@ class ClientSession:
         with guarded(self._lock):
             return list(self._inbox)
 
-    def send_descriptor(self, fd: int) -> str:
+    def send_descriptor(self, fd: int, timeout: Optional[float] = SEND_WAIT_S) -> str:
         """Sends a descriptor (the caller keeps its own) and returns its
         transfer id, to be named in an Import, Attach or OpenStaging call.
         Ids are picked and sent under one lock, so they rise in sending order.
 
         Raises VmmdError UNAVAILABLE SESSION_LOST."""
-        deadline = time.monotonic() + SEND_WAIT_S
+        deadline = deadline_of(timeout)
         with self._sending(deadline):
             transfer = str(self._next_transfer)
             self._next_transfer += 1
