@@ -26,7 +26,7 @@ from .memory import ArrayView, CudaImportedMemory, HostImportedMemory, ImportedM
 from .paths import default_socket_dir
 from .session import ClientSession
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"  # = package.json's version
 __all__ = [
     "AdminApi",
     "ArrayView",
