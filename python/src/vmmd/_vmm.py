@@ -2,7 +2,6 @@
 round trip on the session socket where it can, the RPC where it cannot."""
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
 
 from . import _proto

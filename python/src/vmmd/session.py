@@ -5,30 +5,28 @@ release, share, export, open, ping)."""
 from __future__ import annotations
 
 import json
-import math
 import os
-import select
 import socket
 import threading
 import time
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import _fork
-from ._locks import Flag, condition, guarded, mutex, release_if_held
-from ._reading import ENDED, YIELDED, SocketReading, answer_key, recv_message
+from ._abandoned import AbandonedAnswers, Pending
+from ._batch import BatchedReleases
+from ._greeting import greet
+from ._locks import condition, guarded, mutex
+from ._reading import ENDED, YIELDED, SocketReading, answer_key
 from ._reading import close_fd as _close
+from ._sending import send_message
 from ._values import DEFAULT_BUSY_POLL_US, allocation_id, busy_poll_budget, deadline_of, left_until, u64
 from .errors import STATUS, VmmdError
 
 __all__ = ["ClientSession", "DEFAULT_BUSY_POLL_US", "allocation_id", "busy_poll_budget"]
 
-PROTOCOL_VERSION = 1
 # A descriptor the daemon sent and nobody claimed is closed after this long.
 UNCLAIMED_TRANSFER_S = 30.0
-# release_many keeps at most this many requests unanswered: the daemon's socket buffer holds a few hundred
-# answers, and one the client's socket cannot take is dropped (SESSION_SOCKET_FULL).
-RELEASE_WINDOW = 64
 # A main thread that leaves the socket to the reader thread at its deadline waits this much longer for it.
 YIELD_GRACE_S = 0.005
 
@@ -45,41 +43,7 @@ def _SOCKET_BUSY() -> VmmdError:
     return VmmdError("SESSION_SOCKET_FULL", STATUS["UNAVAILABLE"], "the session socket is full: another call of this process is still waiting for the daemon to read; nothing was sent")
 
 
-class _Pending:
-    """One answer awaited by a caller (an allocate request, a ping)."""
-
-    __slots__ = ("event", "message", "fd", "error", "abandoned", "_orphans")
-
-    def __init__(self, orphans: List[str]) -> None:
-        self.event = Flag()
-        self.message: Optional[Dict[str, Any]] = None
-        self.fd = -1
-        self.error: Optional[VmmdError] = None
-        # Its caller gave up (an interrupt, a timeout): the answer, when it comes, is released by the session.
-        self.abandoned = False
-        self._orphans = orphans
-
-    def take(self) -> Tuple[Dict[str, Any], int]:
-        """The answer and its descriptor, now the caller's (no longer this record's to release)."""
-        message, fd, self.message, self.fd = self.message, self.fd, None, -1
-        assert message is not None
-        return message, fd
-
-    def __del__(self) -> None:
-        # An answer its caller never took (cut short where no except ran: an interrupt inside one):
-        # its descriptor is closed and its allocation released with the session's next send.
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        message, self.message = self.message, None
-        if message is not None and message.get("type") == "allocated" and isinstance(message.get("allocation"), str):
-            self._orphans.append(message["allocation"])
-
-
-class ClientSession:
+class ClientSession(AbandonedAnswers, BatchedReleases):
     """One session: the lease on everything this process creates through vmmd.
 
     Every message the daemon sends is dispatched in order: descriptors go to
@@ -111,7 +75,7 @@ class ClientSession:
         # Invariant: every fd in _inbox is owned by the session until claimed or expired.
         self._inbox: Dict[str, Tuple[int, float]] = {}
         # Invariant: every request sent and not answered yet, awaited or abandoned (its answer released on arrival).
-        self._requests: Dict[str, _Pending] = {}
+        self._requests: Dict[str, Pending] = {}
         # Allocations whose answers came for abandoned requests: released by the session (its next send).
         self._orphans: List[str] = []
         self._send_lock = mutex()
@@ -134,37 +98,7 @@ class ClientSession:
 
         Raises VmmdError UNAVAILABLE DAEMON_UNREACHABLE, DEADLINE_EXCEEDED NO_GREETING,
         PERMISSION_DENIED (the daemon refused the session), UNAVAILABLE BAD_GREETING."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            sock.connect(path)
-        except OSError as error:
-            sock.close()
-            raise VmmdError("DAEMON_UNREACHABLE", STATUS["UNAVAILABLE"], f"cannot reach vmmd at {path}: {error.strerror or error}") from None
-        sock.settimeout(timeout)
-        try:
-            data, fds = recv_message(sock)
-        except socket.timeout:
-            sock.close()
-            raise VmmdError("NO_GREETING", STATUS["DEADLINE_EXCEEDED"], f"vmmd at {path} sent no greeting within {timeout} s") from None
-        except OSError as error:
-            sock.close()
-            raise VmmdError("DAEMON_UNREACHABLE", STATUS["UNAVAILABLE"], f"vmmd at {path}: {error}") from None
-        for fd in fds:
-            os.close(fd)
-        if not data:
-            sock.close()
-            raise VmmdError("DAEMON_UNREACHABLE", STATUS["UNAVAILABLE"], f"vmmd at {path} closed the session socket")
-        try:
-            hello = json.loads(data.decode("utf-8"))
-        except ValueError:
-            hello = None
-        if isinstance(hello, dict) and hello.get("type") == "error":
-            sock.close()
-            raise VmmdError(str(hello.get("code")), STATUS["PERMISSION_DENIED"], f"vmmd refused the session: {hello.get('message')}")
-        if not isinstance(hello, dict) or hello.get("type") != "hello" or hello.get("protocol") != PROTOCOL_VERSION:
-            sock.close()
-            raise VmmdError("BAD_GREETING", STATUS["UNAVAILABLE"], f"vmmd at {path} greeted with an unexpected message")
-        sock.settimeout(None)
+        sock, hello = greet(path, timeout)
         return cls(sock, hello, busy_poll_us)
 
     @property
@@ -276,70 +210,10 @@ class ClientSession:
         self._request({"type": "ping"}, timeout, "ping", key="nonce")
         return time.perf_counter() - start
 
-    def release_many(self, allocations: List[int], timeout: Optional[float] = 30.0) -> List[Union[Dict[str, Any], VmmdError]]:
-        """Releases several allocations in one round trip: every request is
-        sent before any answer is waited for. Returns, in order, each answer
-        (as release()'s) or the VmmdError that refused it; a refusal does not
-        stop the others. Raises VmmdError BAD_ID (nothing sent) for an id that
-        is not a uint64, and NO_ANSWER (`timeout` seconds for them all; None:
-        no limit) or SESSION_LOST, after waiting for the requests already
-        sent, when the session fails."""
-        ids = [allocation_id(allocation) for allocation in allocations]
-        self._check_process()
-        self._release_orphans()
-        deadline = deadline_of(None if timeout is None else float(timeout))
-        sent: List[Tuple[str, _Pending]] = []
-        registered: List[Tuple[str, _Pending]] = []
-        tail: List[VmmdError] = []
-        failure: Optional[VmmdError] = None
-        results: List[Union[Dict[str, Any], VmmdError]] = []
-
-        def collect(request: str, pending: _Pending) -> None:
-            nonlocal failure
-            try:
-                self._await(request, pending, left_until(deadline), "release", limit=timeout)
-                assert pending.message is not None
-                results.append(pending.message)
-            except VmmdError as error:
-                if error.code in ("NO_ANSWER", "SESSION_LOST"):
-                    failure = failure or error
-                results.append(error)
-
-        held = self._reading.depth()
-        try:
-            self._reading.take(self._closed)  # as _request: before the first release goes
-            for index, allocation in enumerate(ids):
-                # At most RELEASE_WINDOW unanswered: the daemon drops answers a full socket cannot take.
-                if len(sent) - len(results) >= RELEASE_WINDOW:
-                    collect(*sent[len(results)])
-                if deadline is not None and time.monotonic() >= deadline:
-                    # Past the deadline nothing more is sent: the rest are not released.
-                    unsent = VmmdError("NO_ANSWER", STATUS["DEADLINE_EXCEEDED"], f"release_many: {len(ids) - index} release(s) not sent: the {timeout} s deadline passed")
-                    failure = failure or unsent
-                    tail = [unsent] * (len(ids) - index)
-                    break
-                try:
-                    sent.append(self._send_request({"type": "release", "allocation": allocation}, "request", registered, deadline))
-                except VmmdError as error:
-                    failure = failure or error
-                    break
-            for request, pending in sent[len(results):]:
-                collect(request, pending)
-            results.extend(tail)
-        except BaseException:
-            self._reading.leave_to(held)
-            self._abandon_all(registered)
-            raise
-        finally:
-            self._reading.leave_to(held)
-        if failure is not None:
-            raise failure
-        return results
-
-    def _request(self, message: Dict[str, Any], timeout: Optional[float], what: str, key: str = "request") -> _Pending:
+    def _request(self, message: Dict[str, Any], timeout: Optional[float], what: str, key: str = "request") -> Pending:
         self._check_process()  # before the take: a forked child's take would turn its parent's epoll
         self._release_orphans()
-        sent: List[Tuple[str, _Pending]] = []
+        sent: List[Tuple[str, Pending]] = []
         held = self._reading.depth()
         try:
             try:
@@ -357,12 +231,12 @@ class ClientSession:
             raise
         return pending
 
-    def _send_request(self, message: Dict[str, Any], key: str = "request", sent: Optional[List[Tuple[str, _Pending]]] = None, deadline: Optional[float] = None) -> Tuple[str, _Pending]:
+    def _send_request(self, message: Dict[str, Any], key: str = "request", sent: Optional[List[Tuple[str, Pending]]] = None, deadline: Optional[float] = None) -> Tuple[str, Pending]:
         """Sends a request under a new id, registered for its answer: (the id,
         its pending answer). `sent` gets (its key, the pending answer) before
         the registration: a caller cut short anywhere after it can forget it.
         The send waits for room in the socket until `deadline` (_send)."""
-        pending = _Pending(self._orphans)
+        pending = Pending(self._orphans)
         with self._sending(deadline):
             request = str(self._next_request)
             self._next_request += 1
@@ -385,12 +259,7 @@ class ClientSession:
                 raise
         return request, pending
 
-    def _abandon_all(self, sent: List[Tuple[str, _Pending]]) -> None:
-        """Forgets every request of a call cut short (an interrupt, a failure) that is not answered and taken."""
-        for key, pending in sent:
-            self._abandon(key, pending)
-
-    def _await(self, request: str, pending: _Pending, timeout: Optional[float], what: str, key: str = "request", limit: Optional[float] = None) -> None:
+    def _await(self, request: str, pending: Pending, timeout: Optional[float], what: str, key: str = "request", limit: Optional[float] = None) -> None:
         """Waits for a sent request's answer, reading the socket on this
         thread when no other reads it (a take the caller leaves); raises its
         refusal, SESSION_LOST, or NO_ANSWER after `timeout` seconds (None or
@@ -419,63 +288,6 @@ class ClientSession:
             raise
         if pending.error is not None:
             raise pending.error
-
-    def _abandon(self, key: str, pending: _Pending) -> None:
-        """Gives up a request its caller will not take: what its answer made
-        is released, now if it is here (a descriptor closed, an allocation
-        released), else when it comes (_dispatch_one)."""
-        with guarded(self._lock):
-            pending.abandoned = True
-            message, pending.message = pending.message, None
-            if message is not None and message.get("type") == "allocated":
-                self._orphans.append(str(message.get("allocation")))
-            # Closed where it is taken out: no call between the two (a signal runs its handler after a call).
-            fd, pending.fd = pending.fd, -1
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        self._release_orphans()
-
-    def _release_orphans(self) -> None:
-        """Sends a release for each allocation whose answer nobody took, while
-        the send lock is free and the socket has room now (never waiting: the
-        reading thread calls it); what is left goes with the next call. The
-        releases' own answers are abandoned: nobody awaits them."""
-        if not self._orphans or self._closed or self._forked or self._send_lock._is_owned():
-            return
-        try:
-            if not self._send_lock.acquire(False):
-                return
-            while self._orphans:
-                pending = _Pending(self._orphans)
-                pending.abandoned = True
-                request = str(self._next_request)
-                self._next_request += 1
-                with guarded(self._lock):
-                    self._requests[f"request:{request}"] = pending
-                try:
-                    self._send({"type": "release", "allocation": self._orphans[0], "request": request}, deadline=time.monotonic())
-                except VmmdError:
-                    with guarded(self._lock):
-                        self._requests.pop(f"request:{request}", None)
-                    return
-                # Removed once sent: an interrupt between the two sends it twice (the second refused, and ignored), never not at all.
-                self._orphans.pop(0)
-        finally:
-            release_if_held(self._send_lock)
-
-    def disown(self, allocation: str) -> None:
-        """Releases an allocation this process got but cannot use (its caller
-        was cut short after the answer came): now if the socket is free, else
-        with the next call."""
-        self._orphans.append(allocation)
-        self._release_orphans()
-
-    def orphans(self) -> List[str]:
-        """Allocations whose answers came for requests given up on, not released yet (they go with the next call)."""
-        return list(self._orphans)
 
     # -- lifetime ----------------------------------------------------------
 
@@ -550,36 +362,7 @@ class ClientSession:
         self._check_process()
         if self._closed:
             raise self._lost()
-        data = json.dumps(message, separators=(",", ":")).encode("utf-8")
-        started = time.monotonic()
-        while True:
-            if stage is not None:
-                stage[0] = "sending"
-            try:
-                # A SEQPACKET message goes whole or not at all.
-                if fd >= 0:
-                    socket.send_fds(self._sock, [data], [fd], socket.MSG_DONTWAIT)
-                else:
-                    self._sock.send(data, socket.MSG_DONTWAIT)
-                return
-            except BlockingIOError:
-                if stage is not None:
-                    stage[0] = "waiting"
-            except OSError as error:
-                raise VmmdError("SESSION_LOST", STATUS["UNAVAILABLE"], f"the session socket failed: {error}") from None
-            left = left_until(deadline)
-            if left == 0:
-                raise VmmdError("SESSION_SOCKET_FULL", STATUS["UNAVAILABLE"], f"the session socket is full: the daemon has not read for {time.monotonic() - started:.3f} s; nothing was sent")
-            if self._closed:
-                raise self._lost()
-            # Until there is room, the deadline, or a second (to look at the session again).
-            try:
-                poller = select.poll()
-                poller.register(self._sock.fileno(), select.POLLOUT)
-                poller.poll(1000 if left is None else max(1, min(1000, math.ceil(left * 1000))))
-            except (ValueError, OSError):
-                # The session closed meanwhile (its socket's descriptor is gone).
-                raise self._lost() from None
+        send_message(self._sock, json.dumps(message, separators=(",", ":")).encode("utf-8"), fd, deadline, stage, lambda: self._closed, self._lost)
 
     def _read_loop(self) -> None:
         """The reader thread: reads while no caller does, until the connection ends; then finishes the session."""
