@@ -7,6 +7,7 @@ before any of its code."""
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from typing import Any, Callable, List
 
@@ -27,11 +28,13 @@ def in_child(hook: Callable[[], None]) -> None:
 
 
 def _after_fork_in_child() -> None:
-    for session in list(_SESSIONS):
-        session.forget_after_fork()
+    # Each step on its own: one that fails leaves the others to run (the child reports it and goes on).
+    for step in [session.forget_after_fork for session in list(_SESSIONS)] + list(_HOOKS):
+        try:
+            step()
+        except Exception as error:  # noqa: BLE001 - a hook's failure must not stop the child's start
+            warnings.warn(f"vmmd: cleaning up after fork failed: {error!r}", RuntimeWarning, stacklevel=1)
     _SESSIONS.clear()
-    for hook in _HOOKS:
-        hook()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
