@@ -56,21 +56,23 @@ def test_a_stopped_daemon_fails_calls_by_their_timeout_and_leaves_nothing_owned_
     client = stoppable.connect()
     try:
         client.admin.get_stats()  # the channel connected before the daemon stops
+        store = client.stores.attach_bytes(b"x" * 4096, name="opened-late")
         assert stoppable.stats().allocations == 0
         os.kill(stoppable.process.pid, signal.SIGSTOP)
         try:
             assert fails_by_its_timeout(lambda: client.vmm.allocate(2 * MiB, timeout=0.5), 0.5).code == "NO_ANSWER"
             fails_by_its_timeout(lambda: client.session.allocate(2 * MiB, timeout=0.3), 0.3)
             fails_by_its_timeout(lambda: client.devices.list_devices(timeout=0.5), 0.5)
-            fails_by_its_timeout(lambda: client.stores.open("nothing", timeout=0.5), 0.5)
+            fails_by_its_timeout(lambda: client.stores.open("opened-late", timeout=0.5), 0.5)
             fails_by_its_timeout(lambda: client.session.ping(timeout=0.3), 0.3)
         finally:
             os.kill(stoppable.process.pid, signal.SIGCONT)
-        # The allocations answered too late are released by the session: none is left to nobody.
+        # What the answers that came too late made is undone by the session: nothing is left to nobody.
         def settled() -> bool:
             client.session.ping(timeout=5)
-            return stoppable.stats().allocations == 0 and not client.session.orphans()
-        eventually(settled, what="the late answers' allocations to be released")
+            opens = [s.opens for s in client.stores.list(timeout=5) if s.id == store.id]
+            return stoppable.stats().allocations == 0 and opens == [0] and not client.session.orphans()
+        eventually(settled, what="what the late answers made to be undone")
         memory = client.vmm.allocate(2 * MiB, timeout=5)
         assert stoppable.stats().allocations == 1
         client.vmm.release(allocation_id=memory.allocation_id, timeout=5)

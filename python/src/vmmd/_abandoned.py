@@ -1,8 +1,8 @@
 """Answers nobody will take: a request whose caller was cut short (an
 interrupt, its timeout) is abandoned, not forgotten. What its answer made is
 released when the answer comes (the descriptor closed, the allocation
-released with the session's next send), and an answer its caller never took
-is released when its record is collected."""
+released with the session's next send, the store's open closed), and an
+answer its caller never took is released when its record is collected."""
 from __future__ import annotations
 
 import os
@@ -12,13 +12,28 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from ._locks import Flag, guarded, release_if_held
 from .errors import VmmdError
 
+# What is left to undo for an answer nobody took: ("release", allocation id) or ("close", store id).
+Orphan = Tuple[str, str]
+
+
+def orphan_of(message: Optional[Dict[str, Any]]) -> Optional[Orphan]:
+    """What an answer made that its caller would have owned: an allocation, or an open of a store."""
+    if not isinstance(message, dict):
+        return None
+    if message.get("type") == "allocated" and isinstance(message.get("allocation"), str):
+        return ("release", message["allocation"])
+    store = message.get("store")
+    if message.get("type") == "opened" and isinstance(store, dict) and store.get("id") is not None:
+        return ("close", str(store["id"]))
+    return None
+
 
 class Pending:
     """One answer awaited by a caller (an allocate request, a ping)."""
 
     __slots__ = ("event", "message", "fd", "error", "abandoned", "_orphans")
 
-    def __init__(self, orphans: List[str]) -> None:
+    def __init__(self, orphans: List[Orphan]) -> None:
         self.event = Flag()
         self.message: Optional[Dict[str, Any]] = None
         self.fd = -1
@@ -43,19 +58,24 @@ class Pending:
             except OSError:
                 pass
         message, self.message = self.message, None
-        if message is not None and message.get("type") == "allocated" and isinstance(message.get("allocation"), str):
-            self._orphans.append(message["allocation"])
+        orphan = orphan_of(message)
+        if orphan is not None:
+            self._orphans.append(orphan)
 
 
 class AbandonedAnswers:
     """ClientSession's part that gives up requests and releases what their
     answers made. Uses the session's _lock, _send_lock, _requests, _orphans,
-    _next_request, _send(), _closed and _forked."""
+    _next_request, _send(), _closed and _forked. `close_store_open(store_id)`:
+    how an open of a store is closed (the client's Close RPC, not awaited);
+    without it, opens nobody took go with the session."""
+
+    close_store_open: Optional[Callable[[str], None]] = None
 
     _lock: Any
     _send_lock: Any
     _requests: Dict[str, Pending]
-    _orphans: List[str]
+    _orphans: List[Orphan]
     _next_request: int
     _closed: bool
     _forked: bool
@@ -74,8 +94,9 @@ class AbandonedAnswers:
         with guarded(self._lock):
             pending.abandoned = True
             message, pending.message = pending.message, None
-            if message is not None and message.get("type") == "allocated":
-                self._orphans.append(str(message.get("allocation")))
+            orphan = orphan_of(message)
+            if orphan is not None:
+                self._orphans.append(orphan)
             # Closed where it is taken out: no call between the two (a signal runs its handler after a call).
             fd, pending.fd = pending.fd, -1
             if fd >= 0:
@@ -96,6 +117,12 @@ class AbandonedAnswers:
             if not self._send_lock.acquire(False):
                 return
             while self._orphans:
+                kind, ident = self._orphans[0]
+                if kind == "close":
+                    if self.close_store_open is not None:
+                        self.close_store_open(ident)
+                    self._orphans.pop(0)
+                    continue
                 pending = Pending(self._orphans)
                 pending.abandoned = True
                 request = str(self._next_request)
@@ -103,7 +130,7 @@ class AbandonedAnswers:
                 with guarded(self._lock):
                     self._requests[f"request:{request}"] = pending
                 try:
-                    self._send({"type": "release", "allocation": self._orphans[0], "request": request}, deadline=time.monotonic())
+                    self._send({"type": "release", "allocation": ident, "request": request}, deadline=time.monotonic())
                 except VmmdError:
                     with guarded(self._lock):
                         self._requests.pop(f"request:{request}", None)
@@ -117,9 +144,10 @@ class AbandonedAnswers:
         """Releases an allocation this process got but cannot use (its caller
         was cut short after the answer came): now if the socket is free, else
         with the next call."""
-        self._orphans.append(allocation)
+        self._orphans.append(("release", allocation))
         self._release_orphans()
 
-    def orphans(self) -> List[str]:
-        """Allocations whose answers came for requests given up on, not released yet (they go with the next call)."""
+    def orphans(self) -> List[Orphan]:
+        """What answers nobody took made and is not undone yet (it goes with the next call):
+        ("release", allocation id) and ("close", store id)."""
         return list(self._orphans)

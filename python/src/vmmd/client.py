@@ -95,6 +95,9 @@ class VmmdClient:
         # The session holds the client weakly (its reader thread holds the session): a client dropped without
         # close() is collected, and its finalizer ends the session.
         session.on_close.append(_weakly(self._on_session_close))
+        stores = self.stores._service
+        # An open whose answer nobody took (an interrupted or timed-out open) is closed, not awaited.
+        session.close_store_open = lambda store_id: stores.unary_future("Close", store_id=int(store_id))
         self._finalizer = weakref.finalize(self, _close_parts, session, channel, self.vmm)
         self._finalizer.atexit = False  # at exit the daemon sees the socket close
 

@@ -13,7 +13,7 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import _fork
-from ._abandoned import AbandonedAnswers, Pending
+from ._abandoned import AbandonedAnswers, Orphan, Pending, orphan_of
 from ._batch import BatchedReleases
 from ._greeting import greet
 from ._locks import condition, guarded, mutex
@@ -76,8 +76,8 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
         self._inbox: Dict[str, Tuple[int, float]] = {}
         # Invariant: every request sent and not answered yet, awaited or abandoned (its answer released on arrival).
         self._requests: Dict[str, Pending] = {}
-        # Allocations whose answers came for abandoned requests: released by the session (its next send).
-        self._orphans: List[str] = []
+        # What answers of abandoned requests made (allocations, opens of stores): undone with the session's next send.
+        self._orphans: List[Orphan] = []
         self._send_lock = mutex()
         self._next_transfer = 1
         self._next_request = 1
@@ -417,8 +417,9 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
             if pending is not None and pending.abandoned:
                 # Nobody awaits it: what it made is released (its descriptor by _dispatch, its allocation below).
                 del self._requests[key]  # type: ignore[arg-type]
-                if kind == "allocated" and isinstance(message.get("allocation"), str):
-                    self._orphans.append(message["allocation"])
+                orphan = orphan_of(message)
+                if orphan is not None:
+                    self._orphans.append(orphan)
                 orphaned = True
             elif pending is not None:
                 # Answered, then forgotten: a caller is never left unregistered and unanswered.
