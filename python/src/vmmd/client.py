@@ -1,6 +1,8 @@
-"""connect(): the session socket and the gRPC channel of one client process,
-with one method per RPC of every service (the token sent on each), and the
-local half of sharing: import() maps exported memory into this process."""
+"""connect() and shared_client(): a client process's session and gRPC
+channel, with one method per RPC of every service (the token sent on each):
+Devices and Admin here, VirtualMemory in _vmm (import_() and allocate() map
+memory into this process), Stores in _stores, the calls themselves in _rpc.
+A client is closed by close(), or by its finalizer once dropped."""
 from __future__ import annotations
 
 import mmap
