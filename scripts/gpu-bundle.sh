@@ -29,7 +29,7 @@ cp build/Release/vmmd_native.node "$stage/vmmd/build/Release/"
 # The Python client (pure Python and the descriptor set generated from proto/;
 # its C allocation library is built there) and its GPU tests and benchmarks.
 mkdir -p "$stage/vmmd/python" "$stage/vmmd/test/gpu" "$stage/vmmd/bench"
-cp -r python/pyproject.toml python/setup.py python/README.md python/src python/tests "$stage/vmmd/python/"
+cp -r python/pyproject.toml python/MANIFEST.in python/README.md python/src python/tests "$stage/vmmd/python/"
 cp -r test/gpu/python "$stage/vmmd/test/gpu/"
 cp -r bench/python "$stage/vmmd/bench/"
 find "$stage/vmmd/python" "$stage/vmmd/test/gpu/python" "$stage/vmmd/bench/python" \( -name __pycache__ -o -name '*.egg-info' -o -name '*.so' \) -prune -exec rm -rf {} +

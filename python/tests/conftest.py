@@ -53,6 +53,12 @@ class Daemon:
     def stats(self) -> Any:
         return self.raw["Admin"]["GetStats"](_proto.message("GetStatsRequest")(), timeout=10)
 
+    def connect_admin(self) -> Any:
+        """The Admin service, sessionless (as vmmctl)."""
+        from vmmd.client import AdminApi, _Service
+
+        return AdminApi(_Service(self.channel, "Admin", lambda: [], 10.0))
+
     def connect(self, **options: Any) -> vmmd.VmmdClient:
         return vmmd.connect(self.dir, **options)
 

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import pickle
+import sys
+import types
+from typing import Any
 
 import pytest
 
@@ -88,3 +91,50 @@ def test_errors_pickle_across_processes() -> None:
     error = vmmd.VmmdError("NOT_ALIGNED", 3, "size 5")
     copy = pickle.loads(pickle.dumps(error))
     assert (copy.code, copy.status, copy.message) == ("NOT_ALIGNED", 3, "size 5")
+
+
+def test_out_of_memory_is_a_memory_error_with_its_code(client: vmmd.VmmdClient) -> None:
+    for call in (lambda: client.vmm.allocate(512 * MiB), lambda: client.vmm.create(size=512 * MiB)):
+        with pytest.raises(MemoryError) as raised:
+            call()
+        error = raised.value
+        assert isinstance(error, vmmd.OutOfMemoryError) and isinstance(error, vmmd.VmmdError)
+        assert (error.code, error.status_name) == ("OUT_OF_MEMORY", "RESOURCE_EXHAUSTED") and error.out_of_memory
+
+
+def test_an_unreachable_daemon_is_a_connection_error(tmp_path: Any) -> None:
+    with pytest.raises(ConnectionError) as raised:
+        vmmd.connect(str(tmp_path))
+    assert isinstance(raised.value, vmmd.VmmdError) and isinstance(raised.value, vmmd.VmmdConnectionError)
+    assert (raised.value.code, raised.value.status_name) == ("DAEMON_UNREACHABLE", "UNAVAILABLE")
+
+
+def test_errors_of_each_kind_pickle_as_their_kind() -> None:
+    for code, status, kind in (("OUT_OF_MEMORY", 8, MemoryError), ("NO_ANSWER", 4, TimeoutError), ("SESSION_LOST", 14, ConnectionError), ("NOT_ALIGNED", 3, vmmd.VmmdError)):
+        copy = pickle.loads(pickle.dumps(vmmd.VmmdError(code, status, "m")))
+        assert isinstance(copy, kind) and isinstance(copy, vmmd.VmmdError), (code, type(copy))
+        assert (copy.code, copy.status, copy.message, str(copy)) == (code, status, "m", f"{code}: m")
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """cupy.cuda.memory as far as its OutOfMemoryError goes: a MemoryError whose constructor takes sizes."""
+
+    class OutOfMemoryError(MemoryError):
+        def __init__(self, size: int, total: int, limit: int = 0) -> None:
+            super().__init__(f"Out of memory allocating {size:,} bytes (allocated so far: {total:,} bytes).")
+
+    memory = types.ModuleType("cupy.cuda.memory")
+    memory.OutOfMemoryError = OutOfMemoryError  # type: ignore[attr-defined]
+    for name, module in (("cupy", types.ModuleType("cupy")), ("cupy.cuda", types.ModuleType("cupy.cuda")), ("cupy.cuda.memory", memory)):
+        monkeypatch.setitem(sys.modules, name, module)
+    return memory
+
+
+def test_out_of_memory_is_cupys_out_of_memory_where_cupy_is_loaded(client: vmmd.VmmdClient, fake_cupy: Any) -> None:
+    with pytest.raises(fake_cupy.OutOfMemoryError) as raised:
+        client.vmm.allocate(512 * MiB)
+    error = raised.value
+    assert isinstance(error, vmmd.OutOfMemoryError) and isinstance(error, MemoryError)
+    assert (error.code, error.status_name) == ("OUT_OF_MEMORY", "RESOURCE_EXHAUSTED")
+    assert str(error).startswith("OUT_OF_MEMORY: ")

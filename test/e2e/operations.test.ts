@@ -170,7 +170,7 @@ describe('Admin and metrics', () => {
     expect(report.calls.Create).toEqual({ OK: 1 });
     expect(report.devices[0]).toMatchObject({ kind: 'HOST', granularityMinimum: String(2n * MiB) });
     const version = await call(daemon.raw.admin, 'GetVersion', {});
-    expect(version).toMatchObject({ version: require('../../package.json').version, backend: 'host', node: process.version });
+    expect(version).toMatchObject({ version: require(path.join(ROOT, 'package.json')).version, backend: 'host', node: process.version });
     expect(version.commit).not.toBe('');
     const fd = addon.hostMemfdCreate('stray', 2n * MiB);
     client.session.sendDescriptor(fd);

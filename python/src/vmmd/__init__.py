@@ -21,12 +21,12 @@ from .client import (
     sealed_memfd,
     shared_client,
 )
-from .errors import VmmdError
+from .errors import OutOfMemoryError, VmmdConnectionError, VmmdError, VmmdTimeoutError
 from .memory import ArrayView, CudaImportedMemory, HostImportedMemory, ImportedMemory
 from .paths import default_socket_dir
 from .session import ClientSession
 
-__version__ = "0.3.0"
+__version__ = "0.3.0"  # = package.json's version
 __all__ = [
     "AdminApi",
     "ArrayView",
@@ -37,10 +37,13 @@ __all__ = [
     "HostImportedMemory",
     "ImportedMemory",
     "OpenedStore",
+    "OutOfMemoryError",
     "StoresApi",
     "VirtualMemoryApi",
     "VmmdClient",
+    "VmmdConnectionError",
     "VmmdError",
+    "VmmdTimeoutError",
     "connect",
     "default_socket_dir",
     "sealed_memfd",

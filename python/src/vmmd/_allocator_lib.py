@@ -4,14 +4,10 @@ the Python callbacks it calls."""
 from __future__ import annotations
 
 import ctypes
-import glob
-import importlib.machinery
 import os
-import subprocess
 import sys
-import tempfile
 
-from .errors import STATUS, VmmdError
+from ._compile import shared_library
 
 MALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
 FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
@@ -19,26 +15,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def library_path() -> str:
-    """The built allocation library: the one built on install, else one built
-    now with the host's C compiler (cached under VMMD_CACHE_DIR or ~/.cache/vmmd)."""
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        found = glob.glob(os.path.join(HERE, f"_torch_allocator{suffix}"))
-        if found:
-            return found[0]
-    source = os.path.join(HERE, "_torch_allocator.c")
-    cache = os.environ.get("VMMD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "vmmd")
-    os.makedirs(cache, exist_ok=True)
-    target = os.path.join(cache, f"_torch_allocator-{int(os.path.getmtime(source))}.so")
-    if not os.path.exists(target):
-        compiler = os.environ.get("CC", "cc")
-        with tempfile.NamedTemporaryFile(dir=cache, suffix=".so", delete=False) as partial:
-            pass
-        result = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", partial.name, source], capture_output=True, text=True)
-        if result.returncode != 0:
-            os.unlink(partial.name)
-            raise VmmdError("NO_COMPILER", STATUS["FAILED_PRECONDITION"], f"building {source} with {compiler} failed: {result.stderr.strip()[:500]}; reinstall vmmd with a C compiler present")
-        os.replace(partial.name, target)
-    return target
+    """The built allocation library (vmmd._compile: built with the host's C compiler on first use, then cached).
+    Raises VmmdError NO_COMPILER."""
+    return shared_library(os.path.join(HERE, "_torch_allocator.c"))
 
 
 def load(allocate, release):  # type: ignore[no-untyped-def]

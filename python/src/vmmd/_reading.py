@@ -33,6 +33,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ._locks import guarded
+
 MAX_MESSAGE_BYTES = 4096
 
 # What the reader thread waits for: messages and the hang-up, or (while a caller reads) only the hang-up.
@@ -91,11 +93,14 @@ class SocketReading:
         dispatch: Callable[[bytes, List[int], Optional[Dict[str, Any]]], None],
         answers: Tuple[str, ...],
         busy_poll_us: int,
+        carrying: Tuple[str, ...] = (),
     ) -> None:
         self._sock = sock
         self._lock = lock
         self._dispatch = dispatch
         self._answers = answers
+        # The types of message that carry a descriptor: left to the reader thread by the main thread.
+        self._carrying = carrying
         self.busy_poll_s = busy_poll_us / 1e6
         # Invariant: the thread that reads the socket (its ident), else None, and how many of its takes
         # it has not left yet (a request made from a callback on the reading thread takes it again);
@@ -125,7 +130,7 @@ class SocketReading:
         holds it (now, or again: each take is left once). A caller's take
         turns the reader thread's epoll to the hang-up only."""
         me = threading.get_ident()
-        with self._lock:
+        with guarded(self._lock):
             if self.holder == me:
                 self._depth += 1
                 return True
@@ -154,7 +159,7 @@ class SocketReading:
         an interrupt cuts it short, and an interrupt anywhere in take() or
         leave() leaves no take behind and releases no outer one."""
         me = threading.get_ident()
-        with self._lock:
+        with guarded(self._lock):
             if self.holder == me:
                 if depth > 0:
                     self._depth = min(self._depth, depth)
@@ -178,7 +183,7 @@ class SocketReading:
 
     # -- a caller's reading ----------------------------------------------------
 
-    def read_until(self, event: threading.Event, key: str, deadline: Optional[float]) -> str:
+    def read_until(self, event: Any, key: str, deadline: Optional[float]) -> str:
         """Reads and dispatches (this thread holds the socket) until `event`
         is set (the answer keyed `key`), the deadline passes, the connection
         ends or (main thread) a message that is not the answer comes first.
@@ -186,7 +191,8 @@ class SocketReading:
         handler's exception goes through (the caller's finally leaves)."""
         # The main thread of a program with other Python threads takes only its own answer (module docstring);
         # alone with the reader thread, nothing but its own answer or an unsolicited daemon error can come.
-        careful = threading.active_count() > 2 and threading.current_thread() is threading.main_thread()
+        main = threading.current_thread() is threading.main_thread()
+        careful = threading.active_count() > 2 and main
         spin_until = time.monotonic() + self.busy_poll_s
         while not event.is_set():
             now = time.monotonic()
@@ -194,7 +200,7 @@ class SocketReading:
                 # One last look without waiting: an answer already here is not a timeout (behind another
                 # message, for a careful main thread: YIELDED, and the reader thread dispatches it).
                 if self._caller_poll.poll(0):
-                    last = self.drain(event, key if careful else None)
+                    last = self.drain(event, key if careful else None, spare=main)
                     if last in (ENDED, YIELDED) and not event.is_set():
                         return last
                 return ANSWERED if event.is_set() else TIMED_OUT
@@ -206,24 +212,27 @@ class SocketReading:
                 wait_ms = min(_POLL_CAP_MS, max(1, int((deadline - now) * 1000 + 0.999)))
             if not self._caller_poll.poll(wait_ms):
                 continue
-            outcome = self.drain(event, key if careful else None, deadline)
+            outcome = self.drain(event, key if careful else None, deadline, main)
             if outcome in (ENDED, YIELDED):
                 return outcome
             spin_until = time.monotonic() + self.busy_poll_s
         return ANSWERED
 
-    def drain(self, until: Optional[threading.Event] = None, only: Optional[str] = None, deadline: Optional[float] = None) -> str:
+    def drain(self, until: Any = None, only: Optional[str] = None, deadline: Optional[float] = None, spare: bool = False) -> str:
         """Dispatches the messages waiting on the socket without blocking
         (this thread holds it): all of them, or up to `until` being set, or
         to the deadline. `only`: take a message only if it answers that key
-        (YIELDED at the first that does not). ENDED when the connection
-        ended, else ANSWERED (nothing more waiting, or `until` set)."""
+        (YIELDED at the first that does not). `spare` (the main thread):
+        leave a message that carries a descriptor (YIELDED): a signal handled
+        as recvmsg returns would lose the descriptor with the message.
+        ENDED when the connection ended, else ANSWERED (nothing more
+        waiting, or `until` set)."""
         while until is None or not until.is_set():
             if deadline is not None and time.monotonic() >= deadline:
                 return ANSWERED
             parsed: Optional[Dict[str, Any]] = None
             try:
-                if only is not None:
+                if only is not None or spare:
                     head = self._sock.recv(MAX_MESSAGE_BYTES * 2, socket.MSG_PEEK | socket.MSG_DONTWAIT)
                     if not head:
                         self.ended = True
@@ -232,7 +241,9 @@ class SocketReading:
                         parsed = json.loads(head.decode("utf-8"))
                     except Exception:  # a bad message: the reader thread drops it
                         return YIELDED
-                    if answer_key(parsed, self._answers) != only:
+                    if only is not None and answer_key(parsed, self._answers) != only:
+                        return YIELDED
+                    if spare and isinstance(parsed, dict) and parsed.get("type") in self._carrying:
                         return YIELDED
                 data, fds = recv_message(self._sock, socket.MSG_DONTWAIT)
             except BlockingIOError:
@@ -259,7 +270,7 @@ class SocketReading:
         """The reader thread: reads while no caller does, until the
         connection ends or `closed()` (checked under the lock)."""
         while True:
-            with self._lock:
+            with guarded(self._lock):
                 while self.holder is not None and not closed():
                     self._lock.wait()
                 if closed() or self.ended:
@@ -279,7 +290,7 @@ class SocketReading:
 
     def wake(self) -> None:
         """Wakes the reader thread's wait (the session is finished)."""
-        with self._lock:
+        with guarded(self._lock):
             if self._watch_closed:
                 return
             try:
@@ -287,9 +298,16 @@ class SocketReading:
             except OSError:
                 pass
 
+    def forget_after_fork(self, lock: threading.Condition) -> None:
+        """In a forked child: the session's new lock, and this process's copies of the epoll and eventfd closed."""
+        self._lock = lock
+        self.holder = None
+        self._depth = 0
+        self.close()
+
     def close(self) -> None:
         """The reader thread's epoll and eventfd: closed by the reader thread as it ends."""
-        with self._lock:
+        with guarded(self._lock):
             if self._watch_closed:
                 return
             self._watch_closed = True

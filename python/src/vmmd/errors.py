@@ -1,7 +1,11 @@
-"""The one exception class of the client library."""
+"""The client library's errors: VmmdError with the daemon's code and gRPC
+status, made as the subclass Python code expects for its kind: out of memory
+is a MemoryError (and CuPy's OutOfMemoryError where CuPy is loaded), an
+unreachable or lost daemon a ConnectionError, a deadline a TimeoutError."""
 from __future__ import annotations
 
-from typing import Any, Optional
+import sys
+from typing import Any, Dict, Optional, Type
 
 import grpc
 
@@ -21,8 +25,18 @@ class VmmdError(Exception):
     with the values involved.
     """
 
+    def __new__(cls, code: str, status: int, message: str) -> "VmmdError":
+        # VmmdError(...) picks the subclass of its kind, wherever the error is made (here or from the daemon).
+        kind = _kind_of(str(code), int(status)) if cls is VmmdError else cls
+        # A builtin base's __new__ (OSError's for TimeoutError): the one object.__new__'s safety check asks for.
+        base: type = kind
+        while base.__module__ != "builtins":
+            base = base.__base__
+        return base.__new__(kind, f"{code}: {message}")  # type: ignore[no-any-return,call-overload]
+
     def __init__(self, code: str, status: int, message: str) -> None:
-        super().__init__(f"{code}: {message}")
+        # Exception's own: a foreign base's __init__ (CuPy's takes sizes) never sees our arguments.
+        Exception.__init__(self, f"{code}: {message}")
         self.code = code
         self.status = int(status)
         self.message = message
@@ -63,6 +77,50 @@ class VmmdError(Exception):
                 code = "DAEMON_UNREACHABLE"
         details = error.details() if hasattr(error, "details") else None  # type: ignore[attr-defined]
         return cls(code, status, details or str(error))
+
+
+class OutOfMemoryError(VmmdError, MemoryError):
+    """The daemon's memory or a quota is exhausted (RESOURCE_EXHAUSTED, or an
+    OUT_OF_MEMORY code): caught by `except MemoryError`, and by `except
+    cupy.cuda.memory.OutOfMemoryError` when CuPy is loaded."""
+
+
+class VmmdConnectionError(VmmdError, ConnectionError):
+    """The daemon is unreachable or the session with it is gone (UNAVAILABLE:
+    DAEMON_UNREACHABLE, SESSION_LOST, SESSION_SOCKET_FULL…)."""
+
+
+class VmmdTimeoutError(VmmdError, TimeoutError):
+    """A call's deadline passed (DEADLINE_EXCEEDED: NO_ANSWER, NO_GREETING,
+    TRANSFER_NOT_RECEIVED, a gRPC call's deadline)."""
+
+
+# The OutOfMemoryError that CuPy's caller also catches, made once per CuPy error class.
+_CUPY_OUT_OF_MEMORY: Dict[type, Type[VmmdError]] = {}
+
+
+def _out_of_memory_class() -> Type[VmmdError]:
+    """OutOfMemoryError, or where CuPy is loaded (a caller can only catch its
+    class then) a subclass that is CuPy's OutOfMemoryError too."""
+    memory = sys.modules.get("cupy.cuda.memory")
+    cupy_class = getattr(memory, "OutOfMemoryError", None)
+    if not isinstance(cupy_class, type) or not issubclass(cupy_class, MemoryError):
+        return OutOfMemoryError
+    made = _CUPY_OUT_OF_MEMORY.get(cupy_class)
+    if made is None:
+        made = type("OutOfMemoryError", (OutOfMemoryError, cupy_class), {"__module__": __name__, "__doc__": OutOfMemoryError.__doc__})
+        _CUPY_OUT_OF_MEMORY[cupy_class] = made
+    return made
+
+
+def _kind_of(code: str, status: int) -> Type[VmmdError]:
+    if status == STATUS["RESOURCE_EXHAUSTED"] or "OUT_OF_MEMORY" in code:
+        return _out_of_memory_class()
+    if status == STATUS["UNAVAILABLE"]:
+        return VmmdConnectionError
+    if status == STATUS["DEADLINE_EXCEEDED"]:
+        return VmmdTimeoutError
+    return VmmdError
 
 
 def invalid(code: str, message: str) -> VmmdError:

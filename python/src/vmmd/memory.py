@@ -9,7 +9,7 @@ import errno
 import mmap
 import os
 import threading
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from .errors import STATUS, VmmdError
 
@@ -183,16 +183,20 @@ class HostImportedMemory(ImportedMemory):
     close() refuses (VIEWS_ALIVE) while views of it are alive, so no view ever
     outlives the mapping."""
 
-    def __init__(self, allocation_id: int, fd: int, size: int, read_only: bool) -> None:
-        """Maps `fd` (and closes it: the mapping keeps the pages).
+    def __init__(self, allocation_id: int, fd: Union[int, List[int]], size: int, read_only: bool) -> None:
+        """Maps `fd` (and closes it: the mapping keeps the pages). `fd` may be
+        a one-item list that owns it: taken out (-1) as this takes it over, so
+        that a caller cut short before then still closes it.
         Raises VmmdError LOCAL_MAP_FAILED (PERMISSION_DENIED for sealed memory asked writable)."""
+        owner = fd if isinstance(fd, list) else [fd]
+        descriptor, owner[0] = owner[0], -1
         try:
             # ACCESS_READ: MAP_SHARED, PROT_READ, and a read-only buffer (a store through it raises, never faults).
-            self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ if read_only else mmap.ACCESS_WRITE)
+            self._map = mmap.mmap(descriptor, size, access=mmap.ACCESS_READ if read_only else mmap.ACCESS_WRITE)
         except OSError as error:
             raise local_map_failed(error, read_only) from None
         finally:
-            os.close(fd)
+            os.close(descriptor)
         super().__init__(allocation_id, buffer_address(self._map), size, 0, read_only)
 
     @property

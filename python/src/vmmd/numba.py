@@ -22,6 +22,7 @@ import threading
 import weakref
 from typing import Any, Dict, Optional, Tuple
 
+from . import _numba_check  # noqa: F401,I001 - first: ImportError naming the fix under Numba's built-in numba.cuda
 from numba.cuda import HostOnlyCUDAMemoryManager, IpcHandle, MemoryInfo, MemoryPointer
 from numba.cuda.cudadrv import driver as _driver
 

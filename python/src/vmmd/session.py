@@ -4,122 +4,46 @@ id, descriptors sent to the daemon, and the requests on the socket (allocate,
 release, share, export, open, ping)."""
 from __future__ import annotations
 
-import contextlib
 import json
-import math
-import operator
 import os
-import select
 import socket
 import threading
 import time
 import warnings
-import weakref
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ._reading import ENDED, MAX_MESSAGE_BYTES, YIELDED, SocketReading, answer_key, recv_message
+from . import _fork
+from ._abandoned import AbandonedAnswers, Orphan, Pending, orphan_of
+from ._batch import BatchedReleases
+from ._greeting import greet
+from ._locks import condition, guarded, mutex
+from ._reading import ENDED, YIELDED, SocketReading, answer_key
 from ._reading import close_fd as _close
+from ._sending import send_message
+from ._values import DEFAULT_BUSY_POLL_US, allocation_id, busy_poll_budget, deadline_of, left_until, u64
 from .errors import STATUS, VmmdError
 
-PROTOCOL_VERSION = 1
+__all__ = ["ClientSession", "DEFAULT_BUSY_POLL_US", "allocation_id", "busy_poll_budget"]
+
 # A descriptor the daemon sent and nobody claimed is closed after this long.
 UNCLAIMED_TRANSFER_S = 30.0
-# release_many keeps at most this many requests unanswered: the daemon's socket buffer holds a few hundred
-# answers, and one the client's socket cannot take is dropped (SESSION_SOCKET_FULL).
-RELEASE_WINDOW = 64
 # A main thread that leaves the socket to the reader thread at its deadline waits this much longer for it.
 YIELD_GRACE_S = 0.005
-# How long a caller spins for its answer before it sleeps in poll (as the TypeScript client:
-# common/busy-poll.ts): a sleeping thread's wake-up is slow on a virtual machine.
-DEFAULT_BUSY_POLL_US = 200
 
 # Answers to request messages, and those that carry a descriptor.
 _ANSWERS = ("allocated", "released", "shared", "exported", "opened")
 _WITH_DESCRIPTOR = ("allocated", "exported", "opened")
 
 
-# Open sessions, for the fork hook below.
-_SESSIONS: "weakref.WeakSet[ClientSession]" = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for session in list(_SESSIONS):
-        session._forked = True
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
 # How long a send with no timeout of its own (send_descriptor) waits for the daemon to read.
 SEND_WAIT_S = 30.0
 
 
-def _deadline(timeout: Optional[float]) -> Optional[float]:
-    """The monotonic deadline of a wait of `timeout` seconds; None (no limit) for None or +inf.
-    Raises VmmdError INVALID_ARGUMENT BAD_TIMEOUT for NaN."""
-    if timeout is None or timeout == math.inf:
-        return None
-    if timeout != timeout:
-        raise VmmdError("BAD_TIMEOUT", STATUS["INVALID_ARGUMENT"], "timeout nan is not a number of seconds")
-    return time.monotonic() + timeout
+def _SOCKET_BUSY() -> VmmdError:
+    return VmmdError("SESSION_SOCKET_FULL", STATUS["UNAVAILABLE"], "the session socket is full: another call of this process is still waiting for the daemon to read; nothing was sent")
 
 
-def _left(deadline: Optional[float]) -> Optional[float]:
-    """Seconds until `deadline` (0 once passed); None for no deadline."""
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-def busy_poll_budget(option: Optional[int] = None, env: Optional[str] = None) -> int:
-    """The busy-poll budget in microseconds: the option, else
-    VMMD_CLIENT_BUSY_POLL_US, else DEFAULT_BUSY_POLL_US (0: never spin).
-    Raises VmmdError INVALID_ARGUMENT BAD_OPTION naming the value and the rule."""
-    if env is None:
-        env = os.environ.get("VMMD_CLIENT_BUSY_POLL_US")
-    if option is not None:
-        value: Any = option
-        source = "busy_poll_us"
-    elif env is not None and env != "":
-        source = "VMMD_CLIENT_BUSY_POLL_US"
-        try:
-            value = int(env, 10)
-        except ValueError:
-            value = env
-    else:
-        return DEFAULT_BUSY_POLL_US
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value > 10_000:
-        raise VmmdError("BAD_OPTION", STATUS["INVALID_ARGUMENT"], f"{source} must be a whole number of microseconds from 0 to 10000, got {option if option is not None else env!r}")
-    return value
-
-
-def _u64(value: Any, what: str) -> str:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value >= 1 << 64:
-        raise VmmdError("BAD_ID", STATUS["INVALID_ARGUMENT"], f"{what} {value!r} is not an integer in [0, 2^64)")
-    return str(value)
-
-
-def allocation_id(value: Any) -> str:
-    """An allocation id as the socket spells it: any integer type (a numpy
-    integer too) in [0, 2^64). Raises VmmdError INVALID_ARGUMENT BAD_ID."""
-    try:
-        number = operator.index(value) if not isinstance(value, bool) else value
-    except TypeError:
-        number = value
-    return _u64(number, "allocation")
-
-
-class _Pending:
-    """One answer awaited by a caller (an allocate request, a ping)."""
-
-    __slots__ = ("event", "message", "fd", "error")
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.message: Optional[Dict[str, Any]] = None
-        self.fd = -1
-        self.error: Optional[VmmdError] = None
-
-
-class ClientSession:
+class ClientSession(AbandonedAnswers, BatchedReleases):
     """One session: the lease on everything this process creates through vmmd.
 
     Every message the daemon sends is dispatched in order: descriptors go to
@@ -146,11 +70,15 @@ class ClientSession:
         self.backend: Optional[str] = backend if isinstance(backend, str) and backend != "" else None
         self.on_daemon_error: List[Callable[[Dict[str, Any]], None]] = []
         self.on_close: List[Callable[[], None]] = []
-        self._lock = threading.Condition()
+        # Both locks are taken through guarded() only: an interrupt anywhere leaves them free.
+        self._lock = condition()
         # Invariant: every fd in _inbox is owned by the session until claimed or expired.
         self._inbox: Dict[str, Tuple[int, float]] = {}
-        self._requests: Dict[str, _Pending] = {}
-        self._send_lock = threading.Lock()
+        # Invariant: every request sent and not answered yet, awaited or abandoned (its answer released on arrival).
+        self._requests: Dict[str, Pending] = {}
+        # What answers of abandoned requests made (allocations, opens of stores): undone with the session's next send.
+        self._orphans: List[Orphan] = []
+        self._send_lock = mutex()
         self._next_transfer = 1
         self._next_request = 1
         self._closed = False
@@ -158,10 +86,10 @@ class ClientSession:
         # Set in a child forked while this session was open: the socket is its parent's (see _check_process).
         self._forked = False
         self._pid = os.getpid()
-        self._reading = SocketReading(sock, self._lock, self._dispatch, _ANSWERS, busy_poll_us)
+        self._reading = SocketReading(sock, self._lock, self._dispatch, _ANSWERS, busy_poll_us, ("transfer",) + _WITH_DESCRIPTOR)
         self._reader = threading.Thread(target=self._read_loop, name=f"vmmd-session-{self.id}", daemon=True)
         self._reader.start()
-        _SESSIONS.add(self)
+        _fork.track(self)
 
     @classmethod
     def open(cls, path: str, timeout: float = 5.0, busy_poll_us: int = DEFAULT_BUSY_POLL_US) -> "ClientSession":
@@ -170,79 +98,54 @@ class ClientSession:
 
         Raises VmmdError UNAVAILABLE DAEMON_UNREACHABLE, DEADLINE_EXCEEDED NO_GREETING,
         PERMISSION_DENIED (the daemon refused the session), UNAVAILABLE BAD_GREETING."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            sock.connect(path)
-        except OSError as error:
-            sock.close()
-            raise VmmdError("DAEMON_UNREACHABLE", STATUS["UNAVAILABLE"], f"cannot reach vmmd at {path}: {error.strerror or error}") from None
-        sock.settimeout(timeout)
-        try:
-            data, fds = recv_message(sock)
-        except socket.timeout:
-            sock.close()
-            raise VmmdError("NO_GREETING", STATUS["DEADLINE_EXCEEDED"], f"vmmd at {path} sent no greeting within {timeout} s") from None
-        except OSError as error:
-            sock.close()
-            raise VmmdError("DAEMON_UNREACHABLE", STATUS["UNAVAILABLE"], f"vmmd at {path}: {error}") from None
-        for fd in fds:
-            os.close(fd)
-        if not data:
-            sock.close()
-            raise VmmdError("DAEMON_UNREACHABLE", STATUS["UNAVAILABLE"], f"vmmd at {path} closed the session socket")
-        try:
-            hello = json.loads(data.decode("utf-8"))
-        except ValueError:
-            hello = None
-        if isinstance(hello, dict) and hello.get("type") == "error":
-            sock.close()
-            raise VmmdError(str(hello.get("code")), STATUS["PERMISSION_DENIED"], f"vmmd refused the session: {hello.get('message')}")
-        if not isinstance(hello, dict) or hello.get("type") != "hello" or hello.get("protocol") != PROTOCOL_VERSION:
-            sock.close()
-            raise VmmdError("BAD_GREETING", STATUS["UNAVAILABLE"], f"vmmd at {path} greeted with an unexpected message")
-        sock.settimeout(None)
+        sock, hello = greet(path, timeout)
         return cls(sock, hello, busy_poll_us)
 
     @property
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def forked(self) -> bool:
+        """This process is a child forked from the one that opened the session (whose it stays)."""
+        return self._forked
+
     def fileno(self) -> int:
         return self._sock.fileno()
 
     # -- descriptors -------------------------------------------------------
 
-    def take_transfer(self, transfer: str | int, timeout: float = 5.0) -> int:
+    def take_transfer(self, transfer: str | int, timeout: Optional[float] = 5.0) -> int:
         """The descriptor the daemon sent as `transfer`; the caller owns it.
 
         Raises VmmdError DEADLINE_EXCEEDED TRANSFER_NOT_RECEIVED, UNAVAILABLE SESSION_LOST, FAILED_PRECONDITION FORKED."""
         self._check_process()
         key = str(transfer)
-        deadline = _deadline(timeout)
-        with self._lock:
+        deadline = deadline_of(timeout)
+        with guarded(self._lock):
             while True:
                 held = self._inbox.pop(key, None)
                 if held is not None:
                     return held[0]
                 if self._closed:
                     raise self._lost()
-                left = _left(deadline)
+                left = left_until(deadline)
                 if left == 0:
                     raise VmmdError("TRANSFER_NOT_RECEIVED", STATUS["DEADLINE_EXCEEDED"], f"descriptor {key} did not arrive within {timeout} s")
                 self._lock.wait(left)
 
     def pending_transfers(self) -> List[str]:
         """Transfer ids received and not claimed yet."""
-        with self._lock:
+        with guarded(self._lock):
             return list(self._inbox)
 
-    def send_descriptor(self, fd: int) -> str:
+    def send_descriptor(self, fd: int, timeout: Optional[float] = SEND_WAIT_S) -> str:
         """Sends a descriptor (the caller keeps its own) and returns its
         transfer id, to be named in an Import, Attach or OpenStaging call.
         Ids are picked and sent under one lock, so they rise in sending order.
 
         Raises VmmdError UNAVAILABLE SESSION_LOST."""
-        deadline = time.monotonic() + SEND_WAIT_S
+        deadline = deadline_of(timeout)
         with self._sending(deadline):
             transfer = str(self._next_transfer)
             self._next_transfer += 1
@@ -251,7 +154,7 @@ class ClientSession:
 
     # -- requests ----------------------------------------------------------
 
-    def allocate(self, size: int, location: Optional[Dict[str, Any]] = None, timeout: float = 30.0) -> Tuple[Dict[str, Any], int]:
+    def allocate(self, size: int, location: Optional[Dict[str, Any]] = None, timeout: Optional[float] = 30.0) -> Tuple[Dict[str, Any], int]:
         """Allocate on the session socket: a new allocation of this session
         and its descriptor (the caller owns it), in one round trip.
 
@@ -262,127 +165,63 @@ class ClientSession:
         message: Dict[str, Any] = {"type": "allocate", "size": str(size)}
         if location is not None:
             message["location"] = location
-        pending = self._request(message, timeout, "allocate")
-        assert pending.message is not None
-        return pending.message, pending.fd
+        return self._request(message, timeout, "allocate").take()
 
-    def release(self, allocation: int, timeout: float = 30.0) -> Dict[str, Any]:
+    def release(self, allocation: int, timeout: Optional[float] = 30.0) -> Dict[str, Any]:
         """Release on the session socket, one round trip: the answer has the
         Release RPC's fields (freed, handleReferences, mappingCount).
 
         Raises VmmdError as the Release RPC (UNKNOWN_ALLOCATION, NOT_OWNER,
         ALREADY_RELEASED…), NO_ANSWER, SESSION_LOST."""
-        pending = self._request({"type": "release", "allocation": _u64(allocation, "allocation")}, timeout, "release")
+        pending = self._request({"type": "release", "allocation": u64(allocation, "allocation")}, timeout, "release")
         assert pending.message is not None
         return pending.message
 
-    def share(self, allocation: int, timeout: float = 30.0) -> str:
+    def share(self, allocation: int, timeout: Optional[float] = 30.0) -> str:
         """Share on the session socket: the key another session exports the allocation with."""
-        pending = self._request({"type": "share", "allocation": _u64(allocation, "allocation")}, timeout, "share")
+        pending = self._request({"type": "share", "allocation": u64(allocation, "allocation")}, timeout, "share")
         assert pending.message is not None
         return str(pending.message["shareKey"])
 
-    def export(self, allocation: int, share_key: str = "", timeout: float = 30.0) -> Tuple[Dict[str, Any], int]:
+    def export(self, allocation: int, share_key: str = "", timeout: Optional[float] = 30.0) -> Tuple[Dict[str, Any], int]:
         """Export on the session socket: the allocation's descriptor (the caller owns it), attached to the answer.
 
         Raises VmmdError as the Export RPC (NOT_OWNER, BAD_SHARE_KEY, ALREADY_RELEASED…), NO_ANSWER, SESSION_LOST."""
-        message: Dict[str, Any] = {"type": "export", "allocation": _u64(allocation, "allocation")}
+        message: Dict[str, Any] = {"type": "export", "allocation": u64(allocation, "allocation")}
         if share_key:
             message["shareKey"] = share_key
-        pending = self._request(message, timeout, "export")
-        assert pending.message is not None
-        return pending.message, pending.fd
+        return self._request(message, timeout, "export").take()
 
-    def open_store(self, store: Dict[str, Any], writable: bool = False, timeout: float = 30.0) -> Tuple[Dict[str, Any], int]:
+    def open_store(self, store: Dict[str, Any], writable: bool = False, timeout: Optional[float] = 30.0) -> Tuple[Dict[str, Any], int]:
         """Open a store on the session socket: {"store": Store's JSON fields,
         "granularity", "mappedSize"} and its descriptor (the caller owns it).
 
         Raises VmmdError as Stores.Open (UNKNOWN_STORE, STORE_DETACHED, STORE_READ_ONLY…), NO_ANSWER, SESSION_LOST."""
         ref: Dict[str, Any] = {}
         if "id" in store:
-            ref["id"] = _u64(store["id"], "store id")
+            ref["id"] = u64(store["id"], "store id")
         if "name" in store:
             ref["name"] = str(store["name"])
-        pending = self._request({"type": "open", "store": ref, "writable": bool(writable)}, timeout, "open")
-        assert pending.message is not None
-        return pending.message, pending.fd
+        return self._request({"type": "open", "store": ref, "writable": bool(writable)}, timeout, "open").take()
 
-    def ping(self, timeout: float = 5.0) -> float:
+    def ping(self, timeout: Optional[float] = 5.0) -> float:
         """One round trip on the session socket; returns its seconds."""
         start = time.perf_counter()
         self._request({"type": "ping"}, timeout, "ping", key="nonce")
         return time.perf_counter() - start
 
-    def release_many(self, allocations: List[int], timeout: Optional[float] = 30.0) -> List[Union[Dict[str, Any], VmmdError]]:
-        """Releases several allocations in one round trip: every request is
-        sent before any answer is waited for. Returns, in order, each answer
-        (as release()'s) or the VmmdError that refused it; a refusal does not
-        stop the others. Raises VmmdError BAD_ID (nothing sent) for an id that
-        is not a uint64, and NO_ANSWER (`timeout` seconds for them all; None:
-        no limit) or SESSION_LOST, after waiting for the requests already
-        sent, when the session fails."""
-        ids = [allocation_id(allocation) for allocation in allocations]
-        self._check_process()
-        deadline = _deadline(None if timeout is None else float(timeout))
-        sent: List[Tuple[str, _Pending]] = []
-        registered: List[Tuple[str, _Pending]] = []
-        tail: List[VmmdError] = []
-        failure: Optional[VmmdError] = None
-        results: List[Union[Dict[str, Any], VmmdError]] = []
-
-        def collect(request: str, pending: _Pending) -> None:
-            nonlocal failure
-            try:
-                self._await(request, pending, _left(deadline), "release", limit=timeout)
-                assert pending.message is not None
-                results.append(pending.message)
-            except VmmdError as error:
-                if error.code in ("NO_ANSWER", "SESSION_LOST"):
-                    failure = failure or error
-                results.append(error)
-
-        held = self._reading.depth()
-        try:
-            self._reading.take(self._closed)  # as _request: before the first release goes
-            for index, allocation in enumerate(ids):
-                # At most RELEASE_WINDOW unanswered: the daemon drops answers a full socket cannot take.
-                if len(sent) - len(results) >= RELEASE_WINDOW:
-                    collect(*sent[len(results)])
-                if deadline is not None and time.monotonic() >= deadline:
-                    # Past the deadline nothing more is sent: the rest are not released.
-                    unsent = VmmdError("NO_ANSWER", STATUS["DEADLINE_EXCEEDED"], f"release_many: {len(ids) - index} release(s) not sent: the {timeout} s deadline passed")
-                    failure = failure or unsent
-                    tail = [unsent] * (len(ids) - index)
-                    break
-                try:
-                    sent.append(self._send_request({"type": "release", "allocation": allocation}, "request", registered, deadline))
-                except VmmdError as error:
-                    failure = failure or error
-                    break
-            for request, pending in sent[len(results):]:
-                collect(request, pending)
-            results.extend(tail)
-        except BaseException:
-            self._reading.leave_to(held)
-            self._abandon_all(registered)
-            raise
-        finally:
-            self._reading.leave_to(held)
-        if failure is not None:
-            raise failure
-        return results
-
-    def _request(self, message: Dict[str, Any], timeout: float, what: str, key: str = "request") -> _Pending:
+    def _request(self, message: Dict[str, Any], timeout: Optional[float], what: str, key: str = "request") -> Pending:
         self._check_process()  # before the take: a forked child's take would turn its parent's epoll
-        sent: List[Tuple[str, _Pending]] = []
+        self._release_orphans()
+        sent: List[Tuple[str, Pending]] = []
         held = self._reading.depth()
         try:
             try:
                 # The socket is taken before the request goes: its answer cannot reach the reader thread first.
                 self._reading.take(self._closed)
-                deadline = _deadline(timeout)
+                deadline = deadline_of(timeout)
                 request, pending = self._send_request(message, key, sent, deadline)
-                self._await(request, pending, _left(deadline), what, key, limit=timeout)
+                self._await(request, pending, left_until(deadline), what, key, limit=timeout)
             finally:
                 self._reading.leave_to(held)
         except BaseException:
@@ -392,43 +231,42 @@ class ClientSession:
             raise
         return pending
 
-    def _send_request(self, message: Dict[str, Any], key: str = "request", sent: Optional[List[Tuple[str, _Pending]]] = None, deadline: Optional[float] = None) -> Tuple[str, _Pending]:
+    def _send_request(self, message: Dict[str, Any], key: str = "request", sent: Optional[List[Tuple[str, Pending]]] = None, deadline: Optional[float] = None) -> Tuple[str, Pending]:
         """Sends a request under a new id, registered for its answer: (the id,
         its pending answer). `sent` gets (its key, the pending answer) before
         the registration: a caller cut short anywhere after it can forget it.
         The send waits for room in the socket until `deadline` (_send)."""
-        pending = _Pending()
+        pending = Pending(self._orphans)
         with self._sending(deadline):
             request = str(self._next_request)
             self._next_request += 1
             message[key] = request
             if sent is not None:
                 sent.append((f"{key}:{request}", pending))
-            with self._lock:
+            with guarded(self._lock):
                 if self._closed:
                     raise self._lost()
                 self._requests[f"{key}:{request}"] = pending
+            stage = ["waiting"]
             try:
-                self._send(message, deadline=deadline)
-            except VmmdError:
-                with self._lock:
-                    self._requests.pop(f"{key}:{request}", None)
+                self._send(message, deadline=deadline, stage=stage)
+            except BaseException as error:
+                # Not sent (refused, or cut short while waiting for room): forgotten. Perhaps sent (an interrupt
+                # right after the send): the caller abandons it, and its answer is released when it comes.
+                if isinstance(error, VmmdError) or stage[0] == "waiting":
+                    with guarded(self._lock):
+                        self._requests.pop(f"{key}:{request}", None)
                 raise
         return request, pending
 
-    def _abandon_all(self, sent: List[Tuple[str, _Pending]]) -> None:
-        """Forgets every request of a call cut short (an interrupt, a failure) that is not answered and taken."""
-        for key, pending in sent:
-            self._abandon(key, pending)
-
-    def _await(self, request: str, pending: _Pending, timeout: Optional[float], what: str, key: str = "request", limit: Optional[float] = None) -> None:
+    def _await(self, request: str, pending: Pending, timeout: Optional[float], what: str, key: str = "request", limit: Optional[float] = None) -> None:
         """Waits for a sent request's answer, reading the socket on this
         thread when no other reads it (a take the caller leaves); raises its
         refusal, SESSION_LOST, or NO_ANSWER after `timeout` seconds (None or
         infinite: no limit; `limit`: the caller's, when this wait had only
         what was left of it). A wait cut short (an interrupt) forgets the
         request and closes a descriptor that came for it."""
-        deadline = _deadline(timeout)
+        deadline = deadline_of(timeout)
         try:
             grace = 0.0
             if not pending.event.is_set() and (self._reading.holds() or self._reading.take(self._closed)):
@@ -441,7 +279,7 @@ class ClientSession:
                     self._reading.leave()
                     grace = YIELD_GRACE_S
             if not pending.event.is_set():
-                left = _left(deadline)
+                left = left_until(deadline)
                 pending.event.wait(None if left is None else max(grace, left))
             if not pending.event.is_set():
                 raise VmmdError("NO_ANSWER", STATUS["DEADLINE_EXCEEDED"], f"the daemon did not answer {what} request {request} within {timeout if limit is None else limit} s")
@@ -451,13 +289,6 @@ class ClientSession:
         if pending.error is not None:
             raise pending.error
 
-    def _abandon(self, key: str, pending: _Pending) -> None:
-        """Forgets a request its caller gave up on: an answer that comes later is dropped, a descriptor already here closed."""
-        with self._lock:
-            self._requests.pop(key, None)
-            fd, pending.fd = pending.fd, -1
-        _close(fd)
-
     # -- lifetime ----------------------------------------------------------
 
     def close(self) -> None:
@@ -465,16 +296,7 @@ class ClientSession:
         child forked from the process that opened it, only drops the child's
         copy of the socket: the session is the parent's."""
         if self._forked:
-            # This process's copies only: the socket, the reader thread's epoll and eventfd, unclaimed descriptors.
-            self._closing = self._closed = True
-            with self._lock:
-                inbox = [fd for fd, _ in self._inbox.values()]
-                self._inbox.clear()
-            for fd in inbox:
-                _close(fd)
-            self._sock.close()
-            self._reading.close()
-            return
+            return  # this process's copies were dropped at the fork (forget_after_fork)
         self._closing = True
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
@@ -485,6 +307,28 @@ class ClientSession:
         if threading.current_thread() is not self._reader and not self._reading.holds():
             self._reader.join(5)
         self._finish()
+
+    def forget_after_fork(self) -> None:
+        """In a child forked while this session was open (the at-fork hook,
+        before the child runs anything): drops this process's copies of the
+        parent's session, so that the daemon ends it when the parent closes or
+        exits: the socket, the reader thread's epoll and eventfd (no reader
+        thread runs here), unclaimed descriptors. Its locks are made anew: a
+        parent thread may have held them at the fork."""
+        self._forked = True
+        self._lock = condition()
+        self._send_lock = mutex()
+        self._reading.forget_after_fork(self._lock)
+        fds = [fd for fd, _ in self._inbox.values()] + [pending.fd for pending in self._requests.values()]
+        self._inbox.clear()
+        self._requests.clear()
+        self._orphans.clear()
+        for fd in fds:
+            _close(fd)
+        try:
+            self._sock.close()
+        except OSError:
+            pass
 
     def __enter__(self) -> "ClientSession":
         return self
@@ -503,54 +347,22 @@ class ClientSession:
     def _lost(self) -> VmmdError:
         return VmmdError("SESSION_LOST", STATUS["UNAVAILABLE"], f"session {self.id} with vmmd is closed")
 
-    @contextlib.contextmanager
-    def _sending(self, deadline: Optional[float]) -> Iterator[None]:
+    def _sending(self, deadline: Optional[float]) -> guarded:
         """Holds the send lock, taken by `deadline` (None: no limit): a sender
         waiting for room holds it, and a call behind it keeps its own timeout.
         Raises VmmdError UNAVAILABLE SESSION_SOCKET_FULL at the deadline."""
-        left = _left(deadline)
-        if not self._send_lock.acquire(timeout=-1.0 if left is None else left):
-            raise VmmdError("SESSION_SOCKET_FULL", STATUS["UNAVAILABLE"], "the session socket is full: another call of this process is still waiting for the daemon to read; nothing was sent")
-        try:
-            yield
-        finally:
-            self._send_lock.release()
+        return guarded(self._send_lock, left_until(deadline), _SOCKET_BUSY)
 
-    def _send(self, message: Dict[str, Any], fd: int = -1, deadline: Optional[float] = None) -> None:
+    def _send(self, message: Dict[str, Any], fd: int = -1, deadline: Optional[float] = None, stage: Optional[List[str]] = None) -> None:
         """Sends one message (and a descriptor), waiting for room in the socket
         until `deadline` (monotonic; None: no limit): a daemon that stops
         reading fills it. Raises VmmdError UNAVAILABLE SESSION_SOCKET_FULL at
-        the deadline (nothing sent; the session stays), SESSION_LOST."""
+        the deadline (nothing sent; the session stays), SESSION_LOST.
+        `stage[0]`: "sending" from each send on, "waiting" once it found no room."""
         self._check_process()
         if self._closed:
             raise self._lost()
-        data = json.dumps(message, separators=(",", ":")).encode("utf-8")
-        started = time.monotonic()
-        while True:
-            try:
-                # A SEQPACKET message goes whole or not at all.
-                if fd >= 0:
-                    socket.send_fds(self._sock, [data], [fd], socket.MSG_DONTWAIT)
-                else:
-                    self._sock.send(data, socket.MSG_DONTWAIT)
-                return
-            except BlockingIOError:
-                pass
-            except OSError as error:
-                raise VmmdError("SESSION_LOST", STATUS["UNAVAILABLE"], f"the session socket failed: {error}") from None
-            left = _left(deadline)
-            if left == 0:
-                raise VmmdError("SESSION_SOCKET_FULL", STATUS["UNAVAILABLE"], f"the session socket is full: the daemon has not read for {time.monotonic() - started:.3f} s; nothing was sent")
-            if self._closed:
-                raise self._lost()
-            # Until there is room, the deadline, or a second (to look at the session again).
-            try:
-                poller = select.poll()
-                poller.register(self._sock.fileno(), select.POLLOUT)
-                poller.poll(1000 if left is None else max(1, min(1000, math.ceil(left * 1000))))
-            except (ValueError, OSError):
-                # The session closed meanwhile (its socket's descriptor is gone).
-                raise self._lost() from None
+        send_message(self._sock, json.dumps(message, separators=(",", ":")).encode("utf-8"), fd, deadline, stage, lambda: self._closed, self._lost)
 
     def _read_loop(self) -> None:
         """The reader thread: reads while no caller does, until the connection ends; then finishes the session."""
@@ -591,7 +403,8 @@ class ClientSession:
         kind = message.get("type")
         now = time.monotonic()
         key = answer_key(message, _ANSWERS)
-        with self._lock:
+        orphaned = False
+        with guarded(self._lock):
             self._expire(now)
             if kind == "transfer" and fd >= 0 and isinstance(message.get("transfer"), str):
                 old = self._inbox.pop(message["transfer"], None)
@@ -601,7 +414,14 @@ class ClientSession:
                 self._lock.notify_all()
                 return -1
             pending = self._requests.get(key) if key is not None else None
-            if pending is not None:
+            if pending is not None and pending.abandoned:
+                # Nobody awaits it: what it made is released (its descriptor by _dispatch, its allocation below).
+                del self._requests[key]  # type: ignore[arg-type]
+                orphan = orphan_of(message)
+                if orphan is not None:
+                    self._orphans.append(orphan)
+                orphaned = True
+            elif pending is not None:
                 # Answered, then forgotten: a caller is never left unregistered and unanswered.
                 if kind in _WITH_DESCRIPTOR and fd >= 0:
                     pending.message, pending.fd = message, fd
@@ -616,6 +436,9 @@ class ClientSession:
                     pending.message = message
                 pending.event.set()
                 del self._requests[key]  # type: ignore[arg-type]
+        if orphaned:
+            self._release_orphans()
+            return fd
         if pending is None and kind == "error":
             for callback in list(self.on_daemon_error):
                 try:
@@ -631,7 +454,7 @@ class ClientSession:
                 os.close(fd)
 
     def _finish(self) -> None:
-        with self._lock:
+        with guarded(self._lock):
             if self._closed:
                 return
             self._closed = True

@@ -23,19 +23,20 @@ from .memory import ArrayView, _typestr
 COPY_BYTES = 64 << 20
 
 
-def load_file(path: str, name: str, client: Optional[VmmdClient] = None, device: int = 0, read_only: bool = True, location: Optional[Dict[str, Any]] = None) -> Any:
+def load_file(path: str, name: str, client: Optional[VmmdClient] = None, device: int = 0, read_only: bool = True, location: Optional[Dict[str, Any]] = None, timeout: Optional[float] = None) -> Any:
     """Copies the file at `path` into a new allocation of the daemon's (device
     memory on cuda, host memory on the host backend) and makes it a store
     called `name`, handed over to the daemon: it stays after this process
-    ends, until someone detaches it. Returns the Store.
+    ends, until someone detaches it. Returns the Store. `timeout`: each
+    call to the daemon's (None: the client's deadline).
     Raises VmmdError NAME_TAKEN, OUT_OF_MEMORY…; OSError for the file."""
     client = client or shared_client()
     size = os.path.getsize(path)
     if size == 0:
         raise VmmdError("ZERO_SIZE", STATUS["INVALID_ARGUMENT"], f"{path} is empty: a store holds at least one byte")
     location = location or {"type": "LOCATION_TYPE_DEVICE", "id": device}
-    granularity = int(client.devices.get_granularity(location=location).minimum)
-    memory = client.vmm.allocate(-(-size // granularity) * granularity, location=location)
+    granularity = int(client.devices.get_granularity(location=location, timeout=timeout).minimum)
+    memory = client.vmm.allocate(-(-size // granularity) * granularity, location=location, timeout=timeout)
     try:
         buffer = bytearray(min(COPY_BYTES, size))
         view = memoryview(buffer)
@@ -51,7 +52,7 @@ def load_file(path: str, name: str, client: Optional[VmmdClient] = None, device:
             from . import _cuda
 
             _cuda.synchronize(memory.device)
-        store = client.stores.create_store(allocation_id=memory.allocation_id, name=name, read_only=read_only, hand_over=True, size=size)
+        store = client.stores.create_store(allocation_id=memory.allocation_id, name=name, read_only=read_only, hand_over=True, size=size, timeout=timeout)
     except BaseException:
         memory.close()
         try:
@@ -61,13 +62,13 @@ def load_file(path: str, name: str, client: Optional[VmmdClient] = None, device:
         raise
     # The store holds the memory; this process's mapping and handle go.
     memory.close()
-    client.vmm.release(allocation_id=memory.allocation_id)
+    client.vmm.release(allocation_id=memory.allocation_id, timeout=timeout)
     return store
 
 
-def open_store(name: str, client: Optional[VmmdClient] = None, writable: bool = False) -> OpenedStore:
+def open_store(name: str, client: Optional[VmmdClient] = None, writable: bool = False, timeout: Optional[float] = None) -> OpenedStore:
     """Opens a store by name and maps it here (read-only unless `writable`)."""
-    return (client or shared_client()).stores.open(name, writable=writable)
+    return (client or shared_client()).stores.open(name, writable=writable, timeout=timeout)
 
 
 def _interface(store: OpenedStore, dtype: Any, shape: Optional[Tuple[int, ...]], offset: int) -> ArrayView:

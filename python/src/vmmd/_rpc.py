@@ -1,0 +1,110 @@
+"""The gRPC half of the client: calls of one service with the session token
+and a deadline each (the client's default, or the call's own `timeout`),
+gRPC errors turned into VmmdError of their kind."""
+from __future__ import annotations
+
+import os
+import fcntl
+from typing import Any, Callable, Iterable, Iterator, List, Mapping, Optional, Tuple
+
+import grpc
+
+from . import _proto
+from ._values import timeout_seconds
+from .errors import STATUS, VmmdError
+
+SESSION_METADATA_KEY = "vmmd-session-token"
+# Largest message a client stream sends.
+STREAM_CHUNK_BYTES = 1 << 20
+
+Message = Any
+Request = Optional[Mapping[str, Any]]
+
+
+def sealed_memfd(name: str, size: int) -> int:
+    """A memfd of `size` bytes that cannot shrink (F_SEAL_SHRINK): the daemon
+    maps what clients send it and refuses descriptors that could shrink under
+    its mapping."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class _Service:
+    """Calls of one service: each sends the session token and turns gRPC errors into VmmdError."""
+
+    def __init__(self, channel: grpc.Channel, name: str, metadata: Callable[[], List[Tuple[str, str]]], deadline: float) -> None:
+        self._calls = _proto.stub(channel, name)
+        self._methods = _proto.methods(name)
+        self._metadata = metadata
+        self._deadline = deadline
+
+    def _request(self, method: str, request: Request, fields: Mapping[str, Any]) -> Message:
+        cls = _proto.message(self._methods[method].input_type.name)
+        if request is not None and not isinstance(request, Mapping):
+            return request  # already a message
+        values = {**(request or {}), **fields}
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as error:
+            raise VmmdError("BAD_REQUEST", STATUS["INVALID_ARGUMENT"], f"{method}: {error}") from None
+
+    def seconds(self, timeout: Optional[float]) -> float:
+        """A call's deadline in seconds: its own `timeout`, else the client's.
+        Raises VmmdError INVALID_ARGUMENT BAD_TIMEOUT."""
+        return timeout_seconds(timeout, self._deadline)
+
+    def unary(self, method: str, request: Request = None, *, timeout: Optional[float] = None, **fields: Any) -> Message:
+        """Raises VmmdError of the daemon's code; VmmdTimeoutError past `timeout` (None: the client's deadline)."""
+        message = self._request(method, request, fields)
+        seconds = self.seconds(timeout)
+        try:
+            return self._calls[method](message, metadata=self._metadata(), timeout=seconds)
+        except grpc.RpcError as error:
+            raise VmmdError.from_rpc(error) from None
+
+    def server_stream(self, method: str, request: Request = None, timeout: Optional[float] = -1.0, **fields: Any) -> Iterator[Message]:
+        message = self._request(method, request, fields)
+        call = self._calls[method](message, metadata=self._metadata(), timeout=self._deadline if timeout == -1.0 else timeout)
+        try:
+            for item in call:
+                yield item
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
+                return
+            raise VmmdError.from_rpc(error) from None
+        finally:
+            call.cancel()
+
+    def unary_future(self, method: str, request: Request = None, *, timeout: Optional[float] = None, **fields: Any) -> "_Future":
+        """The call started; result() waits for it (and raises VmmdError)."""
+        message = self._request(method, request, fields)
+        return _Future(self._calls[method].future(message, metadata=self._metadata(), timeout=self.seconds(timeout)))
+
+    def client_stream(self, method: str, messages: Iterable[Message], timeout: Optional[float] = None) -> Message:
+        seconds = self.seconds(timeout)
+        try:
+            return self._calls[method](iter(messages), metadata=self._metadata(), timeout=seconds)
+        except grpc.RpcError as error:
+            raise VmmdError.from_rpc(error) from None
+
+    def call(self, method: str) -> Any:
+        return self._calls[method]
+
+
+class _Future:
+    """A unary call in flight."""
+
+    def __init__(self, future: Any) -> None:
+        self._future = future
+
+    def result(self) -> Message:
+        try:
+            return self._future.result()
+        except grpc.RpcError as error:
+            raise VmmdError.from_rpc(error) from None
