@@ -190,7 +190,7 @@ export class HostBackend implements Backend {
     const fd = source.fd;
     try {
       // Mapped writable later (SetAccess READWRITE), copied from by the daemon: the rules of client memfds.
-      const info = admitClientMemfd(fd, { what: 'an imported descriptor', writable: true });
+      const info = admitClientMemfd(fd, { what: 'an imported descriptor', writable: true, handedOut: true });
       if (info.size === 0n || info.size % this.options.granularity !== 0n) {
         throw codedError(
           'BAD_DESCRIPTOR',

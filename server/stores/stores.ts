@@ -153,7 +153,7 @@ export class StoreRegistry extends EventEmitter {
     if (args.target === 'SYSMEM') {
       let info;
       try {
-        info = admitClientMemfd(fd, { what: 'a SYSMEM attachment', writable: !args.readOnly, sealReadOnly: args.readOnly });
+        info = admitClientMemfd(fd, { what: 'a SYSMEM attachment', writable: !args.readOnly, sealReadOnly: args.readOnly, handedOut: true });
       } catch (error) {
         addon.close(fd);
         throw error;
