@@ -14,6 +14,7 @@ import { admitClientMemfd } from '../backends/client-memfd';
 import { alreadyExists, failedPrecondition, invalidArgument, notFound, outOfRange, permissionDenied } from '../errors';
 import type { Quotas } from '../registry/quotas';
 import { AllocationRecord, DAEMON_OWNER, Registry } from '../registry';
+import { LogLimiter } from '../observability/log-limiter';
 import { AllocationMemory, ChargedMemory, MemfdMemory, StoreMemory } from './store-memory';
 
 export type StoreTarget = 'SYSMEM' | 'ZCMEM' | 'FBMEM';
@@ -69,6 +70,8 @@ export class StoreRegistry extends EventEmitter {
   // Invariant: every store not yet released; names of stores not detached are unique.
   private readonly stores = new Map<bigint, StoreRecord>();
   private readonly events: StoreEvent[] = [];
+  // The trail of stores' lives, bounded per uid: a client can make and drop stores as fast as it likes.
+  private readonly trail = new LogLimiter(10_000, 20);
 
   /** @param quotas charge SYSMEM attachments (the registry's adaptor charges the rest); none: not limited */
   constructor(
@@ -479,10 +482,12 @@ export class StoreRegistry extends EventEmitter {
   private record(kind: StoreEventKind, store: StoreRecord, session: bigint): void {
     // An operator's trail of every store's life (opens and closes are too many to log at info).
     if (kind === 'CREATED' || kind === 'DETACHED' || kind === 'RELEASED') {
-      const fields = { store: String(store.id), name: store.name, target: store.target, size: String(store.size), readOnly: store.readOnly, by: session === DAEMON_OWNER ? 'daemon' : `session ${session}` };
-      if (kind === 'CREATED') this.log?.info(fields, 'store created');
-      else if (kind === 'DETACHED') this.log?.info({ ...fields, opens: this.openCount(store) }, 'store detached');
-      else this.log?.info(fields, 'store released: its memory is freed');
+      const allowed = this.trail.allow(`${kind}:${store.creatorUid ?? 'daemon'}`);
+      const fields = { store: String(store.id), name: store.name, target: store.target, size: String(store.size), readOnly: store.readOnly, by: session === DAEMON_OWNER ? 'daemon' : `session ${session}`, ...(allowed !== undefined && allowed.suppressed > 0 ? { heldBack: allowed.suppressed } : {}) };
+      const level = allowed === undefined ? 'debug' : 'info';
+      if (kind === 'CREATED') this.log?.[level](fields, 'store created');
+      else if (kind === 'DETACHED') this.log?.[level]({ ...fields, opens: this.openCount(store) }, 'store detached');
+      else this.log?.[level](fields, 'store released: its memory is freed');
     }
     const event: StoreEvent = { sequence: this.nextSequence++, kind, store, session };
     this.events.push(event);
