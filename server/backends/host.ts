@@ -111,7 +111,7 @@ export class HostBackend implements Backend {
     return identity;
   }
 
-  holdClientMemfd(fd: number, size: bigint): string {
+  async holdClientMemfd(fd: number, size: bigint): Promise<string> {
     const identity = memfdIdentity(addon.hostFdInfo(fd));
     if (!this.live.has(identity)) this.checkCapacity(size, `a client's memfd of ${size} bytes`);
     this.hold(identity, size);

@@ -167,7 +167,7 @@ export class StoreRegistry extends EventEmitter {
       }
       let uncharge: () => void;
       try {
-        uncharge = this.chargeClientMemfd(caller, fd, info.size);
+        uncharge = await this.chargeClientMemfd(caller, fd, info.size);
       } catch (error) {
         addon.close(fd);
         throw error;
@@ -397,9 +397,9 @@ export class StoreRegistry extends EventEmitter {
    * once however many holds name it. Returns what undoes it.
    * @throws RESOURCE_EXHAUSTED OUT_OF_MEMORY (host capacity), QUOTA_EXCEEDED
    */
-  private chargeClientMemfd(caller: bigint, fd: number, size: bigint): () => void {
+  private async chargeClientMemfd(caller: bigint, fd: number, size: bigint): Promise<() => void> {
     const backend = this.registry.backend;
-    const identity = backend.holdClientMemfd(fd, size);
+    const identity = await backend.holdClientMemfd(fd, size);
     let hold: ReturnType<Quotas['hold']>;
     try {
       hold = this.quotas?.hold(caller, identity, size, 'attaching');
