@@ -57,6 +57,8 @@ const NATIVE_STATUS: Record<string, Status> = {
   // The kernel had no buffer for a session-socket message (found by fault injection: it was INTERNAL).
   ENOBUFS: Status.RESOURCE_EXHAUSTED,
   BAD_DESCRIPTOR: Status.INVALID_ARGUMENT,
+  // Memory a client sealed through a descriptor of it refuses what the seals forbid (host backend).
+  MEMORY_SEALED: Status.FAILED_PRECONDITION,
   EAGAIN: Status.UNAVAILABLE,
   EPIPE: Status.UNAVAILABLE,
   ECONNRESET: Status.UNAVAILABLE,

@@ -169,3 +169,35 @@ describe('memfds the daemon maps or makes', () => {
     expect(objectsOf(await daemon.stats())).toEqual(baseline);
   });
 });
+
+describe('memory a client sealed through a descriptor the daemon exported', () => {
+  it('is refused FAILED_PRECONDITION MEMORY_SEALED by SetAccess READWRITE and CreateStore, never INTERNAL, and nothing stays', async () => {
+    daemon = await TestDaemon.start(['--stock', 'none']);
+    const owner = await client();
+    const baseline = objectsOf(await daemon.stats());
+    const sealed = async (seals: number) => {
+      const allocation = await owner.vmm.create({ size: SIZE });
+      const { fd } = await owner.session.export(String(allocation.id), '');
+      addon.hostMemfdAddSeals(fd, seals);
+      addon.close(fd);
+      return allocation;
+    };
+    const refused = { status: grpc.status.FAILED_PRECONDITION, code: 'MEMORY_SEALED' };
+    // Sealed against writes: no writable mapping, by a session or by a store.
+    const frozen = await sealed(MEMFD_SEALS.FUTURE_WRITE);
+    const { address } = await owner.vmm.reserve({ size: SIZE });
+    await owner.vmm.map({ address, size: SIZE, allocationId: frozen.id });
+    await expect(owner.vmm.setAccess({ address, size: SIZE, descriptors: [{ location: { type: 'LOCATION_TYPE_DEVICE', id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' }] })).rejects.toMatchObject(refused);
+    await owner.vmm.unmap({ address, size: SIZE });
+    await owner.vmm.freeAddress({ address, size: SIZE });
+    await expect(owner.stores.createStore({ allocationId: frozen.id, name: 'frozen-rw' })).rejects.toMatchObject(refused);
+    // What the seal allows still works: a read-only store of it.
+    const readable = await owner.stores.createStore({ allocationId: frozen.id, name: 'frozen-ro', readOnly: true });
+    await owner.stores.detach(BigInt(readable.id));
+    // Sealed F_SEAL_SEAL: the daemon cannot seal it read-only for a read-only store.
+    const closed = await sealed(MEMFD_SEALS.SEAL);
+    await expect(owner.stores.createStore({ allocationId: closed.id, name: 'closed-ro', readOnly: true })).rejects.toMatchObject(refused);
+    for (const allocation of [frozen, closed]) await owner.vmm.release({ allocationId: allocation.id });
+    expect(objectsOf(await daemon.stats())).toEqual(baseline);
+  });
+});
