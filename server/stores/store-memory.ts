@@ -16,9 +16,10 @@ const openFile = promisify(fs.open) as (path: string, flags: number) => Promise<
 /**
  * The same memfd open O_RDONLY: its holder can neither write(2) it nor map it
  * writable (mprotect gives EACCES). The open runs on libuv's threads, not the
- * event loop (a path lookup in /proc). The daemon may reopen its own memfds
- * (mode 0600, its own) and clients' (never writable by others, readable:
- * server/backends/client-memfd.ts). Takes ownership of `fd`, closed either way.
+ * event loop (a path lookup in /proc). The daemon reopens its own memfds
+ * (mode 0600, its own), and clients' where their mode lets other uids read
+ * them (the vmmd libraries make them 0644). Takes ownership of `fd`, closed
+ * either way.
  */
 async function reopenReadOnly(fd: number): Promise<number> {
   try {
