@@ -23,6 +23,8 @@ export interface ClientMemfdUse {
   sealReadOnly?: boolean;
   /** The daemon hands descriptors of it to other sessions, other uids' among them (an attachment, an import). */
   handedOut?: boolean;
+  /** The daemon reopens it read-only for other uids' opens (an attachment): it must be able to read the file. */
+  reopenedReadOnly?: boolean;
 }
 
 /** The seals every client memfd the daemon maps carries: it can neither shrink under the daemon's mappings nor grow past what was counted. */
@@ -110,7 +112,19 @@ export function admitClientMemfd(fd: number, use: ClientMemfdUse): FdInfo {
     }
     info = { ...info, mode: narrowed };
   }
+  if (use.reopenedReadOnly && !daemonMayRead(info)) {
+    throw badDescriptor(
+      use.what,
+      `other uids' opens get a read-only descriptor the daemon (uid ${process.geteuid?.()}) reopens through /proc/self/fd, and the memfd's mode 0${info.mode.toString(8)} (owner uid ${info.uid}) does not let it read the file: fchmod it 0644 before sending`,
+    );
+  }
   return info;
+}
+
+/** Whether this process may open the file for reading by its permission bits (its owner, root, or read for others). */
+function daemonMayRead(info: Pick<FdInfo, 'mode' | 'uid'>): boolean {
+  const uid = process.geteuid?.();
+  return uid === 0 || uid === info.uid || (info.mode & 0o004) !== 0;
 }
 
 /** The file a memfd descriptor opens, as backends name physical memory (Backend.memoryIdentity): equal for every descriptor of it. */

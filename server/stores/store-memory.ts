@@ -8,6 +8,7 @@ import * as fs from 'node:fs';
 import { promisify } from 'node:util';
 import { addon } from '../../native';
 import { HostMapping, pageSize, roundUp } from '../../native/mapping';
+import { failedPrecondition } from '../errors';
 import { AllocationRecord, DAEMON_OWNER, Registry } from '../registry';
 
 // fs.open's callback form: a plain descriptor (closed with the addon's close like every other), opened off the event loop.
@@ -24,6 +25,12 @@ const openFile = promisify(fs.open) as (path: string, flags: number) => Promise<
 async function reopenReadOnly(fd: number): Promise<number> {
   try {
     return await openFile(`/proc/self/fd/${fd}`, fs.constants.O_RDONLY);
+  } catch (error) {
+    if ((error as { code?: unknown }).code !== 'EACCES') throw error;
+    throw failedPrecondition(
+      'NOT_REOPENABLE',
+      `the store's memory cannot be opened read-only for this caller: the daemon reopens it through /proc/self/fd and its owner's mode forbids the daemon to read it (${(error as Error).message}); its owner may fchmod it 0644, or open it as a writer`,
+    );
   } finally {
     addon.close(fd);
   }

@@ -19,7 +19,7 @@ import { ChargedMemory, MemfdMemory, StoreMemory } from './store-memory';
 export async function attachClientMemfd(registry: Registry, quotas: Quotas | undefined, caller: bigint, fd: number, size: bigint, readOnly: boolean): Promise<StoreMemory> {
   let uncharge: () => void;
   try {
-    const info = admitClientMemfd(fd, { what: 'a SYSMEM attachment', writable: !readOnly, sealReadOnly: readOnly, handedOut: true });
+    const info = admitClientMemfd(fd, { what: 'a SYSMEM attachment', writable: !readOnly, sealReadOnly: readOnly, handedOut: true, reopenedReadOnly: true });
     if (info.size < size) {
       throw invalidArgument('BAD_DESCRIPTOR', `a SYSMEM attachment is a memfd of at least ${size} bytes (this one: ${info.size} bytes)`);
     }
