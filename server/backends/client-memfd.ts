@@ -5,9 +5,8 @@
  * the next copy into SIGBUS for the whole daemon, one it can grow keeps more
  * memory alive than the quotas and the capacity counted, one that others may
  * write lets any uid handed a read-only descriptor of it reopen it writable,
- * and a descriptor whose mode
- * or seals forbid the mapping asked for fails later, inside a copy or an
- * mprotect. So every rule is checked here, once, when the descriptor arrives,
+ * and a descriptor whose mode or seals forbid the mapping asked for fails
+ * later, inside a copy or an mprotect. So every rule is checked here, once, when the descriptor arrives,
  * and a refusal says what the descriptor lacks (docs/PROTOCOL.md, "Client
  * memory").
  */
@@ -107,7 +106,7 @@ export function admitClientMemfd(fd: number, use: ClientMemfdUse): FdInfo {
     } catch (error) {
       throw badDescriptor(
         use.what,
-        `the memfd's mode 0${info.mode.toString(8)} lets any uid that gets a read-only descriptor of it reopen it writable (open /proc/self/fd/N O_RDWR), and the daemon cannot narrow it (${(error as Error).message}): fchmod it 0644 or 0600 before sending`,
+        `the memfd's mode 0${info.mode.toString(8)} lets any uid that gets a read-only descriptor of it reopen it writable (open /proc/self/fd/N O_RDWR), and the daemon cannot narrow it (${(error as Error).message}): fchmod it 0644 before sending`,
       );
     }
     info = { ...info, mode: narrowed };
