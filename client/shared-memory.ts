@@ -31,7 +31,8 @@ export class SharedHostMemory {
     if (bytes <= 0n) throw new VmmdError('ZERO_SIZE', Status.INVALID_ARGUMENT, `shared host memory of ${bytes} bytes`);
     const page = pageSize();
     const mapped = roundUp(bytes, page);
-    const fd = native.hostMemfdCreate('vmmd:sysmem', mapped);
+    // Written only by its owner; readable by others, so that the daemon (its own uid) can hand other uids read-only descriptors of it.
+    const fd = native.hostMemfdCreate('vmmd:sysmem', mapped, 0o644);
     try {
       return new SharedHostMemory(fd, bytes, HostMapping.map(fd, mapped, page, false));
     } catch (error) {

@@ -20,6 +20,9 @@ export interface FdInfo {
   seals: number;
   readOnlySealed: boolean;
   accessMode: number;
+  /** The file's permission bits (st_mode & 07777) and owner. */
+  mode: number;
+  uid: number;
   inode: bigint;
   /** st_dev: with the inode, which file this is (two descriptors of one memfd have both equal). */
   device: bigint;
@@ -77,7 +80,10 @@ export const CU_LOCATION = { DEVICE: 1, HOST: 2, HOST_NUMA: 3 } as const;
 export const CU_HANDLE = { POSIX_FD: 0x1, FABRIC: 0x8 } as const;
 
 export interface Addon {
-  hostMemfdCreate(name: string, size: bigint): number;
+  /** A memfd sealed F_SEAL_SHRINK | F_SEAL_GROW, with permission bits `mode` (default 0o600: owner only). */
+  hostMemfdCreate(name: string, size: bigint, mode?: number): number;
+  /** fchmod as asked. */
+  hostFchmod(fd: number, mode: number): void;
   hostMemfdSealReadOnly(fd: number): void;
   /** Diagnostic (tests): a memfd with no seals, sealable only with allowSealing (MFD_ALLOW_SEALING). */
   _memfdCreate(name: string, size: bigint, allowSealing: boolean): number;

@@ -5,6 +5,10 @@
 import { Metadata, status as Status, ServiceError } from '@grpc/grpc-js';
 import type { Logger } from 'pino';
 import { ERROR_CODE_KEY } from '../common/protocol';
+import { LogLimiter } from './observability/log-limiter';
+
+// A client that finds a way to an internal error can repeat it at will: the lines are bounded, the rest counted.
+const internalErrors = new LogLimiter(10_000, 20);
 
 export { ERROR_CODE_KEY };
 
@@ -53,6 +57,8 @@ const NATIVE_STATUS: Record<string, Status> = {
   // The kernel had no buffer for a session-socket message (found by fault injection: it was INTERNAL).
   ENOBUFS: Status.RESOURCE_EXHAUSTED,
   BAD_DESCRIPTOR: Status.INVALID_ARGUMENT,
+  // Memory a client sealed through a descriptor of it refuses what the seals forbid (host backend).
+  MEMORY_SEALED: Status.FAILED_PRECONDITION,
   EAGAIN: Status.UNAVAILABLE,
   EPIPE: Status.UNAVAILABLE,
   ECONNRESET: Status.UNAVAILABLE,
@@ -75,7 +81,8 @@ export function toServiceError(error: unknown, log?: Logger): Partial<ServiceErr
     metadata.set(ERROR_CODE_KEY, code);
     return { code: NATIVE_STATUS[code], details: (error as Error).message, metadata };
   }
-  log?.error({ err: error }, 'internal error');
+  const allowed = internalErrors.allow('internal');
+  if (allowed !== undefined) log?.error({ err: error, ...(allowed.suppressed > 0 ? { heldBack: allowed.suppressed } : {}) }, 'internal error');
   metadata.set(ERROR_CODE_KEY, 'INTERNAL');
   return { code: Status.INTERNAL, details: 'internal error (the daemon log has the details)', metadata };
 }

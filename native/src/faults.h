@@ -4,7 +4,7 @@
 // "EMFILE") for OS functions or a CUresult name ("CUDA_ERROR_OUT_OF_MEMORY")
 // for driver ones. Names are the functions' own, with the use for mmap
 // ("memfd_create", "mmap:reserve", "mmap:map", "mmap:unmap", "munmap", "mprotect", "dup",
-// "fstat", "fcntl:seal", "sendmsg", "cuMemCreate", "cuMemExportToShareableHandle",
+// "fstat", "fcntl:seal", "fchmod", "sendmsg", "cuMemCreate", "cuMemExportToShareableHandle",
 // "cuMemImportFromShareableHandle", "cuMemAddressReserve", "cuMemMap",
 // "cuMemSetAccess", "cuMemUnmap", "cuMemRelease", "cuMemAddressFree"). Thread-safe: driver calls also run on worker threads.
 #pragma once

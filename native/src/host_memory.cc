@@ -27,12 +27,13 @@ std::string Sized(const char* call, uint64_t size) {
   return std::string(call) + "(" + std::to_string(size) + ")";
 }
 
-// hostMemfdCreate(name, size) -> fd. Sealing is allowed so that read-only
-// sharing can be enforced by the kernel later.
+// hostMemfdCreate(name, size[, mode]) -> fd, sealed against resizing, with
+// permission bits `mode` (the caller's choice; 0600 when not given).
 Napi::Value HostMemfdCreate(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   std::string name = info[0].As<Napi::String>().Utf8Value();
   uint64_t size = U64Arg(info, 1, "size");
+  mode_t mode = info.Length() > 2 && info[2].IsNumber() ? static_cast<mode_t>(info[2].As<Napi::Number>().Uint32Value() & 07777) : 0600;
   int fd = faults::Inject("memfd_create") ? -1 : memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) ThrowErrno(env, Sized("memfd_create", size));
   if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
@@ -40,14 +41,30 @@ Napi::Value HostMemfdCreate(const Napi::CallbackInfo& info) {
     close(fd);
     throw ErrnoError(env, err, Sized("ftruncate", size));
   }
-  // Refuse shrinking: a shrunk memfd turns mapped pages into SIGBUS for every
-  // process that maps it.
-  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) != 0) {
+  // Neither shrink (mapped pages turn into SIGBUS for every process that maps
+  // them) nor grow (memory past what was counted) through any descriptor.
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0) {
     int err = errno;
     close(fd);
     throw ErrnoError(env, err, "fcntl(F_ADD_SEALS)");
   }
+  // A memfd is created mode 0777: any holder of a read-only descriptor could
+  // reopen it read-write through /proc/self/fd.
+  if (fchmod(fd, mode) != 0) {
+    int err = errno;
+    close(fd);
+    throw ErrnoError(env, err, "fchmod");
+  }
   return Napi::Number::New(env, fd);
+}
+
+// hostFchmod(fd, mode): fchmod as asked (which mode a client's memfd needs is
+// the TypeScript layer's rule).
+Napi::Value HostFchmod(const Napi::CallbackInfo& info) {
+  int fd = FdArg(info, 0, "fd");
+  mode_t mode = static_cast<mode_t>(info[1].As<Napi::Number>().Uint32Value() & 07777);
+  if (faults::Inject("fchmod") || fchmod(fd, mode) != 0) ThrowErrno(info.Env(), "fchmod");
+  return info.Env().Undefined();
 }
 
 // _memfdCreate(name, size, allowSealing) -> fd: a memfd with no seals, as any
@@ -102,6 +119,8 @@ Napi::Value HostFdInfo(const Napi::CallbackInfo& info) {
   out.Set("seals", Napi::Number::New(env, seals < 0 ? 0 : seals));
   out.Set("readOnlySealed", Napi::Boolean::New(env, seals >= 0 && (seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE)) != 0));
   out.Set("accessMode", Napi::Number::New(env, flags < 0 ? -1 : (flags & O_ACCMODE)));
+  out.Set("mode", Napi::Number::New(env, st.st_mode & 07777));
+  out.Set("uid", Napi::Number::New(env, st.st_uid));
   out.Set("inode", Napi::BigInt::New(env, static_cast<uint64_t>(st.st_ino)));
   // With the inode, the file's identity: what the quotas count physical memory by.
   out.Set("device", Napi::BigInt::New(env, static_cast<uint64_t>(st.st_dev)));
@@ -311,6 +330,7 @@ Napi::Value Close(const Napi::CallbackInfo& info) {
 void InitHostMemory(Napi::Env env, Napi::Object exports) {
   exports.Set("hostMemfdCreate", Napi::Function::New(env, HostMemfdCreate, "hostMemfdCreate"));
   exports.Set("hostMemfdSealReadOnly", Napi::Function::New(env, HostMemfdSealReadOnly, "hostMemfdSealReadOnly"));
+  exports.Set("hostFchmod", Napi::Function::New(env, HostFchmod, "hostFchmod"));
   exports.Set("hostMemfdAddSeals", Napi::Function::New(env, HostMemfdAddSeals, "hostMemfdAddSeals"));
   exports.Set("_memfdCreate", Napi::Function::New(env, DiagnosticMemfdCreate, "_memfdCreate"));
   exports.Set("hostFdInfo", Napi::Function::New(env, HostFdInfo, "hostFdInfo"));

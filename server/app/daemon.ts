@@ -143,7 +143,12 @@ export class Daemon {
 
     const stores = new StoreRegistry(registry, log, quotas);
     // On cuda the staging buffers are page-locked: staged Read and Write are DMAs of the copy engine, not CPU copies.
-    const staging = new StagingBuffers(backend.capabilities.gpuMemory ? CUDA_STAGING_PINNING : undefined, (message) => log.warn(message));
+    // A client can open staging buffers at will: their warnings are bounded (one per interval, the next saying how many were held back).
+    const stagingWarnings = new LogLimiter();
+    const staging = new StagingBuffers(backend.capabilities.gpuMemory ? CUDA_STAGING_PINNING : undefined, (message) => {
+      const allowed = stagingWarnings.allow('staging');
+      if (allowed !== undefined) log.warn({ heldBack: allowed.suppressed }, message);
+    });
     // A start that fails once the sockets exist (a metrics port in use, say) closes what it opened and removes them.
     let started: Daemon | undefined;
     const undo: Array<() => void> = [];

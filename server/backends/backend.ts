@@ -137,8 +137,9 @@ export interface Backend {
    * capacity (host), once however many holds name it; dropClientMemfd undoes one hold.
    * @returns the memfd's identity (as memoryIdentity names it)
    * @throws an error with code OUT_OF_MEMORY when it would take the host backend past its capacity
+   *   (once what the backend holds for speed was given back: server/backends/stock.ts)
    */
-  holdClientMemfd(fd: number, size: bigint): string;
+  holdClientMemfd(fd: number, size: bigint): Promise<string>;
   dropClientMemfd(identity: string): void;
   /** The handle as fabric bytes (cuda, where the host permits fabric handles). */
   exportFabric(handle: BackendHandle, device: number): Promise<Buffer>;

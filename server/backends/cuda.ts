@@ -225,7 +225,7 @@ export class CudaBackend implements Backend {
   }
 
   // A SYSMEM store's memfd is host memory: no GPU capacity to count it against (quotas still do).
-  holdClientMemfd(fd: number): string {
+  async holdClientMemfd(fd: number): Promise<string> {
     return memfdIdentity(addon.hostFdInfo(fd));
   }
 

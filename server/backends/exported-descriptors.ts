@@ -21,7 +21,8 @@ export interface DescriptorCalls {
 }
 
 // Closed off the event loop: a kept descriptor is usually the memory's last, whose close frees the driver's export object.
-const SYSTEM: DescriptorCalls = {
+/** The process's own dup and close. */
+export const SYSTEM_DESCRIPTORS: DescriptorCalls = {
   dup: (fd) => addon.dup(fd),
   close: (fd) => closeLater(fd),
   closeAwaited: (fd) => new Promise<void>((resolve, reject) => fsClose(fd, (error) => (error ? reject(error) : resolve()))),
@@ -38,7 +39,7 @@ export class ExportedDescriptors {
 
   constructor(
     readonly limit: number,
-    private readonly calls: DescriptorCalls = SYSTEM,
+    private readonly calls: DescriptorCalls = SYSTEM_DESCRIPTORS,
   ) {}
 
   get size(): number {

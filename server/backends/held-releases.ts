@@ -32,6 +32,8 @@ interface Held {
   device: number;
   resolve(): void;
   reject(error: unknown): void;
+  /** Settles once the release ran. */
+  done: Promise<void>;
 }
 
 const max = (a: bigint, b: bigint) => (a > b ? a : b);
@@ -43,6 +45,8 @@ export class HeldReleases {
   // Invariant: the releases let go and not yet started, oldest first; while any waits, a turn's start is due.
   private readonly letGo: Held[] = [];
   private starting: NodeJS.Immediate | undefined;
+  // Invariant: the releases started and not yet settled.
+  private readonly running = new Set<Promise<void>>();
   // A hurry() is still to look again at the next turn (releases on their way through the registry's adaptors).
   private hurrying = false;
 
@@ -52,6 +56,11 @@ export class HeldReleases {
     private readonly limitBytes: (device: number) => bigint = () => BigInt(Number.MAX_SAFE_INTEGER),
   ) {}
 
+  /** Whether any release is held, let go or running. */
+  get busy(): boolean {
+    return this.held.length > 0 || this.letGo.length > 0 || this.running.size > 0;
+  }
+
   /** Releases held, not yet let go. */
   get size(): number {
     return this.held.length;
@@ -59,12 +68,28 @@ export class HeldReleases {
 
   /** Holds a release; resolves (or rejects) once it ran. Lets them all go past RELEASE_HOLD_MAX or the device's byte bound. */
   hold(handle: BackendHandle, size: bigint, imported: boolean, device: number): Promise<void> {
-    return new Promise<void>((resolve, reject) => {
-      this.held.push({ handle, size, imported, device, resolve, reject });
-      const bytes = (this.bytes.get(device) ?? 0n) + size;
-      this.bytes.set(device, bytes);
-      if (this.held.length >= RELEASE_HOLD_MAX || bytes > max(this.limitBytes(device), RELEASE_HOLD_MIN_BYTES)) this.runAll();
-    });
+    let resolve!: () => void;
+    let reject!: (error: unknown) => void;
+    const done = new Promise<void>((res, rej) => ((resolve = res), (reject = rej)));
+    this.held.push({ handle, size, imported, device, resolve, reject, done });
+    const bytes = (this.bytes.get(device) ?? 0n) + size;
+    this.bytes.set(device, bytes);
+    if (this.held.length >= RELEASE_HOLD_MAX || bytes > max(this.limitBytes(device), RELEASE_HOLD_MIN_BYTES)) this.runAll();
+    return done;
+  }
+
+  /**
+   * Every release not yet run starts now; resolves once they all, and those
+   * already running, have settled (their memory is back, or their failure is
+   * their callers'). What a request that ran out of memory waits for.
+   * @returns undefined when no release is held, let go or running
+   */
+  drain(): Promise<void> | undefined {
+    const waiting = [...this.held, ...this.letGo].map((release) => release.done);
+    if (waiting.length === 0 && this.running.size === 0) return undefined;
+    waiting.push(...this.running);
+    this.runAll(true);
+    return Promise.allSettled(waiting).then(() => undefined);
   }
 
   /**
@@ -81,7 +106,11 @@ export class HeldReleases {
   private startSome(count: number): void {
     clearImmediate(this.starting);
     this.starting = undefined;
-    for (const next of this.letGo.splice(0, count)) this.release(next.handle, next.size, next.imported, next.device).then(next.resolve, next.reject);
+    for (const next of this.letGo.splice(0, count)) {
+      const run = this.release(next.handle, next.size, next.imported, next.device).then(next.resolve, next.reject);
+      this.running.add(run);
+      void run.finally(() => this.running.delete(run));
+    }
     if (this.letGo.length > 0) this.starting = setImmediate(() => this.startSome(RELEASE_START_BATCH));
   }
 

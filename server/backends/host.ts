@@ -111,7 +111,7 @@ export class HostBackend implements Backend {
     return identity;
   }
 
-  holdClientMemfd(fd: number, size: bigint): string {
+  async holdClientMemfd(fd: number, size: bigint): Promise<string> {
     const identity = memfdIdentity(addon.hostFdInfo(fd));
     if (!this.live.has(identity)) this.checkCapacity(size, `a client's memfd of ${size} bytes`);
     this.hold(identity, size);
@@ -170,7 +170,18 @@ export class HostBackend implements Backend {
   async setAccess(address: bigint, size: bigint, grants: AccessGrant[]): Promise<void> {
     // Every location of the host backend is the CPU: the widest grant wins.
     const access = grants.reduce((widest, grant) => Math.max(widest, grant.access), 0);
-    addon.hostProtect(address, size, access === 3 ? HOST_ACCESS.READWRITE : access === 1 ? HOST_ACCESS.READ : HOST_ACCESS.NONE);
+    try {
+      addon.hostProtect(address, size, access === 3 ? HOST_ACCESS.READWRITE : access === 1 ? HOST_ACCESS.READ : HOST_ACCESS.NONE);
+    } catch (error) {
+      // Every descriptor the daemon maps allows writes, so a refused write is a seal added since, through a descriptor the daemon exported.
+      if (access === 3 && (isNativeError(error, 'EACCES') || isNativeError(error, 'EPERM'))) {
+        throw codedError(
+          'MEMORY_SEALED',
+          `the memory at 0x${address.toString(16)} cannot be mapped writable: it was sealed against writes (F_SEAL_WRITE or F_SEAL_FUTURE_WRITE) through a descriptor of it (${(error as Error).message})`,
+        );
+      }
+      throw error;
+    }
   }
 
   async exportHandle(handle: BackendHandle): Promise<number> {
@@ -178,7 +189,13 @@ export class HostBackend implements Backend {
   }
 
   sealReadOnly(handle: BackendHandle): void {
-    addon.hostMemfdSealReadOnly(Number(handle));
+    try {
+      addon.hostMemfdSealReadOnly(Number(handle));
+    } catch (error) {
+      // The daemon's memfds take seals: F_SEAL_SEAL was added since, through a descriptor the daemon exported.
+      if (!isNativeError(error, 'EPERM')) throw error;
+      throw codedError('MEMORY_SEALED', `the memory cannot be sealed read-only: it was sealed F_SEAL_SEAL through a descriptor of it (${(error as Error).message})`);
+    }
   }
 
   async exportFabric(): Promise<Buffer> {
@@ -190,7 +207,7 @@ export class HostBackend implements Backend {
     const fd = source.fd;
     try {
       // Mapped writable later (SetAccess READWRITE), copied from by the daemon: the rules of client memfds.
-      const info = admitClientMemfd(fd, { what: 'an imported descriptor', writable: true });
+      const info = admitClientMemfd(fd, { what: 'an imported descriptor', writable: true, handedOut: true });
       if (info.size === 0n || info.size % this.options.granularity !== 0n) {
         throw codedError(
           'BAD_DESCRIPTOR',

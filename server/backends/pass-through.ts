@@ -81,7 +81,7 @@ export class PassThroughBackend implements Backend {
   memoryIdentity(handle: BackendHandle, device: number): string {
     return this.inner.memoryIdentity(handle, device);
   }
-  holdClientMemfd(fd: number, size: bigint): string {
+  holdClientMemfd(fd: number, size: bigint): Promise<string> {
     return this.inner.holdClientMemfd(fd, size);
   }
   dropClientMemfd(identity: string): void {

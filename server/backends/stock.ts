@@ -28,11 +28,11 @@
  */
 import type { Logger } from 'pino';
 import { closeLater } from '../../common/close-later';
-import { defaultExportCacheLimit, DescriptorCalls, ExportedDescriptors } from './exported-descriptors';
+import { defaultExportCacheLimit, DescriptorCalls, ExportedDescriptors, SYSTEM_DESCRIPTORS } from './exported-descriptors';
 import { HeldReleases } from './held-releases';
 import { PassThroughBackend } from './pass-through';
 import { BURST_IDLE_MS, DEMAND_MAX_SHELVES, DEMAND_MIN_COUNT, DEMAND_SHARE, StockDemand } from './stock-demand';
-import type { Backend, BackendHandle, HandleKind, MemLocation } from './backend';
+import type { Backend, BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from './backend';
 
 export interface StockLevel {
   /** Bytes of each allocation (a multiple of the device's granularity). */
@@ -105,6 +105,8 @@ export class StockedBackend extends PassThroughBackend {
   private readonly free = new Map<number, { bytes: bigint; at: number }>();
   private readonly counters = { hits: 0, misses: 0, created: 0, refillFailures: 0 };
   private readonly demand = new StockDemand();
+  // How the stock copies and closes a descriptor of its own (an import's spare).
+  private readonly descriptors: DescriptorCalls;
   // When the last stockable Create came, and when the first refill not yet run was asked for (performance.now()).
   private lastRequestAt = -Infinity;
   private refillAskedAt = 0;
@@ -130,6 +132,7 @@ export class StockedBackend extends PassThroughBackend {
   ) {
     super(inner);
     this.exported = new ExportedDescriptors(keptDescriptors.limit ?? defaultExportCacheLimit(), keptDescriptors.calls);
+    this.descriptors = keptDescriptors.calls ?? SYSTEM_DESCRIPTORS;
     for (const device of inner.devices()) {
       for (const level of levels) {
         if (level.depth <= 0 || level.size % device.granularityMinimum !== 0n) continue;
@@ -180,17 +183,77 @@ export class StockedBackend extends PassThroughBackend {
       }
       this.counters.misses++;
     }
+    return this.yielding(device, () => this.inner.create(device, location, size, handleTypes));
+  }
+
+  /**
+   * An import that runs out of memory gets what the stock holds, and is tried
+   * once more, with a copy of the descriptor made before the first try (the
+   * backend takes a descriptor over, and closes it when the import fails).
+   * Without anything to give back, or a descriptor to spare, one try.
+   */
+  override async importHandle(source: ImportSource, size: bigint): Promise<ImportedHandle> {
+    if (!('fd' in source) || !this.holdsMemory()) return this.inner.importHandle(source, size);
+    let spare: number | undefined;
     try {
-      return await this.inner.create(device, location, size, handleTypes);
-    } catch (error) {
-      if (!isOutOfMemory(error)) throw error;
-      // Stocked memory yields to sessions': given back (freed, its descriptors closed), and this Create tried once more.
-      this.free.delete(device);
-      const given = this.empty(device);
-      if (given.length === 0) throw error;
-      await Promise.allSettled(given);
-      return this.inner.create(device, location, size, handleTypes);
+      spare = this.descriptors.dup(source.fd);
+    } catch {
+      // Out of descriptors: the import gets one try.
     }
+    try {
+      return await this.inner.importHandle(source, size);
+    } catch (error) {
+      if (spare === undefined || !isOutOfMemory(error) || !(await this.giveBack())) throw error;
+      const again = spare;
+      spare = undefined;
+      return await this.inner.importHandle({ fd: again }, size);
+    } finally {
+      if (spare !== undefined) this.descriptors.close(spare);
+    }
+  }
+
+  /** A client's memfd held for a store: what the stock holds yields to it as to a Create. */
+  override holdClientMemfd(fd: number, size: bigint): Promise<string> {
+    return this.yielding(undefined, () => this.inner.holdClientMemfd(fd, size));
+  }
+
+  /**
+   * `attempt`, and, when it runs out of memory, once more after the stock gave
+   * back what it holds for speed: stocked memory and held frees yield to
+   * sessions' requests, whichever needs the memory.
+   * @param device the device whose stocked memory goes back (undefined: every device's)
+   */
+  private async yielding<T>(device: number | undefined, attempt: () => Promise<T>): Promise<T> {
+    try {
+      return await attempt();
+    } catch (error) {
+      if (!isOutOfMemory(error) || !(await this.giveBack(device))) throw error;
+      return attempt();
+    }
+  }
+
+  /** Whether the stock holds memory it could give back: stocked allocations, or frees held back or running. */
+  private holdsMemory(): boolean {
+    return this.held.busy || [...this.shelves.values()].some((shelf) => shelf.items.length > 0);
+  }
+
+  /**
+   * Gives back the stocked memory of `device` (of every device when undefined)
+   * and runs every held free now; resolves once that memory is freed.
+   * @returns whether there was anything to give back
+   */
+  private async giveBack(device?: number): Promise<boolean> {
+    const devices = device === undefined ? this.inner.devices().map((info) => info.index) : [device];
+    const given: Array<Promise<unknown>> = [];
+    for (const index of devices) {
+      this.free.delete(index);
+      given.push(...this.empty(index));
+    }
+    const frees = this.held.drain();
+    if (frees !== undefined) given.push(frees);
+    if (given.length === 0) return false;
+    await Promise.allSettled(given);
+    return true;
   }
 
   /** A stocked handle's first export: its ready descriptor (a dup of it kept); later ones: a dup of the kept one. */

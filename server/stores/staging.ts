@@ -9,7 +9,7 @@
 import { addon } from '../../native';
 import { detachView, pageSize } from '../../native/mapping';
 import { admitClientMemfd } from '../backends/client-memfd';
-import { failedPrecondition, invalidArgument, outOfRange } from '../errors';
+import { failedPrecondition, invalidArgument, outOfRange, resourceExhausted } from '../errors';
 import { MemfdMemory } from './store-memory';
 
 /** The largest staging buffer a session may open. */
@@ -58,7 +58,8 @@ export class StagingBuffers {
 
   /**
    * Maps `fd` (taken over: closed on failure too) as the session's staging buffer, replacing any earlier one.
-   * @throws INVALID_ARGUMENT BAD_DESCRIPTOR (admitClientMemfd's rules; empty, not page-sized, larger than MAX_STAGING_BYTES)
+   * @throws INVALID_ARGUMENT BAD_DESCRIPTOR (admitClientMemfd's rules; empty, not page-sized, larger than MAX_STAGING_BYTES);
+   *   RESOURCE_EXHAUSTED DAEMON_MAP_FAILED (the daemon's own mmap failed: address space, mappings)
    */
   async open(session: bigint, fd: number): Promise<bigint> {
     let memory: MemfdMemory;
@@ -77,7 +78,10 @@ export class StagingBuffers {
       // Takes fd over, and closes it if the mapping fails.
       memory = MemfdMemory.map(fd, size, false);
     } catch (error) {
-      throw invalidArgument('BAD_DESCRIPTOR', `the staging descriptor cannot be mapped: ${(error as Error).message}`);
+      // Admitted, the descriptor allows the mapping: only seals added since (EPERM, EACCES) are the client's doing.
+      const code = (error as { code?: unknown }).code;
+      if (code === 'EPERM' || code === 'EACCES') throw invalidArgument('BAD_DESCRIPTOR', `the staging descriptor cannot be mapped: ${(error as Error).message}`);
+      throw resourceExhausted('DAEMON_MAP_FAILED', `the daemon could not map a staging buffer of ${size} bytes (${(error as Error).message}): it is short of address space or mappings; try again later`);
     }
     let pinned = false;
     if (this.pinning !== undefined && size <= MAX_PINNED_STAGING_BYTES) {

@@ -5,17 +5,32 @@
  * staging buffers use the memfd kind too.
  */
 import * as fs from 'node:fs';
+import { promisify } from 'node:util';
 import { addon } from '../../native';
 import { HostMapping, pageSize, roundUp } from '../../native/mapping';
+import { failedPrecondition } from '../errors';
 import { AllocationRecord, DAEMON_OWNER, Registry } from '../registry';
+
+// fs.open's callback form: a plain descriptor (closed with the addon's close like every other), opened off the event loop.
+const openFile = promisify(fs.open) as (path: string, flags: number) => Promise<number>;
 
 /**
  * The same memfd open O_RDONLY: its holder can neither write(2) it nor map it
- * writable (mprotect gives EACCES). Takes ownership of `fd`, closed either way.
+ * writable (mprotect gives EACCES). The open runs on libuv's threads, not the
+ * event loop (a path lookup in /proc). The daemon reopens its own memfds
+ * (mode 0600, its own), and clients' where their mode lets other uids read
+ * them (the vmmd libraries make them 0644). Takes ownership of `fd`, closed
+ * either way.
  */
-function reopenReadOnly(fd: number): number {
+async function reopenReadOnly(fd: number): Promise<number> {
   try {
-    return fs.openSync(`/proc/self/fd/${fd}`, fs.constants.O_RDONLY);
+    return await openFile(`/proc/self/fd/${fd}`, fs.constants.O_RDONLY);
+  } catch (error) {
+    if ((error as { code?: unknown }).code !== 'EACCES') throw error;
+    throw failedPrecondition(
+      'NOT_REOPENABLE',
+      `the store's memory cannot be opened read-only for this caller: the daemon reopens it through /proc/self/fd and its owner's mode forbids the daemon to read it (${(error as Error).message}); its owner may fchmod it 0644, or open it as a writer`,
+    );
   } finally {
     addon.close(fd);
   }
@@ -201,7 +216,7 @@ export class MemfdMemory implements StoreMemory {
 
   async exportFd(readOnly = false): Promise<number> {
     if (!readOnly) return addon.dup(this.fd);
-    return this.readOnlyFd.take(async () => reopenReadOnly(addon.dup(this.fd)));
+    return this.readOnlyFd.take(() => reopenReadOnly(addon.dup(this.fd)));
   }
 
   read(offset: bigint, length: number): Promise<Buffer> {

@@ -10,11 +10,13 @@ import { EventEmitter } from 'node:events';
 import type { Logger } from 'pino';
 import { addon } from '../../native';
 import { ACCESS_READWRITE } from '../backends/backend';
-import { admitClientMemfd } from '../backends/client-memfd';
-import { alreadyExists, failedPrecondition, invalidArgument, notFound, outOfRange, permissionDenied } from '../errors';
+import { failedPrecondition, invalidArgument, notFound, outOfRange, permissionDenied } from '../errors';
 import type { Quotas } from '../registry/quotas';
 import { AllocationRecord, DAEMON_OWNER, Registry } from '../registry';
-import { AllocationMemory, ChargedMemory, MemfdMemory, StoreMemory } from './store-memory';
+import { LogLimiter } from '../observability/log-limiter';
+import { AllocationMemory, StoreMemory } from './store-memory';
+import { attachClientMemfd } from './sysmem-attachment';
+import { StoreNames } from './store-names';
 
 export type StoreTarget = 'SYSMEM' | 'ZCMEM' | 'FBMEM';
 export type StoreState = 'LIVE' | 'DETACHING' | 'DETACHED';
@@ -66,9 +68,12 @@ const EVENT_LOG_SIZE = 4096;
 export class StoreRegistry extends EventEmitter {
   private nextId = 1n;
   private nextSequence = 1n;
-  // Invariant: every store not yet released; names of stores not detached are unique.
+  // Invariant: every store not yet released; names of stores not detached are unique, and `names` indexes them.
   private readonly stores = new Map<bigint, StoreRecord>();
+  private readonly names = new StoreNames<StoreRecord>();
   private readonly events: StoreEvent[] = [];
+  // The trail of stores' lives, bounded per uid: a client can make and drop stores as fast as it likes.
+  private readonly trail = new LogLimiter(10_000, 20);
 
   /** @param quotas charge SYSMEM attachments (the registry's adaptor charges the rest); none: not limited */
   constructor(
@@ -102,7 +107,15 @@ export class StoreRegistry extends EventEmitter {
     caller: bigint,
     args: { allocationId: bigint; name: string; readOnly: boolean; handOver: boolean; size: bigint },
   ): Promise<StoreRecord> {
-    this.checkName(args.name);
+    const unclaim = this.names.claim(args.name);
+    try {
+      return await this.createClaimed(caller, args);
+    } finally {
+      unclaim();
+    }
+  }
+
+  private async createClaimed(caller: bigint, args: { allocationId: bigint; name: string; readOnly: boolean; handOver: boolean; size: bigint }): Promise<StoreRecord> {
     const allocationSize = this.registry.allocation(args.allocationId).size;
     if (args.size > allocationSize) {
       throw outOfRange('BEYOND_ALLOCATION', `store size ${args.size} exceeds allocation ${args.allocationId} of ${allocationSize} bytes`);
@@ -135,8 +148,26 @@ export class StoreRegistry extends EventEmitter {
     fd: number,
     args: { target: StoreTarget; device: number; size: bigint; readOnly: boolean; name: string; hasDeleter: boolean },
   ): Promise<StoreRecord> {
+    let unclaim: () => void;
     try {
-      this.checkName(args.name);
+      unclaim = this.names.claim(args.name);
+    } catch (error) {
+      addon.close(fd);
+      throw error;
+    }
+    try {
+      return await this.attachClaimed(caller, fd, args);
+    } finally {
+      unclaim();
+    }
+  }
+
+  private async attachClaimed(
+    caller: bigint,
+    fd: number,
+    args: { target: StoreTarget; device: number; size: bigint; readOnly: boolean; name: string; hasDeleter: boolean },
+  ): Promise<StoreRecord> {
+    try {
       if (args.target !== 'SYSMEM' && !this.registry.backend.capabilities.gpuMemory) {
         throw failedPrecondition('NO_CUDA_BACKEND', `${args.target} stores need the cuda backend; this daemon runs the ${this.registry.backend.name} backend`);
       }
@@ -151,30 +182,7 @@ export class StoreRegistry extends EventEmitter {
     const id = this.nextId++;
     let memory: StoreMemory;
     if (args.target === 'SYSMEM') {
-      let info;
-      try {
-        info = admitClientMemfd(fd, { what: 'a SYSMEM attachment', writable: !args.readOnly, sealReadOnly: args.readOnly });
-      } catch (error) {
-        addon.close(fd);
-        throw error;
-      }
-      if (info.size < args.size) {
-        addon.close(fd);
-        throw invalidArgument('BAD_DESCRIPTOR', `a SYSMEM attachment is a memfd of at least ${args.size} bytes (this one: ${info.size} bytes)`);
-      }
-      let uncharge: () => void;
-      try {
-        uncharge = this.chargeClientMemfd(caller, fd, info.size);
-      } catch (error) {
-        addon.close(fd);
-        throw error;
-      }
-      try {
-        memory = new ChargedMemory(MemfdMemory.map(fd, args.size, args.readOnly), uncharge);
-      } catch (error) {
-        uncharge();
-        throw error;
-      }
+      memory = await attachClientMemfd(this.registry, this.quotas, caller, fd, args.size, args.readOnly);
     } else {
       const allocation = await this.registry.importHandle(caller, { fd }, args.size);
       const holder = STORE_HOLDER_BASE + id;
@@ -205,7 +213,7 @@ export class StoreRegistry extends EventEmitter {
     const store =
       ref.id !== 0n
         ? this.stores.get(ref.id)
-        : [...this.stores.values()].find((candidate) => candidate.name === ref.name && ref.name !== '' && candidate.state !== 'DETACHED');
+        : this.names.get(ref.name);
     if (store === undefined) {
       throw notFound('UNKNOWN_STORE', ref.id !== 0n ? `store ${ref.id} does not exist` : `no store is named ${JSON.stringify(ref.name)}`);
     }
@@ -388,31 +396,10 @@ export class StoreRegistry extends EventEmitter {
     }
   }
 
-  /**
-   * Counts a client's memfd held for a SYSMEM store like an Import: by its
-   * size (sparse or not), against the host capacity and the caller's quotas,
-   * once however many holds name it. Returns what undoes it.
-   * @throws RESOURCE_EXHAUSTED OUT_OF_MEMORY (host capacity), QUOTA_EXCEEDED
-   */
-  private chargeClientMemfd(caller: bigint, fd: number, size: bigint): () => void {
-    const backend = this.registry.backend;
-    const identity = backend.holdClientMemfd(fd, size);
-    let hold: ReturnType<Quotas['hold']>;
-    try {
-      hold = this.quotas?.hold(caller, identity, size, 'attaching');
-    } catch (error) {
-      backend.dropClientMemfd(identity);
-      throw error;
-    }
-    return () => {
-      if (hold !== undefined) this.quotas!.release(hold);
-      backend.dropClientMemfd(identity);
-    };
-  }
-
   private add(caller: bigint, fields: Omit<StoreRecord, 'state' | 'opens' | 'inFlight' | 'drainWaiters' | 'releasing' | 'releaseFailure'>): StoreRecord {
     const store: StoreRecord = { ...fields, state: 'LIVE', opens: new Map(), inFlight: 0, drainWaiters: [], releasing: false };
     this.stores.set(store.id, store);
+    this.names.bind(store.name, store);
     this.record('CREATED', store, caller);
     return store;
   }
@@ -421,6 +408,7 @@ export class StoreRegistry extends EventEmitter {
     store.state = 'DETACHING';
     if (store.inFlight > 0) await new Promise<void>((resolve) => store.drainWaiters.push(resolve));
     store.state = 'DETACHED';
+    this.names.drop(store.name, store);
     this.record('DETACHED', store, caller);
     await this.release(store);
   }
@@ -469,20 +457,15 @@ export class StoreRegistry extends EventEmitter {
     }
   }
 
-  private checkName(name: string): void {
-    if (name.length > 255) throw invalidArgument('BAD_NAME', `a store name has at most 255 characters, not ${name.length}`);
-    if (name !== '' && [...this.stores.values()].some((store) => store.name === name && store.state !== 'DETACHED')) {
-      throw alreadyExists('NAME_TAKEN', `a store named ${JSON.stringify(name)} exists; detach it first`);
-    }
-  }
-
   private record(kind: StoreEventKind, store: StoreRecord, session: bigint): void {
     // An operator's trail of every store's life (opens and closes are too many to log at info).
     if (kind === 'CREATED' || kind === 'DETACHED' || kind === 'RELEASED') {
-      const fields = { store: String(store.id), name: store.name, target: store.target, size: String(store.size), readOnly: store.readOnly, by: session === DAEMON_OWNER ? 'daemon' : `session ${session}` };
-      if (kind === 'CREATED') this.log?.info(fields, 'store created');
-      else if (kind === 'DETACHED') this.log?.info({ ...fields, opens: this.openCount(store) }, 'store detached');
-      else this.log?.info(fields, 'store released: its memory is freed');
+      const allowed = this.trail.allow(`${kind}:${store.creatorUid ?? 'daemon'}`);
+      const fields = { store: String(store.id), name: store.name, target: store.target, size: String(store.size), readOnly: store.readOnly, by: session === DAEMON_OWNER ? 'daemon' : `session ${session}`, ...(allowed !== undefined && allowed.suppressed > 0 ? { heldBack: allowed.suppressed } : {}) };
+      const level = allowed === undefined ? 'debug' : 'info';
+      if (kind === 'CREATED') this.log?.[level](fields, 'store created');
+      else if (kind === 'DETACHED') this.log?.[level]({ ...fields, opens: this.openCount(store) }, 'store detached');
+      else this.log?.[level](fields, 'store released: its memory is freed');
     }
     const event: StoreEvent = { sequence: this.nextSequence++, kind, store, session };
     this.events.push(event);

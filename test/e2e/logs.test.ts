@@ -8,7 +8,10 @@ import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import { connect } from '../../client';
-import { eventually, MiB, Peer, TestDaemon } from './harness';
+import { socketPaths } from '../../common/paths';
+import { encodeMessage } from '../../common/protocol';
+import { addon } from '../../native';
+import { eventually, MiB, Peer, sleep, TestDaemon } from './harness';
 
 /** The daemon's JSON log lines with this message prefix. */
 function lines(daemon: TestDaemon, prefix: string): Array<Record<string, any>> {
@@ -92,6 +95,31 @@ describe('the socket directory', () => {
     try {
       expect((fs.statSync(dir).mode & 0o777).toString(8)).toBe('700');
       expect(lines(daemon, 'socket directory mode corrected')).toEqual([expect.objectContaining({ was: '755', now: '700', socketDir: dir })]);
+    } finally {
+      await daemon.stop();
+    }
+  });
+});
+
+describe('what a peer can make the daemon log', () => {
+  test('sessions closed with unread answers: a bounded number of lines per uid, not one each', async () => {
+    const daemon = await TestDaemon.start(['--log-level', 'info']);
+    try {
+      const SESSIONS = 60;
+      for (let i = 0; i < SESSIONS; i++) {
+        // A raw session: the greeting and the pongs are never read, and the socket is closed under them.
+        const fd = addon.seqpacketConnect(socketPaths(daemon.dir).session);
+        for (let ping = 0; ping < 4; ping++) addon.seqpacketSend(fd, encodeMessage({ type: 'ping' }), -1);
+        await sleep(10);
+        addon.close(fd);
+      }
+      await eventually(async () => ((await daemon.stats()).sessions === 0 ? true : undefined), 20_000, 'the sessions to close');
+      const failed = lines(daemon, 'the session socket failed');
+      expect(failed.length).toBeGreaterThan(0);
+      expect(failed.length).toBeLessThanOrEqual(20);
+      // Nothing else a session can cause came out once for each of them either.
+      const perSession = daemon.logs.filter((line) => line.includes('"session"'));
+      expect(perSession.length).toBeLessThanOrEqual(4 * 20);
     } finally {
       await daemon.stop();
     }

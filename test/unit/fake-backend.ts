@@ -100,7 +100,7 @@ export class FakeBackend implements Backend {
     return `fake:${handle}`;
   }
 
-  holdClientMemfd(fd: number): string {
+  async holdClientMemfd(fd: number, _size?: bigint): Promise<string> {
     return `fake-memfd:${fd}`;
   }
 

@@ -22,13 +22,16 @@ Request = Optional[Mapping[str, Any]]
 
 
 def sealed_memfd(name: str, size: int) -> int:
-    """A memfd of `size` bytes that cannot shrink (F_SEAL_SHRINK): the daemon
-    maps what clients send it and refuses descriptors that could shrink under
-    its mapping."""
+    """A memfd of `size` bytes that can neither shrink nor grow (F_SEAL_SHRINK,
+    F_SEAL_GROW), written only by its owner (mode 0644): the daemon maps what
+    clients send it, refuses descriptors that could be resized under its
+    mapping, and hands other uids read-only descriptors that must not be
+    reopened writable through /proc/self/fd."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        os.fchmod(fd, 0o644)
     except BaseException:
         os.close(fd)
         raise

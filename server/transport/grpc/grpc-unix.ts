@@ -9,6 +9,7 @@ import * as grpc from '@grpc/grpc-js';
 import * as net from 'node:net';
 import type { Logger } from 'pino';
 import { addon } from '../../../native';
+import { LogLimiter } from '../../observability/log-limiter';
 import { unixPeerAddress } from './access';
 
 /** How often a failing accept (EMFILE, ENFILE) is logged at most. */
@@ -22,6 +23,8 @@ export class GrpcUnixListener {
     const injector = grpcServer.createConnectionInjector(grpc.ServerCredentials.createInsecure());
     let lastErrorLog = 0;
     let suppressed = 0;
+    // A peer that connects and hangs up at once can cause it at will.
+    const credentialFailures = new LogLimiter();
     const server = net.createServer({ allowHalfOpen: false, pauseOnConnect: false }, (socket) => {
       const fd = (socket as unknown as { _handle?: { fd?: number } })._handle?.fd;
       let address: string;
@@ -29,7 +32,8 @@ export class GrpcUnixListener {
         if (fd === undefined || fd < 0) throw new Error('the accepted socket has no descriptor');
         address = unixPeerAddress(addon.peerCredentials(fd));
       } catch (error) {
-        log.warn({ err: error }, 'a gRPC connection without readable peer credentials was closed');
+        const allowed = credentialFailures.allow('credentials');
+        if (allowed !== undefined) log.warn({ err: error, heldBack: allowed.suppressed }, 'a gRPC connection without readable peer credentials was closed');
         socket.destroy();
         return;
       }

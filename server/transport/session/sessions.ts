@@ -442,7 +442,10 @@ export class SessionManager {
     // allocation released, an open dropped), and the send's failure is the answer, which, smaller and
     // without a descriptor, may still get through; if not, the client's wait for it times out.
     if (answer.unsent !== undefined) {
-      await session.track(answer.unsent).catch((error: unknown) => session.log.error({ err: error }, `undoing ${message.type} request ${request} after its answer could not be sent failed`));
+      await session.track(answer.unsent).catch((error: unknown) => {
+        const allowed = this.logLimiter.allow(`undo:${session.peer.uid}`);
+        session.log[allowed === undefined ? 'debug' : 'error']({ err: error, ...heldBack(allowed) }, `undoing ${message.type} request ${request} after its answer could not be sent failed`);
+      });
     }
     fail(unsent);
   }
@@ -460,7 +463,9 @@ export class SessionManager {
     if (session.closing) return;
     session.closing = true;
     if (session.connection.closeReason !== undefined) {
-      session.log.warn({ reason: session.connection.closeReason }, 'the session socket failed; closing the session');
+      // A peer that closes with answers unread makes this happen at will: bounded per uid like the other lines of a session's life.
+      const allowed = this.lifeLogLimiter.allow(`failed:${session.peer.uid}`);
+      session.log[allowed === undefined ? 'debug' : 'warn']({ reason: session.connection.closeReason, ...heldBack(allowed) }, 'the session socket failed; closing the session');
     }
     session.inbox.close();
     const reclaim = (async () => {
