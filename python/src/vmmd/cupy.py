@@ -6,8 +6,11 @@
 
 or, for one block of code, `with vmmd.cupy.using():`. Frees are CuPy's: a
 block goes back to the pool when the last array using it is gone (reuse is
-stream-ordered as with CuPy's own MemoryPool: the pool's memory is reused by
-later work on the same stream).
+stream-ordered as with CuPy's own MemoryPool: a block is reused at once by
+later work on the stream current when it was allocated, by other streams once
+the work queued there before the free is done). free_all_blocks() gives what
+the pool holds free back to the daemon; an idle pool does so by itself after
+VMMD_POOL_IDLE_SECONDS.
 """
 from __future__ import annotations
 
@@ -59,14 +62,16 @@ class VmmdAllocator:
             return cupy.cuda.MemoryPointer(cupy.cuda.memory.Memory(0), 0)
         device = cupy.cuda.runtime.getDevice()
         pool = self.pool(device)
-        block = pool.allocate(size)
+        # Reused in the order of the stream current now, as CuPy's MemoryPool does.
+        block = pool.allocate(size, stream=int(cupy.cuda.get_current_stream().ptr))
         memory = cupy.cuda.UnownedMemory(block.address, size, _BlockOwner(pool, block), device_id=device)
         return cupy.cuda.MemoryPointer(memory, 0)
 
     __call__ = malloc
 
     def free_all_blocks(self) -> int:
-        """Gives every empty chunk back to the daemon; returns the bytes."""
+        """Gives every empty chunk back to the daemon, once the work queued
+        before the frees is done; returns the bytes."""
         return sum(pool.trim() for pool in self._pools.values())
 
     def stats(self) -> Dict[int, Dict[str, int]]:
