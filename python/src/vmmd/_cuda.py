@@ -5,9 +5,10 @@ failure. Everything runs in the device's primary context, the one Numba, CuPy
 and PyTorch use."""
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from .errors import STATUS, VmmdError
 
@@ -255,11 +256,45 @@ CU_EVENT_DISABLE_TIMING = 0x2
 LEGACY_STREAM = 0
 
 
+@contextlib.contextmanager
+def in_context(device: int) -> Iterator[None]:
+    """Runs the block in `device`'s primary context and leaves the thread's
+    current context as it found it: a pool's frees of one device may settle
+    while the caller works on another (Numba's multi-GPU code)."""
+    cu = driver()
+    result, ctx = cu.cuCtxGetCurrent()
+    if result == cu.CUresult.CUDA_SUCCESS and ctx is not None and native(ctx) != 0:
+        result, current = cu.cuCtxGetDevice()
+        if result == cu.CUresult.CUDA_SUCCESS and native(current) == device:
+            yield
+            return
+    else:
+        # No context current: the primary one stays current, as ensure_context leaves it.
+        ensure_context(device)
+        yield
+        return
+    result, dev = cu.cuDeviceGet(device)
+    check(result, f"cuDeviceGet({device})")
+    result, primary = cu.cuDevicePrimaryCtxRetain(dev)
+    check(result, f"cuDevicePrimaryCtxRetain({device})")
+    (result,) = cu.cuCtxPushCurrent(primary)
+    check(result, "cuCtxPushCurrent")
+    try:
+        yield
+    finally:
+        cu.cuCtxPopCurrent()
+        cu.cuDevicePrimaryCtxRelease(dev)
+
+
 def record_event(device: int, stream: Optional[int]) -> Any:
     """An event recorded now on `stream` (None: the legacy default stream) in
     `device`'s context: done once all work queued there before now is done."""
     cu = driver()
-    ensure_context(device)
+    with in_context(device):
+        return _record(cu, stream)
+
+
+def _record(cu: Any, stream: Optional[int]) -> Any:
     result, event = cu.cuEventCreate(CU_EVENT_DISABLE_TIMING)
     check(result, "cuEventCreate")
     (result,) = cu.cuEventRecord(event, cu.CUstream(LEGACY_STREAM if stream is None else stream))

@@ -68,8 +68,9 @@ static int chunk_count, chunk_capacity;
 /* Bytes a malloc waits for, per device (0: none); generation counts refills and failures. */
 static uint64_t want[MAX_DEVICES];
 static uint64_t generation[MAX_DEVICES], failed_generation[MAX_DEVICES];
-/* FREE bytes per device, for refilling ahead below low_water. */
-static uint64_t room[MAX_DEVICES];
+/* FREE bytes per device, and its largest malloc: a refill goes ahead once the room is below
+ * low_water plus the largest malloc, so that the next one like it need not wait. */
+static uint64_t room[MAX_DEVICES], largest[MAX_DEVICES];
 static int return_wanted, stopping;
 static double refill_timeout = 10.0;
 static uint64_t low_water;
@@ -261,8 +262,9 @@ void *vmmd_torch_malloc(ssize_t requested, int device, void *stream) {
       break;
     }
   }
-  if (found != NULL && low_water > 0 && room[device] < low_water && want[device] == 0) {
-    want[device] = 1; /* ahead: a chunk before the next malloc needs one */
+  if (found != NULL && size > largest[device]) largest[device] = size;
+  if (found != NULL && low_water > 0 && room[device] < low_water + largest[device] && want[device] == 0) {
+    want[device] = largest[device]; /* ahead: room before the next malloc needs it */
     pthread_cond_signal(&wanted);
   }
   pthread_mutex_unlock(&lock);
@@ -370,9 +372,24 @@ int vmmd_next_request(int *device, uint64_t *bytes, double timeout) {
   return answer;
 }
 
-/* Takes back one chunk with nothing in use: one PyTorch emptied (TAKE_FREED) or one unused for
- * `idle` seconds (TAKE_IDLE). Its held blocks' work may still run: the caller synchronizes the
- * device before unmapping. Returns 1 with the chunk's device, base and size, else 0. */
+/* Bytes not in use in the device's chunks other than chunk `except`. */
+static uint64_t spare(int device, int except) {
+  uint64_t total = 0;
+  for (int k = 0; k < chunk_count; k++) {
+    if (k == except || chunks[k].device != device) continue;
+    for (int i = 0; i < chunks[k].count; i++) {
+      if (chunks[k].spans[i].state != SPAN_USED) total += chunks[k].spans[i].size;
+    }
+  }
+  return total;
+}
+
+/* Takes back one chunk with nothing in use: one PyTorch emptied (TAKE_FREED) while the device
+ * keeps low_water bytes spare elsewhere, or one unused for `idle` seconds (TAKE_IDLE). The spare
+ * bytes are the next mallocs' room: a malloc that must wait for a refill is the one case where a
+ * thread holding the GIL and waiting for PyTorch's mutex costs a refill timeout. Its held blocks'
+ * work may still run: the caller synchronizes the device before unmapping. Returns 1 with the
+ * chunk's device, base and size, else 0. */
 int vmmd_take_empty_chunk(int mode, double idle, int *device, uint64_t *base, uint64_t *size) {
   pthread_mutex_lock(&lock);
   double t = now();
@@ -381,7 +398,8 @@ int vmmd_take_empty_chunk(int mode, double idle, int *device, uint64_t *base, ui
     chunk_t *c = &chunks[k];
     int in_use = 0;
     for (int i = 0; i < c->count; i++) in_use |= c->spans[i].state == SPAN_USED;
-    if (in_use || (mode == TAKE_FREED ? !c->freed : t - c->last_use < idle)) continue;
+    if (in_use) continue;
+    if (mode == TAKE_FREED ? !c->freed || spare(c->device, k) < low_water : idle <= 0 || t - c->last_use < idle) continue;
     for (int i = 0; i < c->count; i++) {
       if (c->spans[i].state == SPAN_FREE) room[c->device] -= c->spans[i].size;
       drop_event(&c->spans[i]);

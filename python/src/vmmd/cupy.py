@@ -39,13 +39,13 @@ class _BlockOwner:
 class VmmdAllocator:
     """An allocator for cupy.cuda.set_allocator: malloc(size) → MemoryPointer
     of vmmd memory. One pool per device, leased by `client` (default: this
-    process's shared session)."""
+    process's shared session); `idle_seconds` as DevicePool's."""
 
-    def __init__(self, client: Optional[VmmdClient] = None, chunk_size: int = 32 << 20, large_threshold: int = 16 << 20) -> None:
+    def __init__(self, client: Optional[VmmdClient] = None, chunk_size: int = 32 << 20, large_threshold: int = 16 << 20, idle_seconds: Optional[float] = None) -> None:
         if client is None:
             client = shared_client()
         self.client = client
-        self._settings = (chunk_size, large_threshold)
+        self._settings = (chunk_size, large_threshold, idle_seconds)
         self._pools: Dict[int, DevicePool] = {}
         self._daemon_devices: Dict[str, int] = {d.uuid: int(d.index) for d in client.devices.list_devices().devices}
 
@@ -54,7 +54,7 @@ class VmmdAllocator:
         pool = self._pools.get(device)
         if pool is None:
             uuid = _device_uuid(device)
-            pool = self._pools[device] = DevicePool(self.client, device=self._daemon_devices.get(uuid, device), chunk_size=self._settings[0], large_threshold=self._settings[1])
+            pool = self._pools[device] = DevicePool(self.client, device=self._daemon_devices.get(uuid, device), chunk_size=self._settings[0], large_threshold=self._settings[1], idle_seconds=self._settings[2])
         return pool
 
     def malloc(self, size: int) -> Any:
