@@ -145,6 +145,8 @@ export interface Addon {
   cudaUnmap(device: number, address: bigint, size: bigint, synchronize?: boolean): Promise<void>;
   /** Several unmaps in one driver-thread job, after one context synchronization when asked: each range's error name, or null. */
   cudaUnmapMany(device: number, addresses: bigint[], sizes: bigint[], synchronize?: boolean): Promise<Array<string | null>>;
+  /** cuCtxSynchronize on the device's driver thread: the work queued before now is done when it resolves. */
+  cudaSynchronize(device: number): Promise<void>;
   /** On a driver thread; with `inline`, on the calling thread (a settled promise). */
   cudaSetAccess(address: bigint, size: bigint, descriptors: Array<{ type: number; id: number; flags: number }>, inline?: boolean): Promise<void>;
   cudaGetAccess(address: bigint, locationType: number, locationId: number): number;

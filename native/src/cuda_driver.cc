@@ -619,6 +619,16 @@ Napi::Value CudaUnmapMany(const Napi::CallbackInfo& info) {
       });
 }
 
+// cudaSynchronize(device) -> Promise<void>: cuCtxSynchronize on the device's driver thread. What
+// cuMemFree waits for before memory changes hands: a client pool's freed blocks go back to the
+// pool after it, so that no kernel queued before the free still uses them.
+Napi::Value CudaSynchronize(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  int device = DeviceArg(info, 0);
+  return CudaWorker::Queue(env, device, "cuCtxSynchronize", [] { return driver.api.cuCtxSynchronize(); }, nullptr);
+}
+
 // cudaSetAccess(address, size, [{ type, id, flags }]) -> Promise<void>, on a driver thread
 // (setting access can take hundreds of microseconds). The descriptors are copied here.
 Napi::Value CudaSetAccess(const Napi::CallbackInfo& info) {
@@ -1003,6 +1013,7 @@ void InitCudaDriver(Napi::Env env, Napi::Object exports) {
   exports.Set("cudaMap", Napi::Function::New(env, CudaMap, "cudaMap"));
   exports.Set("cudaUnmap", Napi::Function::New(env, CudaUnmap, "cudaUnmap"));
   exports.Set("cudaUnmapMany", Napi::Function::New(env, CudaUnmapMany, "cudaUnmapMany"));
+  exports.Set("cudaSynchronize", Napi::Function::New(env, CudaSynchronize, "cudaSynchronize"));
   exports.Set("cudaSetAccess", Napi::Function::New(env, CudaSetAccess, "cudaSetAccess"));
   exports.Set("cudaGetAccess", Napi::Function::New(env, CudaGetAccess, "cudaGetAccess"));
   exports.Set("cudaExportFd", Napi::Function::New(env, CudaExportFd, "cudaExportFd"));
