@@ -127,6 +127,7 @@ want weights && step shared-weights 240 $PY test/gpu/python/shared_weights.py "$
 
 # 5. Benchmarks.
 want bench && step bench 150 $PY bench/python/bench_python.py "$out/bench-python.json"
+want pools-bench && step pools-bench 240 $PY bench/python/pools_bench.py "$out/pools-bench.json"
 
 kill "$daemon" 2>/dev/null
 wait "$daemon" 2>/dev/null

@@ -54,6 +54,9 @@ def test_the_same_stream_reuses_a_freed_block_at_once(pool: DevicePool, driver: 
     again = pool.allocate(4096, stream=STREAM_A)
     assert again.address == first.address and pool.counters["same_stream_reused"] == 1
     assert "cuEventRecord" not in driver.calls  # work on A runs after A's earlier work: nothing to wait for
+    pool.free(again)
+    stats = pool.stats()  # a held block is not in use
+    assert (stats["blocks"], stats["used"], stats["stream_held_bytes"]) == (0, 0, 4096)
 
 
 def test_a_stream_whose_work_is_done_gives_its_block_to_another_without_waiting(pool: DevicePool, driver: types.ModuleType) -> None:

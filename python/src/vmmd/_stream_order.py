@@ -89,6 +89,13 @@ class StreamOrder:
             self._forget(block)
         return safe
 
+    def held_in_chunks(self) -> Tuple[int, int]:
+        """(blocks, bytes) held that are carved from shared chunks (not large ones)."""
+        blocks = [block for by_size in self._waiting.values() for same in by_size.values() for block in same]
+        blocks += [block for _, same in self._settling for block in same]
+        small = [block for block in blocks if not block.large]
+        return len(small), sum(block.rounded for block in small)
+
     def settle_all(self) -> List[Any]:
         """Every block, once the device has finished all its work (one
         cuCtxSynchronize covers every stream): for giving memory back."""

@@ -378,11 +378,13 @@ class DevicePool:
 
     def stats(self) -> Dict[str, int]:
         with self._lock:
+            # Blocks freed and held for their stream are not in use: they count as held.
+            held_blocks, held_bytes = self._order.held_in_chunks()
             return {
                 "chunks": len(self._chunks),
                 "bytes": sum(c.size for c in self._chunks),
-                "used": sum(c.used for c in self._chunks),
-                "blocks": sum(c.blocks for c in self._chunks),
+                "used": sum(c.used for c in self._chunks) - held_bytes,
+                "blocks": sum(c.blocks for c in self._chunks) - held_blocks,
                 "large": len(self._large),
                 "large_bytes": sum(c.size for c in self._large.values()),
                 "idle_large_bytes": sum(c.size for c in self._idle_large),
