@@ -166,7 +166,7 @@ export interface Addon {
    * resolves with undefined, or with the name of the error of the handle's release after a mapping that works;
    * rejects naming the failed step, with stillMapped: true when even undoing the map failed.
    */
-  cudaImportMap(fd: number, address: bigint, size: bigint, device: number, flags: 1 | 3, hostNuma: number): Promise<string | undefined>;
+  cudaImportMap(fd: number, address: bigint, size: bigint, device: number, flags: 1 | 3, hostNuma: number, peers?: number[]): Promise<string | undefined>;
   /** Whether an imported allocation is exactly `size` bytes (a trial map: the driver maps an allocation only whole). */
   cudaHandleHasSize(device: number, handle: bigint, size: bigint): Promise<boolean>;
   cudaAllocationProperties(handle: bigint): { locationType: number; locationId: number; requestedHandleTypes: number };

@@ -71,8 +71,12 @@ static uint64_t generation[MAX_DEVICES], failed_generation[MAX_DEVICES];
 /* FREE bytes per device, and its largest malloc: a refill goes ahead once the room is below
  * low_water plus the largest malloc, so that the next one like it need not wait. */
 static uint64_t room[MAX_DEVICES], largest[MAX_DEVICES];
+/* Bytes of the chunks held per device; a refill goes ahead also to keep ahead_fraction of them free:
+ * the refill thread needs the GIL, and a burst of mallocs may come while it cannot have it. */
+static uint64_t held[MAX_DEVICES];
+static double ahead_fraction = 0.25;
 static int return_wanted, stopping;
-static double refill_timeout = 10.0;
+static double refill_timeout = 5.0;
 static uint64_t low_water;
 static struct {
   event_create_fn create;
@@ -100,10 +104,11 @@ void vmmd_set_driver(void *create, void *record, void *query, void *sync, void *
   pthread_mutex_unlock(&lock);
 }
 
-void vmmd_configure(double timeout_seconds, uint64_t ahead_bytes) {
+void vmmd_configure(double timeout_seconds, uint64_t ahead_bytes, double fraction) {
   pthread_mutex_lock(&lock);
   refill_timeout = timeout_seconds;
   low_water = ahead_bytes;
+  ahead_fraction = fraction;
   pthread_mutex_unlock(&lock);
 }
 
@@ -263,8 +268,9 @@ void *vmmd_torch_malloc(ssize_t requested, int device, void *stream) {
     }
   }
   if (found != NULL && size > largest[device]) largest[device] = size;
-  if (found != NULL && low_water > 0 && room[device] < low_water + largest[device] && want[device] == 0) {
-    want[device] = largest[device]; /* ahead: room before the next malloc needs it */
+  uint64_t target = low_water + largest[device] + (uint64_t)((double)held[device] * ahead_fraction);
+  if (found != NULL && low_water > 0 && room[device] < target && want[device] == 0) {
+    want[device] = target - room[device]; /* ahead: room before the next mallocs need it */
     pthread_cond_signal(&wanted);
   }
   pthread_mutex_unlock(&lock);
@@ -323,6 +329,7 @@ int vmmd_add_chunk(int device, uint64_t base, uint64_t size) {
     if (insert_span(&c, 0, whole) == 0) {
       chunks[chunk_count++] = c;
       room[device] += size;
+      held[device] += size;
       result = 0;
     }
   }
@@ -404,6 +411,7 @@ int vmmd_take_empty_chunk(int mode, double idle, int *device, uint64_t *base, ui
       if (c->spans[i].state == SPAN_FREE) room[c->device] -= c->spans[i].size;
       drop_event(&c->spans[i]);
     }
+    held[c->device] -= c->size;
     *device = c->device;
     *base = c->base;
     *size = c->size;

@@ -20,7 +20,9 @@ from .errors import STATUS, VmmdError
 
 NEXT_TICK, NEXT_REFILL, NEXT_RETURN, NEXT_STOP = range(4)
 TAKE_FREED, TAKE_IDLE = range(2)
-REFILL_SECONDS = 10.0
+REFILL_SECONDS = 5.0
+# Share of the held chunks kept free ahead of need.
+AHEAD_FRACTION = 0.25
 COUNTERS = ("mallocs", "frees", "same_stream_reused", "stream_waits", "refill_waits", "refill_timeouts", "refill_failures", "unknown_frees")
 
 
@@ -51,8 +53,8 @@ class ChunkSupply:
         self._chunks: Dict[int, Tuple[DevicePool, Chunk]] = {}
         self._lock = threading.Lock()
         self.errors: List[BaseException] = []
-        # A chunk ahead once less than half of one is free: most mallocs never wait for this thread.
-        library.vmmd_configure(refill_seconds_setting(refill_seconds), chunk_size // 2)
+        # Room ahead (half a chunk, the largest malloc and a quarter of what is held): most mallocs never wait for this thread.
+        library.vmmd_configure(refill_seconds_setting(refill_seconds), chunk_size // 2, AHEAD_FRACTION)
         self._thread = threading.Thread(target=self._run, name="vmmd-torch-chunks", daemon=True)
         self._thread.start()
 

@@ -32,7 +32,7 @@ class VmmdTorchAllocator:
     """The pluggable allocator: PyTorch's segments carved in C from per-device
     vmmd chunks. One per process (the C library's state is the process's):
     use allocator(). `idle_seconds` as DevicePool's; `refill_seconds` bounds
-    how long a malloc waits for a chunk (VMMD_TORCH_REFILL_SECONDS, default 10)
+    how long a malloc waits for a chunk (VMMD_TORCH_REFILL_SECONDS, default 5)
     before PyTorch sees out of memory."""
 
     def __init__(self, client: Optional[VmmdClient] = None, chunk_size: int = 64 << 20, idle_seconds: Optional[float] = None, refill_seconds: Optional[float] = None) -> None:
