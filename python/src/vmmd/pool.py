@@ -192,14 +192,10 @@ class DevicePool:
             self.counters["allocate"] += 1
             block = self._reuse(size, rounded, large, lease, stream)
             if block is None and len(self._order):
-                # Memory freed on other streams: what their work is done with, else (before
-                # leasing more) wait for it, as RMM does before growing its pool.
+                # Memory freed on other streams whose work is done; never a wait here (streams
+                # would run one after the other): more is leased, and out of memory waits (trim).
                 self._give_safe(self._order.settle(wait=False))
                 block = self._reuse(size, rounded, large, lease, stream)
-                if block is None and self._order.bytes >= (lease if large else rounded):
-                    self.counters["stream_waits"] += 1
-                    self._give_safe(self._order.settle(wait=True))
-                    block = self._reuse(size, rounded, large, lease, stream)
             if block is not None:
                 return block
             idle = sum(chunk.size for chunk in self._idle_large)
@@ -259,7 +255,8 @@ class DevicePool:
         except VmmdError as error:
             if not error.out_of_memory:
                 raise
-            # Give back what is cached and try once more, as Numba does.
+            # Give back what is cached (blocks held for their streams once the device is done with them) and
+            # try once more, as Numba and CuPy do.
             self.counters["out_of_memory_retries"] += 1
             if self.trim() == 0:
                 raise
