@@ -136,8 +136,9 @@ def test_torch_empty_cache_gives_the_memory_back() -> None:
     """, timeout=120)
     print(answer)
     assert answer["during"] >= 6 * 4096 * 4096 * 4
-    # What PyTorch frees goes back at once (but for one chunk of room, kept until the pool is idle).
-    assert min(answer["after_empty_cache"], answer["after_pool_deleted"]) <= 2 * (64 << 20)
+    # PyTorch frees a live MemPool's segments only once the pool is gone; what it frees goes back at once,
+    # and the room leased ahead (a quarter of what was held, and a chunk) once the pool has been idle.
+    assert answer["after_pool_deleted"] <= answer["during"] // 4 + 2 * (64 << 20)
     assert answer["after_idle"] == 0
 
 
