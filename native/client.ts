@@ -30,6 +30,7 @@ const CLIENT_CALLS = [
   'cudaImportFabric',
   'cudaCopyToDevice',
   'cudaCopyFromDevice',
+  'cudaSynchronize',
   'cudaHostRegister',
   'cudaHostUnregister',
 ] as const;

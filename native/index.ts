@@ -151,6 +151,8 @@ export interface Addon {
   cudaUnmap(device: number, address: bigint, size: bigint, synchronize?: boolean): Promise<void>;
   /** Several unmaps in one driver-thread job, after one context synchronization when asked: each range's error name, or null. */
   cudaUnmapMany(device: number, addresses: bigint[], sizes: bigint[], synchronize?: boolean): Promise<Array<string | null>>;
+  /** cuCtxSynchronize on the device's driver thread: the work queued before now is done when it resolves. */
+  cudaSynchronize(device: number): Promise<void>;
   /** On a driver thread; with `inline`, on the calling thread (a settled promise). */
   cudaSetAccess(address: bigint, size: bigint, descriptors: Array<{ type: number; id: number; flags: number }>, inline?: boolean): Promise<void>;
   cudaGetAccess(address: bigint, locationType: number, locationId: number): number;
@@ -166,7 +168,7 @@ export interface Addon {
    * handle's release after a mapping that works; rejects naming the failed step, those before it undone,
    * with stillMapped: true when even undoing the map failed. The caller keeps fd.
    */
-  cudaImportMap(fd: number, address: bigint, size: bigint, device: number, flags: 1 | 3, hostNuma: number): Promise<string | undefined>;
+  cudaImportMap(fd: number, address: bigint, size: bigint, device: number, flags: 1 | 3, hostNuma: number, peers?: number[]): Promise<string | undefined>;
   /** Whether an imported allocation is exactly `size` bytes (a trial map: the driver maps an allocation only whole). */
   cudaHandleHasSize(device: number, handle: bigint, size: bigint): Promise<boolean>;
   cudaAllocationProperties(handle: bigint): { locationType: number; locationId: number; requestedHandleTypes: number };

@@ -83,6 +83,25 @@ function source(kind: string, space: AddressSpace, own = false): AddressSource {
 const hostSource = (own = false) => (own ? source('host:own', HOST_SPACE, true) : source('host', HOST_SPACE));
 const deviceSource = (device: number) => source(`cuda:${device}`, CUDA_SPACE);
 
+// The devices that can reach each device's memory as a peer (cuDeviceCanAccessPeer), asked once per device.
+const peerCache = new Map<number, number[]>();
+
+/**
+ * The other devices that can access `device`'s memory: a mapping opens to them
+ * too, as cuMemAlloc memory is reachable from a peer once peer access is on
+ * (code written for it copies between two devices' buffers).
+ */
+export function peersOf(device: number): number[] {
+  let peers = peerCache.get(device);
+  if (peers === undefined) {
+    peers = [];
+    const count = addon.cudaDevices().length;
+    for (let other = 0; other < count; other++) if (other !== device && addon.cudaCanAccessPeer(other, device)) peers.push(other);
+    peerCache.set(device, peers);
+  }
+  return peers;
+}
+
 /**
  * What this process's address arenas hold: 'host', or 'cuda:' and a device.
  * Empty when nothing was mapped yet, or with VMMD_ADDRESS_ARENA=off.
@@ -239,7 +258,7 @@ export class DeviceMapping {
 
   /**
    * Reserves `size` bytes aligned to `granularity`, maps `handle` there and
-   * sets access for `device` (and the host NUMA node, if named). The caller
+   * sets access for `device`, its peers (peersOf) and the host NUMA node, if named. The caller
    * keeps its handle reference: the mapping holds one of its own.
    * @throws the addon's error (CUDA_ERROR_*); nothing stays mapped or reserved
    */
@@ -252,6 +271,7 @@ export class DeviceMapping {
       mapped = true;
       const flags = access.readOnly ? 1 : 3;
       const descriptors: Array<{ type: number; id: number; flags: number }> = [{ type: CU_LOCATION.DEVICE, id: device, flags }];
+      for (const peer of peersOf(device)) descriptors.push({ type: CU_LOCATION.DEVICE, id: peer, flags });
       if (access.hostNuma !== undefined) descriptors.push({ type: CU_LOCATION.HOST_NUMA, id: access.hostNuma, flags });
       await addon.cudaSetAccess(address, size, descriptors, access.inline ?? false);
       return new DeviceMapping(device, address, size, access.synchronizeUnmap ?? false);
@@ -279,7 +299,7 @@ export class DeviceMapping {
     traceMark('mark:range taken');
     let releaseFailed: string | undefined;
     try {
-      releaseFailed = await addon.cudaImportMap(fd, address, size, device, access.readOnly ? 1 : 3, access.hostNuma ?? -1);
+      releaseFailed = await addon.cudaImportMap(fd, address, size, device, access.readOnly ? 1 : 3, access.hostNuma ?? -1, peersOf(device));
     } catch (error) {
       // The call undid its own steps: the range is free again. Unless even its unmap failed: the range stays
       // mapped, and is never handed out again (a later map there would fail, or meet this memory).

@@ -12,6 +12,7 @@
 # Usage: scripts/gpu-python.sh [BUNDLE_DIR [OUTPUT_DIR]]   (defaults: .gpu, $OUT or ./gpu-results)
 # VMMD_STEPS picks steps (default "pytest numba weights bench"): two calls of
 # "pytest numba" and "weights bench" each stay well inside a 10-minute limit.
+# VMMD_PYTEST_TARGETS narrows the pytest step (files or node ids), VMMD_PYTEST_SECONDS bounds it (240).
 # Writes OUTPUT_DIR/python/: gpu-python.log (everything), steps.txt, pytest.log,
 # numba-compare.json (+ numba/default, numba/vmmd per module), shared-weights.json,
 # bench-python.json, daemon.log. Python: $PYTHON or python3, with torch, cupy,
@@ -98,7 +99,7 @@ $PY -c "import vmmd; c = vmmd.connect(); print('daemon:', c.backend, [(d.name, d
 
 # 2. The Python GPU tests.
 if want pytest; then
-  step pytest 120 $PY -m pytest -p no:cacheprovider -v -rs test/gpu/python 2>&1 | tee "$out/pytest.log"
+  step pytest "${VMMD_PYTEST_SECONDS:-240}" $PY -m pytest -p no:cacheprovider -v -s -rs ${VMMD_PYTEST_TARGETS:-test/gpu/python} 2>&1 | tee "$out/pytest.log"
 fi
 
 # 3. Numba's suite, default and vmmd.numba at once, 5 modules at a time each.
@@ -126,6 +127,7 @@ want weights && step shared-weights 240 $PY test/gpu/python/shared_weights.py "$
 
 # 5. Benchmarks.
 want bench && step bench 150 $PY bench/python/bench_python.py "$out/bench-python.json"
+want pools-bench && step pools-bench 240 $PY bench/python/pools_bench.py "$out/pools-bench.json"
 
 kill "$daemon" 2>/dev/null
 wait "$daemon" 2>/dev/null

@@ -2,7 +2,8 @@
  * Numba's deferred deallocation strategy (numba.cuda's _PendingDeallocs):
  * frees queue up and run together once more than `count` are pending or their
  * bytes pass `ratio` of the device's memory; while a deferCleanup() hold is
- * active, nothing runs.
+ * active, nothing runs. A batch runs after beforeBatch(), as Numba's frees
+ * (cuMemFree) wait for the device's work.
  */
 
 export interface DeferredFreeSettings {
@@ -33,6 +34,12 @@ export class PendingDeallocations {
   private flushing: Promise<void> = Promise.resolve();
 
   private deviceBytes: bigint;
+  /**
+   * Awaited once before each batch of frees runs: the manager waits there for the
+   * work queued on the memory (a free carries no stream, and a block back in the
+   * pool goes to the next memalloc at once).
+   */
+  beforeBatch?: () => Promise<void>;
 
   constructor(
     private readonly settings: DeferredFreeSettings,
@@ -81,6 +88,7 @@ export class PendingDeallocations {
     this.bytes = 0;
     if (batch.length === 0) return this.flushing;
     this.flushing = this.flushing.then(async () => {
+      if (this.beforeBatch) await this.beforeBatch();
       for (const item of batch) {
         const done = typeof item.free === 'function' ? item.free() : item.free.release();
         // Pooled blocks go back synchronously; only frees that reach the daemon are awaited.

@@ -9,7 +9,7 @@
 import { status as Status } from '@grpc/grpc-js';
 import type { VmmdClient } from '../connection';
 import { VmmdError } from '../errors';
-import type { ImportedMemory } from '../local-memory';
+import { CudaImportedMemory, type ImportedMemory } from '../local-memory';
 import { native } from '../../native/client';
 import { AheadSettings, DEFAULT_AHEAD } from './ahead';
 import { DaemonLeases, Lease, Location } from './leases';
@@ -63,6 +63,8 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   private hostNumaId = 0;
   // reset() starts a new generation: finalizers of earlier pointers then do nothing.
   private generation = 0;
+  // The local device of the chunks when they are device memory (CUDA mappings), else undefined (host memory).
+  private mappedDevice?: number;
   readonly counters = { memalloc: 0, pooled: 0, large: 0, chunksLeased: 0, chunksReturned: 0, frees: 0, outOfMemoryRetries: 0 };
 
   constructor(override readonly context: VmmdManagerContext) {
@@ -71,6 +73,9 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     this.settings = context.pool ?? DEFAULT_POOL;
     this.largeThresholdBytes = Number(this.settings.largeThreshold);
     this.leases = new DaemonLeases(this.client, context.ahead ?? DEFAULT_AHEAD);
+    // Frees carry no stream: a kernel queued before one may still use its block, so a batch of frees waits
+    // for the device's work (as cuMemFree does for Numba's own manager) before blocks go back to the pool.
+    this.deallocations.beforeBatch = () => (this.mappedDevice === undefined ? Promise.resolve() : native.cudaSynchronize(this.mappedDevice));
   }
 
   /** Reads the device's size and granularity once; later calls return at once. */
@@ -300,6 +305,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     const generation = this.generation;
     if (sizeClassBytes(Number(bytes)) > this.largeThresholdBytes) {
       const lease = await this.leases.lease(this.roundToGranularity(bytes), this.location());
+      if (lease.memory instanceof CudaImportedMemory) this.mappedDevice = lease.memory.device;
       this.large.set(lease.memory.address, lease);
       this.counters.large++;
       const finalizer = () => {
@@ -313,6 +319,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
       if (this.leasing === undefined) {
         this.leasing = (async () => {
           const lease = await this.leases.lease(this.roundToGranularity(this.settings.chunkSize), this.location());
+          if (lease.memory instanceof CudaImportedMemory) this.mappedDevice = lease.memory.device;
           this.counters.chunksLeased++;
           this.pool.add(new Chunk(lease, lease.memory.address, lease.memory.size));
         })().finally(() => {

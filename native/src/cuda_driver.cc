@@ -619,6 +619,16 @@ Napi::Value CudaUnmapMany(const Napi::CallbackInfo& info) {
       });
 }
 
+// cudaSynchronize(device) -> Promise<void>: cuCtxSynchronize on the device's driver thread. What
+// cuMemFree waits for before memory changes hands: a client pool's freed blocks go back to the
+// pool after it, so that no kernel queued before the free still uses them.
+Napi::Value CudaSynchronize(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  int device = DeviceArg(info, 0);
+  return CudaWorker::Queue(env, device, "cuCtxSynchronize", [] { return driver.api.cuCtxSynchronize(); }, nullptr);
+}
+
 // cudaSetAccess(address, size, [{ type, id, flags }]) -> Promise<void>, on a driver thread
 // (setting access can take hundreds of microseconds). The descriptors are copied here.
 Napi::Value CudaSetAccess(const Napi::CallbackInfo& info) {
@@ -723,18 +733,24 @@ Napi::Value CudaImportMap(const Napi::CallbackInfo& info) {
   int flags = info[4].As<Napi::Number>().Int32Value();
   int hostNuma = info[5].As<Napi::Number>().Int32Value();
   if (flags != 1 && flags != 3) ThrowArg(env, "flags " + std::to_string(flags) + " must be 1 (read) or 3 (read-write)");
-  cu::MemAccessDesc access[2];
-  std::memset(access, 0, sizeof(access));
-  size_t grants = 1;
-  access[0].location.type = cu::LOCATION_DEVICE;
-  access[0].location.id = device;
-  access[0].flags = static_cast<cu::AccessFlags>(flags);
-  if (hostNuma >= 0) {
-    access[1].location.type = cu::LOCATION_HOST_NUMA;
-    access[1].location.id = hostNuma;
-    access[1].flags = static_cast<cu::AccessFlags>(flags);
-    grants = 2;
+  // The device, then the peers that reach it (as cuMemAlloc memory is reachable once peer access is on), then the host.
+  std::vector<cu::MemAccessDesc> descriptors;
+  auto grant = [&](cu::LocationType type, int id) {
+    cu::MemAccessDesc desc;
+    std::memset(&desc, 0, sizeof(desc));
+    desc.location.type = type;
+    desc.location.id = id;
+    desc.flags = static_cast<cu::AccessFlags>(flags);
+    descriptors.push_back(desc);
+  };
+  grant(cu::LOCATION_DEVICE, device);
+  if (info.Length() > 6 && info[6].IsArray()) {
+    Napi::Array peers = info[6].As<Napi::Array>();
+    for (uint32_t i = 0; i < peers.Length(); i++) grant(cu::LOCATION_DEVICE, peers.Get(i).As<Napi::Number>().Int32Value());
   }
+  if (hostNuma >= 0) grant(cu::LOCATION_HOST_NUMA, hostNuma);
+  cu::MemAccessDesc* access = descriptors.data();
+  size_t grants = descriptors.size();
   // One step: the call, traced as an inline call of its own.
   auto step = [&](const std::string& call, auto&& body) {
     uint64_t begin = traceDriver ? MonotonicNs() : 0;
@@ -1002,6 +1018,7 @@ void InitCudaDriver(Napi::Env env, Napi::Object exports) {
   exports.Set("cudaMap", Napi::Function::New(env, CudaMap, "cudaMap"));
   exports.Set("cudaUnmap", Napi::Function::New(env, CudaUnmap, "cudaUnmap"));
   exports.Set("cudaUnmapMany", Napi::Function::New(env, CudaUnmapMany, "cudaUnmapMany"));
+  exports.Set("cudaSynchronize", Napi::Function::New(env, CudaSynchronize, "cudaSynchronize"));
   exports.Set("cudaSetAccess", Napi::Function::New(env, CudaSetAccess, "cudaSetAccess"));
   exports.Set("cudaGetAccess", Napi::Function::New(env, CudaGetAccess, "cudaGetAccess"));
   exports.Set("cudaExportFd", Napi::Function::New(env, CudaExportFd, "cudaExportFd"));

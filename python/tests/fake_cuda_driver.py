@@ -25,6 +25,7 @@ class CUresult(enum.IntEnum):
     CUDA_SUCCESS = 0
     CUDA_ERROR_INVALID_VALUE = 1
     CUDA_ERROR_OUT_OF_MEMORY = 2
+    CUDA_ERROR_NOT_READY = 600
     CUDA_ERROR_LAUNCH_FAILED = 719
 
 
@@ -73,6 +74,28 @@ def build() -> types.ModuleType:
     in_flight: List[Any] = []
     poisoned: List[bool] = []
     m.in_flight, m.poisoned = in_flight, poisoned  # type: ignore[attr-defined]
+    # Devices and which can reach which (cuDeviceCanAccessPeer: accessor -> owners), and the
+    # access descriptors each cuMemSetAccess was given ([(type, id, flags)] per call).
+    topology: Dict[str, Any] = {"devices": 1, "peers": set()}
+    access: List[List[Any]] = []
+    m.topology, m.access = topology, access  # type: ignore[attr-defined]
+    # Streams are ints; an event recorded on a stream is done once that stream's work is:
+    # `busy` holds the streams whose queued work has not finished, and an event recorded while
+    # its stream was busy stays pending until finish(stream) (or a synchronization).
+    busy: set = set()
+    events: Dict[int, Dict[str, Any]] = {}
+    m.busy, m.events = busy, events  # type: ignore[attr-defined]
+
+    def finish(stream: Any = None) -> None:
+        for event in events.values():
+            if stream is None or event["stream"] == stream:
+                event["done"] = True
+        if stream is None:
+            busy.clear()
+        else:
+            busy.discard(stream)
+
+    m.finish = finish  # type: ignore[attr-defined]
 
     def land() -> None:
         for device, data in in_flight:
@@ -102,7 +125,36 @@ def build() -> types.ModuleType:
 
     @api
     def cuDeviceGetCount() -> Any:
-        return (CUresult.CUDA_SUCCESS, 1)
+        return (CUresult.CUDA_SUCCESS, topology["devices"])
+
+    @api
+    def cuDeviceCanAccessPeer(device: int, peer: int) -> Any:
+        return (CUresult.CUDA_SUCCESS, 1 if (device, peer) in topology["peers"] else 0)
+
+    @api
+    def cuEventCreate(flags: int) -> Any:
+        event = len(events) + 1
+        events[event] = {"stream": None, "done": True, "destroyed": False}
+        return (CUresult.CUDA_SUCCESS, event)
+
+    @api
+    def cuEventRecord(event: int, stream: Any) -> Any:
+        events[event].update(stream=int(stream), done=int(stream) not in busy)
+        return (CUresult.CUDA_SUCCESS,)
+
+    @api
+    def cuEventQuery(event: int) -> Any:
+        return (CUresult.CUDA_SUCCESS if events[event]["done"] else CUresult.CUDA_ERROR_NOT_READY,)
+
+    @api
+    def cuEventSynchronize(event: int) -> Any:
+        finish(events[event]["stream"])
+        return (CUresult.CUDA_SUCCESS,)
+
+    @api
+    def cuEventDestroy(event: int) -> Any:
+        events[event]["destroyed"] = True
+        return (CUresult.CUDA_SUCCESS,)
 
     @api
     def cuDeviceGet(index: int) -> Any:
@@ -132,6 +184,7 @@ def build() -> types.ModuleType:
     @api
     def cuCtxSynchronize() -> Any:
         land()
+        finish()
         return (CUresult.CUDA_SUCCESS,)
 
     @api
@@ -193,6 +246,7 @@ def build() -> types.ModuleType:
         assert count == len(descs) and (address, size) in live["mappings"]
         assert descs[0].location.type == CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         writable = descs[0].flags == CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        access.append([(d.location.type, d.location.id, d.flags) for d in descs])
         libc.mprotect(address, size, mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
         return (CUresult.CUDA_SUCCESS,)
 

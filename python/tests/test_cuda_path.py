@@ -29,6 +29,7 @@ def driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
     monkeypatch.setitem(sys.modules, "cuda.bindings.driver", fake)
     monkeypatch.setattr(_cuda, "_driver", None)
     monkeypatch.setattr(_cuda, "_uuids", None)
+    monkeypatch.setattr(_cuda, "_peer_cache", {})
     yield fake
     assert not fake.live["handles"], "an imported handle was not released"
 

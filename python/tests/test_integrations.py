@@ -86,25 +86,6 @@ def test_typed_views_of_host_memory(client: vmmd.VmmdClient) -> None:
     memory.close()
 
 
-@pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler here")
-def test_the_pytorch_allocation_library_calls_back_into_python(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
-    from vmmd import _allocator_lib
-
-    monkeypatch.setenv("VMMD_CACHE_DIR", str(tmp_path))
-    calls = []
-    path, library, callbacks = _allocator_lib.load(lambda size, device, stream: calls.append(("malloc", size, device)) or 0x1000, lambda pointer, size, device, stream: calls.append(("free", pointer, size)))
-    library.vmmd_torch_malloc.restype = ctypes.c_void_p
-    library.vmmd_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-    library.vmmd_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-    assert library.vmmd_torch_malloc(2 * MiB, 0, None) == 0x1000
-    library.vmmd_torch_free(0x1000, 2 * MiB, 0, None)
-    assert calls == [("malloc", 2 * MiB, 0), ("free", 0x1000, 2 * MiB)]
-    # A callback that raises returns NULL: PyTorch's out of memory, never a crash.
-    path, library, callbacks = _allocator_lib.load(lambda *a: 1 // 0, lambda *a: None)
-    library.vmmd_torch_malloc.restype = ctypes.c_void_p
-    assert library.vmmd_torch_malloc(1, 0, None) is None
-
-
 def test_dlpack_views_of_host_memory(client: vmmd.VmmdClient) -> None:
     from vmmd import _dlpack
 

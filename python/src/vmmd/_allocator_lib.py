@@ -1,16 +1,14 @@
 """The C allocation library that PyTorch's pluggable allocator loads
-(_torch_allocator.c): where it is, building it when needed, and the types of
-the Python callbacks it calls."""
+(_torch_allocator.c): where it is, building it when needed, and its functions'
+types."""
 from __future__ import annotations
 
 import ctypes
 import os
-import sys
+from typing import Optional
 
 from ._compile import shared_library
 
-MALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
-FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -20,28 +18,36 @@ def library_path() -> str:
     return shared_library(os.path.join(HERE, "_torch_allocator.c"))
 
 
-def load(allocate, release):  # type: ignore[no-untyped-def]
-    """Loads the library with `allocate(size, device, stream) -> address` and
-    `release(pointer, size, device, stream)` as its callbacks; returns
-    (path, library, callbacks) — keep the callbacks referenced."""
-    path = library_path()
-    library = ctypes.CDLL(path)
+def load(path: Optional[str] = None) -> ctypes.CDLL:
+    """The library (library_path(), or `path`), its functions typed (their
+    calls release the GIL: the refill thread waits in vmmd_next_request
+    without holding it)."""
+    library = ctypes.CDLL(path or library_path())
+    u64, pointer = ctypes.c_uint64, ctypes.c_void_p
+    library.vmmd_set_driver.argtypes = [pointer] * 5
+    library.vmmd_configure.argtypes = [ctypes.c_double, u64, ctypes.c_double]
+    library.vmmd_counters.argtypes = [ctypes.POINTER(u64)]
+    library.vmmd_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, pointer]
+    library.vmmd_torch_malloc.restype = pointer
+    library.vmmd_torch_free.argtypes = [pointer, ctypes.c_ssize_t, ctypes.c_int, pointer]
+    library.vmmd_add_chunk.argtypes = [ctypes.c_int, u64, u64]
+    library.vmmd_refill_failed.argtypes = [ctypes.c_int]
+    library.vmmd_next_request.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.POINTER(u64), ctypes.c_double]
+    library.vmmd_take_empty_chunk.argtypes = [ctypes.c_int, ctypes.c_double, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(u64), ctypes.POINTER(u64)]
+    return library
 
-    # ctypes returns garbage when a callback raises: PyTorch must see NULL (its out of memory).
-    def safe_allocate(size: int, device: int, stream: int) -> int:
-        try:
-            return int(allocate(size, device, stream) or 0)
-        except BaseException as error:  # noqa: BLE001 - nothing may cross into C
-            sys.stderr.write(f"vmmd: allocating {size} bytes on device {device} for PyTorch failed: {error}\n")
-            return 0
 
-    def safe_release(pointer: int, size: int, device: int, stream: int) -> None:
-        try:
-            release(pointer, size, device, stream)
-        except BaseException as error:  # noqa: BLE001
-            sys.stderr.write(f"vmmd: freeing 0x{pointer or 0:x} for PyTorch failed: {error}\n")
-
-    callbacks = (MALLOC(safe_allocate), FREE(safe_release))
-    library.vmmd_set_callbacks(*callbacks)
-    return path, library, callbacks
-
+def driver_events() -> tuple:
+    """The driver's event functions (cuEventCreate, cuEventRecord, cuEventQuery,
+    cuEventSynchronize, cuEventDestroy) as addresses, for vmmd_set_driver."""
+    cuda = ctypes.CDLL("libcuda.so.1")
+    names = ("cuEventCreate", "cuEventRecord", "cuEventQuery", "cuEventSynchronize", ("cuEventDestroy_v2", "cuEventDestroy"))
+    found = []
+    for name in names:
+        for candidate in (name if isinstance(name, tuple) else (name,)):
+            if hasattr(cuda, candidate):
+                found.append(ctypes.cast(getattr(cuda, candidate), ctypes.c_void_p).value)
+                break
+        else:
+            raise VmmdError("NO_CUDA", STATUS["FAILED_PRECONDITION"], f"libcuda.so.1 has no {name}")
+    return tuple(found)

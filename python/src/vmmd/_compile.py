@@ -14,6 +14,10 @@ import tempfile
 from .errors import STATUS, VmmdError
 
 
+# A plain shared library; the allocation library waits on condition variables (pthread).
+BUILD_FLAGS = ("-shared", "-fPIC", "-O2", "-pthread")
+
+
 def cache_dir() -> str:
     return os.environ.get("VMMD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "vmmd")
 
@@ -27,7 +31,7 @@ def shared_library(source: str) -> str:
     NO_CACHE_DIR when the cache cannot be written."""
     compiler = shlex.split(os.environ.get("CC") or "cc")
     with open(source, "rb") as file:
-        digest = hashlib.sha256(file.read() + " ".join(compiler).encode()).hexdigest()[:16]
+        digest = hashlib.sha256(file.read() + " ".join([*compiler, *BUILD_FLAGS]).encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(source))[0]
     directory = cache_dir()
     target = os.path.join(directory, f"{stem}-{digest}.so")
@@ -43,7 +47,7 @@ def shared_library(source: str) -> str:
         raise VmmdError("NO_CACHE_DIR", STATUS["FAILED_PRECONDITION"], f"cannot write the build cache {directory}: {error.strerror or error}; set VMMD_CACHE_DIR to a writable directory") from None
     try:
         try:
-            result = subprocess.run([*compiler, "-shared", "-fPIC", "-O2", "-o", partial, source], capture_output=True, text=True)
+            result = subprocess.run([*compiler, *BUILD_FLAGS, "-o", partial, source], capture_output=True, text=True)
         except OSError as error:
             raise VmmdError("NO_COMPILER", STATUS["FAILED_PRECONDITION"], f"running {compiler[0]} failed: {error.strerror or error}; install a C compiler or set CC") from None
         if result.returncode != 0:

@@ -5,9 +5,10 @@ failure. Everything runs in the device's primary context, the one Numba, CuPy
 and PyTorch use."""
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 from .errors import STATUS, VmmdError
 
@@ -123,6 +124,16 @@ def ensure_context(device: int) -> None:
     check(result, "cuCtxSetCurrent")
 
 
+_peer_cache: Dict[int, List[int]] = {}
+
+
+def _peers_of(device: int) -> List[int]:
+    found = _peer_cache.get(device)
+    if found is None:
+        found = _peer_cache[device] = peers(device)
+    return found
+
+
 def _access(cu: Any, device: int, read_only: bool, host_numa: Optional[int]) -> List[Any]:
     flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ if read_only else cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
     descs = []
@@ -131,6 +142,13 @@ def _access(cu: Any, device: int, read_only: bool, host_numa: Optional[int]) -> 
     desc.location.id = device
     desc.flags = flags
     descs.append(desc)
+    for peer in _peers_of(device):
+        # Code written for cuMemAlloc reaches this memory from a peer device's context (a copy between two devices' arrays).
+        grant = cu.CUmemAccessDesc()
+        grant.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        grant.location.id = peer
+        grant.flags = flags
+        descs.append(grant)
     if host_numa is not None:
         # Host (NUMA) memory also opens to the CPU at the same address.
         host = cu.CUmemAccessDesc()
@@ -148,6 +166,7 @@ def import_and_map(fd: int, size: int, granularity: int, device: int, read_only:
     try:
         cu = driver()
         ensure_context(device)
+        _peers_of(device)  # asked before the mapping starts: nothing to undo if it fails
         result, handle = cu.cuMemImportFromShareableHandle(fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
         check(result, f"cuMemImportFromShareableHandle(fd {fd})")
     finally:
@@ -227,3 +246,98 @@ def memory_info(device: int) -> tuple:
     result, free, total = cu.cuMemGetInfo()
     check(result, "cuMemGetInfo")
     return int(free), int(total)
+
+
+# -- stream order: events that say when work queued on a stream is done -------
+
+CU_EVENT_DISABLE_TIMING = 0x2
+# The legacy default stream: work on it waits for every blocking stream of the
+# context, so an event on it covers work whose stream is not known.
+LEGACY_STREAM = 0
+
+
+@contextlib.contextmanager
+def in_context(device: int) -> Iterator[None]:
+    """Runs the block in `device`'s primary context and leaves the thread's
+    current context as it found it: a pool's frees of one device may settle
+    while the caller works on another (Numba's multi-GPU code)."""
+    cu = driver()
+    result, ctx = cu.cuCtxGetCurrent()
+    if result == cu.CUresult.CUDA_SUCCESS and ctx is not None and native(ctx) != 0:
+        result, current = cu.cuCtxGetDevice()
+        if result == cu.CUresult.CUDA_SUCCESS and native(current) == device:
+            yield
+            return
+    else:
+        # No context current: the primary one stays current, as ensure_context leaves it.
+        ensure_context(device)
+        yield
+        return
+    result, dev = cu.cuDeviceGet(device)
+    check(result, f"cuDeviceGet({device})")
+    result, primary = cu.cuDevicePrimaryCtxRetain(dev)
+    check(result, f"cuDevicePrimaryCtxRetain({device})")
+    (result,) = cu.cuCtxPushCurrent(primary)
+    check(result, "cuCtxPushCurrent")
+    try:
+        yield
+    finally:
+        cu.cuCtxPopCurrent()
+        cu.cuDevicePrimaryCtxRelease(dev)
+
+
+def record_event(device: int, stream: Optional[int]) -> Any:
+    """An event recorded now on `stream` (None: the legacy default stream) in
+    `device`'s context: done once all work queued there before now is done."""
+    cu = driver()
+    with in_context(device):
+        return _record(cu, stream)
+
+
+def _record(cu: Any, stream: Optional[int]) -> Any:
+    result, event = cu.cuEventCreate(CU_EVENT_DISABLE_TIMING)
+    check(result, "cuEventCreate")
+    (result,) = cu.cuEventRecord(event, cu.CUstream(LEGACY_STREAM if stream is None else stream))
+    if result != cu.CUresult.CUDA_SUCCESS:
+        cu.cuEventDestroy(event)
+        check(result, f"cuEventRecord(stream 0x{stream or 0:x})")
+    return event
+
+
+def event_done(event: Any) -> bool:
+    """Whether the work before the event is done (cuEventQuery, never waits)."""
+    cu = driver()
+    (result,) = cu.cuEventQuery(event)
+    if result == cu.CUresult.CUDA_ERROR_NOT_READY:
+        return False
+    check(result, "cuEventQuery")
+    return True
+
+
+def wait_event(event: Any) -> None:
+    cu = driver()
+    (result,) = cu.cuEventSynchronize(event)
+    check(result, "cuEventSynchronize")
+
+
+def destroy_event(event: Any) -> None:
+    cu = _driver
+    if cu is not None:
+        cu.cuEventDestroy(event)
+
+
+def peers(device: int) -> List[int]:
+    """The devices that can access `device`'s memory (cuDeviceCanAccessPeer):
+    memory mapped for `device` opens to them too, as cuMemAlloc memory does
+    once peer access is enabled."""
+    cu = driver()
+    result, count = cu.cuDeviceGetCount()
+    check(result, "cuDeviceGetCount")
+    found = []
+    for other in range(int(count)):
+        if other == device:
+            continue
+        result, can = cu.cuDeviceCanAccessPeer(other, device)
+        if result == cu.CUresult.CUDA_SUCCESS and int(can):
+            found.append(other)
+    return found

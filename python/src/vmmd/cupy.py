@@ -6,8 +6,11 @@
 
 or, for one block of code, `with vmmd.cupy.using():`. Frees are CuPy's: a
 block goes back to the pool when the last array using it is gone (reuse is
-stream-ordered as with CuPy's own MemoryPool: the pool's memory is reused by
-later work on the same stream).
+stream-ordered as with CuPy's own MemoryPool: a block is reused at once by
+later work on the stream current when it was allocated, by other streams once
+the work queued there before the free is done). free_all_blocks() gives what
+the pool holds free back to the daemon; an idle pool does so by itself after
+VMMD_POOL_IDLE_SECONDS.
 """
 from __future__ import annotations
 
@@ -36,13 +39,13 @@ class _BlockOwner:
 class VmmdAllocator:
     """An allocator for cupy.cuda.set_allocator: malloc(size) → MemoryPointer
     of vmmd memory. One pool per device, leased by `client` (default: this
-    process's shared session)."""
+    process's shared session); `idle_seconds` as DevicePool's."""
 
-    def __init__(self, client: Optional[VmmdClient] = None, chunk_size: int = 32 << 20, large_threshold: int = 16 << 20) -> None:
+    def __init__(self, client: Optional[VmmdClient] = None, chunk_size: int = 32 << 20, large_threshold: int = 16 << 20, idle_seconds: Optional[float] = None) -> None:
         if client is None:
             client = shared_client()
         self.client = client
-        self._settings = (chunk_size, large_threshold)
+        self._settings = (chunk_size, large_threshold, idle_seconds)
         self._pools: Dict[int, DevicePool] = {}
         self._daemon_devices: Dict[str, int] = {d.uuid: int(d.index) for d in client.devices.list_devices().devices}
 
@@ -51,7 +54,7 @@ class VmmdAllocator:
         pool = self._pools.get(device)
         if pool is None:
             uuid = _device_uuid(device)
-            pool = self._pools[device] = DevicePool(self.client, device=self._daemon_devices.get(uuid, device), chunk_size=self._settings[0], large_threshold=self._settings[1])
+            pool = self._pools[device] = DevicePool(self.client, device=self._daemon_devices.get(uuid, device), chunk_size=self._settings[0], large_threshold=self._settings[1], idle_seconds=self._settings[2])
         return pool
 
     def malloc(self, size: int) -> Any:
@@ -59,14 +62,16 @@ class VmmdAllocator:
             return cupy.cuda.MemoryPointer(cupy.cuda.memory.Memory(0), 0)
         device = cupy.cuda.runtime.getDevice()
         pool = self.pool(device)
-        block = pool.allocate(size)
+        # Reused in the order of the stream current now, as CuPy's MemoryPool does.
+        block = pool.allocate(size, stream=int(cupy.cuda.get_current_stream().ptr))
         memory = cupy.cuda.UnownedMemory(block.address, size, _BlockOwner(pool, block), device_id=device)
         return cupy.cuda.MemoryPointer(memory, 0)
 
     __call__ = malloc
 
     def free_all_blocks(self) -> int:
-        """Gives every empty chunk back to the daemon; returns the bytes."""
+        """Gives every empty chunk back to the daemon, once the work queued
+        before the frees is done; returns the bytes."""
         return sum(pool.trim() for pool in self._pools.values())
 
     def stats(self) -> Dict[int, Dict[str, int]]:

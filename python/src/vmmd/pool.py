@@ -5,6 +5,12 @@ below them, so at most 25% is lost to rounding); a block comes from the first
 chunk with a free run long enough; freed blocks coalesce with free neighbours
 at once. Requests above the large threshold get an allocation of their own.
 
+Reuse of device memory is stream-ordered (_stream_order.py): a block freed
+on a stream is reused at once only by the same stream, by others once the
+work queued before its free is done. Memory goes back to the daemon on trim()
+(CuPy's free_all_blocks, Numba's reset) and by itself once the pool has been
+idle for `idle_seconds` (VMMD_POOL_IDLE_SECONDS, default 10; 0 never).
+
 Frees may come from finalizers and __del__ at any moment, on any thread, even
 while this thread is inside the pool: they are queued and applied under the
 lock by the next call that holds it, so a finalizer never blocks, never
@@ -13,12 +19,31 @@ from __future__ import annotations
 
 import bisect
 import collections
+import os
 import threading
+import time
+import weakref
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
+from ._stream_order import StreamOrder
 from .errors import STATUS, VmmdError
 
 ALIGNMENT = 256
+IDLE_SECONDS = 10.0
+
+
+def idle_seconds_setting(value: Optional[float]) -> float:
+    """Seconds an idle pool keeps its free chunks: `value`, else
+    VMMD_POOL_IDLE_SECONDS, else IDLE_SECONDS; 0 keeps them until trim().
+    Raises VmmdError INVALID_ARGUMENT BAD_IDLE_SECONDS."""
+    raw: Any = value if value is not None else os.environ.get("VMMD_POOL_IDLE_SECONDS", IDLE_SECONDS)
+    try:
+        seconds = float(raw)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise VmmdError("BAD_IDLE_SECONDS", STATUS["INVALID_ARGUMENT"], f"pool idle time {raw!r}: must be a finite number of seconds >= 0 (VMMD_POOL_IDLE_SECONDS or idle_seconds=)")
+    return seconds
 
 
 def size_class(size: int) -> int:
@@ -93,18 +118,20 @@ class Chunk:
 
 
 class Block:
-    """Memory handed out by the pool: `address`, `size` (the request), and
-    where it lies (`chunk`, `offset`; a large block has a chunk of its own)."""
+    """Memory handed out by the pool: `address`, `size` (the request), where
+    it lies (`chunk`, `offset`; a large block has a chunk of its own), and the
+    `stream` whose work uses it (None: not known)."""
 
-    __slots__ = ("address", "size", "rounded", "chunk", "offset", "large", "__weakref__")
+    __slots__ = ("address", "size", "rounded", "chunk", "offset", "large", "stream", "__weakref__")
 
-    def __init__(self, chunk: Chunk, offset: int, size: int, rounded: int, large: bool) -> None:
+    def __init__(self, chunk: Chunk, offset: int, size: int, rounded: int, large: bool, stream: Optional[int] = None) -> None:
         self.chunk = chunk
         self.offset = offset
         self.address = chunk.base + offset
         self.size = size
         self.rounded = rounded
         self.large = large
+        self.stream = stream
 
     @property
     def allocation_id(self) -> int:
@@ -116,7 +143,7 @@ class DevicePool:
     blocks; chunks come from client.vmm.allocate() and go back to the daemon on
     trim(), close(), or with the session when the process ends."""
 
-    def __init__(self, client: Any, device: int = 0, chunk_size: int = 32 << 20, large_threshold: int = 16 << 20, location: Optional[Dict[str, Any]] = None) -> None:
+    def __init__(self, client: Any, device: int = 0, chunk_size: int = 32 << 20, large_threshold: int = 16 << 20, location: Optional[Dict[str, Any]] = None, idle_seconds: Optional[float] = None) -> None:
         self.client = client
         self.device = device
         self.location = location if location is not None else {"type": "LOCATION_TYPE_DEVICE", "id": device}
@@ -133,16 +160,25 @@ class DevicePool:
         self._idle_large: List[Chunk] = []
         # Bytes of idle large allocations above which the next allocate() trims (a free never does: it may run in a finalizer).
         self.max_idle_bytes = 4 * self.chunk_size
-        self._returned: Deque[Block] = collections.deque()
+        # Frees not yet applied: (block, stream it was freed on).
+        self._returned: Deque[Tuple[Block, Optional[int]]] = collections.deque()
+        # Device blocks freed and not yet safe for every stream.
+        self._order = StreamOrder(device)
         self._closed = False
         self.counters = collections.Counter()  # type: ignore[var-annotated]
+        self.idle_seconds = idle_seconds_setting(idle_seconds)
+        self._last_use = time.monotonic()
+        if self.idle_seconds > 0:
+            _REAPER.watch(self)
 
     # -- allocation --------------------------------------------------------
 
-    def allocate(self, size: int) -> Block:
-        """A block of at least `size` bytes, 256-byte aligned.
-        Raises VmmdError INVALID_ARGUMENT ZERO_SIZE; RESOURCE_EXHAUSTED when even
-        after returning empty chunks the daemon has no room."""
+    def allocate(self, size: int, stream: Optional[int] = None) -> Block:
+        """A block of at least `size` bytes, 256-byte aligned, for work on
+        `stream` (a CUstream handle; None: any stream, so only memory whose
+        earlier work is done). Raises VmmdError INVALID_ARGUMENT ZERO_SIZE;
+        RESOURCE_EXHAUSTED when even after returning empty chunks the daemon
+        has no room."""
         if not isinstance(size, int) or size <= 0:
             raise VmmdError("ZERO_SIZE", STATUS["INVALID_ARGUMENT"], f"pool allocation of {size!r} bytes: the size must be an integer above 0")
         if self._closed:
@@ -150,22 +186,18 @@ class DevicePool:
         rounded = size_class(size)
         large = rounded > self.large_threshold
         lease = -(-size // self.granularity) * self.granularity if large else self.chunk_size
+        self._last_use = time.monotonic()
         with self._lock:
             self._drain()
             self.counters["allocate"] += 1
-            if not large:
-                for chunk in self._chunks:
-                    offset = chunk.take(rounded)
-                    if offset is not None:
-                        self.counters["pooled"] += 1
-                        return Block(chunk, offset, size, rounded, False)
-            else:
-                for index, chunk in enumerate(self._idle_large):
-                    if chunk.size == lease:
-                        del self._idle_large[index]
-                        self._large[chunk.base] = chunk
-                        self.counters["large_reused"] += 1
-                        return Block(chunk, 0, size, chunk.size, True)
+            block = self._reuse(size, rounded, large, lease, stream)
+            if block is None and len(self._order):
+                # Memory freed on other streams whose work is done; never a wait here (streams
+                # would run one after the other): more is leased, and out of memory waits (trim).
+                self._give_safe(self._order.settle(wait=False))
+                block = self._reuse(size, rounded, large, lease, stream)
+            if block is not None:
+                return block
             idle = sum(chunk.size for chunk in self._idle_large)
         if idle > self.max_idle_bytes:
             self.trim()
@@ -177,14 +209,45 @@ class DevicePool:
                 chunk.take(chunk.size)
                 self._large[chunk.base] = chunk
                 self.counters["large"] += 1
-                return Block(chunk, 0, size, chunk.size, True)
+                return Block(chunk, 0, size, chunk.size, True, stream)
             index = bisect.bisect_left(self._bases, chunk.base)
             self._chunks.insert(index, chunk)
             self._bases.insert(index, chunk.base)
             self.counters["chunks_leased"] += 1
             offset = chunk.take(rounded)
             assert offset is not None
-            return Block(chunk, offset, size, rounded, False)
+            return Block(chunk, offset, size, rounded, False, stream)
+
+    def _reuse(self, size: int, rounded: int, large: bool, lease: int, stream: Optional[int]) -> Optional[Block]:
+        # Invariant: called with the lock held. A block the same stream freed first, then free space.
+        held = self._order.take(stream, lease if large else rounded) if len(self._order) else None
+        if held is not None:
+            self.counters["same_stream_reused"] += 1
+            if held.large:
+                self._large[held.chunk.base] = held.chunk
+            return Block(held.chunk, held.offset, size, held.rounded, held.large, stream)
+        if not large:
+            for chunk in self._chunks:
+                offset = chunk.take(rounded)
+                if offset is not None:
+                    self.counters["pooled"] += 1
+                    return Block(chunk, offset, size, rounded, False, stream)
+            return None
+        for index, chunk in enumerate(self._idle_large):
+            if chunk.size == lease:
+                del self._idle_large[index]
+                self._large[chunk.base] = chunk
+                self.counters["large_reused"] += 1
+                return Block(chunk, 0, size, chunk.size, True, stream)
+        return None
+
+    def _give_safe(self, blocks: List[Block]) -> None:
+        # Invariant: called with the lock held; the blocks' work is done on every stream.
+        for block in blocks:
+            if block.large:
+                self._idle_large.append(block.chunk)
+            else:
+                block.chunk.give(block.offset, block.rounded)
 
     def _lease(self, size: int) -> Any:
         try:
@@ -192,19 +255,23 @@ class DevicePool:
         except VmmdError as error:
             if not error.out_of_memory:
                 raise
-            # Give back what is cached and try once more, as Numba does.
+            # Give back what is cached (blocks held for their streams once the device is done with them) and
+            # try once more, as Numba and CuPy do.
             self.counters["out_of_memory_retries"] += 1
             if self.trim() == 0:
                 raise
             return self.client.vmm.allocate(size, location=self.location)
 
-    def free(self, block: Block) -> None:
-        """Gives a block back (safe from finalizers and __del__: queued, applied
-        by whoever holds the lock next, never blocking). After close() it does
-        nothing: the memory went back with the pool."""
+    def free(self, block: Block, stream: Any = ...) -> None:
+        """Gives a block back, freed in the order of `stream` (default: the
+        stream it was allocated for; None: not known). Safe from finalizers and
+        __del__: queued, applied by whoever holds the lock next, never blocking,
+        never calling the driver. After close() it does nothing: the memory
+        went back with the pool."""
         if self._closed:
             return
-        self._returned.append(block)
+        self._last_use = time.monotonic()
+        self._returned.append((block, block.stream if stream is ... else stream))
         if self._lock.acquire(blocking=False):
             try:
                 self._drain()
@@ -214,15 +281,17 @@ class DevicePool:
     def _drain(self) -> None:
         # Invariant: called with the lock held.
         while self._returned:
-            block = self._returned.popleft()
+            block, stream = self._returned.popleft()
             self.counters["frees"] += 1
-            if block.large:
-                chunk = self._large.pop(block.chunk.base, None)
-                if chunk is None:
-                    raise VmmdError("DOUBLE_FREE", STATUS["FAILED_PRECONDITION"], f"pool: the large block at 0x{block.address:x} was freed twice")
-                self._idle_large.append(chunk)
+            if block.large and self._large.pop(block.chunk.base, None) is None:
+                raise VmmdError("DOUBLE_FREE", STATUS["FAILED_PRECONDITION"], f"pool: the large block at 0x{block.address:x} was freed twice")
+            if getattr(block.chunk.memory, "is_device_memory", False):
+                # Kernels queued before the free may still use it: reused in stream order.
+                self._order.device = block.chunk.memory.device
+                if not self._order.hold(block, stream):
+                    raise VmmdError("DOUBLE_FREE", STATUS["FAILED_PRECONDITION"], f"pool: the block at 0x{block.address:x} was freed twice")
                 continue
-            block.chunk.give(block.offset, block.rounded)
+            self._give_safe([block])
 
     # -- lookup ------------------------------------------------------------
 
@@ -252,6 +321,8 @@ class DevicePool:
         returns the bytes given back. Not from a finalizer (it calls the daemon and, on cuda, the driver)."""
         with self._lock:
             self._drain()
+            if len(self._order):
+                self._give_safe(self._order.settle_all())
             empty = [chunk for chunk in self._chunks if chunk.blocks == 0]
             for chunk in empty:
                 index = self._chunks.index(chunk)
@@ -267,6 +338,7 @@ class DevicePool:
         with self._lock:
             self._closed = True
             self._returned.clear()
+            self._order.drop()
             chunks = self._chunks + list(self._large.values()) + self._idle_large
             self._chunks, self._bases, self._large, self._idle_large = [], [], {}, []
             self._release(chunks)
@@ -303,13 +375,64 @@ class DevicePool:
 
     def stats(self) -> Dict[str, int]:
         with self._lock:
+            # Blocks freed and held for their stream are not in use: they count as held.
+            held_blocks, held_bytes = self._order.held_in_chunks()
             return {
                 "chunks": len(self._chunks),
                 "bytes": sum(c.size for c in self._chunks),
-                "used": sum(c.used for c in self._chunks),
-                "blocks": sum(c.blocks for c in self._chunks),
+                "used": sum(c.used for c in self._chunks) - held_bytes,
+                "blocks": sum(c.blocks for c in self._chunks) - held_blocks,
                 "large": len(self._large),
                 "large_bytes": sum(c.size for c in self._large.values()),
                 "idle_large_bytes": sum(c.size for c in self._idle_large),
                 "pending_frees": len(self._returned),
+                "stream_held_bytes": self._order.bytes,
             }
+
+    def trim_if_idle(self) -> int:
+        """trim() when nothing was allocated or freed for `idle_seconds` and
+        there is something to give back; returns the bytes given back."""
+        if self._closed or self.idle_seconds <= 0 or time.monotonic() - self._last_use < self.idle_seconds:
+            return 0
+        with self._lock:
+            holding = bool(self._returned or len(self._order) or self._idle_large or any(chunk.blocks == 0 for chunk in self._chunks))
+        if not holding:
+            return 0
+        self.counters["idle_trims"] += 1
+        return self.trim()
+
+
+class _Reaper:
+    """One thread per process that gives idle pools' free memory back
+    (trim_if_idle); it holds the pools weakly and never runs in a finalizer."""
+
+    def __init__(self) -> None:
+        self._pools: "weakref.WeakSet[DevicePool]" = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._pid = 0
+
+    def watch(self, pool: DevicePool) -> None:
+        with self._lock:
+            self._pools.add(pool)
+            # A forked child has the set but not the thread.
+            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+                self._pid = os.getpid()
+                self._thread = threading.Thread(target=self._run, name="vmmd-pool-idle", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            pools = list(self._pools)
+            settings = [pool.idle_seconds for pool in pools if pool.idle_seconds > 0]
+            time.sleep(min(1.0, max(0.02, min(settings) / 4)) if settings else 1.0)
+            for pool in pools:
+                try:
+                    pool.trim_if_idle()
+                except Exception as error:  # noqa: BLE001 - the next tick tries again
+                    pool.counters["idle_trim_failures"] += 1
+                    pool.last_idle_error = error  # type: ignore[attr-defined]
+            del pools
+
+
+_REAPER = _Reaper()

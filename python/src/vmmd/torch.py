@@ -1,6 +1,10 @@
 """PyTorch tensors in vmmd memory: a torch.cuda.MemPool whose segments come
 from vmmd, through torch.cuda.memory.CUDAPluggableAllocator and a small C
-library (_torch_allocator.c) that calls back into this module.
+library (_torch_allocator.c) that carves them from chunks leased ahead by a
+thread of this package (_torch_chunks.py): PyTorch calls it under its
+allocator mutex, so it never runs Python. torch.cuda.empty_cache() gives
+the emptied chunks back to the daemon; unused ones go back after
+VMMD_POOL_IDLE_SECONDS.
 
     pool = vmmd.torch.mem_pool()
     with torch.cuda.use_mem_pool(pool):
@@ -17,61 +21,54 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from . import _allocator_lib
+from ._torch_chunks import ChunkSupply
 from .client import VmmdClient, shared_client
 from .errors import STATUS, VmmdError
 from .memory import ImportedMemory
-from .pool import Block, DevicePool
+from .pool import DevicePool
+
 
 class VmmdTorchAllocator:
-    """The pluggable allocator: malloc/free of PyTorch segments from
-    per-device vmmd pools. One per process (the C library holds one pair of
-    callbacks): use allocator()."""
+    """The pluggable allocator: PyTorch's segments carved in C from per-device
+    vmmd chunks. One per process (the C library's state is the process's):
+    use allocator(). `idle_seconds` as DevicePool's; `refill_seconds` bounds
+    how long a malloc waits for a chunk (VMMD_TORCH_REFILL_SECONDS, default 5)
+    before PyTorch sees out of memory."""
 
-    def __init__(self, client: Optional[VmmdClient] = None, chunk_size: int = 64 << 20, large_threshold: int = 32 << 20) -> None:
+    def __init__(self, client: Optional[VmmdClient] = None, chunk_size: int = 64 << 20, idle_seconds: Optional[float] = None, refill_seconds: Optional[float] = None) -> None:
         self.client = client or shared_client()
-        self._settings = (chunk_size, large_threshold)
+        self._chunk_size = chunk_size
         self._pools: Dict[int, DevicePool] = {}
-        # Invariant: every block handed to PyTorch and not yet freed, by address.
-        self._blocks: Dict[int, Tuple[DevicePool, Block]] = {}
         self._lock = threading.Lock()
         self._daemon_devices = {d.uuid: int(d.index) for d in self.client.devices.list_devices().devices}
-        # The callbacks stay referenced here: the C library calls them.
-        self.path, self._library, self._callbacks = _allocator_lib.load(self._malloc, self._free)
+        self._library = _allocator_lib.load()
+        self._library.vmmd_set_driver(*_allocator_lib.driver_events())
+        self.path = self._library._name
+        self.supply = ChunkSupply(self._library, self.pool, chunk_size, idle_seconds, refill_seconds)
+        # A first chunk of the current device now: the first tensors wait for no refill.
+        self.supply.add(torch.cuda.current_device(), 1)
         self.pluggable = torch.cuda.memory.CUDAPluggableAllocator(self.path, "vmmd_torch_malloc", "vmmd_torch_free")
 
     def pool(self, device: int) -> DevicePool:
+        """The pool that leases chunks for PyTorch's `device` (never called under PyTorch's mutex)."""
         with self._lock:
             pool = self._pools.get(device)
             if pool is None:
                 uuid = f"GPU-{torch.cuda.get_device_properties(device).uuid}"
-                pool = self._pools[device] = DevicePool(self.client, device=self._daemon_devices.get(uuid, device), chunk_size=self._settings[0], large_threshold=self._settings[1])
+                pool = self._pools[device] = DevicePool(self.client, device=self._daemon_devices.get(uuid, device), chunk_size=self._chunk_size, idle_seconds=0)
             return pool
-
-    def _malloc(self, size: int, device: int, stream: Any) -> int:
-        pool = self.pool(device)
-        block = pool.allocate(int(size))
-        with self._lock:
-            self._blocks[block.address] = (pool, block)
-        return block.address
-
-    def _free(self, pointer: int, size: int, device: int, stream: Any) -> None:
-        with self._lock:
-            entry = self._blocks.pop(int(pointer or 0), None)
-        if entry is not None:
-            entry[0].free(entry[1])
 
     def locate(self, address: int) -> Tuple[int, int, str]:
         """(allocation id, offset, share key) of an address in vmmd memory this allocator handed out.
         Raises VmmdError NOT_FOUND NOT_VMMD_MEMORY."""
-        for pool in list(self._pools.values()):
-            found = pool.lookup(address)
-            if found is not None:
-                chunk, offset = found
-                return int(chunk.memory.allocation_id), offset, pool.share_key(chunk)
-        raise VmmdError("NOT_VMMD_MEMORY", STATUS["NOT_FOUND"], f"address 0x{address:x} is not in memory of the vmmd MemPool")
+        found = self.supply.locate(address)
+        if found is None:
+            raise VmmdError("NOT_VMMD_MEMORY", STATUS["NOT_FOUND"], f"address 0x{address:x} is not in memory of the vmmd MemPool")
+        pool, chunk, offset = found
+        return int(chunk.memory.allocation_id), offset, pool.share_key(chunk)
 
-    def stats(self) -> Dict[int, Dict[str, int]]:
-        return {device: pool.stats() for device, pool in self._pools.items()}
+    def stats(self) -> Dict[str, int]:
+        return self.supply.counters()
 
 
 _allocator: Optional[VmmdTorchAllocator] = None

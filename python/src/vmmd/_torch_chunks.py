@@ -1,0 +1,129 @@
+"""The chunks behind vmmd's PyTorch MemPool, kept by a thread of this package:
+it leases and maps chunks for the C library that PyTorch calls
+(_torch_allocator.c) before and when a malloc needs them, and gives back the
+chunks with nothing in use: at once those PyTorch emptied (empty_cache(), a
+MemPool destroyed), after `idle_seconds` those unused since they were leased.
+
+The thread waits inside the C library without the GIL and never calls into
+PyTorch: PyTorch's allocator mutex is held while malloc waits for it, and a
+thread of PyTorch holding the GIL may wait for that mutex. Nothing here
+imports torch, so the host tests drive it through the C library alone."""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .pool import Chunk, DevicePool, idle_seconds_setting
+from .errors import STATUS, VmmdError
+
+NEXT_TICK, NEXT_REFILL, NEXT_RETURN, NEXT_STOP = range(4)
+TAKE_FREED, TAKE_IDLE = range(2)
+REFILL_SECONDS = 5.0
+# Share of the held chunks kept free ahead of need.
+AHEAD_FRACTION = 0.25
+COUNTERS = ("mallocs", "frees", "same_stream_reused", "stream_waits", "refill_waits", "refill_timeouts", "refill_failures", "unknown_frees")
+
+
+def refill_seconds_setting(value: Optional[float]) -> float:
+    """How long a malloc waits for a chunk: `value`, else VMMD_TORCH_REFILL_SECONDS, else REFILL_SECONDS.
+    Raises VmmdError INVALID_ARGUMENT BAD_REFILL_SECONDS."""
+    raw: Any = value if value is not None else os.environ.get("VMMD_TORCH_REFILL_SECONDS", REFILL_SECONDS)
+    try:
+        seconds = float(raw)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise VmmdError("BAD_REFILL_SECONDS", STATUS["INVALID_ARGUMENT"], f"refill wait {raw!r}: must be a finite number of seconds > 0 (VMMD_TORCH_REFILL_SECONDS or refill_seconds=)")
+    return seconds
+
+
+class ChunkSupply:
+    """Leases chunks for the C library from per-device pools (`pool_for(device)`,
+    device as PyTorch numbers it) and takes them back; `locate` finds the
+    chunk of an address. One per loaded library."""
+
+    def __init__(self, library: Any, pool_for: Callable[[int], DevicePool], chunk_size: int, idle_seconds: Optional[float] = None, refill_seconds: Optional[float] = None) -> None:
+        self.library = library
+        self._pool_for = pool_for
+        self.chunk_size = chunk_size
+        self.idle_seconds = idle_seconds_setting(idle_seconds)
+        # Invariant: every chunk the C library holds, by base, with the pool that leased it.
+        self._chunks: Dict[int, Tuple[DevicePool, Chunk]] = {}
+        self._lock = threading.Lock()
+        self.errors: List[BaseException] = []
+        # Room ahead (half a chunk, the largest malloc and a quarter of what is held): most mallocs never wait for this thread.
+        library.vmmd_configure(refill_seconds_setting(refill_seconds), chunk_size // 2, AHEAD_FRACTION)
+        self._thread = threading.Thread(target=self._run, name="vmmd-torch-chunks", daemon=True)
+        self._thread.start()
+
+    def add(self, device: int, wanted: int) -> Chunk:
+        """Leases and maps a chunk of at least `wanted` bytes for `device` and hands it to the C library."""
+        pool = self._pool_for(device)
+        size = max(pool.chunk_size, -(-wanted // pool.granularity) * pool.granularity)
+        memory = pool._lease(size)
+        chunk = Chunk(memory, int(memory.address), int(memory.size))
+        with self._lock:
+            self._chunks[chunk.base] = (pool, chunk)
+        if self.library.vmmd_add_chunk(device, chunk.base, chunk.size) != 0:
+            with self._lock:
+                del self._chunks[chunk.base]
+            pool._release([chunk])
+            raise VmmdError("NO_MEMORY", STATUS["RESOURCE_EXHAUSTED"], "the allocation library could not record a chunk (out of host memory)")
+        return chunk
+
+    def give_back(self, mode: int) -> int:
+        """Takes the chunks the C library lets go (TAKE_FREED or TAKE_IDLE) back to the daemon; returns the bytes."""
+        device, base, size = ctypes.c_int(), ctypes.c_uint64(), ctypes.c_uint64()
+        taken: Dict[int, Tuple[DevicePool, List[Chunk]]] = {}
+        while self.library.vmmd_take_empty_chunk(mode, ctypes.c_double(self.idle_seconds), ctypes.byref(device), ctypes.byref(base), ctypes.byref(size)):
+            with self._lock:
+                pool, chunk = self._chunks.pop(base.value)
+            taken.setdefault(id(pool), (pool, []))[1].append(chunk)
+        total = 0
+        for pool, chunks in taken.values():
+            # _release synchronizes the device first: the held blocks' work may still run.
+            pool._release(chunks)
+            total += sum(chunk.size for chunk in chunks)
+        return total
+
+    def locate(self, address: int) -> Optional[Tuple[DevicePool, Chunk, int]]:
+        with self._lock:
+            for pool, chunk in self._chunks.values():
+                if chunk.base <= address < chunk.base + chunk.size:
+                    return pool, chunk, address - chunk.base
+        return None
+
+    def counters(self) -> Dict[str, int]:
+        values = (ctypes.c_uint64 * len(COUNTERS))()
+        self.library.vmmd_counters(values)
+        with self._lock:
+            held = sum(chunk.size for _, chunk in self._chunks.values())
+        return {**dict(zip(COUNTERS, (int(v) for v in values))), "chunks": len(self._chunks), "bytes": held}
+
+    def stop(self) -> None:
+        """Stops the thread (mallocs fail from now on); the chunks stay with the session."""
+        self.library.vmmd_stop()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        device, wanted = ctypes.c_int(), ctypes.c_uint64()
+        tick = ctypes.c_double(min(1.0, self.idle_seconds / 4) if self.idle_seconds > 0 else 1.0)
+        while True:
+            kind = self.library.vmmd_next_request(ctypes.byref(device), ctypes.byref(wanted), tick)
+            if kind == NEXT_STOP:
+                return
+            try:
+                # Emptied chunks first: their memory may be what the refill needs.
+                self.give_back(TAKE_FREED)
+                if kind == NEXT_TICK and self.idle_seconds > 0:
+                    self.give_back(TAKE_IDLE)
+            except BaseException as error:  # noqa: BLE001 - the thread must live on; kept for stats and tests
+                self.errors.append(error)
+            if kind == NEXT_REFILL:
+                try:
+                    self.add(device.value, int(wanted.value))
+                except BaseException as error:  # noqa: BLE001 - the waiting malloc gets NULL: PyTorch's out of memory
+                    self.errors.append(error)
+                    self.library.vmmd_refill_failed(device.value)
