@@ -193,7 +193,7 @@ export class Daemon {
       new DevicesService(registry).addToServer(server, proto, depsOf('vmmd.v1.Devices'));
       new VirtualMemoryService(registry, sessions, staging).addToServer(server, proto, depsOf('vmmd.v1.VirtualMemory'));
       new StoresService(registry, stores, sessions).addToServer(server, proto, depsOf('vmmd.v1.Stores'));
-      const admin = new AdminService({ registry, sessions, stores, quotas, metrics, version: VERSION, turns, gcPauses: gcPauses.start() });
+      const admin = new AdminService({ registry, sessions, stores, quotas, metrics, version: VERSION, turns, gcPauses: gcPauses.start(), budgets: () => budgets.list() });
       // A start that fails from here on stops its delay sampler and GC observer too.
       undo.push(() => admin.close());
       admin.addToServer(server, proto, depsOf('vmmd.v1.Admin'));

@@ -9,7 +9,7 @@
  */
 import * as http from 'node:http';
 import { connect, VmmdClient } from '../../client';
-import { eventually, freePort, MiB, Peer, stopWhenClean, TestDaemon } from './harness';
+import { call as rawCall, eventually, freePort, MiB, Peer, stopWhenClean, TestDaemon } from './harness';
 
 const isRoot = process.getuid?.() === 0;
 const NOBODY = 65534;
@@ -22,6 +22,7 @@ let daemon: TestDaemon;
 let metricsPort: number;
 let victim: VmmdClient;
 const clients: VmmdClient[] = [];
+const peers: Peer[] = [];
 
 function scrape(): Promise<string> {
   return new Promise((resolve, reject) =>
@@ -67,7 +68,9 @@ const refusal = (budget: string, used: number | bigint, limit: number | bigint, 
 });
 
 async function attacker(): Promise<Peer> {
-  return Peer.start(daemon.dir, { uid: NOBODY, gid: NOBODY });
+  const peer = await Peer.start(daemon.dir, { uid: NOBODY, gid: NOBODY });
+  peers.push(peer);
+  return peer;
 }
 
 const call = <T = any>(peer: Peer, api: string, method: string, args: object) => peer.do<T>({ op: 'call', api, method, args });
@@ -94,6 +97,11 @@ async function closedToZero(peer: Peer): Promise<void> {
     clients.push(victim);
   });
 
+  // A test that failed half-way leaves no attacker behind to keep the next one (or jest) waiting.
+  afterEach(async () => {
+    for (const peer of peers.splice(0)) await peer.kill();
+  });
+
   afterAll(async () => {
     await stopWhenClean(daemon, clients);
   });
@@ -109,6 +117,9 @@ async function closedToZero(peer: Peer): Promise<void> {
       refusal('mappings per uid', LIMITS.mappings, LIMITS.mappings),
     );
     expect(await usedBy(NOBODY)).toMatchObject({ 'mappings per uid': LIMITS.mappings });
+    // An admin's report shows it too.
+    const report = JSON.parse((await rawCall(daemon.raw.admin, 'GetReport', {})).json);
+    expect(report.budgets['mappings per uid']).toEqual({ limit: LIMITS.mappings, used: { [NOBODY]: LIMITS.mappings } });
     await victimServed();
     await call(peer, 'vmm', 'unmap', { address: at(0), size: String(SIZE) });
     await call(peer, 'vmm', 'map', { address: at(LIMITS.mappings), size: String(SIZE), allocationId: allocation.id });

@@ -20,14 +20,18 @@ import { figure } from './figures';
 const FULL = process.env.VMMD_RELIABILITY === 'full';
 const isRoot = process.getuid?.() === 0;
 const NOBODY = 65534;
+jest.setTimeout(FULL ? 900_000 : 180_000);
+
 const RW = [{ location: { type: 'LOCATION_TYPE_DEVICE' as const, id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' as const }];
 
 let daemon: TestDaemon | undefined;
 let metricsPort = 0;
 const clients: VmmdClient[] = [];
+const peers: Peer[] = [];
 
 afterEach(async () => {
   for (const client of clients.splice(0)) client.close();
+  for (const peer of peers.splice(0)) await peer.kill();
   await daemon?.stop();
   daemon = undefined;
 });
@@ -37,7 +41,9 @@ async function start(extra: string[] = []): Promise<{ victim: VmmdClient; attack
   daemon = await TestDaemon.start(['--socket-group', String(NOBODY), '--allow-gids', String(NOBODY), '--allow-uids', '0', '--metrics-port', String(metricsPort), ...extra]);
   const victim = await connect({ socketDir: daemon.dir });
   clients.push(victim);
-  return { victim, attacker: await Peer.start(daemon.dir, { uid: NOBODY, gid: NOBODY }) };
+  const attacker = await Peer.start(daemon.dir, { uid: NOBODY, gid: NOBODY });
+  peers.push(attacker);
+  return { victim, attacker };
 }
 
 function scrape(): Promise<string> {
