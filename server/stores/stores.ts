@@ -52,7 +52,7 @@ export interface StoreRecord {
   releasing: boolean;
   /** Why freeing its memory failed last (a driver or OS error); the next Detach, close or session end tries again. */
   releaseFailure?: string;
-  /** What it counts against its maker's uid's budgets (a store, and the daemon's mapping of it) until its memory is freed. */
+  /** What it counts against its maker's uid's budgets (a store, the daemon's mapping of it and its address space) until its memory is freed. */
   readonly charge?: Charge;
 }
 
@@ -63,8 +63,8 @@ export interface StoreEvent {
   session: bigint;
 }
 
-/** What a store counts against its maker's uid: itself, and the daemon's mapping of its memory. */
-const STORE_COSTS = { stores: 1, mappings: 1 };
+/** What a store of `size` bytes counts against its maker's uid: itself, and the daemon's mapping of its memory with the address space under it. */
+const storeCosts = (size: bigint) => ({ stores: 1, mappings: 1, addressSpace: Number(size) });
 
 /** Events kept for Watch's replay. */
 const EVENT_LOG_SIZE = 4096;
@@ -117,7 +117,7 @@ export class StoreRegistry extends EventEmitter {
     }
     const id = this.nextId++;
     const holder = STORE_HOLDER_BASE + id;
-    const charge = this.registry.budgets?.take(caller, STORE_COSTS);
+    const charge = this.registry.budgets?.take(caller, storeCosts(allocationSize));
     let allocation: AllocationRecord;
     let memory: StoreMemory;
     try {
@@ -165,7 +165,7 @@ export class StoreRegistry extends EventEmitter {
         throw outOfRange('UNKNOWN_DEVICE', `device ${args.device} does not exist (the daemon has ${this.registry.devices.length} device(s))`);
       }
       if (args.size === 0n) throw invalidArgument('ZERO_SIZE', 'an attached allocation must have a size above 0');
-      charge = this.registry.budgets?.take(caller, STORE_COSTS);
+      charge = this.registry.budgets?.take(caller, storeCosts(args.size));
     } catch (error) {
       addon.close(fd);
       throw error;

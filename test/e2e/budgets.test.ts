@@ -160,8 +160,8 @@ async function closedToZero(peer: Peer): Promise<void> {
     await expect(call(peer, 'stores', 'createStore', { allocationId: allocation.id, name: 'one-too-many' })).rejects.toMatchObject(
       refusal('stores per uid', LIMITS.stores, LIMITS.stores),
     );
-    // Each store is one daemon mapping of its maker's uid too.
-    expect(await usedBy(NOBODY)).toMatchObject({ 'stores per uid': LIMITS.stores, 'mappings per uid': LIMITS.stores });
+    // Each store is one daemon mapping of its maker's uid too, and the address space the daemon maps it in.
+    expect(await usedBy(NOBODY)).toMatchObject({ 'stores per uid': LIMITS.stores, 'mappings per uid': LIMITS.stores, 'address space per uid': LIMITS.stores * Number(SIZE) });
     await victimServed();
     await call(peer, 'stores', 'detach', { id: stores[0].id });
     await eventually(async () => ((await usedBy(NOBODY))['stores per uid'] === LIMITS.stores - 1 ? true : undefined));
