@@ -44,6 +44,16 @@ export interface DaemonConfig {
   maxTransfersPerUid: number;
   /** How long a server stream (Read) waits for a reader that takes nothing before it ends the call. */
   streamStallMs: number;
+  /**
+   * What one uid may make the daemon hold at once (0: no limit; undefined:
+   * derived at start from vm.max_map_count and the descriptor limit,
+   * server/registry/uid-budgets.ts).
+   */
+  maxMappingsPerUid?: number;
+  maxReservationsPerUid?: number;
+  maxAddressSpacePerUid?: bigint;
+  maxStoresPerUid?: number;
+  maxAllocationsPerUid?: number;
   /** Bytes a uid, and a session, may hold in allocations at once (0: no limit). */
   quotaPerUid: bigint;
   quotaPerSession: bigint;
@@ -129,6 +139,12 @@ function parseIdList(key: string, text: string): number[] {
   return text.split(',').map((part) => parseInteger(key, part, 0, 2 ** 32 - 2));
 }
 
+/** The largest count a per-uid budget may be set to. */
+const MAX_BUDGET_COUNT = 100_000_000;
+
+/** The largest address space a uid's budget may name: a 47-bit user address space. */
+const MAX_BUDGET_ADDRESS_SPACE = 1n << 47n;
+
 const LOG_LEVELS = ['trace', 'debug', 'info', 'warn', 'error', 'fatal', 'silent'];
 
 interface Setting {
@@ -150,6 +166,11 @@ const SETTINGS: Record<string, Setting> = {
   maxSessionsPerUid: { flag: 'max-sessions-per-uid', env: 'VMMD_MAX_SESSIONS_PER_UID', placeholder: 'N', help: 'sessions one uid may hold open at once [256]' },
   maxTransfersPerUid: { flag: 'max-transfers-per-uid', env: 'VMMD_MAX_TRANSFERS_PER_UID', placeholder: 'N', help: "received descriptors not yet claimed that one uid's sessions may hold at once [1024]" },
   streamStallMs: { flag: 'stream-stall-ms', env: 'VMMD_STREAM_STALL_MS', placeholder: 'MS', help: 'a server stream (Read) whose reader takes nothing this long is ended with RESOURCE_EXHAUSTED [30000]' },
+  maxMappingsPerUid: { flag: 'max-mappings-per-uid', env: 'VMMD_MAX_MAPPINGS_PER_UID', placeholder: 'N', help: "mappings the daemon holds for one uid at once: Map into its reservations, and each store's own mapping [auto: a third of a quarter of vm.max_map_count less the daemon's reserve (an eighth); 0: no limit]" },
+  maxReservationsPerUid: { flag: 'max-reservations-per-uid', env: 'VMMD_MAX_RESERVATIONS_PER_UID', placeholder: 'N', help: 'reservations one uid may hold at once [auto: as --max-mappings-per-uid; 0: no limit]' },
+  maxAddressSpacePerUid: { flag: 'max-address-space-per-uid', env: 'VMMD_MAX_ADDRESS_SPACE_PER_UID', placeholder: 'BYTES', help: "bytes of address space one uid's reservations may span at once [16TiB: a quarter of the 64 TiB clients may reserve together; 0: no limit]" },
+  maxStoresPerUid: { flag: 'max-stores-per-uid', env: 'VMMD_MAX_STORES_PER_UID', placeholder: 'N', help: "stores one uid may have made and not yet freed [auto: half of a quarter of the descriptor limit less the daemon's reserve (an eighth); 0: no limit]" },
+  maxAllocationsPerUid: { flag: 'max-allocations-per-uid', env: 'VMMD_MAX_ALLOCATIONS_PER_UID', placeholder: 'N', help: 'allocations (created and imported) one uid may hold at once, beside their bytes (--quota-per-uid) [auto: as --max-stores-per-uid; 0: no limit]' },
   quotaPerUid: { flag: 'quota-per-uid', env: 'VMMD_QUOTA_PER_UID', placeholder: 'BYTES', help: 'allocation bytes each uid may hold at once [0: no limit]' },
   quotaPerSession: { flag: 'quota-per-session', env: 'VMMD_QUOTA_PER_SESSION', placeholder: 'BYTES', help: 'allocation bytes each session may hold at once [0: no limit]' },
   hostCapacity: { flag: 'host-capacity', env: 'VMMD_HOST_CAPACITY', placeholder: 'BYTES', help: "memory the host backend may create in all [half the machine's RAM]" },
@@ -291,6 +312,16 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
     const [key, text] = pick(name);
     return text === undefined ? fallback : parseInteger(key, text, min, max);
   };
+  /** A budget: undefined (derived at start) unless set. */
+  const budget = (name: 'maxMappingsPerUid' | 'maxReservationsPerUid' | 'maxStoresPerUid' | 'maxAllocationsPerUid') => {
+    const [key, text] = pick(name);
+    return text === undefined ? undefined : parseInteger(key, text, 0, MAX_BUDGET_COUNT);
+  };
+  const [spaceKey, spaceText] = pick('maxAddressSpacePerUid');
+  const maxAddressSpacePerUid = spaceText === undefined ? undefined : parseBytes(spaceKey, spaceText);
+  if (maxAddressSpacePerUid !== undefined && maxAddressSpacePerUid > MAX_BUDGET_ADDRESS_SPACE) {
+    throw new ConfigError(`${spaceKey}: ${maxAddressSpacePerUid} is more than the ${MAX_BUDGET_ADDRESS_SPACE} bytes of a 47-bit address space`);
+  }
   const [adminUidsKey, adminUidsText = '0'] = pick('adminUids');
   const [adminGidsKey, adminGidsText = ''] = pick('adminGids');
 
@@ -341,6 +372,11 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
       maxSessionsPerUid: integer('maxSessionsPerUid', 256, 1_000_000, 1),
       maxTransfersPerUid: integer('maxTransfersPerUid', 1024, 1_000_000, 1),
       streamStallMs: integer('streamStallMs', 30_000, 3_600_000, 1),
+      maxMappingsPerUid: budget('maxMappingsPerUid'),
+      maxReservationsPerUid: budget('maxReservationsPerUid'),
+      maxAddressSpacePerUid,
+      maxStoresPerUid: budget('maxStoresPerUid'),
+      maxAllocationsPerUid: budget('maxAllocationsPerUid'),
       quotaPerUid: bytesOr0('quotaPerUid'),
       quotaPerSession: bytesOr0('quotaPerSession'),
       transferWaitMs: integer('transferWaitMs', 5_000, 600_000),

@@ -17,6 +17,7 @@ import { AccessPolicy } from '../transport/grpc/access';
 import { GrpcUnixListener } from '../transport/grpc/grpc-unix';
 import { Metrics } from '../observability/metrics';
 import { Quotas } from '../registry/quotas';
+import { derivedLimits, SystemLimits, UidBudgetLimits, UidBudgets } from '../registry/uid-budgets';
 import { Registry } from '../registry';
 import { AdminService } from '../transport/grpc/services/admin';
 import { DevicesService } from '../transport/grpc/services/devices';
@@ -133,7 +134,8 @@ export class Daemon {
       const peer = sessions.peerOf(caller);
       return peer !== undefined && access.isAdmin(peer);
     };
-    const registry = new Registry(backend, (upstream) => quotas.around(upstream, (handle, device) => backend.memoryIdentity(handle, device)), actsForDaemon);
+    const budgets = uidBudgets(config, systemLimits(log), (session) => sessions.uidOf(session), log);
+    const registry = new Registry(backend, (upstream) => quotas.around(upstream, (handle, device) => backend.memoryIdentity(handle, device)), actsForDaemon, budgets);
     const paths = socketPaths(config.socketDir);
     const previousMode = prepareSocketDir(config);
     if (previousMode !== undefined) {
@@ -154,7 +156,7 @@ export class Daemon {
     const undo: Array<() => void> = [];
     try {
       // The session socket's requests go straight to the registry; a closed session's stores and staging go before its objects.
-      const metrics = new Metrics(registry, () => sessions, stores, { version: VERSION, backend: backend.name }, turns);
+      const metrics = new Metrics(registry, () => sessions, stores, { version: VERSION, backend: backend.name }, turns, () => budgets.list());
       undo.push(() => metrics.close());
       sessions.listen(
         paths.session,
@@ -197,7 +199,7 @@ export class Daemon {
       new DevicesService(registry).addToServer(server, proto, depsOf('vmmd.v1.Devices'));
       new VirtualMemoryService(registry, sessions, staging).addToServer(server, proto, depsOf('vmmd.v1.VirtualMemory'));
       new StoresService(registry, stores, sessions).addToServer(server, proto, depsOf('vmmd.v1.Stores'));
-      const admin = new AdminService({ registry, sessions, stores, quotas, metrics, version: VERSION, turns, gcPauses: gcPauses.start() });
+      const admin = new AdminService({ registry, sessions, stores, quotas, metrics, version: VERSION, turns, gcPauses: gcPauses.start(), budgets: () => budgets.list() });
       // A start that fails from here on stops its delay sampler and GC observer too.
       undo.push(() => admin.close());
       admin.addToServer(server, proto, depsOf('vmmd.v1.Admin'));
@@ -267,6 +269,34 @@ export class Daemon {
     this.metrics.close();
     this.log.info('vmmd stopped');
   }
+}
+
+/** What the kernel allows the daemon's process: read once at start (the budgets' defaults derive from it). */
+function systemLimits(log: Logger): SystemLimits {
+  let maxMapCount = DEFAULT_MAX_MAP_COUNT;
+  try {
+    maxMapCount = Number(fs.readFileSync('/proc/sys/vm/max_map_count', 'utf8').trim()) || DEFAULT_MAX_MAP_COUNT;
+  } catch (error) {
+    log.warn({ err: error, assumed: maxMapCount }, 'cannot read vm.max_map_count; assuming the kernel default');
+  }
+  return { maxMapCount, descriptors: addon.descriptorLimit().soft };
+}
+
+/** The kernel's default vm.max_map_count. */
+const DEFAULT_MAX_MAP_COUNT = 65_530;
+
+/** The per-uid budgets: each as configured, else derived from the system's limits; logged once. */
+function uidBudgets(config: DaemonConfig, system: SystemLimits, uidOf: (session: bigint) => number | undefined, log: Logger): UidBudgets {
+  const derived = derivedLimits(system);
+  const limits: UidBudgetLimits = {
+    mappingsPerUid: config.maxMappingsPerUid ?? derived.perUid.mappingsPerUid,
+    reservationsPerUid: config.maxReservationsPerUid ?? derived.perUid.reservationsPerUid,
+    addressSpacePerUid: config.maxAddressSpacePerUid === undefined ? derived.perUid.addressSpacePerUid : Number(config.maxAddressSpacePerUid),
+    storesPerUid: config.maxStoresPerUid ?? derived.perUid.storesPerUid,
+    allocationsPerUid: config.maxAllocationsPerUid ?? derived.perUid.allocationsPerUid,
+  };
+  log.info({ perUid: limits, clientsTogether: derived.totals, system }, 'budgets');
+  return new UidBudgets(limits, derived.totals, uidOf);
 }
 
 /**

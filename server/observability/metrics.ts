@@ -9,6 +9,7 @@ import * as http from 'node:http';
 import type { Logger } from 'pino';
 import { collectDefaultMetrics, Counter, Gauge, Histogram, Registry as MetricsRegistry } from 'prom-client';
 import type { Registry } from '../registry';
+import type { Budget } from '../registry/budgets';
 import type { SessionManager } from '../transport/session/sessions';
 import type { StoreRegistry } from '../stores/stores';
 import type { TurnMeter } from './turns';
@@ -34,7 +35,8 @@ export class Metrics {
   readonly calls = new Map<string, Map<string, number>>();
   private server?: http.Server;
 
-  constructor(registry: Registry, sessions: () => SessionManager, stores: StoreRegistry, info: MetricsInfo, turns?: TurnMeter) {
+  /** @param budgets every budget the daemon keeps (server/registry/budgets.ts), each holder's use shown */
+  constructor(registry: Registry, sessions: () => SessionManager, stores: StoreRegistry, info: MetricsInfo, turns?: TurnMeter, budgets: () => Iterable<Budget> = () => []) {
     collectDefaultMetrics({ register: this.registry, prefix: 'vmmd_' });
     // NOTE: prom-client names two gauges *_total (nodejs_active_{handles,requests,resources}_total), which
     // Prometheus reserves for counters; the same numbers are the sums of vmmd_nodejs_active_{handles,requests,resources}.
@@ -95,6 +97,26 @@ export class Metrics {
         },
       });
     }
+    new Gauge({
+      name: 'vmmd_budget_used',
+      help: "What each holder uses of each budget now (docs/OPERATIONS.md, Budgets): uid is the uid, or a holder of the budget's own (\"all uids\" for the daemon's totals); a holder that uses nothing is absent.",
+      labelNames: ['budget', 'uid'],
+      registers: [this.registry],
+      collect() {
+        this.reset();
+        for (const budget of budgets()) for (const [holder, used] of budget.holders()) this.set({ budget: budget.name, uid: String(holder) }, used);
+      },
+    });
+    new Gauge({
+      name: 'vmmd_budget_limit',
+      help: 'The most one holder may use of each budget (0: no limit).',
+      labelNames: ['budget'],
+      registers: [this.registry],
+      collect() {
+        this.reset();
+        for (const budget of budgets()) this.set({ budget: budget.name }, budget.limit);
+      },
+    });
     this.streamsActive = new Gauge({ name: 'vmmd_rpc_streams_active', help: 'Streaming calls open now.', labelNames, registers: [this.registry] });
     this.streamsTotal = new Counter({ name: 'vmmd_rpc_streams_total', help: 'Streaming calls opened since start.', labelNames, registers: [this.registry] });
     this.moved = new Counter({

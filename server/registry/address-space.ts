@@ -15,6 +15,7 @@ import { failedPrecondition, invalidArgument, notFound, outOfRange } from '../er
 import { SerialQueue } from '../serial-queue';
 import type { Allocations } from './allocations';
 import type { DeviceTable } from './devices';
+import type { UidBudgets } from './uid-budgets';
 import {
   AllocationRecord,
   checkAligned,
@@ -45,6 +46,7 @@ export class AddressSpace {
     private readonly devices: DeviceTable,
     private readonly ids: IdSequence,
     private readonly ownership: Ownership = new Ownership(),
+    private readonly budgets?: UidBudgets,
   ) {}
 
   /** Every live reservation, sorted by address. */
@@ -53,8 +55,10 @@ export class AddressSpace {
   }
 
   /**
-   * Reserves address space for the caller.
-   * @throws INVALID_ARGUMENT ZERO_SIZE, NOT_ALIGNED, BAD_ALIGNMENT; OUT_OF_RANGE RESERVATION_TOO_LARGE
+   * Reserves address space for the caller, counted against its uid's
+   * reservations and address space until it is freed.
+   * @throws INVALID_ARGUMENT ZERO_SIZE, NOT_ALIGNED, BAD_ALIGNMENT; OUT_OF_RANGE RESERVATION_TOO_LARGE;
+   *   RESOURCE_EXHAUSTED BUDGET_EXCEEDED; the backend's ENOMEM
    */
   reserve(caller: bigint, args: ReserveArgs): ReservationRecord {
     const granularity = this.devices.reservationGranularity;
@@ -71,7 +75,14 @@ export class AddressSpace {
     }
     if (args.address !== 0n) checkAligned('address hint', args.address, granularity);
     const alignment = args.alignment > granularity ? args.alignment : granularity;
-    const address = this.backend.reserve(args.size, alignment, args.address);
+    const charge = this.budgets?.take(caller, { reservations: 1, addressSpace: Number(args.size) });
+    let address: bigint;
+    try {
+      address = this.backend.reserve(args.size, alignment, args.address);
+    } catch (error) {
+      charge?.give();
+      throw error;
+    }
     const record: ReservationRecord = {
       id: this.ids.take(),
       owner: caller,
@@ -80,6 +91,7 @@ export class AddressSpace {
       alignment,
       mappings: [],
       queue: new SerialQueue(),
+      charge,
       freed: false,
     };
     this.byAddress.splice(indexAfter(this.byAddress, address), 0, record);
@@ -114,10 +126,11 @@ export class AddressSpace {
   }
 
   /**
-   * Maps an allocation into an unmapped part of a reservation, with no access yet.
+   * Maps an allocation into an unmapped part of a reservation, with no
+   * access yet; counted against the caller's uid's mappings until unmapped.
    * @throws NOT_FOUND NOT_RESERVED, UNKNOWN_ALLOCATION; INVALID_ARGUMENT ZERO_SIZE, NOT_ALIGNED, NONZERO_OFFSET;
    *   OUT_OF_RANGE BEYOND_ALLOCATION, BEYOND_RESERVATION; FAILED_PRECONDITION ALREADY_MAPPED, ALREADY_RELEASED;
-   *   PERMISSION_DENIED NOT_OWNER
+   *   PERMISSION_DENIED NOT_OWNER; RESOURCE_EXHAUSTED BUDGET_EXCEEDED; the backend's ENOMEM
    */
   async map(caller: bigint, args: MapArgs): Promise<MappingRecord> {
     if (args.size === 0n) throw invalidArgument('ZERO_SIZE', 'mapping size must be greater than 0');
@@ -156,8 +169,14 @@ export class AddressSpace {
         );
       }
       // The checks above and the record below bracket the driver call: the queue lets nothing else in between.
-      await this.backend.map(args.address, args.size, allocation.handle, args.offset);
-      const mapping: MappingRecord = { address: args.address, size: args.size, allocation, access: new Map(), unmapping: false };
+      const charge = this.budgets?.take(caller, { mappings: 1 });
+      try {
+        await this.backend.map(args.address, args.size, allocation.handle, args.offset);
+      } catch (error) {
+        charge?.give();
+        throw error;
+      }
+      const mapping: MappingRecord = { address: args.address, size: args.size, allocation, access: new Map(), charge, unmapping: false };
       reservation.mappings.splice(index, 0, mapping);
       allocation.mappingCount++;
       return mapping;
@@ -316,12 +335,14 @@ export class AddressSpace {
       throw error;
     }
     reservation.mappings.splice(reservation.mappings.indexOf(mapping), 1);
+    mapping.charge?.give();
     mapping.allocation.mappingCount--;
     return this.allocations.freeIfUnused(mapping.allocation);
   }
 
   private drop(reservation: ReservationRecord): void {
     reservation.freed = true;
+    reservation.charge?.give();
     const index = indexAfter(this.byAddress, reservation.address) - 1;
     if (this.byAddress[index] !== reservation) throw new Error(`registry: reservation ${reservation.id} is not in the address index`);
     this.byAddress.splice(index, 1);

@@ -15,6 +15,8 @@ import { ByteIo } from './io';
 import { Inspection, RegistrySnapshot, RegistryStats } from './reclaim';
 import { CreateArgs, ExportArgs, IdSequence, MapArgs, Ownership, ReserveArgs } from './records';
 import { AllocationSource, BackendSource } from './source';
+import { AllocationBudget } from './allocation-budget';
+import type { UidBudgets } from './uid-budgets';
 
 export { DAEMON_OWNER, IO_CHUNK_BYTES, MAX_RESERVATION_BYTES } from './records';
 export type { AllocationRecord, CreateArgs, Exported, MapArgs, MappingRecord, ReleaseResult, ReservationRecord, ReserveArgs } from './records';
@@ -32,18 +34,21 @@ export class Registry {
   /**
    * @param adapt wraps the allocation source in policy adaptors (the daemon's quotas); statistics sit under them
    * @param actsForDaemon which callers besides the daemon may act on daemon-owned objects (default: every one)
+   * @param budgets count reservations, mappings and allocations per uid (outside the adaptors); none: not counted
    */
   constructor(
     readonly backend: Backend,
     adapt: (upstream: AllocationSource) => AllocationSource = (upstream) => upstream,
     actsForDaemon?: (caller: bigint) => boolean,
+    readonly budgets?: UidBudgets,
   ) {
     const ids = new IdSequence();
     const ownership = new Ownership(actsForDaemon);
     this.deviceTable = new DeviceTable(backend);
     this.statistics = new AllocationStatistics(new BackendSource(backend));
-    this.allocations = new Allocations(backend, adapt(this.statistics), this.deviceTable, ids, ownership);
-    this.space = new AddressSpace(backend, this.allocations, this.deviceTable, ids, ownership);
+    const adapted = adapt(this.statistics);
+    this.allocations = new Allocations(backend, budgets === undefined ? adapted : new AllocationBudget(budgets, adapted), this.deviceTable, ids, ownership);
+    this.space = new AddressSpace(backend, this.allocations, this.deviceTable, ids, ownership, budgets);
     this.io = new ByteIo(backend, this.space);
     this.inspection = new Inspection(this.space, this.allocations, this.statistics);
   }

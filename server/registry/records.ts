@@ -8,6 +8,7 @@ import { timingSafeEqual } from 'node:crypto';
 import type { Access, BackendHandle, HandleKind, MemLocation } from '../backends/backend';
 import { failedPrecondition, invalidArgument, permissionDenied } from '../errors';
 import type { SerialQueue } from '../serial-queue';
+import type { Charge } from './uid-budgets';
 
 /** The owner id of objects that belong to the daemon rather than a session. */
 export const DAEMON_OWNER = 0n;
@@ -27,6 +28,8 @@ export interface ReservationRecord {
   // Invariant: sorted by address; every mapping lies inside the reservation and no two overlap.
   readonly mappings: MappingRecord[];
   readonly queue: SerialQueue;
+  /** What it counts against its owner's uid's budgets until it is freed. */
+  readonly charge?: Charge;
   freed: boolean;
 }
 
@@ -61,6 +64,8 @@ export interface MappingRecord {
   readonly allocation: AllocationRecord;
   // Invariant: holds only READ or READWRITE; a location absent has no access.
   readonly access: Map<string, Access>;
+  /** What it counts against the uid of the session that mapped it, until it is unmapped. */
+  readonly charge?: Charge;
   unmapping: boolean;
 }
 

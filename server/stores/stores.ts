@@ -9,12 +9,13 @@
 import { EventEmitter } from 'node:events';
 import type { Logger } from 'pino';
 import { addon } from '../../native';
-import { ACCESS_READWRITE } from '../backends/backend';
 import { failedPrecondition, invalidArgument, notFound, outOfRange, permissionDenied } from '../errors';
 import type { Quotas } from '../registry/quotas';
+import type { Charge } from '../registry/uid-budgets';
 import { AllocationRecord, DAEMON_OWNER, Registry } from '../registry';
 import { LogLimiter } from '../observability/log-limiter';
 import { AllocationMemory, StoreMemory } from './store-memory';
+import { checkNotMappedWritable } from './store-admission';
 import { attachClientMemfd } from './sysmem-attachment';
 import { StoreNames } from './store-names';
 
@@ -53,6 +54,8 @@ export interface StoreRecord {
   releasing: boolean;
   /** Why freeing its memory failed last (a driver or OS error); the next Detach, close or session end tries again. */
   releaseFailure?: string;
+  /** What it counts against its maker's uid's budgets (a store, the daemon's mapping of it and its address space) until its memory is freed. */
+  readonly charge?: Charge;
 }
 
 export interface StoreEvent {
@@ -61,6 +64,9 @@ export interface StoreEvent {
   store: StoreRecord;
   session: bigint;
 }
+
+/** What a store of `size` bytes counts against its maker's uid: itself, and the daemon's mapping of its memory with the address space under it. */
+const storeCosts = (size: bigint) => ({ stores: 1, mappings: 1, addressSpace: Number(size) });
 
 /** Events kept for Watch's replay. */
 const EVENT_LOG_SIZE = 4096;
@@ -100,8 +106,10 @@ export class StoreRegistry extends EventEmitter {
   }
 
   /**
-   * A store of an allocation the caller may touch. The store holds its own reference.
-   * @throws NOT_FOUND UNKNOWN_ALLOCATION; ALREADY_EXISTS NAME_TAKEN; PERMISSION_DENIED NOT_OWNER
+   * A store of an allocation the caller may touch. The store holds its own
+   * reference; it counts as a store and a daemon mapping of the caller's uid.
+   * @throws NOT_FOUND UNKNOWN_ALLOCATION; ALREADY_EXISTS NAME_TAKEN; PERMISSION_DENIED NOT_OWNER;
+   *   RESOURCE_EXHAUSTED BUDGET_EXCEEDED
    */
   async create(
     caller: bigint,
@@ -122,10 +130,19 @@ export class StoreRegistry extends EventEmitter {
     }
     const id = this.nextId++;
     const holder = STORE_HOLDER_BASE + id;
-    const allocation = this.registry.holdAllocation(caller, args.allocationId, holder);
-    const memory = await this.mapHeld(allocation, holder, id, args.readOnly);
+    const charge = this.registry.budgets?.take(caller, storeCosts(allocationSize));
+    let allocation: AllocationRecord;
+    let memory: StoreMemory;
+    try {
+      allocation = this.registry.holdAllocation(caller, args.allocationId, holder);
+      memory = await this.mapHeld(allocation, holder, id, args.readOnly);
+    } catch (error) {
+      charge?.give();
+      throw error;
+    }
     const target: StoreTarget = allocation.location.type === 'DEVICE' && this.registry.backend.capabilities.gpuMemory ? 'FBMEM' : allocation.location.type === 'DEVICE' ? 'SYSMEM' : 'ZCMEM';
     return this.add(caller, {
+      charge,
       id,
       name: args.name,
       owner: args.handOver ? DAEMON_OWNER : caller,
@@ -140,8 +157,11 @@ export class StoreRegistry extends EventEmitter {
   }
 
   /**
-   * A store of external memory the caller sent: a memfd (SYSMEM) or CUDA memory (ZCMEM, FBMEM). Takes ownership of fd.
-   * @throws FAILED_PRECONDITION NO_CUDA_BACKEND; OUT_OF_RANGE UNKNOWN_DEVICE; INVALID_ARGUMENT BAD_DESCRIPTOR, ZERO_SIZE
+   * A store of external memory the caller sent: a memfd (SYSMEM) or CUDA
+   * memory (ZCMEM, FBMEM). Takes ownership of fd. Counts as a store and a
+   * daemon mapping of the caller's uid (an import, as an allocation too).
+   * @throws FAILED_PRECONDITION NO_CUDA_BACKEND; OUT_OF_RANGE UNKNOWN_DEVICE; INVALID_ARGUMENT BAD_DESCRIPTOR, ZERO_SIZE;
+   *   RESOURCE_EXHAUSTED BUDGET_EXCEEDED
    */
   async attach(
     caller: bigint,
@@ -167,6 +187,7 @@ export class StoreRegistry extends EventEmitter {
     fd: number,
     args: { target: StoreTarget; device: number; size: bigint; readOnly: boolean; name: string; hasDeleter: boolean },
   ): Promise<StoreRecord> {
+    let charge: Charge | undefined;
     try {
       if (args.target !== 'SYSMEM' && !this.registry.backend.capabilities.gpuMemory) {
         throw failedPrecondition('NO_CUDA_BACKEND', `${args.target} stores need the cuda backend; this daemon runs the ${this.registry.backend.name} backend`);
@@ -175,10 +196,26 @@ export class StoreRegistry extends EventEmitter {
         throw outOfRange('UNKNOWN_DEVICE', `device ${args.device} does not exist (the daemon has ${this.registry.devices.length} device(s))`);
       }
       if (args.size === 0n) throw invalidArgument('ZERO_SIZE', 'an attached allocation must have a size above 0');
+      charge = this.registry.budgets?.take(caller, storeCosts(args.size));
     } catch (error) {
       addon.close(fd);
       throw error;
     }
+    try {
+      return await this.attachCharged(caller, fd, args, charge);
+    } catch (error) {
+      charge?.give();
+      throw error;
+    }
+  }
+
+  /** attach once its arguments are checked, its name claimed and the store counted. */
+  private async attachCharged(
+    caller: bigint,
+    fd: number,
+    args: { target: StoreTarget; device: number; size: bigint; readOnly: boolean; name: string; hasDeleter: boolean },
+    charge: Charge | undefined,
+  ): Promise<StoreRecord> {
     const id = this.nextId++;
     let memory: StoreMemory;
     if (args.target === 'SYSMEM') {
@@ -192,6 +229,7 @@ export class StoreRegistry extends EventEmitter {
       memory = await this.mapHeld(allocation, holder, id, args.readOnly);
     }
     return this.add(caller, {
+      charge,
       id,
       name: args.name,
       owner: caller,
@@ -360,39 +398,13 @@ export class StoreRegistry extends EventEmitter {
   private async mapHeld(allocation: AllocationRecord, holder: bigint, id: bigint, readOnly: boolean): Promise<StoreMemory> {
     try {
       if (readOnly) {
-        this.checkNotMappedWritable(allocation);
+        checkNotMappedWritable(this.registry, allocation);
         this.registry.sealReadOnly(allocation, id);
       }
       return await AllocationMemory.map(this.registry, allocation, holder, readOnly);
     } catch (error) {
       await this.registry.dropHolder(holder, allocation.id);
       throw error;
-    }
-  }
-
-  /**
-   * A read-only store is refused while the daemon maps its memory writable
-   * anywhere (a session's mapping with READWRITE access, a writable store's
-   * own mapping): those would keep writing what the store promises is fixed.
-   * Mappings in clients' processes are not the daemon's to see or revoke
-   * (docs/PROTOCOL.md, "Read-only stores").
-   * @throws FAILED_PRECONDITION WRITABLE_MAPPINGS naming each mapping and whose it is
-   */
-  private checkNotMappedWritable(allocation: AllocationRecord): void {
-    const writable: string[] = [];
-    for (const reservation of this.registry.space.all()) {
-      for (const mapping of reservation.mappings) {
-        if (mapping.allocation !== allocation || ![...mapping.access.values()].some((access) => access === ACCESS_READWRITE)) continue;
-        const end = mapping.address + mapping.size;
-        const whose = reservation.owner === DAEMON_OWNER ? 'the daemon (a writable store of it)' : `session ${reservation.owner}`;
-        writable.push(`[0x${mapping.address.toString(16)}, 0x${end.toString(16)}) of ${whose}`);
-      }
-    }
-    if (writable.length > 0) {
-      throw failedPrecondition(
-        'WRITABLE_MAPPINGS',
-        `allocation ${allocation.id} cannot back a read-only store while it is mapped writable: ${writable.join(', ')}; set their access to READ, unmap them, or detach the writable store first`,
-      );
     }
   }
 
@@ -439,6 +451,7 @@ export class StoreRegistry extends EventEmitter {
     }
     store.releaseFailure = undefined;
     this.stores.delete(store.id);
+    store.charge?.give();
     this.record('RELEASED', store, DAEMON_OWNER);
   }
 

@@ -110,3 +110,36 @@ describe('--busy-poll-us', () => {
     expect(() => run(['--busy-poll-us', text])).toThrow(/--busy-poll-us/),
   );
 });
+
+describe('the per-uid budgets', () => {
+  it('are derived at start unless set', () => {
+    expect(run([])).toMatchObject({
+      maxMappingsPerUid: undefined,
+      maxReservationsPerUid: undefined,
+      maxAddressSpacePerUid: undefined,
+      maxStoresPerUid: undefined,
+      maxAllocationsPerUid: undefined,
+    });
+  });
+  it('are read from flags, else the environment, else the config file; 0 is no limit', () => {
+    expect(run(['--max-mappings-per-uid', '64', '--max-reservations-per-uid', '0', '--max-address-space-per-uid', '1TiB', '--max-stores-per-uid', '8', '--max-allocations-per-uid', '16'])).toMatchObject({
+      maxMappingsPerUid: 64,
+      maxReservationsPerUid: 0,
+      maxAddressSpacePerUid: 1n << 40n,
+      maxStoresPerUid: 8,
+      maxAllocationsPerUid: 16,
+    });
+    expect(run([], { VMMD_MAX_STORES_PER_UID: '5' }).maxStoresPerUid).toBe(5);
+    const fs = require('node:fs') as typeof import('node:fs');
+    const os = require('node:os') as typeof import('node:os');
+    const path = require('node:path') as typeof import('node:path');
+    const config = path.join(fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-config-')), 'vmmd.json');
+    fs.writeFileSync(config, JSON.stringify({ maxAllocationsPerUid: 7, maxAddressSpacePerUid: '2GiB' }));
+    expect(run(['--config', config])).toMatchObject({ maxAllocationsPerUid: 7, maxAddressSpacePerUid: 2n << 30n });
+  });
+  it.each([
+    [['--max-mappings-per-uid=-1'], /--max-mappings-per-uid: "-1" is not an integer from 0 to 100000000/],
+    [['--max-allocations-per-uid', 'many'], /--max-allocations-per-uid: "many" is not an integer/],
+    [['--max-address-space-per-uid', '256TiB'], /--max-address-space-per-uid: 281474976710656 is more than the 140737488355328 bytes/],
+  ])('refuse %j naming the key and the bounds', (argv, message) => expect(() => run(argv)).toThrow(message));
+});

@@ -14,6 +14,7 @@ import type { VersionInfo } from '../../../../generated/vmmd/v1/VersionInfo';
 import type { VmmdProto } from '../../../../common/proto';
 import type { Metrics } from '../../../observability/metrics';
 import type { Quotas } from '../../../registry/quotas';
+import type { Budget } from '../../../registry/budgets';
 import type { Registry } from '../../../registry';
 import type { SessionManager } from '../../session/sessions';
 import type { StoreRegistry } from '../../../stores/stores';
@@ -37,6 +38,8 @@ export interface AdminDeps {
   turns?: TurnMeter;
   /** The collector's pauses (server/observability/gc-pauses.ts), the same way; stopped with this service. */
   gcPauses?: GcPauses;
+  /** Every budget the daemon keeps (server/registry/budgets.ts): the report shows each holder's use. */
+  budgets?: () => Iterable<Budget>;
 }
 
 export class AdminService {
@@ -205,6 +208,9 @@ export class AdminService {
       bytesByOwner,
       quotas: this.deps.quotas.used(),
       quotaRefusals: this.deps.quotas.refusals,
+      budgets: Object.fromEntries(
+        [...(this.deps.budgets?.() ?? [])].map((budget) => [budget.name, { limit: budget.limit, used: Object.fromEntries([...budget.holders()].map(([holder, used]) => [String(holder), used])) }]),
+      ),
       calls,
       stock: registry.backend instanceof StockedBackend ? registry.backend.stats() : null,
     };
