@@ -17,7 +17,7 @@ import { addon, Credentials } from '../../../native';
 import { SeqpacketConnection, SeqpacketListener, SeqpacketMessage } from '../../../native/seqpacket';
 import { LogLimiter } from '../../observability/log-limiter';
 import type { TurnMeter } from '../../observability/turns';
-import { deadlineExceeded, ERROR_CODE_KEY, failedPrecondition, RpcError, toServiceError, unauthenticated, unavailable } from '../../errors';
+import { type CodeWithStatus, deadlineExceeded, type ErrorCode, ERROR_CODE_KEY, failedPrecondition, RpcError, toServiceError, unauthenticated, unavailable } from '../../errors';
 
 export interface SessionOptions {
   /** Why a peer may not open a session, or undefined when it may. */
@@ -94,7 +94,7 @@ function heldBack(allowed: { suppressed: number } | undefined): { heldBack?: num
 }
 
 /** An error that refuses a message as malformed (answered without a request's status). */
-export function refuseMessage(code: string, message: string): RpcError {
+export function refuseMessage(code: CodeWithStatus<'INVALID_ARGUMENT'>, message: string): RpcError {
   return Object.assign(new RpcError(Status.INVALID_ARGUMENT, code, message), { messageRefused: true });
 }
 
@@ -273,7 +273,7 @@ export class SessionManager {
     if (token === undefined) return undefined;
     const session = this.byToken.get(token);
     if (session === undefined) throw unauthenticated('UNKNOWN_SESSION', 'the session token names no open session');
-    if (session.closing) throw unauthenticated('SESSION_CLOSED', `session ${session.id} is closed`);
+    if (session.closing) throw unauthenticated('SESSION_CLOSING', `session ${session.id} is closed`);
     return session;
   }
 
@@ -314,7 +314,7 @@ export class SessionManager {
     return `uid ${uid}'s sessions already hold ${held} unclaimed descriptors, the most one uid may (--max-transfers-per-uid ${this.options.maxTransfersPerUid})`;
   }
 
-  private turnAway(connection: SeqpacketConnection, peer: Credentials, code: string, status: Status, refusal: string): void {
+  private turnAway(connection: SeqpacketConnection, peer: Credentials, code: ErrorCode, status: Status, refusal: string): void {
     const allowed = this.logLimiter.allow(`refused:${peer.uid}:${code}`);
     if (allowed !== undefined) {
       this.log.warn({ peerPid: peer.pid, peerUid: peer.uid, peerGid: peer.gid, code, heldBack: allowed.suppressed }, `session refused: ${refusal}`);
@@ -369,7 +369,7 @@ export class SessionManager {
     session.log[allowed === undefined ? 'debug' : 'info']({ cgroup: session.process.cgroup, peerGid: peer.gid, ...heldBack(allowed) }, 'session opened');
   }
 
-  private refuse(session: Session, fd: number, code: string, message: string, transfer?: string, request?: string): void {
+  private refuse(session: Session, fd: number, code: ErrorCode, message: string, transfer?: string, request?: string): void {
     if (fd >= 0) addon.close(fd);
     const allowed = this.logLimiter.allow(`frame:${session.peer.uid}:${code}`);
     if (allowed !== undefined) session.log.warn({ code, transfer, request, heldBack: allowed.suppressed }, message);
