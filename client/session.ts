@@ -20,6 +20,7 @@ import {
   SessionMessage,
 } from '../common/protocol';
 import { TransferInbox } from '../common/transfer-inbox';
+import { DEFAULT_TRANSFER_WAIT_MS } from '../common/daemon-settings';
 import { traceClock, traceSince, tracing } from '../common/trace';
 import { native } from '../native/client';
 import { SeqpacketConnection, SeqpacketMessage } from '../native/seqpacket';
@@ -146,7 +147,7 @@ export class ClientSession extends EventEmitter {
    * The descriptor the daemon sent as `transfer`; the caller owns it.
    * @throws VmmdError DEADLINE_EXCEEDED TRANSFER_NOT_RECEIVED, UNAVAILABLE SESSION_LOST
    */
-  takeTransfer(transfer: string, timeoutMs = 5_000): Promise<number> {
+  takeTransfer(transfer: string, timeoutMs = DEFAULT_TRANSFER_WAIT_MS): Promise<number> {
     if (this.closed) return Promise.reject(this.lost());
     return this.inbox.take(transfer, timeoutMs);
   }

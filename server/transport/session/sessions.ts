@@ -11,6 +11,7 @@ import { describeProcess, PeerProcess, stillRunning } from './peer-process';
 import type { Logger } from 'pino';
 import { status as Status } from '@grpc/grpc-js';
 import { traceClock, traceMark, traceSince, tracing } from '../../../common/trace';
+import { DAEMON_SETTINGS } from '../../../common/daemon-settings';
 import { decodeMessage, encodeMessage, PROTOCOL_VERSION, readableRequestId, SessionMessage, TRANSFER_ID_PATTERN } from '../../../common/protocol';
 import { TransferInbox } from '../../../common/transfer-inbox';
 import { addon, Credentials } from '../../../native';
@@ -37,11 +38,11 @@ export interface SessionOptions {
 }
 
 export const DEFAULT_SESSION_OPTIONS: SessionOptions = {
-  transferWaitMs: 5_000,
+  transferWaitMs: DAEMON_SETTINGS.transferWaitMs.default,
   transferKeepMs: 30_000,
   maxPendingTransfers: 64,
-  maxSessionsPerUid: 256,
-  maxTransfersPerUid: 1024,
+  maxSessionsPerUid: DAEMON_SETTINGS.maxSessionsPerUid.default,
+  maxTransfersPerUid: DAEMON_SETTINGS.maxTransfersPerUid.default,
 };
 
 /** A request message as framed: an object with a string type (the dispatcher checks the rest). */
