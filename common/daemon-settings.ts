@@ -53,10 +53,12 @@ export const DAEMON_SETTINGS = {
     flag: 'socket-group', env: 'VMMD_SOCKET_GROUP', placeholder: 'GID', type: 'integer', default: undefined, min: 0, max: MAX_ID,
     shown: 'none: owner only (0700, 0600)',
     help: 'group of the socket directory (0750) and sockets (0660)',
+    doc: 'gid given the directory (0750) and sockets (0660)',
   },
   allowUids: {
     flag: 'allow-uids', env: 'VMMD_ALLOW_UIDS', placeholder: 'LIST', type: 'ids', default: [], shown: 'all who reach it',
     help: 'comma-separated uids allowed on the session socket (with --allow-gids: either matches)',
+    doc: 'peers allowed at all, by uid (with `--allow-gids`, by uid or primary gid: either matches)',
   },
   allowGids: {
     flag: 'allow-gids', env: 'VMMD_ALLOW_GIDS', placeholder: 'LIST', type: 'ids', default: [], shown: 'all who reach it',
@@ -100,6 +102,7 @@ export const DAEMON_SETTINGS = {
   hostGranularity: {
     flag: 'host-granularity', env: 'VMMD_HOST_GRANULARITY', placeholder: 'BYTES', type: 'bytes', default: 2n << 20n, min: 1n, shown: '2MiB, as CUDA',
     help: 'host backend granularity, a power of two and a page multiple',
+    doc: "the host backend's granularity: a power of two, a multiple of the page size",
   },
   transferWaitMs: {
     flag: 'transfer-wait-ms', env: 'VMMD_TRANSFER_WAIT_MS', placeholder: 'MS', type: 'integer', default: 5_000, min: 0, max: 600_000,
@@ -113,14 +116,17 @@ export const DAEMON_SETTINGS = {
   metricsAddress: {
     flag: 'metrics-address', env: 'VMMD_METRICS_ADDRESS', placeholder: 'ADDRESS', type: 'text', default: '127.0.0.1',
     help: 'address of the metrics and health ports (an IPv4 or IPv6 address); 0.0.0.0 for scrapers and probes from outside',
+    doc: 'where the metrics and health ports listen (an IPv4 or IPv6 address); `0.0.0.0` for scrapers and probes from outside',
   },
   healthPort: {
     flag: 'health-port', env: 'VMMD_HEALTH_PORT', placeholder: 'PORT', type: 'integer', default: 0, min: 0, max: 65_535, shown: '0: off',
     help: 'serve only grpc.health.v1.Health, plaintext, on ADDRESS:PORT (Kubernetes gRPC probes)',
+    doc: "`grpc.health.v1.Health` alone, plaintext, on `ADDRESS:PORT`: what Kubernetes' gRPC probes call; not the metrics port",
   },
   tcpListen: {
     flag: 'tcp-listen', env: 'VMMD_TCP_LISTEN', placeholder: 'HOST:PORT', type: 'text', default: '', shown: 'off',
     help: 'also serve gRPC over TCP, TLS only, without sessions or descriptors',
+    doc: 'gRPC over TCP, TLS only (`--tls-cert` and `--tls-key`; mutual with `--tls-ca`), no sessions or descriptors',
   },
   tlsCert: {
     flag: 'tls-cert', env: 'VMMD_TLS_CERT', placeholder: 'FILE', type: 'text', default: undefined, shown: 'none',

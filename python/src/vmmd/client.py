@@ -18,11 +18,8 @@ from .memory import CudaImportedMemory, HostImportedMemory, ImportedMemory
 from .paths import default_socket_dir, socket_paths
 from .session import DEFAULT_BUSY_POLL_US, ClientSession, allocation_id, busy_poll_budget
 
-SESSION_METADATA_KEY = "vmmd-session-token"
-# Reads and writes from this size up take the staging buffer; smaller ones stream over gRPC.
-STAGED_MIN_BYTES = 256 * 1024
-# The default staging buffer: two halves of 16 MiB (made on first use only).
-DEFAULT_STAGING_BYTES = 32 << 20
+from ._declared import DEFAULT_STAGING_BYTES, MAX_STAGING_BYTES, SESSION_METADATA_KEY, STAGED_MIN_BYTES
+
 # Largest message a client stream sends.
 STREAM_CHUNK_BYTES = 1 << 20
 
@@ -733,7 +730,7 @@ def connect(
     never). Raises VmmdError UNAVAILABLE DAEMON_UNREACHABLE when no daemon
     serves the directory, INVALID_ARGUMENT BAD_STAGING_SIZE, BAD_OPTION."""
     page = mmap.PAGESIZE
-    if not isinstance(staging_bytes, int) or staging_bytes < 0 or staging_bytes % (2 * page) != 0 or staging_bytes > 1 << 30:
+    if not isinstance(staging_bytes, int) or staging_bytes < 0 or staging_bytes % (2 * page) != 0 or staging_bytes > MAX_STAGING_BYTES:
         raise VmmdError("BAD_STAGING_SIZE", STATUS["INVALID_ARGUMENT"], f"staging_bytes {staging_bytes!r} must be 0 or a positive multiple of twice the page size ({2 * page}), at most 1 GiB")
     spin = busy_poll_budget(busy_poll_us)
     directory = socket_dir or default_socket_dir()

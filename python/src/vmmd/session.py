@@ -18,6 +18,7 @@ import weakref
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 from ._reading import ENDED, MAX_MESSAGE_BYTES, YIELDED, SocketReading, answer_key, recv_message
+from ._declared import DEFAULT_BUSY_POLL_US, DEFAULT_TRANSFER_WAIT_MS
 from ._reading import close_fd as _close
 from .errors import STATUS, VmmdError
 
@@ -29,9 +30,8 @@ UNCLAIMED_TRANSFER_S = 30.0
 RELEASE_WINDOW = 64
 # A main thread that leaves the socket to the reader thread at its deadline waits this much longer for it.
 YIELD_GRACE_S = 0.005
-# How long a caller spins for its answer before it sleeps in poll (as the TypeScript client:
-# common/busy-poll.ts): a sleeping thread's wake-up is slow on a virtual machine.
-DEFAULT_BUSY_POLL_US = 200
+# How long a caller spins for its answer before it sleeps in poll (DEFAULT_BUSY_POLL_US, as the
+# TypeScript client: common/busy-poll.ts): a sleeping thread's wake-up is slow on a virtual machine.
 
 # Answers to request messages, and those that carry a descriptor.
 _ANSWERS = ("allocated", "released", "shared", "exported", "opened")
@@ -212,7 +212,7 @@ class ClientSession:
 
     # -- descriptors -------------------------------------------------------
 
-    def take_transfer(self, transfer: str | int, timeout: float = 5.0) -> int:
+    def take_transfer(self, transfer: str | int, timeout: float = DEFAULT_TRANSFER_WAIT_MS / 1000) -> int:
         """The descriptor the daemon sent as `transfer`; the caller owns it.
 
         Raises VmmdError DEADLINE_EXCEEDED TRANSFER_NOT_RECEIVED, UNAVAILABLE SESSION_LOST, FAILED_PRECONDITION FORKED."""
