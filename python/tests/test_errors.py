@@ -88,3 +88,31 @@ def test_errors_pickle_across_processes() -> None:
     error = vmmd.VmmdError("NOT_ALIGNED", 3, "size 5")
     copy = pickle.loads(pickle.dumps(error))
     assert (copy.code, copy.status, copy.message) == ("NOT_ALIGNED", 3, "size 5")
+
+
+def test_codes_and_shared_constants_come_from_the_declarations() -> None:
+    # python/src/vmmd/_declared.py is generated from common/error-codes.ts and common/client-constants.ts.
+    from vmmd import _declared, client, errors, session
+
+    assert errors.CODES["SESSION_LOST"][0] == "UNAVAILABLE"
+    assert errors.CODES["NOT_ALIGNED"] == ("INVALID_ARGUMENT", "daemon", errors.CODES["NOT_ALIGNED"][2])
+    assert all(status in errors.STATUS for status, _, _ in errors.CODES.values())
+    assert errors.ERROR_CODE_KEY == _declared.ERROR_CODE_KEY == "vmmd-error-code"
+    assert client.SESSION_METADATA_KEY == _declared.SESSION_METADATA_KEY
+    assert (client.STAGED_MIN_BYTES, client.DEFAULT_STAGING_BYTES) == (_declared.STAGED_MIN_BYTES, _declared.DEFAULT_STAGING_BYTES)
+    assert session.DEFAULT_BUSY_POLL_US == _declared.DEFAULT_BUSY_POLL_US
+
+
+def test_every_code_the_python_client_raises_is_declared() -> None:
+    import pathlib
+    import re
+
+    source = pathlib.Path(errors_module_dir()).glob("*.py")
+    raised = {code for path in source for code in re.findall(r'VmmdError\(\s*"([A-Z_]+)"', path.read_text())}
+    assert raised and sorted(raised - set(vmmd.errors.CODES)) == []
+
+
+def errors_module_dir() -> str:
+    import os
+
+    return os.path.dirname(vmmd.errors.__file__)
