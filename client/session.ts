@@ -24,7 +24,7 @@ import { DEFAULT_TRANSFER_WAIT_MS } from '../common/daemon-settings';
 import { traceClock, traceSince, tracing } from '../common/trace';
 import { native } from '../native/client';
 import { SeqpacketConnection, SeqpacketMessage } from '../native/seqpacket';
-import { VmmdError } from './errors';
+import { type DeclaredCode, VmmdError } from './errors';
 import { busyPollWhile, DEFAULT_BUSY_POLL_MICROS } from '../native/busy-poll';
 import { flushUnmapsIfIdle } from '../native/mapping';
 
@@ -124,7 +124,7 @@ export class ClientSession extends EventEmitter {
         if (message.fd >= 0) native.close(message.fd);
         const hello = decodeMessage(message.data);
         if (typeof hello !== 'string' && hello.type === 'error') {
-          fail(new VmmdError(hello.code, typeof hello.status === 'number' ? hello.status : Status.PERMISSION_DENIED, `vmmd refused the session: ${hello.message}`));
+          fail(new VmmdError(hello.code as DeclaredCode, typeof hello.status === 'number' ? hello.status : Status.PERMISSION_DENIED, `vmmd refused the session: ${hello.message}`));
           return;
         }
         if (typeof hello === 'string' || hello.type !== 'hello' || hello.protocol !== PROTOCOL_VERSION) {
@@ -323,7 +323,7 @@ export class ClientSession extends EventEmitter {
         }
         pending.reject(
           message.type === 'error'
-            ? new VmmdError(message.code, (message.status ?? Status.UNKNOWN) as Status, message.message)
+            ? new VmmdError(message.code as DeclaredCode, (message.status ?? Status.UNKNOWN) as Status, message.message)
             : new VmmdError(
                 'BAD_ANSWER',
                 Status.INTERNAL,

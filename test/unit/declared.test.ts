@@ -18,11 +18,11 @@ import { invalidArgument, outOfRange, RpcError, toServiceError } from '../../ser
 
 const ROOT = path.resolve(__dirname, '..', '..');
 
-/** The compiler's errors for `source`, a file that imports the daemon's error helpers. */
+/** The compiler's errors for `source`, a file that imports the daemon's error helpers or the client's error class. */
 function compileErrors(source: string): string[] {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-codes-'));
   const file = path.join(dir, 'refusals.ts');
-  fs.writeFileSync(file, source.replace('ERRORS', path.join(ROOT, 'server', 'errors')));
+  fs.writeFileSync(file, source.replace('SERVER_ERRORS', path.join(ROOT, 'server', 'errors')).replace('CLIENT_ERRORS', path.join(ROOT, 'client', 'errors')));
   const program = ts.createProgram([file], {
     strict: true,
     noEmit: true,
@@ -40,16 +40,20 @@ function compileErrors(source: string): string[] {
 
 describe('error codes', () => {
   test('the compiler refuses a misspelt code and a code used with a status it is not declared with', () => {
-    const errors = compileErrors(`import { invalidArgument, outOfRange, notFound, RpcError } from 'ERRORS';
+    const errors = compileErrors(`import { invalidArgument, outOfRange, notFound, RpcError } from 'SERVER_ERRORS';
+import { VmmdError } from 'CLIENT_ERRORS';
 export const fine = [invalidArgument('ZERO_SIZE', 'x'), outOfRange('ALIGNMENT_TOO_LARGE', 'x'), notFound('NOT_RESERVED', 'x')];
 export const misspelt = invalidArgument('ZERO_SIZ', 'x');
 export const otherStatus = outOfRange('BAD_ALIGNMENT', 'x');
 export const undeclared = new RpcError(13, 'NO_SUCH_CODE', 'x');
+export const clientFine = new VmmdError('SESSION_LOST', 14, 'x');
+export const clientMisspelt = new VmmdError('SESSION_LOS', 14, 'x');
 `);
     expect(errors).toEqual([
-      expect.stringMatching(/^3: .*"ZERO_SIZ"/),
-      expect.stringMatching(/^4: .*"BAD_ALIGNMENT"/),
-      expect.stringMatching(/^5: .*"NO_SUCH_CODE"/),
+      expect.stringMatching(/^4: .*"ZERO_SIZ"/),
+      expect.stringMatching(/^5: .*"BAD_ALIGNMENT"/),
+      expect.stringMatching(/^6: .*"NO_SUCH_CODE"/),
+      expect.stringMatching(/^8: .*"SESSION_LOS"/),
     ]);
   }, 60_000);
 
