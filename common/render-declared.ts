@@ -2,7 +2,8 @@
  * The files generated from the declarations (error codes, daemon settings,
  * client constants and environment): the Python client's constants module and
  * the tables of docs/PROTOCOL.md and docs/CONFIGURATION.md, which are written
- * between markers so that the prose around them stays hand-written.
+ * between markers so that the prose around them stays hand-written, and the
+ * defaults other pages quote inline (`<!-- default:KEY -->256<!-- /default -->`).
  * scripts/gen-declared.js writes them (`npm run build`);
  * test/unit/declared.test.ts checks that the committed files are up to date.
  */
@@ -29,6 +30,15 @@ export function replaceBetween(text: string, name: string, body: string): string
   const pattern = new RegExp(`(<!-- ${name}:begin[^>]*-->\\n)[\\s\\S]*?(<!-- ${name}:end -->)`);
   if (!pattern.test(text)) throw new Error(`no <!-- ${name}:begin --> … <!-- ${name}:end --> markers`);
   return text.replace(pattern, (_, begin: string, end: string) => `${begin}${body}${end}`);
+}
+
+/** `text` with each inline `<!-- default:KEY -->…<!-- /default -->` holding setting KEY's default as shown. @throws Error naming an unknown key */
+export function fillDefaults(text: string): string {
+  return text.replace(/(<!-- default:(\w+) -->)[^<]*(<!-- \/default -->)/g, (_, open: string, key: string, close: string) => {
+    const setting = (DAEMON_SETTINGS as Record<string, SettingDeclaration>)[key];
+    if (setting === undefined) throw new Error(`<!-- default:${key} --> names no setting`);
+    return `${open}${shownDefault(setting) ?? 'none'}${close}`;
+  });
 }
 
 const cell = (text: string) => text.replace(/\|/g, '\\|');
@@ -98,7 +108,8 @@ ${codes.join('\n')}
 /** Every generated file. */
 export const GENERATED_FILES: readonly GeneratedFile[] = [
   { path: 'python/src/vmmd/_declared.py', render: () => renderPythonModule() },
-  { path: 'docs/PROTOCOL.md', render: (current) => replaceBetween(current, 'error-codes', renderCodeTable()) },
+  { path: 'docs/PROTOCOL.md', render: (current) => fillDefaults(replaceBetween(current, 'error-codes', renderCodeTable())) },
+  { path: 'docs/OPERATIONS.md', render: (current) => fillDefaults(current) },
   {
     path: 'docs/CONFIGURATION.md',
     render: (current) => replaceBetween(replaceBetween(current, 'daemon-settings', renderSettingsTable()), 'client-environment', renderClientEnvironment()),
