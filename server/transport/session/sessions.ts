@@ -268,7 +268,7 @@ export class SessionManager {
 
   /**
    * The session a token names; undefined for a call without a token.
-   * @throws UNAUTHENTICATED UNKNOWN_SESSION, SESSION_CLOSED
+   * @throws UNAUTHENTICATED UNKNOWN_SESSION, SESSION_CLOSING
    */
   authenticate(token: string | undefined): Session | undefined {
     if (token === undefined) return undefined;
