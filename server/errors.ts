@@ -1,6 +1,7 @@
 /**
- * One error class for every refusal, and one table from error codes to gRPC
- * status. Business code throws RpcError; handlers never build statuses.
+ * One error class for every refusal, and the one status of every error code
+ * (declared in common/error-codes.ts). Business code throws RpcError through
+ * the helpers below; handlers never build statuses.
  */
 import { Metadata, status as Status, ServiceError } from '@grpc/grpc-js';
 import type { Logger } from 'pino';
@@ -33,6 +34,7 @@ const refusal =
   (code: CodeWithStatus<S>, message: string): RpcError =>
     new RpcError(Status[status], code, message);
 
+/** Refusals by status: each takes only the codes declared with that status (a misspelt code does not compile). */
 export const invalidArgument = refusal('INVALID_ARGUMENT');
 export const notFound = refusal('NOT_FOUND');
 export const failedPrecondition = refusal('FAILED_PRECONDITION');
@@ -43,11 +45,6 @@ export const unauthenticated = refusal('UNAUTHENTICATED');
 export const deadlineExceeded = refusal('DEADLINE_EXCEEDED');
 export const alreadyExists = refusal('ALREADY_EXISTS');
 export const unavailable = refusal('UNAVAILABLE');
-
-/** The gRPC status a declared code answers with. */
-export function statusOf(code: ErrorCode): Status {
-  return Status[ERROR_CODES[code].status];
-}
 
 /**
  * Codes of native and backend errors (errno names, CUresult names, the host
