@@ -14,6 +14,7 @@ export interface EnvironmentSwitch {
 
 export const CLIENT_ENVIRONMENT = {
   VMMD_SOCKET_DIR: { readBy: 'both', default: "the daemon's default directory", meaning: "where `connect()` finds the daemon's sockets" },
+  XDG_RUNTIME_DIR: { readBy: 'both', default: 'unset', meaning: 'part of the default socket directory: `$XDG_RUNTIME_DIR/vmmd` where `/run/vmmd` is not usable' },
   VMMD_CLIENT_BUSY_POLL_US: {
     readBy: 'both',
     default: '200',

@@ -13,6 +13,8 @@ import ts from 'typescript';
 import { ERROR_CODES, isErrorCode } from '../../common/error-codes';
 import { DAEMON_SETTINGS, type SettingDeclaration } from '../../common/daemon-settings';
 import { GENERATED_FILES } from '../../common/render-declared';
+import { CLIENT_ENVIRONMENT } from '../../common/client-environment';
+import { MEMORY_MANAGER_VARIABLE } from '../../client/emm/plugin';
 import { parseCommandLine, USAGE } from '../../server/app/config';
 import { invalidArgument, outOfRange, RpcError, toServiceError } from '../../server/errors';
 
@@ -106,6 +108,28 @@ describe('settings', () => {
     const settings = Object.values(DAEMON_SETTINGS) as SettingDeclaration[];
     expect(new Set(settings.map((setting) => setting.flag)).size).toBe(settings.length);
     expect(new Set(settings.map((setting) => setting.env)).size).toBe(settings.length);
+  });
+});
+
+describe('client environment', () => {
+  /** The files of a folder, recursively, whose names end in `suffix`. */
+  const files = (dir: string, suffix: string): string[] =>
+    fs.readdirSync(dir, { withFileTypes: true }).flatMap((entry) => {
+      const file = path.join(dir, entry.name);
+      return entry.isDirectory() ? files(file, suffix) : file.endsWith(suffix) ? [file] : [];
+    });
+
+  test('every variable the clients read is in common/client-environment.ts', () => {
+    const sources = [...files(path.join(ROOT, 'client'), '.ts'), ...files(path.join(ROOT, 'common'), '.ts'), ...files(path.join(ROOT, 'python', 'src'), '.py')];
+    const read = new Set<string>();
+    const reads = /process\.env\.([A-Z_]+)|process\.env\[([A-Z_]+)\]|environ\.get\("([A-Z_]+)"|env\.get\("([A-Z_]+)"|env\["([A-Z_]+)"\]|\benv\.([A-Z_]{4,})/g;
+    for (const file of sources) {
+      for (const match of fs.readFileSync(file, 'utf8').matchAll(reads)) read.add(match.slice(1).find((name) => name !== undefined)!);
+    }
+    read.delete('MEMORY_MANAGER_VARIABLE');
+    read.add(MEMORY_MANAGER_VARIABLE);
+    expect(read.size).toBeGreaterThan(8);
+    expect([...read].filter((name) => !(name in CLIENT_ENVIRONMENT))).toEqual([]);
   });
 });
 
