@@ -611,7 +611,7 @@ class ClientSession:
                     status = status if isinstance(status, int) and not isinstance(status, bool) and 0 <= status <= 16 else STATUS["UNKNOWN"]
                     pending.error = VmmdError(str(message.get("code")), status, str(message.get("message")))
                 elif kind in _WITH_DESCRIPTOR:
-                    pending.error = VmmdError("NO_DESCRIPTOR", STATUS["INTERNAL"], f"the daemon's answer ({kind}) to request {message.get('request')} carried no descriptor")
+                    pending.error = VmmdError("BAD_ANSWER", STATUS["INTERNAL"], f"the daemon's answer ({kind}) to request {message.get('request')} carried no descriptor")
                 else:
                     pending.message = message
                 pending.event.set()
