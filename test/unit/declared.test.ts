@@ -111,6 +111,34 @@ describe('settings', () => {
   });
 });
 
+describe("the TypeScript client's own refusals", () => {
+  /**
+   * Codes the client still raises with a status other than their declared one,
+   * each for a reason: the status follows the errno of a failed map, or one code
+   * covers a malformed and an out-of-range argument. New ones are not welcome.
+   */
+  const SEVERAL_STATUSES: Record<string, string[]> = {
+    LOCAL_MAP_FAILED: ['PERMISSION_DENIED', 'RESOURCE_EXHAUSTED'],
+    BAD_SHAPE: ['OUT_OF_RANGE'],
+    BAD_INDEX: ['OUT_OF_RANGE'],
+    BAD_DEVICE: ['NOT_FOUND'],
+    UNKNOWN_SESSION: ['NOT_FOUND'],
+  };
+
+  test('each is raised with its declared status (or one of the few listed exceptions)', () => {
+    const files = (dir: string): string[] =>
+      fs.readdirSync(dir, { withFileTypes: true }).flatMap((entry) => (entry.isDirectory() ? files(path.join(dir, entry.name)) : [path.join(dir, entry.name)]));
+    const raised = files(path.join(ROOT, 'client')).flatMap((file) => [
+      ...fs.readFileSync(file, 'utf8').matchAll(/new VmmdError\(\s*'([A-Z_]+)',\s*(?:grpc\.status|Status)\.([A-Z_]+)/g),
+    ]);
+    expect(raised.length).toBeGreaterThan(40);
+    const other = raised
+      .filter(([, code, status]) => ERROR_CODES[code as keyof typeof ERROR_CODES].status !== status && !SEVERAL_STATUSES[code]?.includes(status))
+      .map(([, code, status]) => `${code} ${status}`);
+    expect(other).toEqual([]);
+  });
+});
+
 describe('client environment', () => {
   /** The files of a folder, recursively, whose names end in `suffix`. */
   const files = (dir: string, suffix: string): string[] =>
