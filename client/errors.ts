@@ -1,6 +1,9 @@
 /** The one error class of the client library. */
 import { Metadata, status as Status } from '@grpc/grpc-js';
 import { ERROR_CODE_KEY } from '../common/protocol';
+import { ERROR_CODES, type ErrorCode as DeclaredCode } from '../common/error-codes';
+
+export { ERROR_CODES, type DeclaredCode };
 
 /** Futhark's error codes: every VmmdError carries one as `errorCode`. */
 export enum ErrorCode {
@@ -15,12 +18,17 @@ export enum ErrorCode {
  * gRPC status number and `statusName` its name.
  */
 export class VmmdError extends Error {
+  /** The code: one of ERROR_CODES, unless a newer daemon answered with one this client does not know. */
+  readonly code: string;
+
+  /** `code` must be declared in common/error-codes.ts: a misspelt one does not compile. */
   constructor(
-    readonly code: string,
+    code: DeclaredCode,
     readonly status: Status,
     message: string,
   ) {
     super(message);
+    this.code = code;
     this.name = 'VmmdError';
   }
 
@@ -39,7 +47,7 @@ export class VmmdError extends Error {
   static from(error: unknown): VmmdError {
     if (error instanceof VmmdError) return error;
     const code = typeof (error as { code?: unknown })?.code === 'string' ? (error as { code: string }).code : 'PROGRAM_ERROR';
-    return new VmmdError(code, Status.INTERNAL, (error as Error)?.message ?? String(error));
+    return new VmmdError(code as DeclaredCode, Status.INTERNAL, (error as Error)?.message ?? String(error));
   }
 
   /** Wraps a grpc-js error, taking the string code from the trailers. */
@@ -47,6 +55,7 @@ export class VmmdError extends Error {
     const status = typeof error.code === 'number' ? (error.code as Status) : Status.UNKNOWN;
     const fromTrailers = error.metadata?.get(ERROR_CODE_KEY)[0];
     const code = fromTrailers !== undefined ? String(fromTrailers) : (Status[status] ?? 'UNKNOWN');
-    return new VmmdError(code, status, error.details || error.message || 'unknown error');
+    // The daemon's code as it came, declared or not (a newer daemon may know more).
+    return new VmmdError(code as DeclaredCode, status, error.details || error.message || 'unknown error');
   }
 }

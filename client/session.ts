@@ -20,10 +20,11 @@ import {
   SessionMessage,
 } from '../common/protocol';
 import { TransferInbox } from '../common/transfer-inbox';
+import { DEFAULT_TRANSFER_WAIT_MS } from '../common/daemon-settings';
 import { traceClock, traceSince, tracing } from '../common/trace';
 import { native } from '../native/client';
 import { SeqpacketConnection, SeqpacketMessage } from '../native/seqpacket';
-import { VmmdError } from './errors';
+import { type DeclaredCode, VmmdError } from './errors';
 import { busyPollWhile, DEFAULT_BUSY_POLL_MICROS } from '../native/busy-poll';
 import { flushUnmapsIfIdle } from '../native/mapping';
 
@@ -123,7 +124,7 @@ export class ClientSession extends EventEmitter {
         if (message.fd >= 0) native.close(message.fd);
         const hello = decodeMessage(message.data);
         if (typeof hello !== 'string' && hello.type === 'error') {
-          fail(new VmmdError(hello.code, typeof hello.status === 'number' ? hello.status : Status.PERMISSION_DENIED, `vmmd refused the session: ${hello.message}`));
+          fail(new VmmdError(hello.code as DeclaredCode, typeof hello.status === 'number' ? hello.status : Status.PERMISSION_DENIED, `vmmd refused the session: ${hello.message}`));
           return;
         }
         if (typeof hello === 'string' || hello.type !== 'hello' || hello.protocol !== PROTOCOL_VERSION) {
@@ -146,7 +147,7 @@ export class ClientSession extends EventEmitter {
    * The descriptor the daemon sent as `transfer`; the caller owns it.
    * @throws VmmdError DEADLINE_EXCEEDED TRANSFER_NOT_RECEIVED, UNAVAILABLE SESSION_LOST
    */
-  takeTransfer(transfer: string, timeoutMs = 5_000): Promise<number> {
+  takeTransfer(transfer: string, timeoutMs = DEFAULT_TRANSFER_WAIT_MS): Promise<number> {
     if (this.closed) return Promise.reject(this.lost());
     return this.inbox.take(transfer, timeoutMs);
   }
@@ -322,7 +323,7 @@ export class ClientSession extends EventEmitter {
         }
         pending.reject(
           message.type === 'error'
-            ? new VmmdError(message.code, (message.status ?? Status.UNKNOWN) as Status, message.message)
+            ? new VmmdError(message.code as DeclaredCode, (message.status ?? Status.UNKNOWN) as Status, message.message)
             : new VmmdError(
                 'BAD_ANSWER',
                 Status.INTERNAL,

@@ -7,10 +7,9 @@
  */
 import { SharedHostMemory } from './shared-memory';
 
-/** Reads and writes from this size up take the staging buffer; smaller ones stream over gRPC. */
-export const STAGED_MIN_BYTES = 256 * 1024;
-/** The default staging buffer: two halves of 16 MiB (mapped on first use only). */
-export const DEFAULT_STAGING_BYTES = 32 << 20;
+import { DEFAULT_STAGING_BYTES, STAGED_MIN_BYTES } from '../common/client-constants';
+
+export { DEFAULT_STAGING_BYTES, STAGED_MIN_BYTES };
 
 export interface StagedCalls {
   /** Sends the memfd on the session socket and names it in OpenStaging. */

@@ -1,6 +1,7 @@
 /**
- * One error class for every refusal, and one table from error codes to gRPC
- * status. Business code throws RpcError; handlers never build statuses.
+ * One error class for every refusal, and the one status of every error code
+ * (declared in common/error-codes.ts). Business code throws RpcError through
+ * the helpers below; handlers never build statuses.
  */
 import { Metadata, status as Status, ServiceError } from '@grpc/grpc-js';
 import type { Logger } from 'pino';
@@ -9,17 +10,21 @@ import { LogLimiter } from './observability/log-limiter';
 
 // A client that finds a way to an internal error can repeat it at will: the lines are bounded, the rest counted.
 const internalErrors = new LogLimiter(10_000, 20);
+import { type CodeWithStatus, type ErrorCode, ERROR_CODES, type StatusName } from '../common/error-codes';
 
 export { ERROR_CODE_KEY };
+export type { CodeWithStatus, ErrorCode };
 
 /**
  * A refused request: a gRPC status, a stable string code naming the rule
  * ("NOT_ALIGNED", "ALREADY_MAPPED") and a message naming the value and rule.
+ * The code is one of common/error-codes.ts; the helpers below take only the
+ * codes declared with their status.
  */
 export class RpcError extends Error {
   constructor(
     readonly status: Status,
-    readonly code: string,
+    readonly code: ErrorCode,
     message: string,
   ) {
     super(message);
@@ -27,47 +32,37 @@ export class RpcError extends Error {
   }
 }
 
-export const invalidArgument = (code: string, message: string) => new RpcError(Status.INVALID_ARGUMENT, code, message);
-export const notFound = (code: string, message: string) => new RpcError(Status.NOT_FOUND, code, message);
-export const failedPrecondition = (code: string, message: string) =>
-  new RpcError(Status.FAILED_PRECONDITION, code, message);
-export const outOfRange = (code: string, message: string) => new RpcError(Status.OUT_OF_RANGE, code, message);
-export const permissionDenied = (code: string, message: string) =>
-  new RpcError(Status.PERMISSION_DENIED, code, message);
-export const resourceExhausted = (code: string, message: string) =>
-  new RpcError(Status.RESOURCE_EXHAUSTED, code, message);
-export const unauthenticated = (code: string, message: string) => new RpcError(Status.UNAUTHENTICATED, code, message);
-export const deadlineExceeded = (code: string, message: string) =>
-  new RpcError(Status.DEADLINE_EXCEEDED, code, message);
-export const alreadyExists = (code: string, message: string) => new RpcError(Status.ALREADY_EXISTS, code, message);
-export const unavailable = (code: string, message: string) => new RpcError(Status.UNAVAILABLE, code, message);
+/** A helper that refuses with `status`, taking only the codes declared with it. */
+const refusal =
+  <S extends StatusName>(status: S) =>
+  (code: CodeWithStatus<S>, message: string): RpcError =>
+    new RpcError(Status[status], code, message);
+
+/** Refusals by status: each takes only the codes declared with that status (a misspelt code does not compile). */
+export const invalidArgument = refusal('INVALID_ARGUMENT');
+export const notFound = refusal('NOT_FOUND');
+export const failedPrecondition = refusal('FAILED_PRECONDITION');
+export const outOfRange = refusal('OUT_OF_RANGE');
+export const permissionDenied = refusal('PERMISSION_DENIED');
+export const resourceExhausted = refusal('RESOURCE_EXHAUSTED');
+export const unauthenticated = refusal('UNAUTHENTICATED');
+export const deadlineExceeded = refusal('DEADLINE_EXCEEDED');
+export const alreadyExists = refusal('ALREADY_EXISTS');
+export const unavailable = refusal('UNAVAILABLE');
 
 /**
  * Codes of native and backend errors (errno names, CUresult names, the host
- * backend's OUT_OF_MEMORY) that are the caller's to see, with their status.
- * Anything else is INTERNAL with generic details; the full error is logged.
+ * backend's OUT_OF_MEMORY) that are the caller's to see, with their status:
+ * every code of common/error-codes.ts, so that a backend that throws a
+ * daemon code (BAD_DESCRIPTOR, UNSUPPORTED_HANDLE_TYPE) answers with the
+ * code's one status. Anything else is INTERNAL with generic details; the full
+ * error is logged.
  */
-const NATIVE_STATUS: Record<string, Status> = {
-  OUT_OF_MEMORY: Status.RESOURCE_EXHAUSTED,
-  ENOMEM: Status.RESOURCE_EXHAUSTED,
-  EMFILE: Status.RESOURCE_EXHAUSTED,
-  ENFILE: Status.RESOURCE_EXHAUSTED,
-  ENOSPC: Status.RESOURCE_EXHAUSTED,
-  ETOOMANYREFS: Status.RESOURCE_EXHAUSTED,
-  // The kernel had no buffer for a session-socket message (found by fault injection: it was INTERNAL).
-  ENOBUFS: Status.RESOURCE_EXHAUSTED,
-  BAD_DESCRIPTOR: Status.INVALID_ARGUMENT,
-  // Memory a client sealed through a descriptor of it refuses what the seals forbid (host backend).
-  MEMORY_SEALED: Status.FAILED_PRECONDITION,
-  EAGAIN: Status.UNAVAILABLE,
-  EPIPE: Status.UNAVAILABLE,
-  ECONNRESET: Status.UNAVAILABLE,
-  CUDA_ERROR_OUT_OF_MEMORY: Status.RESOURCE_EXHAUSTED,
-  CUDA_ERROR_INVALID_VALUE: Status.INVALID_ARGUMENT,
-  CUDA_ERROR_INVALID_DEVICE: Status.OUT_OF_RANGE,
-  CUDA_ERROR_NOT_SUPPORTED: Status.FAILED_PRECONDITION,
-  CUDA_ERROR_NOT_PERMITTED: Status.PERMISSION_DENIED,
-};
+const NATIVE_STATUS: ReadonlyMap<string, Status> = new Map(
+  Object.entries(ERROR_CODES)
+    .filter(([, declared]) => declared.by === 'backend' || declared.by === 'daemon')
+    .map(([code, declared]) => [code, Status[declared.status]]),
+);
 
 /** The error as it goes on the wire, and whether it is worth an error log. */
 export function toServiceError(error: unknown, log?: Logger): Partial<ServiceError> {
@@ -77,9 +72,10 @@ export function toServiceError(error: unknown, log?: Logger): Partial<ServiceErr
     return { code: error.status, details: error.message, metadata };
   }
   const code = (error as { code?: unknown })?.code;
-  if (typeof code === 'string' && code in NATIVE_STATUS) {
-    metadata.set(ERROR_CODE_KEY, code);
-    return { code: NATIVE_STATUS[code], details: (error as Error).message, metadata };
+  const status = typeof code === 'string' ? NATIVE_STATUS.get(code) : undefined;
+  if (status !== undefined) {
+    metadata.set(ERROR_CODE_KEY, code as string);
+    return { code: status, details: (error as Error).message, metadata };
   }
   const allowed = internalErrors.allow('internal');
   if (allowed !== undefined) log?.error({ err: error, ...(allowed.suppressed > 0 ? { heldBack: allowed.suppressed } : {}) }, 'internal error');

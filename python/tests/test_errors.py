@@ -138,3 +138,32 @@ def test_out_of_memory_is_cupys_out_of_memory_where_cupy_is_loaded(client: vmmd.
     assert isinstance(error, vmmd.OutOfMemoryError) and isinstance(error, MemoryError)
     assert (error.code, error.status_name) == ("OUT_OF_MEMORY", "RESOURCE_EXHAUSTED")
     assert str(error).startswith("OUT_OF_MEMORY: ")
+def test_codes_and_shared_constants_come_from_the_declarations() -> None:
+    # python/src/vmmd/_declared.py is generated from common/error-codes.ts and common/client-constants.ts.
+    from vmmd import _declared, client, errors, session
+
+    assert errors.CODES["SESSION_LOST"][0] == "UNAVAILABLE"
+    assert errors.CODES["NOT_ALIGNED"] == ("INVALID_ARGUMENT", "daemon", errors.CODES["NOT_ALIGNED"][2])
+    assert all(status in errors.STATUS for status, _, _ in errors.CODES.values())
+    assert errors.ERROR_CODE_KEY == _declared.ERROR_CODE_KEY == "vmmd-error-code"
+    assert client.SESSION_METADATA_KEY == _declared.SESSION_METADATA_KEY
+    assert (client.STAGED_MIN_BYTES, client.DEFAULT_STAGING_BYTES) == (_declared.STAGED_MIN_BYTES, _declared.DEFAULT_STAGING_BYTES)
+    assert session.DEFAULT_BUSY_POLL_US == _declared.DEFAULT_BUSY_POLL_US
+
+
+def test_every_code_the_python_client_raises_is_declared_with_that_status() -> None:
+    import pathlib
+    import re
+
+    texts = [path.read_text() for path in pathlib.Path(errors_module_dir()).glob("*.py")]
+    raised = {(code, status) for text in texts for code, status in re.findall(r'VmmdError\(\s*"([A-Z_]+)",\s*(?:STATUS\["([A-Z_]+)"\])?', text)}
+    assert raised and sorted(code for code, _ in raised if code not in vmmd.errors.CODES) == []
+    # LOCAL_MAP_FAILED's status follows the errno of the failed map, in both clients.
+    other = sorted(f"{code} {status}" for code, status in raised if status and code != "LOCAL_MAP_FAILED" and vmmd.errors.CODES[code][0] != status)
+    assert other == []
+
+
+def errors_module_dir() -> str:
+    import os
+
+    return os.path.dirname(vmmd.errors.__file__)

@@ -1,15 +1,17 @@
 /**
- * The daemon's configuration: one table of settings, each read from a flag,
- * else its environment variable, else the JSON config file (--config), else
- * its default. Invalid values fail at start with the key named. `--help` is
- * generated from the same table.
+ * The daemon's configuration: each setting of common/daemon-settings.ts read
+ * from its flag, else its environment variable, else the JSON config file
+ * (--config), else its default, parsed by its declared type within its
+ * bounds. Invalid values fail at start with the key named. `--help` is
+ * generated from the same table; what ties settings together (granularity and
+ * capacity, TLS for TCP, distinct ports) is checked here.
  */
 import * as fs from 'node:fs';
 import * as net from 'node:net';
 import * as os from 'node:os';
 import { parseArgs } from 'node:util';
 import { defaultSocketDir } from '../../common/paths';
-import { DEFAULT_BUSY_POLL_MICROS } from '../../common/busy-poll';
+import { DAEMON_SETTINGS, MAX_ID, type SettingDeclaration, type SettingKey, shownDefault } from '../../common/daemon-settings';
 import { type BackendChoice, defaultStock } from '../backends/select';
 import type { StockLevel } from '../backends/stock';
 
@@ -134,66 +136,46 @@ function parseInteger(key: string, text: string, min: number, max: number): numb
   return Number(text);
 }
 
-function parseIdList(key: string, text: string): number[] {
+function parseIdList(key: string, text: string, max: number): number[] {
   if (text.trim() === '') return [];
-  return text.split(',').map((part) => parseInteger(key, part, 0, 2 ** 32 - 2));
+  return text.split(',').map((part) => parseInteger(key, part, 0, max));
 }
 
-/** The largest count a per-uid budget may be set to. */
-const MAX_BUDGET_COUNT = 100_000_000;
+const SWITCH_VALUES: Record<string, boolean> = { on: true, off: false, true: true, false: false };
 
-/** The largest address space a uid's budget may name: a 47-bit user address space. */
-const MAX_BUDGET_ADDRESS_SPACE = 1n << 47n;
-
-const LOG_LEVELS = ['trace', 'debug', 'info', 'warn', 'error', 'fatal', 'silent'];
-
-interface Setting {
-  flag: string;
-  env: string;
-  help: string;
-  placeholder: string;
+/** The value a setting's text stands for, by its declared type. @throws ConfigError naming `key` */
+function parseSetting(setting: SettingDeclaration, key: string, text: string): number | bigint | number[] | string | boolean {
+  switch (setting.type) {
+    case 'integer':
+      return parseInteger(key, text, setting.min, setting.max);
+    case 'bytes': {
+      const bytes = parseBytes(key, text);
+      if (bytes < setting.min) throw new ConfigError(`${key}: ${bytes} must be at least ${setting.min}`);
+      if (setting.max !== undefined && bytes > setting.max) throw new ConfigError(`${key}: ${bytes} is more than the ${setting.max} bytes it may be at most`);
+      return bytes;
+    }
+    case 'ids':
+      return parseIdList(key, text, MAX_ID);
+    case 'choice':
+      if (!setting.choices.includes(text)) throw new ConfigError(`${key}: "${text}" is not one of ${setting.choices.join(', ')}`);
+      return text;
+    case 'switch':
+      if (!(text in SWITCH_VALUES)) throw new ConfigError(`${key}: "${text}" is not one of ${Object.keys(SWITCH_VALUES).join(', ')}`);
+      return SWITCH_VALUES[text];
+    case 'text':
+      return text;
+  }
 }
 
-/** Every setting: the config file uses the camelCase names. */
-const SETTINGS: Record<string, Setting> = {
-  backend: { flag: 'backend', env: 'VMMD_BACKEND', placeholder: 'auto|host|cuda', help: 'memory backend; auto takes cuda when libcuda.so.1 loads and a device exists [auto]' },
-  socketDir: { flag: 'socket-dir', env: 'VMMD_SOCKET_DIR', placeholder: 'DIR', help: 'directory of vmmd.sock and vmmd.session.sock [/run/vmmd when writable, else $XDG_RUNTIME_DIR/vmmd, else /tmp/vmmd-$UID]' },
-  socketGroup: { flag: 'socket-group', env: 'VMMD_SOCKET_GROUP', placeholder: 'GID', help: 'group of the socket directory (0750) and sockets (0660); unset: owner only (0700, 0600)' },
-  allowUids: { flag: 'allow-uids', env: 'VMMD_ALLOW_UIDS', placeholder: 'LIST', help: 'comma-separated uids allowed on the session socket (with --allow-gids: either matches) [all who reach it]' },
-  allowGids: { flag: 'allow-gids', env: 'VMMD_ALLOW_GIDS', placeholder: 'LIST', help: 'comma-separated primary gids allowed on the session socket' },
-  adminUids: { flag: 'admin-uids', env: 'VMMD_ADMIN_UIDS', placeholder: 'LIST', help: 'comma-separated uids that may act daemon-wide: ClearCaches, GetReport, listing and detaching what other uids hold, calls without a session that change anything [0]' },
-  adminGids: { flag: 'admin-gids', env: 'VMMD_ADMIN_GIDS', placeholder: 'LIST', help: 'comma-separated primary gids that may act daemon-wide [none]' },
-  maxSessionsPerUid: { flag: 'max-sessions-per-uid', env: 'VMMD_MAX_SESSIONS_PER_UID', placeholder: 'N', help: 'sessions one uid may hold open at once [256]' },
-  maxTransfersPerUid: { flag: 'max-transfers-per-uid', env: 'VMMD_MAX_TRANSFERS_PER_UID', placeholder: 'N', help: "received descriptors not yet claimed that one uid's sessions may hold at once [1024]" },
-  streamStallMs: { flag: 'stream-stall-ms', env: 'VMMD_STREAM_STALL_MS', placeholder: 'MS', help: 'a server stream (Read) whose reader takes nothing this long is ended with RESOURCE_EXHAUSTED [30000]' },
-  maxMappingsPerUid: { flag: 'max-mappings-per-uid', env: 'VMMD_MAX_MAPPINGS_PER_UID', placeholder: 'N', help: "mappings the daemon holds for one uid at once: Map into its reservations, and each store's own mapping [auto: a third of a quarter of vm.max_map_count less the daemon's reserve (an eighth); 0: no limit]" },
-  maxReservationsPerUid: { flag: 'max-reservations-per-uid', env: 'VMMD_MAX_RESERVATIONS_PER_UID', placeholder: 'N', help: 'reservations one uid may hold at once [auto: as --max-mappings-per-uid; 0: no limit]' },
-  maxAddressSpacePerUid: { flag: 'max-address-space-per-uid', env: 'VMMD_MAX_ADDRESS_SPACE_PER_UID', placeholder: 'BYTES', help: "bytes of address space one uid's reservations may span at once [16TiB: a quarter of the 64 TiB clients may reserve together; 0: no limit]" },
-  maxStoresPerUid: { flag: 'max-stores-per-uid', env: 'VMMD_MAX_STORES_PER_UID', placeholder: 'N', help: "stores one uid may have made and not yet freed [auto: half of a quarter of the descriptor limit less the daemon's reserve (an eighth); 0: no limit]" },
-  maxAllocationsPerUid: { flag: 'max-allocations-per-uid', env: 'VMMD_MAX_ALLOCATIONS_PER_UID', placeholder: 'N', help: 'allocations (created and imported) one uid may hold at once, beside their bytes (--quota-per-uid) [auto: as --max-stores-per-uid; 0: no limit]' },
-  quotaPerUid: { flag: 'quota-per-uid', env: 'VMMD_QUOTA_PER_UID', placeholder: 'BYTES', help: 'allocation bytes each uid may hold at once [0: no limit]' },
-  quotaPerSession: { flag: 'quota-per-session', env: 'VMMD_QUOTA_PER_SESSION', placeholder: 'BYTES', help: 'allocation bytes each session may hold at once [0: no limit]' },
-  hostCapacity: { flag: 'host-capacity', env: 'VMMD_HOST_CAPACITY', placeholder: 'BYTES', help: "memory the host backend may create in all [half the machine's RAM]" },
-  hostGranularity: { flag: 'host-granularity', env: 'VMMD_HOST_GRANULARITY', placeholder: 'BYTES', help: 'host backend granularity, a power of two and a page multiple [2MiB, as CUDA]' },
-  transferWaitMs: { flag: 'transfer-wait-ms', env: 'VMMD_TRANSFER_WAIT_MS', placeholder: 'MS', help: 'how long Import and Attach wait for a descriptor [5000]' },
-  metricsPort: { flag: 'metrics-port', env: 'VMMD_METRICS_PORT', placeholder: 'PORT', help: 'serve Prometheus metrics on ADDRESS:PORT/metrics (--metrics-address) [0: off]' },
-  metricsAddress: { flag: 'metrics-address', env: 'VMMD_METRICS_ADDRESS', placeholder: 'ADDRESS', help: 'address of the metrics and health ports; 0.0.0.0 for scrapers and probes from outside [127.0.0.1]' },
-  healthPort: { flag: 'health-port', env: 'VMMD_HEALTH_PORT', placeholder: 'PORT', help: 'serve only grpc.health.v1.Health, plaintext, on ADDRESS:PORT (Kubernetes gRPC probes) [0: off]' },
-  tcpListen: { flag: 'tcp-listen', env: 'VMMD_TCP_LISTEN', placeholder: 'HOST:PORT', help: 'also serve gRPC over TCP, TLS only, without sessions or descriptors [off]' },
-  tlsCert: { flag: 'tls-cert', env: 'VMMD_TLS_CERT', placeholder: 'FILE', help: "the TCP listener's certificate chain (PEM)" },
-  tlsKey: { flag: 'tls-key', env: 'VMMD_TLS_KEY', placeholder: 'FILE', help: "the TCP listener's private key (PEM)" },
-  tlsCa: { flag: 'tls-ca', env: 'VMMD_TLS_CA', placeholder: 'FILE', help: 'require client certificates signed by this CA (mutual TLS)' },
-  shutdownGraceMs: { flag: 'shutdown-grace-ms', env: 'VMMD_SHUTDOWN_GRACE_MS', placeholder: 'MS', help: 'on SIGTERM, how long calls in flight may finish [10000]' },
-  stock: { flag: 'stock', env: 'VMMD_STOCK', placeholder: 'LIST', help: 'allocations created and exported ahead per device, SIZE:DEPTH,… or none; sizes not a multiple of a device\'s granularity are skipped [auto: 2MiB:16,32MiB:2 on cuda, none on host]' },
-  busyPollMicros: { flag: 'busy-poll-us', env: 'VMMD_BUSY_POLL_US', placeholder: 'US', help: 'before its event loop sleeps, the daemon spins this long for the next message: a round trip with a spinning peer skips two wake-ups (on VMs ~30-70 us each); costs at most that much CPU per wake [200; 0: off]' },
-  turnCpu: { flag: 'turn-cpu', env: 'VMMD_TURN_CPU', placeholder: 'on|off', help: "measure each turn by the event-loop thread's CPU time too, not only by wall clock (on, off; or true, false): two clock system calls a turn, well under 1 us on a GPU host, 1-3 us on a small VM (docs/OPERATIONS.md) [on]" },
-  logLevel: { flag: 'log-level', env: 'VMMD_LOG_LEVEL', placeholder: 'LEVEL', help: `${LOG_LEVELS.join('|')} [info]` },
-};
+/** Every setting's flag and env var, by its config-file key. */
+const SETTINGS: Record<SettingKey, SettingDeclaration> = DAEMON_SETTINGS;
 
 export const USAGE = (() => {
   const lines = Object.values(SETTINGS).map((setting) => {
     const left = `  --${setting.flag} ${setting.placeholder}`;
-    return `${left.padEnd(34)}${setting.help}\n${' '.repeat(34)}[env ${setting.env}]`;
+    const shown = shownDefault(setting);
+    const help = shown === undefined ? setting.help : `${setting.help} [${shown}]`;
+    return `${left.padEnd(34)}${help}\n${' '.repeat(34)}[env ${setting.env}]`;
   });
   return `Usage: vmmd [options]
 
@@ -269,66 +251,37 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
     return [name, undefined];
   };
 
-  const [backendKey, backend = 'auto'] = pick('backend');
-  if (backend !== 'auto' && backend !== 'host' && backend !== 'cuda') {
-    throw new ConfigError(`${backendKey}: "${backend}" is not one of auto, host, cuda`);
-  }
+  /** The setting's value: parsed by its declared type within its bounds, else its default. */
+  const read = (name: SettingKey) => {
+    const [key, text] = pick(name);
+    return text === undefined ? SETTINGS[name].default : parseSetting(SETTINGS[name], key, text);
+  };
+  const integer = (name: SettingKey) => read(name) as number;
+  const bytes = (name: SettingKey) => read(name) as bigint;
+  const ids = (name: SettingKey) => [...(read(name) as readonly number[])];
+  const text = (name: SettingKey) => read(name) as string | undefined;
 
-  const [granularityKey, granularityText] = pick('hostGranularity');
-  const hostGranularity = granularityText === undefined ? 2n << 20n : parseBytes(granularityKey, granularityText);
-  if (hostGranularity <= 0n || (hostGranularity & (hostGranularity - 1n)) !== 0n || hostGranularity % BigInt(pageSize) !== 0n) {
+  const [granularityKey] = pick('hostGranularity');
+  const hostGranularity = bytes('hostGranularity');
+  if ((hostGranularity & (hostGranularity - 1n)) !== 0n || hostGranularity % BigInt(pageSize) !== 0n) {
     throw new ConfigError(`${granularityKey}: ${hostGranularity} must be a power of two and a multiple of the page size ${pageSize}`);
   }
 
-  const [capacityKey, capacityText] = pick('hostCapacity');
-  const defaultCapacity = (BigInt(os.totalmem()) / 2n / hostGranularity) * hostGranularity;
-  const hostCapacity = capacityText === undefined ? defaultCapacity : parseBytes(capacityKey, capacityText);
+  const [capacityKey] = pick('hostCapacity');
+  const hostCapacity = bytes('hostCapacity') ?? (BigInt(os.totalmem()) / 2n / hostGranularity) * hostGranularity;
   if (hostCapacity < hostGranularity) {
     throw new ConfigError(`${capacityKey}: ${hostCapacity} must be at least the granularity ${hostGranularity}`);
   }
 
-  const [logKey, logLevel = 'info'] = pick('logLevel');
-  if (!LOG_LEVELS.includes(logLevel)) throw new ConfigError(`${logKey}: "${logLevel}" is not one of ${LOG_LEVELS.join(', ')}`);
-
-  const [socketKey, socketDir = defaultSocketDir(env)] = pick('socketDir');
+  const [socketKey] = pick('socketDir');
+  const socketDir = text('socketDir') ?? defaultSocketDir(env);
   if (socketDir === '') throw new ConfigError(`${socketKey}: the socket directory must not be empty`);
 
-  const [groupKey, groupText] = pick('socketGroup');
-  const socketGroup = groupText === undefined ? undefined : parseInteger(groupKey, groupText, 0, 2 ** 32 - 2);
-
-  const [uidsKey, uidsText = ''] = pick('allowUids');
-  const [gidsKey, gidsText = ''] = pick('allowGids');
-
-  const bytesOr0 = (name: 'quotaPerUid' | 'quotaPerSession') => {
-    const [key, text] = pick(name);
-    return text === undefined ? 0n : parseBytes(key, text);
-  };
-  const integer = (
-    name: 'transferWaitMs' | 'metricsPort' | 'healthPort' | 'shutdownGraceMs' | 'maxSessionsPerUid' | 'maxTransfersPerUid' | 'streamStallMs' | 'busyPollMicros',
-    fallback: number,
-    max: number,
-    min = 0,
-  ) => {
-    const [key, text] = pick(name);
-    return text === undefined ? fallback : parseInteger(key, text, min, max);
-  };
-  /** A budget: undefined (derived at start) unless set. */
-  const budget = (name: 'maxMappingsPerUid' | 'maxReservationsPerUid' | 'maxStoresPerUid' | 'maxAllocationsPerUid') => {
-    const [key, text] = pick(name);
-    return text === undefined ? undefined : parseInteger(key, text, 0, MAX_BUDGET_COUNT);
-  };
-  const [spaceKey, spaceText] = pick('maxAddressSpacePerUid');
-  const maxAddressSpacePerUid = spaceText === undefined ? undefined : parseBytes(spaceKey, spaceText);
-  if (maxAddressSpacePerUid !== undefined && maxAddressSpacePerUid > MAX_BUDGET_ADDRESS_SPACE) {
-    throw new ConfigError(`${spaceKey}: ${maxAddressSpacePerUid} is more than the ${MAX_BUDGET_ADDRESS_SPACE} bytes of a 47-bit address space`);
-  }
-  const [adminUidsKey, adminUidsText = '0'] = pick('adminUids');
-  const [adminGidsKey, adminGidsText = ''] = pick('adminGids');
-
-  const [tcpKey, tcpListen = ''] = pick('tcpListen');
+  const [tcpKey] = pick('tcpListen');
+  const tcpListen = text('tcpListen') as string;
   const [certKey, cert] = pick('tlsCert');
   const [keyKey, key] = pick('tlsKey');
-  const [, ca] = pick('tlsCa');
+  const [caKey, ca] = pick('tlsCa');
   let tls: TlsConfig | undefined;
   if (tcpListen !== '') {
     if (!/^[^:]+:\d{1,5}$/.test(tcpListen) && !/^\[[0-9a-fA-F:]+\]:\d{1,5}$/.test(tcpListen)) {
@@ -337,57 +290,55 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
     if (cert === undefined || key === undefined) {
       throw new ConfigError(`${tcpKey}: the TCP listener is TLS only: set --tls-cert and --tls-key too`);
     }
-    for (const [name, path] of [[certKey, cert], [keyKey, key], ['--tls-ca', ca]] as const) {
+    for (const [name, path] of [[certKey, cert], [keyKey, key], [caKey, ca]] as const) {
       if (path !== undefined && !fs.existsSync(path)) throw new ConfigError(`${name}: ${path} does not exist`);
     }
     tls = { cert, key, ...(ca === undefined ? {} : { ca }) };
   }
 
-  const [addressKey, metricsAddress = '127.0.0.1'] = pick('metricsAddress');
+  const [addressKey] = pick('metricsAddress');
+  const metricsAddress = text('metricsAddress') as string;
   if (net.isIP(metricsAddress) === 0) throw new ConfigError(`${addressKey}: "${metricsAddress}" is not an IPv4 or IPv6 address`);
-  const metricsPort = integer('metricsPort', 0, 65_535);
-  const healthPort = integer('healthPort', 0, 65_535);
+  const metricsPort = integer('metricsPort');
+  const healthPort = integer('healthPort');
   if (healthPort !== 0 && healthPort === metricsPort) throw new ConfigError(`--health-port: ${healthPort} is the metrics port too; give each its own`);
 
-  const [turnCpuKey, turnCpuText = 'on'] = pick('turnCpu');
-  if (!['on', 'off', 'true', 'false'].includes(turnCpuText)) throw new ConfigError(`${turnCpuKey}: "${turnCpuText}" is not one of on, off, true, false`);
-
-  const [stockKey, stockText = 'auto'] = pick('stock');
-  const stock = parseStock(stockKey, stockText);
+  const [stockKey] = pick('stock');
+  const stock = parseStock(stockKey, text('stock') as string);
 
   return {
     kind: 'run',
     config: {
       stock,
-      backend,
+      backend: text('backend') as BackendChoice,
       socketDir,
       hostCapacity,
       hostGranularity,
-      logLevel,
-      socketGroup,
-      allowUids: parseIdList(uidsKey, uidsText),
-      allowGids: parseIdList(gidsKey, gidsText),
-      adminUids: parseIdList(adminUidsKey, adminUidsText),
-      adminGids: parseIdList(adminGidsKey, adminGidsText),
-      maxSessionsPerUid: integer('maxSessionsPerUid', 256, 1_000_000, 1),
-      maxTransfersPerUid: integer('maxTransfersPerUid', 1024, 1_000_000, 1),
-      streamStallMs: integer('streamStallMs', 30_000, 3_600_000, 1),
-      maxMappingsPerUid: budget('maxMappingsPerUid'),
-      maxReservationsPerUid: budget('maxReservationsPerUid'),
-      maxAddressSpacePerUid,
-      maxStoresPerUid: budget('maxStoresPerUid'),
-      maxAllocationsPerUid: budget('maxAllocationsPerUid'),
-      quotaPerUid: bytesOr0('quotaPerUid'),
-      quotaPerSession: bytesOr0('quotaPerSession'),
-      transferWaitMs: integer('transferWaitMs', 5_000, 600_000),
+      logLevel: text('logLevel') as string,
+      socketGroup: read('socketGroup') as number | undefined,
+      allowUids: ids('allowUids'),
+      allowGids: ids('allowGids'),
+      adminUids: ids('adminUids'),
+      adminGids: ids('adminGids'),
+      maxSessionsPerUid: integer('maxSessionsPerUid'),
+      maxTransfersPerUid: integer('maxTransfersPerUid'),
+      streamStallMs: integer('streamStallMs'),
+      maxMappingsPerUid: read('maxMappingsPerUid') as number | undefined,
+      maxReservationsPerUid: read('maxReservationsPerUid') as number | undefined,
+      maxAddressSpacePerUid: read('maxAddressSpacePerUid') as bigint | undefined,
+      maxStoresPerUid: read('maxStoresPerUid') as number | undefined,
+      maxAllocationsPerUid: read('maxAllocationsPerUid') as number | undefined,
+      quotaPerUid: bytes('quotaPerUid'),
+      quotaPerSession: bytes('quotaPerSession'),
+      transferWaitMs: integer('transferWaitMs'),
       metricsPort,
       metricsAddress,
       healthPort,
       tcpListen,
       tls,
-      shutdownGraceMs: integer('shutdownGraceMs', 10_000, 600_000),
-      busyPollMicros: integer('busyPollMicros', DEFAULT_BUSY_POLL_MICROS, 10_000),
-      turnCpu: turnCpuText === 'on' || turnCpuText === 'true',
+      shutdownGraceMs: integer('shutdownGraceMs'),
+      busyPollMicros: integer('busyPollMicros'),
+      turnCpu: read('turnCpu') as boolean,
     },
   };
 }

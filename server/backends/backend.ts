@@ -4,6 +4,7 @@
  * mmap. Backends hold no policy: the registry has validated every argument
  * before a backend sees it. Slow operations return promises.
  */
+import type { ErrorCode } from '../../common/error-codes';
 
 export type LocationKind = 'DEVICE' | 'HOST' | 'HOST_NUMA';
 
@@ -158,8 +159,8 @@ export interface Backend {
   close(): void | Promise<void>;
 }
 
-/** An error with a string code, as the addon throws them (the codes server/errors.ts maps). */
-export function codedError(code: string, message: string, extra: Record<string, unknown> = {}): Error {
+/** An error with a declared string code, as the addon throws them (server/errors.ts maps each to its status). */
+export function codedError(code: ErrorCode, message: string, extra: Record<string, unknown> = {}): Error {
   return Object.assign(new Error(message), { code }, extra);
 }
 

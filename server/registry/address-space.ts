@@ -11,7 +11,7 @@ import {
   describeLocation,
   MemLocation,
 } from '../backends/backend';
-import { failedPrecondition, invalidArgument, notFound, outOfRange } from '../errors';
+import { type CodeWithStatus, failedPrecondition, invalidArgument, notFound, outOfRange } from '../errors';
 import { SerialQueue } from '../serial-queue';
 import type { Allocations } from './allocations';
 import type { DeviceTable } from './devices';
@@ -71,7 +71,7 @@ export class AddressSpace {
       throw invalidArgument('BAD_ALIGNMENT', `alignment ${args.alignment} is not a power of two`);
     }
     if (args.alignment > MAX_RESERVATION_BYTES) {
-      throw outOfRange('BAD_ALIGNMENT', `alignment ${args.alignment} exceeds ${MAX_RESERVATION_BYTES}`);
+      throw outOfRange('ALIGNMENT_TOO_LARGE', `alignment ${args.alignment} exceeds ${MAX_RESERVATION_BYTES}`);
     }
     if (args.address !== 0n) checkAligned('address hint', args.address, granularity);
     const alignment = args.alignment > granularity ? args.alignment : granularity;
@@ -288,7 +288,7 @@ export class AddressSpace {
    * The reservation holding `address`, which the caller may act on.
    * @throws NOT_FOUND `code`; PERMISSION_DENIED NOT_OWNER
    */
-  reservationContaining(caller: bigint, address: bigint, code = 'NOT_RESERVED'): ReservationRecord {
+  reservationContaining(caller: bigint, address: bigint, code: CodeWithStatus<'NOT_FOUND'> = 'NOT_RESERVED'): ReservationRecord {
     const reservation = this.reservationAt(address);
     if (reservation === undefined) throw notFound(code, `${hex(address)} is not inside any reservation`);
     this.ownership.check(caller, reservation.owner, `reservation ${reservation.id}`);
@@ -296,7 +296,7 @@ export class AddressSpace {
   }
 
   /** @throws NOT_FOUND `code` when the reservation was freed meanwhile */
-  checkLive(reservation: ReservationRecord, address: bigint, code = 'NOT_RESERVED'): void {
+  checkLive(reservation: ReservationRecord, address: bigint, code: CodeWithStatus<'NOT_FOUND'> = 'NOT_RESERVED'): void {
     if (reservation.freed) throw notFound(code, `${hex(address)} is not inside any reservation`);
   }
 

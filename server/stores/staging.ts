@@ -11,9 +11,10 @@ import { detachView, pageSize } from '../../native/mapping';
 import { admitClientMemfd } from '../backends/client-memfd';
 import { failedPrecondition, invalidArgument, outOfRange, resourceExhausted } from '../errors';
 import { MemfdMemory } from './store-memory';
+import { MAX_STAGING_BYTES as CLIENT_MAX_STAGING_BYTES } from '../../common/client-constants';
 
 /** The largest staging buffer a session may open. */
-export const MAX_STAGING_BYTES = 1n << 30n;
+export const MAX_STAGING_BYTES = BigInt(CLIENT_MAX_STAGING_BYTES);
 /**
  * The largest staging buffer the daemon page-locks (cuda): page-locked
  * memory is the host's to spare, so a larger one is copied through as it is

@@ -103,6 +103,13 @@ describe('Reserve', () => {
       'BAD_ALIGNMENT',
       /6291456 is not a power of two/,
     ));
+  it('refuses an alignment larger than the largest reservation as out of range, with a code of its own', () =>
+    expectRefused(
+      () => registry.reserve(A, { size: GRANULARITY, alignment: MAX_RESERVATION_BYTES * 2n, address: 0n }),
+      Status.OUT_OF_RANGE,
+      'ALIGNMENT_TOO_LARGE',
+      /exceeds/,
+    ));
   it('refuses an unaligned address hint', () =>
     expectRefused(() => registry.reserve(A, { size: GRANULARITY, alignment: 0n, address: 4096n }), Status.INVALID_ARGUMENT, 'NOT_ALIGNED'));
   it('refuses a reservation past the largest', () =>

@@ -9,6 +9,7 @@ import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import pino from 'pino';
+import { status as Status } from '@grpc/grpc-js';
 import { ClientSession } from '../../client/session';
 import { HostBackend } from '../../server/backends/host';
 import { Quotas } from '../../server/registry/quotas';
@@ -35,7 +36,7 @@ const memfdDescriptors = () =>
     }
   }).length;
 
-it('frees what a session was allocating when its socket closed mid-create: nothing leaks', async () => {
+it('frees what a session was allocating when its socket closed mid-create, refusing its token meanwhile: nothing leaks', async () => {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-create-in-flight-'));
   const backend = new RecordingBackend(new HostBackend({ capacity: 64n * MiB, granularity: 2n * MiB }));
   const sessions = new SessionManager(pino({ level: 'silent' }));
@@ -65,9 +66,12 @@ it('frees what a session was allocating when its socket closed mid-create: nothi
     await new Promise((resolve) => setTimeout(resolve, 20));
     expect(sessions.count).toBe(1);
     expect(registry.stats().allocations).toBe(0);
+    // A call presenting the closing session's token is refused as unauthenticated, with a code saying it is closing.
+    expect(() => sessions.authenticate(client.token)).toThrow(expect.objectContaining({ status: Status.UNAUTHENTICATED, code: 'SESSION_CLOSING' }));
 
     open();
     await until(() => sessions.count === 0);
+    expect(() => sessions.authenticate(client.token)).toThrow(expect.objectContaining({ status: Status.UNAUTHENTICATED, code: 'UNKNOWN_SESSION' }));
     expect((await Promise.all(answers)).sort()).toEqual(['QUOTA_EXCEEDED', 'SESSION_LOST', 'SESSION_LOST', 'SESSION_LOST']);
     expect(registry.snapshot()).toEqual({ reservations: [], allocations: [] });
     expect(registry.stats()).toMatchObject({ allocations: 0, allocatedBytes: 0n });

@@ -11,10 +11,7 @@ from ._rpc import _Future, _Service, sealed_memfd
 from .errors import VmmdError
 from .session import ClientSession
 
-# Reads and writes from this size up take the staging buffer; smaller ones stream over gRPC.
-STAGED_MIN_BYTES = 256 * 1024
-# The default staging buffer: two halves of 16 MiB (made on first use only).
-DEFAULT_STAGING_BYTES = 32 << 20
+from ._declared import DEFAULT_STAGING_BYTES, STAGED_MIN_BYTES  # noqa: E402  (shared with the daemon, generated)
 
 
 class StagingBuffer:

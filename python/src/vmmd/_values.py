@@ -10,9 +10,9 @@ from typing import Any, Optional
 
 from .errors import STATUS, VmmdError
 
-# How long a caller spins for its answer before it sleeps in poll (as the TypeScript client:
-# common/busy-poll.ts): a sleeping thread's wake-up costs more than a short spin.
-DEFAULT_BUSY_POLL_US = 200
+# How long a caller spins for its answer before it sleeps in poll (DEFAULT_BUSY_POLL_US, as the TypeScript
+# client: common/busy-poll.ts): a sleeping thread's wake-up costs more than a short spin.
+from ._declared import DEFAULT_BUSY_POLL_US  # noqa: E402  (shared with the daemon, generated)
 
 
 def deadline_of(timeout: Optional[float]) -> Optional[float]:

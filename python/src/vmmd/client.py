@@ -176,7 +176,7 @@ def connect(
     never). Raises VmmdError UNAVAILABLE DAEMON_UNREACHABLE when no daemon
     serves the directory, INVALID_ARGUMENT BAD_STAGING_SIZE, BAD_OPTION."""
     page = mmap.PAGESIZE
-    if not isinstance(staging_bytes, int) or staging_bytes < 0 or staging_bytes % (2 * page) != 0 or staging_bytes > 1 << 30:
+    if not isinstance(staging_bytes, int) or staging_bytes < 0 or staging_bytes % (2 * page) != 0 or staging_bytes > MAX_STAGING_BYTES:
         raise VmmdError("BAD_STAGING_SIZE", STATUS["INVALID_ARGUMENT"], f"staging_bytes {staging_bytes!r} must be 0 or a positive multiple of twice the page size ({2 * page}), at most 1 GiB")
     spin = busy_poll_budget(busy_poll_us)
     directory = socket_dir or default_socket_dir()

@@ -9,7 +9,9 @@ from typing import Any, Dict, Optional, Type
 
 import grpc
 
-ERROR_CODE_KEY = "vmmd-error-code"
+from ._declared import CODES, ERROR_CODE_KEY
+
+__all__ = ["CODES", "ERROR_CODE_KEY", "STATUS", "VmmdError", "invalid"]
 
 # gRPC status numbers by name, and names by number.
 STATUS: dict = {code.name: code.value[0] for code in grpc.StatusCode}

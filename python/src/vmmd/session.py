@@ -18,6 +18,7 @@ from ._batch import BatchedReleases
 from ._greeting import greet
 from ._locks import condition, guarded, mutex
 from ._reading import ENDED, YIELDED, SocketReading, answer_key
+from ._declared import DEFAULT_TRANSFER_WAIT_MS
 from ._reading import close_fd as _close
 from ._sending import send_message
 from ._values import DEFAULT_BUSY_POLL_US, allocation_id, busy_poll_budget, deadline_of, left_until, u64
@@ -115,7 +116,7 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
 
     # -- descriptors -------------------------------------------------------
 
-    def take_transfer(self, transfer: str | int, timeout: Optional[float] = 5.0) -> int:
+    def take_transfer(self, transfer: str | int, timeout: Optional[float] = DEFAULT_TRANSFER_WAIT_MS / 1000) -> int:
         """The descriptor the daemon sent as `transfer`; the caller owns it.
 
         Raises VmmdError DEADLINE_EXCEEDED TRANSFER_NOT_RECEIVED, UNAVAILABLE SESSION_LOST, FAILED_PRECONDITION FORKED."""
@@ -431,7 +432,7 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
                     status = status if isinstance(status, int) and not isinstance(status, bool) and 0 <= status <= 16 else STATUS["UNKNOWN"]
                     pending.error = VmmdError(str(message.get("code")), status, str(message.get("message")))
                 elif kind in _WITH_DESCRIPTOR:
-                    pending.error = VmmdError("NO_DESCRIPTOR", STATUS["INTERNAL"], f"the daemon's answer ({kind}) to request {message.get('request')} carried no descriptor")
+                    pending.error = VmmdError("BAD_ANSWER", STATUS["INTERNAL"], f"the daemon's answer ({kind}) to request {message.get('request')} carried no descriptor")
                 else:
                     pending.message = message
                 pending.event.set()

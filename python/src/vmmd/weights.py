@@ -45,7 +45,7 @@ def load_file(path: str, name: str, client: Optional[VmmdClient] = None, device:
             while offset < size:
                 count = source.readinto(view[: min(len(buffer), size - offset)])
                 if not count:
-                    raise VmmdError("FILE_CHANGED", STATUS["FAILED_PRECONDITION"], f"{path} ended at {offset} bytes, not {size}")
+                    raise VmmdError("FILE_CHANGED", STATUS["ABORTED"], f"{path} ended at {offset} bytes, not {size}")
                 memory.write(offset, view[:count])
                 offset += count
         if memory.is_device_memory:

@@ -11,13 +11,14 @@ import { describeProcess, PeerProcess, stillRunning } from './peer-process';
 import type { Logger } from 'pino';
 import { status as Status } from '@grpc/grpc-js';
 import { traceClock, traceMark, traceSince, tracing } from '../../../common/trace';
+import { DAEMON_SETTINGS } from '../../../common/daemon-settings';
 import { decodeMessage, encodeMessage, PROTOCOL_VERSION, readableRequestId, SessionMessage, TRANSFER_ID_PATTERN } from '../../../common/protocol';
 import { TransferInbox } from '../../../common/transfer-inbox';
 import { addon, Credentials } from '../../../native';
 import { SeqpacketConnection, SeqpacketListener, SeqpacketMessage } from '../../../native/seqpacket';
 import { LogLimiter } from '../../observability/log-limiter';
 import type { TurnMeter } from '../../observability/turns';
-import { deadlineExceeded, ERROR_CODE_KEY, failedPrecondition, RpcError, toServiceError, unauthenticated, unavailable } from '../../errors';
+import { type CodeWithStatus, deadlineExceeded, type ErrorCode, ERROR_CODE_KEY, failedPrecondition, RpcError, toServiceError, unauthenticated, unavailable } from '../../errors';
 
 export interface SessionOptions {
   /** Why a peer may not open a session, or undefined when it may. */
@@ -37,11 +38,11 @@ export interface SessionOptions {
 }
 
 export const DEFAULT_SESSION_OPTIONS: SessionOptions = {
-  transferWaitMs: 5_000,
+  transferWaitMs: DAEMON_SETTINGS.transferWaitMs.default,
   transferKeepMs: 30_000,
   maxPendingTransfers: 64,
-  maxSessionsPerUid: 256,
-  maxTransfersPerUid: 1024,
+  maxSessionsPerUid: DAEMON_SETTINGS.maxSessionsPerUid.default,
+  maxTransfersPerUid: DAEMON_SETTINGS.maxTransfersPerUid.default,
 };
 
 /** A request message as framed: an object with a string type (the dispatcher checks the rest). */
@@ -94,7 +95,7 @@ function heldBack(allowed: { suppressed: number } | undefined): { heldBack?: num
 }
 
 /** An error that refuses a message as malformed (answered without a request's status). */
-export function refuseMessage(code: string, message: string): RpcError {
+export function refuseMessage(code: CodeWithStatus<'INVALID_ARGUMENT'>, message: string): RpcError {
   return Object.assign(new RpcError(Status.INVALID_ARGUMENT, code, message), { messageRefused: true });
 }
 
@@ -267,13 +268,13 @@ export class SessionManager {
 
   /**
    * The session a token names; undefined for a call without a token.
-   * @throws UNAUTHENTICATED UNKNOWN_SESSION, SESSION_CLOSED
+   * @throws UNAUTHENTICATED UNKNOWN_SESSION, SESSION_CLOSING
    */
   authenticate(token: string | undefined): Session | undefined {
     if (token === undefined) return undefined;
     const session = this.byToken.get(token);
     if (session === undefined) throw unauthenticated('UNKNOWN_SESSION', 'the session token names no open session');
-    if (session.closing) throw unauthenticated('SESSION_CLOSED', `session ${session.id} is closed`);
+    if (session.closing) throw unauthenticated('SESSION_CLOSING', `session ${session.id} is closed`);
     return session;
   }
 
@@ -314,7 +315,7 @@ export class SessionManager {
     return `uid ${uid}'s sessions already hold ${held} unclaimed descriptors, the most one uid may (--max-transfers-per-uid ${this.options.maxTransfersPerUid})`;
   }
 
-  private turnAway(connection: SeqpacketConnection, peer: Credentials, code: string, status: Status, refusal: string): void {
+  private turnAway(connection: SeqpacketConnection, peer: Credentials, code: ErrorCode, status: Status, refusal: string): void {
     const allowed = this.logLimiter.allow(`refused:${peer.uid}:${code}`);
     if (allowed !== undefined) {
       this.log.warn({ peerPid: peer.pid, peerUid: peer.uid, peerGid: peer.gid, code, heldBack: allowed.suppressed }, `session refused: ${refusal}`);
@@ -369,7 +370,7 @@ export class SessionManager {
     session.log[allowed === undefined ? 'debug' : 'info']({ cgroup: session.process.cgroup, peerGid: peer.gid, ...heldBack(allowed) }, 'session opened');
   }
 
-  private refuse(session: Session, fd: number, code: string, message: string, transfer?: string, request?: string): void {
+  private refuse(session: Session, fd: number, code: ErrorCode, message: string, transfer?: string, request?: string): void {
     if (fd >= 0) addon.close(fd);
     const allowed = this.logLimiter.allow(`frame:${session.peer.uid}:${code}`);
     if (allowed !== undefined) session.log.warn({ code, transfer, request, heldBack: allowed.suppressed }, message);
