@@ -40,6 +40,15 @@ export interface DaemonConfig {
   maxTransfersPerUid: number;
   /** How long a server stream (Read) waits for a reader that takes nothing before it ends the call. */
   streamStallMs: number;
+  /** The transport's budgets (server/transport/budgets.ts): streams, connections and unread descriptors per uid. */
+  maxServerStreamsPerUid: number;
+  maxClientStreamsPerUid: number;
+  streamBytesInFlight: number;
+  maxConnectionsPerUid: number;
+  maxUnreadDescriptorsPerSession: number;
+  maxUnreadDescriptorsPerUid: number;
+  /** The largest gRPC message the daemon receives (a Write's chunk). */
+  maxMessageBytes: number;
   /** Bytes a uid, and a session, may hold in allocations at once (0: no limit). */
   quotaPerUid: bigint;
   quotaPerSession: bigint;
@@ -160,6 +169,13 @@ const SETTINGS: Record<string, Setting> = {
   maxSessionsPerUid: { flag: 'max-sessions-per-uid', env: 'VMMD_MAX_SESSIONS_PER_UID', placeholder: 'N', help: 'sessions one uid may hold open at once [256]' },
   maxTransfersPerUid: { flag: 'max-transfers-per-uid', env: 'VMMD_MAX_TRANSFERS_PER_UID', placeholder: 'N', help: "received descriptors not yet claimed that one uid's sessions may hold at once [1024]" },
   streamStallMs: { flag: 'stream-stall-ms', env: 'VMMD_STREAM_STALL_MS', placeholder: 'MS', help: 'a server stream (Read) whose reader takes nothing this long is ended with RESOURCE_EXHAUSTED [30000]' },
+  maxServerStreamsPerUid: { flag: 'max-server-streams-per-uid', env: 'VMMD_MAX_SERVER_STREAMS_PER_UID', placeholder: 'N', help: 'server streams (Read, Watch) one uid may have open at once [16]' },
+  maxClientStreamsPerUid: { flag: 'max-client-streams-per-uid', env: 'VMMD_MAX_CLIENT_STREAMS_PER_UID', placeholder: 'N', help: 'client streams (Write) one uid may have open at once [8]' },
+  streamBytesInFlight: { flag: 'stream-bytes-in-flight', env: 'VMMD_STREAM_BYTES_IN_FLIGHT', placeholder: 'BYTES', help: "bytes a server stream hands the transport before its reader takes them; larger messages are cut to this [256KiB]" },
+  maxMessageBytes: { flag: 'max-message-bytes', env: 'VMMD_MAX_MESSAGE_BYTES', placeholder: 'BYTES', help: "the largest gRPC message the daemon receives, a Write's chunk included (clients send 1 MiB) [2MiB]" },
+  maxConnectionsPerUid: { flag: 'max-connections-per-uid', env: 'VMMD_MAX_CONNECTIONS_PER_UID', placeholder: 'N', help: 'gRPC connections one uid may hold open on the Unix socket; more are closed at accept [64]' },
+  maxUnreadDescriptorsPerSession: { flag: 'max-unread-descriptors-per-session', env: 'VMMD_MAX_UNREAD_DESCRIPTORS_PER_SESSION', placeholder: 'N', help: 'answers carrying a descriptor that a session has not read yet; more requests for one are refused [64]' },
+  maxUnreadDescriptorsPerUid: { flag: 'max-unread-descriptors-per-uid', env: 'VMMD_MAX_UNREAD_DESCRIPTORS_PER_UID', placeholder: 'N', help: "the same for all of one uid's sessions [1024]" },
   quotaPerUid: { flag: 'quota-per-uid', env: 'VMMD_QUOTA_PER_UID', placeholder: 'BYTES', help: 'allocation bytes each uid may hold at once [0: no limit]' },
   quotaPerSession: { flag: 'quota-per-session', env: 'VMMD_QUOTA_PER_SESSION', placeholder: 'BYTES', help: 'allocation bytes each session may hold at once [0: no limit]' },
   hostCapacity: { flag: 'host-capacity', env: 'VMMD_HOST_CAPACITY', placeholder: 'BYTES', help: "memory the host backend may create in all [half the machine's RAM]" },
@@ -288,12 +304,32 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
   const [uidsKey, uidsText = ''] = pick('allowUids');
   const [gidsKey, gidsText = ''] = pick('allowGids');
 
+  const boundedBytes = (name: 'streamBytesInFlight' | 'maxMessageBytes', fallback: number, min: number, max: number) => {
+    const [key, text] = pick(name);
+    if (text === undefined) return fallback;
+    const bytes = parseBytes(key, text);
+    if (bytes < BigInt(min) || bytes > BigInt(max)) throw new ConfigError(`${key}: ${text} is not between ${min} and ${max} bytes`);
+    return Number(bytes);
+  };
   const bytesOr0 = (name: 'quotaPerUid' | 'quotaPerSession') => {
     const [key, text] = pick(name);
     return text === undefined ? 0n : parseBytes(key, text);
   };
   const integer = (
-    name: 'transferWaitMs' | 'metricsPort' | 'healthPort' | 'shutdownGraceMs' | 'maxSessionsPerUid' | 'maxTransfersPerUid' | 'streamStallMs' | 'busyPollMicros',
+    name:
+      | 'transferWaitMs'
+      | 'metricsPort'
+      | 'healthPort'
+      | 'shutdownGraceMs'
+      | 'maxSessionsPerUid'
+      | 'maxTransfersPerUid'
+      | 'streamStallMs'
+      | 'busyPollMicros'
+      | 'maxServerStreamsPerUid'
+      | 'maxClientStreamsPerUid'
+      | 'maxConnectionsPerUid'
+      | 'maxUnreadDescriptorsPerSession'
+      | 'maxUnreadDescriptorsPerUid',
     fallback: number,
     max: number,
     min = 0,
@@ -351,6 +387,13 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
       maxSessionsPerUid: integer('maxSessionsPerUid', 256, 1_000_000, 1),
       maxTransfersPerUid: integer('maxTransfersPerUid', 1024, 1_000_000, 1),
       streamStallMs: integer('streamStallMs', 30_000, 3_600_000, 1),
+      maxServerStreamsPerUid: integer('maxServerStreamsPerUid', 16, 100_000, 1),
+      maxClientStreamsPerUid: integer('maxClientStreamsPerUid', 8, 100_000, 1),
+      streamBytesInFlight: boundedBytes('streamBytesInFlight', 256 << 10, 4 << 10, 16 << 20),
+      maxMessageBytes: boundedBytes('maxMessageBytes', 2 << 20, (1 << 20) + (64 << 10), 64 << 20),
+      maxConnectionsPerUid: integer('maxConnectionsPerUid', 64, 1_000_000, 1),
+      maxUnreadDescriptorsPerSession: integer('maxUnreadDescriptorsPerSession', 64, 1_000_000, 1),
+      maxUnreadDescriptorsPerUid: integer('maxUnreadDescriptorsPerUid', 1024, 1_000_000, 1),
       quotaPerUid: bytesOr0('quotaPerUid'),
       quotaPerSession: bytesOr0('quotaPerSession'),
       transferWaitMs: integer('transferWaitMs', 5_000, 600_000),
