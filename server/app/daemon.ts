@@ -15,6 +15,7 @@ import { selectBackend } from '../backends/select';
 import type { DaemonConfig } from './config';
 import { AccessPolicy } from '../transport/grpc/access';
 import { GrpcUnixListener } from '../transport/grpc/grpc-unix';
+import { TransportBudgets } from '../transport/budgets';
 import { Metrics } from '../observability/metrics';
 import { Quotas } from '../registry/quotas';
 import { Registry } from '../registry';
@@ -107,7 +108,7 @@ export class Daemon {
 
   /** @throws DaemonStartError, BackendUnavailableError, or the socket's error */
   static async start(config: DaemonConfig, log: Logger, sessionOptions: SessionOptions = DEFAULT_SESSION_OPTIONS): Promise<Daemon> {
-    raiseDescriptorLimit(log);
+    const descriptors = raiseDescriptorLimit(log);
     // The daemon's own turns: each native completion's continuation is one (server/observability/turns.ts),
     // measured by wall clock, and (unless --turn-cpu off) by this thread's CPU time too.
     // With the collector's pauses, which GetStats sets beside its longest turns (started with the admin service).
@@ -116,7 +117,19 @@ export class Daemon {
     const backend = await selectBackend(config, log, (chosen) => measureCompletions(chosen, turns));
     armFaults(process.env.VMMD_FAULTS, log);
     const access = new AccessPolicy(config);
+    const budgets = new TransportBudgets(
+      {
+        serverStreamsPerUid: config.maxServerStreamsPerUid,
+        clientStreamsPerUid: config.maxClientStreamsPerUid,
+        streamBytesInFlight: config.streamBytesInFlight,
+        connectionsPerUid: config.maxConnectionsPerUid,
+        unreadDescriptorsPerSession: config.maxUnreadDescriptorsPerSession,
+        unreadDescriptorsPerUid: config.maxUnreadDescriptorsPerUid,
+      },
+      descriptors,
+    );
     const sessions = new SessionManager(log, {
+      budgets,
       ...sessionOptions,
       backend: backend.name,
       transferWaitMs: config.transferWaitMs,
@@ -149,6 +162,7 @@ export class Daemon {
     try {
       // The session socket's requests go straight to the registry; a closed session's stores and staging go before its objects.
       const metrics = new Metrics(registry, () => sessions, stores, { version: VERSION, backend: backend.name }, turns);
+      metrics.watchBudgets(budgets.all());
       undo.push(() => metrics.close());
       sessions.listen(
         paths.session,
@@ -167,7 +181,7 @@ export class Daemon {
         error: (...args: unknown[]) => log.child({ component: 'grpc-js' }).warn(args.map(String).join(' ')),
       });
       grpc.setLogVerbosity(log.isLevelEnabled('debug') ? grpc.logVerbosity.DEBUG : grpc.logVerbosity.ERROR);
-      const server = new grpc.Server({ 'grpc.max_receive_message_length': 16 << 20 });
+      const server = new grpc.Server({ 'grpc.max_receive_message_length': config.maxMessageBytes });
       // Only the health service, plaintext: what Kubernetes' gRPC probes speak (they have no Unix sockets).
       const healthServer = new grpc.Server();
       undo.push(() => server.forceShutdown(), () => healthServer.forceShutdown());
@@ -182,6 +196,7 @@ export class Daemon {
         sessions,
         access,
         streamStallMs: config.streamStallMs,
+        budgets,
         log,
         observe: (method, status, code, seconds) => metrics.observe(service, method, status, code, seconds),
         streams: (method, delta) => metrics.stream(service, method, delta),
@@ -196,7 +211,7 @@ export class Daemon {
       undo.push(() => admin.close());
       admin.addToServer(server, proto, depsOf('vmmd.v1.Admin'));
       // Accepted here, not by grpc-js: each connection is attributed to its peer's uid (server/transport/grpc/access.ts).
-      const unix = await GrpcUnixListener.listen(server, paths.grpc, log);
+      const unix = await GrpcUnixListener.listen(server, paths.grpc, log, budgets);
       undo.push(() => unix.close());
       restrictSockets(config, paths);
       if (config.tcpListen !== '' && config.tls !== undefined) {
@@ -266,16 +281,20 @@ export class Daemon {
 /**
  * Raises the soft RLIMIT_NOFILE to the hard one: the daemon holds a
  * descriptor per session and per unclaimed transfer, and the usual soft
- * default (1024) is far below what the hard limit allows.
+ * default (1024) is far below what the hard limit allows. Returns the limit
+ * now (infinite when unknown): the transport's daemon-wide budgets are a share of it.
  */
-function raiseDescriptorLimit(log: Logger): void {
+function raiseDescriptorLimit(log: Logger): number {
+  let soft = Number.POSITIVE_INFINITY;
   try {
-    const { soft, hard } = addon.descriptorLimit();
-    if (soft < hard) addon.descriptorLimit(hard);
-    log.info({ descriptors: hard, was: soft }, 'descriptor limit');
+    const limit = addon.descriptorLimit();
+    soft = limit.soft;
+    if (limit.soft < limit.hard) soft = addon.descriptorLimit(limit.hard).soft;
+    log.info({ descriptors: soft, was: limit.soft }, 'descriptor limit');
   } catch (error) {
     log.warn({ err: error }, 'cannot raise the descriptor limit; keeping it');
   }
+  return soft;
 }
 
 /**

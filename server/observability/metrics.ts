@@ -12,6 +12,7 @@ import type { Registry } from '../registry';
 import type { SessionManager } from '../transport/session/sessions';
 import type { StoreRegistry } from '../stores/stores';
 import type { TurnMeter } from './turns';
+import type { Budget } from '../registry/budgets';
 import { busyPollStats } from '../../native/busy-poll';
 
 export interface MetricsInfo {
@@ -226,6 +227,41 @@ export class Metrics {
   }
 
   /** Called by the handler wiring for every call, streams included. */
+  /**
+   * Each budget's use per holder (uid, session, or the daemon for a daemon-wide one) and its limit,
+   * read when scraped: vmmd_budget_used{budget, holder} and vmmd_budget_limit{budget} (0: none).
+   * The registry's budgets and the transport's come here alike.
+   */
+  watchBudgets(budgets: Budget[]): void {
+    this.budgets.push(...budgets);
+    if (this.budgetGauges) return;
+    this.budgetGauges = true;
+    const watched = this.budgets;
+    new Gauge({
+      name: 'vmmd_budget_used',
+      help: 'What each holder (uid N, session N, or the daemon for a daemon-wide budget) holds of each budget now (docs/OPERATIONS.md, Budgets).',
+      labelNames: ['budget', 'holder'],
+      registers: [this.registry],
+      collect() {
+        this.reset();
+        for (const budget of watched) for (const [holder, used] of budget.holders()) this.set({ budget: budget.name, holder: typeof holder === 'number' ? `uid ${holder}` : holder }, used);
+      },
+    });
+    new Gauge({
+      name: 'vmmd_budget_limit',
+      help: 'The most one holder may hold of each budget (0: no limit).',
+      labelNames: ['budget'],
+      registers: [this.registry],
+      collect() {
+        this.reset();
+        for (const budget of watched) this.set({ budget: budget.name }, budget.limit);
+      },
+    });
+  }
+
+  private readonly budgets: Budget[] = [];
+  private budgetGauges = false;
+
   observe(service: string, method: string, status: string, code: string | undefined, seconds: number): void {
     this.rpcDuration.observe({ service, method, status }, seconds);
     const byStatus = this.calls.get(method) ?? new Map<string, number>();

@@ -108,16 +108,25 @@ export class TestDaemon {
     this.exited = new Promise((resolve) => process.once('exit', (code) => resolve(code)));
   }
 
-  /** @param options.descriptorLimit RLIMIT_NOFILE (soft and hard) for the daemon, set by the shell that starts it */
-  static async start(extraArgs: string[] = [], backend: 'host' | 'cuda' = 'host', env: NodeJS.ProcessEnv = {}, options: { descriptorLimit?: number } = {}): Promise<TestDaemon> {
+  /**
+   * @param options.descriptorLimit RLIMIT_NOFILE (soft and hard) for the daemon, set by the shell that starts it
+   * @param options.as the daemon's uid and gid, as deployed: its own, no capabilities (needs root; the socket directory becomes theirs)
+   */
+  static async start(
+    extraArgs: string[] = [],
+    backend: 'host' | 'cuda' = 'host',
+    env: NodeJS.ProcessEnv = {},
+    options: { descriptorLimit?: number; as?: { uid: number; gid: number } } = {},
+  ): Promise<TestDaemon> {
     // A --socket-dir among the extra arguments names the directory; else a fresh temporary one.
     const named = extraArgs.indexOf('--socket-dir');
     const dir = named >= 0 ? extraArgs[named + 1] : fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-e2e-'));
+    if (options.as !== undefined) fs.chownSync(dir, options.as.uid, options.as.gid);
     const limited = options.descriptorLimit === undefined ? [] : ['/bin/sh', '-c', `ulimit -n ${options.descriptorLimit} && exec "$0" "$@"`];
     const child = spawn(
       limited[0] ?? process.execPath,
       [...limited.slice(1), ...(limited.length > 0 ? [process.execPath] : []), DAEMON, '--backend', backend, '--socket-dir', dir, '--host-capacity', '256MiB', '--log-level', 'warn', ...extraArgs.filter((_, i) => named < 0 || (i !== named && i !== named + 1))],
-      { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, ...env } },
+      { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, ...env }, ...(options.as ?? {}) },
     );
     const daemon = new TestDaemon(child, dir);
     for (const stream of [child.stdout!, child.stderr!]) {
