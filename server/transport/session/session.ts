@@ -14,7 +14,35 @@ import type { SeqpacketConnection } from '../../../native/seqpacket';
 import type { LogLimiter } from '../../observability/log-limiter';
 import { deadlineExceeded, failedPrecondition, RpcError, unavailable } from '../../errors';
 import { describeProcess, PeerProcess } from './peer-process';
-import type { SessionOptions } from './sessions';
+import type { TransportBudgets } from '../budgets';
+
+/** How sessions are opened and what each may hold (wired from the config in daemon.ts). */
+export interface SessionOptions {
+  /** Why a peer may not open a session, or undefined when it may. */
+  authorize?: (peer: Credentials) => string | undefined;
+  /** How long Import waits for a descriptor the client has not sent yet. */
+  transferWaitMs: number;
+  /** How long a received, unclaimed descriptor is kept before it is closed. */
+  transferKeepMs: number;
+  /** Unclaimed descriptors a session may hold at once; more are closed and refused. */
+  maxPendingTransfers: number;
+  /** Sessions one uid may hold open at once. */
+  maxSessionsPerUid: number;
+  /** Unclaimed descriptors one uid's sessions may hold at once. */
+  maxTransfersPerUid: number;
+  /** The backend's name, told to each client in its hello. */
+  backend?: string;
+  /** Unread descriptors per session, per uid and daemon-wide (server/transport/budgets.ts); absent: not bounded. */
+  budgets?: TransportBudgets;
+}
+
+export const DEFAULT_SESSION_OPTIONS: SessionOptions = {
+  transferWaitMs: 5_000,
+  transferKeepMs: 30_000,
+  maxPendingTransfers: 64,
+  maxSessionsPerUid: 256,
+  maxTransfersPerUid: 1024,
+};
 
 /** What counts a session's answers that carry a descriptor until its client has read them. */
 export interface DescriptorsInFlight {

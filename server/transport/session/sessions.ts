@@ -16,39 +16,14 @@ import { SeqpacketConnection, SeqpacketListener, SeqpacketMessage } from '../../
 import { LogLimiter } from '../../observability/log-limiter';
 import type { TurnMeter } from '../../observability/turns';
 import { ERROR_CODE_KEY, RpcError, toServiceError, unauthenticated } from '../../errors';
-import { TransportBudgets } from '../budgets';
 import { FairShare } from './fair-share';
-import { refuseMessage, Session } from './session';
+import { DEFAULT_SESSION_OPTIONS, refuseMessage, Session, SessionOptions } from './session';
 import { UnreadDescriptors } from './unread-descriptors';
 
 export { refuseMessage, Session };
 
-export interface SessionOptions {
-  /** Why a peer may not open a session, or undefined when it may. */
-  authorize?: (peer: Credentials) => string | undefined;
-  /** How long Import waits for a descriptor the client has not sent yet. */
-  transferWaitMs: number;
-  /** How long a received, unclaimed descriptor is kept before it is closed. */
-  transferKeepMs: number;
-  /** Unclaimed descriptors a session may hold at once; more are closed and refused. */
-  maxPendingTransfers: number;
-  /** Sessions one uid may hold open at once. */
-  maxSessionsPerUid: number;
-  /** Unclaimed descriptors one uid's sessions may hold at once. */
-  maxTransfersPerUid: number;
-  /** The backend's name, told to each client in its hello. */
-  backend?: string;
-  /** Unread descriptors per session, per uid and daemon-wide (server/transport/budgets.ts); absent: not bounded. */
-  budgets?: TransportBudgets;
-}
-
-export const DEFAULT_SESSION_OPTIONS: SessionOptions = {
-  transferWaitMs: 5_000,
-  transferKeepMs: 30_000,
-  maxPendingTransfers: 64,
-  maxSessionsPerUid: 256,
-  maxTransfersPerUid: 1024,
-};
+export { DEFAULT_SESSION_OPTIONS } from './session';
+export type { SessionOptions } from './session';
 
 /** A request message as framed: an object with a string type (the dispatcher checks the rest). */
 export type RequestMessage = { type: string } & Record<string, unknown>;
