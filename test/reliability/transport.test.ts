@@ -134,6 +134,34 @@ describe('transport attacks at default settings (host)', () => {
     const counts = outcomes.reduce<Record<string, number>>((all, outcome) => ({ ...all, [outcome]: (all[outcome] ?? 0) + 1 }), {});
     figure('transport-write-streams', { streams: WRITERS, outcomes: JSON.stringify(counts), rssBeforeMB: before.rssMB, rssPeakMB: peak.rssMB, rssAfterMB: after.rssMB, fdsBefore: before.fds, fdsPeak: peak.fds, fdsAfter: after.fds, victim: seen });
     expect(peak.rssMB - before.rssMB).toBeLessThan(200);
+
+    // Within the message limit: the same 32 streams, each 64 MiB in messages just under 2 MiB.
+    const fitting = Buffer.alloc((2 << 20) - 1024, 5);
+    const base = usage(daemon);
+    let fittingPeak = base;
+    const fittingSampler = setInterval(() => {
+      const now = usage(daemon!);
+      if (now.rssMB > fittingPeak.rssMB) fittingPeak = now;
+    }, 50);
+    const fittingOutcomes: string[] = [];
+    const more = Array.from({ length: WRITERS }, () => new (loadProtos().proto.vmmd.v1 as any).Stores(`unix://${socketPaths(daemon!.dir).grpc}`, grpc.credentials.createInsecure(), { 'grpc.use_local_subchannel_pool': 1 }));
+    await Promise.all(
+      more.map(
+        (client) =>
+          new Promise<void>((resolve) => {
+            const write = client.Write((error: grpc.ServiceError | null) => {
+              fittingOutcomes.push(error === null ? 'OK' : `${grpc.status[error.code]} ${String(error.metadata?.get('vmmd-error-code')[0] ?? '')}`);
+              resolve();
+            });
+            for (let i = 0; i < 32; i++) write.write({ span: { storeId: store.id, offset: String(i * fitting.length) }, data: fitting });
+            write.end();
+          }),
+      ),
+    );
+    clearInterval(fittingSampler);
+    for (const client of more) grpc.Client.prototype.close.call(client);
+    const fittingCounts = fittingOutcomes.reduce<Record<string, number>>((all, outcome) => ({ ...all, [outcome]: (all[outcome] ?? 0) + 1 }), {});
+    figure('transport-write-streams-within-limit', { streams: WRITERS, outcomes: JSON.stringify(fittingCounts), rssBeforeMB: base.rssMB, rssPeakMB: fittingPeak.rssMB });
   });
 
   it("closes idle connections past a uid's budget at accept; another uid is served", async () => {
