@@ -22,6 +22,7 @@ import { Registry } from '../registry';
 import { AdminService } from '../transport/grpc/services/admin';
 import { DevicesService } from '../transport/grpc/services/devices';
 import { HandlerDeps } from '../transport/grpc/services/handler';
+import { FairCalls } from '../transport/grpc/services/fair-calls';
 import { VirtualMemoryService } from '../transport/grpc/services/virtual-memory';
 import { StoresService } from '../transport/grpc/services/stores';
 import { SessionDispatcher } from '../transport/session/session-dispatcher';
@@ -191,12 +192,15 @@ export class Daemon {
       const health = new HealthImplementation(Object.fromEntries(HEALTH_SERVICES.map((name) => [name, 'NOT_SERVING'])));
       health.addToServer(server);
       health.addToServer(healthServer);
+      // One uid's pipelined calls start in turns with every other uid's, across the services.
+      const fair = new FairCalls();
       // Each service's calls are counted under its full name: Read and List exist in two services.
       const depsOf = (service: string): HandlerDeps => ({
         sessions,
         access,
         streamStallMs: config.streamStallMs,
         budgets,
+        fair,
         log,
         observe: (method, status, code, seconds) => metrics.observe(service, method, status, code, seconds),
         streams: (method, delta) => metrics.stream(service, method, delta),

@@ -14,6 +14,7 @@ import type { Session, SessionManager } from '../../session/sessions';
 import type { TurnMeter } from '../../../observability/turns';
 import type { Budget } from '../../../registry/budgets';
 import { TCP_HOLDER, takeOnce, TransportBudgets } from '../../budgets';
+import type { FairCalls } from './fair-calls';
 
 /** Who is calling: a session, or nobody (owner 0, the daemon). */
 export interface CallContext {
@@ -42,6 +43,20 @@ export interface HandlerDeps {
   turns?: TurnMeter;
   /** Streams per uid and bytes in flight per stream (server/transport/budgets.ts); absent: no bounds. */
   budgets?: TransportBudgets;
+  /** Starts calls in turns shared over uids (./fair-calls.ts); absent: each at once. */
+  fair?: FairCalls;
+}
+
+/** Runs a call's start in its uid's turn (at once without deps.fair, or when the peer cannot be read: the call refuses itself). */
+function startFairly(deps: HandlerDeps, call: { getPeer(): string; getAuthContext(): { sslPeerCertificate?: unknown } }, start: () => void): void {
+  if (deps.fair === undefined) return start();
+  let holder: number | string;
+  try {
+    holder = deps.access.identify(call.getPeer(), call.getAuthContext()).peer?.uid ?? TCP_HOLDER;
+  } catch {
+    return start();
+  }
+  deps.fair.run(holder, start);
 }
 
 /**
@@ -52,6 +67,8 @@ function holdStream(budget: Budget | undefined, context: CallContext, call: { on
   if (budget === undefined) return () => undefined;
   const give = takeOnce(budget, context.who?.peer?.uid ?? TCP_HOLDER);
   call.once('cancelled', give);
+  // Cancelled while it waited for its turn: no 'cancelled' comes again.
+  if ((call as { cancelled?: boolean }).cancelled) give();
   return give;
 }
 
@@ -148,14 +165,15 @@ export function unary<Req, Res>(
   method: string,
   body: (request: Req, context: CallContext) => Promise<Res> | Res,
 ): grpc.handleUnaryCall<Req, Res> {
-  return (call, callback) => {
-    deps.turns?.enter('grpc', method);
-    void settle(deps, method, withContext(deps, call, method, async (context) => body(call.request, context))).then(({ value, error }) => {
-      if (error !== undefined) return callback(error as grpc.ServiceError);
-      countUnaryBytes(deps, method, value);
-      callback(null, value);
+  return (call, callback) =>
+    startFairly(deps, call, () => {
+      deps.turns?.enter('grpc', method);
+      void settle(deps, method, withContext(deps, call, method, async (context) => body(call.request, context))).then(({ value, error }) => {
+        if (error !== undefined) return callback(error as grpc.ServiceError);
+        countUnaryBytes(deps, method, value);
+        callback(null, value);
+      });
     });
-  };
 }
 
 /** What a server stream hands grpc-js before its reader has taken it, without a TransportBudgets. */
@@ -239,35 +257,36 @@ export function serverStream<Req, Res>(
   body: (request: Req, context: CallContext) => AsyncIterable<Res>,
   options: { tracked?: boolean } = {},
 ): grpc.handleServerStreamingCall<Req, Res> {
-  return (call) => {
-    deps.turns?.enter('grpc', method);
-    const run = withContext(
-      deps,
-      call,
-      method,
-      async (context) => {
-        const give = holdStream(deps.budgets?.serverStreams, context, call);
-        try {
-          const most = deps.budgets?.limits.streamBytesInFlight ?? BYTES_IN_FLIGHT;
-          const writer = new BoundedWriter(call as grpc.ServerWritableStream<unknown, unknown>, deps.streamStallMs, most);
-          for await (const message of body(call.request, context)) {
-            deps.moved?.(method, 'read', dataBytes(message));
-            for (const piece of pieces(message, most)) {
-              if (call.cancelled) return;
-              await writer.write(piece);
+  return (call) =>
+    startFairly(deps, call, () => {
+      deps.turns?.enter('grpc', method);
+      const run = withContext(
+        deps,
+        call,
+        method,
+        async (context) => {
+          const give = holdStream(deps.budgets?.serverStreams, context, call);
+          try {
+            const most = deps.budgets?.limits.streamBytesInFlight ?? BYTES_IN_FLIGHT;
+            const writer = new BoundedWriter(call as grpc.ServerWritableStream<unknown, unknown>, deps.streamStallMs, most);
+            for await (const message of body(call.request, context)) {
+              deps.moved?.(method, 'read', dataBytes(message));
+              for (const piece of pieces(message, most)) {
+                if (call.cancelled) return;
+                await writer.write(piece);
+              }
             }
+          } finally {
+            give();
           }
-        } finally {
-          give();
-        }
-      },
-      options.tracked ?? true,
-    );
-    // grpc-js turns an 'error' event on a server stream into the call's status.
-    const settled = settle(deps, method, run);
-    countStream(deps, method, call, settled);
-    void settled.then(({ error }) => (error === undefined ? call.end() : call.emit('error', error)));
-  };
+        },
+        options.tracked ?? true,
+      );
+      // grpc-js turns an 'error' event on a server stream into the call's status.
+      const settled = settle(deps, method, run);
+      countStream(deps, method, call, settled);
+      void settled.then(({ error }) => (error === undefined ? call.end() : call.emit('error', error)));
+    });
 }
 
 export function clientStream<Req, Res>(
@@ -275,24 +294,25 @@ export function clientStream<Req, Res>(
   method: string,
   body: (requests: AsyncIterable<Req>, context: CallContext) => Promise<Res>,
 ): grpc.handleClientStreamingCall<Req, Res> {
-  return (call, callback) => {
-    deps.turns?.enter('grpc', method);
-    const requests = countingWrites(deps, method, call as AsyncIterable<Req>);
-    const settled = settle(
-      deps,
-      method,
-      withContext(deps, call, method, async (context) => {
-        const give = holdStream(deps.budgets?.clientStreams, context, call);
-        try {
-          return await body(requests, context);
-        } finally {
-          give();
-        }
-      }),
-    );
-    countStream(deps, method, call, settled);
-    void settled.then(
-      ({ value, error }) => (error === undefined ? callback(null, value as Res) : callback(error as grpc.ServiceError)),
-    );
-  };
+  return (call, callback) =>
+    startFairly(deps, call, () => {
+      deps.turns?.enter('grpc', method);
+      const requests = countingWrites(deps, method, call as AsyncIterable<Req>);
+      const settled = settle(
+        deps,
+        method,
+        withContext(deps, call, method, async (context) => {
+          const give = holdStream(deps.budgets?.clientStreams, context, call);
+          try {
+            return await body(requests, context);
+          } finally {
+            give();
+          }
+        }),
+      );
+      countStream(deps, method, call, settled);
+      void settled.then(
+        ({ value, error }) => (error === undefined ? callback(null, value as Res) : callback(error as grpc.ServiceError)),
+      );
+    });
 }
