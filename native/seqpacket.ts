@@ -13,7 +13,8 @@ export const MAX_MESSAGE_BYTES = 4096;
  * The most messages one readable callback reads: the poller is level-triggered,
  * so the rest come at the loop's next turn, after the other sockets and timers
  * had theirs (a client with a socket-full of pipelined requests held the
- * daemon's loop ~6 ms, all of it one turn).
+ * daemon's loop ~6 ms, all of it one turn). The daemon's session sockets are
+ * read by its own scheduler instead (scheduleReads: turns shared per uid).
  */
 export const MAX_MESSAGES_PER_READ = 32;
 
@@ -113,6 +114,8 @@ export class SeqpacketConnection extends EventEmitter {
    * poller watches again; 'closed': the connection is closed.
    */
   readMessages(max: number): 'more' | 'drained' | 'closed' {
+    // Closed while it waited for its turn (by the daemon, or a failed send).
+    if (this.closed) return 'closed';
     const outcome = this.readSome(max, this.events);
     if (outcome === 'drained' && !this.closed) this.poller.start();
     return this.closed ? 'closed' : outcome;
