@@ -37,7 +37,7 @@ module.exports = {
     layer('registry-not-up', '^server/registry/', '^server/(main\\.ts|app/|transport/|stores/)'),
     layer('backends-not-up', '^server/backends/', '^server/(main\\.ts|app/|transport/|stores/|registry/)'),
     layer('observability-not-up', '^server/observability/(turns|gc-pauses|log-limiter)\\.ts$', '^server/(main\\.ts|app/|transport/|stores/|registry/|backends/)'),
-    layer('server-roots-not-up', '^(server/(errors|serial-queue)\\.ts)$', '^server/(?!errors\\.ts$|serial-queue\\.ts$)'),
+    layer('server-roots-not-up', '^(server/(errors|serial-queue)\\.ts)$', '^server/(?!errors\\.ts$|serial-queue\\.ts$|observability/(turns|gc-pauses|log-limiter)\\.ts$)'),
     layer('native-not-up', '^native/', '^(server|client)/'),
     layer('common-not-up', '^common/', '^(server|client|native)/'),
     {

@@ -90,6 +90,34 @@ export const DAEMON_SETTINGS = {
     flag: 'stream-stall-ms', env: 'VMMD_STREAM_STALL_MS', placeholder: 'MS', type: 'integer', default: 30_000, min: 1, max: 3_600_000,
     help: 'a server stream (Read) whose reader takes nothing this long is ended with RESOURCE_EXHAUSTED',
   },
+  maxServerStreamsPerUid: {
+    flag: 'max-server-streams-per-uid', env: 'VMMD_MAX_SERVER_STREAMS_PER_UID', placeholder: 'N', type: 'integer', default: 16, min: 1, max: 100_000,
+    help: 'server streams (Read, Watch) one uid may have open at once',
+  },
+  maxClientStreamsPerUid: {
+    flag: 'max-client-streams-per-uid', env: 'VMMD_MAX_CLIENT_STREAMS_PER_UID', placeholder: 'N', type: 'integer', default: 8, min: 1, max: 100_000,
+    help: 'client streams (Write) one uid may have open at once',
+  },
+  streamBytesInFlight: {
+    flag: 'stream-bytes-in-flight', env: 'VMMD_STREAM_BYTES_IN_FLIGHT', placeholder: 'BYTES', type: 'bytes', default: 256n << 10n, min: 4n << 10n, max: 16n << 20n,
+    help: 'bytes a server stream hands the transport before its reader takes them; larger messages are cut to this',
+  },
+  maxMessageBytes: {
+    flag: 'max-message-bytes', env: 'VMMD_MAX_MESSAGE_BYTES', placeholder: 'BYTES', type: 'bytes', default: 2n << 20n, min: (1n << 20n) + (64n << 10n), max: 64n << 20n,
+    help: "the largest gRPC message the daemon receives, a Write's chunk included (clients send 1 MiB)",
+  },
+  maxConnectionsPerUid: {
+    flag: 'max-connections-per-uid', env: 'VMMD_MAX_CONNECTIONS_PER_UID', placeholder: 'N', type: 'integer', default: 64, min: 1, max: 1_000_000,
+    help: 'gRPC connections one uid may hold open on the Unix socket; more are closed at accept',
+  },
+  maxUnreadDescriptorsPerSession: {
+    flag: 'max-unread-descriptors-per-session', env: 'VMMD_MAX_UNREAD_DESCRIPTORS_PER_SESSION', placeholder: 'N', type: 'integer', default: 64, min: 1, max: 1_000_000,
+    help: 'answers carrying a descriptor that a session has not read yet; more requests for one are refused',
+  },
+  maxUnreadDescriptorsPerUid: {
+    flag: 'max-unread-descriptors-per-uid', env: 'VMMD_MAX_UNREAD_DESCRIPTORS_PER_UID', placeholder: 'N', type: 'integer', default: 1024, min: 1, max: 1_000_000,
+    help: "the same for all of one uid's sessions",
+  },
   maxMappingsPerUid: {
     flag: 'max-mappings-per-uid', env: 'VMMD_MAX_MAPPINGS_PER_UID', placeholder: 'N', type: 'integer', default: undefined, min: 0, max: MAX_BUDGET_COUNT,
     shown: "auto: a third of a quarter of vm.max_map_count less the daemon's reserve (an eighth); 0: no limit",

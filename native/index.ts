@@ -107,6 +107,8 @@ export interface Addon {
   seqpacketConnect(path: string): number;
   seqpacketAccept(listenFd: number): (Credentials & { fd: number }) | null;
   seqpacketSend(fd: number, data: Buffer, passFd: number): boolean;
+  /** Bytes this socket sent that its peer has not read yet (SIOCOUTQ); 0: all read. */
+  socketUnsentBytes(fd: number): number;
   seqpacketRecv(fd: number, maxLength: number): Received | null;
   shutdownSocket(fd: number): void;
   peerCredentials(fd: number): Credentials;

@@ -13,7 +13,8 @@ export const MAX_MESSAGE_BYTES = 4096;
  * The most messages one readable callback reads: the poller is level-triggered,
  * so the rest come at the loop's next turn, after the other sockets and timers
  * had theirs (a client with a socket-full of pipelined requests held the
- * daemon's loop ~6 ms, all of it one turn).
+ * daemon's loop ~6 ms, all of it one turn). The daemon's session sockets are
+ * read by its own scheduler instead (scheduleReads: turns shared per uid).
  */
 export const MAX_MESSAGES_PER_READ = 32;
 
@@ -98,6 +99,40 @@ export class SeqpacketConnection extends EventEmitter {
     this.emit('close');
   }
 
+  /**
+   * Hands the socket's reading to `scheduler`: from now on, a readable socket
+   * stops its poller and calls `ready(this)`, and only readMessages() reads it
+   * (the session transport shares its turns over uids, not sockets).
+   */
+  scheduleReads(ready: (connection: SeqpacketConnection) => void): void {
+    this.ready = ready;
+  }
+
+  /**
+   * Reads and emits at most `max` waiting messages. 'more': messages may be
+   * left (the poller stays stopped: call again); 'drained': none waits and the
+   * poller watches again; 'closed': the connection is closed.
+   */
+  readMessages(max: number): 'more' | 'drained' | 'closed' {
+    // Closed while it waited for its turn (by the daemon, or a failed send).
+    if (this.closed) return 'closed';
+    const outcome = this.readSome(max, this.events);
+    if (outcome === 'drained' && !this.closed) this.poller.start();
+    return this.closed ? 'closed' : outcome;
+  }
+
+  /**
+   * Bytes sent on this socket that the peer has not read yet (SIOCOUTQ); 0
+   * once it has read everything, descriptors included. 0 on a closed socket.
+   */
+  unsentBytes(): number {
+    return this.closed ? 0 : addon.socketUnsentBytes(this.fd);
+  }
+
+  private ready?: (connection: SeqpacketConnection) => void;
+  // The poll events of the last readable callback: a hang-up read by readMessages.
+  private events = 0;
+
   private onReadable(status: number, events: number): void {
     if (this.closed) return;
     if (status < 0) {
@@ -105,25 +140,35 @@ export class SeqpacketConnection extends EventEmitter {
       this.close();
       return;
     }
+    if (this.ready !== undefined) {
+      this.events = events;
+      this.poller.stop();
+      this.ready(this);
+      return;
+    }
     // Several waiting messages in one callback (a trip through the loop for each costs more),
     // but at most MAX_MESSAGES_PER_READ: the poller calls again for the rest.
-    for (let read = 0; read < MAX_MESSAGES_PER_READ; read++) {
+    this.readSome(MAX_MESSAGES_PER_READ, events);
+  }
+
+  private readSome(max: number, events: number): 'more' | 'drained' | 'closed' {
+    for (let read = 0; read < max; read++) {
       let received;
       try {
         received = addon.seqpacketRecv(this.fd, MAX_MESSAGE_BYTES);
       } catch (error) {
         this.closeReason = (error as Error).message;
         this.close();
-        return;
+        return 'closed';
       }
       if (received === null) {
         // Drained: a peer that hung up is gone once all it sent was read.
         if (events & UV_DISCONNECT) this.close();
-        return;
+        return this.closed ? 'closed' : 'drained';
       }
       if (received.eof) {
         this.close();
-        return;
+        return 'closed';
       }
       const message: SeqpacketMessage = {
         data: received.data,
@@ -137,8 +182,9 @@ export class SeqpacketConnection extends EventEmitter {
       } else {
         this.emit('message', message);
       }
-      if (this.closed) return;
+      if (this.closed) return 'closed';
     }
+    return 'more';
   }
 }
 

@@ -2,6 +2,8 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -45,6 +47,18 @@ Napi::Object Credentials(Napi::Env env, int fd) {
   out.Set("uid", Napi::Number::New(env, cred.uid));
   out.Set("gid", Napi::Number::New(env, cred.gid));
   return out;
+}
+
+// socketUnsentBytes(fd) -> the bytes this socket sent that its peer has not
+// read yet (SIOCOUTQ: on a Unix socket, the send buffer the peer's unread
+// messages still hold). 0 means the peer has read everything, the descriptors
+// that came with it included.
+Napi::Value SocketUnsentBytes(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  int fd = info[0].As<Napi::Number>().Int32Value();
+  int queued = 0;
+  if (ioctl(fd, SIOCOUTQ, &queued) != 0) ThrowErrno(env, "ioctl(SIOCOUTQ)");
+  return Napi::Number::New(env, queued);
 }
 
 // descriptorLimit(soft?) -> { soft, hard }: RLIMIT_NOFILE, after setting the
@@ -383,6 +397,7 @@ void InitFdPassing(Napi::Env env, Napi::Object exports) {
   exports.Set("unixDgramBind", Napi::Function::New(env, UnixDgramBind, "unixDgramBind"));
   exports.Set("descriptorLimit", Napi::Function::New(env, DescriptorLimit, "descriptorLimit"));
   exports.Set("peerCredentials", Napi::Function::New(env, PeerCredentials, "peerCredentials"));
+  exports.Set("socketUnsentBytes", Napi::Function::New(env, SocketUnsentBytes, "socketUnsentBytes"));
   exports.Set("Poller", Poller::Define(env));
 }
 

@@ -56,6 +56,15 @@ export interface DaemonConfig {
   maxAddressSpacePerUid?: bigint;
   maxStoresPerUid?: number;
   maxAllocationsPerUid?: number;
+  /** The transport's budgets (server/transport/budgets.ts): streams, connections and unread descriptors per uid. */
+  maxServerStreamsPerUid: number;
+  maxClientStreamsPerUid: number;
+  streamBytesInFlight: number;
+  maxConnectionsPerUid: number;
+  maxUnreadDescriptorsPerSession: number;
+  maxUnreadDescriptorsPerUid: number;
+  /** The largest gRPC message the daemon receives (a Write's chunk). */
+  maxMessageBytes: number;
   /** Bytes a uid, and a session, may hold in allocations at once (0: no limit). */
   quotaPerUid: bigint;
   quotaPerSession: bigint;
@@ -323,6 +332,13 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
       maxSessionsPerUid: integer('maxSessionsPerUid'),
       maxTransfersPerUid: integer('maxTransfersPerUid'),
       streamStallMs: integer('streamStallMs'),
+      maxServerStreamsPerUid: integer('maxServerStreamsPerUid'),
+      maxClientStreamsPerUid: integer('maxClientStreamsPerUid'),
+      streamBytesInFlight: Number(bytes('streamBytesInFlight')),
+      maxMessageBytes: Number(bytes('maxMessageBytes')),
+      maxConnectionsPerUid: integer('maxConnectionsPerUid'),
+      maxUnreadDescriptorsPerSession: integer('maxUnreadDescriptorsPerSession'),
+      maxUnreadDescriptorsPerUid: integer('maxUnreadDescriptorsPerUid'),
       maxMappingsPerUid: read('maxMappingsPerUid') as number | undefined,
       maxReservationsPerUid: read('maxReservationsPerUid') as number | undefined,
       maxAddressSpacePerUid: read('maxAddressSpacePerUid') as bigint | undefined,

@@ -15,6 +15,7 @@ import { selectBackend } from '../backends/select';
 import type { DaemonConfig } from './config';
 import { AccessPolicy } from '../transport/grpc/access';
 import { GrpcUnixListener } from '../transport/grpc/grpc-unix';
+import { TransportBudgets } from '../transport/budgets';
 import { Metrics } from '../observability/metrics';
 import { Quotas } from '../registry/quotas';
 import { derivedLimits, SystemLimits, UidBudgetLimits, UidBudgets } from '../registry/uid-budgets';
@@ -22,6 +23,7 @@ import { Registry } from '../registry';
 import { AdminService } from '../transport/grpc/services/admin';
 import { DevicesService } from '../transport/grpc/services/devices';
 import { HandlerDeps } from '../transport/grpc/services/handler';
+import { FairCalls } from '../transport/grpc/services/fair-calls';
 import { VirtualMemoryService } from '../transport/grpc/services/virtual-memory';
 import { StoresService } from '../transport/grpc/services/stores';
 import { SessionDispatcher } from '../transport/session/session-dispatcher';
@@ -109,7 +111,7 @@ export class Daemon {
 
   /** @throws DaemonStartError, BackendUnavailableError, or the socket's error */
   static async start(config: DaemonConfig, log: Logger, sessionOptions: SessionOptions = DEFAULT_SESSION_OPTIONS): Promise<Daemon> {
-    raiseDescriptorLimit(log);
+    const descriptors = raiseDescriptorLimit(log);
     // The daemon's own turns: each native completion's continuation is one (server/observability/turns.ts),
     // measured by wall clock, and (unless --turn-cpu off) by this thread's CPU time too.
     // With the collector's pauses, which GetStats sets beside its longest turns (started with the admin service).
@@ -118,7 +120,19 @@ export class Daemon {
     const backend = await selectBackend(config, log, (chosen) => measureCompletions(chosen, turns));
     armFaults(process.env.VMMD_FAULTS, log);
     const access = new AccessPolicy(config);
+    const transportBudgets = new TransportBudgets(
+      {
+        serverStreamsPerUid: config.maxServerStreamsPerUid,
+        clientStreamsPerUid: config.maxClientStreamsPerUid,
+        streamBytesInFlight: config.streamBytesInFlight,
+        connectionsPerUid: config.maxConnectionsPerUid,
+        unreadDescriptorsPerSession: config.maxUnreadDescriptorsPerSession,
+        unreadDescriptorsPerUid: config.maxUnreadDescriptorsPerUid,
+      },
+      descriptors,
+    );
     const sessions = new SessionManager(log, {
+      budgets: transportBudgets,
       ...sessionOptions,
       backend: backend.name,
       transferWaitMs: config.transferWaitMs,
@@ -136,6 +150,8 @@ export class Daemon {
     };
     const budgets = uidBudgets(config, systemLimits(log), (session) => sessions.uidOf(session), log);
     const registry = new Registry(backend, (upstream) => quotas.around(upstream, (handle, device) => backend.memoryIdentity(handle, device)), actsForDaemon, budgets);
+    // Metrics and GetReport show the registry's budgets and the transport's alike.
+    const everyBudget = () => [...budgets.list(), ...transportBudgets.all()];
     const paths = socketPaths(config.socketDir);
     const previousMode = prepareSocketDir(config);
     if (previousMode !== undefined) {
@@ -156,7 +172,7 @@ export class Daemon {
     const undo: Array<() => void> = [];
     try {
       // The session socket's requests go straight to the registry; a closed session's stores and staging go before its objects.
-      const metrics = new Metrics(registry, () => sessions, stores, { version: VERSION, backend: backend.name }, turns, () => budgets.list());
+      const metrics = new Metrics(registry, () => sessions, stores, { version: VERSION, backend: backend.name }, turns, everyBudget);
       undo.push(() => metrics.close());
       sessions.listen(
         paths.session,
@@ -175,7 +191,7 @@ export class Daemon {
         error: (...args: unknown[]) => log.child({ component: 'grpc-js' }).warn(args.map(String).join(' ')),
       });
       grpc.setLogVerbosity(log.isLevelEnabled('debug') ? grpc.logVerbosity.DEBUG : grpc.logVerbosity.ERROR);
-      const server = new grpc.Server({ 'grpc.max_receive_message_length': 16 << 20 });
+      const server = new grpc.Server({ 'grpc.max_receive_message_length': config.maxMessageBytes });
       // Only the health service, plaintext: what Kubernetes' gRPC probes speak (they have no Unix sockets).
       const healthServer = new grpc.Server();
       undo.push(() => server.forceShutdown(), () => healthServer.forceShutdown());
@@ -185,11 +201,15 @@ export class Daemon {
       const health = new HealthImplementation(Object.fromEntries(HEALTH_SERVICES.map((name) => [name, 'NOT_SERVING'])));
       health.addToServer(server);
       health.addToServer(healthServer);
+      // One uid's pipelined calls start in turns with every other uid's, across the services.
+      const fair = new FairCalls();
       // Each service's calls are counted under its full name: Read and List exist in two services.
       const depsOf = (service: string): HandlerDeps => ({
         sessions,
         access,
         streamStallMs: config.streamStallMs,
+        budgets: transportBudgets,
+        fair,
         log,
         observe: (method, status, code, seconds) => metrics.observe(service, method, status, code, seconds),
         streams: (method, delta) => metrics.stream(service, method, delta),
@@ -199,12 +219,12 @@ export class Daemon {
       new DevicesService(registry).addToServer(server, proto, depsOf('vmmd.v1.Devices'));
       new VirtualMemoryService(registry, sessions, staging).addToServer(server, proto, depsOf('vmmd.v1.VirtualMemory'));
       new StoresService(registry, stores, sessions).addToServer(server, proto, depsOf('vmmd.v1.Stores'));
-      const admin = new AdminService({ registry, sessions, stores, quotas, metrics, version: VERSION, turns, gcPauses: gcPauses.start(), budgets: () => budgets.list() });
+      const admin = new AdminService({ registry, sessions, stores, quotas, metrics, version: VERSION, turns, gcPauses: gcPauses.start(), budgets: everyBudget });
       // A start that fails from here on stops its delay sampler and GC observer too.
       undo.push(() => admin.close());
       admin.addToServer(server, proto, depsOf('vmmd.v1.Admin'));
       // Accepted here, not by grpc-js: each connection is attributed to its peer's uid (server/transport/grpc/access.ts).
-      const unix = await GrpcUnixListener.listen(server, paths.grpc, log);
+      const unix = await GrpcUnixListener.listen(server, paths.grpc, log, transportBudgets);
       undo.push(() => unix.close());
       restrictSockets(config, paths);
       if (config.tcpListen !== '' && config.tls !== undefined) {
@@ -302,16 +322,20 @@ function uidBudgets(config: DaemonConfig, system: SystemLimits, uidOf: (session:
 /**
  * Raises the soft RLIMIT_NOFILE to the hard one: the daemon holds a
  * descriptor per session and per unclaimed transfer, and the usual soft
- * default (1024) is far below what the hard limit allows.
+ * default (1024) is far below what the hard limit allows. Returns the limit
+ * now (infinite when unknown): the transport's daemon-wide budgets are a share of it.
  */
-function raiseDescriptorLimit(log: Logger): void {
+function raiseDescriptorLimit(log: Logger): number {
+  let soft = Number.POSITIVE_INFINITY;
   try {
-    const { soft, hard } = addon.descriptorLimit();
-    if (soft < hard) addon.descriptorLimit(hard);
-    log.info({ descriptors: hard, was: soft }, 'descriptor limit');
+    const limit = addon.descriptorLimit();
+    soft = limit.soft;
+    if (limit.soft < limit.hard) soft = addon.descriptorLimit(limit.hard).soft;
+    log.info({ descriptors: soft, was: limit.soft }, 'descriptor limit');
   } catch (error) {
     log.warn({ err: error }, 'cannot raise the descriptor limit; keeping it');
   }
+  return soft;
 }
 
 /**

@@ -161,9 +161,8 @@ export class StockedBackend extends PassThroughBackend {
 
   override async create(device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
     const stockable = location.type === 'DEVICE' && handleTypes.length === 1 && handleTypes[0] === 'POSIX_FD';
-    // A size just asked often enough for a shelf of its own gets one now, filled at once: until it exists every
-    // request of that size is created on its path (a steady stream of a new size never left the daemon quiet
-    // long enough for it, and nearly half of such a stream missed the stock).
+    // A size just asked often enough for a shelf of its own gets one now, filled at once: until it exists every request
+    // of that size is created on its path (a steady stream of a new size never left the daemon quiet long enough).
     if (stockable) this.lastRequestAt = performance.now();
     if (stockable && this.demand.note(device, size) === DEMAND_MIN_COUNT && !this.shelves.has(shelfKey(device, size))) {
       const added = this.addDemandShelf(device, size);

@@ -9,10 +9,10 @@ import * as http from 'node:http';
 import type { Logger } from 'pino';
 import { collectDefaultMetrics, Counter, Gauge, Histogram, Registry as MetricsRegistry } from 'prom-client';
 import type { Registry } from '../registry';
-import type { Budget } from '../registry/budgets';
 import type { SessionManager } from '../transport/session/sessions';
 import type { StoreRegistry } from '../stores/stores';
 import type { TurnMeter } from './turns';
+import type { Budget } from '../registry/budgets';
 import { busyPollStats } from '../../native/busy-poll';
 
 export interface MetricsInfo {

@@ -110,7 +110,7 @@ export class TestDaemon {
 
   /**
    * @param options.descriptorLimit RLIMIT_NOFILE (soft and hard) for the daemon, set by the shell that starts it
-   * @param options.as the daemon's uid and gid, as deployed (its own user; needs root): the socket directory is theirs
+   * @param options.as the daemon's uid and gid, as deployed: its own, no capabilities (needs root; the socket directory becomes theirs)
    */
   static async start(
     extraArgs: string[] = [],

@@ -158,6 +158,10 @@ describe('metrics', () => {
       expect(value(families, 'vmmd_stores', { target: 'sysmem', owner_kind: 'session' })).toBe(1);
       expect(value(families, 'vmmd_store_bytes', { target: 'sysmem' })).toBe(2 * 2 ** 20);
       expect(value(families, 'vmmd_rpc_streams_total', { service: 'vmmd.v1.Stores', method: 'Watch' })).toBe(1);
+      // The open Watch counts in its uid's budget of server streams, beside the budget's limit.
+      expect(value(families, 'vmmd_budget_used', { budget: 'server streams per uid', uid: String(uid) })).toBe(1);
+      expect(value(families, 'vmmd_budget_limit', { budget: 'server streams per uid' })).toBe(16);
+      expect(value(families, 'vmmd_budget_used', { budget: 'gRPC connections per uid', uid: String(uid) })).toBeGreaterThanOrEqual(1);
       expect(value(families, 'vmmd_rpc_streams_total', { service: 'vmmd.v1.Stores', method: 'Read' })).toBe(1);
       expect(value(families, 'vmmd_rpc_streams_total', { service: 'vmmd.v1.VirtualMemory', method: 'Read' })).toBe(1);
       expect(value(families, 'vmmd_rpc_streams_total', { service: 'vmmd.v1.VirtualMemory', method: 'Write' })).toBe(1);

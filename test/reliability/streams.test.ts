@@ -104,7 +104,12 @@ describe('server streams whose readers stop (host)', () => {
     // and a stalled watcher would be ended READER_STALLED (bounded too) before this test reads why it was dropped.
     // The daemon's old space is capped (as the load scenario runs it) so that its RSS measures what it keeps, not
     // garbage V8 has not collected yet: uncapped, the full size grew 94 MiB; capped at 48 MiB, 17 MiB.
-    daemon = await TestDaemon.start(['--host-capacity', '64MiB', '--stream-stall-ms', '600000'], 'host', { NODE_OPTIONS: '--max-old-space-size=64' });
+    // Every watcher here is root's: its uid's budgets of server streams and connections are raised to hold them all.
+    daemon = await TestDaemon.start(
+      ['--host-capacity', '64MiB', '--stream-stall-ms', '600000', '--max-server-streams-per-uid', String(WATCHERS + 2), '--max-connections-per-uid', String(WATCHERS + 8)],
+      'host',
+      { NODE_OPTIONS: '--max-old-space-size=64' },
+    );
     const maker = await connect({ socketDir: daemon.dir });
     clients.push(maker);
     const allocation = await maker.vmm.create({ size: 2n * MiB });

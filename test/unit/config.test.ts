@@ -143,3 +143,31 @@ describe('the per-uid budgets', () => {
     [['--max-address-space-per-uid', '256TiB'], /--max-address-space-per-uid: 281474976710656 is more than the 140737488355328 bytes/],
   ])('refuse %j naming the key and the bounds', (argv, message) => expect(() => run(argv)).toThrow(message));
 });
+
+describe('the transport budgets', () => {
+  it('default to 16 server and 8 client streams, 256 KiB in flight, 2 MiB messages, 64 connections, 64 and 1024 unread descriptors', () => {
+    expect(run([])).toMatchObject({
+      maxServerStreamsPerUid: 16,
+      maxClientStreamsPerUid: 8,
+      streamBytesInFlight: 256 << 10,
+      maxMessageBytes: 2 << 20,
+      maxConnectionsPerUid: 64,
+      maxUnreadDescriptorsPerSession: 64,
+      maxUnreadDescriptorsPerUid: 1024,
+    });
+  });
+  it('take the flag, else the environment', () => {
+    expect(run(['--max-server-streams-per-uid', '4'], { VMMD_MAX_SERVER_STREAMS_PER_UID: '9' }).maxServerStreamsPerUid).toBe(4);
+    expect(run([], { VMMD_MAX_CONNECTIONS_PER_UID: '9' }).maxConnectionsPerUid).toBe(9);
+    expect(run(['--stream-bytes-in-flight', '64KiB']).streamBytesInFlight).toBe(64 << 10);
+    expect(run([], { VMMD_MAX_MESSAGE_BYTES: '4MiB' }).maxMessageBytes).toBe(4 << 20);
+    expect(run(['--max-unread-descriptors-per-uid', '100']).maxUnreadDescriptorsPerUid).toBe(100);
+  });
+  it.each([
+    ['--max-client-streams-per-uid', '0'],
+    ['--max-unread-descriptors-per-session', '0'],
+    ['--stream-bytes-in-flight', '1KiB'],
+    ['--max-message-bytes', '1MiB'],
+    ['--max-message-bytes', '1GiB'],
+  ])('refuse %s %s naming the flag', (flag, text) => expect(() => run([flag, text])).toThrow(new RegExp(`^${flag}`)));
+});

@@ -12,7 +12,8 @@ import { RecordingBackend } from '../contracts/recording-backend';
 import { FakeBackend, GRANULARITY } from './fake-backend';
 
 const log = pino({ level: 'silent' });
-const session = { id: 7n, log } as unknown as Session;
+// A session with room for every descriptor answer (the transport counts them; test/e2e/unread-descriptors.test.ts).
+const session = { id: 7n, log, checkDescriptorRoom: () => undefined } as unknown as Session;
 
 function setup() {
   const backend = new FakeBackend();
@@ -245,7 +246,7 @@ describe('a free that fails after its release was answered', () => {
     const registry = new Registry(backend);
     const dispatcher = new SessionDispatcher({ registry, stores: new StoreRegistry(registry), reclaimers: [] });
     const sent: unknown[] = [];
-    const owner = { id: 7n, log, trySend: (message: unknown) => void sent.push(message) } as unknown as Session;
+    const owner = { id: 7n, log, checkDescriptorRoom: () => undefined, trySend: (message: unknown) => void sent.push(message) } as unknown as Session;
     const allocated = await dispatcher.answer(owner, { type: 'allocate', request: '1', size: String(GRANULARITY) }, -1);
     const id = (allocated.reply as { allocation: string }).allocation;
     backend.failures = 2;

@@ -231,6 +231,9 @@ const HANDLERS: Record<string, Handler<never>> = { allocate, release, share, exp
   Handler<never>
 >;
 
+/** Requests whose answer carries a descriptor: refused before they act when the client has too many unread. */
+const DESCRIPTOR_ANSWERS = new Set(['allocate', 'export', 'open']);
+
 /** Messages only the daemon sends: a client sending one is refused by name. */
 const DAEMON_MESSAGES = new Set(['hello', 'error', 'pong', 'allocated', 'released', 'shared', 'exported', 'opened']);
 
@@ -250,6 +253,7 @@ export class SessionDispatcher implements SessionServices {
     if (typeof parsed === 'string') throw refuseMessage('BAD_MESSAGE', parsed);
     if (fd >= 0) throw refuseMessage('UNEXPECTED_DESCRIPTOR', 'only transfer messages may carry a descriptor');
     if (handler.method !== 'Ping') this.deps.check?.(session, handler.method);
+    if (DESCRIPTOR_ANSWERS.has(message.type)) session.checkDescriptorRoom();
     return handler.answer(session, parsed, this.deps);
   }
 

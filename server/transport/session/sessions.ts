@@ -6,44 +6,24 @@
  * sends back. The connection is the lease: when it closes, the session's
  * in-flight calls drain and the daemon reclaims everything it owns.
  */
-import { randomBytes } from 'node:crypto';
-import { describeProcess, PeerProcess, stillRunning } from './peer-process';
+import { stillRunning } from './peer-process';
 import type { Logger } from 'pino';
 import { status as Status } from '@grpc/grpc-js';
 import { traceClock, traceMark, traceSince, tracing } from '../../../common/trace';
-import { DAEMON_SETTINGS } from '../../../common/daemon-settings';
 import { decodeMessage, encodeMessage, PROTOCOL_VERSION, readableRequestId, SessionMessage, TRANSFER_ID_PATTERN } from '../../../common/protocol';
-import { TransferInbox } from '../../../common/transfer-inbox';
 import { addon, Credentials } from '../../../native';
 import { SeqpacketConnection, SeqpacketListener, SeqpacketMessage } from '../../../native/seqpacket';
 import { LogLimiter } from '../../observability/log-limiter';
 import type { TurnMeter } from '../../observability/turns';
-import { type CodeWithStatus, deadlineExceeded, type ErrorCode, ERROR_CODE_KEY, failedPrecondition, RpcError, toServiceError, unauthenticated, unavailable } from '../../errors';
+import { type ErrorCode, ERROR_CODE_KEY, RpcError, toServiceError, unauthenticated } from '../../errors';
+import { FairShare } from './fair-share';
+import { DEFAULT_SESSION_OPTIONS, refuseMessage, Session, SessionOptions } from './session';
+import { UnreadDescriptors } from './unread-descriptors';
 
-export interface SessionOptions {
-  /** Why a peer may not open a session, or undefined when it may. */
-  authorize?: (peer: Credentials) => string | undefined;
-  /** How long Import waits for a descriptor the client has not sent yet. */
-  transferWaitMs: number;
-  /** How long a received, unclaimed descriptor is kept before it is closed. */
-  transferKeepMs: number;
-  /** Unclaimed descriptors a session may hold at once; more are closed and refused. */
-  maxPendingTransfers: number;
-  /** Sessions one uid may hold open at once. */
-  maxSessionsPerUid: number;
-  /** Unclaimed descriptors one uid's sessions may hold at once. */
-  maxTransfersPerUid: number;
-  /** The backend's name, told to each client in its hello. */
-  backend?: string;
-}
+export { refuseMessage, Session };
 
-export const DEFAULT_SESSION_OPTIONS: SessionOptions = {
-  transferWaitMs: DAEMON_SETTINGS.transferWaitMs.default,
-  transferKeepMs: 30_000,
-  maxPendingTransfers: 64,
-  maxSessionsPerUid: DAEMON_SETTINGS.maxSessionsPerUid.default,
-  maxTransfersPerUid: DAEMON_SETTINGS.maxTransfersPerUid.default,
-};
+export { DEFAULT_SESSION_OPTIONS } from './session';
+export type { SessionOptions } from './session';
 
 /** A request message as framed: an object with a string type (the dispatcher checks the rest). */
 export type RequestMessage = { type: string } & Record<string, unknown>;
@@ -94,106 +74,6 @@ function heldBack(allowed: { suppressed: number } | undefined): { heldBack?: num
   return allowed !== undefined && allowed.suppressed > 0 ? { heldBack: allowed.suppressed } : {};
 }
 
-/** An error that refuses a message as malformed (answered without a request's status). */
-export function refuseMessage(code: CodeWithStatus<'INVALID_ARGUMENT'>, message: string): RpcError {
-  return Object.assign(new RpcError(Status.INVALID_ARGUMENT, code, message), { messageRefused: true });
-}
-
-export class Session {
-  readonly token = randomBytes(32).toString('hex');
-  readonly log: Logger;
-  closing = false;
-  // Invariant: inFlight counts calls of this session that started and have not settled.
-  private inFlight = 0;
-  private drainWaiters: Array<() => void> = [];
-  private nextOutgoing = 1n;
-  /** Descriptors the client sent, until a call claims them. */
-  readonly inbox: TransferInbox;
-  /** The peer's command name and cgroup, read when the session opened. */
-  readonly process: PeerProcess;
-
-  constructor(
-    readonly id: bigint,
-    readonly peer: Credentials,
-    readonly connection: SeqpacketConnection,
-    log: Logger,
-    options: SessionOptions,
-    limits: { logLimiter: LogLimiter; mayHold: () => string | undefined },
-  ) {
-    this.process = describeProcess(peer.pid);
-    this.log = log.child({ session: String(id), peerPid: peer.pid, peerUid: peer.uid, command: this.process.command });
-    this.inbox = new TransferInbox({
-      keepMs: options.transferKeepMs,
-      maxHeld: options.maxPendingTransfers,
-      mayHold: limits.mayHold,
-      increasing: true,
-      close: (fd) => addon.close(fd),
-      expired: (transfer) => {
-        const allowed = limits.logLimiter.allow(`expired:${peer.uid}`);
-        if (allowed !== undefined) this.log.warn({ transfer, heldBack: allowed.suppressed }, 'an unclaimed descriptor expired');
-      },
-      errors: {
-        notReceived: (transfer, waitMs) =>
-          deadlineExceeded('TRANSFER_NOT_RECEIVED', `no descriptor arrived as transfer ${transfer} on session ${id}'s socket within ${waitMs} ms`),
-        used: (transfer, when) =>
-          failedPrecondition(
-            'TRANSFER_USED',
-            when === 'claiming' ? `transfer ${transfer} is already being claimed` : `transfer ${transfer} was already claimed, refused or expired`,
-          ),
-        closed: (transfer) =>
-          unavailable('SESSION_CLOSED', transfer === undefined ? `session ${id} is closed` : `session ${id} closed before transfer ${transfer} arrived`),
-      },
-    });
-  }
-
-  get inFlightCalls(): number {
-    return this.inFlight;
-  }
-
-  /** Runs a call as part of this session; the session's reclaim waits for it. */
-  async track<T>(call: () => Promise<T>): Promise<T> {
-    this.inFlight++;
-    try {
-      return await call();
-    } finally {
-      this.inFlight--;
-      if (this.inFlight === 0) for (const wake of this.drainWaiters.splice(0)) wake();
-    }
-  }
-
-  drained(): Promise<void> {
-    if (this.inFlight === 0) return Promise.resolve();
-    return new Promise((resolve) => this.drainWaiters.push(resolve));
-  }
-
-  /** @throws UNAVAILABLE SESSION_SOCKET_FULL */
-  send(message: SessionMessage, fd = -1): void {
-    if (!this.connection.send(encodeMessage(message), fd)) {
-      throw unavailable('SESSION_SOCKET_FULL', `session ${this.id}'s socket is full; the client is not reading it`);
-    }
-  }
-
-  /**
-   * Sends a descriptor to the client; the caller keeps (and closes) its own fd.
-   * @returns the transfer id the client pairs it with
-   * @throws UNAVAILABLE SESSION_SOCKET_FULL; the socket's error
-   */
-  sendTransfer(fd: number, about: { allocation: bigint; size: bigint }): string {
-    const transfer = String(this.nextOutgoing++);
-    this.send({ type: 'transfer', transfer, allocation: String(about.allocation), size: String(about.size) }, fd);
-    return transfer;
-  }
-
-  /** Sends a message the client may not be reading; a failure only costs the client its answer. */
-  trySend(message: SessionMessage, fd = -1): void {
-    try {
-      this.send(message, fd);
-    } catch {
-      // Not reading its socket: its request times out on its side.
-    }
-  }
-}
-
 /**
  * What a session message's turn is called (GetStats, the long-turn log): its
  * type where the daemon knows it (a request, a transfer), else "unknown
@@ -217,11 +97,16 @@ export class SessionManager {
   // Sessions opening and ending are worth a line each, but one uid's hundreds are no flood: 20 per uid
   // and kind per 10 s at their level, the rest at debug.
   private readonly lifeLogLimiter = new LogLimiter(10_000, 20);
+  /** The event loop's turns for session messages, shared over uids. */
+  readonly fairShare = new FairShare();
+  private readonly unread?: UnreadDescriptors;
 
   constructor(
     private readonly log: Logger,
     private readonly options: SessionOptions = DEFAULT_SESSION_OPTIONS,
-  ) {}
+  ) {
+    if (options.budgets !== undefined) this.unread = new UnreadDescriptors(options.budgets);
+  }
 
   /** Starts accepting sessions on `path`; `services` answers their requests and reclaims them. */
   listen(path: string, services: SessionServices, hooks: SessionHooks = {}): void {
@@ -345,7 +230,9 @@ export class SessionManager {
     const session = new Session(this.nextId++, peer, connection, this.log, this.options, {
       logLimiter: this.logLimiter,
       mayHold: () => this.transferBound(peer.uid),
+      descriptors: this.unread,
     });
+    this.fairShare.adopt(connection, peer.uid);
     this.sessions.set(session.id, session);
     this.byToken.set(session.token, session);
     connection.on('message', (message: SeqpacketMessage) => this.onMessage(session, message));
@@ -469,6 +356,7 @@ export class SessionManager {
       session.log[allowed === undefined ? 'debug' : 'warn']({ reason: session.connection.closeReason, ...heldBack(allowed) }, 'the session socket failed; closing the session');
     }
     session.inbox.close();
+    this.unread?.closed(session);
     const reclaim = (async () => {
       await session.drained();
       let reclaimed: ReclaimSummary | void = undefined;

@@ -12,6 +12,9 @@ import { failedPrecondition, resourceExhausted, toServiceError } from '../../../
 import { DAEMON_OWNER } from '../../../registry/records';
 import type { Session, SessionManager } from '../../session/sessions';
 import type { TurnMeter } from '../../../observability/turns';
+import type { Budget } from '../../../registry/budgets';
+import { TCP_HOLDER, takeOnce, TransportBudgets } from '../../budgets';
+import type { FairCalls } from './fair-calls';
 
 /** Who is calling: a session, or nobody (owner 0, the daemon). */
 export interface CallContext {
@@ -38,6 +41,35 @@ export interface HandlerDeps {
   moved?: (method: string, direction: 'read' | 'write', bytes: number) => void;
   /** Measures each call's turn of the event loop from its handler on (server/observability/turns.ts). */
   turns?: TurnMeter;
+  /** Streams per uid and bytes in flight per stream (server/transport/budgets.ts); absent: no bounds. */
+  budgets?: TransportBudgets;
+  /** Starts calls in turns shared over uids (./fair-calls.ts); absent: each at once. */
+  fair?: FairCalls;
+}
+
+/** Runs a call's start in its uid's turn (at once without deps.fair, or when the peer cannot be read: the call refuses itself). */
+function startFairly(deps: HandlerDeps, call: { getPeer(): string; getAuthContext(): { sslPeerCertificate?: unknown } }, start: () => void): void {
+  if (deps.fair === undefined) return start();
+  let holder: number | string;
+  try {
+    holder = deps.access.identify(call.getPeer(), call.getAuthContext()).peer?.uid ?? TCP_HOLDER;
+  } catch {
+    return start();
+  }
+  deps.fair.run(holder, start);
+}
+
+/**
+ * Counts a stream against its uid's budget until it ends or is cancelled, whichever comes first.
+ * @throws RESOURCE_EXHAUSTED BUDGET_EXCEEDED
+ */
+function holdStream(budget: Budget | undefined, context: CallContext, call: { once(event: 'cancelled', listener: () => void): unknown }): () => void {
+  if (budget === undefined) return () => undefined;
+  const give = takeOnce(budget, context.who?.peer?.uid ?? TCP_HOLDER);
+  call.once('cancelled', give);
+  // Cancelled while it waited for its turn: no 'cancelled' comes again.
+  if ((call as { cancelled?: boolean }).cancelled) give();
+  return give;
 }
 
 /** The bytes of a message's `data` field (DataChunk, WriteRequest, DataWriteRequest), 0 without one. */
@@ -133,54 +165,64 @@ export function unary<Req, Res>(
   method: string,
   body: (request: Req, context: CallContext) => Promise<Res> | Res,
 ): grpc.handleUnaryCall<Req, Res> {
-  return (call, callback) => {
-    deps.turns?.enter('grpc', method);
-    void settle(deps, method, withContext(deps, call, method, async (context) => body(call.request, context))).then(({ value, error }) => {
-      if (error !== undefined) return callback(error as grpc.ServiceError);
-      countUnaryBytes(deps, method, value);
-      callback(null, value);
+  return (call, callback) =>
+    startFairly(deps, call, () => {
+      deps.turns?.enter('grpc', method);
+      void settle(deps, method, withContext(deps, call, method, async (context) => body(call.request, context))).then(({ value, error }) => {
+        if (error !== undefined) return callback(error as grpc.ServiceError);
+        countUnaryBytes(deps, method, value);
+        callback(null, value);
+      });
     });
-  };
 }
 
-/**
- * What a server stream hands grpc-js before the transport has taken it: at
- * most this many bytes (and always 2 messages, however large), all that one
- * stalled reader can make the daemon hold besides the HTTP/2 window.
- */
+/** What a server stream hands grpc-js before its reader has taken it, without a TransportBudgets. */
 const BYTES_IN_FLIGHT = 64 << 10;
-const WRITES_IN_FLIGHT = 2;
 
 /** A message's size as far as the bound goes: its bytes field, else a small constant (store events). */
 const sizeOf = (message: unknown) => (message as { data?: { length?: number } }).data?.length ?? 512;
 
 /**
- * Writes a stream's messages with at most BYTES_IN_FLIGHT (or WRITES_IN_FLIGHT) not yet taken by
+ * A data message ({offset, data}) cut into pieces of at most `most` bytes,
+ * each with its own offset (the readers join them in order); other messages whole.
+ */
+function* pieces(message: unknown, most: number): Generator<unknown> {
+  const { data, offset } = message as { data?: unknown; offset?: unknown };
+  if (!(data instanceof Uint8Array) || data.length <= most || typeof offset !== 'string') {
+    yield message;
+    return;
+  }
+  for (let at = 0; at < data.length; at += most) {
+    yield { ...(message as object), offset: String(BigInt(offset) + BigInt(at)), data: data.subarray(at, at + most) };
+  }
+}
+
+/**
+ * Writes a stream's messages with at most `bytesInFlight` not yet taken by
  * the transport (HTTP/2 flow control holds them while the reader reads
- * nothing), so that a reader that stops holds a bounded amount of the
- * daemon's memory, and is cut off after stallMs.
+ * nothing): the next message is made only once grpc-js has taken the last
+ * ones, so that a reader that stops holds a bounded amount of the daemon's
+ * memory, and is cut off after stallMs.
  */
 class BoundedWriter {
-  private inFlight = 0;
   private bytesInFlight = 0;
   private wake?: () => void;
 
   constructor(
     private readonly call: grpc.ServerWritableStream<unknown, unknown>,
     private readonly stallMs: number,
+    readonly bytesLimit: number,
   ) {}
 
   /** @throws RESOURCE_EXHAUSTED READER_STALLED when the reader takes nothing for stallMs */
   async write(message: unknown): Promise<void> {
     const bytes = sizeOf(message);
-    this.inFlight++;
     this.bytesInFlight += bytes;
-    this.call.write(message, () => {
-      this.inFlight--;
+    const more = this.call.write(message, () => {
       this.bytesInFlight -= bytes;
-      this.wake?.();
+      if (this.bytesInFlight < this.bytesLimit) this.wake?.();
     });
-    if (this.inFlight < WRITES_IN_FLIGHT || this.bytesInFlight < BYTES_IN_FLIGHT) return;
+    if (more && this.bytesInFlight < this.bytesLimit) return;
     await new Promise<void>((resolve, reject) => {
       const done = () => {
         clearTimeout(timer);
@@ -200,6 +242,7 @@ class BoundedWriter {
       }, this.stallMs);
       this.wake = done;
       this.call.on('cancelled', done);
+      if (this.bytesInFlight < this.bytesLimit) done();
     });
   }
 }
@@ -214,27 +257,36 @@ export function serverStream<Req, Res>(
   body: (request: Req, context: CallContext) => AsyncIterable<Res>,
   options: { tracked?: boolean } = {},
 ): grpc.handleServerStreamingCall<Req, Res> {
-  return (call) => {
-    deps.turns?.enter('grpc', method);
-    const run = withContext(
-      deps,
-      call,
-      method,
-      async (context) => {
-        const writer = new BoundedWriter(call as grpc.ServerWritableStream<unknown, unknown>, deps.streamStallMs);
-        for await (const message of body(call.request, context)) {
-          if (call.cancelled) return;
-          deps.moved?.(method, 'read', dataBytes(message));
-          await writer.write(message);
-        }
-      },
-      options.tracked ?? true,
-    );
-    // grpc-js turns an 'error' event on a server stream into the call's status.
-    const settled = settle(deps, method, run);
-    countStream(deps, method, call, settled);
-    void settled.then(({ error }) => (error === undefined ? call.end() : call.emit('error', error)));
-  };
+  return (call) =>
+    startFairly(deps, call, () => {
+      deps.turns?.enter('grpc', method);
+      const run = withContext(
+        deps,
+        call,
+        method,
+        async (context) => {
+          const give = holdStream(deps.budgets?.serverStreams, context, call);
+          try {
+            const most = deps.budgets?.limits.streamBytesInFlight ?? BYTES_IN_FLIGHT;
+            const writer = new BoundedWriter(call as grpc.ServerWritableStream<unknown, unknown>, deps.streamStallMs, most);
+            for await (const message of body(call.request, context)) {
+              deps.moved?.(method, 'read', dataBytes(message));
+              for (const piece of pieces(message, most)) {
+                if (call.cancelled) return;
+                await writer.write(piece);
+              }
+            }
+          } finally {
+            give();
+          }
+        },
+        options.tracked ?? true,
+      );
+      // grpc-js turns an 'error' event on a server stream into the call's status.
+      const settled = settle(deps, method, run);
+      countStream(deps, method, call, settled);
+      void settled.then(({ error }) => (error === undefined ? call.end() : call.emit('error', error)));
+    });
 }
 
 export function clientStream<Req, Res>(
@@ -242,13 +294,25 @@ export function clientStream<Req, Res>(
   method: string,
   body: (requests: AsyncIterable<Req>, context: CallContext) => Promise<Res>,
 ): grpc.handleClientStreamingCall<Req, Res> {
-  return (call, callback) => {
-    deps.turns?.enter('grpc', method);
-    const requests = countingWrites(deps, method, call as AsyncIterable<Req>);
-    const settled = settle(deps, method, withContext(deps, call, method, (context) => body(requests, context)));
-    countStream(deps, method, call, settled);
-    void settled.then(
-      ({ value, error }) => (error === undefined ? callback(null, value as Res) : callback(error as grpc.ServiceError)),
-    );
-  };
+  return (call, callback) =>
+    startFairly(deps, call, () => {
+      deps.turns?.enter('grpc', method);
+      const requests = countingWrites(deps, method, call as AsyncIterable<Req>);
+      const settled = settle(
+        deps,
+        method,
+        withContext(deps, call, method, async (context) => {
+          const give = holdStream(deps.budgets?.clientStreams, context, call);
+          try {
+            return await body(requests, context);
+          } finally {
+            give();
+          }
+        }),
+      );
+      countStream(deps, method, call, settled);
+      void settled.then(
+        ({ value, error }) => (error === undefined ? callback(null, value as Res) : callback(error as grpc.ServiceError)),
+      );
+    });
 }

@@ -87,6 +87,7 @@ export class StoresService {
   /** @throws PERMISSION_DENIED NOT_STORE_WRITER (asked writable by a uid that is not the store's writer) */
   async open(request: OpenRequest__Output, context: CallContext): Promise<OpenResponse> {
     const session = requireSession(context, 'Open');
+    session.checkDescriptorRoom();
     const store = this.stores.findRef(request.store);
     const { fd, descriptorReadOnly } = await openFor(this.stores, context.caller, store, request.writable, context.who);
     let transferId: string;

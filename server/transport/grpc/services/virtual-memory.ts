@@ -130,6 +130,7 @@ export class VirtualMemoryService {
     const kind = handleType(request.handleType);
     // A descriptor needs a session to travel on; fabric bytes travel in the response.
     const session = kind === 'POSIX_FD' ? requireSession(context, 'Export') : undefined;
+    session?.checkDescriptorRoom();
     const exported = await this.registry.exportHandle(context.caller, {
       allocationId: u64(request.allocationId),
       handleType: kind,
@@ -141,6 +142,7 @@ export class VirtualMemoryService {
   /** Create, then Export to the calling session; the allocation is released again if the export fails. */
   async allocate(request: CreateRequest__Output, context: CallContext): Promise<ExportResponse> {
     const session = requireSession(context, 'Allocate');
+    session.checkDescriptorRoom();
     const args = { size: u64(request.size), location: location(request.location, this.resolveDevice), handleType: handleType(request.handleType) };
     const exported = await this.registry.createExported(context.caller, args, (cause) => context.log.error({ err: cause }, 'Allocate: the rollback failed'));
     return this.handOver(session, 'POSIX_FD', exported);

@@ -1,0 +1,168 @@
+/**
+ * One session: the peer it belongs to, its socket, the descriptors its client
+ * sent and not yet claimed, and its calls in flight (a closed session's
+ * reclaim waits for them). Its answers that carry a descriptor are counted
+ * until the client has read them (server/transport/session/unread-descriptors.ts).
+ */
+import { randomBytes } from 'node:crypto';
+import type { Logger } from 'pino';
+import { status as Status } from '@grpc/grpc-js';
+import { encodeMessage, SessionMessage } from '../../../common/protocol';
+import { TransferInbox } from '../../../common/transfer-inbox';
+import { addon, Credentials } from '../../../native';
+import type { SeqpacketConnection } from '../../../native/seqpacket';
+import type { LogLimiter } from '../../observability/log-limiter';
+import { type CodeWithStatus, deadlineExceeded, failedPrecondition, RpcError, unavailable } from '../../errors';
+import { DAEMON_SETTINGS } from '../../../common/daemon-settings';
+import { describeProcess, PeerProcess } from './peer-process';
+import type { TransportBudgets } from '../budgets';
+
+/** How sessions are opened and what each may hold (wired from the config in daemon.ts). */
+export interface SessionOptions {
+  /** Why a peer may not open a session, or undefined when it may. */
+  authorize?: (peer: Credentials) => string | undefined;
+  /** How long Import waits for a descriptor the client has not sent yet. */
+  transferWaitMs: number;
+  /** How long a received, unclaimed descriptor is kept before it is closed. */
+  transferKeepMs: number;
+  /** Unclaimed descriptors a session may hold at once; more are closed and refused. */
+  maxPendingTransfers: number;
+  /** Sessions one uid may hold open at once. */
+  maxSessionsPerUid: number;
+  /** Unclaimed descriptors one uid's sessions may hold at once. */
+  maxTransfersPerUid: number;
+  /** The backend's name, told to each client in its hello. */
+  backend?: string;
+  /** Unread descriptors per session, per uid and daemon-wide (server/transport/budgets.ts); absent: not bounded. */
+  budgets?: TransportBudgets;
+}
+
+export const DEFAULT_SESSION_OPTIONS: SessionOptions = {
+  transferWaitMs: DAEMON_SETTINGS.transferWaitMs.default,
+  transferKeepMs: 30_000,
+  maxPendingTransfers: 64,
+  maxSessionsPerUid: DAEMON_SETTINGS.maxSessionsPerUid.default,
+  maxTransfersPerUid: DAEMON_SETTINGS.maxTransfersPerUid.default,
+};
+
+/** What counts a session's answers that carry a descriptor until its client has read them. */
+export interface DescriptorsInFlight {
+  /** @throws RESOURCE_EXHAUSTED BUDGET_EXCEEDED when the session may be sent no more now */
+  check(session: Session): void;
+  /** One more was sent. */
+  sent(session: Session): void;
+}
+
+/** An error that refuses a message as malformed (answered without a request's status). */
+export function refuseMessage(code: CodeWithStatus<'INVALID_ARGUMENT'>, message: string): RpcError {
+  return Object.assign(new RpcError(Status.INVALID_ARGUMENT, code, message), { messageRefused: true });
+}
+
+export class Session {
+  readonly token = randomBytes(32).toString('hex');
+  readonly log: Logger;
+  closing = false;
+  // Invariant: inFlight counts calls of this session that started and have not settled.
+  private inFlight = 0;
+  private drainWaiters: Array<() => void> = [];
+  private nextOutgoing = 1n;
+  /** Descriptors the client sent, until a call claims them. */
+  readonly inbox: TransferInbox;
+  /** The peer's command name and cgroup, read when the session opened. */
+  readonly process: PeerProcess;
+  private readonly descriptors?: DescriptorsInFlight;
+
+  constructor(
+    readonly id: bigint,
+    readonly peer: Credentials,
+    readonly connection: SeqpacketConnection,
+    log: Logger,
+    options: SessionOptions,
+    limits: { logLimiter: LogLimiter; mayHold: () => string | undefined; descriptors?: DescriptorsInFlight },
+  ) {
+    this.descriptors = limits.descriptors;
+    this.process = describeProcess(peer.pid);
+    this.log = log.child({ session: String(id), peerPid: peer.pid, peerUid: peer.uid, command: this.process.command });
+    this.inbox = new TransferInbox({
+      keepMs: options.transferKeepMs,
+      maxHeld: options.maxPendingTransfers,
+      mayHold: limits.mayHold,
+      increasing: true,
+      close: (fd) => addon.close(fd),
+      expired: (transfer) => {
+        const allowed = limits.logLimiter.allow(`expired:${peer.uid}`);
+        if (allowed !== undefined) this.log.warn({ transfer, heldBack: allowed.suppressed }, 'an unclaimed descriptor expired');
+      },
+      errors: {
+        notReceived: (transfer, waitMs) =>
+          deadlineExceeded('TRANSFER_NOT_RECEIVED', `no descriptor arrived as transfer ${transfer} on session ${id}'s socket within ${waitMs} ms`),
+        used: (transfer, when) =>
+          failedPrecondition(
+            'TRANSFER_USED',
+            when === 'claiming' ? `transfer ${transfer} is already being claimed` : `transfer ${transfer} was already claimed, refused or expired`,
+          ),
+        closed: (transfer) =>
+          unavailable('SESSION_CLOSED', transfer === undefined ? `session ${id} is closed` : `session ${id} closed before transfer ${transfer} arrived`),
+      },
+    });
+  }
+
+  get inFlightCalls(): number {
+    return this.inFlight;
+  }
+
+  /** Runs a call as part of this session; the session's reclaim waits for it. */
+  async track<T>(call: () => Promise<T>): Promise<T> {
+    this.inFlight++;
+    try {
+      return await call();
+    } finally {
+      this.inFlight--;
+      if (this.inFlight === 0) for (const wake of this.drainWaiters.splice(0)) wake();
+    }
+  }
+
+  drained(): Promise<void> {
+    if (this.inFlight === 0) return Promise.resolve();
+    return new Promise((resolve) => this.drainWaiters.push(resolve));
+  }
+
+  /**
+   * Refuses a request whose answer would carry a descriptor when the client has
+   * too many unread already: checked before the request does anything.
+   * @throws RESOURCE_EXHAUSTED BUDGET_EXCEEDED
+   */
+  checkDescriptorRoom(): void {
+    this.descriptors?.check(this);
+  }
+
+  /** @throws UNAVAILABLE SESSION_SOCKET_FULL; RESOURCE_EXHAUSTED BUDGET_EXCEEDED (a descriptor, with too many unread) */
+  send(message: SessionMessage, fd = -1): void {
+    if (fd >= 0) this.descriptors?.check(this);
+    if (!this.connection.send(encodeMessage(message), fd)) {
+      throw unavailable('SESSION_SOCKET_FULL', `session ${this.id}'s socket is full; the client is not reading it`);
+    }
+    if (fd >= 0) this.descriptors?.sent(this);
+  }
+
+  /**
+   * Sends a descriptor to the client; the caller keeps (and closes) its own fd.
+   * @returns the transfer id the client pairs it with
+   * @throws UNAVAILABLE SESSION_SOCKET_FULL; the socket's error
+   */
+  sendTransfer(fd: number, about: { allocation: bigint; size: bigint }): string {
+    const transfer = String(this.nextOutgoing++);
+    this.send({ type: 'transfer', transfer, allocation: String(about.allocation), size: String(about.size) }, fd);
+    return transfer;
+  }
+
+  /** Sends a message the client may not be reading; a failure only costs the client its answer. */
+  trySend(message: SessionMessage, fd = -1): void {
+    try {
+      this.send(message, fd);
+    } catch {
+      // Not reading its socket: its request times out on its side.
+    }
+  }
+}
+

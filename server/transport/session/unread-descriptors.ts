@@ -1,0 +1,62 @@
+/**
+ * Answers carrying a descriptor that a session's client has not read yet.
+ * Each one counts against the daemon's own uid in the kernel until it is read
+ * (unix_inflight): past RLIMIT_NOFILE every descriptor the daemon sends fails
+ * ETOOMANYREFS, for every uid. So they are counted per session, per uid and
+ * daemon-wide, and a request whose answer would carry one more is refused
+ * (BUDGET_EXCEEDED) before it is sent. The protocol has no receipt: what the
+ * client has read is learned from the socket (SIOCOUTQ): once nothing it was
+ * sent is queued, it has read every descriptor. Until then every descriptor
+ * sent since the queue was last seen empty counts as unread.
+ */
+import type { Budget } from '../../registry/budgets';
+import { DAEMON_HOLDER, TransportBudgets } from '../budgets';
+import type { DescriptorsInFlight, Session } from './session';
+
+const sessionHolder = (session: Session) => `session ${session.id}`;
+
+export class UnreadDescriptors implements DescriptorsInFlight {
+  constructor(private readonly budgets: TransportBudgets) {}
+
+  /** The budgets one session's unread descriptor counts in, with the holder each counts it under. */
+  private counted(session: Session): Array<[Budget, string | number]> {
+    return [
+      [this.budgets.unreadDescriptorsOfSession, sessionHolder(session)],
+      [this.budgets.unreadDescriptorsOfUid, session.peer.uid],
+      [this.budgets.allUnreadDescriptors, DAEMON_HOLDER],
+    ];
+  }
+
+  /** @throws RESOURCE_EXHAUSTED BUDGET_EXCEEDED naming the first budget that has no room */
+  check(session: Session): void {
+    this.settle(session);
+    for (const [budget, holder] of this.counted(session)) if (!budget.fits(holder)) throw budget.refusal(holder);
+  }
+
+  sent(session: Session): void {
+    for (const [budget, holder] of this.counted(session)) budget.take(holder);
+  }
+
+  /** A closed session's unread descriptors went back to the kernel with its socket. */
+  closed(session: Session): void {
+    this.forget(session);
+  }
+
+  /** Forgets a session's descriptors once its client has read everything it was sent. */
+  settle(session: Session): void {
+    if (this.budgets.unreadDescriptorsOfSession.usedBy(sessionHolder(session)) === 0) return;
+    let queued: number;
+    try {
+      queued = session.connection.unsentBytes();
+    } catch {
+      return; // the socket is closing: closed() forgets them
+    }
+    if (queued === 0) this.forget(session);
+  }
+
+  private forget(session: Session): void {
+    const unread = this.budgets.unreadDescriptorsOfSession.usedBy(sessionHolder(session));
+    if (unread === 0) return;
+    for (const [budget, holder] of this.counted(session)) budget.give(holder, unread);
+  }
+}
