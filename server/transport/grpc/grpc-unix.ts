@@ -17,8 +17,11 @@ const ACCEPT_ERROR_LOG_MS = 10_000;
 export class GrpcUnixListener {
   private constructor(private readonly server: net.Server, private readonly injector: grpc.ConnectionInjector) {}
 
-  /** Listens on `path` and hands every attributed connection to `grpcServer`. */
-  static async listen(grpcServer: grpc.Server, path: string, log: Logger): Promise<GrpcUnixListener> {
+  /**
+   * Listens on `path` and hands every attributed connection to `grpcServer`;
+   * `connected` is told of each, and what it returns is called once it closes.
+   */
+  static async listen(grpcServer: grpc.Server, path: string, log: Logger, connected?: () => () => void): Promise<GrpcUnixListener> {
     const injector = grpcServer.createConnectionInjector(grpc.ServerCredentials.createInsecure());
     let lastErrorLog = 0;
     let suppressed = 0;
@@ -35,6 +38,8 @@ export class GrpcUnixListener {
       }
       // grpc-js reads the call's peer from the socket's remoteAddress (a Unix socket has none of its own).
       Object.defineProperty(socket, 'remoteAddress', { value: address, configurable: true });
+      const left = connected?.();
+      if (left !== undefined) socket.once('close', left);
       injector.injectConnection(socket);
     });
     // libuv already keeps a spare descriptor for EMFILE and closes waiting connections with it; this only keeps the log short.

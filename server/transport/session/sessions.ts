@@ -79,6 +79,8 @@ export interface SessionHooks {
   observe?: (method: string, status: string, code: string | undefined, seconds: number) => void;
   /** Measures each message's turn of the event loop (server/observability/turns.ts). */
   turns?: TurnMeter;
+  /** Told of each session when it opens; what it returns is called once the session's socket closes. */
+  connected?: () => () => void;
 }
 
 /** What a closed session's reclaim freed: its allocations (and their bytes) and reservations. */
@@ -347,8 +349,10 @@ export class SessionManager {
     });
     this.sessions.set(session.id, session);
     this.byToken.set(session.token, session);
+    const left = this.hooks.connected?.();
     connection.on('message', (message: SeqpacketMessage) => this.onMessage(session, message));
     connection.on('close', () => this.onClose(session));
+    if (left !== undefined) connection.once('close', left);
     try {
       session.send({
         type: 'hello',
