@@ -29,6 +29,8 @@ export interface Credentials {
   pid: number;
   uid: number;
   gid: number;
+  /** The peer's supplementary groups (SO_PEERGROUPS); absent where the kernel cannot say (before Linux 4.13). */
+  groups?: number[];
 }
 
 export type Received =

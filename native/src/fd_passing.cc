@@ -44,6 +44,25 @@ Napi::Object Credentials(Napi::Env env, int fd) {
   out.Set("pid", Napi::Number::New(env, cred.pid));
   out.Set("uid", Napi::Number::New(env, cred.uid));
   out.Set("gid", Napi::Number::New(env, cred.gid));
+  // The peer's supplementary groups as they were at connect(), as SO_PEERCRED's ids are
+  // (Linux 4.13+). Left out where the kernel has no SO_PEERGROUPS: the caller decides.
+  std::vector<gid_t> groups(32);
+  for (;;) {
+    socklen_t size = static_cast<socklen_t>(groups.size() * sizeof(gid_t));
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &size) == 0) {
+      groups.resize(size / sizeof(gid_t));
+      break;
+    }
+    if (errno == ERANGE && size > groups.size() * sizeof(gid_t)) {
+      groups.resize(size / sizeof(gid_t));
+      continue;
+    }
+    if (errno == ENOPROTOOPT) return out;
+    ThrowErrno(env, "getsockopt(SO_PEERGROUPS)");
+  }
+  Napi::Array list = Napi::Array::New(env, groups.size());
+  for (size_t i = 0; i < groups.size(); i++) list.Set(static_cast<uint32_t>(i), Napi::Number::New(env, groups[i]));
+  out.Set("groups", list);
   return out;
 }
 
@@ -115,7 +134,7 @@ Napi::Value SeqpacketAccept(const Napi::CallbackInfo& info) {
   return out;
 }
 
-// peerCredentials(fd) -> { pid, uid, gid }
+// peerCredentials(fd) -> { pid, uid, gid, groups? }
 Napi::Value PeerCredentials(const Napi::CallbackInfo& info) {
   return Credentials(info.Env(), FdArg(info, 0, "fd"));
 }

@@ -28,10 +28,10 @@ export interface DaemonConfig {
   logLevel: string;
   /** Group given the socket directory and sockets (mode 0750 / 0660); none: owner only (0700 / 0600). */
   socketGroup?: number;
-  /** Peers allowed on the session socket, by uid or primary gid; both empty: everyone who can reach it. */
+  /** Peers allowed on the session socket, by uid or gid (primary or supplementary); both empty: everyone who can reach it. */
   allowUids: number[];
   allowGids: number[];
-  /** Peers that may act daemon-wide (ClearCaches, GetReport, others' sessions and objects, calls without a session that change anything), by uid or primary gid. */
+  /** Peers that may act daemon-wide (ClearCaches, GetReport, others' sessions and objects, calls without a session that change anything), by uid or gid (primary or supplementary). */
   adminUids: number[];
   adminGids: number[];
   /** Sessions one uid may hold open at once. */
@@ -154,9 +154,9 @@ const SETTINGS: Record<string, Setting> = {
   socketDir: { flag: 'socket-dir', env: 'VMMD_SOCKET_DIR', placeholder: 'DIR', help: 'directory of vmmd.sock and vmmd.session.sock [/run/vmmd when writable, else $XDG_RUNTIME_DIR/vmmd, else /tmp/vmmd-$UID]' },
   socketGroup: { flag: 'socket-group', env: 'VMMD_SOCKET_GROUP', placeholder: 'GID', help: 'group of the socket directory (0750) and sockets (0660); unset: owner only (0700, 0600)' },
   allowUids: { flag: 'allow-uids', env: 'VMMD_ALLOW_UIDS', placeholder: 'LIST', help: 'comma-separated uids allowed on the session socket (with --allow-gids: either matches) [all who reach it]' },
-  allowGids: { flag: 'allow-gids', env: 'VMMD_ALLOW_GIDS', placeholder: 'LIST', help: 'comma-separated primary gids allowed on the session socket' },
+  allowGids: { flag: 'allow-gids', env: 'VMMD_ALLOW_GIDS', placeholder: 'LIST', help: 'comma-separated gids allowed on the session socket: a peer whose primary or supplementary group is one' },
   adminUids: { flag: 'admin-uids', env: 'VMMD_ADMIN_UIDS', placeholder: 'LIST', help: 'comma-separated uids that may act daemon-wide: ClearCaches, GetReport, listing and detaching what other uids hold, calls without a session that change anything [0]' },
-  adminGids: { flag: 'admin-gids', env: 'VMMD_ADMIN_GIDS', placeholder: 'LIST', help: 'comma-separated primary gids that may act daemon-wide [none]' },
+  adminGids: { flag: 'admin-gids', env: 'VMMD_ADMIN_GIDS', placeholder: 'LIST', help: 'comma-separated gids that may act daemon-wide, primary or supplementary [none]' },
   maxSessionsPerUid: { flag: 'max-sessions-per-uid', env: 'VMMD_MAX_SESSIONS_PER_UID', placeholder: 'N', help: 'sessions one uid may hold open at once [256]' },
   maxTransfersPerUid: { flag: 'max-transfers-per-uid', env: 'VMMD_MAX_TRANSFERS_PER_UID', placeholder: 'N', help: "received descriptors not yet claimed that one uid's sessions may hold at once [1024]" },
   streamStallMs: { flag: 'stream-stall-ms', env: 'VMMD_STREAM_STALL_MS', placeholder: 'MS', help: 'a server stream (Read) whose reader takes nothing this long is ended with RESOURCE_EXHAUSTED [30000]' },
