@@ -108,6 +108,8 @@ export interface Addon {
   peerCredentials(fd: number): Credentials;
   /** RLIMIT_NOFILE, after setting the soft limit to `soft` when given. */
   descriptorLimit(soft?: number): { soft: number; hard: number };
+  /** Asks the kernel for `signal` when the process's parent ends (PR_SET_PDEATHSIG). */
+  parentDeathSignal(signal: number): void;
   /** One datagram to a Unix socket path ('@name': abstract), as sd_notify sends. */
   unixDgramSend(path: string, data: Buffer): void;
   /** A bound, non-blocking datagram socket (read it with seqpacketRecv). */

@@ -1,4 +1,5 @@
 /** `vmmd`: parses the command line, starts the daemon, stops it on SIGTERM or SIGINT. */
+import * as os from 'node:os';
 import pino from 'pino';
 import { addon } from '../native';
 import { ConfigError, parseCommandLine, USAGE } from './app/config';
@@ -25,6 +26,7 @@ export async function main(argv: string[]): Promise<number> {
     return 0;
   }
   const log = pino({ level: command.config.logLevel, base: { pid: process.pid } });
+  if (process.env.npm_lifecycle_event !== undefined) endWithParent();
   // Handlers go in before the sockets exist: a SIGTERM that arrives while the
   // daemon starts stops it cleanly once it has started.
   let signalled: string | undefined;
@@ -60,6 +62,18 @@ export async function main(argv: string[]): Promise<number> {
     };
     if (signalled !== undefined) onSignal(signalled);
   });
+}
+
+/**
+ * Started by npm (`npm start`, `npx vmmd`), the daemon runs under a shell that
+ * npm started: npm passes its SIGTERM to that shell, which ends without passing
+ * it on, and the daemon would serve on as an orphan holding its socket. So
+ * there it asks the kernel for SIGTERM when its parent ends, and stops as
+ * SIGTERM always stops it. Started any other way, its parent's end is none of
+ * its business (a shell that started it in the background may well exit).
+ */
+function endWithParent(): void {
+  addon.parentDeathSignal(os.constants.signals.SIGTERM);
 }
 
 if (require.main === module) {

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -64,6 +65,16 @@ Napi::Object Credentials(Napi::Env env, int fd) {
   for (size_t i = 0; i < groups.size(); i++) list.Set(static_cast<uint32_t>(i), Napi::Number::New(env, groups[i]));
   out.Set("groups", list);
   return out;
+}
+
+// parentDeathSignal(signal): the kernel sends `signal` to this
+// process when the thread that started it ends (PR_SET_PDEATHSIG). Whether to ask is the
+// TypeScript layer's choice.
+Napi::Value ParentDeathSignal(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  int signal = info[0].As<Napi::Number>().Int32Value();
+  if (prctl(PR_SET_PDEATHSIG, signal) != 0) ThrowErrno(env, "prctl(PR_SET_PDEATHSIG)");
+  return env.Undefined();
 }
 
 // descriptorLimit(soft?) -> { soft, hard }: RLIMIT_NOFILE, after setting the
@@ -401,6 +412,7 @@ void InitFdPassing(Napi::Env env, Napi::Object exports) {
   exports.Set("unixDgramSend", Napi::Function::New(env, UnixDgramSend, "unixDgramSend"));
   exports.Set("unixDgramBind", Napi::Function::New(env, UnixDgramBind, "unixDgramBind"));
   exports.Set("descriptorLimit", Napi::Function::New(env, DescriptorLimit, "descriptorLimit"));
+  exports.Set("parentDeathSignal", Napi::Function::New(env, ParentDeathSignal, "parentDeathSignal"));
   exports.Set("peerCredentials", Napi::Function::New(env, PeerCredentials, "peerCredentials"));
   exports.Set("Poller", Poller::Define(env));
 }

@@ -71,3 +71,54 @@ describe('configuration and sockets', () => {
     expect(restarted.code).toBe(0);
   });
 });
+
+/** Whether a process runs (a zombie does not count). */
+function running(pid: number): boolean {
+  try {
+    return !/^\S+ \(.*\) Z/.test(fs.readFileSync(`/proc/${pid}/stat`, 'utf8'));
+  } catch {
+    return false;
+  }
+}
+
+describe('started through npm', () => {
+  const ROOT = path.resolve(__dirname, '..', '..');
+  /** A project that depends on vmmd, as npm install would leave it (the package linked, its bins in node_modules/.bin). */
+  function project(): string {
+    const at = path.join(dir, 'project');
+    fs.mkdirSync(path.join(at, 'node_modules', '.bin'), { recursive: true });
+    fs.writeFileSync(path.join(at, 'package.json'), JSON.stringify({ name: 'uses-vmmd', version: '1.0.0', dependencies: { vmmd: `file:${ROOT}` } }));
+    fs.symlinkSync(ROOT, path.join(at, 'node_modules', 'vmmd'));
+    fs.symlinkSync('../vmmd/bin/vmmd.js', path.join(at, 'node_modules', '.bin', 'vmmd'));
+    return at;
+  }
+  const ways: Array<[string, string, string[], () => string]> = [
+    ['npm start', 'npm', ['start', '--', '--backend', 'host'], () => ROOT],
+    ['npx vmmd', 'npx', ['--no-install', 'vmmd', '--backend', 'host'], project],
+  ];
+  it.each(ways)('SIGTERM to `%s`, the root of the process tree, stops the daemon and frees its socket', async (_what, tool, args, cwd) => {
+    const sockets = path.join(dir, 'sockets');
+    const started = spawn(tool, args, { cwd: cwd(), env: { ...process.env, VMMD_SOCKET_DIR: sockets }, stdio: ['ignore', 'pipe', 'pipe'] });
+    let output = '';
+    started.stdout.on('data', (chunk) => (output += chunk));
+    started.stderr.on('data', (chunk) => (output += chunk));
+    let daemonPid = 0;
+    try {
+      for (let waited = 0; !/"msg":"vmmd serving"/.test(output); waited += 100) {
+        if (started.exitCode !== null || waited > 60_000) throw new Error(`${tool} ${args.join(' ')} did not serve: ${output}`);
+        await new Promise((resolve) => setTimeout(resolve, 100));
+      }
+      daemonPid = Number(/"pid":(\d+)/.exec(output)![1]);
+      expect(daemonPid).not.toBe(started.pid);
+      started.kill('SIGTERM');
+      const deadline = Date.now() + 20_000;
+      while (running(daemonPid) && Date.now() < deadline) await new Promise((resolve) => setTimeout(resolve, 100));
+      expect({ daemonRunning: running(daemonPid) }).toEqual({ daemonRunning: false });
+      const again = await runDaemon(['--backend', 'host', '--socket-dir', sockets], /vmmd serving/);
+      expect({ code: again.code, refused: /another vmmd is serving/.test(again.output) }).toEqual({ code: 0, refused: false });
+    } finally {
+      if (daemonPid > 0 && running(daemonPid)) process.kill(daemonPid, 'SIGKILL');
+      if (started.exitCode === null) started.kill('SIGKILL');
+    }
+  }, 120_000);
+});
