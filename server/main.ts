@@ -5,6 +5,7 @@ import { addon } from '../native';
 import { ConfigError, parseCommandLine, USAGE } from './app/config';
 import { Daemon, VERSION } from './app/daemon';
 import { Notifier } from './app/notify';
+import { socketDirFix } from './app/socket-dir';
 
 export async function main(argv: string[]): Promise<number> {
   let command;
@@ -12,7 +13,7 @@ export async function main(argv: string[]): Promise<number> {
     command = parseCommandLine(argv, process.env, addon.pageSize());
   } catch (error) {
     if (error instanceof ConfigError) {
-      process.stderr.write(`vmmd: ${error.message}\n\n${USAGE}\n`);
+      process.stderr.write(`vmmd: ${error.message}\nsee vmmd --help\n`);
       return 2;
     }
     throw error;
@@ -40,7 +41,10 @@ export async function main(argv: string[]): Promise<number> {
   try {
     daemon = await Daemon.start(command.config, log);
   } catch (error) {
-    log.fatal({ err: error }, `vmmd cannot start: ${(error as Error).message}`);
+    // For a person at a terminal: one sentence and the fix on stderr; the stack only at debug.
+    log.debug({ err: error }, 'vmmd cannot start');
+    const fix = socketDirFix(error, command.config.socketDir, command.config.socketGroup);
+    process.stderr.write(`vmmd cannot start: ${(error as Error).message}${fix === undefined ? '' : `\n${fix}`}\n`);
     return 1;
   }
   notifier.ready(`serving ${daemon.backend.name} memory on ${command.config.socketDir}`);

@@ -139,6 +139,20 @@ function parseIdList(key: string, text: string): number[] {
   return text.split(',').map((part) => parseInteger(key, part, 0, 2 ** 32 - 2));
 }
 
+/** A gid, or a group name looked up in /etc/group (what users type: video, vmmd). @throws ConfigError naming the key */
+function parseGroup(key: string, text: string): number {
+  if (/^\s*\d+\s*$/.test(text)) return parseInteger(key, text, 0, 2 ** 32 - 2);
+  let groups = '';
+  try {
+    groups = fs.readFileSync('/etc/group', 'utf8');
+  } catch {
+    // no /etc/group: no names to resolve
+  }
+  const entry = groups.split('\n').map((line) => line.split(':')).find((fields) => fields[0] === text.trim() && fields.length >= 3);
+  if (entry === undefined) throw new ConfigError(`${key}: "${text}" is neither a gid nor a group in /etc/group`);
+  return Number(entry[2]);
+}
+
 const LOG_LEVELS = ['trace', 'debug', 'info', 'warn', 'error', 'fatal', 'silent'];
 
 interface Setting {
@@ -152,7 +166,7 @@ interface Setting {
 const SETTINGS: Record<string, Setting> = {
   backend: { flag: 'backend', env: 'VMMD_BACKEND', placeholder: 'auto|host|cuda', help: 'memory backend; auto takes cuda when libcuda.so.1 loads and a device exists [auto]' },
   socketDir: { flag: 'socket-dir', env: 'VMMD_SOCKET_DIR', placeholder: 'DIR', help: 'directory of vmmd.sock and vmmd.session.sock [/run/vmmd when writable, else $XDG_RUNTIME_DIR/vmmd, else /tmp/vmmd-$UID]' },
-  socketGroup: { flag: 'socket-group', env: 'VMMD_SOCKET_GROUP', placeholder: 'GID', help: 'group of the socket directory (0750) and sockets (0660); unset: owner only (0700, 0600)' },
+  socketGroup: { flag: 'socket-group', env: 'VMMD_SOCKET_GROUP', placeholder: 'GROUP', help: 'group (a gid or a name in /etc/group) of the socket directory (0750) and sockets (0660); unset: owner only (0700, 0600)' },
   allowUids: { flag: 'allow-uids', env: 'VMMD_ALLOW_UIDS', placeholder: 'LIST', help: 'comma-separated uids allowed on the session socket (with --allow-gids: either matches) [all who reach it]' },
   allowGids: { flag: 'allow-gids', env: 'VMMD_ALLOW_GIDS', placeholder: 'LIST', help: 'comma-separated gids allowed on the session socket: a peer whose primary or supplementary group is one' },
   adminUids: { flag: 'admin-uids', env: 'VMMD_ADMIN_UIDS', placeholder: 'LIST', help: 'comma-separated uids that may act daemon-wide: ClearCaches, GetReport, listing and detaching what other uids hold, calls without a session that change anything [0]' },
@@ -283,7 +297,7 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
   if (socketDir === '') throw new ConfigError(`${socketKey}: the socket directory must not be empty`);
 
   const [groupKey, groupText] = pick('socketGroup');
-  const socketGroup = groupText === undefined ? undefined : parseInteger(groupKey, groupText, 0, 2 ** 32 - 2);
+  const socketGroup = groupText === undefined ? undefined : parseGroup(groupKey, groupText);
 
   const [uidsKey, uidsText = ''] = pick('allowUids');
   const [gidsKey, gidsText = ''] = pick('allowGids');

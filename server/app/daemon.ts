@@ -29,6 +29,7 @@ import { LogLimiter } from '../observability/log-limiter';
 import { measureCompletions, TurnMeter } from '../observability/turns';
 import { busyPollAlways } from '../../native/busy-poll';
 import { ClientActivity } from './activity';
+import { makeSocketDir } from './socket-dir';
 import { DEFAULT_SESSION_OPTIONS, SessionManager, SessionOptions } from '../transport/session/sessions';
 import { StagingBuffers } from '../stores/staging';
 import { CUDA_STAGING_PINNING } from '../backends/cuda';
@@ -53,7 +54,7 @@ export class DaemonStartError extends Error {
  */
 function prepareSocketDir(config: DaemonConfig): number | undefined {
   const mode = config.socketGroup === undefined ? 0o700 : 0o750;
-  fs.mkdirSync(config.socketDir, { recursive: true, mode });
+  makeSocketDir(config.socketDir, mode);
   if (config.socketGroup !== undefined) fs.chownSync(config.socketDir, process.getuid!(), config.socketGroup);
   const before = fs.statSync(config.socketDir).mode & 0o7777;
   fs.chmodSync(config.socketDir, mode);

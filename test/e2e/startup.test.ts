@@ -122,3 +122,36 @@ describe('started through npm', () => {
     }
   }, 120_000);
 });
+
+describe('start errors a person reads', () => {
+  it('a flag error is its one line and where to look, not the whole usage', async () => {
+    const { code, output } = await runDaemon(['--no-such-flag']);
+    expect(code).toBe(2);
+    expect(output.trim().split('\n')).toEqual([expect.stringMatching(/^vmmd: Unknown option '--no-such-flag'/), 'see vmmd --help']);
+  });
+
+  it('a socket directory under a parent where nothing can be made fails at once, plainly, on stderr', async () => {
+    const child = spawn(process.execPath, [DAEMON, '--backend', 'host', '--socket-dir', '/proc/nope'], { stdio: ['ignore', 'pipe', 'pipe'] });
+    let stdout = '';
+    let stderr = '';
+    child.stdout.on('data', (chunk) => (stdout += chunk));
+    child.stderr.on('data', (chunk) => (stderr += chunk));
+    const timer = setTimeout(() => child.kill('SIGKILL'), 20_000);
+    const code = await new Promise((resolve) => child.once('exit', (exitCode, signal) => resolve(exitCode ?? signal)));
+    clearTimeout(timer);
+    expect(code).toBe(1);
+    expect(stdout).not.toMatch(/"level":60/);
+    expect(stderr).toMatch(/^vmmd cannot start: cannot create the socket directory \/proc\/nope: /);
+    expect(stderr).not.toMatch(/\n\s+at /);
+  }, 30_000);
+
+  (process.getuid?.() === 0 ? it : it.skip)('the image\'s user facing a root-owned socket directory is told the command that fixes it', async () => {
+    fs.chmodSync(dir, 0o755);
+    const child = spawn('setpriv', ['--reuid=10001', '--regid=2000', '--clear-groups', '--', process.execPath, DAEMON, '--backend', 'host', '--socket-dir', dir, '--socket-group', '2000'], { stdio: ['ignore', 'pipe', 'pipe'] });
+    let stderr = '';
+    child.stderr.on('data', (chunk) => (stderr += chunk));
+    expect(await new Promise((resolve) => child.once('exit', resolve))).toBe(1);
+    expect(stderr).toContain(`vmmd cannot start: `);
+    expect(stderr).toContain(`install -d -o 10001 -g 2000 -m 0750 ${dir}`);
+  }, 30_000);
+});

@@ -68,6 +68,8 @@ describe('vmmctl without a daemon', () => {
     expect(ran.code).toBe(2);
     expect(ran.stderr).toMatch(/^vmmctl: DAEMON_UNREACHABLE: cannot reach vmmd at /);
     expect(ran.stderr.match(/DAEMON_UNREACHABLE/g)).toHaveLength(1);
+    // Where it looked, and how to point it elsewhere.
+    expect(ran.stderr).toContain(`set VMMD_SOCKET_DIR (vmmctl --socket-dir) to the directory of the daemon's sockets`);
     const json = await vmmctl(['--socket-dir', nowhere, '--json', 'stats']);
     expect(JSON.parse(json.stderr)).toMatchObject({ error: { code: 'DAEMON_UNREACHABLE', status: 'UNAVAILABLE' } });
   });
