@@ -7,7 +7,7 @@
  * in-flight calls drain and the daemon reclaims everything it owns.
  */
 import { randomBytes } from 'node:crypto';
-import { describeProcess, PeerProcess, stillRunning } from './peer-process';
+import { describeProcess, exitSignal, PeerProcess, sessionEnding, stillRunning } from './peer-process';
 import type { Logger } from 'pino';
 import { status as Status } from '@grpc/grpc-js';
 import { traceClock, traceMark, traceSince, tracing } from '../../../common/trace';
@@ -209,6 +209,8 @@ export class SessionManager {
   private listener?: SeqpacketListener;
   private services?: SessionServices;
   private hooks: SessionHooks = {};
+  // The daemon is stopping: the sessions it closes now are closed by it, not by their clients.
+  private stopping = false;
   private nextId = 1n;
   private readonly byToken = new Map<string, Session>();
   private readonly sessions = new Map<bigint, Session>();
@@ -289,6 +291,7 @@ export class SessionManager {
 
   /** Stops accepting sessions, closes every one and waits for their reclaim. */
   async close(): Promise<void> {
+    this.stopping = true;
     this.listener?.close();
     for (const session of this.sessions.values()) session.connection.close();
     await Promise.all([...this.reclaims]);
@@ -467,6 +470,7 @@ export class SessionManager {
       session.log.warn({ reason: session.connection.closeReason }, 'the session socket failed; closing the session');
     }
     session.inbox.close();
+    const signal = exitSignal(session.peer.pid, session.process.startTime);
     const reclaim = (async () => {
       await session.drained();
       let reclaimed: ReclaimSummary | void = undefined;
@@ -479,17 +483,9 @@ export class SessionManager {
       this.sessions.delete(session.id);
       const what = reclaimed ? `; reclaimed ${reclaimed.allocations} allocation(s), ${reclaimed.bytes} bytes` : '';
       // Checked after the reclaim: a killed process has become a zombie (or is gone) by then.
-      // A clean close leaves the process running; a crash, kill -9 or an exit without close() does not.
-      if (stillRunning(session.peer.pid, session.process.startTime)) {
-        const allowed = this.lifeLogLimiter.allow(`closed:${session.peer.uid}`);
-        session.log[allowed === undefined ? 'debug' : 'info']({ end: 'closed', reclaimed, ...heldBack(allowed) }, `session closed by the client${what}`);
-      } else {
-        const allowed = this.lifeLogLimiter.allow(`lost:${session.peer.uid}`);
-        session.log[allowed === undefined ? 'debug' : 'warn'](
-          { end: 'process-gone', reclaimed, ...heldBack(allowed) },
-          `session lost: the client process ended without closing it (crashed, killed or exited)${what}`,
-        );
-      }
+      const ending = sessionEnding(this.stopping, stillRunning(session.peer.pid, session.process.startTime), signal);
+      const allowed = this.lifeLogLimiter.allow(`${ending.end}:${session.peer.uid}`);
+      session.log[allowed === undefined ? 'debug' : ending.level]({ end: ending.end, signal, reclaimed, ...heldBack(allowed) }, `${ending.message}${what}`);
     })();
     this.reclaims.add(reclaim);
     void reclaim.finally(() => this.reclaims.delete(reclaim));
