@@ -12,6 +12,8 @@ import { connect, VmmdClient } from '../connection';
 import { VmmdError } from '../errors';
 import type { StoreName } from '../stores';
 import { copyFileToMemory, copyMemoryToWriter } from '../pinned-copy';
+import { defaultSocketDir } from '../../common/paths';
+import { checkHealth } from './health';
 import { CHUNK, humanBytes, openSource, PartialFile, Progress } from './files';
 
 export { humanBytes };
@@ -24,6 +26,7 @@ export const USAGE = `Usage: vmmctl [--socket-dir DIR] [--json] [--bytes] COMMAN
   report                        everything, as JSON
   clear-caches                  close descriptors sent and never claimed
   version                       the daemon's version, build and runtime
+  health                        the daemon's health service, without a session: exit 0 when SERVING
   store load NAME FILE          fill a new read-only store from FILE, - for standard input
                                 (--mutable: writable; --host: host memory on cuda)
   store dump STORE FILE         write the store's bytes to FILE, - for standard output
@@ -45,7 +48,7 @@ class UsageError extends Error {}
 
 /** What the command line asks for, checked before anything is sent. */
 type Command =
-  | { kind: 'devices' | 'stats' | 'sessions' | 'report' | 'clear-caches' | 'version' | 'store-ls' }
+  | { kind: 'devices' | 'stats' | 'sessions' | 'report' | 'clear-caches' | 'version' | 'health' | 'store-ls' }
   | { kind: 'objects'; session?: bigint }
   | { kind: 'store-load'; name: string; file: string }
   | { kind: 'store-dump'; store: StoreName; file: string }
@@ -68,6 +71,7 @@ function parseCommand(positionals: string[]): Command {
     case 'report':
     case 'clear-caches':
     case 'version':
+    case 'health':
       if (positionals.length !== 1) throw new UsageError(`"${command}" takes no arguments`);
       return { kind: command };
     case 'objects':
@@ -255,6 +259,11 @@ export async function main(argv: string[]): Promise<number> {
   const size = (bytes: string | number | bigint) => (values.bytes ? String(bytes) : humanBytes(bytes));
   const out = (result: Result) => process.stdout.write(`${json ? JSON.stringify(result.json, null, 2) : result.text}\n`);
   const rows = (records: Array<Record<string, unknown>>, raw: unknown) => out({ text: table(records), json: raw });
+  if (command.kind === 'health') {
+    const health = await checkHealth(values['socket-dir'] ?? defaultSocketDir());
+    process.stdout.write(json ? `${JSON.stringify(health)}\n` : `${health.status}\n`);
+    return health.serving ? 0 : 1;
+  }
   let client: VmmdClient | undefined;
   try {
     client = await connect({ socketDir: values['socket-dir'] });

@@ -107,6 +107,15 @@ describe('systemd unit', () => {
     // The socket group is the service's own group: giving it needs no capability.
     expect(exec).toContain('--socket-group "$(id -g)"');
   });
+
+  test('serves GPU memory or fails: --backend cuda, never auto\'s silent fall back to host memory', () => {
+    expect(service.get('ExecStart')![0]).toMatch(/--backend cuda /);
+  });
+
+  test('allows the NVIDIA devices by their device groups, not by paths that may not exist yet at start', () => {
+    expect(service.get('DevicePolicy')).toEqual(['closed']);
+    expect(service.get('DeviceAllow')).toEqual(['char-nvidia-frontend rw', 'char-nvidia-uvm rw', 'char-nvidia-caps rw']);
+  });
 });
 
 describe('Dockerfile (Docker is not available here: parsed, and its commands run as the image runs them)', () => {
@@ -381,5 +390,7 @@ describeAsRoot('the daemon started exactly as the DaemonSet starts it', () => {
       child,
       () => output,
     );
+    // Every 30 s for the container's life: it opens no session, so it writes nothing to the daemon's log.
+    expect(output).not.toMatch(/session opened|session closed/);
   }, 60_000);
 });

@@ -63,6 +63,12 @@ describe('vmmctl without a daemon', () => {
     expect(JSON.parse((await vmmctl(['--json', '--version'])).text)).toEqual({ vmmctl: VERSION });
   });
 
+  test('health without a daemon: exit 1, and why', async () => {
+    const ran = await vmmctl(['--socket-dir', nowhere, 'health']);
+    expect(ran.code).toBe(1);
+    expect(ran.text).not.toBe('SERVING\n');
+  });
+
   test('a refusal is said once: code, then the message', async () => {
     const ran = await vmmctl(['--socket-dir', nowhere, 'stats']);
     expect(ran.code).toBe(2);
