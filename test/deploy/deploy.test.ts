@@ -109,7 +109,7 @@ describe('systemd unit', () => {
   });
 
   test('serves GPU memory or fails: --backend cuda, never auto\'s silent fall back to host memory', () => {
-    expect(service.get('ExecStart')![0]).toMatch(/--backend cuda /);
+    expect(service.get('ExecStart')![0]).toMatch(/--backend cuda\b/);
   });
 
   test('allows the NVIDIA devices by their device groups, not by paths that may not exist yet at start', () => {
