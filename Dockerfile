@@ -29,6 +29,7 @@ COPY --from=build /app/bin bin
 VOLUME /run/vmmd
 USER 10001:2000
 EXPOSE 9464 9465
-# Docker's health check runs a command; Kubernetes probes the --health-port instead (deploy/k8s).
-HEALTHCHECK --interval=30s --timeout=5s CMD ["node", "bin/vmmctl.js", "--socket-dir", "/run/vmmd", "version"]
+# Docker's health check runs a command: vmmctl health asks the health service without opening a session (nothing
+# logged every 30 s); Kubernetes probes the --health-port instead (deploy/k8s).
+HEALTHCHECK --interval=30s --timeout=5s CMD ["node", "bin/vmmctl.js", "--socket-dir", "/run/vmmd", "health"]
 ENTRYPOINT ["node", "bin/vmmd.js", "--socket-dir", "/run/vmmd", "--socket-group", "2000"]

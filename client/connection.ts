@@ -146,9 +146,10 @@ export class VmmdClient extends EventEmitter {
   lost = false;
 
   /**
-   * A new session with the daemon at the same socket directory, with the same
-   * options (after a restart of the daemon, say). This client stays closed;
-   * memory this process mapped earlier stays valid.
+   * A new client, on a new session with the daemon at the same socket
+   * directory and with the same options (after a restart of the daemon, say):
+   * use the client it returns. This one stays closed; memory this process
+   * mapped earlier stays valid.
    * @throws VmmdError UNAVAILABLE DAEMON_UNREACHABLE while no daemon serves the directory
    */
   reconnect(): Promise<VmmdClient> {

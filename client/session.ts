@@ -4,6 +4,7 @@
  * sent to it.
  */
 import { EventEmitter } from 'node:events';
+import { dirname } from 'node:path';
 import { status as Status } from '@grpc/grpc-js';
 import {
   AllocatedMessage,
@@ -19,6 +20,7 @@ import {
   RequestAnswer,
   SessionMessage,
 } from '../common/protocol';
+import { whereElse } from '../common/paths';
 import { TransferInbox } from '../common/transfer-inbox';
 import { DEFAULT_TRANSFER_WAIT_MS } from '../common/daemon-settings';
 import { traceClock, traceSince, tracing } from '../common/trace';
@@ -102,7 +104,7 @@ export class ClientSession extends EventEmitter {
       connection = SeqpacketConnection.connect(path);
     } catch (error) {
       return Promise.reject(
-        new VmmdError('DAEMON_UNREACHABLE', Status.UNAVAILABLE, `cannot reach vmmd at ${path}: ${(error as Error).message}`),
+        new VmmdError('DAEMON_UNREACHABLE', Status.UNAVAILABLE, `cannot reach vmmd at ${path}: ${(error as Error).message}; ${whereElse(dirname(path))}`),
       );
     }
     return new Promise((resolve, reject) => {

@@ -30,6 +30,8 @@ export type SettingDeclaration = SettingBase &
     | { type: 'choice'; choices: readonly string[]; default: string }
     | { type: 'switch'; default: boolean }
     | { type: 'text'; default: string | undefined }
+    /** A gid, or a group's name in /etc/group. */
+    | { type: 'group'; default: number | undefined }
   );
 
 /** The largest count a per-uid budget may be set to. */
@@ -56,19 +58,19 @@ export const DAEMON_SETTINGS = {
     doc: 'where `vmmd.sock` (gRPC) and `vmmd.session.sock` (sessions) live; a second daemon on the same directory is refused, stale socket files are replaced',
   },
   socketGroup: {
-    flag: 'socket-group', env: 'VMMD_SOCKET_GROUP', placeholder: 'GID', type: 'integer', default: undefined, min: 0, max: MAX_ID,
+    flag: 'socket-group', env: 'VMMD_SOCKET_GROUP', placeholder: 'GROUP', type: 'group', default: undefined,
     shown: 'none: owner only (0700, 0600)',
-    help: 'group of the socket directory (0750) and sockets (0660)',
-    doc: 'gid given the directory (0750) and sockets (0660)',
+    help: 'group (a gid or a name in /etc/group) of the socket directory (0750) and sockets (0660)',
+    doc: 'group given the directory (0750) and sockets (0660): a gid or a name in /etc/group (`video`, `vmmd`)',
   },
   allowUids: {
     flag: 'allow-uids', env: 'VMMD_ALLOW_UIDS', placeholder: 'LIST', type: 'ids', default: [], shown: 'all who reach it',
     help: 'comma-separated uids allowed on the session socket (with --allow-gids: either matches)',
-    doc: 'peers allowed at all, by uid (with `--allow-gids`, by uid or primary gid: either matches)',
+    doc: 'peers allowed at all, by uid (with `--allow-gids`, by uid or by a primary or supplementary gid: either matches)',
   },
   allowGids: {
     flag: 'allow-gids', env: 'VMMD_ALLOW_GIDS', placeholder: 'LIST', type: 'ids', default: [], shown: 'all who reach it',
-    help: 'comma-separated primary gids allowed on the session socket',
+    help: 'comma-separated gids allowed on the session socket: a peer whose primary or supplementary group is one',
   },
   adminUids: {
     flag: 'admin-uids', env: 'VMMD_ADMIN_UIDS', placeholder: 'LIST', type: 'ids', default: [0],
@@ -76,7 +78,7 @@ export const DAEMON_SETTINGS = {
   },
   adminGids: {
     flag: 'admin-gids', env: 'VMMD_ADMIN_GIDS', placeholder: 'LIST', type: 'ids', default: [], shown: 'none',
-    help: 'comma-separated primary gids that may act daemon-wide',
+    help: 'comma-separated gids that may act daemon-wide, primary or supplementary',
   },
   maxSessionsPerUid: {
     flag: 'max-sessions-per-uid', env: 'VMMD_MAX_SESSIONS_PER_UID', placeholder: 'N', type: 'integer', default: 256, min: 1, max: 1_000_000,

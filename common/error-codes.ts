@@ -193,6 +193,7 @@ export const ERROR_CODES = {
   UNSUPPORTED_LOCATION: client('INVALID_ARGUMENT', 'a location kind the client does not offer'),
   UNKNOWN_BACKEND: client('UNIMPLEMENTED', "a backend this client does not know how to map"),
   FILE_CHANGED: client('ABORTED', 'a file that changed while it was copied'),
+  EISDIR: client('INVALID_ARGUMENT', 'a directory named where vmmctl reads or writes a file'),
   INVALID_ARGUMENT: client('INVALID_ARGUMENT', 'an argument the client refuses'),
 } as const satisfies Record<string, ErrorCodeDeclaration>;
 

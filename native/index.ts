@@ -32,6 +32,8 @@ export interface Credentials {
   pid: number;
   uid: number;
   gid: number;
+  /** The peer's supplementary groups (SO_PEERGROUPS); absent where the kernel cannot say (before Linux 4.13). */
+  groups?: number[];
 }
 
 export type Received =
@@ -114,6 +116,8 @@ export interface Addon {
   peerCredentials(fd: number): Credentials;
   /** RLIMIT_NOFILE, after setting the soft limit to `soft` when given. */
   descriptorLimit(soft?: number): { soft: number; hard: number };
+  /** Asks the kernel for `signal` when the process's parent ends (PR_SET_PDEATHSIG). */
+  parentDeathSignal(signal: number): void;
   /** One datagram to a Unix socket path ('@name': abstract), as sd_notify sends. */
   unixDgramSend(path: string, data: Buffer): void;
   /** A bound, non-blocking datagram socket (read it with seqpacketRecv). */

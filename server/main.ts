@@ -1,9 +1,11 @@
 /** `vmmd`: parses the command line, starts the daemon, stops it on SIGTERM or SIGINT. */
+import * as os from 'node:os';
 import pino from 'pino';
 import { addon } from '../native';
 import { ConfigError, parseCommandLine, USAGE } from './app/config';
 import { Daemon, VERSION } from './app/daemon';
 import { Notifier } from './app/notify';
+import { socketDirFix } from './app/socket-dir';
 
 export async function main(argv: string[]): Promise<number> {
   let command;
@@ -11,7 +13,7 @@ export async function main(argv: string[]): Promise<number> {
     command = parseCommandLine(argv, process.env, addon.pageSize());
   } catch (error) {
     if (error instanceof ConfigError) {
-      process.stderr.write(`vmmd: ${error.message}\n\n${USAGE}\n`);
+      process.stderr.write(`vmmd: ${error.message}\nsee vmmd --help\n`);
       return 2;
     }
     throw error;
@@ -25,6 +27,7 @@ export async function main(argv: string[]): Promise<number> {
     return 0;
   }
   const log = pino({ level: command.config.logLevel, base: { pid: process.pid } });
+  if (process.env.npm_lifecycle_event !== undefined) endWithParent();
   // Handlers go in before the sockets exist: a SIGTERM that arrives while the
   // daemon starts stops it cleanly once it has started.
   let signalled: string | undefined;
@@ -38,7 +41,10 @@ export async function main(argv: string[]): Promise<number> {
   try {
     daemon = await Daemon.start(command.config, log);
   } catch (error) {
-    log.fatal({ err: error }, `vmmd cannot start: ${(error as Error).message}`);
+    // For a person at a terminal: one sentence and the fix on stderr; the stack only at debug.
+    log.debug({ err: error }, 'vmmd cannot start');
+    const fix = socketDirFix(error, command.config.socketDir, command.config.socketGroup);
+    process.stderr.write(`vmmd cannot start: ${(error as Error).message}${fix === undefined ? '' : `\n${fix}`}\n`);
     return 1;
   }
   notifier.ready(`serving ${daemon.backend.name} memory on ${command.config.socketDir}`);
@@ -60,6 +66,18 @@ export async function main(argv: string[]): Promise<number> {
     };
     if (signalled !== undefined) onSignal(signalled);
   });
+}
+
+/**
+ * Started by npm (`npm start`, `npx vmmd`), the daemon runs under a shell that
+ * npm started: npm passes its SIGTERM to that shell, which ends without passing
+ * it on, and the daemon would serve on as an orphan holding its socket. So
+ * there it asks the kernel for SIGTERM when its parent ends, and stops as
+ * SIGTERM always stops it. Started any other way, its parent's end is none of
+ * its business (a shell that started it in the background may well exit).
+ */
+function endWithParent(): void {
+  addon.parentDeathSignal(os.constants.signals.SIGTERM);
 }
 
 if (require.main === module) {

@@ -12,6 +12,11 @@ import { connect, VmmdClient } from '../connection';
 import { VmmdError } from '../errors';
 import type { StoreName } from '../stores';
 import { copyFileToMemory, copyMemoryToWriter } from '../pinned-copy';
+import { defaultSocketDir } from '../../common/paths';
+import { checkHealth } from './health';
+import { CHUNK, humanBytes, openSource, PartialFile, Progress } from './files';
+
+export { humanBytes };
 
 export const USAGE = `Usage: vmmctl [--socket-dir DIR] [--json] [--bytes] COMMAND
   devices                       the daemon's devices
@@ -21,6 +26,7 @@ export const USAGE = `Usage: vmmctl [--socket-dir DIR] [--json] [--bytes] COMMAN
   report                        everything, as JSON
   clear-caches                  close descriptors sent and never claimed
   version                       the daemon's version, build and runtime
+  health                        the daemon's health service, without a session: exit 0 when SERVING
   store load NAME FILE          fill a new read-only store from FILE, - for standard input
                                 (--mutable: writable; --host: host memory on cuda)
   store dump STORE FILE         write the store's bytes to FILE, - for standard output
@@ -37,25 +43,12 @@ const VERSION: string = (() => {
     if (path.dirname(dir) === dir) return 'unknown';
   }
 })();
-const CHUNK = 8 << 20;
-const UNITS = ['B', 'KiB', 'MiB', 'GiB', 'TiB', 'PiB'];
-
-/** 1536 → "1.5 KiB"; below 1 KiB in bytes. */
-export function humanBytes(bytes: number | bigint | string): string {
-  let value = Number(bytes);
-  let unit = 0;
-  while (value >= 1024 && unit < UNITS.length - 1) {
-    value /= 1024;
-    unit++;
-  }
-  return unit === 0 ? `${value} B` : `${value.toFixed(1)} ${UNITS[unit]}`;
-}
 
 class UsageError extends Error {}
 
 /** What the command line asks for, checked before anything is sent. */
 type Command =
-  | { kind: 'devices' | 'stats' | 'sessions' | 'report' | 'clear-caches' | 'version' | 'store-ls' }
+  | { kind: 'devices' | 'stats' | 'sessions' | 'report' | 'clear-caches' | 'version' | 'health' | 'store-ls' }
   | { kind: 'objects'; session?: bigint }
   | { kind: 'store-load'; name: string; file: string }
   | { kind: 'store-dump'; store: StoreName; file: string }
@@ -78,6 +71,7 @@ function parseCommand(positionals: string[]): Command {
     case 'report':
     case 'clear-caches':
     case 'version':
+    case 'health':
       if (positionals.length !== 1) throw new UsageError(`"${command}" takes no arguments`);
       return { kind: command };
     case 'objects':
@@ -109,81 +103,6 @@ function parseCommand(positionals: string[]): Command {
   }
 }
 
-/** A progress bar on stderr: redrawn in place on a terminal, every 10% otherwise. */
-class Progress {
-  private readonly started = performance.now();
-  private lastTenth = -1;
-
-  constructor(
-    private readonly label: string,
-    private readonly total: number,
-  ) {}
-
-  update(done: number): void {
-    const fraction = this.total === 0 ? 1 : done / this.total;
-    if (process.stderr.isTTY) {
-      const width = 30;
-      const filled = Math.round(fraction * width);
-      process.stderr.write(`\r${this.label} [${'#'.repeat(filled)}${' '.repeat(width - filled)}] ${(fraction * 100).toFixed(0).padStart(3)}% ${humanBytes(done)}/${humanBytes(this.total)}`);
-    } else if (Math.floor(fraction * 10) > this.lastTenth) {
-      this.lastTenth = Math.floor(fraction * 10);
-      process.stderr.write(`${this.label}: ${(fraction * 100).toFixed(0)}% (${humanBytes(done)} of ${humanBytes(this.total)})\n`);
-    }
-  }
-
-  /** Seconds since the start, and the line that says what was done. */
-  finish(verb: string): { seconds: number; line: string } {
-    const seconds = (performance.now() - this.started) / 1000;
-    if (process.stderr.isTTY) process.stderr.write('\n');
-    const rate = this.total / Math.max(seconds, 1e-9);
-    return { seconds, line: `${verb} ${humanBytes(this.total)} in ${seconds.toFixed(2)} s (${humanBytes(Math.round(rate))}/s)` };
-  }
-}
-
-/**
- * The bytes to load: a regular file is read in chunks as it uploads; standard
- * input ("-", /dev/stdin) or a pipe has no size up front and is read whole first.
- */
-function openSource(file: string): { size: number; chunks: (buffer: Buffer) => Iterable<Buffer>; close: () => void; regular?: { fd: number } } {
-  const fd = file === '-' ? 0 : fs.openSync(file, 'r');
-  const close = () => {
-    if (fd !== 0) fs.closeSync(fd);
-  };
-  const stat = fs.fstatSync(fd);
-  if (stat.isFile()) {
-    const size = stat.size;
-    return {
-      size,
-      regular: { fd },
-      chunks: function* (buffer) {
-        for (let done = 0; done < size; ) {
-          const read = fs.readSync(fd, buffer, 0, Math.min(buffer.length, size - done), done);
-          if (read === 0) throw new VmmdError('FILE_CHANGED', Status.ABORTED, `${file} shrank while it was read`);
-          yield buffer.subarray(0, read);
-          done += read;
-        }
-      },
-      close,
-    };
-  }
-  const parts: Buffer[] = [];
-  for (;;) {
-    const part = Buffer.allocUnsafe(CHUNK);
-    let read: number;
-    try {
-      read = fs.readSync(fd, part, 0, CHUNK, null);
-    } catch (error) {
-      if ((error as NodeJS.ErrnoException).code === 'EAGAIN') continue;
-      if ((error as NodeJS.ErrnoException).code === 'EOF') break;
-      throw error;
-    }
-    if (read === 0) break;
-    parts.push(part.subarray(0, read));
-  }
-  const whole = Buffer.concat(parts);
-  return { size: whole.length, chunks: () => [whole], close };
-}
-
 interface Result {
   /** The line printed without --json. */
   text: string;
@@ -195,6 +114,8 @@ async function load(client: VmmdClient, name: string, file: string, options: { m
   // The name first: a taken name is refused before a byte moves.
   const taken = (await client.stores.list()).find((store) => store.name === name && store.state !== 'STORE_STATE_DETACHED');
   if (taken !== undefined) throw new VmmdError('NAME_TAKEN', Status.ALREADY_EXISTS, `a store named ${JSON.stringify(name)} exists (store ${taken.id}); vmmctl store rm ${name} first`);
+  // From here: a pipe is read whole before the upload, and its reading is part of the load's time.
+  const started = performance.now();
   const source = openSource(file);
   const shown = file === '-' ? 'standard input' : file;
   try {
@@ -206,7 +127,7 @@ async function load(client: VmmdClient, name: string, file: string, options: { m
     const allocation = await client.vmm.create({ size: allocationSize, location });
     try {
       const memory = await client.vmm.import(allocation.id);
-      const progress = new Progress(`load ${name}`, source.size);
+      const progress = new Progress(`load ${name}`, source.size, started);
       try {
         if (client.backend === 'cuda' && source.regular !== undefined) {
           // Page-locked buffers, several chunks in flight: file reads overlap the copy engine instead of waiting for it.
@@ -243,7 +164,8 @@ async function dump(client: VmmdClient, store: StoreName, file: string): Promise
   try {
     const size = Number(opened.store.size);
     const progress = new Progress(`dump ${opened.store.name || opened.store.id}`, size);
-    const fd = file === '-' ? 1 : fs.openSync(file, 'w');
+    const partial = file === '-' ? undefined : new PartialFile(file);
+    const fd = partial === undefined ? 1 : partial.fd;
     const write = async (bytes: Buffer) => {
       for (let written = 0; written < bytes.length; ) {
         try {
@@ -265,10 +187,13 @@ async function dump(client: VmmdClient, store: StoreName, file: string): Promise
           await write(await opened.memory.read(done, length));
           done += length;
           progress.update(done);
+          // Host memory reads at once (a resolved promise): a turn of the event loop lets a Ctrl-C in.
+          await new Promise((resolve) => setImmediate(resolve));
         }
       }
+      partial?.finish();
     } finally {
-      if (fd !== 1) fs.closeSync(fd);
+      partial?.abandon();
     }
     const { seconds, line } = progress.finish('dumped');
     return {
@@ -334,6 +259,11 @@ export async function main(argv: string[]): Promise<number> {
   const size = (bytes: string | number | bigint) => (values.bytes ? String(bytes) : humanBytes(bytes));
   const out = (result: Result) => process.stdout.write(`${json ? JSON.stringify(result.json, null, 2) : result.text}\n`);
   const rows = (records: Array<Record<string, unknown>>, raw: unknown) => out({ text: table(records), json: raw });
+  if (command.kind === 'health') {
+    const health = await checkHealth(values['socket-dir'] ?? defaultSocketDir());
+    process.stdout.write(json ? `${JSON.stringify(health)}\n` : `${health.status}\n`);
+    return health.serving ? 0 : 1;
+  }
   let client: VmmdClient | undefined;
   try {
     client = await connect({ socketDir: values['socket-dir'] });

@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <linux/sockios.h>
 #include <sys/ioctl.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -46,6 +47,25 @@ Napi::Object Credentials(Napi::Env env, int fd) {
   out.Set("pid", Napi::Number::New(env, cred.pid));
   out.Set("uid", Napi::Number::New(env, cred.uid));
   out.Set("gid", Napi::Number::New(env, cred.gid));
+  // The peer's supplementary groups as they were at connect(), as SO_PEERCRED's ids are
+  // (Linux 4.13+). Left out where the kernel has no SO_PEERGROUPS: the caller decides.
+  std::vector<gid_t> groups(32);
+  for (;;) {
+    socklen_t size = static_cast<socklen_t>(groups.size() * sizeof(gid_t));
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &size) == 0) {
+      groups.resize(size / sizeof(gid_t));
+      break;
+    }
+    if (errno == ERANGE && size > groups.size() * sizeof(gid_t)) {
+      groups.resize(size / sizeof(gid_t));
+      continue;
+    }
+    if (errno == ENOPROTOOPT) return out;
+    ThrowErrno(env, "getsockopt(SO_PEERGROUPS)");
+  }
+  Napi::Array list = Napi::Array::New(env, groups.size());
+  for (size_t i = 0; i < groups.size(); i++) list.Set(static_cast<uint32_t>(i), Napi::Number::New(env, groups[i]));
+  out.Set("groups", list);
   return out;
 }
 
@@ -59,6 +79,16 @@ Napi::Value SocketUnsentBytes(const Napi::CallbackInfo& info) {
   int queued = 0;
   if (ioctl(fd, SIOCOUTQ, &queued) != 0) ThrowErrno(env, "ioctl(SIOCOUTQ)");
   return Napi::Number::New(env, queued);
+}
+
+// parentDeathSignal(signal): the kernel sends `signal` to this
+// process when the thread that started it ends (PR_SET_PDEATHSIG). Whether to ask is the
+// TypeScript layer's choice.
+Napi::Value ParentDeathSignal(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  int signal = info[0].As<Napi::Number>().Int32Value();
+  if (prctl(PR_SET_PDEATHSIG, signal) != 0) ThrowErrno(env, "prctl(PR_SET_PDEATHSIG)");
+  return env.Undefined();
 }
 
 // descriptorLimit(soft?) -> { soft, hard }: RLIMIT_NOFILE, after setting the
@@ -129,7 +159,7 @@ Napi::Value SeqpacketAccept(const Napi::CallbackInfo& info) {
   return out;
 }
 
-// peerCredentials(fd) -> { pid, uid, gid }
+// peerCredentials(fd) -> { pid, uid, gid, groups? }
 Napi::Value PeerCredentials(const Napi::CallbackInfo& info) {
   return Credentials(info.Env(), FdArg(info, 0, "fd"));
 }
@@ -396,6 +426,7 @@ void InitFdPassing(Napi::Env env, Napi::Object exports) {
   exports.Set("unixDgramSend", Napi::Function::New(env, UnixDgramSend, "unixDgramSend"));
   exports.Set("unixDgramBind", Napi::Function::New(env, UnixDgramBind, "unixDgramBind"));
   exports.Set("descriptorLimit", Napi::Function::New(env, DescriptorLimit, "descriptorLimit"));
+  exports.Set("parentDeathSignal", Napi::Function::New(env, ParentDeathSignal, "parentDeathSignal"));
   exports.Set("peerCredentials", Napi::Function::New(env, PeerCredentials, "peerCredentials"));
   exports.Set("socketUnsentBytes", Napi::Function::New(env, SocketUnsentBytes, "socketUnsentBytes"));
   exports.Set("Poller", Poller::Define(env));

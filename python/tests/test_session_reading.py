@@ -323,10 +323,21 @@ def test_the_main_thread_alone_reads_what_comes_before_its_answer_too(fake: Fake
     seen = dispatch_threads(fake.session)
     errors: List[Dict[str, Any]] = []
     fake.session.on_daemon_error.append(errors.append)
-    nonce = str(fake.session._next_request)  # the ping's, sent below: its answer can wait on the socket first
-    fake.send({"type": "error", "code": "FREE_FAILED", "status": 13, "message": "a free failed after its answer"})
-    fake.send({"type": "pong", "nonce": nonce})
+    # The daemon answers once the ping is sent, after an error of its own, both on the socket before the
+    # main thread reads: answered from inside the send, on this thread (a thread of the fake's would make
+    # the main thread careful). Sent before the ping, the answer could be read, and dropped as answering
+    # nothing, by the reader thread before the ping registers its nonce, as a real daemon's never is.
+    requests: List[Dict[str, Any]] = []
+    send = fake.session._send
+
+    def send_and_answer(message: Dict[str, Any], **kwargs: Any) -> None:
+        send(message, **kwargs)
+        requests.append(fake.request())
+        fake.send({"type": "error", "code": "FREE_FAILED", "status": 13, "message": "a free failed after its answer"})
+        fake.send({"type": "pong", "nonce": requests[-1]["nonce"]})
+
+    fake.session._send = send_and_answer  # type: ignore[method-assign]
     assert fake.session.ping(timeout=5) > 0
-    assert fake.request()["nonce"] == nonce
+    assert [request["type"] for request in requests] == ["ping"]
     assert [code["code"] for code in errors] == ["FREE_FAILED"]
     assert [kind for kind, _ in seen] == ["error", "pong"]

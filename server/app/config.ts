@@ -34,10 +34,10 @@ export interface DaemonConfig {
   logLevel: string;
   /** Group given the socket directory and sockets (mode 0750 / 0660); none: owner only (0700 / 0600). */
   socketGroup?: number;
-  /** Peers allowed on the session socket, by uid or primary gid; both empty: everyone who can reach it. */
+  /** Peers allowed on the session socket, by uid or gid (primary or supplementary); both empty: everyone who can reach it. */
   allowUids: number[];
   allowGids: number[];
-  /** Peers that may act daemon-wide (ClearCaches, GetReport, others' sessions and objects, calls without a session that change anything), by uid or primary gid. */
+  /** Peers that may act daemon-wide (ClearCaches, GetReport, others' sessions and objects, calls without a session that change anything), by uid or gid (primary or supplementary). */
   adminUids: number[];
   adminGids: number[];
   /** Sessions one uid may hold open at once. */
@@ -152,6 +152,20 @@ function parseIdList(key: string, text: string, max: number): number[] {
 
 const SWITCH_VALUES: Record<string, boolean> = { on: true, off: false, true: true, false: false };
 
+/** A gid, or a group name looked up in /etc/group (what users type: video, vmmd). @throws ConfigError naming the key */
+function parseGroup(key: string, text: string): number {
+  if (/^\s*\d+\s*$/.test(text)) return parseInteger(key, text, 0, 2 ** 32 - 2);
+  let groups = '';
+  try {
+    groups = fs.readFileSync('/etc/group', 'utf8');
+  } catch {
+    // no /etc/group: no names to resolve
+  }
+  const entry = groups.split('\n').map((line) => line.split(':')).find((fields) => fields[0] === text.trim() && fields.length >= 3);
+  if (entry === undefined) throw new ConfigError(`${key}: "${text}" is neither a gid nor a group in /etc/group`);
+  return Number(entry[2]);
+}
+
 /** The value a setting's text stands for, by its declared type. @throws ConfigError naming `key` */
 function parseSetting(setting: SettingDeclaration, key: string, text: string): number | bigint | number[] | string | boolean {
   switch (setting.type) {
@@ -173,6 +187,8 @@ function parseSetting(setting: SettingDeclaration, key: string, text: string): n
       return SWITCH_VALUES[text];
     case 'text':
       return text;
+    case 'group':
+      return parseGroup(key, text);
   }
 }
 

@@ -31,6 +31,8 @@ import { GcPauses } from '../observability/gc-pauses';
 import { LogLimiter } from '../observability/log-limiter';
 import { measureCompletions, TurnMeter } from '../observability/turns';
 import { busyPollAlways } from '../../native/busy-poll';
+import { ClientActivity } from './activity';
+import { makeSocketDir } from './socket-dir';
 import { DEFAULT_SESSION_OPTIONS, SessionManager, SessionOptions } from '../transport/session/sessions';
 import { StagingBuffers } from '../stores/staging';
 import { CUDA_STAGING_PINNING } from '../backends/cuda';
@@ -56,7 +58,7 @@ export class DaemonStartError extends Error {
  */
 function prepareSocketDir(config: DaemonConfig): number | undefined {
   const mode = config.socketGroup === undefined ? 0o700 : 0o750;
-  fs.mkdirSync(config.socketDir, { recursive: true, mode });
+  makeSocketDir(config.socketDir, mode);
   if (config.socketGroup !== undefined) fs.chownSync(config.socketDir, process.getuid!(), config.socketGroup);
   const before = fs.statSync(config.socketDir).mode & 0o7777;
   fs.chmodSync(config.socketDir, mode);
@@ -107,6 +109,7 @@ export class Daemon {
     private readonly health: HealthImplementation,
     private readonly metrics: Metrics,
     private readonly healthServer: grpc.Server,
+    private readonly activity: ClientActivity,
   ) {}
 
   /** @throws DaemonStartError, BackendUnavailableError, or the socket's error */
@@ -174,6 +177,15 @@ export class Daemon {
       // The session socket's requests go straight to the registry; a closed session's stores and staging go before its objects.
       const metrics = new Metrics(registry, () => sessions, stores, { version: VERSION, backend: backend.name }, turns, everyBudget);
       undo.push(() => metrics.close());
+      // Busy polling and the delay sampler run only while a client is connected: an idle daemon sleeps.
+      // Made once the gRPC services are (below); the activity callback may run before that.
+      // eslint-disable-next-line prefer-const
+      let admin: AdminService | undefined;
+      let serving = false;
+      const activity = new ClientActivity((active) => {
+        if (serving) busyPollAlways(active ? config.busyPollMicros : 0);
+        admin?.sampleLoopDelay(active);
+      });
       sessions.listen(
         paths.session,
         new SessionDispatcher({
@@ -183,7 +195,7 @@ export class Daemon {
           check: (session, method) => access.checkSession(method, session),
           who: (session) => access.sessionCaller(session),
         }),
-        { observe: (method, status, code, seconds) => metrics.observe('vmmd.session', method, status, code, seconds), turns },
+        { observe: (method, status, code, seconds) => metrics.observe('vmmd.session', method, status, code, seconds), turns, connected: () => activity.enter() },
       );
 
       // grpc-js's own log goes through pino, at the daemon's level.
@@ -219,12 +231,13 @@ export class Daemon {
       new DevicesService(registry).addToServer(server, proto, depsOf('vmmd.v1.Devices'));
       new VirtualMemoryService(registry, sessions, staging).addToServer(server, proto, depsOf('vmmd.v1.VirtualMemory'));
       new StoresService(registry, stores, sessions).addToServer(server, proto, depsOf('vmmd.v1.Stores'));
-      const admin = new AdminService({ registry, sessions, stores, quotas, metrics, version: VERSION, turns, gcPauses: gcPauses.start(), budgets: everyBudget });
+      admin = new AdminService({ registry, sessions, stores, quotas, metrics, version: VERSION, turns, gcPauses: gcPauses.start(), budgets: everyBudget });
+      admin.sampleLoopDelay(activity.active);
       // A start that fails from here on stops its delay sampler and GC observer too.
-      undo.push(() => admin.close());
+      undo.push(() => admin?.close());
       admin.addToServer(server, proto, depsOf('vmmd.v1.Admin'));
       // Accepted here, not by grpc-js: each connection is attributed to its peer's uid (server/transport/grpc/access.ts).
-      const unix = await GrpcUnixListener.listen(server, paths.grpc, log, transportBudgets);
+      const unix = await GrpcUnixListener.listen(server, paths.grpc, log, transportBudgets, () => activity.enter());
       undo.push(() => unix.close());
       restrictSockets(config, paths);
       if (config.tcpListen !== '' && config.tls !== undefined) {
@@ -246,8 +259,10 @@ export class Daemon {
         log.info({ address }, 'health service (grpc.health.v1 only, plaintext) on %s', address);
       }
       for (const name of HEALTH_SERVICES) health.setStatus(name, 'SERVING');
-      // From now on the loop spins a little before it sleeps: a client's next message finds it awake.
-      busyPollAlways(config.busyPollMicros);
+      // From now on, while a client is connected, the loop spins a little before it sleeps: its next message finds it awake.
+      serving = true;
+      undo.push(() => activity.stop());
+      if (activity.active) busyPollAlways(config.busyPollMicros);
       // And a turn past 2 ms, which holds up every session's next message, is said (at most a line per 10 s);
       // not before: the start's own turns (the first driver calls make the CUDA context, tens of milliseconds) keep no one waiting.
       const longTurns = new LogLimiter();
@@ -259,7 +274,7 @@ export class Daemon {
         { backend: backend.name, socketDir: config.socketDir, devices: registry.devices.length, version: VERSION },
         'vmmd serving',
       );
-      started = new Daemon(config, backend, registry, sessions, server, unix, log, paths, admin, health, metrics, healthServer);
+      started = new Daemon(config, backend, registry, sessions, server, unix, log, paths, admin, health, metrics, healthServer, activity);
     } finally {
       if (started === undefined) {
         for (const step of undo) step();
@@ -274,6 +289,7 @@ export class Daemon {
   /** Stops serving: refuses new calls, lets in-flight ones finish, reclaims every session. */
   async stop(graceMs = this.config.shutdownGraceMs): Promise<void> {
     this.log.info('vmmd stopping');
+    this.activity.stop();
     busyPollAlways(0);
     for (const name of HEALTH_SERVICES) this.health.setStatus(name, 'NOT_SERVING');
     const drained = new Promise<void>((resolve) => this.server.tryShutdown(() => resolve()));

@@ -15,6 +15,9 @@ import type { TurnMeter } from './turns';
 import type { Budget } from '../registry/budgets';
 import { busyPollStats } from '../../native/busy-poll';
 
+/** How often the event loop's delay is sampled for the Prometheus lag gauges, in milliseconds. */
+const EVENT_LOOP_LAG_SAMPLE_MS = 100;
+
 export interface MetricsInfo {
   version: string;
   backend: string;
@@ -37,7 +40,9 @@ export class Metrics {
 
   /** @param budgets every budget the daemon keeps (server/registry/budgets.ts), each holder's use shown */
   constructor(registry: Registry, sessions: () => SessionManager, stores: StoreRegistry, info: MetricsInfo, turns?: TurnMeter, budgets: () => Iterable<Budget> = () => []) {
-    collectDefaultMetrics({ register: this.registry, prefix: 'vmmd_' });
+    // prom-client samples the loop's delay on a timer of its own for vmmd_nodejs_eventloop_lag_*: at its default
+    // (every 10 ms) that timer alone wakes an idle daemon 100 times a second. GetStats has the fine-grained delay.
+    collectDefaultMetrics({ register: this.registry, prefix: 'vmmd_', eventLoopMonitoringPrecision: EVENT_LOOP_LAG_SAMPLE_MS });
     // NOTE: prom-client names two gauges *_total (nodejs_active_{handles,requests,resources}_total), which
     // Prometheus reserves for counters; the same numbers are the sums of vmmd_nodejs_active_{handles,requests,resources}.
     for (const name of ['vmmd_nodejs_active_handles_total', 'vmmd_nodejs_active_requests_total', 'vmmd_nodejs_active_resources_total']) this.registry.removeSingleMetric(name);

@@ -194,9 +194,17 @@ export class Peer {
     );
   }
 
-  /** A client process in `dir`, running as another uid/gid when given (needs root). */
-  static async start(dir: string, as: { uid?: number; gid?: number } = {}): Promise<Peer> {
-    const child = spawn(process.execPath, [PEER], { stdio: ['pipe', 'pipe', 'pipe'], env: { ...process.env, VMMD_SOCKET_DIR: dir }, ...as });
+  /**
+   * A client process in `dir`, running as another uid/gid when given (needs root);
+   * with `groups`, as uid:gid with exactly those supplementary groups (through setpriv).
+   */
+  static async start(dir: string, as: { uid?: number; gid?: number; groups?: number[] } = {}): Promise<Peer> {
+    const { groups, ...ids } = as;
+    const env = { ...process.env, VMMD_SOCKET_DIR: dir };
+    const child =
+      groups === undefined
+        ? spawn(process.execPath, [PEER], { stdio: ['pipe', 'pipe', 'pipe'], env, ...ids })
+        : spawn('setpriv', [`--reuid=${ids.uid}`, `--regid=${ids.gid}`, `--groups=${groups.join(',')}`, '--', process.execPath, PEER], { stdio: ['pipe', 'pipe', 'pipe'], env });
     const peer = new Peer(child);
     try {
       await peer.do({ op: 'connect' });

@@ -45,6 +45,29 @@ describe('sockets and peers', () => {
     expect(await other.do({ op: 'call', api: 'devices', method: 'listDevices' })).toMatchObject({ backend: 'host' });
     await other.stop();
   });
+
+  // usermod -aG and Kubernetes' supplementalGroups add a supplementary group, not the primary one.
+  (isRoot ? it : it.skip)('serves a uid whose supplementary group, not its primary, is allowed: on the session socket and over gRPC', async () => {
+    daemon = await TestDaemon.start(['--socket-group', '2000', '--allow-uids', '0', '--allow-gids', '2000']);
+    const other = await Peer.start(daemon.dir, { uid: 1000, gid: 1000, groups: [2000] });
+    expect(await other.do({ op: 'call', api: 'devices', method: 'listDevices' })).toMatchObject({ backend: 'host' });
+    await other.stop();
+  });
+
+  (isRoot ? it : it.skip)('refuses a uid none of whose groups is allowed, naming the groups it saw', async () => {
+    daemon = await TestDaemon.start(['--socket-group', '2000', '--allow-uids', '0', '--allow-gids', '4000']);
+    await expect(Peer.start(daemon.dir, { uid: 1000, gid: 1000, groups: [2000, 3000] })).rejects.toThrow(/uid 1000 \(gid 1000, groups 2000, 3000\) is not allowed: allowed uids \[0\], gids \[4000\]/);
+  });
+
+  (isRoot ? it : it.skip)('makes an admin of a uid whose supplementary group is in --admin-gids', async () => {
+    daemon = await TestDaemon.start(['--socket-group', '3000', '--admin-gids', '2000']);
+    const member = await Peer.start(daemon.dir, { uid: 1000, gid: 1000, groups: [3000, 2000] });
+    expect(await member.do({ op: 'call', api: 'admin', method: 'clearCaches' })).toMatchObject({ transfersClosed: expect.anything() });
+    await member.stop();
+    const outsider = await Peer.start(daemon.dir, { uid: 1001, gid: 1001, groups: [3000] });
+    await expect(outsider.do({ op: 'call', api: 'admin', method: 'clearCaches' })).rejects.toThrow(/uid 1001 \(gid 1001, groups 3000\) is not one/);
+    await outsider.stop();
+  });
 });
 
 describe('sd_notify', () => {

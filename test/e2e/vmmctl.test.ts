@@ -63,11 +63,19 @@ describe('vmmctl without a daemon', () => {
     expect(JSON.parse((await vmmctl(['--json', '--version'])).text)).toEqual({ vmmctl: VERSION });
   });
 
+  test('health without a daemon: exit 1, and why', async () => {
+    const ran = await vmmctl(['--socket-dir', nowhere, 'health']);
+    expect(ran.code).toBe(1);
+    expect(ran.text).not.toBe('SERVING\n');
+  });
+
   test('a refusal is said once: code, then the message', async () => {
     const ran = await vmmctl(['--socket-dir', nowhere, 'stats']);
     expect(ran.code).toBe(2);
     expect(ran.stderr).toMatch(/^vmmctl: DAEMON_UNREACHABLE: cannot reach vmmd at /);
     expect(ran.stderr.match(/DAEMON_UNREACHABLE/g)).toHaveLength(1);
+    // Where it looked, and how to point it elsewhere.
+    expect(ran.stderr).toContain(`set VMMD_SOCKET_DIR (vmmctl --socket-dir) to the directory of the daemon's sockets`);
     const json = await vmmctl(['--socket-dir', nowhere, '--json', 'stats']);
     expect(JSON.parse(json.stderr)).toMatchObject({ error: { code: 'DAEMON_UNREACHABLE', status: 'UNAVAILABLE' } });
   });
@@ -134,6 +142,44 @@ describe('vmmctl against a daemon', () => {
     }
     const empty = await ctl(['store', 'load', 'empty', '-'], { input: Buffer.alloc(0) });
     expect(empty).toMatchObject({ code: 2, stderr: 'vmmctl: ZERO_SIZE: standard input is empty: a store holds at least one byte\n' });
+  });
+
+  test('Ctrl-C during store dump FILE leaves no file, whole or cut short', async () => {
+    const data = randomBytes(64 << 20);
+    expect((await ctl(['store', 'load', 'big', '-'], { input: data })).code).toBe(0);
+    const target = path.join(dir, 'interrupted.bin');
+    const child = spawn(process.execPath, [path.join(ROOT, 'bin', 'vmmctl.js'), '--socket-dir', daemon.dir, 'store', 'dump', 'big', target], { stdio: ['ignore', 'pipe', 'pipe'] });
+    let stderr = '';
+    let interrupted = false;
+    child.stderr.on('data', (chunk) => {
+      stderr += chunk;
+      // Once some of it is written (the first progress line past 0%), as a person at a terminal would.
+      if (!interrupted && /dump big: [1-9]\d*%/.test(stderr)) {
+        interrupted = true;
+        child.kill('SIGINT');
+      }
+    });
+    const code = await new Promise((resolve) => child.once('close', resolve));
+    expect({ interrupted, code }).toEqual({ interrupted: true, code: 130 });
+    expect(fs.readdirSync(dir).filter((name) => name.startsWith('interrupted.bin'))).toEqual([]);
+    expect(stderr).toContain(`${target} not written`);
+    expect((await ctl(['store', 'rm', 'big'])).code).toBe(0);
+  }, 120_000);
+
+  test('a directory where a file is wanted is named in the refusal', async () => {
+    expect((await ctl(['store', 'load', 'isdir', dir])).stderr).toBe(`vmmctl: EISDIR: ${dir} is a directory: name a file\n`);
+    expect((await ctl(['store', 'load', 'small', '-'], { input: randomBytes(4096) })).code).toBe(0);
+    expect((await ctl(['store', 'dump', 'small', dir])).stderr).toBe(`vmmctl: EISDIR: ${dir} is a directory: name a file\n`);
+    expect((await ctl(['store', 'rm', 'small'])).code).toBe(0);
+  });
+
+  test('the throughput of a load from a pipe counts the time spent reading the pipe', async () => {
+    const file = path.join(dir, 'slow.bin');
+    fs.writeFileSync(file, randomBytes(1 << 20));
+    const slow = await vmmctl(['-c', `(sleep 3; cat '${file}') | '${process.execPath}' '${path.join(ROOT, 'bin', 'vmmctl.js')}' --socket-dir '${daemon.dir}' --json store load slow -`], { shell: true });
+    expect(slow.code).toBe(0);
+    expect(JSON.parse(slow.text).seconds).toBeGreaterThanOrEqual(1);
+    expect((await ctl(['store', 'rm', 'slow'])).code).toBe(0);
   });
 
   test('a store is named by its name or by the id store ls shows', async () => {

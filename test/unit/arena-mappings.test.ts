@@ -18,6 +18,7 @@ const driver = {
   calls: [] as string[],
   poisoned: undefined as string | undefined,
   nextAddress: 0x7f00_0000_0000n,
+  nextHandle: 1n,
   reset() {
     this.reservations.clear();
     this.mappings.clear();
@@ -42,10 +43,12 @@ jest.mock('../../native/index', () => {
     ...actual.addon,
     cudaLoad: () => ({ loaded: true }),
     cudaDevices: () => [],
-    close: () => undefined,
-    cudaImportFd: async (fd: number) => {
-      if (!driver.memory.has(BigInt(fd))) driver.memory.set(BigInt(fd), Buffer.alloc(Number(8n * MiB)));
-      return BigInt(fd);
+    close: (fd: number) => jest.requireActual('node:fs').closeSync(fd),
+    // Each import is a handle of its own: descriptor numbers are reused once the client closes them.
+    cudaImportFd: async (_fd: number) => {
+      const handle = driver.nextHandle++;
+      driver.memory.set(handle, Buffer.alloc(Number(8n * MiB)));
+      return handle;
     },
     cudaRelease: async () => undefined,
     cudaReserve: (size: bigint, alignment: bigint) => {
@@ -124,14 +127,15 @@ jest.mock('../../native/index', () => {
   return { ...actual, addon: fake };
 });
 
+import * as fs from 'node:fs';
 import { CudaImportedMemory } from '../../client/local-memory';
 import { status as Status } from '@grpc/grpc-js';
 import { addressArenaStats, DeviceMapping, trimAddressArenas } from '../../native/mapping';
 
 const SIZE = 2n * MiB;
 const turn = () => new Promise((resolve) => setImmediate(resolve));
-let nextFd = 100;
-const map = () => CudaImportedMemory.map(1n, { fd: nextFd++ }, SIZE, SIZE, 0, false);
+// A descriptor of the test's own for each import: the client closes it once mapped (a made-up number would close another's).
+const map = () => CudaImportedMemory.map(1n, { fd: fs.openSync('/dev/null', 'r') }, SIZE, SIZE, 0, false);
 
 /** Runs `body` while the stand-in driver refuses every cuMemSetAccess (out of memory). */
 async function whileSetAccessFails(body: () => Promise<void>): Promise<void> {

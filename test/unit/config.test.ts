@@ -171,3 +171,15 @@ describe('the transport budgets', () => {
     ['--max-message-bytes', '1GiB'],
   ])('refuse %s %s naming the flag', (flag, text) => expect(() => run([flag, text])).toThrow(new RegExp(`^${flag}`)));
 });
+
+describe('--socket-group', () => {
+  const groupFile = require('node:fs').readFileSync('/etc/group', 'utf8') as string;
+  const video = /^video:[^:]*:(\d+):/m.exec(groupFile);
+  (video ? it : it.skip)('takes a group name, resolved through /etc/group, as well as a gid', () => {
+    expect(run(['--socket-group', 'video']).socketGroup).toBe(Number(video![1]));
+    expect(run(['--socket-group', '2000']).socketGroup).toBe(2000);
+  });
+  it('refuses a name no group has, naming it and where it looked', () => {
+    expect(() => run(['--socket-group', 'no-such-group-here'])).toThrow(/^--socket-group: "no-such-group-here" is neither a gid nor a group in \/etc\/group/);
+  });
+});

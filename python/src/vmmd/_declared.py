@@ -160,5 +160,6 @@ CODES: Dict[str, Tuple[str, str, str]] = {
     "UNSUPPORTED_LOCATION": ("INVALID_ARGUMENT", "client", "a location kind the client does not offer"),
     "UNKNOWN_BACKEND": ("UNIMPLEMENTED", "client", "a backend this client does not know how to map"),
     "FILE_CHANGED": ("ABORTED", "client", "a file that changed while it was copied"),
+    "EISDIR": ("INVALID_ARGUMENT", "client", "a directory named where vmmctl reads or writes a file"),
     "INVALID_ARGUMENT": ("INVALID_ARGUMENT", "client", "an argument the client refuses"),
 }

@@ -14,6 +14,7 @@
  *   info, stats, version); with mutual TLS the certificate's holder is an
  *   admin, as the operator who issued it chose (no sessions over TCP either way).
  */
+import * as fs from 'node:fs';
 import type { Credentials } from '../../../native';
 import { permissionDenied, unauthenticated } from '../../errors';
 import type { Session } from '../session/sessions';
@@ -53,14 +54,44 @@ const ADMIN_ONLY = new Set(['ClearCaches', 'GetReport']);
 /** The prefix of the remote address given to each accepted Unix-socket connection (what grpc-js reports as the call's peer). */
 export const UNIX_PEER_PREFIX = 'unix-peer:';
 
-/** The remote address an accepted Unix connection carries: its peer's credentials. */
+/** The remote address an accepted Unix connection carries: its peer's credentials, supplementary groups included. */
 export function unixPeerAddress(peer: Credentials): string {
-  return `${UNIX_PEER_PREFIX}uid=${peer.uid},gid=${peer.gid},pid=${peer.pid}`;
+  return `${UNIX_PEER_PREFIX}uid=${peer.uid},gid=${peer.gid},pid=${peer.pid},groups=${supplementaryGroups(peer).join(':')}`;
 }
 
 function parseUnixPeer(address: string): Credentials | undefined {
-  const match = /^unix-peer:uid=(\d+),gid=(\d+),pid=(\d+)$/.exec(address);
-  return match === null ? undefined : { uid: Number(match[1]), gid: Number(match[2]), pid: Number(match[3]) };
+  const match = /^unix-peer:uid=(\d+),gid=(\d+),pid=(\d+),groups=([\d:]*)$/.exec(address);
+  if (match === null) return undefined;
+  return { uid: Number(match[1]), gid: Number(match[2]), pid: Number(match[3]), groups: match[4] === '' ? [] : match[4].split(':').map(Number) };
+}
+
+/**
+ * The peer's supplementary groups: those the kernel gave with its credentials
+ * (SO_PEERGROUPS), else, on a kernel without it, the Groups: line of
+ * /proc/PID/status (none if unreadable). Groups are how users join the
+ * socket's group (usermod -aG, Kubernetes supplementalGroups): SO_PEERCRED
+ * has only the primary one.
+ */
+export function supplementaryGroups(peer: Credentials): number[] {
+  if (peer.groups !== undefined) return peer.groups;
+  try {
+    const line = /^Groups:(.*)$/m.exec(fs.readFileSync(`/proc/${peer.pid}/status`, 'utf8'))?.[1] ?? '';
+    peer.groups = line.trim() === '' ? [] : line.trim().split(/\s+/).map(Number);
+  } catch {
+    peer.groups = [];
+  }
+  return peer.groups;
+}
+
+/** "uid 1000 (gid 1000, groups 27, 2000)": who a peer is, as a refusal names it. */
+export function describePeer(peer: Credentials): string {
+  const groups = supplementaryGroups(peer);
+  return `uid ${peer.uid} (gid ${peer.gid}${groups.length === 0 ? '' : `, groups ${groups.join(', ')}`})`;
+}
+
+/** Whether any of the peer's groups, primary or supplementary, is in `gids`. */
+function inGroups(gids: number[], peer: Credentials): boolean {
+  return gids.length > 0 && (gids.includes(peer.gid) || supplementaryGroups(peer).some((group) => gids.includes(group)));
 }
 
 /** The configured allow and admin lists, by uid or gid. */
@@ -72,21 +103,22 @@ export interface AccessLists {
 }
 
 /** Why a peer may not use the daemon under the allow lists, or undefined. */
-export function authorize(config: Pick<AccessLists, 'allowUids' | 'allowGids'>, peer: { uid: number; gid: number }): string | undefined {
+export function authorize(config: Pick<AccessLists, 'allowUids' | 'allowGids'>, peer: Credentials): string | undefined {
   if (config.allowUids.length === 0 && config.allowGids.length === 0) return undefined;
-  if (config.allowUids.includes(peer.uid) || config.allowGids.includes(peer.gid)) return undefined;
-  return `uid ${peer.uid} (gid ${peer.gid}) is not allowed: allowed uids [${config.allowUids.join(', ')}], gids [${config.allowGids.join(', ')}]`;
+  if (config.allowUids.includes(peer.uid) || inGroups(config.allowGids, peer)) return undefined;
+  return `${describePeer(peer)} is not allowed: allowed uids [${config.allowUids.join(', ')}], gids [${config.allowGids.join(', ')}]`;
 }
 
 export class AccessPolicy {
   constructor(private readonly config: AccessLists) {}
 
-  isAdmin(peer: { uid: number; gid: number }): boolean {
-    return this.config.adminUids.includes(peer.uid) || this.config.adminGids.includes(peer.gid);
+  /** Whether the peer's uid, or any of its groups (primary or supplementary), is an admin's. */
+  isAdmin(peer: Credentials): boolean {
+    return this.config.adminUids.includes(peer.uid) || inGroups(this.config.adminGids, peer);
   }
 
   /** Why a peer may not open a session or call at all, or undefined. Admins are always allowed. */
-  refusal(peer: { uid: number; gid: number }): string | undefined {
+  refusal(peer: Credentials): string | undefined {
     return this.isAdmin(peer) ? undefined : authorize(this.config, peer);
   }
 
@@ -140,7 +172,7 @@ export class AccessPolicy {
     }
     if (caller.admin) return;
     if (ADMIN_ONLY.has(method)) {
-      throw permissionDenied('NEEDS_ADMIN', `${method} acts daemon-wide and needs an admin uid or gid (--admin-uids, --admin-gids); uid ${peer.uid} (gid ${peer.gid}) is not one`);
+      throw permissionDenied('NEEDS_ADMIN', `${method} acts daemon-wide and needs an admin uid or gid (--admin-uids, --admin-gids); ${describePeer(peer)} is not one`);
     }
     if (own === undefined && !INSPECTION.has(method)) {
       throw permissionDenied(

@@ -23,9 +23,10 @@ export class GrpcUnixListener {
   /**
    * Listens on `path` and hands every attributed connection to `grpcServer`;
    * a connection past its uid's budget, or past every uid's share of the
-   * daemon's descriptors, is closed at once.
+   * daemon's descriptors, is closed at once; `connected` is told of each
+   * connection it keeps, and what it returns is called once it closes.
    */
-  static async listen(grpcServer: grpc.Server, path: string, log: Logger, budgets?: TransportBudgets): Promise<GrpcUnixListener> {
+  static async listen(grpcServer: grpc.Server, path: string, log: Logger, budgets?: TransportBudgets, connected?: () => () => void): Promise<GrpcUnixListener> {
     const injector = grpcServer.createConnectionInjector(grpc.ServerCredentials.createInsecure());
     let lastErrorLog = 0;
     let suppressed = 0;
@@ -68,6 +69,8 @@ export class GrpcUnixListener {
       }
       // grpc-js reads the call's peer from the socket's remoteAddress (a Unix socket has none of its own).
       Object.defineProperty(socket, 'remoteAddress', { value: address, configurable: true });
+      const left = connected?.();
+      if (left !== undefined) socket.once('close', left);
       injector.injectConnection(socket);
     });
     // libuv already keeps a spare descriptor for EMFILE and closes waiting connections with it; this only keeps the log short.

@@ -51,3 +51,37 @@ export function stillRunning(pid: number, startTime: string): boolean {
   if (fields.length <= 19 || fields[19] !== startTime || fields[0] === 'Z' || fields[0] === 'X') return false;
   return (Number(fields[6]) & PF_EXITING) === 0;
 }
+
+/** Signals that mean a process crashed or was killed outright, not that it exited. */
+const CRASH_SIGNALS = new Map([
+  [4, 'SIGILL'],
+  [6, 'SIGABRT'],
+  [7, 'SIGBUS'],
+  [8, 'SIGFPE'],
+  [9, 'SIGKILL'],
+  [11, 'SIGSEGV'],
+]);
+
+/**
+ * The signal a process is ending by, read as its session socket hangs up:
+ * the kernel sets the exit code (field 52 of /proc/PID/stat) before it closes
+ * the process's files. Undefined for a process still running, one that
+ * exited, one gone before the read, or one the daemon may not inspect (the
+ * field reads 0 then): a crash is told apart only where the daemon can see it.
+ */
+export function exitSignal(pid: number, startTime: string): number | undefined {
+  if (pid <= 0 || startTime === '') return undefined;
+  const fields = statFields(pid);
+  if (fields.length <= 49 || fields[19] !== startTime || (Number(fields[6]) & PF_EXITING) === 0) return undefined;
+  const signal = Number(fields[49]) & 0x7f;
+  return signal === 0 ? undefined : signal;
+}
+
+/** How a session ended, as its log line says it: the level is an operator's cue (a crash is a warning, the rest are not). */
+export function sessionEnding(byDaemon: boolean, running: boolean, signal: number | undefined): { end: string; level: 'info' | 'warn'; message: string } {
+  if (byDaemon) return { end: 'closed-by-daemon', level: 'info', message: 'session closed by the daemon (stopping)' };
+  if (running) return { end: 'closed', level: 'info', message: 'session closed by the client' };
+  const crash = signal === undefined ? undefined : CRASH_SIGNALS.get(signal);
+  if (crash !== undefined) return { end: 'crashed', level: 'warn', message: `session lost: the client process ended by ${crash} without closing it` };
+  return { end: 'process-gone', level: 'info', message: 'session ended without closing: the client process ended without close()' };
+}

@@ -6,7 +6,7 @@
  * sends back. The connection is the lease: when it closes, the session's
  * in-flight calls drain and the daemon reclaims everything it owns.
  */
-import { stillRunning } from './peer-process';
+import { exitSignal, sessionEnding, stillRunning } from './peer-process';
 import type { Logger } from 'pino';
 import { status as Status } from '@grpc/grpc-js';
 import { traceClock, traceMark, traceSince, tracing } from '../../../common/trace';
@@ -60,6 +60,8 @@ export interface SessionHooks {
   observe?: (method: string, status: string, code: string | undefined, seconds: number) => void;
   /** Measures each message's turn of the event loop (server/observability/turns.ts). */
   turns?: TurnMeter;
+  /** Told of each session when it opens; what it returns is called once the session's socket closes. */
+  connected?: () => () => void;
 }
 
 /** What a closed session's reclaim freed: its allocations (and their bytes) and reservations. */
@@ -88,6 +90,8 @@ export class SessionManager {
   private listener?: SeqpacketListener;
   private services?: SessionServices;
   private hooks: SessionHooks = {};
+  // The daemon is stopping: the sessions it closes now are closed by it, not by their clients.
+  private stopping = false;
   private nextId = 1n;
   private readonly byToken = new Map<string, Session>();
   private readonly sessions = new Map<bigint, Session>();
@@ -173,6 +177,7 @@ export class SessionManager {
 
   /** Stops accepting sessions, closes every one and waits for their reclaim. */
   async close(): Promise<void> {
+    this.stopping = true;
     this.listener?.close();
     for (const session of this.sessions.values()) session.connection.close();
     await Promise.all([...this.reclaims]);
@@ -235,8 +240,10 @@ export class SessionManager {
     this.fairShare.adopt(connection, peer.uid);
     this.sessions.set(session.id, session);
     this.byToken.set(session.token, session);
+    const left = this.hooks.connected?.();
     connection.on('message', (message: SeqpacketMessage) => this.onMessage(session, message));
     connection.on('close', () => this.onClose(session));
+    if (left !== undefined) connection.once('close', left);
     try {
       session.send({
         type: 'hello',
@@ -357,6 +364,7 @@ export class SessionManager {
     }
     session.inbox.close();
     this.unread?.closed(session);
+    const signal = exitSignal(session.peer.pid, session.process.startTime);
     const reclaim = (async () => {
       await session.drained();
       let reclaimed: ReclaimSummary | void = undefined;
@@ -369,17 +377,9 @@ export class SessionManager {
       this.sessions.delete(session.id);
       const what = reclaimed ? `; reclaimed ${reclaimed.allocations} allocation(s), ${reclaimed.bytes} bytes` : '';
       // Checked after the reclaim: a killed process has become a zombie (or is gone) by then.
-      // A clean close leaves the process running; a crash, kill -9 or an exit without close() does not.
-      if (stillRunning(session.peer.pid, session.process.startTime)) {
-        const allowed = this.lifeLogLimiter.allow(`closed:${session.peer.uid}`);
-        session.log[allowed === undefined ? 'debug' : 'info']({ end: 'closed', reclaimed, ...heldBack(allowed) }, `session closed by the client${what}`);
-      } else {
-        const allowed = this.lifeLogLimiter.allow(`lost:${session.peer.uid}`);
-        session.log[allowed === undefined ? 'debug' : 'warn'](
-          { end: 'process-gone', reclaimed, ...heldBack(allowed) },
-          `session lost: the client process ended without closing it (crashed, killed or exited)${what}`,
-        );
-      }
+      const ending = sessionEnding(this.stopping, stillRunning(session.peer.pid, session.process.startTime), signal);
+      const allowed = this.lifeLogLimiter.allow(`${ending.end}:${session.peer.uid}`);
+      session.log[allowed === undefined ? 'debug' : ending.level]({ end: ending.end, signal, reclaimed, ...heldBack(allowed) }, `${ending.message}${what}`);
     })();
     this.reclaims.add(reclaim);
     void reclaim.finally(() => this.reclaims.delete(reclaim));

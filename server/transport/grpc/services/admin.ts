@@ -43,11 +43,16 @@ export interface AdminDeps {
 }
 
 export class AdminService {
-  // Samples the event loop every millisecond: a stall shows as delay here.
+  // Samples the event loop every millisecond while a client is connected (sampleLoopDelay): a stall shows as delay here.
+  // Its timer wakes the loop a thousand times a second, which an idle daemon has no reason to pay.
   private readonly loopDelay: IntervalHistogram = monitorEventLoopDelay({ resolution: 1 });
 
-  constructor(private readonly deps: AdminDeps) {
-    this.loopDelay.enable();
+  constructor(private readonly deps: AdminDeps) {}
+
+  /** Starts (true) or stops (false) sampling the event loop's delay; the histogram keeps what it has. */
+  sampleLoopDelay(on: boolean): void {
+    if (on) this.loopDelay.enable();
+    else this.loopDelay.disable();
   }
 
   getStats(request?: GetStatsRequest__Output): Stats {
