@@ -1,6 +1,7 @@
 """Errors carry the daemon's code and the gRPC status; bad input changes nothing."""
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 import types
@@ -167,3 +168,48 @@ def errors_module_dir() -> str:
     import os
 
     return os.path.dirname(vmmd.errors.__file__)
+
+
+def test_an_unreachable_daemon_says_where_else_one_may_be_and_how_to_point_there(tmp_path: Any) -> None:
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "vmmd.session.sock").touch()
+    closed = tmp_path / "closed"
+    closed.mkdir()
+    (closed / "vmmd.session.sock").touch()
+    closed.chmod(0o700)
+    env = {"XDG_RUNTIME_DIR": str(tmp_path), "VMMD_SOCKET_DIR": ""}
+    message = vmmd.paths.where_else(str(tmp_path / "nothing"), env, candidates=[str(other), str(closed)])
+    assert f"a daemon's sockets are in {other}" in message
+    assert message.endswith("set VMMD_SOCKET_DIR (or connect(socket_dir=...)) to the directory of the daemon's sockets")
+    with pytest.raises(ConnectionError) as raised:
+        vmmd.connect(str(tmp_path / "nothing"))
+    assert "set VMMD_SOCKET_DIR" in str(raised.value)
+
+
+def test_a_directory_this_user_may_not_look_in_is_named_with_its_owner() -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to act as another uid")
+    import tempfile
+
+    parent = tempfile.mkdtemp(prefix="vmmd-where-")
+    try:
+        os.chmod(parent, 0o755)
+        closed = os.path.join(parent, "closed")
+        os.mkdir(closed, 0o700)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                message = vmmd.paths.where_else("/nonexistent", {}, candidates=[closed])
+                code = 0 if f"{closed} exists, but uid 65534 may not look in it (owner uid 0, group 0: join that group)" in message else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        import shutil
+
+        shutil.rmtree(parent)

@@ -59,12 +59,12 @@ export interface DaemonConfig {
   /** The transport's budgets (server/transport/budgets.ts): streams, connections and unread descriptors per uid. */
   maxServerStreamsPerUid: number;
   maxClientStreamsPerUid: number;
-  streamBytesInFlight: number;
+  streamBytesInFlight: bigint;
   maxConnectionsPerUid: number;
   maxUnreadDescriptorsPerSession: number;
   maxUnreadDescriptorsPerUid: number;
   /** The largest gRPC message the daemon receives (a Write's chunk). */
-  maxMessageBytes: number;
+  maxMessageBytes: bigint;
   /** Bytes a uid, and a session, may hold in allocations at once (0: no limit). */
   quotaPerUid: bigint;
   quotaPerSession: bigint;
@@ -350,8 +350,8 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
       streamStallMs: integer('streamStallMs'),
       maxServerStreamsPerUid: integer('maxServerStreamsPerUid'),
       maxClientStreamsPerUid: integer('maxClientStreamsPerUid'),
-      streamBytesInFlight: Number(bytes('streamBytesInFlight')),
-      maxMessageBytes: Number(bytes('maxMessageBytes')),
+      streamBytesInFlight: bytes('streamBytesInFlight'),
+      maxMessageBytes: bytes('maxMessageBytes'),
       maxConnectionsPerUid: integer('maxConnectionsPerUid'),
       maxUnreadDescriptorsPerSession: integer('maxUnreadDescriptorsPerSession'),
       maxUnreadDescriptorsPerUid: integer('maxUnreadDescriptorsPerUid'),

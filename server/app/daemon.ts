@@ -127,7 +127,7 @@ export class Daemon {
       {
         serverStreamsPerUid: config.maxServerStreamsPerUid,
         clientStreamsPerUid: config.maxClientStreamsPerUid,
-        streamBytesInFlight: config.streamBytesInFlight,
+        streamBytesInFlight: Number(config.streamBytesInFlight),
         connectionsPerUid: config.maxConnectionsPerUid,
         unreadDescriptorsPerSession: config.maxUnreadDescriptorsPerSession,
         unreadDescriptorsPerUid: config.maxUnreadDescriptorsPerUid,
@@ -203,7 +203,7 @@ export class Daemon {
         error: (...args: unknown[]) => log.child({ component: 'grpc-js' }).warn(args.map(String).join(' ')),
       });
       grpc.setLogVerbosity(log.isLevelEnabled('debug') ? grpc.logVerbosity.DEBUG : grpc.logVerbosity.ERROR);
-      const server = new grpc.Server({ 'grpc.max_receive_message_length': config.maxMessageBytes });
+      const server = new grpc.Server({ 'grpc.max_receive_message_length': Number(config.maxMessageBytes) });
       // Only the health service, plaintext: what Kubernetes' gRPC probes speak (they have no Unix sockets).
       const healthServer = new grpc.Server();
       undo.push(() => server.forceShutdown(), () => healthServer.forceShutdown());

@@ -149,8 +149,8 @@ describe('the transport budgets', () => {
     expect(run([])).toMatchObject({
       maxServerStreamsPerUid: 16,
       maxClientStreamsPerUid: 8,
-      streamBytesInFlight: 256 << 10,
-      maxMessageBytes: 2 << 20,
+      streamBytesInFlight: 256n << 10n,
+      maxMessageBytes: 2n << 20n,
       maxConnectionsPerUid: 64,
       maxUnreadDescriptorsPerSession: 64,
       maxUnreadDescriptorsPerUid: 1024,
@@ -159,8 +159,8 @@ describe('the transport budgets', () => {
   it('take the flag, else the environment', () => {
     expect(run(['--max-server-streams-per-uid', '4'], { VMMD_MAX_SERVER_STREAMS_PER_UID: '9' }).maxServerStreamsPerUid).toBe(4);
     expect(run([], { VMMD_MAX_CONNECTIONS_PER_UID: '9' }).maxConnectionsPerUid).toBe(9);
-    expect(run(['--stream-bytes-in-flight', '64KiB']).streamBytesInFlight).toBe(64 << 10);
-    expect(run([], { VMMD_MAX_MESSAGE_BYTES: '4MiB' }).maxMessageBytes).toBe(4 << 20);
+    expect(run(['--stream-bytes-in-flight', '64KiB']).streamBytesInFlight).toBe(64n << 10n);
+    expect(run([], { VMMD_MAX_MESSAGE_BYTES: '4MiB' }).maxMessageBytes).toBe(4n << 20n);
     expect(run(['--max-unread-descriptors-per-uid', '100']).maxUnreadDescriptorsPerUid).toBe(100);
   });
   it.each([

@@ -10,7 +10,7 @@ import { StoreRegistry } from '../../server/stores/stores';
 import type { Session } from '../../server/transport/session/sessions';
 import { FakeBackend, GRANULARITY } from './fake-backend';
 
-const session = { id: 7n, log: pino({ level: 'silent' }) } as unknown as Session;
+const session = { id: 7n, log: pino({ level: 'silent' }), checkDescriptorRoom: () => undefined } as unknown as Session;
 
 describe('allocate on the session socket: location spellings', () => {
   it.each([['DEVICE'], ['LOCATION_TYPE_DEVICE']])('%s is device memory', async (type) => {

@@ -8,6 +8,7 @@ import socket
 from typing import Any, Dict, Tuple
 
 from ._reading import recv_message
+from .paths import where_else
 from .errors import STATUS, VmmdError
 
 PROTOCOL_VERSION = 1
@@ -23,7 +24,7 @@ def greet(path: str, timeout: float) -> Tuple[socket.socket, Dict[str, Any]]:
         sock.connect(path)
     except OSError as error:
         sock.close()
-        raise VmmdError("DAEMON_UNREACHABLE", STATUS["UNAVAILABLE"], f"cannot reach vmmd at {path}: {error.strerror or error}") from None
+        raise VmmdError("DAEMON_UNREACHABLE", STATUS["UNAVAILABLE"], f"cannot reach vmmd at {path}: {error.strerror or error}; {where_else(os.path.dirname(path))}") from None
     sock.settimeout(timeout)
     try:
         data, fds = recv_message(sock)

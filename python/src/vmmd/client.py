@@ -14,6 +14,7 @@ from typing import Any, Callable, List, Optional
 import grpc
 
 from . import _fork
+from ._declared import MAX_STAGING_BYTES
 from ._rpc import SESSION_METADATA_KEY, STREAM_CHUNK_BYTES, Message, Request, _Future, _Service, sealed_memfd
 from ._staging import DEFAULT_STAGING_BYTES, STAGED_MIN_BYTES, StagingBuffer
 from ._stores import OpenedStore, StoreName, StoresApi
