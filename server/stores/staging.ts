@@ -93,8 +93,10 @@ export class StagingBuffers {
         this.warn(`a staging buffer of ${size} bytes could not be page-locked (${(error as Error).message}): its copies go through the driver's staging`);
       }
     }
-    await this.close(session);
+    // The swap is one synchronous step: calls of one session at once each replace the one before, and every buffer replaced is let go.
+    const previous = this.bySession.get(session);
     this.bySession.set(session, { memory, size, buffer: memory.view(), pinned, busy: 0 });
+    if (previous !== undefined) await this.retire(previous);
     return size;
   }
 
@@ -130,6 +132,10 @@ export class StagingBuffers {
     const staging = this.bySession.get(session);
     if (staging === undefined) return;
     this.bySession.delete(session);
+    await this.retire(staging);
+  }
+
+  private async retire(staging: Staging): Promise<void> {
     if (staging.busy > 0) await new Promise<void>((resolve) => (staging.closing = resolve));
     if (staging.pinned) {
       // A failed unpin leaves the pages locked until the daemon exits; the unmap still goes ahead.

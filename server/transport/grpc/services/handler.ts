@@ -24,6 +24,8 @@ export interface CallContext {
   /** The connection's peer: its uid, whether it is an admin (server/transport/grpc/access.ts). Absent for the session socket's own requests. */
   who?: Caller;
   log: Logger;
+  /** Aborted when the client cancels (server streams): a body that waits for something to send ends on it. */
+  signal?: AbortSignal;
 }
 
 export interface HandlerDeps {
@@ -266,10 +268,16 @@ export function serverStream<Req, Res>(
         method,
         async (context) => {
           const give = holdStream(deps.budgets?.serverStreams, context, call);
+          // The budget goes back at the cancel: the body must end then too, not at its next message.
+          const cancelled = new AbortController();
+          const abort = () => cancelled.abort();
+          call.once('cancelled', abort);
+          if (call.cancelled) abort();
+          const streaming: CallContext = { ...context, signal: cancelled.signal };
           try {
             const most = deps.budgets?.limits.streamBytesInFlight ?? BYTES_IN_FLIGHT;
             const writer = new BoundedWriter(call as grpc.ServerWritableStream<unknown, unknown>, deps.streamStallMs, most);
-            for await (const message of body(call.request, context)) {
+            for await (const message of body(call.request, streaming)) {
               deps.moved?.(method, 'read', dataBytes(message));
               for (const piece of pieces(message, most)) {
                 if (call.cancelled) return;
@@ -277,6 +285,7 @@ export function serverStream<Req, Res>(
               }
             }
           } finally {
+            call.off('cancelled', abort);
             give();
           }
         },

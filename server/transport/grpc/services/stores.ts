@@ -143,9 +143,10 @@ export class StoresService {
    * Store events from `since` on, then as they happen. A watcher whose reader
    * falls more than WATCH_QUEUE_EVENTS behind is dropped: its queue is freed at
    * once, and what it already has is followed by RESOURCE_EXHAUSTED FELL_BEHIND.
+   * Ends once `signal` aborts (its client cancelled), without waiting for another event.
    * @throws RESOURCE_EXHAUSTED FELL_BEHIND saying by how many events, and the since to watch again from
    */
-  async *watch(request: WatchRequest__Output): AsyncGenerator<WireStoreEvent> {
+  async *watch(request: WatchRequest__Output, signal?: AbortSignal): AsyncGenerator<WireStoreEvent> {
     // Invariant: at most WATCH_QUEUE_EVENTS events wait here; once over, none do and the watcher is unsubscribed.
     const queue: StoreEvent[] = [];
     let fellBehind = false;
@@ -160,8 +161,10 @@ export class StoresService {
       }
       wake?.();
     };
+    const onAbort = () => wake?.();
     // Subscribe before replaying, and skip what the replay already gave: no event is lost or doubled.
     this.stores.on('event', onEvent);
+    signal?.addEventListener('abort', onAbort);
     try {
       let last = u64(request.since);
       for (const event of this.stores.eventsSince(last)) {
@@ -182,10 +185,13 @@ export class StoresService {
             `this watcher fell behind by ${this.stores.lastSequence - last} events (more than ${WATCH_QUEUE_EVENTS} waited for its reader) and is dropped; watch again with since=${last}`,
           );
         }
+        if (signal?.aborted) return;
         await new Promise<void>((resolve) => (wake = resolve));
         wake = undefined;
+        if (signal?.aborted) return;
       }
     } finally {
+      signal?.removeEventListener('abort', onAbort);
       this.stores.off('event', onEvent);
     }
   }
@@ -311,7 +317,7 @@ export class StoresService {
       Close: unary(deps, 'Close', (r: CloseRequest__Output, c) => this.close(r, c)),
       Detach: unary(deps, 'Detach', (r: DetachRequest__Output, c) => this.detach(r, c)),
       List: unary(deps, 'List', () => this.list()),
-      Watch: serverStream(deps, 'Watch', (r: WatchRequest__Output) => this.watch(r), { tracked: false }),
+      Watch: serverStream(deps, 'Watch', (r: WatchRequest__Output, c) => this.watch(r, c.signal), { tracked: false }),
       Read: serverStream(deps, 'Read', (r: DataReadRequest__Output, c) => this.read(r, c)),
       Write: clientStream(deps, 'Write', (requests: AsyncIterable<DataWriteRequest__Output>, c) => this.write(requests, c)),
       Fill: unary(deps, 'Fill', (r: FillRequest__Output, c) => this.fill(r, c)),
