@@ -5,6 +5,7 @@
  * also per session, and daemon-wide against the kernel's own limit), shared
  * by the gRPC listener, the gRPC handlers and the session transport.
  */
+import { DAEMON_SETTINGS } from '../../common/daemon-settings';
 import { Budget, Holder } from '../registry/budgets';
 
 export interface TransportLimits {
@@ -23,12 +24,12 @@ export interface TransportLimits {
 }
 
 export const DEFAULT_TRANSPORT_LIMITS: TransportLimits = {
-  serverStreamsPerUid: 16,
-  clientStreamsPerUid: 8,
-  streamBytesInFlight: 256 << 10,
-  connectionsPerUid: 64,
-  unreadDescriptorsPerSession: 64,
-  unreadDescriptorsPerUid: 1024,
+  serverStreamsPerUid: DAEMON_SETTINGS.maxServerStreamsPerUid.default,
+  clientStreamsPerUid: DAEMON_SETTINGS.maxClientStreamsPerUid.default,
+  streamBytesInFlight: Number(DAEMON_SETTINGS.streamBytesInFlight.default),
+  connectionsPerUid: DAEMON_SETTINGS.maxConnectionsPerUid.default,
+  unreadDescriptorsPerSession: DAEMON_SETTINGS.maxUnreadDescriptorsPerSession.default,
+  unreadDescriptorsPerUid: DAEMON_SETTINGS.maxUnreadDescriptorsPerUid.default,
 };
 
 /** The holder a gRPC call without a uid counts under (TCP: mutual TLS names no uid). */

@@ -5,15 +5,24 @@
  * ETOOMANYREFS, for every uid. So they are counted per session, per uid and
  * daemon-wide, and a request whose answer would carry one more is refused
  * (BUDGET_EXCEEDED) before it is sent. The protocol has no receipt: what the
- * client has read is learned from the socket (SIOCOUTQ): once nothing it was
- * sent is queued, it has read every descriptor. Until then every descriptor
- * sent since the queue was last seen empty counts as unread.
+ * client has read is learned from the socket (SIOCOUTQ, the bytes of the
+ * messages it has not read). Once nothing is queued it has read every
+ * descriptor; until then no more can be unread than messages fit in what is
+ * queued, each at least MIN_QUEUED_MESSAGE_BYTES, so a client that reads as
+ * it goes is never refused however many answers it has in flight.
  */
 import type { Budget } from '../../registry/budgets';
 import { DAEMON_HOLDER, TransportBudgets } from '../budgets';
 import type { DescriptorsInFlight, Session } from './session';
 
 const sessionHolder = (session: Session) => `session ${session.id}`;
+
+/**
+ * The fewest bytes SIOCOUTQ counts for one queued message: the kernel charges
+ * a message's buffer with its bookkeeping (768 bytes for a 1-byte message on
+ * x86-64 Linux); smaller than any, so the bound never counts too few.
+ */
+export const MIN_QUEUED_MESSAGE_BYTES = 512;
 
 export class UnreadDescriptors implements DescriptorsInFlight {
   constructor(private readonly budgets: TransportBudgets) {}
@@ -51,12 +60,13 @@ export class UnreadDescriptors implements DescriptorsInFlight {
     } catch {
       return; // the socket is closing: closed() forgets them
     }
-    if (queued === 0) this.forget(session);
+    this.forget(session, Math.floor(queued / MIN_QUEUED_MESSAGE_BYTES));
   }
 
-  private forget(session: Session): void {
-    const unread = this.budgets.unreadDescriptorsOfSession.usedBy(sessionHolder(session));
-    if (unread === 0) return;
-    for (const [budget, holder] of this.counted(session)) budget.give(holder, unread);
+  /** Counts at most `left` unread for the session: what the client has read for certain goes back. */
+  private forget(session: Session, left = 0): void {
+    const read = this.budgets.unreadDescriptorsOfSession.usedBy(sessionHolder(session)) - left;
+    if (read <= 0) return;
+    for (const [budget, holder] of this.counted(session)) budget.give(holder, read);
   }
 }
