@@ -120,6 +120,11 @@ export const DAEMON_SETTINGS = {
     flag: 'max-unread-descriptors-per-uid', env: 'VMMD_MAX_UNREAD_DESCRIPTORS_PER_UID', placeholder: 'N', type: 'integer', default: 1024, min: 1, max: 1_000_000,
     help: "the same for all of one uid's sessions",
   },
+  maxStagingBytesPerUid: {
+    flag: 'max-staging-bytes-per-uid', env: 'VMMD_MAX_STAGING_BYTES_PER_UID', placeholder: 'BYTES', type: 'bytes', default: 256n << 20n, min: 0n, max: 1n << 40n,
+    shown: '256 MiB; 0: no limit',
+    help: "bytes of staging buffers one uid's sessions may have the daemon map at once (pages the daemon's staged copies touch are the daemon's memory, in its MemoryMax): room for a few sessions at the clients' 32 MiB, yet many uids together keep the daemon's memory bounded; past it OpenStaging is refused and clients stream over gRPC",
+  },
   maxMappingsPerUid: {
     flag: 'max-mappings-per-uid', env: 'VMMD_MAX_MAPPINGS_PER_UID', placeholder: 'N', type: 'integer', default: undefined, min: 0, max: MAX_BUDGET_COUNT,
     shown: "auto: a third of a quarter of vm.max_map_count less the daemon's reserve (an eighth); 0: no limit",
