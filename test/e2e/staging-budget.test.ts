@@ -3,7 +3,7 @@
  * --max-staging-bytes-per-uid of staging buffers at once (the pages the
  * daemon's staged copies touch are the daemon's memory). OpenStaging past it
  * is refused RESOURCE_EXHAUSTED BUDGET_EXCEEDED before anything is mapped; a
- * replaced or closed buffer gives its bytes back; the TypeScript client whose
+ * replaced or closed buffer gives its bytes back; metrics and GetReport show it; the TypeScript client whose
  * buffer is refused streams over gRPC instead, and its copies stay correct.
  */
 import * as grpc from '@grpc/grpc-js';
@@ -78,6 +78,8 @@ describe('the staging bytes budget', () => {
     const during = await scrape();
     expect(during).toMatch(new RegExp(`^vmmd_budget_limit\\{budget="staging bytes per uid"\\} ${BUDGET}$`, 'm'));
     expect(during).toMatch(new RegExp(`^vmmd_budget_used\\{budget="staging bytes per uid",uid="${process.getuid!()}"\\} ${BUDGET}$`, 'm'));
+    const report = JSON.parse((await call(daemon!.raw.admin, 'GetReport', {})).json);
+    expect(report.budgets['staging bytes per uid']).toEqual({ limit: Number(BUDGET), used: { [process.getuid!()]: Number(BUDGET) } });
     // The first session's end gives its buffer back: a third session may open one.
     await first.client.close();
     const third = await rawSession();
