@@ -3,9 +3,13 @@
  * session socket (OpenStaging), in the daemon too. Large reads and writes go
  * through it in two halves, so that copying one half here overlaps the
  * daemon's copy of the other; only offsets travel over gRPC. One staged
- * transfer at a time per session (they share the buffer).
+ * transfer at a time per session (they share the buffer). A daemon that
+ * refuses the buffer (its uid's staging budget is spent) is asked no more:
+ * the caller streams over gRPC instead.
  */
 import { SharedHostMemory } from './shared-memory';
+import { status as Status } from '@grpc/grpc-js';
+import { VmmdError } from './errors';
 
 import { DEFAULT_STAGING_BYTES, STAGED_MIN_BYTES } from '../common/client-constants';
 
@@ -20,7 +24,17 @@ export interface StagedCalls {
   write(address: bigint, length: number, offset: number): Promise<unknown>;
 }
 
+/** Thrown by a staged copy when the daemon refused the buffer: nothing was copied, stream instead. */
+export class StagingRefused extends Error {
+  constructor(readonly refusal: VmmdError) {
+    super(`the daemon refused the staging buffer: ${refusal.message}`);
+    this.name = 'StagingRefused';
+  }
+}
+
 export class StagingBuffer {
+  /** The daemon refused the buffer for its uid's budget: this client streams from then on. */
+  refused = false;
   // A memfd mapped here; the daemon maps the same pages once OpenStaging took it.
   private memory?: SharedHostMemory;
   private opening?: Promise<void>;
@@ -84,7 +98,9 @@ export class StagingBuffer {
   }
 
   /** Creates, maps and opens the buffer on first use. */
+  /** @throws StagingRefused when the daemon refuses the buffer BUDGET_EXCEEDED (now or before) */
   private async mapped(): Promise<Buffer> {
+    if (this.refused) throw new StagingRefused(new VmmdError('BUDGET_EXCEEDED', Status.RESOURCE_EXHAUSTED, 'an earlier OpenStaging was refused'));
     this.opening ??= (async () => {
       const memory = SharedHostMemory.allocate(this.size);
       try {
@@ -92,6 +108,10 @@ export class StagingBuffer {
       } catch (error) {
         memory.free();
         this.opening = undefined;
+        if (error instanceof VmmdError && error.code === 'BUDGET_EXCEEDED') {
+          this.refused = true;
+          throw new StagingRefused(error);
+        }
         throw error;
       }
       this.memory = memory;

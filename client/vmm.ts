@@ -35,7 +35,7 @@ import { CudaImportedMemory, HostImportedMemory, ImportedMemory, mapFabricHandle
 import { CallSettings, collectStream, Input, toWire, unaryCall, writeChunks } from './rpc';
 import type { ClientSession } from './session';
 import type { AllocatedMessage, AllocateMessage, ExportedMessage } from '../common/protocol';
-import { DEFAULT_STAGING_BYTES, STAGED_MIN_BYTES, StagingBuffer } from './staging';
+import { DEFAULT_STAGING_BYTES, STAGED_MIN_BYTES, StagingBuffer, StagingRefused } from './staging';
 
 export interface ImportOptions {
   /** Needed for another session's allocation: the key its owner got from share(). */
@@ -308,12 +308,14 @@ export class VirtualMemoryApi {
 
   /**
    * Reads bytes at a mapped address the daemon may read: through the staging
-   * buffer from STAGED_MIN_BYTES up, else streamed over gRPC.
+   * buffer from STAGED_MIN_BYTES up, else (or when the daemon refuses the
+   * buffer for its staging budget) streamed over gRPC.
    * @throws VmmdError NOT_MAPPED, NO_ACCESS, NOT_FULLY_MAPPED
    */
   async read(address: bigint | string, length: bigint | number): Promise<Buffer> {
-    if (this.staging !== undefined && Number(length) >= STAGED_MIN_BYTES && !this.session.closed) {
-      return this.staging.read(BigInt(address), Number(length));
+    if (this.stages(Number(length))) {
+      const staged = await unlessRefused(() => this.staging!.read(BigInt(address), Number(length)));
+      if (staged !== undefined) return staged;
     }
     const call = this.client.Read(toWire({ address, length }) as never, this.settings.metadata(), {
       deadline: Date.now() + this.settings.deadlineMs,
@@ -327,8 +329,9 @@ export class VirtualMemoryApi {
    */
   async readInto(address: bigint | string, into: Uint8Array): Promise<Buffer> {
     const target = Buffer.from(into.buffer, into.byteOffset, into.byteLength);
-    if (this.staging !== undefined && into.byteLength >= STAGED_MIN_BYTES && !this.session.closed) {
-      return this.staging.read(BigInt(address), into.byteLength, target);
+    if (this.stages(into.byteLength)) {
+      const staged = await unlessRefused(() => this.staging!.read(BigInt(address), into.byteLength, target));
+      if (staged !== undefined) return staged;
     }
     (await this.read(address, into.byteLength)).copy(target);
     return target;
@@ -336,13 +339,14 @@ export class VirtualMemoryApi {
 
   /**
    * Writes bytes to a mapped address the daemon may write: through the
-   * staging buffer from STAGED_MIN_BYTES up, else streamed over gRPC.
+   * staging buffer from STAGED_MIN_BYTES up, else (or when the daemon refuses
+   * the buffer for its staging budget) streamed over gRPC.
    * @throws VmmdError NOT_MAPPED, NO_ACCESS, NOT_FULLY_MAPPED
    */
   async write(address: bigint | string, data: Uint8Array): Promise<WriteResponse__Output> {
-    if (this.staging !== undefined && data.byteLength >= STAGED_MIN_BYTES && !this.session.closed) {
-      await this.staging.write(BigInt(address), data);
-      return { bytesWritten: String(data.byteLength) };
+    if (this.stages(data.byteLength)) {
+      const staged = await unlessRefused(() => this.staging!.write(BigInt(address), data).then(() => true));
+      if (staged !== undefined) return { bytesWritten: String(data.byteLength) };
     }
     return new Promise((resolve, reject) => {
       const call = this.client.Write(this.settings.metadata(), { deadline: Date.now() + this.settings.deadlineMs }, (error, response) => {
@@ -356,5 +360,20 @@ export class VirtualMemoryApi {
   /** Unmaps the staging buffer here (the session's end unmaps the daemon's side). */
   closeStaging(): void {
     this.staging?.close();
+  }
+
+  /** Whether a copy of `length` bytes goes through the staging buffer (not once the daemon refused it). */
+  private stages(length: number): boolean {
+    return this.staging !== undefined && !this.staging.refused && length >= STAGED_MIN_BYTES && !this.session.closed;
+  }
+}
+
+/** A staged copy's result, or undefined where the daemon refused the buffer (nothing was copied: the caller streams). */
+async function unlessRefused<T>(copy: () => Promise<T>): Promise<T | undefined> {
+  try {
+    return await copy();
+  } catch (error) {
+    if (error instanceof StagingRefused) return undefined;
+    throw error;
   }
 }

@@ -113,12 +113,17 @@ export const DAEMON_SETTINGS = {
     help: 'gRPC connections one uid may hold open on the Unix socket; more are closed at accept',
   },
   maxUnreadDescriptorsPerSession: {
-    flag: 'max-unread-descriptors-per-session', env: 'VMMD_MAX_UNREAD_DESCRIPTORS_PER_SESSION', placeholder: 'N', type: 'integer', default: 64, min: 1, max: 1_000_000,
-    help: 'answers carrying a descriptor that a session has not read yet; more requests for one are refused',
+    flag: 'max-unread-descriptors-per-session', env: 'VMMD_MAX_UNREAD_DESCRIPTORS_PER_SESSION', placeholder: 'N', type: 'integer', default: 512, min: 1, max: 1_000_000,
+    help: 'answers carrying a descriptor that a session has not read yet; more requests for one are refused (a burst of concurrent exports or opens stays under it)',
   },
   maxUnreadDescriptorsPerUid: {
-    flag: 'max-unread-descriptors-per-uid', env: 'VMMD_MAX_UNREAD_DESCRIPTORS_PER_UID', placeholder: 'N', type: 'integer', default: 1024, min: 1, max: 1_000_000,
+    flag: 'max-unread-descriptors-per-uid', env: 'VMMD_MAX_UNREAD_DESCRIPTORS_PER_UID', placeholder: 'N', type: 'integer', default: 4096, min: 1, max: 1_000_000,
     help: "the same for all of one uid's sessions",
+  },
+  maxStagingBytesPerUid: {
+    flag: 'max-staging-bytes-per-uid', env: 'VMMD_MAX_STAGING_BYTES_PER_UID', placeholder: 'BYTES', type: 'bytes', default: 256n << 20n, min: 0n, max: 1n << 40n,
+    shown: '256 MiB; 0: no limit',
+    help: "bytes of staging buffers one uid's sessions may have the daemon map at once (pages the daemon's staged copies touch are the daemon's memory, in its MemoryMax): room for a few sessions at the clients' 32 MiB, yet many uids together keep the daemon's memory bounded; past it OpenStaging is refused and clients stream over gRPC",
   },
   maxMappingsPerUid: {
     flag: 'max-mappings-per-uid', env: 'VMMD_MAX_MAPPINGS_PER_UID', placeholder: 'N', type: 'integer', default: undefined, min: 0, max: MAX_BUDGET_COUNT,

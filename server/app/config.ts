@@ -63,6 +63,8 @@ export interface DaemonConfig {
   maxConnectionsPerUid: number;
   maxUnreadDescriptorsPerSession: number;
   maxUnreadDescriptorsPerUid: number;
+  /** Bytes of staging buffers one uid may have the daemon map at once (0: no limit). */
+  maxStagingBytesPerUid: bigint;
   /** The largest gRPC message the daemon receives (a Write's chunk). */
   maxMessageBytes: bigint;
   /** Bytes a uid, and a session, may hold in allocations at once (0: no limit). */
@@ -355,6 +357,7 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
       maxConnectionsPerUid: integer('maxConnectionsPerUid'),
       maxUnreadDescriptorsPerSession: integer('maxUnreadDescriptorsPerSession'),
       maxUnreadDescriptorsPerUid: integer('maxUnreadDescriptorsPerUid'),
+      maxStagingBytesPerUid: bytes('maxStagingBytesPerUid'),
       maxMappingsPerUid: read('maxMappingsPerUid') as number | undefined,
       maxReservationsPerUid: read('maxReservationsPerUid') as number | undefined,
       maxAddressSpacePerUid: read('maxAddressSpacePerUid') as bigint | undefined,

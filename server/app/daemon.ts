@@ -131,6 +131,7 @@ export class Daemon {
         connectionsPerUid: config.maxConnectionsPerUid,
         unreadDescriptorsPerSession: config.maxUnreadDescriptorsPerSession,
         unreadDescriptorsPerUid: config.maxUnreadDescriptorsPerUid,
+        stagingBytesPerUid: Number(config.maxStagingBytesPerUid),
       },
       descriptors,
     );
@@ -229,7 +230,7 @@ export class Daemon {
         turns,
       });
       new DevicesService(registry).addToServer(server, proto, depsOf('vmmd.v1.Devices'));
-      new VirtualMemoryService(registry, sessions, staging).addToServer(server, proto, depsOf('vmmd.v1.VirtualMemory'));
+      new VirtualMemoryService(registry, sessions, staging, transportBudgets).addToServer(server, proto, depsOf('vmmd.v1.VirtualMemory'));
       new StoresService(registry, stores, sessions).addToServer(server, proto, depsOf('vmmd.v1.Stores'));
       admin = new AdminService({ registry, sessions, stores, quotas, metrics, version: VERSION, turns, gcPauses: gcPauses.start(), budgets: everyBudget });
       admin.sampleLoopDelay(activity.active);

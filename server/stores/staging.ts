@@ -42,7 +42,17 @@ interface Staging {
   // Invariant: copies in flight; the mapping is unpinned and released only when none is.
   busy: number;
   closing?: () => void;
+  /** Gives the buffer's size back to its uid's budget: once, when the buffer is let go. */
+  uncharge: () => void;
 }
+
+/**
+ * Counts a buffer's size against its holder before it is mapped (the daemon's
+ * copies fault its pages into the daemon's own memory), and returns what
+ * gives it back.
+ * @throws RESOURCE_EXHAUSTED BUDGET_EXCEEDED
+ */
+export type StagingCharge = (size: bigint) => () => void;
 
 export class StagingBuffers {
   // Invariant: one mapped staging buffer per session id.
@@ -59,18 +69,21 @@ export class StagingBuffers {
 
   /**
    * Maps `fd` (taken over: closed on failure too) as the session's staging buffer, replacing any earlier one.
+   * @param charge counts the buffer's size before it is mapped (the earlier buffer, mapped until the swap, still counts then)
    * @throws INVALID_ARGUMENT BAD_DESCRIPTOR (admitClientMemfd's rules; empty, not page-sized, larger than MAX_STAGING_BYTES);
-   *   RESOURCE_EXHAUSTED DAEMON_MAP_FAILED (the daemon's own mmap failed: address space, mappings)
+   *   RESOURCE_EXHAUSTED BUDGET_EXCEEDED (charge's refusal), DAEMON_MAP_FAILED (the daemon's own mmap failed: address space, mappings)
    */
-  async open(session: bigint, fd: number): Promise<bigint> {
+  async open(session: bigint, fd: number, charge: StagingCharge = () => () => undefined): Promise<bigint> {
     let memory: MemfdMemory;
     let size: bigint;
+    let uncharge: () => void;
     try {
       size = admitClientMemfd(fd, { what: 'a staging buffer', writable: true }).size;
       const page = pageSize();
       if (size === 0n || size % page !== 0n || size > MAX_STAGING_BYTES) {
         throw invalidArgument('BAD_DESCRIPTOR', `a staging buffer's size ${size} must be a positive multiple of ${page} bytes, at most ${MAX_STAGING_BYTES}`);
       }
+      uncharge = charge(size);
     } catch (error) {
       addon.close(fd);
       throw error;
@@ -79,6 +92,7 @@ export class StagingBuffers {
       // Takes fd over, and closes it if the mapping fails.
       memory = MemfdMemory.map(fd, size, false);
     } catch (error) {
+      uncharge();
       // Admitted, the descriptor allows the mapping: only seals added since (EPERM, EACCES) are the client's doing.
       const code = (error as { code?: unknown }).code;
       if (code === 'EPERM' || code === 'EACCES') throw invalidArgument('BAD_DESCRIPTOR', `the staging descriptor cannot be mapped: ${(error as Error).message}`);
@@ -95,7 +109,7 @@ export class StagingBuffers {
     }
     // The swap is one synchronous step: calls of one session at once each replace the one before, and every buffer replaced is let go.
     const previous = this.bySession.get(session);
-    this.bySession.set(session, { memory, size, buffer: memory.view(), pinned, busy: 0 });
+    this.bySession.set(session, { memory, size, buffer: memory.view(), pinned, busy: 0, uncharge });
     if (previous !== undefined) await this.retire(previous);
     return size;
   }
@@ -142,6 +156,10 @@ export class StagingBuffers {
       await this.pinning!.unpin(staging.memory.address).catch((error: Error) => this.warn(`unpinning a staging buffer failed: ${error.message}`));
     }
     detachView(staging.buffer);
-    await staging.memory.release();
+    try {
+      await staging.memory.release();
+    } finally {
+      staging.uncharge();
+    }
   }
 }

@@ -21,6 +21,8 @@ export interface TransportLimits {
   unreadDescriptorsPerSession: number;
   /** The same for all of one uid's sessions. */
   unreadDescriptorsPerUid: number;
+  /** Bytes of staging buffers one uid's sessions may have the daemon map at once (0: no limit). */
+  stagingBytesPerUid: number;
 }
 
 export const DEFAULT_TRANSPORT_LIMITS: TransportLimits = {
@@ -30,6 +32,7 @@ export const DEFAULT_TRANSPORT_LIMITS: TransportLimits = {
   connectionsPerUid: DAEMON_SETTINGS.maxConnectionsPerUid.default,
   unreadDescriptorsPerSession: DAEMON_SETTINGS.maxUnreadDescriptorsPerSession.default,
   unreadDescriptorsPerUid: DAEMON_SETTINGS.maxUnreadDescriptorsPerUid.default,
+  stagingBytesPerUid: Number(DAEMON_SETTINGS.maxStagingBytesPerUid.default),
 };
 
 /** The holder a gRPC call without a uid counts under (TCP: mutual TLS names no uid). */
@@ -48,6 +51,8 @@ export class TransportBudgets {
   readonly unreadDescriptorsOfUid: Budget;
   /** Every session's unread descriptors together, under DAEMON_HOLDER: the kernel refuses every send past RLIMIT_NOFILE. */
   readonly allUnreadDescriptors: Budget;
+  /** Staging buffers' bytes per uid: pages the daemon's staged copies fault are the daemon's memory. */
+  readonly stagingBytes: Budget;
 
   constructor(readonly limits: TransportLimits = DEFAULT_TRANSPORT_LIMITS, descriptorLimit = Number.POSITIVE_INFINITY) {
     this.serverStreams = new Budget('server streams per uid', limits.serverStreamsPerUid);
@@ -55,6 +60,7 @@ export class TransportBudgets {
     this.connections = new Budget('gRPC connections per uid', limits.connectionsPerUid);
     this.unreadDescriptorsOfSession = new Budget('unread descriptors per session', limits.unreadDescriptorsPerSession);
     this.unreadDescriptorsOfUid = new Budget('unread descriptors per uid', limits.unreadDescriptorsPerUid);
+    this.stagingBytes = new Budget('staging bytes per uid', limits.stagingBytesPerUid, ' bytes');
     // What neither may take from the daemon: the rest of its descriptors, for its own opens and accepts.
     const share = Number.isFinite(descriptorLimit) ? Math.max(1, Math.floor(descriptorLimit * (1 - DESCRIPTOR_RESERVE_SHARE))) : 0;
     this.allConnections = new Budget('gRPC connections of all uids', share);
@@ -63,8 +69,21 @@ export class TransportBudgets {
 
   /** Every budget, for metrics. */
   all(): Budget[] {
-    return [this.serverStreams, this.clientStreams, this.connections, this.allConnections, this.unreadDescriptorsOfSession, this.unreadDescriptorsOfUid, this.allUnreadDescriptors];
+    return [this.serverStreams, this.clientStreams, this.connections, this.allConnections, this.unreadDescriptorsOfSession, this.unreadDescriptorsOfUid, this.allUnreadDescriptors, this.stagingBytes];
   }
+}
+
+/**
+ * Takes `amount` of a budget for `holder` and returns what gives it back, once.
+ * @throws RESOURCE_EXHAUSTED BUDGET_EXCEEDED
+ */
+export function takeAmountOnce(budget: Budget, holder: Holder, amount: number): () => void {
+  budget.take(holder, amount);
+  let held = true;
+  return () => {
+    if (held) budget.give(holder, amount);
+    held = false;
+  };
 }
 
 /** The one holder of the daemon-wide budgets. */

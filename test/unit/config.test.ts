@@ -145,15 +145,16 @@ describe('the per-uid budgets', () => {
 });
 
 describe('the transport budgets', () => {
-  it('default to 16 server and 8 client streams, 256 KiB in flight, 2 MiB messages, 64 connections, 64 and 1024 unread descriptors', () => {
+  it('default to 16 server and 8 client streams, 256 KiB in flight, 2 MiB messages, 64 connections, 512 and 4096 unread descriptors, 256 MiB of staging', () => {
     expect(run([])).toMatchObject({
       maxServerStreamsPerUid: 16,
       maxClientStreamsPerUid: 8,
       streamBytesInFlight: 256n << 10n,
       maxMessageBytes: 2n << 20n,
       maxConnectionsPerUid: 64,
-      maxUnreadDescriptorsPerSession: 64,
-      maxUnreadDescriptorsPerUid: 1024,
+      maxUnreadDescriptorsPerSession: 512,
+      maxUnreadDescriptorsPerUid: 4096,
+      maxStagingBytesPerUid: 256n << 20n,
     });
   });
   it('take the flag, else the environment', () => {
@@ -162,6 +163,8 @@ describe('the transport budgets', () => {
     expect(run(['--stream-bytes-in-flight', '64KiB']).streamBytesInFlight).toBe(64n << 10n);
     expect(run([], { VMMD_MAX_MESSAGE_BYTES: '4MiB' }).maxMessageBytes).toBe(4n << 20n);
     expect(run(['--max-unread-descriptors-per-uid', '100']).maxUnreadDescriptorsPerUid).toBe(100);
+    expect(run(['--max-staging-bytes-per-uid', '0']).maxStagingBytesPerUid).toBe(0n);
+    expect(run([], { VMMD_MAX_STAGING_BYTES_PER_UID: '64MiB' }).maxStagingBytesPerUid).toBe(64n << 20n);
   });
   it.each([
     ['--max-client-streams-per-uid', '0'],
@@ -169,6 +172,7 @@ describe('the transport budgets', () => {
     ['--stream-bytes-in-flight', '1KiB'],
     ['--max-message-bytes', '1MiB'],
     ['--max-message-bytes', '1GiB'],
+    ['--max-staging-bytes-per-uid', '2TiB'],
   ])('refuse %s %s naming the flag', (flag, text) => expect(() => run([flag, text])).toThrow(new RegExp(`^${flag}`)));
 });
 

@@ -1,5 +1,6 @@
 """The session's staging buffer: large reads and writes copied through a
-shared memfd, only offsets over gRPC."""
+shared memfd, only offsets over gRPC. A daemon that refuses the buffer (its
+uid's staging budget is spent) is asked no more: the caller streams instead."""
 from __future__ import annotations
 
 import mmap
@@ -14,6 +15,11 @@ from .session import ClientSession
 from ._declared import DEFAULT_STAGING_BYTES, STAGED_MIN_BYTES  # noqa: E402  (shared with the daemon, generated)
 
 
+class StagingRefused(Exception):
+    """Raised by a staged copy when the daemon refused the buffer
+    (BUDGET_EXCEEDED): nothing was copied, the caller streams instead."""
+
+
 class StagingBuffer:
     """The session's staging buffer: a sealed memfd mapped here and, once sent
     (OpenStaging), in the daemon; large reads and writes go through its two
@@ -25,14 +31,25 @@ class StagingBuffer:
         self._session = session
         self._map: Optional[mmap.mmap] = None
         self._lock = threading.Lock()
+        # The daemon refused the buffer for its uid's budget: this client streams from then on.
+        self.refused = False
 
     def _mapped(self) -> mmap.mmap:
+        """Raises StagingRefused when the daemon refuses the buffer (now or before)."""
+        if self.refused:
+            raise StagingRefused("an earlier OpenStaging was refused BUDGET_EXCEEDED")
         if self._map is None:
             fd = sealed_memfd("vmmd:staging", self.size)
             try:
                 staging = mmap.mmap(fd, self.size, access=mmap.ACCESS_WRITE)
                 try:
                     self._service.unary("OpenStaging", transfer_id=int(self._session.send_descriptor(fd)))
+                except VmmdError as error:
+                    staging.close()
+                    if error.code == "BUDGET_EXCEEDED":
+                        self.refused = True
+                        raise StagingRefused(str(error)) from error
+                    raise
                 except BaseException:
                     staging.close()
                     raise

@@ -6,7 +6,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
 
 from . import _proto
 from ._rpc import STREAM_CHUNK_BYTES, Message, Request, _Service
-from ._staging import STAGED_MIN_BYTES, StagingBuffer
+from ._staging import STAGED_MIN_BYTES, StagingBuffer, StagingRefused
 from .errors import STATUS, VmmdError
 from .memory import CudaImportedMemory, HostImportedMemory, ImportedMemory
 from ._reading import close_fd
@@ -248,10 +248,14 @@ class VirtualMemoryApi:
 
     def read(self, address: int, length: int, timeout: Optional[float] = None) -> bytes:
         """Reads bytes at a mapped address the daemon may read: through the
-        staging buffer from STAGED_MIN_BYTES up, else streamed over gRPC.
+        staging buffer from STAGED_MIN_BYTES up, else (or when the daemon refuses
+        the buffer for its staging budget) streamed over gRPC.
         Raises VmmdError NOT_MAPPED, NO_ACCESS, NOT_FULLY_MAPPED."""
-        if self._staging is not None and length >= STAGED_MIN_BYTES and not self._session.closed:
-            return bytes(self._staging.read(int(address), int(length), timeout=timeout))
+        if self._stages(length):
+            try:
+                return bytes(self._staging.read(int(address), int(length), timeout=timeout))  # type: ignore[union-attr]
+            except StagingRefused:
+                pass
         chunks = [chunk.data for chunk in self._service.server_stream("Read", address=int(address), length=int(length), timeout=self._service.seconds(timeout))]
         return b"".join(chunks)
 
@@ -261,8 +265,11 @@ class VirtualMemoryApi:
         target = memoryview(into).cast("B")
         if target.readonly:
             raise VmmdError("READ_ONLY_BUFFER", STATUS["INVALID_ARGUMENT"], "read_into needs a writable buffer (a bytearray, a numpy array…)")
-        if self._staging is not None and target.nbytes >= STAGED_MIN_BYTES and not self._session.closed:
-            return self._staging.read(int(address), target.nbytes, target, timeout=timeout)
+        if self._stages(target.nbytes):
+            try:
+                return self._staging.read(int(address), target.nbytes, target, timeout=timeout)  # type: ignore[union-attr]
+            except StagingRefused:
+                pass
         offset = 0
         for chunk in self._service.server_stream("Read", address=int(address), length=target.nbytes, timeout=self._service.seconds(timeout)):
             target[offset : offset + len(chunk.data)] = chunk.data
@@ -271,12 +278,16 @@ class VirtualMemoryApi:
 
     def write(self, address: int, data: Any, timeout: Optional[float] = None) -> int:
         """Writes bytes to a mapped address the daemon may write (staged from
-        STAGED_MIN_BYTES up). Returns the bytes written.
+        STAGED_MIN_BYTES up; streamed when the daemon refuses the buffer for its
+        staging budget). Returns the bytes written.
         Raises VmmdError NOT_MAPPED, NO_ACCESS, NOT_FULLY_MAPPED, READ_ONLY_MEMORY."""
         view = memoryview(data).cast("B")
-        if self._staging is not None and view.nbytes >= STAGED_MIN_BYTES and not self._session.closed:
-            self._staging.write(int(address), view, timeout=timeout)
-            return view.nbytes
+        if self._stages(view.nbytes):
+            try:
+                self._staging.write(int(address), view, timeout=timeout)  # type: ignore[union-attr]
+                return view.nbytes
+            except StagingRefused:
+                pass
         Write = _proto.message("WriteRequest")
 
         def messages() -> Iterator[Message]:
@@ -284,6 +295,10 @@ class VirtualMemoryApi:
                 yield Write(address=int(address) if offset == 0 else 0, data=bytes(view[offset : offset + STREAM_CHUNK_BYTES]))
 
         return int(self._service.client_stream("Write", messages(), timeout).bytes_written)
+
+    def _stages(self, length: int) -> bool:
+        """Whether a copy of `length` bytes goes through the staging buffer (not once the daemon refused it)."""
+        return self._staging is not None and not self._staging.refused and length >= STAGED_MIN_BYTES and not self._session.closed
 
     def close_staging(self) -> None:
         if self._staging is not None:

@@ -35,6 +35,7 @@ import { invalidArgument } from '../../../errors';
 import type { AllocationRecord, Exported, Registry, ReservationRecord } from '../../../registry';
 import type { Session, SessionManager } from '../../session/sessions';
 import type { StagingBuffers } from '../../../stores/staging';
+import { takeAmountOnce, TransportBudgets } from '../../budgets';
 import type { OpenStagingRequest__Output } from '../../../../generated/vmmd/v1/OpenStagingRequest';
 import type { StagingBuffer } from '../../../../generated/vmmd/v1/StagingBuffer';
 import type { StagedCopy__Output } from '../../../../generated/vmmd/v1/StagedCopy';
@@ -49,6 +50,8 @@ export class VirtualMemoryService {
     private readonly registry: Registry,
     private readonly sessions: SessionManager,
     private readonly staging: StagingBuffers,
+    /** Counts each uid's staging buffers' bytes (none: no limit). */
+    private readonly budgets?: TransportBudgets,
   ) {
     this.resolveDevice = (uuid, field) => registry.deviceByUuid(uuid, field);
   }
@@ -229,7 +232,9 @@ export class VirtualMemoryService {
     const session = requireSession(context, 'OpenStaging');
     if (u64(request.transferId) === 0n) throw invalidArgument('BAD_TRANSFER', 'transfer_id must be set (ids start at 1)');
     const fd = await this.sessions.takeTransfer(session, String(u64(request.transferId)));
-    return { size: String(await this.staging.open(session.id, fd)) };
+    const budget = this.budgets?.stagingBytes;
+    const charge = budget === undefined ? undefined : (size: bigint) => takeAmountOnce(budget, session.peer.uid, Number(size));
+    return { size: String(await this.staging.open(session.id, fd, charge)) };
   }
 
   async readStaged(request: StagedCopy__Output, context: CallContext): Promise<StagedCopyResponse> {
