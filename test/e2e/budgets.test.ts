@@ -7,9 +7,8 @@
  * all of it when the attacker's session closes (the metrics show each uid's
  * use). Small limits keep it fast; peers of another uid need root.
  */
-import * as http from 'node:http';
 import { connect, VmmdClient } from '../../client';
-import { call as rawCall, eventually, freePort, MiB, Peer, stopWhenClean, TestDaemon } from './harness';
+import { call as rawCall, eventually, freePort, MiB, Peer, scrapeMetrics, stopWhenClean, TestDaemon } from './harness';
 
 const isRoot = process.getuid?.() === 0;
 const NOBODY = 65534;
@@ -24,17 +23,7 @@ let victim: VmmdClient;
 const clients: VmmdClient[] = [];
 const peers: Peer[] = [];
 
-function scrape(): Promise<string> {
-  return new Promise((resolve, reject) =>
-    http
-      .get({ host: '127.0.0.1', port: metricsPort, path: '/metrics' }, (response) => {
-        let body = '';
-        response.on('data', (chunk) => (body += chunk));
-        response.on('end', () => resolve(body));
-      })
-      .on('error', reject),
-  );
-}
+const scrape = () => scrapeMetrics(metricsPort);
 
 /** Each budget's use by a uid, from /metrics (a budget it holds nothing of is absent). */
 async function usedBy(uid: number): Promise<Record<string, number>> {

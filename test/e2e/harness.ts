@@ -6,6 +6,7 @@
 import * as grpc from '@grpc/grpc-js';
 import { ChildProcess, spawn } from 'node:child_process';
 import * as fs from 'node:fs';
+import * as http from 'node:http';
 import * as net from 'node:net';
 import * as os from 'node:os';
 import * as path from 'node:path';
@@ -47,6 +48,19 @@ export async function stopWhenClean(daemon: TestDaemon | undefined, clients: Arr
 }
 
 /** A TCP port on 127.0.0.1 that was free a moment ago (for a daemon's metrics or health listener). */
+/** The daemon's Prometheus metrics page, as a scraper reads it. */
+export function scrapeMetrics(port: number): Promise<string> {
+  return new Promise((resolve, reject) =>
+    http
+      .get({ host: '127.0.0.1', port, path: '/metrics' }, (response) => {
+        let body = '';
+        response.on('data', (chunk) => (body += chunk));
+        response.on('end', () => resolve(body));
+      })
+      .on('error', reject),
+  );
+}
+
 export function freePort(): Promise<number> {
   return new Promise((resolve, reject) => {
     const server = net.createServer();

@@ -7,11 +7,10 @@
  * buffer is refused streams over gRPC instead, and its copies stay correct.
  */
 import * as grpc from '@grpc/grpc-js';
-import * as http from 'node:http';
 import { connect, VmmdClient } from '../../client';
 import { SESSION_METADATA_KEY } from '../../common/protocol';
 import { addon } from '../../native';
-import { call, freePort, MiB, stopWhenClean, TestDaemon } from './harness';
+import { call, freePort, MiB, scrapeMetrics, stopWhenClean, TestDaemon } from './harness';
 
 const BUDGET = 8n * MiB;
 const SIZE = 4n * MiB;
@@ -52,17 +51,7 @@ const refusal = (used: bigint, amount: bigint) => ({
   metadata: expect.anything(),
 });
 
-function scrape(): Promise<string> {
-  return new Promise((resolve, reject) =>
-    http
-      .get({ host: '127.0.0.1', port: metricsPort, path: '/metrics' }, (response) => {
-        let body = '';
-        response.on('data', (chunk) => (body += chunk));
-        response.on('end', () => resolve(body));
-      })
-      .on('error', reject),
-  );
-}
+const scrape = () => scrapeMetrics(metricsPort);
 
 describe('the staging bytes budget', () => {
   it('refuses a buffer past the budget before mapping it, and gives bytes back on replace and on session end', async () => {

@@ -12,9 +12,8 @@
  * Peers of another uid need root.
  */
 import * as fs from 'node:fs';
-import * as http from 'node:http';
 import { connect, VmmdClient } from '../../client';
-import { eventually, freePort, MiB, Peer, sleep, TestDaemon } from '../e2e/harness';
+import { eventually, freePort, MiB, Peer, scrapeMetrics, sleep, TestDaemon } from '../e2e/harness';
 import { figure } from './figures';
 
 const FULL = process.env.VMMD_RELIABILITY === 'full';
@@ -46,17 +45,7 @@ async function start(extra: string[] = []): Promise<{ victim: VmmdClient; attack
   return { victim, attacker };
 }
 
-function scrape(): Promise<string> {
-  return new Promise((resolve, reject) =>
-    http
-      .get({ host: '127.0.0.1', port: metricsPort, path: '/metrics' }, (response) => {
-        let body = '';
-        response.on('data', (chunk) => (body += chunk));
-        response.on('end', () => resolve(body));
-      })
-      .on('error', reject),
-  );
-}
+const scrape = () => scrapeMetrics(metricsPort);
 
 /** A budget's limit, as the daemon derived it. */
 async function limit(budget: string): Promise<number> {
