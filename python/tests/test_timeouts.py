@@ -11,6 +11,7 @@ import time
 import types
 from typing import Any, Callable, Iterator
 
+import grpc
 import pytest
 
 import vmmd
@@ -91,3 +92,67 @@ def test_a_timeout_must_be_seconds_above_zero(client: vmmd.VmmdClient) -> None:
         with pytest.raises(vmmd.VmmdError) as raised:
             client.devices.list_devices(timeout=bad)
         assert (raised.value.code, raised.value.status_name) == ("BAD_TIMEOUT", "INVALID_ARGUMENT")
+
+
+class _RefusedFuture(grpc.RpcError, grpc.Future):  # type: ignore[misc]
+    """A Close the channel could not take (it was reconnecting after the daemon stalled)."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "the channel is reconnecting"
+
+    def result(self, timeout: Any = None) -> Any:
+        raise self
+
+    def exception(self, timeout: Any = None) -> Any:
+        return self
+
+    def add_done_callback(self, fn: Any) -> None:
+        fn(self)
+
+    def cancel(self) -> bool:
+        return False
+
+    def cancelled(self) -> bool:
+        return False
+
+    def running(self) -> bool:
+        return False
+
+    def done(self) -> bool:
+        return True
+
+    def traceback(self, timeout: Any = None) -> Any:
+        return None
+
+
+def test_an_open_nobody_took_is_closed_even_when_the_first_close_is_refused(client: vmmd.VmmdClient) -> None:
+    store = client.stores.attach_bytes(b"x" * 4096, name="closed-again")
+    _, fd = client.session.open_store({"id": int(store.id)}, timeout=5)
+    os.close(fd)
+    calls = client.stores._service._calls
+    real = calls["Close"]
+    refused = []
+
+    class CloseRefusedOnce:
+        def future(self, *args: Any, **kwargs: Any) -> Any:
+            if not refused:
+                refused.append(True)
+                return _RefusedFuture()
+            return real.future(*args, **kwargs)
+
+    calls["Close"] = CloseRefusedOnce()
+    try:
+        # As an answer that came after its caller gave up leaves it: the open is the session's to close.
+        client.session._orphans.append(("close", str(store.id)))
+
+        def closed() -> bool:
+            client.session.ping(timeout=5)
+            return [s.opens for s in client.stores.list(timeout=5) if s.id == store.id] == [0] and not client.session.orphans()
+
+        eventually(closed, what="the refused close to be sent again")
+        assert refused == [True]
+    finally:
+        calls["Close"] = real

@@ -147,6 +147,10 @@ class AbandonedAnswers:
         self._orphans.append(("release", allocation))
         self._release_orphans()
 
+    def _orphan_again(self, orphan: Orphan) -> None:
+        """Undoes `orphan` with the next call: its first undoing did not take (any thread may call it)."""
+        self._orphans.append(orphan)
+
     def orphans(self) -> List[Orphan]:
         """What answers nobody took made and is not undone yet (it goes with the next call):
         ("release", allocation id) and ("close", store id)."""

@@ -111,3 +111,7 @@ class _Future:
             return self._future.result()
         except grpc.RpcError as error:
             raise VmmdError.from_rpc(error) from None
+
+    def add_done_callback(self, callback: Callable[[grpc.Future], None]) -> None:
+        """Calls `callback(grpc future)` once the call ends (at once if it has; on a gRPC thread otherwise)."""
+        self._future.add_done_callback(callback)

@@ -100,7 +100,7 @@ class VmmdClient:
         session.on_close.append(_weakly(self._on_session_close))
         stores = self.stores._service
         # An open whose answer nobody took (an interrupted or timed-out open) is closed, not awaited.
-        session.close_store_open = lambda store_id: stores.unary_future("Close", store_id=int(store_id))
+        session.close_store_open = lambda store_id: _close_orphaned_open(session, stores, store_id)
         self._finalizer = weakref.finalize(self, _close_parts, session, channel, self.vmm)
         self._finalizer.atexit = False  # at exit the daemon sees the socket close
 
@@ -147,6 +147,24 @@ def _weakly(method: Callable[[], None]) -> Callable[[], None]:
             target()
 
     return call
+
+
+
+# A Close the daemon did not take: the channel was not ready (reconnecting after a stall) or the call ran out of time.
+_CLOSE_AGAIN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def _close_orphaned_open(session: ClientSession, stores: _Service, store_id: str) -> None:
+    """Closes an open whose answer nobody took, without waiting; a close the
+    daemon did not take goes again with the session's next call, so that the
+    open is never left to nobody."""
+
+    def settled(future: grpc.Future) -> None:
+        error = future.exception()
+        if isinstance(error, grpc.RpcError) and error.code() in _CLOSE_AGAIN:  # type: ignore[attr-defined]
+            session._orphan_again(("close", store_id))
+
+    stores.unary_future("Close", store_id=int(store_id)).add_done_callback(settled)
 
 
 def _close_parts(session: ClientSession, channel: grpc.Channel, vmm: VirtualMemoryApi) -> None:
