@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Python client's tests (python/tests, pytest) against the daemon of this
 # checkout (bin/vmmd.js: run after `npm run build`, as `npm test` does).
-# The interpreter is the venv VMMD_PYTHON_VENV (default .venv at the root);
+# ruff checks the sources first. The interpreter is the venv VMMD_PYTHON_VENV (default .venv at the root);
 # when it is missing it is made here, with `pip install ./python[test]`, and the
 # package is reinstalled whenever python/ changed since the last install.
 set -euo pipefail
@@ -17,5 +17,11 @@ if [ ! -f "$venv/.vmmd-installed" ] || [ -n "$stamp" ]; then
   "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps --force-reinstall ./python
   touch "$venv/.vmmd-installed"
 fi
+# Lint first (python/pyproject.toml's ruff rules: undefined names, unused imports, syntax errors).
+if [ ! -x "$venv/bin/ruff" ]; then
+  "$venv/bin/pip" install --quiet --disable-pip-version-check --retries 0 "ruff>=0.6"
+fi
+ruff="$(cd "$venv" && pwd)/bin/ruff"
+(cd python && "$ruff" check --quiet src tests)
 # The installed package, not the sources: the tests run what `pip install ./python` gives.
 exec "$venv/bin/python" -m pytest -p no:cacheprovider -q python/tests "$@"

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 import warnings
 from typing import Any, Iterator
 

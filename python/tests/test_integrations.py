@@ -4,10 +4,8 @@ views, and the C allocation library PyTorch loads (its callbacks into Python).
 The CUDA paths themselves run on a GPU host (test/gpu/python)."""
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
-import shutil
 
 import numpy
 import pytest

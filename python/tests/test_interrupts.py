@@ -10,7 +10,7 @@ import os
 import subprocess
 import sys
 import threading
-from typing import Any, List
+from typing import Any
 
 import pytest
 

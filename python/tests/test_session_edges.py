@@ -9,7 +9,6 @@ import json
 import math
 import os
 import signal
-import socket
 import threading
 import time
 from typing import Any, List

@@ -20,7 +20,7 @@ from vmmd import _allocator_lib
 from vmmd._torch_chunks import ChunkSupply
 from vmmd.pool import DevicePool
 
-from conftest import MiB, Daemon, eventually
+from conftest import MiB, eventually
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler here")
 STREAM_A, STREAM_B = 0x5A, 0x5B
@@ -145,7 +145,8 @@ def session_bytes(client: vmmd.VmmdClient) -> int:
 
 def test_the_supply_thread_refills_a_waiting_malloc_and_takes_emptied_chunks_back(library: Any, client: vmmd.VmmdClient) -> None:
     pool = DevicePool(client, chunk_size=4 * MiB, idle_seconds=0)
-    supply = ChunkSupply(library, lambda device: pool, 4 * MiB, idle_seconds=1, refill_seconds=10)
+    # An idle time well above what a loaded machine may stall between two lines of this test.
+    supply = ChunkSupply(library, lambda device: pool, 4 * MiB, idle_seconds=3, refill_seconds=10)
     results: List[Any] = []
     # From another thread, as PyTorch calls it: the call releases the GIL, the supply thread leases meanwhile.
     waiter = threading.Thread(target=lambda: results.append(library.vmmd_torch_malloc(6 * MiB, 0, STREAM_A)))
@@ -163,7 +164,7 @@ def test_the_supply_thread_refills_a_waiting_malloc_and_takes_emptied_chunks_bac
     library.vmmd_torch_free(small, MiB, 0, STREAM_A)
     time.sleep(0.3)
     assert session_bytes(client) == 10 * MiB  # the last chunk stays as the next mallocs' room...
-    eventually(lambda: session_bytes(client) == 0, what="the last chunk to go back")  # ...until the pool is idle
+    eventually(lambda: session_bytes(client) == 0, timeout=20, what="the last chunk to go back")  # ...until the pool is idle
     assert not supply.errors
     supply.stop()
 

@@ -8,6 +8,7 @@ import os
 from typing import Optional
 
 from ._compile import shared_library
+from .errors import STATUS, VmmdError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

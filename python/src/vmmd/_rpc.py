@@ -13,7 +13,7 @@ from . import _proto
 from ._values import timeout_seconds
 from .errors import STATUS, VmmdError
 
-from ._declared import SESSION_METADATA_KEY  # noqa: E402  (shared with the daemon, generated)
+from ._declared import SESSION_METADATA_KEY  # noqa: F401  (re-exported: shared with the daemon, generated)
 # Largest message a client stream sends.
 STREAM_CHUNK_BYTES = 1 << 20
 

@@ -12,7 +12,7 @@ from ._rpc import _Future, _Service, sealed_memfd
 from .errors import VmmdError
 from .session import ClientSession
 
-from ._declared import DEFAULT_STAGING_BYTES, STAGED_MIN_BYTES  # noqa: E402  (shared with the daemon, generated)
+from ._declared import DEFAULT_STAGING_BYTES, STAGED_MIN_BYTES  # noqa: F401  (re-exported: shared with the daemon, generated)
 
 
 class StagingRefused(Exception):

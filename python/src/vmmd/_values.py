@@ -12,7 +12,7 @@ from .errors import STATUS, VmmdError
 
 # How long a caller spins for its answer before it sleeps in poll (DEFAULT_BUSY_POLL_US, as the TypeScript
 # client: common/busy-poll.ts): a sleeping thread's wake-up costs more than a short spin.
-from ._declared import DEFAULT_BUSY_POLL_US  # noqa: E402  (shared with the daemon, generated)
+from ._declared import DEFAULT_BUSY_POLL_US  # noqa: F401  (shared with the daemon, generated)
 
 
 def deadline_of(timeout: Optional[float]) -> Optional[float]:
