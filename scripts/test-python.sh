@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Python client's tests (python/tests, pytest) against the daemon of this
 # checkout (bin/vmmd.js: run after `npm run build`, as `npm test` does).
-# ruff checks the sources first. The interpreter is the venv VMMD_PYTHON_VENV (default .venv at the root);
+# ruff and mypy check the sources first. The interpreter is the venv VMMD_PYTHON_VENV (default .venv at the root);
 # when it is missing it is made here, with `pip install ./python[test]`, and the
 # package is reinstalled whenever python/ changed since the last install.
 set -euo pipefail
@@ -17,11 +17,11 @@ if [ ! -f "$venv/.vmmd-installed" ] || [ -n "$stamp" ]; then
   "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps --force-reinstall ./python
   touch "$venv/.vmmd-installed"
 fi
-# Lint first (python/pyproject.toml's ruff rules: undefined names, unused imports, syntax errors).
-if [ ! -x "$venv/bin/ruff" ]; then
-  "$venv/bin/pip" install --quiet --disable-pip-version-check --retries 0 "ruff>=0.6"
+# Lint and type-check first (python/pyproject.toml: ruff's pyflakes rules, mypy over the package).
+if [ ! -x "$venv/bin/ruff" ] || [ ! -x "$venv/bin/mypy" ]; then
+  "$venv/bin/pip" install --quiet --disable-pip-version-check --retries 0 "ruff>=0.6" "mypy>=1.10"
 fi
-ruff="$(cd "$venv" && pwd)/bin/ruff"
-(cd python && "$ruff" check --quiet src tests)
+bin="$(cd "$venv" && pwd)/bin"
+(cd python && "$bin/ruff" check --quiet src tests && "$bin/mypy" --no-error-summary src/vmmd)
 # The installed package, not the sources: the tests run what `pip install ./python` gives.
 exec "$venv/bin/python" -m pytest -p no:cacheprovider -q python/tests "$@"

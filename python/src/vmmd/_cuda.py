@@ -92,7 +92,8 @@ def local_device(daemon_index: int, uuid: str) -> int:
             for index in range(count if get_uuid is not None else 0):
                 result, dev = cu.cuDeviceGet(index)
                 check(result, "cuDeviceGet")
-                result, raw = get_uuid(dev)
+                # Not None here: without it the range is empty.
+                result, raw = get_uuid(dev)  # type: ignore[misc]
                 if result == cu.CUresult.CUDA_SUCCESS:
                     value = raw.bytes
                     found[format_uuid(value if isinstance(value, bytes) else bytes(ord(ch) & 0xFF for ch in value))] = index

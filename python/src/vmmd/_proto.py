@@ -3,7 +3,7 @@ gen_proto.py generates: message classes by name and one callable per RPC."""
 from __future__ import annotations
 
 import importlib.resources
-from typing import Any, Callable, Dict
+from typing import Any, Dict
 
 from google.protobuf import descriptor_pb2, descriptor_pool
 
@@ -47,9 +47,9 @@ def methods(service: str) -> Dict[str, Any]:
     return {m.name: m for m in _pool.FindServiceByName(f"{PACKAGE}.{service}").methods}
 
 
-def stub(channel: Any, service: str) -> Dict[str, Callable[..., Any]]:
+def stub(channel: Any, service: str) -> Dict[str, Any]:
     """One grpc multi-callable per RPC of `service` on `channel`."""
-    calls: Dict[str, Callable[..., Any]] = {}
+    calls: Dict[str, Any] = {}
     for name, method in methods(service).items():
         path = f"/{PACKAGE}.{service}/{name}"
         request = message(method.input_type.name)

@@ -31,10 +31,10 @@ class VmmdError(Exception):
         # VmmdError(...) picks the subclass of its kind, wherever the error is made (here or from the daemon).
         kind = _kind_of(str(code), int(status)) if cls is VmmdError else cls
         # A builtin base's __new__ (OSError's for TimeoutError): the one object.__new__'s safety check asks for.
-        base: type = kind
+        base: Any = kind
         while base.__module__ != "builtins":
             base = base.__base__
-        return base.__new__(kind, f"{code}: {message}")  # type: ignore[no-any-return,call-overload]
+        return base.__new__(kind, f"{code}: {message}")  # type: ignore[no-any-return]
 
     def __init__(self, code: str, status: int, message: str) -> None:
         # Exception's own: a foreign base's __init__ (CuPy's takes sizes) never sees our arguments.
