@@ -48,9 +48,11 @@ class Pending:
         assert message is not None
         return message, fd
 
-    def __del__(self) -> None:
-        # An answer its caller never took (cut short where no except ran: an interrupt inside one):
-        # its descriptor is closed and its allocation released with the session's next send.
+    def release(self) -> None:
+        """Lets go of an answer nobody will take: its descriptor is closed and
+        what it made (an allocation, an open) undone with the session's next send.
+        Each is taken out where it is released: no call between the two (a signal
+        runs its handler after a call)."""
         fd, self.fd = self.fd, -1
         if fd >= 0:
             try:
@@ -61,6 +63,10 @@ class Pending:
         orphan = orphan_of(message)
         if orphan is not None:
             self._orphans.append(orphan)
+
+    def __del__(self) -> None:
+        # An answer its caller never took (cut short where no except ran: an interrupt inside one).
+        self.release()
 
 
 class AbandonedAnswers:
@@ -93,17 +99,7 @@ class AbandonedAnswers:
         released), else when it comes (_dispatch_one)."""
         with guarded(self._lock):
             pending.abandoned = True
-            message, pending.message = pending.message, None
-            orphan = orphan_of(message)
-            if orphan is not None:
-                self._orphans.append(orphan)
-            # Closed where it is taken out: no call between the two (a signal runs its handler after a call).
-            fd, pending.fd = pending.fd, -1
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+            pending.release()
         self._release_orphans()
 
     def _release_orphans(self) -> None:

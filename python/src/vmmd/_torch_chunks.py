@@ -11,10 +11,10 @@ imports torch, so the host tests drive it through the C library alone."""
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ._values import seconds_setting
 from .pool import Chunk, DevicePool, idle_seconds_setting
 from .errors import STATUS, VmmdError
 
@@ -29,14 +29,7 @@ COUNTERS = ("mallocs", "frees", "same_stream_reused", "stream_waits", "refill_wa
 def refill_seconds_setting(value: Optional[float]) -> float:
     """How long a malloc waits for a chunk: `value`, else VMMD_TORCH_REFILL_SECONDS, else REFILL_SECONDS.
     Raises VmmdError INVALID_ARGUMENT BAD_REFILL_SECONDS."""
-    raw: Any = value if value is not None else os.environ.get("VMMD_TORCH_REFILL_SECONDS", REFILL_SECONDS)
-    try:
-        seconds = float(raw)
-    except (TypeError, ValueError):
-        seconds = -1.0
-    if not 0 < seconds < float("inf"):
-        raise VmmdError("BAD_REFILL_SECONDS", STATUS["INVALID_ARGUMENT"], f"refill wait {raw!r}: must be a finite number of seconds > 0 (VMMD_TORCH_REFILL_SECONDS or refill_seconds=)")
-    return seconds
+    return seconds_setting(value, "VMMD_TORCH_REFILL_SECONDS", REFILL_SECONDS, keyword="refill_seconds", code="BAD_REFILL_SECONDS", what="refill wait", zero_allowed=False)
 
 
 class ChunkSupply:

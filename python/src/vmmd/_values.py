@@ -15,6 +15,21 @@ from .errors import STATUS, VmmdError
 from ._declared import DEFAULT_BUSY_POLL_US  # noqa: F401  (shared with the daemon, generated)
 
 
+def seconds_setting(value: Optional[float], variable: str, default: float, *, keyword: str, code: str, what: str, zero_allowed: bool) -> float:
+    """A duration in seconds: `value` (the caller's `keyword=`), else the
+    environment `variable`, else `default`; finite, and above 0 unless `zero_allowed`.
+    Raises VmmdError INVALID_ARGUMENT `code`, naming `what`, the value and where it may be set."""
+    raw: Any = value if value is not None else os.environ.get(variable, default)
+    try:
+        seconds = float(raw)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not (seconds >= 0 if zero_allowed else seconds > 0) or seconds == math.inf:
+        rule = ">= 0" if zero_allowed else "> 0"
+        raise VmmdError(code, STATUS["INVALID_ARGUMENT"], f"{what} {raw!r}: must be a finite number of seconds {rule} ({variable} or {keyword}=)")
+    return seconds
+
+
 def deadline_of(timeout: Optional[float]) -> Optional[float]:
     """The monotonic deadline of a wait of `timeout` seconds; None (no limit) for None or +inf.
     Raises VmmdError INVALID_ARGUMENT BAD_TIMEOUT for NaN."""

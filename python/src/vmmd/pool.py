@@ -26,6 +26,7 @@ import weakref
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from ._stream_order import StreamOrder
+from ._values import seconds_setting
 from .errors import STATUS, VmmdError
 
 ALIGNMENT = 256
@@ -36,14 +37,7 @@ def idle_seconds_setting(value: Optional[float]) -> float:
     """Seconds an idle pool keeps its free chunks: `value`, else
     VMMD_POOL_IDLE_SECONDS, else IDLE_SECONDS; 0 keeps them until trim().
     Raises VmmdError INVALID_ARGUMENT BAD_IDLE_SECONDS."""
-    raw: Any = value if value is not None else os.environ.get("VMMD_POOL_IDLE_SECONDS", IDLE_SECONDS)
-    try:
-        seconds = float(raw)
-    except (TypeError, ValueError):
-        seconds = -1.0
-    if not seconds >= 0 or seconds == float("inf"):
-        raise VmmdError("BAD_IDLE_SECONDS", STATUS["INVALID_ARGUMENT"], f"pool idle time {raw!r}: must be a finite number of seconds >= 0 (VMMD_POOL_IDLE_SECONDS or idle_seconds=)")
-    return seconds
+    return seconds_setting(value, "VMMD_POOL_IDLE_SECONDS", IDLE_SECONDS, keyword="idle_seconds", code="BAD_IDLE_SECONDS", what="pool idle time", zero_allowed=True)
 
 
 def size_class(size: int) -> int:
