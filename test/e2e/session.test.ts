@@ -9,7 +9,7 @@ import { SESSION_METADATA_KEY } from '../../common/protocol';
 import type { AccessDescriptor } from '../../generated/vmmd/v1/AccessDescriptor';
 import { addon, HOST_ACCESS } from '../../native';
 import { SeqpacketConnection } from '../../native/seqpacket';
-import { call, eventually, MiB, RawSession, TestDaemon } from './harness';
+import { call, eventually, MiB, RawSession, sleep, TestDaemon } from './harness';
 
 const RW: AccessDescriptor[] = [{ location: { type: 'LOCATION_TYPE_DEVICE', id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' }];
 
@@ -24,8 +24,15 @@ afterAll(async () => {
   expect(await daemon.stop()).toBe(0);
 });
 
-afterEach(() => {
+afterEach(async () => {
   for (const client of clients.splice(0)) client.close();
+  // The next test counts the daemon's descriptors: the closed clients' sockets must be gone from it first.
+  await eventually(async () => ((await daemon.stats()).sessions === 0 ? true : undefined), 10_000, 'the sessions to close');
+  await eventually(async () => {
+    const now = daemon.openFds();
+    await sleep(50);
+    return daemon.openFds() === now ? true : undefined;
+  }, 10_000, "the daemon's descriptors to settle");
 });
 
 async function client(): Promise<VmmdClient> {
