@@ -145,6 +145,7 @@ export const ERROR_CODES = {
   UNEXPECTED_DESCRIPTOR: session('INVALID_ARGUMENT', 'a descriptor on a message other than a transfer'),
   NO_DESCRIPTOR: session('INVALID_ARGUMENT', 'a transfer message that carries no descriptor'),
   TOO_MANY_TRANSFERS: session('RESOURCE_EXHAUSTED', 'more unclaimed descriptors than a session or uid may hold'),
+  PROTOCOL_VERSION: session('FAILED_PRECONDITION', "a client of another session protocol than the daemon's (the message names the one it needs)"),
   FREE_FAILED: session('INTERNAL', 'a released allocation whose memory could not be freed yet; the daemon retries'),
 
   // Made by the client libraries themselves

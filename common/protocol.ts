@@ -1,11 +1,21 @@
 /**
- * The session socket protocol (docs/PROTOCOL.md): one JSON object per
- * SEQPACKET message, UTF-8, at most MAX_MESSAGE_BYTES; a message of type
- * "transfer" carries exactly one descriptor with SCM_RIGHTS. Both the daemon
- * and the client library speak it through these types.
+ * The session socket's frames (docs/PROTOCOL.md, proto/vmmd/v1/session.proto):
+ * one SEQPACKET datagram is one ClientFrame or DaemonFrame in protobuf's
+ * binary encoding, at most MAX_MESSAGE_BYTES, decoded into the same generated
+ * types, with the same loader options, as the RPCs' messages. A frame of type
+ * transfer carries exactly one descriptor with SCM_RIGHTS.
  */
+import * as path from 'node:path';
+import { status as Status } from '@grpc/grpc-js';
+import * as protobuf from 'protobufjs';
+import type { ClientFrame, ClientFrame__Output } from '../generated/vmmd/v1/ClientFrame';
+import type { DaemonFrame, DaemonFrame__Output } from '../generated/vmmd/v1/DaemonFrame';
+import { LOADER_OPTIONS, PROTO_DIR } from './proto';
 
-export const PROTOCOL_VERSION = 1;
+export type { ClientFrame, ClientFrame__Output, DaemonFrame, DaemonFrame__Output };
+
+/** The session protocol this tree speaks: 2, its frames from session.proto (1 was hand-typed JSON). */
+export const PROTOCOL_VERSION = 2;
 
 /** gRPC metadata key that carries the session token on every call. */
 export const SESSION_METADATA_KEY = 'vmmd-session-token';
@@ -13,219 +23,72 @@ export const SESSION_METADATA_KEY = 'vmmd-session-token';
 /** gRPC trailer key that carries a refusal's string code (NOT_ALIGNED, QUOTA_EXCEEDED…). */
 export const ERROR_CODE_KEY = 'vmmd-error-code';
 
-/** Daemon → client, first message on every connection. */
-export interface HelloMessage {
-  type: 'hello';
-  protocol: number;
-  session: string;
-  token: string;
-  pid: number;
-  uid: number;
-  gid: number;
-  /**
-   * The daemon's backend ("host", "cuda"): what a client needs before its first
-   * request, without a ListDevices RPC. Absent from daemons before it.
-   */
-  backend?: string;
-}
+/** The longest frame either side reads; a longer one is cut by the receiver and refused (MESSAGE_TOO_LARGE). */
+export const MAX_MESSAGE_BYTES = 4096;
 
-/** Either direction: the descriptor attached to this message is transfer `transfer`. */
-export interface TransferMessage {
-  type: 'transfer';
-  transfer: string;
-  /** Daemon → client only: what the descriptor is. */
-  allocation?: string;
-  size?: string;
-}
+/** What a ClientFrame's body may be, and a DaemonFrame's. */
+export type ClientCase = NonNullable<ClientFrame__Output['body']>;
+export type DaemonCase = NonNullable<DaemonFrame__Output['body']>;
 
-/** Daemon → client: a message the daemon could not accept, or a request it refused. */
-export interface ErrorMessage {
-  type: 'error';
-  code: string;
-  message: string;
-  transfer?: string;
-  /** The refused request's id (allocate, release, share, export, open). */
-  request?: string;
-  /** The gRPC status the same refusal has over gRPC. */
-  status?: number;
+// The frames' types from the same .proto files and options the RPCs load with: the same objects come out.
+const root = new protobuf.Root();
+root.resolvePath = (_origin, target) => (path.isAbsolute(target) ? target : path.join(PROTO_DIR, target));
+root.loadSync('vmmd/v1/session.proto', { keepCase: LOADER_OPTIONS.keepCase ?? false });
+root.resolveAll();
+const CLIENT_FRAME = root.lookupType('vmmd.v1.ClientFrame');
+const DAEMON_FRAME = root.lookupType('vmmd.v1.DaemonFrame');
+const TO_OBJECT: protobuf.IConversionOptions = { longs: String, enums: String, defaults: true, oneofs: true };
+
+function encode(type: protobuf.Type, frame: object): Buffer {
+  const bytes = type.encode(type.fromObject(frame)).finish();
+  return Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength);
 }
 
 /**
- * Client → daemon: the Allocate RPC on the session socket (the cold path's
- * fast lane: one SEQPACKET round trip, and the descriptor comes with the answer).
+ * A frame of `type`, or why the bytes are not one (never throws: a peer's bad
+ * frame is answered, not fatal). A frame with no body it knows (empty, or a
+ * case this side does not read) is one too: the receiver refuses it by name.
  */
-export interface AllocateMessage {
-  type: 'allocate';
-  /** The client's id for the request, echoed in the answer (a decimal uint64 string above 0). */
-  request: string;
-  size: string;
-  /** Default: device 0. */
-  location?: { type: 'DEVICE' | 'HOST_NUMA'; id: number };
-}
-
-/** Daemon → client: the allocation made for `request`; its descriptor is attached. */
-export interface AllocatedMessage {
-  type: 'allocated';
-  request: string;
-  allocation: string;
-  size: string;
-  device: number;
-  deviceUuid: string;
-  granularity: string;
-  location: { type: 'DEVICE' | 'HOST' | 'HOST_NUMA'; id: number };
-}
-
-/** Client → daemon: the Release RPC on the session socket. */
-export interface ReleaseMessage {
-  type: 'release';
-  request: string;
-  allocation: string;
-}
-
-/** Daemon → client: what `request`'s release left (ReleaseResponse's fields). */
-export interface ReleasedMessage {
-  type: 'released';
-  request: string;
-  allocation: string;
-  freed: boolean;
-  handleReferences: number;
-  mappingCount: number;
-}
-
-/** Client → daemon: the Share RPC on the session socket. */
-export interface ShareMessage {
-  type: 'share';
-  request: string;
-  allocation: string;
-}
-
-/** Daemon → client: the allocation's share key. */
-export interface SharedMessage {
-  type: 'shared';
-  request: string;
-  allocation: string;
-  shareKey: string;
-}
-
-/** Client → daemon: the Export RPC (a descriptor, POSIX_FD) on the session socket. */
-export interface ExportMessage {
-  type: 'export';
-  request: string;
-  allocation: string;
-  /** Needed for another session's allocation: the key its owner got from share. */
-  shareKey?: string;
-}
-
-/** Daemon → client: the allocation exported for `request`; its descriptor is attached. */
-export interface ExportedMessage extends Omit<AllocatedMessage, 'type'> {
-  type: 'exported';
-}
-
-/** Client → daemon: the Stores.Open RPC on the session socket. */
-export interface OpenMessage {
-  type: 'open';
-  request: string;
-  /** The store by id (a decimal uint64 string) or by name, as StoreRef. */
-  store: { id?: string; name?: string };
-  writable?: boolean;
-}
-
-/** Daemon → client: the store opened for `request` (the Store message's JSON fields); its descriptor is attached. */
-export interface OpenedMessage {
-  type: 'opened';
-  request: string;
-  store: {
-    id: string;
-    name: string;
-    target: string;
-    device: number;
-    size: string;
-    readOnly: boolean;
-    attached: boolean;
-    ownerSession: string;
-    state: string;
-    opens: number;
-    allocationId: string;
-  };
-  granularity: string;
-  mappedSize: string;
-  /** The descriptor cannot write (a read-only store, or a caller that may only read it): map it read-only. */
-  descriptorReadOnly: boolean;
-}
-
-/** The answers to a request message, by the request's type. */
-export type RequestAnswer = AllocatedMessage | ReleasedMessage | SharedMessage | ExportedMessage | OpenedMessage;
-
-export interface PingMessage {
-  type: 'ping';
-  nonce?: string;
-}
-
-export interface PongMessage {
-  type: 'pong';
-  nonce?: string;
-}
-
-export type SessionMessage =
-  | HelloMessage
-  | TransferMessage
-  | ErrorMessage
-  | PingMessage
-  | PongMessage
-  | AllocateMessage
-  | AllocatedMessage
-  | ReleaseMessage
-  | ReleasedMessage
-  | ShareMessage
-  | SharedMessage
-  | ExportMessage
-  | ExportedMessage
-  | OpenMessage
-  | OpenedMessage;
-
-/** Transfer ids are decimal uint64 strings, 1 or more, without leading zeros. */
-export const TRANSFER_ID_PATTERN = /^[1-9][0-9]{0,19}$/;
-
-/**
- * The request id of a message that names one readably (an `allocate`, a `release`…), even
- * when the rest of it is bad: a refusal echoes it so that the client's waiter
- * for that id gets the answer instead of a timeout. Undefined when there is none.
- */
-export function readableRequestId(data: Buffer): string | undefined {
+function decode<T>(type: protobuf.Type, data: Buffer): T | string {
+  if (isProtocol1(data)) return `the frame is JSON, a frame of session protocol 1; this side speaks protocol ${PROTOCOL_VERSION} (proto/vmmd/v1/session.proto)`;
   try {
-    const request = (JSON.parse(data.toString('utf8')) as { request?: unknown } | null)?.request;
-    return typeof request === 'string' && TRANSFER_ID_PATTERN.test(request) && BigInt(request) < 1n << 64n ? request : undefined;
-  } catch {
-    return undefined;
+    return type.toObject(type.decode(data), TO_OBJECT) as T;
+  } catch (error) {
+    return `the frame is not a ${type.name} (${(error as Error).message})`;
   }
 }
 
-export function encodeMessage(message: SessionMessage): Buffer {
-  return Buffer.from(JSON.stringify(message), 'utf8');
+/** The bytes of a frame the client sends. */
+export function encodeClientFrame(frame: ClientFrame): Buffer {
+  return encode(CLIENT_FRAME, frame);
+}
+
+/** The bytes of a frame the daemon sends. */
+export function encodeDaemonFrame(frame: DaemonFrame): Buffer {
+  return encode(DAEMON_FRAME, frame);
+}
+
+/** A frame a client sent, or why the bytes are not one. */
+export function decodeClientFrame(data: Buffer): ClientFrame__Output | string {
+  return decode<ClientFrame__Output>(CLIENT_FRAME, data);
+}
+
+/** A frame the daemon sent, or why the bytes are not one. */
+export function decodeDaemonFrame(data: Buffer): DaemonFrame__Output | string {
+  return decode<DaemonFrame__Output>(DAEMON_FRAME, data);
+}
+
+/** The bytes start a JSON object, a frame of session protocol 1 ("{" would open a protobuf group, which no frame has). */
+export function isProtocol1(data: Buffer): boolean {
+  return data[0] === 0x7b;
 }
 
 /**
- * Frames one message: a JSON object with a string type; a transfer's id is
- * checked here (transfers are the transport's own). Other types and fields
- * are the receiver's to check (the daemon: server/transport/session/session-dispatcher.ts), so
- * the result may be a type this union does not name. Returns an
- * error string instead of throwing: a peer's bad message is answered, never fatal.
+ * The refusal a client of protocol 1 reads: its own kind of frame, a JSON
+ * error, naming the protocol it needs (a client of protocol 1 reads the
+ * daemon's first frame as its hello and reports an error frame's message).
  */
-export function decodeMessage(data: Buffer): SessionMessage | string {
-  let value: unknown;
-  try {
-    value = JSON.parse(data.toString('utf8'));
-  } catch {
-    return 'message is not valid JSON';
-  }
-  if (typeof value !== 'object' || value === null || Array.isArray(value)) return 'message is not a JSON object';
-  const type = (value as { type?: unknown }).type;
-  if (typeof type !== 'string') return 'message has no string "type"';
-  if (type === 'transfer') {
-    const transfer = (value as { transfer?: unknown }).transfer;
-    if (typeof transfer !== 'string' || !TRANSFER_ID_PATTERN.test(transfer) || BigInt(transfer) >= 1n << 64n) {
-      return `transfer id ${JSON.stringify(transfer)} is not a decimal uint64 string above 0`;
-    }
-  }
-  return value as SessionMessage;
+export function protocol1Refusal(why: string): Buffer {
+  const message = `vmmd speaks session protocol ${PROTOCOL_VERSION} (proto/vmmd/v1/session.proto, docs/PROTOCOL.md) and ${why}: upgrade this client to one of protocol ${PROTOCOL_VERSION}`;
+  return Buffer.from(JSON.stringify({ type: 'error', code: 'PROTOCOL_VERSION', status: Status.FAILED_PRECONDITION, protocol: PROTOCOL_VERSION, message }), 'utf8');
 }

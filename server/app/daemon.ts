@@ -27,6 +27,7 @@ import { FairCalls } from '../transport/grpc/services/fair-calls';
 import { VirtualMemoryService } from '../transport/grpc/services/virtual-memory';
 import { StoresService } from '../transport/grpc/services/stores';
 import { SessionDispatcher } from '../transport/session/session-dispatcher';
+import { toWireCapabilities } from '../transport/wire';
 import { GcPauses } from '../observability/gc-pauses';
 import { LogLimiter } from '../observability/log-limiter';
 import { measureCompletions, TurnMeter } from '../observability/turns';
@@ -138,7 +139,7 @@ export class Daemon {
     const sessions = new SessionManager(log, {
       budgets: transportBudgets,
       ...sessionOptions,
-      backend: backend.name,
+      capabilities: toWireCapabilities(backend.capabilities),
       transferWaitMs: config.transferWaitMs,
       maxSessionsPerUid: config.maxSessionsPerUid,
       maxTransfersPerUid: config.maxTransfersPerUid,
@@ -187,11 +188,20 @@ export class Daemon {
         if (serving) busyPollAlways(active ? config.busyPollMicros : 0);
         admin?.sampleLoopDelay(active);
       });
+      const vmm = new VirtualMemoryService(registry, sessions, staging, transportBudgets);
+      const storesService = new StoresService(registry, stores, sessions);
       sessions.listen(
         paths.session,
         new SessionDispatcher({
           registry,
-          stores,
+          // The RPCs' own methods: the socket's requests differ only in how their answer travels.
+          methods: {
+            allocate: (request, context) => vmm.allocate(request, context),
+            release: (request, context) => vmm.release(request, context),
+            share: (request, context) => vmm.share(request, context),
+            export: (request, context) => vmm.export(request, context),
+            open: (request, context) => storesService.open(request, context),
+          },
           reclaimers: [(session) => stores.reclaim(session), (session) => staging.close(session)],
           check: (session, method) => access.checkSession(method, session),
           who: (session) => access.sessionCaller(session),
@@ -230,8 +240,8 @@ export class Daemon {
         turns,
       });
       new DevicesService(registry).addToServer(server, proto, depsOf('vmmd.v1.Devices'));
-      new VirtualMemoryService(registry, sessions, staging, transportBudgets).addToServer(server, proto, depsOf('vmmd.v1.VirtualMemory'));
-      new StoresService(registry, stores, sessions).addToServer(server, proto, depsOf('vmmd.v1.Stores'));
+      vmm.addToServer(server, proto, depsOf('vmmd.v1.VirtualMemory'));
+      storesService.addToServer(server, proto, depsOf('vmmd.v1.Stores'));
       admin = new AdminService({ registry, sessions, stores, quotas, metrics, version: VERSION, turns, gcPauses: gcPauses.start(), budgets: everyBudget });
       admin.sampleLoopDelay(activity.active);
       // A start that fails from here on stops its delay sampler and GC observer too.

@@ -67,6 +67,8 @@ export interface BackendCapabilities {
   readonly gpuMemory: boolean;
   /** An exported descriptor can be narrowed to read-only (a memfd reopened O_RDONLY); a CUDA handle cannot. */
   readonly readOnlyExports: boolean;
+  /** What an exported descriptor is: a memfd to mmap, or a CUDA handle to import with the driver. */
+  readonly descriptors: 'memfd' | 'cuda';
 }
 
 export interface Backend {

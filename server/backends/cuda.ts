@@ -39,7 +39,7 @@ export const CUDA_STAGING_PINNING = {
 
 export class CudaBackend implements Backend {
   readonly name = 'cuda' as const;
-  readonly capabilities = { hostNumaNodes: true, gpuMemory: true, readOnlyExports: false } as const;
+  readonly capabilities = { hostNumaNodes: true, gpuMemory: true, readOnlyExports: false, descriptors: 'cuda' } as const;
   // NOTE: the driver refuses to export memory that was itself imported from a
   // descriptor (CUDA_ERROR_INVALID_VALUE, seen on driver 580), so an import
   // keeps a duplicate of its descriptor and exports hand out duplicates of it.

@@ -27,7 +27,7 @@ export interface HostBackendOptions {
 
 export class HostBackend implements Backend {
   readonly name = 'host' as const;
-  readonly capabilities = { hostNumaNodes: false, gpuMemory: false, readOnlyExports: true } as const;
+  readonly capabilities = { hostNumaNodes: false, gpuMemory: false, readOnlyExports: true, descriptors: 'memfd' } as const;
   // Invariant: every memfd the backend holds (created, imported, a client's held for a SYSMEM store), by
   // identity (its file), with the holds that name it; usedBytes is the sum of their sizes, each counted once.
   private readonly live = new Map<string, { size: bigint; holds: number }>();

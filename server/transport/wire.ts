@@ -5,8 +5,9 @@
  */
 import type { AccessDescriptor__Output } from '../../generated/vmmd/v1/AccessDescriptor';
 import type { Location, Location__Output } from '../../generated/vmmd/v1/Location';
-import { Access, AccessGrant, HandleKind, LocationKind, MemLocation } from '../backends/backend';
-import type { OpenedMessage } from '../../common/protocol';
+import { Access, AccessGrant, BackendCapabilities, HandleKind, LocationKind, MemLocation } from '../backends/backend';
+import type { Store } from '../../generated/vmmd/v1/Store';
+import type { Capability__Output } from '../../generated/vmmd/v1/Capability';
 import { invalidArgument } from '../errors';
 import type { StoreRecord } from '../stores/stores';
 
@@ -70,8 +71,8 @@ export function toWireAccess(value: Access): 'ACCESS_FLAGS_NONE' | 'ACCESS_FLAGS
   return value === 3 ? 'ACCESS_FLAGS_READWRITE' : value === 1 ? 'ACCESS_FLAGS_READ' : 'ACCESS_FLAGS_NONE';
 }
 
-/** A store as the Store message (and the session socket's `opened` answer) describes it. */
-export function toWireStore(store: StoreRecord): OpenedMessage['store'] {
+/** A store as the Store message describes it. */
+export function toWireStore(store: StoreRecord): Store {
   let opens = 0;
   for (const count of store.opens.values()) opens += count;
   return {
@@ -87,4 +88,14 @@ export function toWireStore(store: StoreRecord): OpenedMessage['store'] {
     opens,
     allocationId: String(store.memory.allocationId),
   };
+}
+
+/** What the daemon can do, as the hello tells clients (session.proto's Capability): they ask for these, not for a backend's name. */
+export function toWireCapabilities(capabilities: BackendCapabilities): Capability__Output[] {
+  return [
+    capabilities.descriptors === 'cuda' ? 'CAPABILITY_CUDA_DESCRIPTORS' : 'CAPABILITY_MEMFD_DESCRIPTORS',
+    ...(capabilities.gpuMemory ? (['CAPABILITY_ATTACH_DEVICE_MEMORY'] as const) : []),
+    ...(capabilities.hostNumaNodes ? (['CAPABILITY_HOST_NUMA'] as const) : []),
+    ...(capabilities.readOnlyExports ? (['CAPABILITY_READ_ONLY_DESCRIPTORS'] as const) : []),
+  ];
 }

@@ -37,7 +37,7 @@ function fail(code: string, message: string): never {
 
 export class FakeBackend implements Backend {
   readonly name = 'host' as const;
-  readonly capabilities = { hostNumaNodes: false, gpuMemory: false, readOnlyExports: false } as const;
+  readonly capabilities = { hostNumaNodes: false, gpuMemory: false, readOnlyExports: false, descriptors: 'memfd' } as const;
   readonly calls: string[] = [];
   /** Resolves pending unmaps when set: tests use it to hold an unmap in flight. */
   unmapGate?: Promise<void>;

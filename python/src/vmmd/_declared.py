@@ -114,6 +114,7 @@ CODES: Dict[str, Tuple[str, str, str]] = {
     "UNEXPECTED_DESCRIPTOR": ("INVALID_ARGUMENT", "session", "a descriptor on a message other than a transfer"),
     "NO_DESCRIPTOR": ("INVALID_ARGUMENT", "session", "a transfer message that carries no descriptor"),
     "TOO_MANY_TRANSFERS": ("RESOURCE_EXHAUSTED", "session", "more unclaimed descriptors than a session or uid may hold"),
+    "PROTOCOL_VERSION": ("FAILED_PRECONDITION", "session", "a client of another session protocol than the daemon's (the message names the one it needs)"),
     "FREE_FAILED": ("INTERNAL", "session", "a released allocation whose memory could not be freed yet; the daemon retries"),
     "SESSION_LOST": ("UNAVAILABLE", "client", "the client's session socket closed"),
     "DAEMON_UNREACHABLE": ("UNAVAILABLE", "client", "no daemon answers on the socket directory"),

@@ -7,7 +7,8 @@
 import { randomBytes } from 'node:crypto';
 import type { Logger } from 'pino';
 import { status as Status } from '@grpc/grpc-js';
-import { encodeMessage, SessionMessage } from '../../../common/protocol';
+import { type DaemonFrame, encodeDaemonFrame } from '../../../common/protocol';
+import type { Capability__Output } from '../../../generated/vmmd/v1/Capability';
 import { TransferInbox } from '../../../common/transfer-inbox';
 import { addon, Credentials } from '../../../native';
 import type { SeqpacketConnection } from '../../../native/seqpacket';
@@ -31,8 +32,8 @@ export interface SessionOptions {
   maxSessionsPerUid: number;
   /** Unclaimed descriptors one uid's sessions may hold at once. */
   maxTransfersPerUid: number;
-  /** The backend's name, told to each client in its hello. */
-  backend?: string;
+  /** What the daemon can do, told to each client in its hello (session.proto's Capability names). */
+  capabilities?: Capability__Output[];
   /** Unread descriptors per session, per uid and daemon-wide (server/transport/budgets.ts); absent: not bounded. */
   budgets?: TransportBudgets;
 }
@@ -62,6 +63,8 @@ export class Session {
   readonly token = randomBytes(32).toString('hex');
   readonly log: Logger;
   closing = false;
+  /** The client's hello was answered: from then on its frames are requests and transfers. */
+  greeted = false;
   // Invariant: inFlight counts calls of this session that started and have not settled.
   private inFlight = 0;
   private drainWaiters: Array<() => void> = [];
@@ -137,9 +140,9 @@ export class Session {
   }
 
   /** @throws UNAVAILABLE SESSION_SOCKET_FULL; RESOURCE_EXHAUSTED BUDGET_EXCEEDED (a descriptor, with too many unread) */
-  send(message: SessionMessage, fd = -1): void {
+  send(frame: DaemonFrame, fd = -1): void {
     if (fd >= 0) this.descriptors?.check(this);
-    if (!this.connection.send(encodeMessage(message), fd)) {
+    if (!this.connection.send(encodeDaemonFrame(frame), fd)) {
       throw unavailable('SESSION_SOCKET_FULL', `session ${this.id}'s socket is full; the client is not reading it`);
     }
     if (fd >= 0) this.descriptors?.sent(this);
@@ -152,14 +155,14 @@ export class Session {
    */
   sendTransfer(fd: number, about: { allocation: bigint; size: bigint }): string {
     const transfer = String(this.nextOutgoing++);
-    this.send({ type: 'transfer', transfer, allocation: String(about.allocation), size: String(about.size) }, fd);
+    this.send({ transfer: { id: transfer, allocationId: String(about.allocation), size: String(about.size) } }, fd);
     return transfer;
   }
 
   /** Sends a message the client may not be reading; a failure only costs the client its answer. */
-  trySend(message: SessionMessage, fd = -1): void {
+  trySend(frame: DaemonFrame, fd = -1): void {
     try {
-      this.send(message, fd);
+      this.send(frame, fd);
     } catch {
       // Not reading its socket: its request times out on its side.
     }

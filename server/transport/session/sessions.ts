@@ -10,12 +10,13 @@ import { exitSignal, sessionEnding, stillRunning } from './peer-process';
 import type { Logger } from 'pino';
 import { status as Status } from '@grpc/grpc-js';
 import { traceClock, traceMark, traceSince, tracing } from '../../../common/trace';
-import { decodeMessage, encodeMessage, PROTOCOL_VERSION, readableRequestId, SessionMessage, TRANSFER_ID_PATTERN } from '../../../common/protocol';
+import { type ClientFrame__Output, type DaemonFrame, decodeClientFrame, encodeDaemonFrame, isProtocol1, PROTOCOL_VERSION, protocol1Refusal } from '../../../common/protocol';
 import { addon, Credentials } from '../../../native';
 import { SeqpacketConnection, SeqpacketListener, SeqpacketMessage } from '../../../native/seqpacket';
 import { LogLimiter } from '../../observability/log-limiter';
 import type { TurnMeter } from '../../observability/turns';
 import { type ErrorCode, ERROR_CODE_KEY, RpcError, toServiceError, unauthenticated } from '../../errors';
+import { ERROR_CODES } from '../../../common/error-codes';
 import { FairShare } from './fair-share';
 import { DEFAULT_SESSION_OPTIONS, refuseMessage, Session, SessionOptions } from './session';
 import { UnreadDescriptors } from './unread-descriptors';
@@ -25,12 +26,15 @@ export { refuseMessage, Session };
 export { DEFAULT_SESSION_OPTIONS } from './session';
 export type { SessionOptions } from './session';
 
-/** A request message as framed: an object with a string type (the dispatcher checks the rest). */
-export type RequestMessage = { type: string } & Record<string, unknown>;
+/**
+ * How long a connection may stay silent before its hello: a client of protocol 1 waits for the daemon
+ * to speak first, and is told then, in its own JSON, which protocol it needs.
+ */
+export const HELLO_WAIT_MS = 1_000;
 
 /** What answers a request: the reply, and a descriptor sent with it (the transport closes its copy). */
 export interface Answer {
-  reply: SessionMessage;
+  reply: DaemonFrame;
   fd?: number;
   /** Undoes what the request did when its answer cannot be sent (the client is not reading its socket). */
   unsent?: () => Promise<unknown>;
@@ -42,16 +46,16 @@ export interface Answer {
  */
 export interface SessionServices {
   /**
-   * Answers one request message (anything but a transfer). A refusal is
+   * Answers one request frame (anything but a hello or a transfer). A refusal is
    * thrown: refuseMessage() refuses the message itself (BAD_MESSAGE…; the
    * transport closes `fd`), any other error is the request's answer. Past a
    * refusal of the message, `fd` (-1: none) is the services' to close.
    */
-  answer(session: Session, message: RequestMessage, fd: number): Promise<Answer> | Answer;
+  answer(session: Session, frame: ClientFrame__Output, fd: number): Promise<Answer> | Answer;
   /** Frees everything a closed session owned; runs once its calls have drained. Says what it freed, for the log. */
   reclaim(session: Session): Promise<ReclaimSummary | void>;
-  /** The RPC a request message type is the socket's form of (its metrics are counted under that name). */
-  methodOf?(type: string): string | undefined;
+  /** The RPC a request frame's body is the socket's form of (its metrics are counted under that name). */
+  methodOf?(body: string | undefined): string | undefined;
 }
 
 /** What the transport tells the rest of the daemon about its requests. */
@@ -77,12 +81,12 @@ function heldBack(allowed: { suppressed: number } | undefined): { heldBack?: num
 }
 
 /**
- * What a session message's turn is called (GetStats, the long-turn log): its
- * type where the daemon knows it (a request, a transfer), else "unknown
- * message": a client's own text never reaches them.
+ * What a session frame's turn is called (GetStats, the long-turn log): its
+ * body where the daemon knows it (a request, a transfer, the hello), else
+ * "unknown message".
  */
-export function sessionTurnLabel(type: string, isRequest: (type: string) => boolean): string {
-  return type === 'transfer' || isRequest(type) ? type : 'unknown message';
+export function sessionTurnLabel(body: string | undefined, isRequest: (body: string) => boolean): string {
+  return body !== undefined && (body === 'transfer' || body === 'hello' || isRequest(body)) ? body : 'unknown message';
 }
 
 /** Accepts session connections and owns every live session. */
@@ -116,11 +120,12 @@ export class SessionManager {
   listen(path: string, services: SessionServices, hooks: SessionHooks = {}): void {
     this.services = services;
     this.hooks = hooks;
-    const refusal = encodeMessage({
-      type: 'error',
-      code: 'OUT_OF_DESCRIPTORS',
-      status: Status.RESOURCE_EXHAUSTED,
-      message: 'the daemon is out of descriptors and opens no session now; try again later',
+    const refusal = encodeDaemonFrame({
+      error: {
+        code: 'OUT_OF_DESCRIPTORS',
+        status: Status.RESOURCE_EXHAUSTED,
+        message: 'the daemon is out of descriptors and opens no session now; try again later',
+      },
     });
     this.listener = new SeqpacketListener(path, 128, refusal);
     this.listener.on('connection', (connection: SeqpacketConnection) => this.open(connection));
@@ -211,7 +216,7 @@ export class SessionManager {
       this.log.warn({ peerPid: peer.pid, peerUid: peer.uid, peerGid: peer.gid, code, heldBack: allowed.suppressed }, `session refused: ${refusal}`);
     }
     try {
-      connection.send(encodeMessage({ type: 'error', code, status, message: refusal }));
+      connection.send(encodeDaemonFrame({ error: { code, status, message: refusal } }));
     } catch {
       // the peer left already
     }
@@ -244,22 +249,13 @@ export class SessionManager {
     connection.on('message', (message: SeqpacketMessage) => this.onMessage(session, message));
     connection.on('close', () => this.onClose(session));
     if (left !== undefined) connection.once('close', left);
-    try {
-      session.send({
-        type: 'hello',
-        protocol: PROTOCOL_VERSION,
-        session: String(session.id),
-        token: session.token,
-        pid: peer.pid,
-        uid: peer.uid,
-        gid: peer.gid,
-        ...(this.options.backend === undefined ? {} : { backend: this.options.backend }),
-      });
-    } catch (error) {
-      session.log.debug({ err: error }, 'the peer left before its greeting; closing the session');
-      connection.close();
-      return;
-    }
+    // Checked once the loop has read what came meanwhile (setImmediate runs after the poll phase): a hello
+    // that arrived during a long turn is taken before the connection counts as silent.
+    const silent = setTimeout(() => setImmediate(() => {
+      if (!session.greeted && !session.closing) this.refuseProtocol1(session, `this client sent no hello within ${HELLO_WAIT_MS} ms`);
+    }), HELLO_WAIT_MS);
+    silent.unref();
+    connection.once('close', () => clearTimeout(silent));
     const allowed = this.lifeLogLimiter.allow(`opened:${peer.uid}`);
     session.log[allowed === undefined ? 'debug' : 'info']({ cgroup: session.process.cgroup, peerGid: peer.gid, ...heldBack(allowed) }, 'session opened');
   }
@@ -268,7 +264,54 @@ export class SessionManager {
     if (fd >= 0) addon.close(fd);
     const allowed = this.logLimiter.allow(`frame:${session.peer.uid}:${code}`);
     if (allowed !== undefined) session.log.warn({ code, transfer, request, heldBack: allowed.suppressed }, message);
-    session.trySend({ type: 'error', code, message, ...(transfer === undefined ? {} : { transfer }), ...(request === undefined ? {} : { request }) });
+    session.trySend({ request: request ?? '0', error: { code, message, status: Status[ERROR_CODES[code].status], transfer: transfer ?? '0' } });
+  }
+
+  /**
+   * Tells a client of another protocol which one it needs, in its own kind of frame, and closes the
+   * connection: nothing it sends can be read.
+   */
+  private refuseProtocol1(session: Session, why: string): void {
+    const allowed = this.logLimiter.allow(`protocol:${session.peer.uid}`);
+    if (allowed !== undefined) session.log.warn({ code: 'PROTOCOL_VERSION', heldBack: allowed.suppressed }, `a client of session protocol 1: ${why}`);
+    try {
+      session.connection.send(protocol1Refusal(why));
+    } catch {
+      // the peer left already
+    }
+    session.connection.close();
+  }
+
+  /** The client's hello, its first frame: answered with the session's token, or the protocol it needs. */
+  private greet(session: Session, frame: ClientFrame__Output, fd: number): void {
+    if (fd >= 0) addon.close(fd);
+    if (frame.body !== 'hello' || frame.hello == null) {
+      this.refuse(session, -1, 'BAD_MESSAGE', `a session's first frame is its hello, not ${frame.body ?? 'an empty frame'}`);
+      return session.connection.close();
+    }
+    if (frame.hello.protocol !== PROTOCOL_VERSION) {
+      const message = `this daemon speaks session protocol ${PROTOCOL_VERSION}, not ${frame.hello.protocol}: use a client of protocol ${PROTOCOL_VERSION}`;
+      session.trySend({ error: { code: 'PROTOCOL_VERSION', status: Status.FAILED_PRECONDITION, message, protocol: PROTOCOL_VERSION } });
+      return session.connection.close();
+    }
+    const { peer } = session;
+    try {
+      session.send({
+        hello: {
+          protocol: PROTOCOL_VERSION,
+          session: String(session.id),
+          token: session.token,
+          pid: peer.pid,
+          uid: peer.uid,
+          gid: peer.gid,
+          capabilities: this.options.capabilities ?? [],
+        },
+      });
+    } catch (error) {
+      session.log.debug({ err: error }, 'the peer left before its greeting; closing the session');
+      return session.connection.close();
+    }
+    session.greeted = true;
   }
 
   private onMessage(session: Session, raw: SeqpacketMessage): void {
@@ -280,47 +323,53 @@ export class SessionManager {
     }
     if (raw.truncated) return this.refuse(session, raw.fd, 'MESSAGE_TOO_LARGE', 'the message is longer than 4096 bytes');
     if (raw.extraFds > 0) return this.refuse(session, raw.fd, 'TOO_MANY_DESCRIPTORS', `a message may carry one descriptor, not ${raw.extraFds + 1}`);
-    const message = decodeMessage(raw.data);
-    if (typeof message === 'string') return this.refuse(session, raw.fd, 'BAD_MESSAGE', message, undefined, readableRequestId(raw.data));
-    if (turn !== undefined) turn.what = sessionTurnLabel(message.type, (type) => this.services?.methodOf?.(type) !== undefined);
-    if (message.type === 'transfer') {
-      if (raw.descriptorsDropped) {
-        const dropped = `the daemon is out of descriptors: the one sent as transfer ${message.transfer} was dropped; send it again later`;
-        return this.refuse(session, raw.fd, 'OUT_OF_DESCRIPTORS', dropped, message.transfer);
-      }
-      return this.onTransfer(session, message.transfer, raw.fd);
+    if (isProtocol1(raw.data)) {
+      if (raw.fd >= 0) addon.close(raw.fd);
+      return this.refuseProtocol1(session, 'this client sent a JSON frame');
     }
-    void this.answer(session, message as RequestMessage, raw.fd, received);
+    const frame = decodeClientFrame(raw.data);
+    if (typeof frame === 'string') return this.refuse(session, raw.fd, 'BAD_MESSAGE', frame);
+    if (turn !== undefined) turn.what = sessionTurnLabel(frame.body, (body) => this.services?.methodOf?.(body) !== undefined);
+    if (!session.greeted) return this.greet(session, frame, raw.fd);
+    if (frame.body === 'transfer') {
+      const transfer = frame.transfer?.id ?? '0';
+      if (transfer === '0') return this.refuse(session, raw.fd, 'BAD_MESSAGE', 'a transfer\'s id must be above 0');
+      if (raw.descriptorsDropped) {
+        const dropped = `the daemon is out of descriptors: the one sent as transfer ${transfer} was dropped; send it again later`;
+        return this.refuse(session, raw.fd, 'OUT_OF_DESCRIPTORS', dropped, transfer);
+      }
+      return this.onTransfer(session, transfer, raw.fd);
+    }
+    void this.answer(session, frame, raw.fd, received);
   }
 
   /** Hands a request to the dispatcher and sends its answer, or the refusal as gRPC would give it. */
-  private async answer(session: Session, message: RequestMessage, fd: number, received = 0n): Promise<void> {
-    const request = typeof message.request === 'string' ? message.request : undefined;
+  private async answer(session: Session, frame: ClientFrame__Output, fd: number, received = 0n): Promise<void> {
+    const request = frame.request === '0' ? undefined : frame.request;
+    const what = frame.body ?? 'unknown';
     const started = process.hrtime.bigint();
     const observe = (status: Status, code?: string) =>
-      this.hooks.observe?.(this.services!.methodOf?.(message.type) ?? 'unknown', Status[status] ?? 'UNKNOWN', code, Number(process.hrtime.bigint() - started) / 1e9);
+      this.hooks.observe?.(this.services!.methodOf?.(frame.body) ?? 'unknown', Status[status] ?? 'UNKNOWN', code, Number(process.hrtime.bigint() - started) / 1e9);
     // The request's failure as the RPC would answer it: status, code and message, naming the request.
     const fail = (error: unknown) => {
       const wire = toServiceError(error, session.log);
       const code = String(wire.metadata?.get(ERROR_CODE_KEY)[0] ?? 'INTERNAL');
       observe(wire.code ?? Status.UNKNOWN, code);
-      session.trySend({ type: 'error', ...(request === undefined ? {} : { request }), status: wire.code ?? Status.UNKNOWN, code, message: wire.details ?? String(error) });
+      session.trySend({ request: frame.request, error: { status: wire.code ?? Status.UNKNOWN, code, message: wire.details ?? String(error) } });
     };
     let answer: Answer;
     try {
       // listen() set the services before the first connection.
-      answer = await session.track(async () => this.services!.answer(session, message, fd));
+      answer = await session.track(async () => this.services!.answer(session, frame, fd));
     } catch (error) {
       if ((error as { messageRefused?: boolean }).messageRefused) {
         observe(Status.INVALID_ARGUMENT, (error as RpcError).code);
-        // A malformed message names its request only when the id itself was readable.
-        const readable = request !== undefined && TRANSFER_ID_PATTERN.test(request) && BigInt(request) < 1n << 64n ? request : undefined;
-        return this.refuse(session, fd, (error as RpcError).code, (error as RpcError).message, undefined, readable);
+        return this.refuse(session, fd, (error as RpcError).code, (error as RpcError).message, undefined, request);
       }
       return fail(error);
     }
     let unsent: unknown;
-    traceMark(`mark:${message.type} answered`);
+    traceMark(`mark:${what} answered`);
     try {
       session.send(answer.reply, answer.fd ?? -1);
     } catch (error) {
@@ -330,7 +379,7 @@ export class SessionManager {
       if (answer.fd !== undefined) addon.close(answer.fd);
     }
     if (unsent === undefined) {
-      traceSince(`session:${message.type}`, received);
+      traceSince(`session:${what}`, received);
       return observe(Status.OK);
     }
     // The answer (and its descriptor) did not go: what the request made is undone where it can be (an
@@ -339,7 +388,7 @@ export class SessionManager {
     if (answer.unsent !== undefined) {
       await session.track(answer.unsent).catch((error: unknown) => {
         const allowed = this.logLimiter.allow(`undo:${session.peer.uid}`);
-        session.log[allowed === undefined ? 'debug' : 'error']({ err: error, ...heldBack(allowed) }, `undoing ${message.type} request ${request} after its answer could not be sent failed`);
+        session.log[allowed === undefined ? 'debug' : 'error']({ err: error, ...heldBack(allowed) }, `undoing ${what} request ${request} after its answer could not be sent failed`);
       });
     }
     fail(unsent);

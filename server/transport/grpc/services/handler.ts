@@ -7,7 +7,8 @@
 import * as grpc from '@grpc/grpc-js';
 import type { Logger } from 'pino';
 import { ERROR_CODE_KEY, SESSION_METADATA_KEY } from '../../../../common/protocol';
-import type { AccessPolicy, Caller } from '../access';
+import type { AccessPolicy } from '../access';
+import type { CallContext } from '../../call-context';
 import { failedPrecondition, resourceExhausted, toServiceError } from '../../../errors';
 import { DAEMON_OWNER } from '../../../registry/records';
 import type { Session, SessionManager } from '../../session/sessions';
@@ -16,17 +17,7 @@ import type { Budget } from '../../../registry/budgets';
 import { TCP_HOLDER, takeOnce, TransportBudgets } from '../../budgets';
 import type { FairCalls } from './fair-calls';
 
-/** Who is calling: a session, or nobody (owner 0, the daemon). */
-export interface CallContext {
-  /** The owner id new objects get and permissions are checked against. */
-  caller: bigint;
-  session?: Session;
-  /** The connection's peer: its uid, whether it is an admin (server/transport/grpc/access.ts). Absent for the session socket's own requests. */
-  who?: Caller;
-  log: Logger;
-  /** Aborted when the client cancels (server streams): a body that waits for something to send ends on it. */
-  signal?: AbortSignal;
-}
+export type { CallContext } from '../../call-context';
 
 export interface HandlerDeps {
   sessions: SessionManager;

@@ -90,14 +90,20 @@ export class StoresService {
     session.checkDescriptorRoom();
     const store = this.stores.findRef(request.store);
     const { fd, descriptorReadOnly } = await openFor(this.stores, context.caller, store, request.writable, context.who);
-    let transferId: string;
-    try {
-      transferId = session.sendTransfer(fd, { allocation: store.memory.allocationId, size: store.size });
-    } catch (error) {
-      await this.stores.close(context.caller, store);
-      throw error;
-    } finally {
-      addon.close(fd);
+    let transferId = '0';
+    if (context.socket !== undefined) {
+      // The descriptor rides the answer; an open whose answer cannot be sent is dropped again.
+      context.socket.fd = fd;
+      context.socket.unsent = () => this.stores.close(context.caller, store);
+    } else {
+      try {
+        transferId = session.sendTransfer(fd, { allocation: store.memory.allocationId, size: store.size });
+      } catch (error) {
+        await this.stores.close(context.caller, store);
+        throw error;
+      } finally {
+        addon.close(fd);
+      }
     }
     return {
       store: this.toWire(store),

@@ -101,8 +101,14 @@ export class VirtualMemoryService {
     return this.toWireAllocation(record);
   }
 
+  /** Over gRPC answered once the memory is freed; on the session socket once its free has started (context.socket). */
   async release(request: ReleaseRequest__Output, context: CallContext): Promise<ReleaseResponse> {
-    return this.registry.release(context.caller, u64(request.allocationId));
+    const allocation = u64(request.allocationId);
+    if (context.socket === undefined) return this.registry.release(context.caller, allocation);
+    const { socket } = context;
+    const { result, freeing } = await this.registry.releaseAnswering(context.caller, allocation);
+    freeing.catch((error: Error) => socket.freeFailed(allocation, error));
+    return result;
   }
 
   async map(request: MapRequest__Output, context: CallContext): Promise<object> {
@@ -139,7 +145,7 @@ export class VirtualMemoryService {
       handleType: kind,
       shareKey: request.shareKey,
     });
-    return this.handOver(session, kind, exported);
+    return this.handOver(session, kind, exported, context);
   }
 
   /** Create, then Export to the calling session; the allocation is released again if the export fails. */
@@ -148,17 +154,25 @@ export class VirtualMemoryService {
     session.checkDescriptorRoom();
     const args = { size: u64(request.size), location: location(request.location, this.resolveDevice), handleType: handleType(request.handleType) };
     const exported = await this.registry.createExported(context.caller, args, (cause) => context.log.error({ err: cause }, 'Allocate: the rollback failed'));
-    return this.handOver(session, 'POSIX_FD', exported);
+    // The client never learns of an allocation whose answer did not reach it: it is released again.
+    if (context.socket !== undefined) context.socket.unsent = () => this.registry.release(context.caller, exported.allocation.id);
+    return this.handOver(session, 'POSIX_FD', exported, context);
   }
 
-  /** Sends an exported descriptor on the session socket (closing the daemon's copy) and describes the export. */
+  /**
+   * Describes an export and hands its descriptor over: attached to the
+   * session socket's answer (transfer_id 0), or sent on the session socket as
+   * a transfer that the RPC's answer names (closing the daemon's copy).
+   */
   private handOver(
     session: Session | undefined,
     kind: HandleKind,
     { allocation, fd, fabric }: Exported,
+    context: CallContext,
   ): ExportResponse {
     let transferId = '0';
-    if (session !== undefined && fd !== undefined) {
+    if (context.socket !== undefined) context.socket.fd = fd;
+    else if (session !== undefined && fd !== undefined) {
       try {
         transferId = session.sendTransfer(fd, { allocation: allocation.id, size: allocation.size });
       } finally {
