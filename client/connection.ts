@@ -117,7 +117,7 @@ export class VmmdClient extends EventEmitter {
   constructor(
     readonly session: ClientSession,
     readonly socketDir: string,
-    /** The daemon's backend, as `VmmdMemoryManager` and the memory classes take it. */
+    /** What the daemon's descriptors are ('host': memfds, 'cuda': CUDA handles, from its capabilities), as `VmmdMemoryManager` and the memory classes take it. */
     readonly backend: BackendName,
     readonly devices: DevicesApi,
     readonly vmm: VirtualMemoryApi,
@@ -210,16 +210,14 @@ export async function connect(options: ConnectOptions = {}): Promise<VmmdClient>
     deadlineMs: options.deadlineMs ?? 30_000,
   };
   const devices = new DevicesApi(services.client('devices'), settings);
+  // How to map the daemon's descriptors is a capability its hello states: memfds, or CUDA handles.
   let backend: BackendName;
-  try {
-    // The daemon names its backend in its hello; one that does not is asked.
-    const named = session.backend ?? (await devices.listDevices()).backend;
-    if (named !== 'host' && named !== 'cuda') throw new VmmdError('UNKNOWN_BACKEND', grpc.status.UNIMPLEMENTED, `the daemon serves a backend named "${named}"; this client knows "host" and "cuda"`);
-    backend = named;
-  } catch (error) {
+  if (session.capabilities.has('CAPABILITY_CUDA_DESCRIPTORS')) backend = 'cuda';
+  else if (session.capabilities.has('CAPABILITY_MEMFD_DESCRIPTORS')) backend = 'host';
+  else {
     session.close();
     services.close();
-    throw error;
+    throw new VmmdError('UNKNOWN_BACKEND', grpc.status.UNIMPLEMENTED, `the daemon's descriptors are of no kind this client maps (its capabilities: ${[...session.capabilities].join(', ') || 'none'}); this client maps memfds and CUDA handles`);
   }
   const vmm = new VirtualMemoryApi(services.client('vmm'), settings, session, backend, stagingBytes);
   const stores = new StoresApi(services.client('stores'), settings, session, backend);

@@ -91,10 +91,10 @@ export class ExternalAllocation {
    * @throws VmmdError OUT_OF_RANGE UNKNOWN_DEVICE, FAILED_PRECONDITION NO_CUDA_BACKEND
    */
   async attach(client: VmmdClient, options: { name?: string } = {}): Promise<AttachedStore> {
-    const { devices, backend } = await client.devices.listDevices();
-    if (this.kind !== 'SYSMEM' && backend !== 'cuda') {
-      throw new VmmdError('NO_CUDA_BACKEND', Status.FAILED_PRECONDITION, `${this.kind} needs a daemon with the cuda backend; this one runs ${backend}`);
+    if (this.kind !== 'SYSMEM' && !client.session.capabilities.has('CAPABILITY_ATTACH_DEVICE_MEMORY')) {
+      throw new VmmdError('NO_CUDA_BACKEND', Status.FAILED_PRECONDITION, `${this.kind} needs a daemon that attaches device memory (the cuda backend); this one has ${client.backend} descriptors`);
     }
+    const { devices } = await client.devices.listDevices();
     if (this.device >= devices.length) {
       throw new VmmdError('UNKNOWN_DEVICE', Status.OUT_OF_RANGE, `device ${this.device} does not exist (the daemon has ${devices.length})`);
     }

@@ -6,20 +6,15 @@
 import { EventEmitter } from 'node:events';
 import { dirname } from 'node:path';
 import { status as Status } from '@grpc/grpc-js';
-import {
-  AllocatedMessage,
-  AllocateMessage,
-  decodeMessage,
-  encodeMessage,
-  ExportedMessage,
-  HelloMessage,
-  OpenedMessage,
-  OpenMessage,
-  PROTOCOL_VERSION,
-  ReleasedMessage,
-  RequestAnswer,
-  SessionMessage,
-} from '../common/protocol';
+import { type ClientFrame, type DaemonCase, type DaemonFrame__Output, decodeDaemonFrame, encodeClientFrame, isProtocol1, PROTOCOL_VERSION } from '../common/protocol';
+import type { Capability__Output } from '../generated/vmmd/v1/Capability';
+import type { Location } from '../generated/vmmd/v1/Location';
+import type { ExportResponse__Output } from '../generated/vmmd/v1/ExportResponse';
+import type { HelloResponse__Output } from '../generated/vmmd/v1/HelloResponse';
+import type { OpenResponse__Output } from '../generated/vmmd/v1/OpenResponse';
+import type { ReleaseResponse__Output } from '../generated/vmmd/v1/ReleaseResponse';
+import type { SessionError__Output } from '../generated/vmmd/v1/SessionError';
+import type { StoreRef } from '../generated/vmmd/v1/StoreRef';
 import { whereElse } from '../common/paths';
 import { TransferInbox } from '../common/transfer-inbox';
 import { DEFAULT_TRANSFER_WAIT_MS } from '../common/daemon-settings';
@@ -30,14 +25,23 @@ import { type DeclaredCode, VmmdError } from './errors';
 import { busyPollWhile, DEFAULT_BUSY_POLL_MICROS } from '../native/busy-poll';
 import { flushUnmapsIfIdle } from '../native/mapping';
 
-/** Answers to request messages, and those that carry a descriptor. */
-const ANSWERS = new Set<string>(['allocated', 'released', 'shared', 'exported', 'opened']);
-const WITH_DESCRIPTOR = new Set<string>(['allocated', 'exported', 'opened']);
+/** The answers that carry a descriptor. */
+const WITH_DESCRIPTOR = new Set<DaemonCase>(['allocated', 'exported', 'opened']);
 
-/** A request message waiting for its answer. */
+/** What each answer's body is. */
+interface Answers {
+  allocated: ExportResponse__Output;
+  exported: ExportResponse__Output;
+  opened: OpenResponse__Output;
+  released: ReleaseResponse__Output;
+  shared: { shareKey: string };
+  pong: { nonce: string };
+}
+
+/** A request frame waiting for its answer. */
 interface PendingRequest {
-  answer: RequestAnswer['type'];
-  resolve(answer: { message: RequestAnswer; fd: number }): void;
+  answer: keyof Answers;
+  resolve(answer: { message: unknown; fd: number }): void;
   reject(error: Error): void;
   timer: NodeJS.Timeout;
   /** Ends this request's share of busy polling (native/busy-poll.ts). */
@@ -49,14 +53,14 @@ const UNCLAIMED_TRANSFER_MS = 30_000;
 
 /**
  * One session: the lease on everything this process creates through vmmd.
- * Emits 'close' when the connection ends and 'daemon-error' (ErrorMessage)
- * when the daemon refuses a message.
+ * Emits 'close' when the connection ends and 'daemon-error' (SessionError)
+ * when the daemon refuses a frame or tells of a failure no request waits for.
  */
 export class ClientSession extends EventEmitter {
   readonly id: string;
   readonly token: string;
-  /** The daemon's backend, from its hello ("host", "cuda"); undefined from daemons that do not say. */
-  readonly backend: string | undefined;
+  /** What the daemon can do, from its hello (session.proto's Capability names): ask these, not a backend's name. */
+  readonly capabilities: ReadonlySet<Capability__Output>;
   // Descriptors the daemon sent, until a call claims them.
   private readonly inbox = new TransferInbox({
     keepMs: UNCLAIMED_TRANSFER_MS,
@@ -69,23 +73,19 @@ export class ClientSession extends EventEmitter {
     },
   });
   private nextTransfer = 1n;
-  // Pings in flight by nonce.
-  private readonly pings = new Map<string, { resolve(): void; reject(error: Error): void; spun(): void }>();
-  private nextPing = 1;
-  // Requests in flight (allocate, release, share, export, open) by request id.
+  // Requests in flight (allocate, release, share, export, open, ping) by request id.
   private readonly requests = new Map<string, PendingRequest>();
   private nextRequest = 1n;
 
   private constructor(
     private readonly connection: SeqpacketConnection,
-    hello: HelloMessage,
+    hello: HelloResponse__Output,
     private readonly busyPollMicros: number,
   ) {
     super();
     this.id = hello.session;
     this.token = hello.token;
-    // An empty name is no name (proto3's default): the client asks ListDevices.
-    this.backend = hello.backend === '' ? undefined : hello.backend;
+    this.capabilities = new Set(hello.capabilities);
     connection.on('message', (message: SeqpacketMessage) => this.onMessage(message));
     connection.on('close', () => this.onClose());
     // The session must not keep a finished program alive; pending calls do.
@@ -93,10 +93,11 @@ export class ClientSession extends EventEmitter {
   }
 
   /**
-   * Connects and waits for the daemon's greeting.
+   * Connects, says hello (the protocol it speaks) and waits for the daemon's answer.
    * @param busyPollMicros while a request waits for its answer, the event loop spins this long before each sleep
    *   (native/busy-poll.ts): an answer that comes within it finds the process awake (0: never spin)
-   * @throws VmmdError UNAVAILABLE DAEMON_UNREACHABLE, DEADLINE_EXCEEDED NO_GREETING
+   * @throws VmmdError UNAVAILABLE DAEMON_UNREACHABLE, BAD_GREETING; DEADLINE_EXCEEDED NO_GREETING; FAILED_PRECONDITION
+   *   PROTOCOL_VERSION (a daemon of another session protocol); the daemon's refusal of the session (PERMISSION_DENIED…)
    */
   static open(path: string, timeoutMs: number, busyPollMicros = DEFAULT_BUSY_POLL_MICROS): Promise<ClientSession> {
     let connection: SeqpacketConnection;
@@ -124,20 +125,31 @@ export class ClientSession extends EventEmitter {
       connection.once('close', () => fail(new VmmdError('DAEMON_UNREACHABLE', Status.UNAVAILABLE, `vmmd at ${path} closed the session socket`)));
       connection.once('message', (message: SeqpacketMessage) => {
         if (message.fd >= 0) native.close(message.fd);
-        const hello = decodeMessage(message.data);
-        if (typeof hello !== 'string' && hello.type === 'error') {
-          fail(new VmmdError(hello.code as DeclaredCode, typeof hello.status === 'number' ? hello.status : Status.PERMISSION_DENIED, `vmmd refused the session: ${hello.message}`));
+        // A daemon of protocol 1 speaks first, in JSON.
+        if (isProtocol1(message.data)) {
+          fail(new VmmdError('PROTOCOL_VERSION', Status.FAILED_PRECONDITION, `vmmd at ${path} speaks session protocol 1; this client speaks ${PROTOCOL_VERSION}: upgrade the daemon`));
           return;
         }
-        if (typeof hello === 'string' || hello.type !== 'hello' || hello.protocol !== PROTOCOL_VERSION) {
-          fail(new VmmdError('BAD_GREETING', Status.UNAVAILABLE, `vmmd at ${path} greeted with an unexpected message`));
+        const frame = decodeDaemonFrame(message.data);
+        if (typeof frame !== 'string' && frame.error != null) {
+          const refused = frame.error;
+          fail(new VmmdError(refused.code as DeclaredCode, refused.status === 0 ? Status.PERMISSION_DENIED : (refused.status as Status), `vmmd refused the session: ${refused.message}`));
+          return;
+        }
+        if (typeof frame === 'string' || frame.hello == null || frame.hello.protocol !== PROTOCOL_VERSION) {
+          fail(new VmmdError('BAD_GREETING', Status.UNAVAILABLE, `vmmd at ${path} greeted with an unexpected frame`));
           return;
         }
         settled = true;
         clearTimeout(timer);
         connection.removeAllListeners();
-        resolve(new ClientSession(connection, hello, busyPollMicros));
+        resolve(new ClientSession(connection, frame.hello, busyPollMicros));
       });
+      try {
+        if (!connection.send(encodeClientFrame({ hello: { protocol: PROTOCOL_VERSION } }))) throw new Error('the socket is full');
+      } catch (error) {
+        fail(new VmmdError('DAEMON_UNREACHABLE', Status.UNAVAILABLE, `cannot say hello to vmmd at ${path}: ${(error as Error).message}`));
+      }
     });
   }
 
@@ -161,32 +173,29 @@ export class ClientSession extends EventEmitter {
    */
   sendDescriptor(fd: number): string {
     const transfer = String(this.nextTransfer++);
-    this.send({ type: 'transfer', transfer }, fd);
+    this.send({ transfer: { id: transfer } }, fd);
     return transfer;
   }
 
   /**
    * Allocate on the session socket: a new allocation of this session and its
    * descriptor (the caller owns it), in one round trip.
+   * @param location as CreateRequest's (default: device 0)
    * @param awaited false for an allocation asked for ahead of need: nobody waits on it yet, so this process's
    *   gathered unmaps do not go to the driver with it (they would run beside the caller's map)
+   * @returns the Allocate RPC's ExportResponse (transfer_id 0: the descriptor came with it)
    * @throws VmmdError as the Allocate RPC (OUT_OF_MEMORY, NOT_ALIGNED…), DEADLINE_EXCEEDED NO_ANSWER, UNAVAILABLE SESSION_LOST
    */
-  allocate(
-    size: bigint,
-    location?: AllocateMessage['location'],
-    timeoutMs = 30_000,
-    awaited = true,
-  ): Promise<{ message: AllocatedMessage; fd: number }> {
-    return this.request('allocated', { type: 'allocate', size: String(size), ...(location === undefined ? {} : { location }) }, timeoutMs, awaited);
+  allocate(size: bigint, location?: Location | null, timeoutMs = 30_000, awaited = true): Promise<{ message: ExportResponse__Output; fd: number }> {
+    return this.request('allocated', { allocate: { size: String(size), location } }, timeoutMs, awaited);
   }
 
   /**
    * Release on the session socket, one round trip: the same answer as the Release RPC.
    * @throws VmmdError as the Release RPC (UNKNOWN_ALLOCATION, NOT_OWNER…), NO_ANSWER, SESSION_LOST
    */
-  async release(allocation: bigint | string, timeoutMs = 30_000): Promise<ReleasedMessage> {
-    return (await this.request('released', { type: 'release', allocation: String(allocation) }, timeoutMs)).message;
+  async release(allocation: bigint | string, timeoutMs = 30_000): Promise<ReleaseResponse__Output> {
+    return (await this.request('released', { release: { allocationId: String(allocation) } }, timeoutMs)).message;
   }
 
   /**
@@ -194,45 +203,41 @@ export class ClientSession extends EventEmitter {
    * @throws VmmdError as the Share RPC (UNKNOWN_ALLOCATION, NOT_OWNER…), NO_ANSWER, SESSION_LOST
    */
   async share(allocation: bigint | string, timeoutMs = 30_000): Promise<string> {
-    return (await this.request('shared', { type: 'share', allocation: String(allocation) }, timeoutMs)).message.shareKey;
+    return (await this.request('shared', { share: { allocationId: String(allocation) } }, timeoutMs)).message.shareKey;
   }
 
   /**
    * Export on the session socket: a descriptor of an existing allocation (the caller owns it), attached to the answer.
    * @throws VmmdError as the Export RPC (NOT_OWNER, BAD_SHARE_KEY, ALREADY_RELEASED…), NO_ANSWER, SESSION_LOST
    */
-  export(allocation: bigint | string, shareKey = '', timeoutMs = 30_000): Promise<{ message: ExportedMessage; fd: number }> {
-    return this.request('exported', { type: 'export', allocation: String(allocation), ...(shareKey === '' ? {} : { shareKey }) }, timeoutMs);
+  export(allocation: bigint | string, shareKey = '', timeoutMs = 30_000): Promise<{ message: ExportResponse__Output; fd: number }> {
+    return this.request('exported', { export: { allocationId: String(allocation), shareKey } }, timeoutMs);
   }
 
   /**
    * Open a store on the session socket: the store and its descriptor (the caller owns it), one round trip.
    * @throws VmmdError as Stores.Open (UNKNOWN_STORE, STORE_DETACHED, STORE_READ_ONLY…), NO_ANSWER, SESSION_LOST
    */
-  open(store: OpenMessage['store'], writable: boolean, timeoutMs = 30_000): Promise<{ message: OpenedMessage; fd: number }> {
-    return this.request('opened', { type: 'open', store, writable }, timeoutMs);
+  open(store: StoreRef, writable: boolean, timeoutMs = 30_000): Promise<{ message: OpenResponse__Output; fd: number }> {
+    return this.request('opened', { open: { store, writable } }, timeoutMs);
   }
 
-  /** Sends a request message under a new id and waits for its answer of type `answer` (with a descriptor: fd, else -1). */
-  private request<T extends RequestAnswer['type']>(
-    answer: T,
-    message: Record<string, unknown> & { type: string },
-    timeoutMs: number,
-    awaited = true,
-  ): Promise<{ message: Extract<RequestAnswer, { type: T }>; fd: number }> {
+  /** Sends a request frame under a new id and waits for its answer `answer` (with a descriptor: fd, else -1). */
+  private request<T extends keyof Answers>(answer: T, frame: ClientFrame, timeoutMs: number, awaited = true): Promise<{ message: Answers[T]; fd: number }> {
     const request = String(this.nextRequest++);
+    const what = Object.keys(frame)[0];
     const sent = tracing ? traceClock() : 0n;
     return new Promise((resolve, reject) => {
       const spun = busyPollWhile(this.busyPollMicros);
       const timer = setTimeout(() => {
         this.requests.delete(request);
         spun();
-        reject(new VmmdError('NO_ANSWER', Status.DEADLINE_EXCEEDED, `the daemon did not answer ${message.type} request ${request} within ${timeoutMs} ms`));
+        reject(new VmmdError('NO_ANSWER', Status.DEADLINE_EXCEEDED, `the daemon did not answer ${what} request ${request} within ${timeoutMs} ms`));
       }, timeoutMs);
       this.requests.set(request, {
         answer,
         resolve: (tracing ? (value) => {
-          traceSince(`session:${message.type}`, sent);
+          traceSince(`session:${what}`, sent);
           resolve(value as never);
         } : resolve) as PendingRequest['resolve'],
         reject,
@@ -240,7 +245,7 @@ export class ClientSession extends EventEmitter {
         spun,
       });
       try {
-        this.send({ ...message, request } as unknown as SessionMessage);
+        this.send({ ...frame, request });
       } catch (error) {
         clearTimeout(timer);
         this.requests.delete(request);
@@ -251,7 +256,7 @@ export class ClientSession extends EventEmitter {
       // While the answer is on its way this process makes no driver call: its waiting unmaps go now,
       // rather than beside the import and map the answer leads to (the driver serializes them). Never throws.
       // Not for a request nobody waits on yet (an allocation ahead, sent as its caller starts mapping).
-      if (awaited && (message.type === 'allocate' || message.type === 'open')) flushUnmapsIfIdle();
+      if (awaited && (frame.allocate !== undefined || frame.open !== undefined)) flushUnmapsIfIdle();
     });
   }
 
@@ -259,43 +264,19 @@ export class ClientSession extends EventEmitter {
    * One round trip on the session socket (the daemon answers ping with pong).
    * @throws VmmdError UNAVAILABLE SESSION_LOST (also when the session closes before the pong), DEADLINE_EXCEEDED NO_ANSWER
    */
-  ping(timeoutMs = 30_000): Promise<void> {
-    const nonce = String(this.nextPing++);
-    const sent = tracing ? traceClock() : 0n;
-    return new Promise((resolve, reject) => {
-      const spun = busyPollWhile(this.busyPollMicros);
-      // The timer also keeps the process alive while the pong is due (the socket does not).
-      const timer = setTimeout(() => {
-        this.pings.delete(nonce);
-        spun();
-        reject(new VmmdError('NO_ANSWER', Status.DEADLINE_EXCEEDED, `the daemon did not answer ping ${nonce} within ${timeoutMs} ms`));
-      }, timeoutMs);
-      const settle = (error?: Error) => {
-        clearTimeout(timer);
-        spun();
-        traceSince('session:ping', sent);
-        if (error === undefined) resolve();
-        else reject(error);
-      };
-      this.pings.set(nonce, { resolve: () => settle(), reject: settle, spun });
-      try {
-        this.send({ type: 'ping', nonce });
-      } catch (error) {
-        this.pings.delete(nonce);
-        settle(error as Error);
-      }
-    });
+  async ping(timeoutMs = 30_000): Promise<void> {
+    await this.request('pong', { ping: {} }, timeoutMs);
   }
 
   close(): void {
     this.connection.close();
   }
 
-  private send(message: SessionMessage, fd = -1): void {
+  private send(frame: ClientFrame, fd = -1): void {
     if (this.closed) throw this.lost();
     let sent: boolean;
     try {
-      sent = this.connection.send(encodeMessage(message), fd);
+      sent = this.connection.send(encodeClientFrame(frame), fd);
     } catch (error) {
       throw new VmmdError('SESSION_LOST', Status.UNAVAILABLE, `the session socket failed: ${(error as Error).message}`);
     }
@@ -307,53 +288,47 @@ export class ClientSession extends EventEmitter {
   }
 
   private onMessage(raw: SeqpacketMessage): void {
-    const message = decodeMessage(raw.data);
-    if (typeof message !== 'string' && message.type === 'transfer' && raw.fd >= 0) {
-      this.inbox.deliver(message.transfer, raw.fd);
+    const frame = decodeDaemonFrame(raw.data);
+    if (typeof frame === 'string') {
+      if (raw.fd >= 0) native.close(raw.fd);
       return;
     }
-    if (typeof message !== 'string' && (ANSWERS.has(message.type) || message.type === 'error') && (message as { request?: unknown }).request !== undefined) {
-      const request = (message as { request: string }).request;
-      const pending = this.requests.get(request);
-      if (pending !== undefined) {
-        clearTimeout(pending.timer);
-        pending.spun();
-        this.requests.delete(request);
-        if (message.type === pending.answer && (raw.fd >= 0) === WITH_DESCRIPTOR.has(message.type)) {
-          pending.resolve({ message: message as RequestAnswer, fd: raw.fd });
-          return;
-        }
-        pending.reject(
-          message.type === 'error'
-            ? new VmmdError(message.code as DeclaredCode, (message.status ?? Status.UNKNOWN) as Status, message.message)
-            : new VmmdError(
-                'BAD_ANSWER',
-                Status.INTERNAL,
-                `the daemon answered request ${request} with ${message.type}${raw.fd >= 0 ? ' and a descriptor' : ''}, not ${pending.answer}${WITH_DESCRIPTOR.has(pending.answer) ? ' with a descriptor' : ''}`,
-              ),
-        );
-        // A refusal of a request is its caller's error, not the session's.
-        if (raw.fd >= 0) native.close(raw.fd);
+    if (frame.body === 'transfer' && raw.fd >= 0) {
+      this.inbox.deliver(frame.transfer!.id, raw.fd);
+      return;
+    }
+    const pending = frame.request === '0' ? undefined : this.requests.get(frame.request);
+    if (pending !== undefined) {
+      clearTimeout(pending.timer);
+      pending.spun();
+      this.requests.delete(frame.request);
+      if (frame.body === pending.answer && (raw.fd >= 0) === WITH_DESCRIPTOR.has(frame.body)) {
+        pending.resolve({ message: frame[frame.body], fd: raw.fd });
         return;
       }
-    }
-    if (raw.fd >= 0) native.close(raw.fd);
-    if (typeof message !== 'string' && message.type === 'pong' && message.nonce !== undefined) {
-      const ping = this.pings.get(message.nonce);
-      this.pings.delete(message.nonce);
-      ping?.resolve();
+      const refused = frame.error;
+      pending.reject(
+        refused != null
+          ? new VmmdError(refused.code as DeclaredCode, refused.status as Status, refused.message)
+          : new VmmdError(
+              'BAD_ANSWER',
+              Status.INTERNAL,
+              `the daemon answered request ${frame.request} with ${frame.body ?? 'an empty frame'}${raw.fd >= 0 ? ' and a descriptor' : ''}, not ${pending.answer}${WITH_DESCRIPTOR.has(pending.answer) ? ' with a descriptor' : ''}`,
+            ),
+      );
+      // A refusal of a request is its caller's error, not the session's.
+      if (raw.fd >= 0) native.close(raw.fd);
       return;
     }
-    if (typeof message !== 'string' && message.type === 'error') {
+    if (raw.fd >= 0) native.close(raw.fd);
+    if (frame.error != null) {
       // Nobody listening: a warning, so that what the daemon says (a free that failed after its answer) is not lost.
-      if (!this.emit('daemon-error', message)) process.emitWarning(`vmmd: the daemon says ${message.code}: ${message.message}`);
+      if (!this.emit('daemon-error', frame.error satisfies SessionError__Output)) process.emitWarning(`vmmd: the daemon says ${frame.error.code}: ${frame.error.message}`);
     }
   }
 
   private onClose(): void {
     this.inbox.close();
-    for (const ping of this.pings.values()) ping.reject(this.lost());
-    this.pings.clear();
     for (const pending of this.requests.values()) {
       clearTimeout(pending.timer);
       pending.spun();

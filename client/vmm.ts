@@ -34,7 +34,6 @@ import { VmmdError } from './errors';
 import { CudaImportedMemory, HostImportedMemory, ImportedMemory, mapFabricHandle } from './local-memory';
 import { CallSettings, collectStream, Input, toWire, unaryCall, writeChunks } from './rpc';
 import type { ClientSession } from './session';
-import type { AllocatedMessage, AllocateMessage, ExportedMessage } from '../common/protocol';
 import { DEFAULT_STAGING_BYTES, STAGED_MIN_BYTES, StagingBuffer, StagingRefused } from './staging';
 
 export interface ImportOptions {
@@ -66,34 +65,6 @@ let localDevices: Map<string, number> | undefined;
 type Exported = Pick<ExportResponse__Output, 'allocationId' | 'size' | 'granularity' | 'device' | 'deviceUuid'> & {
   location?: { type: string; id: number } | null;
 };
-
-/**
- * A CreateRequest's location as the session socket's allocate message names
- * it; null when the message cannot (a location by UUID, HOST, or anything
- * unusual), and the RPC takes the request.
- */
-function sessionLocation(location: Input<CreateRequest>['location']): AllocateMessage['location'] | null {
-  if (location === undefined || location === null) return undefined;
-  const wire = location as { type?: unknown; id?: unknown; deviceUuid?: unknown };
-  if (wire.deviceUuid !== undefined && wire.deviceUuid !== '') return null;
-  const id = wire.id === undefined ? 0 : Number(wire.id);
-  if (!Number.isInteger(id) || id < 0) return null;
-  if (wire.type === 'LOCATION_TYPE_DEVICE' || wire.type === undefined) return { type: 'DEVICE', id };
-  if (wire.type === 'LOCATION_TYPE_HOST_NUMA') return { type: 'HOST_NUMA', id };
-  return null;
-}
-
-/** An `allocated` or `exported` answer as what mapping needs. */
-function fromSocket(message: AllocatedMessage | ExportedMessage): Exported {
-  return {
-    allocationId: message.allocation,
-    size: message.size,
-    granularity: message.granularity,
-    device: message.device,
-    deviceUuid: message.deviceUuid,
-    location: { type: `LOCATION_TYPE_${message.location.type}`, id: message.location.id },
-  };
-}
 
 export class VirtualMemoryApi {
   // Large reads and writes go through it (undefined: stream everything over gRPC).
@@ -205,7 +176,7 @@ export class VirtualMemoryApi {
     if (!options.fabric && !this.session.closed) {
       // The session socket: the descriptor comes with the answer, one round trip.
       const { message, fd } = await this.session.export(String(allocationId), options.shareKey ?? '');
-      return this.mapDescriptor(fromSocket(message), fd, readOnly, options.hostAccess ?? false);
+      return this.mapDescriptor(message, fd, readOnly, options.hostAccess ?? false);
     }
     const exported = await this.export({
       allocationId,
@@ -229,10 +200,9 @@ export class VirtualMemoryApi {
    * @throws VmmdError from Create (OUT_OF_MEMORY, NOT_ALIGNED…), TRANSFER_NOT_RECEIVED, NO_CUDA, LOCAL_MAP_FAILED
    */
   async allocate(request: Input<CreateRequest>, options: { hostAccess?: boolean } = {}): Promise<ImportedMemory> {
-    // The session socket when the request fits its message (the default handle type); else the RPC.
-    const location = sessionLocation(request.location);
-    if (location !== null && (request.handleType === undefined || request.handleType === 'HANDLE_TYPE_POSIX_FD') && request.size !== undefined) {
-      return this.mapAllocated(await this.session.allocate(BigInt(request.size as bigint | string | number), location), options.hostAccess ?? false);
+    // The session socket for a descriptor (the default handle type); fabric handles through the RPC.
+    if ((request.handleType === undefined || request.handleType === 'HANDLE_TYPE_POSIX_FD') && request.size !== undefined) {
+      return this.mapAllocated(await this.session.allocate(BigInt(request.size as bigint | string | number), request.location as CreateRequest['location']), options.hostAccess ?? false);
     }
     const response = await this.allocateRaw(request);
     const fd = await this.session.takeTransfer(response.transferId);
@@ -247,23 +217,18 @@ export class VirtualMemoryApi {
   /**
    * A new allocation of this session's on the session socket, not mapped: the answer and its descriptor (the
    * caller owns it; mapAllocated() maps it). For an allocation asked for ahead of need (`awaited` false).
-   * @throws VmmdError as the Allocate RPC, SESSION_LOST; INVALID_ARGUMENT UNSUPPORTED_LOCATION for a location the
-   *   session socket cannot name (by UUID, HOST)
+   * @throws VmmdError as the Allocate RPC, SESSION_LOST
    */
-  allocateUnmapped(size: bigint, location: Input<CreateRequest>['location'], awaited = true): Promise<{ message: AllocatedMessage; fd: number }> {
-    const named = sessionLocation(location);
-    if (named === null) {
-      return Promise.reject(new VmmdError('UNSUPPORTED_LOCATION', Status.INVALID_ARGUMENT, `location ${JSON.stringify(location)} cannot be named on the session socket; use allocate()`));
-    }
-    return this.session.allocate(size, named, undefined, awaited);
+  allocateUnmapped(size: bigint, location: Input<CreateRequest>['location'], awaited = true): Promise<{ message: ExportResponse__Output; fd: number }> {
+    return this.session.allocate(size, location as CreateRequest['location'], undefined, awaited);
   }
 
   /**
    * Maps an allocation allocateUnmapped() received (taking over its descriptor).
    * @throws VmmdError NO_CUDA, LOCAL_MAP_FAILED: the allocation is then released
    */
-  async mapAllocated(allocated: { message: AllocatedMessage; fd: number }, hostAccess = false): Promise<ImportedMemory> {
-    const exported = fromSocket(allocated.message);
+  async mapAllocated(allocated: { message: ExportResponse__Output; fd: number }, hostAccess = false): Promise<ImportedMemory> {
+    const exported = allocated.message;
     try {
       return await this.mapDescriptor(exported, allocated.fd, false, hostAccess);
     } catch (error) {

@@ -32,7 +32,7 @@ export async function sessionOps(client: VmmdClient, iterations: number): Promis
   // What share, export and open act on: one allocation and a store of it, made once.
   const kept = await session.allocate(size);
   addon.close(kept.fd);
-  const allocation = kept.message.allocation;
+  const allocation = kept.message.allocationId;
   const storeName = `bench-session-ops-${process.pid}`;
   await client.stores.createStore({ allocationId: allocation, name: storeName, size: String(size) });
   // Allocations made untimed for the release rows to free, one per timed call.
@@ -40,7 +40,7 @@ export async function sessionOps(client: VmmdClient, iterations: number): Promis
   const prepareRelease = async () => {
     const made = await session.allocate(size);
     addon.close(made.fd);
-    toRelease.push(made.message.allocation);
+    toRelease.push(made.message.allocationId);
   };
   const names = [
     'ping',
@@ -63,7 +63,7 @@ export async function sessionOps(client: VmmdClient, iterations: number): Promis
       after: async (value) => {
         const { message, fd } = value as Awaited<ReturnType<typeof session.allocate>>;
         addon.close(fd);
-        await session.release(message.allocation);
+        await session.release(message.allocationId);
       },
     },
     release: { before: prepareRelease, run: () => session.release(toRelease.pop()!) },

@@ -121,7 +121,7 @@ async function load(client: VmmdClient, name: string, file: string, options: { m
   try {
     if (source.size === 0) throw new VmmdError('ZERO_SIZE', Status.INVALID_ARGUMENT, `${shown} is empty: a store holds at least one byte`);
     const location =
-      options.host && client.backend === 'cuda' ? { type: 'LOCATION_TYPE_HOST_NUMA' as const, id: 0 } : { type: 'LOCATION_TYPE_DEVICE' as const, id: 0 };
+      options.host && client.session.capabilities.has('CAPABILITY_HOST_NUMA') ? { type: 'LOCATION_TYPE_HOST_NUMA' as const, id: 0 } : { type: 'LOCATION_TYPE_DEVICE' as const, id: 0 };
     const granularity = BigInt((await client.devices.getGranularity({ location })).minimum);
     const allocationSize = ((BigInt(source.size) + granularity - 1n) / granularity) * granularity;
     const allocation = await client.vmm.create({ size: allocationSize, location });

@@ -9,7 +9,7 @@
  * for `idleMs`, and by dropAll() (clearCaches, reset, out of memory).
  */
 import { status as Status } from '@grpc/grpc-js';
-import type { AllocatedMessage } from '../../common/protocol';
+import type { ExportResponse__Output } from '../../generated/vmmd/v1/ExportResponse';
 import { VmmdError } from '../errors';
 
 export interface AheadSettings {
@@ -51,7 +51,7 @@ const MAX_TIMER_MS = 2 ** 31 - 1;
 
 /** An allocation received and not mapped: the answer and its descriptor. */
 export interface Received {
-  message: AllocatedMessage;
+  message: ExportResponse__Output;
   fd: number;
 }
 

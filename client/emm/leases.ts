@@ -96,7 +96,7 @@ export class DaemonLeases {
     native.close(received.fd);
     // A closed client's session is gone, and the daemon reclaimed the allocation with it.
     if (this.client.session.closed) return;
-    this.release(BigInt(received.message.allocation));
+    this.release(BigInt(received.message.allocationId));
   }
 
   /** Sends the release of an allocation of this session's and does not wait for its answer (settle() does). */
