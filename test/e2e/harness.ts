@@ -13,7 +13,7 @@ import * as path from 'node:path';
 import * as readline from 'node:readline';
 import { socketPaths } from '../../common/paths';
 import { loadProtos } from '../../common/proto';
-import { decodeMessage } from '../../common/protocol';
+import { type ClientFrame, decodeDaemonFrame, encodeClientFrame, PROTOCOL_VERSION } from '../../common/protocol';
 import type { Stats__Output } from '../../generated/vmmd/v1/Stats';
 import { addon } from '../../native';
 import { SeqpacketConnection, SeqpacketMessage } from '../../native/seqpacket';
@@ -260,21 +260,52 @@ export function objectsOf(stats: Awaited<ReturnType<TestDaemon['stats']>>) {
   return { reservations, allocations, mappings, reservedBytes, allocatedBytes, importedBytes, mappedBytes, pendingTransfers };
 }
 
-/** A session-socket connection without the client library, for the protocol's own tests: frames sent as they are, the daemon's messages read in order (a descriptor that comes with one is closed). */
+/** The bytes of a client frame, for tests that send frames as they are. */
+export function frame(value: ClientFrame): Buffer {
+  return encodeClientFrame(value);
+}
+
+/**
+ * A daemon frame as the protocol's tests match it: the body's case as `type`,
+ * its fields beside the frame's `request` (a frame that does not decode: the reason, a string).
+ */
+export function flatFrame(data: Buffer): any {
+  const decoded = decodeDaemonFrame(data);
+  if (typeof decoded === 'string' || decoded.body === undefined) return decoded;
+  return { type: decoded.body, request: decoded.request, ...(decoded[decoded.body] as object) };
+}
+
+/**
+ * A session-socket connection without the client library, for the protocol's own tests: frames sent as they are
+ * (after a hello of this protocol, unless `hello` is false), the daemon's frames read in order (a descriptor that
+ * comes with one is closed).
+ */
 export class RawSession {
   readonly connection: SeqpacketConnection;
   private readonly inbox: SeqpacketMessage[] = [];
 
-  constructor(dir: string) {
+  constructor(dir: string, hello = true) {
     this.connection = SeqpacketConnection.connect(socketPaths(dir).session);
     this.connection.on('message', (message: SeqpacketMessage) => this.inbox.push(message));
+    if (hello) this.connection.send(frame({ hello: { protocol: PROTOCOL_VERSION } }));
   }
 
-  /** The next message from the daemon, decoded (typed loosely: the tests match it field by field). */
+  /** Sends a frame (and a descriptor). */
+  send(value: ClientFrame, fd = -1): boolean {
+    return this.connection.send(frame(value), fd);
+  }
+
+  /** The next frame from the daemon, flattened (flatFrame: the tests match it field by field). */
   async next(): Promise<any> {
+    const message = await this.nextRaw();
+    return flatFrame(message.data);
+  }
+
+  /** The next datagram from the daemon as it came (its descriptor closed). */
+  async nextRaw(): Promise<SeqpacketMessage> {
     const message = await eventually(() => this.inbox.shift(), 5_000, 'a message from the daemon');
     if (message.fd >= 0) addon.close(message.fd);
-    return decodeMessage(message.data);
+    return message;
   }
 
   close(): void {

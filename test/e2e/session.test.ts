@@ -184,54 +184,56 @@ describe('the session socket protocol', () => {
   beforeEach(async () => {
     session = new RawSession(daemon.dir);
     raw = session.connection;
-    expect(await next()).toMatchObject({ type: 'hello', protocol: 1, pid: process.pid, uid: process.getuid!() });
+    expect(await next()).toMatchObject({ type: 'hello', protocol: 2, pid: process.pid, uid: process.getuid!(), capabilities: ['CAPABILITY_MEMFD_DESCRIPTORS', 'CAPABILITY_READ_ONLY_DESCRIPTORS'] });
   });
 
   afterEach(() => session.close());
 
-  it('answers ping with pong and the nonce', async () => {
-    raw.send(Buffer.from(JSON.stringify({ type: 'ping', nonce: 'n1' })));
-    expect(await next()).toEqual({ type: 'pong', nonce: 'n1' });
+  it('answers ping with pong, the nonce and the request id', async () => {
+    session.send({ request: '5', ping: { nonce: 'n1' } });
+    expect(await next()).toEqual({ type: 'pong', request: '5', nonce: 'n1' });
   });
 
-  it('answers bad messages with an error and keeps the session', async () => {
+  it('answers bad frames with an error and keeps the session', async () => {
     const fdsBefore = daemon.openFds();
-    raw.send(Buffer.from('{not json'));
-    expect(await next()).toMatchObject({ type: 'error', code: 'BAD_MESSAGE' });
+    // Not protobuf: a hello whose length runs past the frame.
+    raw.send(Buffer.from([0x12, 0x05, 0x01]));
+    expect(await next()).toMatchObject({ type: 'error', code: 'BAD_MESSAGE', status: grpc.status.INVALID_ARGUMENT });
+    // A body this daemon does not know (field 12), and a frame with no body at all.
+    raw.send(Buffer.from([0x08, 0x07, 0x62, 0x00]));
+    expect(await next()).toMatchObject({ type: 'error', code: 'BAD_MESSAGE', message: expect.stringContaining('no request this daemon knows') });
+    session.send({ request: '8' });
+    expect(await next()).toMatchObject({ type: 'error', code: 'BAD_MESSAGE', request: '8' });
     raw.send(Buffer.alloc(10_000, 0x20));
     expect(await next()).toMatchObject({ type: 'error', code: 'MESSAGE_TOO_LARGE' });
-    raw.send(Buffer.from(JSON.stringify({ type: 'transfer', transfer: '5' })));
+    session.send({ transfer: { id: '5' } });
     expect(await next()).toMatchObject({ type: 'error', code: 'NO_DESCRIPTOR', transfer: '5' });
     const fd = addon.hostMemfdCreate('stray', 2n * MiB);
-    raw.send(Buffer.from(JSON.stringify({ type: 'ping' })), fd);
+    session.send({ ping: {} }, fd);
     expect(await next()).toMatchObject({ type: 'error', code: 'UNEXPECTED_DESCRIPTOR' });
-    raw.send(Buffer.from(JSON.stringify({ type: 'transfer', transfer: '0' })), fd);
+    session.send({ transfer: { id: '0' } }, fd);
     expect(await next()).toMatchObject({ type: 'error', code: 'BAD_MESSAGE' });
-    raw.send(Buffer.from(JSON.stringify({ type: 'hello' })));
-    expect(await next()).toMatchObject({ type: 'error', code: 'BAD_MESSAGE' });
+    session.send({ hello: { protocol: 2 } });
+    expect(await next()).toMatchObject({ type: 'error', code: 'BAD_MESSAGE', message: expect.stringContaining('hello comes once') });
     addon.close(fd);
-    raw.send(Buffer.from(JSON.stringify({ type: 'ping', nonce: 'still here' })));
-    expect(await next()).toEqual({ type: 'pong', nonce: 'still here' });
+    session.send({ request: '9', ping: { nonce: 'still here' } });
+    expect(await next()).toEqual({ type: 'pong', request: '9', nonce: 'still here' });
     expect(daemon.openFds()).toBe(fdsBefore);
   });
 
-  it('echoes the request id of an allocate it refuses, whenever the id could be read', async () => {
+  it('echoes the request id of an allocate it refuses, whenever the frame named one', async () => {
     const fdsBefore = daemon.openFds();
-    // Malformed, with a readable id: BAD_MESSAGE naming the request (0.1.0 sent none: the client could only time out).
-    raw.send(Buffer.from(JSON.stringify({ type: 'allocate', request: '41', size: 'lots' })));
-    expect(await next()).toMatchObject({ type: 'error', code: 'BAD_MESSAGE', request: '41' });
-    raw.send(Buffer.from(JSON.stringify({ type: 'allocate', request: '42', size: '2097152', location: { type: 'GPU' } })));
-    expect(await next()).toMatchObject({ type: 'error', code: 'BAD_MESSAGE', request: '42' });
+    // A location type the daemon does not know: Create's own refusal, naming the request.
+    session.send({ request: '42', allocate: { size: '2097152', location: { type: 9 as never } } });
+    expect(await next()).toMatchObject({ type: 'error', code: 'BAD_ENUM', request: '42', status: grpc.status.INVALID_ARGUMENT });
     // With a descriptor attached: UNEXPECTED_DESCRIPTOR naming the request, the descriptor closed.
     const fd = addon.hostMemfdCreate('stray', 2n * MiB);
-    raw.send(Buffer.from(JSON.stringify({ type: 'allocate', request: '43', size: '2097152' })), fd);
+    session.send({ request: '43', allocate: { size: '2097152' } }, fd);
     expect(await next()).toMatchObject({ type: 'error', code: 'UNEXPECTED_DESCRIPTOR', request: '43' });
     addon.close(fd);
-    // An id that cannot be read is not made up.
-    raw.send(Buffer.from(JSON.stringify({ type: 'allocate', request: 'x', size: '2097152' })));
-    const unreadable = await next();
-    expect(unreadable).toMatchObject({ type: 'error', code: 'BAD_MESSAGE' });
-    expect(unreadable).not.toHaveProperty('request');
+    // A request without an id is refused: its answer could not be told apart.
+    session.send({ allocate: { size: '2097152' } });
+    expect(await next()).toMatchObject({ type: 'error', code: 'BAD_MESSAGE', request: '0' });
     expect((await daemon.stats()).allocations).toBe('0');
     expect(daemon.openFds()).toBe(fdsBefore);
   });
@@ -239,10 +241,10 @@ describe('the session socket protocol', () => {
   it('refuses a transfer id that does not increase, and closes its descriptor', async () => {
     const fdsBefore = daemon.openFds();
     const fd = addon.hostMemfdCreate('replayed', 2n * MiB);
-    raw.send(Buffer.from(JSON.stringify({ type: 'transfer', transfer: '7' })), fd);
-    raw.send(Buffer.from(JSON.stringify({ type: 'transfer', transfer: '7' })), fd);
+    session.send({ transfer: { id: '7' } }, fd);
+    session.send({ transfer: { id: '7' } }, fd);
     expect(await next()).toMatchObject({ type: 'error', code: 'TRANSFER_USED', transfer: '7' });
-    raw.send(Buffer.from(JSON.stringify({ type: 'transfer', transfer: '3' })), fd);
+    session.send({ transfer: { id: '3' } }, fd);
     expect(await next()).toMatchObject({ type: 'error', code: 'TRANSFER_USED', transfer: '3' });
     addon.close(fd);
     expect((await daemon.stats()).pendingTransfers).toBe(1);
@@ -252,12 +254,46 @@ describe('the session socket protocol', () => {
   it('closes unclaimed descriptors when the session ends', async () => {
     const fdsBefore = daemon.openFds();
     const fd = addon.hostMemfdCreate('unclaimed', 2n * MiB);
-    raw.send(Buffer.from(JSON.stringify({ type: 'transfer', transfer: '1' })), fd);
+    session.send({ transfer: { id: '1' } }, fd);
     addon.close(fd);
     await eventually(async () => ((await daemon.stats()).pendingTransfers === 1 ? true : undefined), 5_000, 'the transfer to arrive');
     raw.close();
     await eventually(async () => ((await daemon.stats()).pendingTransfers === 0 ? true : undefined), 5_000, 'the transfer to be closed');
     await eventually(() => (daemon.openFds() <= fdsBefore - 1 ? true : undefined), 5_000, 'the daemon to close the descriptor');
+  });
+});
+
+describe('a client of session protocol 1', () => {
+  /** What a client of protocol 1 reads first, its hello: here the daemon's refusal, in JSON. */
+  const firstJson = async (session: RawSession) => JSON.parse((await session.nextRaw()).data.toString('utf8'));
+  const closed = (session: RawSession) => eventually(() => (session.connection.isClosed ? true : undefined), 5_000, 'the daemon to close the connection');
+
+  it('that waits for the daemon to speak first is told, in JSON, the protocol it needs, and the daemon serves on', async () => {
+    const old = new RawSession(daemon.dir, false);
+    expect(await firstJson(old)).toEqual({
+      type: 'error',
+      code: 'PROTOCOL_VERSION',
+      status: grpc.status.FAILED_PRECONDITION,
+      protocol: 2,
+      message: expect.stringMatching(/speaks session protocol 2 .*upgrade this client to one of protocol 2/),
+    });
+    await closed(old);
+    const current = await client();
+    await current.session.ping();
+  });
+
+  it('that sends a JSON frame is told the same at once', async () => {
+    const old = new RawSession(daemon.dir, false);
+    old.connection.send(Buffer.from(JSON.stringify({ type: 'ping', nonce: 'n1' })));
+    expect(await firstJson(old)).toMatchObject({ type: 'error', code: 'PROTOCOL_VERSION', message: expect.stringContaining('sent a JSON frame') });
+    await closed(old);
+  });
+
+  it('whose hello names another version gets PROTOCOL_VERSION naming the daemon\'s', async () => {
+    const old = new RawSession(daemon.dir, false);
+    old.send({ hello: { protocol: 1 } });
+    expect(await old.next()).toMatchObject({ type: 'error', code: 'PROTOCOL_VERSION', protocol: 2, message: expect.stringContaining('speaks session protocol 2, not 1') });
+    await closed(old);
   });
 });
 
