@@ -43,7 +43,7 @@ export interface DispatcherDeps {
    * before the RPC of the same name; throws the RPC's refusal.
    */
   check?: (session: Session, method: string) => void;
-  /** Who the session's peer is for the store rules (its uid, whether it is an admin: server/transport/grpc/access.ts). */
+  /** Who the session's peer is for the store rules (its uid, whether it is an admin: server/transport/grpc/access.ts); default: its uid, no admin. */
   who?: (session: Session) => CallContext['who'];
 }
 
@@ -113,7 +113,8 @@ export class SessionDispatcher implements SessionServices {
     if (fd >= 0) throw refuseMessage('UNEXPECTED_DESCRIPTOR', 'only transfer frames may carry a descriptor');
     this.deps.check?.(session, request.method);
     const socket: SocketAnswer = { freeFailed: (allocation, error) => freeFailedAfterAnswer(session, this.deps.registry, allocation, error) };
-    const context: CallContext = { caller: session.id, session, who: this.deps.who?.(session), log: session.log, socket };
+    const who = this.deps.who?.(session) ?? { transport: 'unix', peer: session.peer, mutualTls: false, admin: false };
+    const context: CallContext = { caller: session.id, session, who, log: session.log, socket };
     const response = await request.run(this.deps.methods, frame[body as keyof ClientFrame__Output] as never, context);
     return { reply: { request: frame.request, [request.answer]: response }, fd: socket.fd, unsent: socket.unsent };
   }
