@@ -1,10 +1,8 @@
 /**
- * connect() for a new worker, kept cheap for short-lived processes: the daemon names its backend in the
- * session's hello, so connect() needs no RPC, and the gRPC channel is made
- * only when a call needs it (the session socket serves allocate, release,
- * share, export and open). A daemon whose hello does not name its backend
- * (one before this) is asked with ListDevices, and a backend the client does
- * not know is still refused.
+ * connect() for a new worker, kept cheap for short-lived processes: the daemon states its capabilities in the
+ * session's hello (how its descriptors are mapped among them), so connect() needs no RPC, and the gRPC channel
+ * is made only when a call needs it (the session socket serves allocate, release, share, export and open). A
+ * daemon whose descriptors the client cannot map is refused, and so is a daemon of session protocol 1.
  */
 import * as grpc from '@grpc/grpc-js';
 import * as fs from 'node:fs';
@@ -13,8 +11,8 @@ import * as path from 'node:path';
 import { inspect } from 'node:util';
 import { connect } from '../../client';
 import { socketPaths } from '../../common/paths';
-import { loadProtos } from '../../common/proto';
-import { encodeMessage, PROTOCOL_VERSION } from '../../common/protocol';
+import { encodeDaemonFrame, PROTOCOL_VERSION } from '../../common/protocol';
+import type { Capability } from '../../generated/vmmd/v1/Capability';
 import { SeqpacketConnection, SeqpacketListener } from '../../native/seqpacket';
 import { MiB, RawSession, TestDaemon } from './harness';
 
@@ -32,10 +30,10 @@ describe('connect() of a new worker', () => {
     expect(await daemon.stop()).toBe(0);
   });
 
-  it('learns the backend from the hello, which names it', async () => {
+  it('learns how to map descriptors from the capabilities in the hello', async () => {
     const raw = new RawSession(daemon.dir);
     try {
-      expect(await raw.next()).toMatchObject({ type: 'hello', backend: 'host' });
+      expect(await raw.next()).toMatchObject({ type: 'hello', capabilities: expect.arrayContaining(['CAPABILITY_MEMFD_DESCRIPTORS']) });
     } finally {
       raw.close();
     }
@@ -107,16 +105,24 @@ describe('connect() of a new worker', () => {
   });
 });
 
+/** A session socket that answers each client's hello as a daemon of this protocol with `capabilities` would. */
+function fakeSessionSocket(dir: string, capabilities: () => Capability[]): SeqpacketListener {
+  const listener = new SeqpacketListener(socketPaths(dir).session);
+  listener.on('connection', (connection: SeqpacketConnection) => {
+    connection.once('message', () => {
+      connection.send(encodeDaemonFrame({ hello: { protocol: PROTOCOL_VERSION, session: '1', token: 'f'.repeat(64), pid: process.pid, uid: 0, gid: 0, capabilities: capabilities() } }));
+    });
+  });
+  return listener;
+}
+
 describe('a daemon whose gRPC socket is absent', () => {
   let dir: string;
   let listener: SeqpacketListener;
 
   beforeAll(() => {
     dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-no-grpc-'));
-    listener = new SeqpacketListener(socketPaths(dir).session);
-    listener.on('connection', (connection: SeqpacketConnection) => {
-      connection.send(encodeMessage({ type: 'hello', protocol: PROTOCOL_VERSION, session: '1', token: 'f'.repeat(64), pid: process.pid, uid: 0, gid: 0, backend: 'host' }));
-    });
+    listener = fakeSessionSocket(dir, () => ['CAPABILITY_MEMFD_DESCRIPTORS']);
   });
 
   afterAll(() => {
@@ -135,68 +141,59 @@ describe('a daemon whose gRPC socket is absent', () => {
   });
 });
 
-describe('connect() to a daemon whose hello does not name its backend', () => {
+describe('connect() to a daemon by what its hello says it can do', () => {
   let dir: string;
   let listener: SeqpacketListener;
-  let server: grpc.Server;
-  let served = 'host';
-  let listed = 0;
-  let helloBackend: string | undefined;
+  let capabilities: Capability[] = [];
 
-  beforeAll(async () => {
-    dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-old-daemon-'));
-    const paths = socketPaths(dir);
-    // The session socket of a daemon before the hello named its backend.
-    listener = new SeqpacketListener(paths.session);
-    listener.on('connection', (connection: SeqpacketConnection) => {
-      const hello = { type: 'hello' as const, protocol: PROTOCOL_VERSION, session: '1', token: 'f'.repeat(64), pid: process.pid, uid: 0, gid: 0 };
-      connection.send(encodeMessage(helloBackend === undefined ? hello : { ...hello, backend: helloBackend }));
-    });
-    // Its Devices service, which says the backend.
-    const { proto } = loadProtos();
-    server = new grpc.Server();
-    server.addService(proto.vmmd.v1.Devices.service, {
-      ListDevices: (_call: unknown, done: (error: null, value: object) => void) => {
-        listed++;
-        done(null, { backend: served, devices: [] });
-      },
-    });
-    await new Promise<void>((resolve, reject) =>
-      server.bindAsync(`unix://${paths.grpc}`, grpc.ServerCredentials.createInsecure(), (error) => (error ? reject(error) : resolve())),
-    );
+  beforeAll(() => {
+    dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-capabilities-'));
+    listener = fakeSessionSocket(dir, () => capabilities);
   });
 
   afterAll(() => {
     listener.close();
-    server.forceShutdown();
     fs.rmSync(dir, { recursive: true, force: true });
   });
 
-  it('asks ListDevices for the backend', async () => {
-    served = 'cuda';
-    const before = listed;
+  it('maps CUDA handles where the daemon says its descriptors are CUDA handles, without asking ListDevices', async () => {
+    capabilities = ['CAPABILITY_CUDA_DESCRIPTORS', 'CAPABILITY_HOST_NUMA'];
     const client = await connect({ socketDir: dir });
     expect(client.backend).toBe('cuda');
-    expect(listed).toBe(before + 1);
+    expect([...client.session.capabilities]).toEqual(['CAPABILITY_CUDA_DESCRIPTORS', 'CAPABILITY_HOST_NUMA']);
+    expect(grpcMade(client)).toBe(false);
     client.close();
   });
 
-  it('takes an empty backend in the hello as not named, and asks', async () => {
-    served = 'host';
-    helloBackend = '';
-    const before = listed;
-    try {
-      const client = await connect({ socketDir: dir });
-      expect(client.backend).toBe('host');
-      expect(listed).toBe(before + 1);
-      client.close();
-    } finally {
-      helloBackend = undefined;
-    }
+  it('refuses a daemon whose descriptors it cannot map, and closes what it opened', async () => {
+    capabilities = [];
+    await expect(connect({ socketDir: dir })).rejects.toMatchObject({ code: 'UNKNOWN_BACKEND', status: grpc.status.UNIMPLEMENTED, message: expect.stringContaining('capabilities: none') });
+  });
+});
+
+describe('connect() to a daemon of session protocol 1', () => {
+  let dir: string;
+  let listener: SeqpacketListener;
+
+  beforeAll(() => {
+    dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-protocol-1-'));
+    listener = new SeqpacketListener(socketPaths(dir).session);
+    // A daemon of protocol 1 spoke first: its JSON hello.
+    listener.on('connection', (connection: SeqpacketConnection) => {
+      connection.send(Buffer.from(JSON.stringify({ type: 'hello', protocol: 1, session: '1', token: 'f'.repeat(64), pid: process.pid, uid: 0, gid: 0, backend: 'host' })));
+    });
   });
 
-  it('refuses a backend the client does not know, and closes what it opened', async () => {
-    served = 'tpu';
-    await expect(connect({ socketDir: dir })).rejects.toMatchObject({ code: 'UNKNOWN_BACKEND', status: grpc.status.UNIMPLEMENTED });
+  afterAll(() => {
+    listener.close();
+    fs.rmSync(dir, { recursive: true, force: true });
+  });
+
+  it('fails PROTOCOL_VERSION, naming both protocols', async () => {
+    await expect(connect({ socketDir: dir })).rejects.toMatchObject({
+      code: 'PROTOCOL_VERSION',
+      status: grpc.status.FAILED_PRECONDITION,
+      message: expect.stringMatching(/speaks session protocol 1; this client speaks 2/),
+    });
   });
 });

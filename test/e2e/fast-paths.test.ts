@@ -119,7 +119,7 @@ describe('with a stock of 2 MiB allocations', () => {
     const fds = daemon.openFds();
     await expect(c.session.allocate(MiB)).rejects.toMatchObject({ status: grpc.status.INVALID_ARGUMENT, code: 'NOT_ALIGNED' });
     await expect(c.session.allocate(0n)).rejects.toMatchObject({ status: grpc.status.INVALID_ARGUMENT, code: 'ZERO_SIZE' });
-    await expect(c.session.allocate(2n * MiB, { type: 'DEVICE', id: 7 })).rejects.toMatchObject({ status: grpc.status.OUT_OF_RANGE });
+    await expect(c.session.allocate(2n * MiB, { type: 'LOCATION_TYPE_DEVICE', id: 7 })).rejects.toMatchObject({ status: grpc.status.OUT_OF_RANGE });
     expect(objectsOf(await daemon.stats())).toEqual(before);
     expect(daemon.openFds()).toBe(fds);
     // Out of memory: refused as well, and the stock gives its memory back (it refills on the next Create).
@@ -128,11 +128,11 @@ describe('with a stock of 2 MiB allocations', () => {
     const report = (await c.admin.getReport()) as { stock: { levels: Array<{ held: number }> } };
     expect(report.stock.levels[0].held).toBe(0);
     const { message, fd } = await c.session.allocate(2n * MiB);
-    expect(message).toMatchObject({ type: 'allocated', size: String(2n * MiB), granularity: String(2n * MiB), device: 0, location: { type: 'DEVICE', id: 0 } });
+    expect(message).toMatchObject({ transferId: '0', size: String(2n * MiB), granularity: String(2n * MiB), device: 0, location: { type: 'LOCATION_TYPE_DEVICE', id: 0 } });
     expect(addon.hostFdInfo(fd)).toMatchObject({ memfd: true, size: 2n * MiB });
     addon.close(fd);
-    expect((await c.vmm.getProperties({ allocationId: message.allocation })).ownerSession).toBe(c.session.id);
-    await c.vmm.release({ allocationId: message.allocation });
+    expect((await c.vmm.getProperties({ allocationId: message.allocationId })).ownerSession).toBe(c.session.id);
+    await c.vmm.release({ allocationId: message.allocationId });
   });
 
   it("releases a stocked allocation's ready descriptor when it is released without an export", async () => {

@@ -10,7 +10,7 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import { connect } from '../../client';
 import { socketPaths } from '../../common/paths';
-import { encodeMessage } from '../../common/protocol';
+import { encodeClientFrame, PROTOCOL_VERSION } from '../../common/protocol';
 import { addon } from '../../native';
 import { eventually, MiB, Peer, sleep, TestDaemon } from './harness';
 
@@ -139,7 +139,8 @@ describe('what a peer can make the daemon log', () => {
       for (let i = 0; i < SESSIONS; i++) {
         // A raw session: the greeting and the pongs are never read, and the socket is closed under them.
         const fd = addon.seqpacketConnect(socketPaths(daemon.dir).session);
-        for (let ping = 0; ping < 4; ping++) addon.seqpacketSend(fd, encodeMessage({ type: 'ping' }), -1);
+        addon.seqpacketSend(fd, encodeClientFrame({ hello: { protocol: PROTOCOL_VERSION } }), -1);
+        for (let ping = 1; ping <= 4; ping++) addon.seqpacketSend(fd, encodeClientFrame({ request: String(ping), ping: {} }), -1);
         await sleep(10);
         addon.close(fd);
       }

@@ -43,12 +43,12 @@ describe('release on the session socket', () => {
     const b = await c.vmm.create({ size: 2n * MiB });
     // The quota (6 MiB) is full: a third is refused until a release refunds it.
     await expect(c.session.allocate(2n * MiB)).rejects.toMatchObject({ code: 'QUOTA_EXCEEDED', status: grpc.status.RESOURCE_EXHAUSTED });
-    expect(await c.session.release(a.id)).toEqual({ type: 'released', request: expect.any(String), allocation: a.id, freed: true, handleReferences: 0, mappingCount: 0 });
+    expect(await c.session.release(a.id)).toEqual({ freed: true, handleReferences: 0, mappingCount: 0 });
     const { message, fd } = await c.session.allocate(2n * MiB);
     addon.close(fd);
     // The library's release() takes the socket and answers as the RPC.
     await expect(c.vmm.release({ allocationId: b.id })).resolves.toEqual({ freed: true, handleReferences: 0, mappingCount: 0 });
-    await c.vmm.release({ allocationId: message.allocation });
+    await c.vmm.release({ allocationId: message.allocationId });
     expect(objectsOf(await daemon.stats())).toEqual(before);
   });
 
@@ -58,7 +58,7 @@ describe('release on the session socket', () => {
     for (let i = 0; i < 3; i++) {
       const made = await c.session.allocate(2n * MiB);
       addon.close(made.fd);
-      live.push(made.message.allocation);
+      live.push(made.message.allocationId);
     }
     for (let round = 0; round < 30; round++) {
       // Not awaited: the allocate goes out right behind the release, as a client freeing and allocating at once does.
@@ -66,7 +66,7 @@ describe('release on the session socket', () => {
       const made = await c.session.allocate(2n * MiB);
       addon.close(made.fd);
       expect(await released).toMatchObject({ freed: true });
-      live.push(made.message.allocation);
+      live.push(made.message.allocationId);
     }
     const report = JSON.parse((await call(daemon.raw.admin, 'GetReport', {})).json);
     expect(Object.values(report.quotas.bySession as Record<string, string>).map(BigInt)).toEqual([6n * MiB]);
@@ -109,7 +109,7 @@ describe("the client's own driver work while an answer is on its way", () => {
       const { message, fd } = await c.session.allocate(2n * MiB);
       addon.close(fd);
       await unmapped;
-      await c.session.release(message.allocation);
+      await c.session.release(message.allocationId);
     } finally {
       spy.mockRestore();
     }
@@ -134,7 +134,7 @@ describe("the client's own driver work while an answer is on its way", () => {
       await second;
       const { message, fd } = await made;
       addon.close(fd);
-      await c.session.release(message.allocation);
+      await c.session.release(message.allocationId);
     } finally {
       flushUnmaps();
       spy.mockRestore();
@@ -150,7 +150,7 @@ describe('share and export on the session socket', () => {
     made.bytes().fill(0x5a);
     // Own allocation: the descriptor comes with the answer.
     const own = await owner.session.export(made.allocationId);
-    expect(own.message).toMatchObject({ type: 'exported', allocation: String(made.allocationId), size: String(2n * MiB), granularity: String(2n * MiB), device: 0 });
+    expect(own.message).toMatchObject({ transferId: '0', allocationId: String(made.allocationId), size: String(2n * MiB), granularity: String(2n * MiB), device: 0 });
     expect(addon.hostFdInfo(own.fd)).toMatchObject({ memfd: true, size: 2n * MiB });
     addon.close(own.fd);
     // The daemon closes its copy of an answer's descriptor right after sendmsg, which can be after the answer
@@ -181,7 +181,7 @@ describe('share and export on the session socket', () => {
     const c = await client();
     const { message, fd } = await c.session.allocate(2n * MiB);
     addon.close(fd);
-    const exported = await c.session.export(message.allocation);
+    const exported = await c.session.export(message.allocationId);
     addon.close(exported.fd);
     c.close();
     await eventually(async () => (JSON.stringify(objectsOf(await daemon.stats())) === JSON.stringify(before) ? true : undefined), 10_000, 'objects back to the baseline');
@@ -197,7 +197,7 @@ describe('open on the session socket', () => {
     const fds = daemon.openFds();
     const byName = await owner.session.open({ name: 'socket-open' }, false);
     expect(byName.message).toMatchObject({
-      type: 'opened',
+      transferId: '0',
       store: { id: store.id, name: 'socket-open', readOnly: true, state: 'STORE_STATE_LIVE', opens: 1, allocationId: allocation.id, target: 'STORE_TARGET_SYSMEM' },
       granularity: expect.any(String),
       mappedSize: String(2n * MiB),
@@ -206,7 +206,7 @@ describe('open on the session socket', () => {
     addon.close(byName.fd);
     const byId = await owner.session.open({ id: store.id }, false);
     addon.close(byId.fd);
-    expect(byId.message.store.opens).toBe(2);
+    expect(byId.message.store?.opens).toBe(2);
     // Refusals as Stores.Open gives them, and no descriptor sent.
     await expect(owner.session.open({ name: 'socket-open' }, true)).rejects.toMatchObject({ code: 'STORE_READ_ONLY', status: grpc.status.FAILED_PRECONDITION });
     await expect(owner.session.open({ name: 'nothing-by-this-name' }, false)).rejects.toMatchObject({ code: 'UNKNOWN_STORE', status: grpc.status.NOT_FOUND });
@@ -227,8 +227,8 @@ describe('open on the session socket', () => {
 
   it('refuses an open without a store as NO_STORE', async () => {
     const c = await client();
-    // The raw message, without the library's spelling of the store.
-    await expect((c.session as any).request('opened', { type: 'open' }, 5_000)).rejects.toMatchObject({ code: 'NO_STORE', status: grpc.status.INVALID_ARGUMENT });
+    // The raw frame, without the library's spelling of the store.
+    await expect((c.session as any).request('opened', { open: {} }, 5_000)).rejects.toMatchObject({ code: 'NO_STORE', status: grpc.status.INVALID_ARGUMENT });
   });
 });
 
@@ -245,44 +245,26 @@ describe('malformed requests on the session socket', () => {
 
   afterEach(() => session.close());
 
-  it.each([
-    [{ type: 'release', request: '11', allocation: 7 }, /release: allocation 7 is not a decimal uint64 string/],
-    [{ type: 'release', request: '12' }, /release: allocation undefined is not a decimal uint64 string/],
-    [{ type: 'share', request: '13', allocation: '-1' }, /share: allocation "-1"/],
-    [{ type: 'export', request: '14', allocation: '1', shareKey: 5 }, /export: shareKey must be a string/],
-    [{ type: 'export', request: '15', allocation: '18446744073709551616' }, /export: allocation/],
-    [{ type: 'open', request: '16', store: 'by-name' }, /open: store must be/],
-    [{ type: 'open', request: '17', store: { id: 3 } }, /open: store.id 3 is not a decimal uint64 string/],
-    [{ type: 'open', request: '18', store: { name: 4 } }, /open: store.name must be a string/],
-    [{ type: 'open', request: '19', store: { name: 'x' }, writable: 'yes' }, /open: writable must be true or false/],
-  ])('refuses %j as BAD_MESSAGE naming the request and the rule', async (message, reason) => {
+  it('refuses a request without an id, one with a descriptor attached, and a body only the daemon sends, naming the request', async () => {
     const fds = daemon.openFds();
-    raw.send(Buffer.from(JSON.stringify(message)));
-    expect(await next()).toMatchObject({ type: 'error', code: 'BAD_MESSAGE', request: message.request, message: expect.stringMatching(reason) });
-    expect(daemon.openFds()).toBe(fds);
-  });
-
-  it('refuses a request with a descriptor attached, an unreadable request id, and the answers only the daemon sends', async () => {
-    const fds = daemon.openFds();
+    session.send({ release: { allocationId: '1' } });
+    expect(await next()).toMatchObject({ type: 'error', code: 'BAD_MESSAGE', request: '0', message: expect.stringMatching(/release: the frame's request id must be set/) });
     const fd = addon.hostMemfdCreate('stray', 2n * MiB);
-    raw.send(Buffer.from(JSON.stringify({ type: 'release', request: '21', allocation: '1' })), fd);
+    session.send({ request: '21', release: { allocationId: '1' } }, fd);
     expect(await next()).toMatchObject({ type: 'error', code: 'UNEXPECTED_DESCRIPTOR', request: '21' });
-    raw.send(Buffer.from(JSON.stringify({ type: 'open', request: '22', store: { name: 'x' } })), fd);
+    session.send({ request: '22', open: { store: { name: 'x' } } }, fd);
     expect(await next()).toMatchObject({ type: 'error', code: 'UNEXPECTED_DESCRIPTOR', request: '22' });
     addon.close(fd);
-    raw.send(Buffer.from(JSON.stringify({ type: 'share', request: '007', allocation: '1' })));
-    const unreadable = await next();
-    expect(unreadable).toMatchObject({ type: 'error', code: 'BAD_MESSAGE', message: expect.stringMatching(/share: request "007" is not a decimal uint64 string above 0/) });
-    expect(unreadable).not.toHaveProperty('request');
-    for (const type of ['released', 'shared', 'exported', 'opened']) {
-      raw.send(Buffer.from(JSON.stringify({ type, request: '23' })));
-      expect(await next()).toMatchObject({ type: 'error', code: 'BAD_MESSAGE', request: '23', message: `clients may not send "${type}" messages` });
-    }
-    // A well-formed request the registry refuses: its RPC's status and code, the request named.
-    raw.send(Buffer.from(JSON.stringify({ type: 'release', request: '24', allocation: '424242' })));
+    // A DaemonFrame's error (field 15) sent by a client: no body a ClientFrame has.
+    raw.send(Buffer.from([0x08, 0x17, 0x7a, 0x00]));
+    expect(await next()).toMatchObject({ type: 'error', code: 'BAD_MESSAGE', request: '23', message: expect.stringMatching(/no request this daemon knows/) });
+    // Well-formed requests the service refuses: their RPC's status and code, the request named.
+    session.send({ request: '24', release: { allocationId: '424242' } });
     expect(await next()).toMatchObject({ type: 'error', code: 'UNKNOWN_ALLOCATION', status: grpc.status.NOT_FOUND, request: '24' });
-    raw.send(Buffer.from(JSON.stringify({ type: 'ping', nonce: 'alive' })));
-    expect(await next()).toEqual({ type: 'pong', nonce: 'alive' });
+    session.send({ request: '25', open: { store: { id: '0', name: '' } } });
+    expect(await next()).toMatchObject({ type: 'error', code: 'UNKNOWN_STORE', status: grpc.status.NOT_FOUND, request: '25' });
+    session.send({ request: '26', ping: { nonce: 'alive' } });
+    expect(await next()).toEqual({ type: 'pong', request: '26', nonce: 'alive' });
     expect(daemon.openFds()).toBe(fds);
     expect((await daemon.stats()).allocations).toBe('0');
   });
@@ -302,7 +284,7 @@ describe('the daemon counts socket requests and its own turns', () => {
       const { message, fd } = await c.session.allocate(2n * MiB);
       addon.close(fd);
       await expect(c.session.share('999999')).rejects.toMatchObject({ code: 'UNKNOWN_ALLOCATION' });
-      await c.session.release(message.allocation);
+      await c.session.release(message.allocationId);
       await c.session.ping();
       const stats = await observed.stats();
       expect(Number(stats.eventLoopTurns)).toBeGreaterThan(0);

@@ -11,10 +11,10 @@
  */
 import { connect, VmmdClient } from '../../client';
 import { socketPaths } from '../../common/paths';
-import { decodeMessage, encodeMessage } from '../../common/protocol';
+import { encodeClientFrame, PROTOCOL_VERSION } from '../../common/protocol';
 import { addon } from '../../native';
 import { SeqpacketConnection, SeqpacketMessage } from '../../native/seqpacket';
-import { Peer, TestDaemon } from './harness';
+import { flatFrame, Peer, TestDaemon } from './harness';
 
 const isRoot = process.getuid?.() === 0;
 const NOBODY = 65534;
@@ -32,6 +32,7 @@ jest.setTimeout(120_000);
 /** A session whose socket is never read while the test says so: each answer stays queued, its descriptor in flight. */
 function silentSession(dir: string): { connection: SeqpacketConnection; readAll(): Array<{ type: string; code?: string }> } {
   const connection = SeqpacketConnection.connect(socketPaths(dir).session);
+  connection.send(encodeClientFrame({ hello: { protocol: PROTOCOL_VERSION } }));
   // The first readable callback stops the poller, and nothing reads until readAll.
   connection.scheduleReads(() => undefined);
   return {
@@ -40,7 +41,7 @@ function silentSession(dir: string): { connection: SeqpacketConnection; readAll(
       const messages: Array<{ type: string; code?: string }> = [];
       connection.on('message', (message: SeqpacketMessage) => {
         if (message.fd >= 0) addon.close(message.fd);
-        messages.push(decodeMessage(message.data) as { type: string });
+        messages.push(flatFrame(message.data) as { type: string });
       });
       while (connection.readMessages(1024) === 'more');
       return messages;
@@ -71,7 +72,7 @@ describeAsRoot('descriptors in flight', () => {
     const silent = Array.from({ length: SESSIONS }, () => silentSession(daemon!.dir));
     let request = 1;
     for (const { connection } of silent) {
-      for (let i = 0; i < OPENS; i++) connection.send(encodeMessage({ type: 'open', request: String(request++), store: { name: 'bait' } } as never));
+      for (let i = 0; i < OPENS; i++) connection.send(encodeClientFrame({ request: String(request++), open: { store: { name: 'bait' } } }));
     }
     // Well past the kernel's limit asked for; give the daemon time to answer them all.
     const asked = SESSIONS * OPENS;

@@ -115,7 +115,7 @@ describeGpu('session socket operations on the cuda backend', () => {
     const allocate = async () => {
       const { message, fd } = await c.session.allocate(2n * MiB);
       addon.close(fd);
-      return message.allocation;
+      return message.allocationId;
     };
     const live: string[] = [];
     for (let i = 0; i < 4; i++) live.push(await allocate());
@@ -138,11 +138,11 @@ describeGpu('session socket operations on the cuda backend', () => {
     const b = await c.session.allocate(4n * MiB);
     addon.close(b.fd);
     await expect(c.session.allocate(2n * MiB)).rejects.toMatchObject({ code: 'QUOTA_EXCEEDED' });
-    await c.session.release(a.message.allocation);
+    await c.session.release(a.message.allocationId);
     const again = await c.session.allocate(2n * MiB);
     addon.close(again.fd);
-    await c.session.release(b.message.allocation);
-    await c.session.release(again.message.allocation);
+    await c.session.release(b.message.allocationId);
+    await c.session.release(again.message.allocationId);
     expect(objectsOf(await daemon.stats())).toEqual(before);
   });
 

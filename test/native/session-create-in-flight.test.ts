@@ -14,9 +14,8 @@ import { ClientSession } from '../../client/session';
 import { HostBackend } from '../../server/backends/host';
 import { Quotas } from '../../server/registry/quotas';
 import { Registry } from '../../server/registry';
-import { SessionDispatcher } from '../../server/transport/session/session-dispatcher';
+import { socketDispatcher } from '../unit/socket-dispatcher';
 import { SessionManager } from '../../server/transport/session/sessions';
-import { StoreRegistry } from '../../server/stores/stores';
 import { RecordingBackend } from '../contracts/recording-backend';
 
 const MiB = 1n << 20n;
@@ -42,7 +41,7 @@ it('frees what a session was allocating when its socket closed mid-create, refus
   const sessions = new SessionManager(pino({ level: 'silent' }));
   const quotas = new Quotas({ perUid: 0n, perSession: 6n * MiB }, (session) => sessions.uidOf(session));
   const registry = new Registry(backend, (upstream) => quotas.around(upstream, (handle, device) => backend.memoryIdentity(handle, device)));
-  sessions.listen(path.join(dir, 'session.sock'), new SessionDispatcher({ registry, stores: new StoreRegistry(registry), reclaimers: [] }));
+  sessions.listen(path.join(dir, 'session.sock'), socketDispatcher(registry));
   try {
     expect(memfdDescriptors()).toBe(0);
     const client = await ClientSession.open(path.join(dir, 'session.sock'), 5_000);

@@ -13,7 +13,8 @@ import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import pino from 'pino';
-import { decodeMessage, encodeMessage } from '../../common/protocol';
+import { encodeClientFrame, PROTOCOL_VERSION } from '../../common/protocol';
+import { flatFrame } from '../e2e/harness';
 import { SeqpacketConnection, SeqpacketMessage } from '../../native/seqpacket';
 import { MESSAGES_PER_UID_TURN } from '../../server/transport/session/fair-share';
 import { Answer, Session, SessionManager } from '../../server/transport/session/sessions';
@@ -31,9 +32,13 @@ if (!isRoot) console.warn('not root: the flood cannot run as another uid; the fa
 function flood(socket: string) {
   const script = `
     const { SeqpacketConnection } = require(${JSON.stringify(path.join(DIST, 'native', 'seqpacket.js'))});
-    const ping = Buffer.from(JSON.stringify({ type: 'ping', nonce: 'flood' }));
+    const ping = Buffer.from(${JSON.stringify([...encodeClientFrame({ request: '1', ping: { nonce: 'flood' } })])});
+    const hello = Buffer.from(${JSON.stringify([...encodeClientFrame({ hello: { protocol: PROTOCOL_VERSION } })])});
     const connections = [];
-    for (let i = 0; i < ${FLOOD_SESSIONS}; i++) connections.push(SeqpacketConnection.connect(${JSON.stringify(socket)}));
+    for (let i = 0; i < ${FLOOD_SESSIONS}; i++) {
+      connections.push(SeqpacketConnection.connect(${JSON.stringify(socket)}));
+      connections[i].send(hello);
+    }
     const fill = () => { for (const c of connections) { try { while (c.send(ping)); } catch { process.exit(0); } } };
     fill();
     setInterval(fill, 1);
@@ -54,8 +59,8 @@ describeAsRoot('session turns shared over uids', () => {
     sessions.listen(socket, {
       answer(session: Session, message): Answer {
         if (session.peer.uid === FLOOD_UID) floodAnswered++;
-        else atVictimAnswer.set(String(message.nonce), floodAnswered);
-        return { reply: { type: 'pong', nonce: String(message.nonce) } as never };
+        else atVictimAnswer.set(String(message.ping?.nonce), floodAnswered);
+        return { reply: { request: message.request, pong: { nonce: message.ping?.nonce } } };
       },
       reclaim: async () => undefined,
       methodOf: () => 'Ping',
@@ -69,10 +74,11 @@ describeAsRoot('session turns shared over uids', () => {
         waitForFlood();
       });
       const victim = SeqpacketConnection.connect(socket);
+      victim.send(encodeClientFrame({ hello: { protocol: PROTOCOL_VERSION } }));
       const inbox: Array<{ type: string; nonce?: string }> = [];
       let wake: (() => void) | undefined;
       victim.on('message', (message: SeqpacketMessage) => {
-        inbox.push(decodeMessage(message.data) as { type: string });
+        inbox.push(flatFrame(message.data) as { type: string });
         wake?.();
       });
       const next = async () => {
@@ -83,8 +89,8 @@ describeAsRoot('session turns shared over uids', () => {
       const waited: number[] = [];
       for (let i = 0; i < VICTIM_PINGS; i++) {
         const atSend = floodAnswered;
-        victim.send(encodeMessage({ type: 'ping', nonce: String(i) } as never));
-        expect(await next()).toEqual({ type: 'pong', nonce: String(i) });
+        victim.send(encodeClientFrame({ request: String(i + 1), ping: { nonce: String(i) } }));
+        expect(await next()).toEqual({ type: 'pong', request: String(i + 1), nonce: String(i) });
         waited.push(atVictimAnswer.get(String(i))! - atSend);
       }
       victim.close();

@@ -12,10 +12,10 @@ import { execFileSync } from 'node:child_process';
 import * as fs from 'node:fs';
 import { connect, VmmdClient } from '../../client';
 import { socketPaths } from '../../common/paths';
-import { decodeMessage, encodeMessage } from '../../common/protocol';
+import { encodeClientFrame, PROTOCOL_VERSION } from '../../common/protocol';
 import { addon } from '../../native';
 import { SeqpacketConnection, SeqpacketMessage } from '../../native/seqpacket';
-import { eventually, MiB, objectsOf, Peer, sleep, TestDaemon } from '../e2e/harness';
+import { eventually, flatFrame, MiB, objectsOf, Peer, sleep, TestDaemon } from '../e2e/harness';
 import { figure } from './figures';
 
 const FULL = process.env.VMMD_RELIABILITY === 'full';
@@ -27,12 +27,13 @@ jest.setTimeout(FULL ? 300_000 : 120_000);
 /** A raw session: its greeting (or refusal), and a way to send unclaimed descriptors on it. */
 async function rawSession(dir: string): Promise<{ hello: any; connection: SeqpacketConnection; refusals: string[] }> {
   const connection = SeqpacketConnection.connect(socketPaths(dir).session);
+  connection.send(encodeClientFrame({ hello: { protocol: PROTOCOL_VERSION } }));
   const refusals: string[] = [];
   const hello = await new Promise<any>((resolve) => {
     connection.once('close', () => resolve({ type: 'closed' }));
     connection.on('message', (message: SeqpacketMessage) => {
-      const decoded = decodeMessage(message.data);
-      if (typeof decoded !== 'string' && decoded.type === 'error' && (decoded as { transfer?: string }).transfer !== undefined) {
+      const decoded = flatFrame(message.data);
+      if (typeof decoded !== 'string' && decoded.type === 'error' && decoded.transfer !== '0') {
         refusals.push(decoded.code);
         return;
       }
@@ -56,7 +57,7 @@ function flood(connection: SeqpacketConnection, fd: number, count: number): numb
   let sent = 0;
   for (let i = 1; i <= count; i++) {
     try {
-      if (!connection.send(encodeMessage({ type: 'transfer', transfer: String(i) }), fd)) break;
+      if (!connection.send(encodeClientFrame({ transfer: { id: String(i) } }), fd)) break;
       sent++;
     } catch {
       break;

@@ -4,8 +4,9 @@
  * lists: random and boundary values (0, 1, the granularity, 2^64-1, random
  * uint64s, odd strings, unknown enum numbers, nested messages), unknown ids,
  * with the caller's session, another session's token, a bogus token or none.
- * Then the session socket: random bytes, truncated JSON, oversized frames,
- * messages of every type with bad fields, and descriptors of the wrong kind.
+ * Then the session socket: random bytes, truncated and mistyped protobuf frames, a
+ * JSON frame, oversized frames, frames of every body with hostile values, and
+ * descriptors of the wrong kind.
  * No request may crash the daemon or get INTERNAL or UNKNOWN, and nothing is
  * left behind once the sessions close. Reports its figures.
  * 10,000 RPCs with VMMD_RELIABILITY=full (npm run reliability), 2,000 in CI.
@@ -15,10 +16,10 @@ import fc from 'fast-check';
 import { connect } from '../../client';
 import { loadProtos } from '../../common/proto';
 import { socketPaths } from '../../common/paths';
-import { SESSION_METADATA_KEY } from '../../common/protocol';
+import { encodeClientFrame, PROTOCOL_VERSION, SESSION_METADATA_KEY } from '../../common/protocol';
 import { addon } from '../../native';
 import { SeqpacketConnection, SeqpacketMessage } from '../../native/seqpacket';
-import { eventually, TestDaemon } from '../e2e/harness';
+import { eventually, flatFrame, TestDaemon } from '../e2e/harness';
 import { figure } from './figures';
 
 const FULL = process.env.VMMD_RELIABILITY === 'full';
@@ -157,6 +158,7 @@ it(`answers ${RPCS} hostile RPCs and ${SOCKET_MESSAGES} hostile session messages
     // The session socket: its own hostile peer.
     const socketPath = socketPaths(daemon.dir).session;
     const peer = SeqpacketConnection.connect(socketPath);
+    peer.send(encodeClientFrame({ hello: { protocol: PROTOCOL_VERSION } }));
     const answers: SeqpacketMessage[] = [];
     let peerClosed = false;
     peer.on('message', (received: SeqpacketMessage) => {
@@ -167,9 +169,30 @@ it(`answers ${RPCS} hostile RPCs and ${SOCKET_MESSAGES} hostile session messages
     const frames = fc.sample(
       fc.oneof(
         fc.uint8Array({ maxLength: 200 }).map((bytes) => Buffer.from(bytes)),
-        fc.constantFrom('{', '{"type":', 'null', '[]', '{"type":"transfer"}', '{"type":"allocate","request":"1"}', '{"type":"hello"}', '{"type":"pong"}').map((s) => Buffer.from(s)),
-        fc.record({ type: fc.constantFrom('transfer', 'allocate', 'ping', 'error', 'allocated', 'launch'), transfer: text, request: fc.oneof(u64, text), size: fc.oneof(u64, fc.integer()), location: fc.anything({ maxDepth: 2 }) }, { requiredKeys: ['type'] }).map((object) => Buffer.from(JSON.stringify(object))),
-        fc.constant(Buffer.alloc(9000, 0x7b)),
+        // Truncated and mistyped frames, a JSON frame of protocol 1, a second hello, a daemon's error and an unknown body.
+        fc.constantFrom([0x12, 0x05, 0x01], [0x08, 0xff], [0x2a], [0x7b, 0x22], [0x12, 0x02, 0x08, 0x02], [0x7a, 0x00], [0x62, 0x00], [0x0a, 0x03, 0x01, 0x02, 0x03]).map((bytes) => Buffer.from(bytes)),
+        // Well-formed frames with hostile values: every request, ids of 0 and 2^64-1, unknown enum values, long strings.
+        fc
+          .record({
+            request: fc.oneof(u64, fc.constant('0')),
+            body: fc.constantFrom('transfer', 'allocate', 'release', 'share', 'export', 'open', 'ping'),
+            id: u64,
+            kind: fc.integer({ min: 0, max: 9 }),
+            name: text,
+          })
+          .map(({ request, body, id, kind, name }) =>
+            encodeClientFrame({
+              request,
+              transfer: body === 'transfer' ? { id } : undefined,
+              allocate: body === 'allocate' ? { size: id, location: { type: kind as never, id: kind, deviceUuid: name }, handleType: kind as never } : undefined,
+              release: body === 'release' ? { allocationId: id } : undefined,
+              share: body === 'share' ? { allocationId: id } : undefined,
+              export: body === 'export' ? { allocationId: id, shareKey: name, handleType: kind as never } : undefined,
+              open: body === 'open' ? { store: { id, name }, writable: kind % 2 === 0 } : undefined,
+              ping: body === 'ping' ? { nonce: name } : undefined,
+            }),
+          ),
+        fc.constant(Buffer.alloc(9000, 0x08)),
       ),
       { numRuns: SOCKET_MESSAGES, seed: 7 },
     );
@@ -192,11 +215,11 @@ it(`answers ${RPCS} hostile RPCs and ${SOCKET_MESSAGES} hostile session messages
     }
     // Frames are handled in order: the pong to a last ping means every frame before it was. The ping is sent
     // again while the socket is full (frames the daemon could not take yet are the flood's, not lost answers).
-    const ponged = () => answers.some((answer) => answer.data.toString().includes('"nonce":"last"'));
+    const ponged = () => answers.some((answer) => flatFrame(answer.data).nonce === 'last');
     await eventually(
       async () => {
         if (peerClosed || ponged()) return true;
-        peer.send(Buffer.from('{"type":"ping","nonce":"last"}'), -1);
+        peer.send(encodeClientFrame({ request: '1', ping: { nonce: 'last' } }), -1);
         await new Promise((resolve) => setTimeout(resolve, 200));
         return ponged() ? true : undefined;
       },

@@ -6,12 +6,10 @@
 import pino from 'pino';
 import { type ClientFrame, type ClientFrame__Output, decodeClientFrame, encodeClientFrame } from '../../common/protocol';
 import { Registry } from '../../server/registry';
-import { FREE_RETRY_MS, SessionDispatcher, type DispatcherDeps } from '../../server/transport/session/session-dispatcher';
+import { FREE_RETRY_MS } from '../../server/transport/session/session-dispatcher';
 import { StoreRegistry } from '../../server/stores/stores';
-import type { Session, SessionManager } from '../../server/transport/session/sessions';
-import type { StagingBuffers } from '../../server/stores/staging';
-import { VirtualMemoryService } from '../../server/transport/grpc/services/virtual-memory';
-import { StoresService } from '../../server/transport/grpc/services/stores';
+import type { Session } from '../../server/transport/session/sessions';
+import { socketDispatcher } from './socket-dispatcher';
 import { RecordingBackend } from '../contracts/recording-backend';
 import { FakeBackend, GRANULARITY } from './fake-backend';
 
@@ -22,23 +20,7 @@ const session = { id: 7n, log, peer: { pid: 1, uid: 1000, gid: 1000 }, checkDesc
 /** A frame as the transport hands it over: decoded from its bytes. */
 const frame = (value: ClientFrame) => decodeClientFrame(encodeClientFrame(value)) as ClientFrame__Output;
 
-/** The dispatcher over the RPCs' own service methods, as daemon.ts wires it. */
-function dispatcherOf(registry: Registry, extra: Partial<DispatcherDeps> = {}, stores = new StoreRegistry(registry)) {
-  const vmm = new VirtualMemoryService(registry, {} as SessionManager, {} as StagingBuffers);
-  const storesService = new StoresService(registry, stores, {} as SessionManager);
-  return new SessionDispatcher({
-    registry,
-    methods: {
-      allocate: (request, context) => vmm.allocate(request, context),
-      release: (request, context) => vmm.release(request, context),
-      share: (request, context) => vmm.share(request, context),
-      export: (request, context) => vmm.export(request, context),
-      open: (request, context) => storesService.open(request, context),
-    },
-    reclaimers: [],
-    ...extra,
-  });
-}
+const dispatcherOf = socketDispatcher;
 
 function setup() {
   const backend = new FakeBackend();

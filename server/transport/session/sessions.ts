@@ -323,7 +323,8 @@ export class SessionManager {
     }
     if (raw.truncated) return this.refuse(session, raw.fd, 'MESSAGE_TOO_LARGE', 'the message is longer than 4096 bytes');
     if (raw.extraFds > 0) return this.refuse(session, raw.fd, 'TOO_MANY_DESCRIPTORS', `a message may carry one descriptor, not ${raw.extraFds + 1}`);
-    if (isProtocol1(raw.data)) {
+    // Before its hello a JSON frame is a client of protocol 1, told so in its own JSON; after it, a bad frame.
+    if (!session.greeted && isProtocol1(raw.data)) {
       if (raw.fd >= 0) addon.close(raw.fd);
       return this.refuseProtocol1(session, 'this client sent a JSON frame');
     }
