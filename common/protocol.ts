@@ -39,6 +39,9 @@ const CLIENT_FRAME = root.lookupType('vmmd.v1.ClientFrame');
 const DAEMON_FRAME = root.lookupType('vmmd.v1.DaemonFrame');
 const TO_OBJECT: protobuf.IConversionOptions = { longs: String, enums: String, defaults: true, oneofs: true };
 
+// protobufjs writes each type's encoder and decoder on first use: done here, at load, not in a client's first request.
+for (const nested of (root.lookup('vmmd.v1') as protobuf.Namespace).nestedArray) if (nested instanceof protobuf.Type) nested.setup();
+
 function encode(type: protobuf.Type, frame: object): Buffer {
   const bytes = type.encode(type.fromObject(frame)).finish();
   return Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength);

@@ -300,7 +300,7 @@ describe('the daemon counts socket requests and its own turns', () => {
         expect(Number(stats.eventLoopTurnCpuMaxUs)).toBeLessThanOrEqual(Number(stats.eventLoopTurnMaxUs) * 1.1 + 100);
         expect(['session', 'grpc', 'completion']).toContain(stats.eventLoopTurnCpuMaxKind);
         // What it was: a session message's type, a gRPC method or a backend call, after the kind.
-        expect(stats.eventLoopTurnCpuMaxWhat).toMatch(/^(session (allocate|share|release|ping)|grpc \w+|completion \w+)( \(\+\d+ entr(y|ies) inside it\))?$/);
+        expect(stats.eventLoopTurnCpuMaxWhat).toMatch(/^(session (hello|allocate|share|release|ping)|grpc \w+|completion \w+)( \(\+\d+ entr(y|ies) inside it\))?$/);
         expect(stats.eventLoopTurnCpuMaxWhat.startsWith(stats.eventLoopTurnCpuMaxKind)).toBe(true);
       } else {
         expect(stats).toMatchObject({ eventLoopTurnCpuMaxUs: '0', eventLoopTurnCpuP99Us: '0', eventLoopTurnCpuMaxKind: '', eventLoopTurnCpuMaxWhat: '' });

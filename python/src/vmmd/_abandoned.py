@@ -9,6 +9,7 @@ import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from . import _frames
 from ._locks import Flag, guarded, release_if_held
 from .errors import VmmdError
 
@@ -16,15 +17,13 @@ from .errors import VmmdError
 Orphan = Tuple[str, str]
 
 
-def orphan_of(message: Optional[Dict[str, Any]]) -> Optional[Orphan]:
-    """What an answer made that its caller would have owned: an allocation, or an open of a store."""
-    if not isinstance(message, dict):
-        return None
-    if message.get("type") == "allocated" and isinstance(message.get("allocation"), str):
-        return ("release", message["allocation"])
-    store = message.get("store")
-    if message.get("type") == "opened" and isinstance(store, dict) and store.get("id") is not None:
-        return ("close", str(store["id"]))
+def orphan_of(frame: Any) -> Optional[Orphan]:
+    """What an answer (a DaemonFrame) made that its caller would have owned: an allocation, or an open of a store."""
+    kind = None if frame is None else frame.WhichOneof("body")
+    if kind == "allocated":
+        return ("release", str(frame.allocated.allocation_id))
+    if kind == "opened":
+        return ("close", str(frame.opened.store.id))
     return None
 
 
@@ -35,18 +34,19 @@ class Pending:
 
     def __init__(self, orphans: List[Orphan]) -> None:
         self.event = Flag()
-        self.message: Optional[Dict[str, Any]] = None
+        # The answering DaemonFrame.
+        self.message: Any = None
         self.fd = -1
         self.error: Optional[VmmdError] = None
         # Its caller gave up (an interrupt, a timeout): the answer, when it comes, is released by the session.
         self.abandoned = False
         self._orphans = orphans
 
-    def take(self) -> Tuple[Dict[str, Any], int]:
-        """The answer and its descriptor, now the caller's (no longer this record's to release)."""
+    def take(self) -> Tuple[Any, int]:
+        """The answer's body (the RPC's response message) and its descriptor, now the caller's (no longer this record's to release)."""
         message, fd, self.message, self.fd = self.message, self.fd, None, -1
         assert message is not None
-        return message, fd
+        return getattr(message, message.WhichOneof("body")), fd
 
     def release(self) -> None:
         """Lets go of an answer nobody will take: its descriptor is closed and
@@ -126,7 +126,7 @@ class AbandonedAnswers:
                 with guarded(self._lock):
                     self._requests[f"request:{request}"] = pending
                 try:
-                    self._send({"type": "release", "allocation": ident, "request": request}, deadline=time.monotonic())
+                    self._send(_frames.ClientFrame(request=int(request), release={"allocation_id": int(ident)}), deadline=time.monotonic())
                 except VmmdError:
                     with guarded(self._lock):
                         self._requests.pop(f"request:{request}", None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
+from . import _proto
 from ._abandoned import Pending
 from ._values import allocation_id, deadline_of, left_until
 from .errors import STATUS, VmmdError
@@ -26,7 +27,7 @@ class BatchedReleases:
     _check_process: Callable[[], None]
     _release_orphans: Callable[[], None]
 
-    def release_many(self, allocations: List[int], timeout: Optional[float] = 30.0) -> List[Union[Dict[str, Any], VmmdError]]:
+    def release_many(self, allocations: List[int], timeout: Optional[float] = 30.0) -> List[Union[Any, VmmdError]]:
         """Releases several allocations in one round trip: every request is
         sent before any answer is waited for. Returns, in order, each answer
         (as release()'s) or the VmmdError that refused it; a refusal does not
@@ -42,14 +43,13 @@ class BatchedReleases:
         registered: List[Tuple[str, Pending]] = []
         tail: List[VmmdError] = []
         failure: Optional[VmmdError] = None
-        results: List[Union[Dict[str, Any], VmmdError]] = []
+        results: List[Union[Any, VmmdError]] = []
 
         def collect(request: str, pending: Pending) -> None:
             nonlocal failure
             try:
                 self._await(request, pending, left_until(deadline), "release", limit=timeout)
-                assert pending.message is not None
-                results.append(pending.message)
+                results.append(pending.take()[0])
             except VmmdError as error:
                 if error.code in ("NO_ANSWER", "SESSION_LOST"):
                     failure = failure or error
@@ -69,7 +69,7 @@ class BatchedReleases:
                     tail = [unsent] * (len(ids) - index)
                     break
                 try:
-                    sent.append(self._send_request({"type": "release", "allocation": allocation}, "request", registered, deadline))
+                    sent.append(self._send_request("release", _proto.message("ReleaseRequest")(allocation_id=int(allocation)), registered, deadline))
                 except VmmdError as error:
                     failure = failure or error
                     break

@@ -1,24 +1,26 @@
-"""Opening a session: connect to the daemon's session socket and take its
-greeting (docs/PROTOCOL.md): the session id, its token, the backend."""
+"""Opening a session: connect to the daemon's session socket, say hello (the
+protocol this client speaks) and take the daemon's answer (docs/PROTOCOL.md):
+the session id, its token, what the daemon can do."""
 from __future__ import annotations
 
-import json
 import os
 import socket
-from typing import Any, Dict, Tuple
+from typing import Any, Tuple
 
+from . import _frames
 from ._reading import recv_message
 from .paths import where_else
 from .errors import STATUS, VmmdError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = _frames.PROTOCOL_VERSION
 
 
-def greet(path: str, timeout: float) -> Tuple[socket.socket, Dict[str, Any]]:
-    """The connected socket and the daemon's hello.
+def greet(path: str, timeout: float) -> Tuple[socket.socket, Any]:
+    """The connected socket and the daemon's HelloResponse.
 
     Raises VmmdError UNAVAILABLE DAEMON_UNREACHABLE, DEADLINE_EXCEEDED NO_GREETING,
-    PERMISSION_DENIED (the daemon refused the session), UNAVAILABLE BAD_GREETING."""
+    PERMISSION_DENIED (the daemon refused the session), FAILED_PRECONDITION
+    PROTOCOL_VERSION (a daemon of another session protocol), UNAVAILABLE BAD_GREETING."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         sock.connect(path)
@@ -27,6 +29,7 @@ def greet(path: str, timeout: float) -> Tuple[socket.socket, Dict[str, Any]]:
         raise VmmdError("DAEMON_UNREACHABLE", STATUS["UNAVAILABLE"], f"cannot reach vmmd at {path}: {error.strerror or error}; {where_else(os.path.dirname(path))}") from None
     sock.settimeout(timeout)
     try:
+        sock.send(_frames.encode(hello={"protocol": PROTOCOL_VERSION}))
         data, fds = recv_message(sock)
     except socket.timeout:
         sock.close()
@@ -39,16 +42,18 @@ def greet(path: str, timeout: float) -> Tuple[socket.socket, Dict[str, Any]]:
     if not data:
         sock.close()
         raise VmmdError("DAEMON_UNREACHABLE", STATUS["UNAVAILABLE"], f"vmmd at {path} closed the session socket")
-    try:
-        hello = json.loads(data.decode("utf-8"))
-    except ValueError:
-        hello = None
-    if isinstance(hello, dict) and hello.get("type") == "error":
+    if _frames.is_protocol1(data):
+        # A daemon of protocol 1 speaks first, in JSON.
         sock.close()
-        raise VmmdError(str(hello.get("code")), STATUS["PERMISSION_DENIED"], f"vmmd refused the session: {hello.get('message')}")
-    if not isinstance(hello, dict) or hello.get("type") != "hello" or hello.get("protocol") != PROTOCOL_VERSION:
+        raise VmmdError("PROTOCOL_VERSION", STATUS["FAILED_PRECONDITION"], f"vmmd at {path} speaks session protocol 1; this client speaks {PROTOCOL_VERSION}: upgrade the daemon")
+    frame = _frames.decode(data)
+    kind = _frames.body_of(frame)
+    if kind == "error":
         sock.close()
-        raise VmmdError("BAD_GREETING", STATUS["UNAVAILABLE"], f"vmmd at {path} greeted with an unexpected message")
+        status = frame.error.status if 0 < frame.error.status <= 16 else STATUS["PERMISSION_DENIED"]
+        raise VmmdError(frame.error.code, status, f"vmmd refused the session: {frame.error.message}")
+    if kind != "hello" or frame.hello.protocol != PROTOCOL_VERSION:
+        sock.close()
+        raise VmmdError("BAD_GREETING", STATUS["UNAVAILABLE"], f"vmmd at {path} greeted with an unexpected frame")
     sock.settimeout(None)
-    return sock, hello
-
+    return sock, frame.hello

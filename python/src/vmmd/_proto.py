@@ -42,6 +42,12 @@ def enum_value(enum: str, name: str) -> int:
     return _pool.FindEnumTypeByName(f"{PACKAGE}.{enum}").values_by_name[name].number
 
 
+def enum_name(enum: str, number: int) -> str:
+    """The name of vmmd.v1.`enum`'s value `number`; the number as text for one this package does not know."""
+    value = _pool.FindEnumTypeByName(f"{PACKAGE}.{enum}").values_by_number.get(number)
+    return str(number) if value is None else value.name
+
+
 def methods(service: str) -> Dict[str, Any]:
     """The methods of vmmd.v1.`service` by name (their descriptors)."""
     return {m.name: m for m in _pool.FindServiceByName(f"{PACKAGE}.{service}").methods}

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import array
 import errno
-import json
 import os
 import select
 import socket
@@ -33,6 +32,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from . import _frames
 from ._locks import guarded
 
 MAX_MESSAGE_BYTES = 4096
@@ -64,18 +64,6 @@ def recv_message(sock: socket.socket, flags: int = 0) -> Tuple[bytes, List[int]]
     return data, list(fds)
 
 
-def answer_key(message: Any, answers: Tuple[str, ...]) -> Optional[str]:
-    """The key of the request a message answers ("request:N", "nonce:N"), or None."""
-    if not isinstance(message, dict):
-        return None
-    kind = message.get("type")
-    if (kind in answers or kind == "error") and message.get("request") is not None:
-        return f"request:{message['request']}"
-    if kind == "pong" and message.get("nonce") is not None:
-        return f"nonce:{message['nonce']}"
-    return None
-
-
 def _gone(error: OSError) -> bool:
     return isinstance(error, ConnectionError) or error.errno in _GONE
 
@@ -90,16 +78,14 @@ class SocketReading:
         self,
         sock: socket.socket,
         lock: threading.Condition,
-        dispatch: Callable[[bytes, List[int], Optional[Dict[str, Any]]], None],
-        answers: Tuple[str, ...],
+        dispatch: Callable[[bytes, List[int], Optional[Any]], None],
         busy_poll_us: int,
         carrying: Tuple[str, ...] = (),
     ) -> None:
         self._sock = sock
         self._lock = lock
         self._dispatch = dispatch
-        self._answers = answers
-        # The types of message that carry a descriptor: left to the reader thread by the main thread.
+        # The frames' bodies that carry a descriptor: left to the reader thread by the main thread.
         self._carrying = carrying
         self.busy_poll_s = busy_poll_us / 1e6
         # Invariant: the thread that reads the socket (its ident), else None, and how many of its takes
@@ -230,20 +216,19 @@ class SocketReading:
         while until is None or not until.is_set():
             if deadline is not None and time.monotonic() >= deadline:
                 return ANSWERED
-            parsed: Optional[Dict[str, Any]] = None
+            parsed: Optional[Any] = None
             try:
                 if only is not None or spare:
                     head = self._sock.recv(MAX_MESSAGE_BYTES * 2, socket.MSG_PEEK | socket.MSG_DONTWAIT)
                     if not head:
                         self.ended = True
                         return ENDED
-                    try:
-                        parsed = json.loads(head.decode("utf-8"))
-                    except Exception:  # a bad message: the reader thread drops it
+                    parsed = _frames.decode(head)
+                    if parsed is None:  # a bad frame: the reader thread drops it
                         return YIELDED
-                    if only is not None and answer_key(parsed, self._answers) != only:
+                    if only is not None and _frames.answer_key(parsed) != only:
                         return YIELDED
-                    if spare and isinstance(parsed, dict) and parsed.get("type") in self._carrying:
+                    if spare and _frames.body_of(parsed) in self._carrying:
                         return YIELDED
                 data, fds = recv_message(self._sock, socket.MSG_DONTWAIT)
             except BlockingIOError:

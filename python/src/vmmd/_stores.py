@@ -6,8 +6,6 @@ import mmap
 import os
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
-from google.protobuf import json_format
-
 from . import _proto
 from ._rpc import STREAM_CHUNK_BYTES, Message, Request, _Service, sealed_memfd
 from .errors import STATUS, VmmdError
@@ -108,12 +106,7 @@ class StoresApi:
         seconds = self._service.seconds(timeout)
         if not self._session.closed:
             # The session socket: the descriptor comes with the answer, one round trip.
-            answer, fd = self._session.open_store(_store_ref(store), writable, seconds)
-            try:
-                opened = json_format.ParseDict(answer, _proto.message("OpenResponse")(), ignore_unknown_fields=True)
-            except BaseException:
-                os.close(fd)
-                raise
+            opened, fd = self._session.open_store(_store_ref(store), writable, seconds)
             info = opened.store
         else:
             opened = self._service.unary("Open", store=_store_ref(store), writable=writable, timeout=seconds)

@@ -1,5 +1,5 @@
 """The VirtualMemory service, and mapping memory of the daemon here: one
-round trip on the session socket where it can, the RPC where it cannot."""
+round trip on the session socket while the session is open, the RPC after."""
 from __future__ import annotations
 
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
@@ -11,39 +11,6 @@ from .errors import STATUS, VmmdError
 from .memory import CudaImportedMemory, HostImportedMemory, ImportedMemory
 from ._reading import close_fd
 from .session import ClientSession, allocation_id
-
-_LOCATIONS = {"DEVICE": "LOCATION_TYPE_DEVICE", "HOST_NUMA": "LOCATION_TYPE_HOST_NUMA", "HOST": "LOCATION_TYPE_HOST"}
-
-
-def _location_message(location: Any) -> Optional[Dict[str, Any]]:
-    """A CreateRequest's location as the session socket's allocate message
-    names it; None when it cannot (by UUID, HOST), and the RPC takes it."""
-    if location is None:
-        return {}
-    if isinstance(location, Mapping):
-        if location.get("device_uuid"):
-            return None
-        kind = location.get("type", "LOCATION_TYPE_DEVICE")
-        ident = int(location.get("id", 0))
-    else:
-        if getattr(location, "device_uuid", ""):
-            return None
-        kind, ident = location.type, int(location.id)
-    if isinstance(kind, int):
-        kind = {0: "LOCATION_TYPE_DEVICE", 1: "LOCATION_TYPE_DEVICE", 2: "LOCATION_TYPE_HOST", 3: "LOCATION_TYPE_HOST_NUMA"}.get(kind, "?")
-    if kind in ("LOCATION_TYPE_DEVICE", "LOCATION_TYPE_UNSPECIFIED", "DEVICE"):
-        return {"type": "DEVICE", "id": ident}
-    if kind in ("LOCATION_TYPE_HOST_NUMA", "HOST_NUMA"):
-        return {"type": "HOST_NUMA", "id": ident}
-    return None
-
-
-def _release_response(answer: Dict[str, Any]) -> Message:
-    """A session-socket `released` answer as the Release RPC's ReleaseResponse."""
-    return _proto.message("ReleaseResponse")(
-        freed=bool(answer["freed"]), handle_references=int(answer["handleReferences"]), mapping_count=int(answer["mappingCount"])
-    )
-
 
 class VirtualMemoryApi:
     """The VirtualMemory service, and mapping exported memory here."""
@@ -74,7 +41,7 @@ class VirtualMemoryApi:
         message = self._service._request("Release", request, fields)
         if self._session.closed:
             return self._service.unary("Release", message, timeout=timeout)
-        return _release_response(self._session.release(int(message.allocation_id), self._service.seconds(timeout)))
+        return self._session.release(int(message.allocation_id), self._service.seconds(timeout))
 
     def release_many(self, allocation_ids: List[int], timeout: Optional[float] = None) -> List[Union[Message, VmmdError]]:
         """Releases several allocations: on the session socket in one round
@@ -86,7 +53,7 @@ class VirtualMemoryApi:
         if not self._session.closed:
             # The session checks every id before it sends any.
             answers = self._session.release_many(list(allocation_ids), self._service.seconds(timeout))
-            return [answer if isinstance(answer, VmmdError) else _release_response(answer) for answer in answers]
+            return list(answers)
         ids = [int(allocation_id(allocation)) for allocation in allocation_ids]
         results: List[Union[Message, VmmdError]] = []
         for allocation in ids:
@@ -157,26 +124,16 @@ class VirtualMemoryApi:
         seconds = self._service.seconds(timeout)
         if not self._session.closed:
             # The session socket: the descriptor comes with the answer, one round trip.
-            answer, fd = self._session.export(int(allocation_id), share_key, seconds)
+            # The session socket: the descriptor comes with the answer, one round trip.
+            exported, fd = self._session.export(int(allocation_id), share_key, seconds)
             owner = [fd]
-            try:
-                loc = answer.get("location") or {}
-                return self._map_descriptor(
-                    int(answer["allocation"]), owner, int(answer["size"]), int(answer["granularity"]), int(answer.get("device", 0)), str(answer.get("deviceUuid", "")),
-                    _LOCATIONS.get(loc.get("type", "DEVICE"), "LOCATION_TYPE_DEVICE"), int(loc.get("id", 0)), read_only, host_access,
-                )
-            finally:
-                close_fd(owner[0])  # (-1 once the mapping took it)
-        exported = self.export(allocation_id=int(allocation_id), share_key=share_key, handle_type="HANDLE_TYPE_POSIX_FD", timeout=seconds)
-        owner = [self._session.take_transfer(exported.transfer_id, seconds)]
+        else:
+            exported = self.export(allocation_id=int(allocation_id), share_key=share_key, handle_type="HANDLE_TYPE_POSIX_FD", timeout=seconds)
+            owner = [self._session.take_transfer(exported.transfer_id, seconds)]
         try:
-            location = exported.location
-            return self._map_descriptor(
-                int(exported.allocation_id), owner, int(exported.size), int(exported.granularity), int(exported.device), exported.device_uuid,
-                _proto_location_type(location), int(location.id), read_only, host_access,
-            )
+            return self._map_export(exported, owner, read_only, host_access)
         finally:
-            close_fd(owner[0])
+            close_fd(owner[0])  # (-1 once the mapping took it)
 
     def allocate(self, size: int, location: Any = None, host_access: bool = False, timeout: Optional[float] = None) -> ImportedMemory:
         """A new allocation, owned by this session and mapped into this
@@ -186,33 +143,28 @@ class VirtualMemoryApi:
         it leaves nothing: what the daemon made for it is released.
         Raises VmmdError from Create (OUT_OF_MEMORY, NOT_ALIGNED…), NO_CUDA, LOCAL_MAP_FAILED; VmmdTimeoutError past `timeout`."""
         seconds = self._service.seconds(timeout)
-        on_socket = _location_message(location)
-        if on_socket is not None:
-            answer, fd = self._session.allocate(size, on_socket or None, seconds)
+        if not self._session.closed:
+            response, fd = self._session.allocate(size, location, seconds)
             # Owned from here by `owner` (until the mapping takes it) and by the except below: no gap before the try.
             owner = [fd]
-            try:
-                loc = answer.get("location") or {}
-                return self._map_descriptor(
-                    int(answer["allocation"]), owner, int(answer["size"]), int(answer["granularity"]), int(answer.get("device", 0)), str(answer.get("deviceUuid", "")),
-                    _LOCATIONS.get(loc.get("type", "DEVICE"), "LOCATION_TYPE_DEVICE"), int(loc.get("id", 0)), False, host_access,
-                )
-            except BaseException as error:
-                close_fd(owner[0])
-                self._give_back(str(answer["allocation"]), error)
-                raise
-        response = self.allocate_raw(size=size, location=location, timeout=seconds)
-        owner = [-1]
+        else:
+            response = self.allocate_raw(size=size, location=location, timeout=seconds)
+            owner = [-1]
         try:
-            owner[0] = self._session.take_transfer(response.transfer_id, seconds)
-            return self._map_descriptor(
-                int(response.allocation_id), owner, int(response.size), int(response.granularity), int(response.device), response.device_uuid,
-                _proto_location_type(response.location), int(response.location.id), False, host_access,
-            )
+            if owner[0] < 0:
+                owner[0] = self._session.take_transfer(response.transfer_id, seconds)
+            return self._map_export(response, owner, False, host_access)
         except BaseException as error:
             close_fd(owner[0])
             self._give_back(str(response.allocation_id), error)
             raise
+
+    def _map_export(self, exported: Any, owner: List[int], read_only: bool, host_access: bool) -> ImportedMemory:
+        """Maps the descriptor in `owner` of an ExportResponse (the Export or Allocate RPC's, or the session socket's)."""
+        return self._map_descriptor(
+            int(exported.allocation_id), owner, int(exported.size), int(exported.granularity), int(exported.device), exported.device_uuid,
+            _proto_location_type(exported.location), int(exported.location.id), read_only, host_access,
+        )
 
     def _give_back(self, allocation: str, error: BaseException) -> None:
         """Releases an allocation its caller will not get: at once after a

@@ -90,8 +90,8 @@ class VmmdClient:
         metadata = lambda: [(SESSION_METADATA_KEY, session.token)]  # noqa: E731
         self.devices = DevicesApi(_Service(channel, "Devices", metadata, deadline))
         self.admin = AdminApi(_Service(channel, "Admin", metadata, deadline))
-        # The hello names the backend; a daemon whose hello does not is asked (an RPC: the channel's first connection).
-        self.backend: str = session.backend if session.backend is not None else self.devices.list_devices().backend
+        # How to map the daemon's descriptors is a capability its hello states: memfds ("host") or CUDA handles ("cuda").
+        self.backend: str = _descriptor_kind(session)
         self.vmm = VirtualMemoryApi(_Service(channel, "VirtualMemory", metadata, deadline), session, self.backend, staging_bytes)
         self.stores = StoresApi(_Service(channel, "Stores", metadata, deadline), session, self.backend)
         self._options = (deadline, staging_bytes, busy_poll_us)
@@ -135,6 +135,17 @@ class VmmdClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _descriptor_kind(session: ClientSession) -> str:
+    """How the daemon's descriptors are mapped, from its capabilities: "cuda" (CUDA handles) or "host" (memfds).
+    Raises VmmdError UNIMPLEMENTED UNKNOWN_BACKEND for a daemon whose descriptors are of neither kind."""
+    if "CAPABILITY_CUDA_DESCRIPTORS" in session.capabilities:
+        return "cuda"
+    if "CAPABILITY_MEMFD_DESCRIPTORS" in session.capabilities:
+        return "host"
+    held = ", ".join(sorted(session.capabilities)) or "none"
+    raise VmmdError("UNKNOWN_BACKEND", STATUS["UNIMPLEMENTED"], f"the daemon's descriptors are of no kind this client maps (its capabilities: {held}); this client maps memfds and CUDA handles")
 
 
 def _weakly(method: Callable[[], None]) -> Callable[[], None]:

@@ -1,10 +1,10 @@
-"""The client's side of the session socket (docs/PROTOCOL.md): the greeting
-with the session token, the inbox of descriptors the daemon sent by transfer
-id, descriptors sent to the daemon, and the requests on the socket (allocate,
-release, share, export, open, ping)."""
+"""The client's side of the session socket (docs/PROTOCOL.md, session.proto):
+the greeting with the session token, the inbox of descriptors the daemon sent
+by transfer id, descriptors sent to the daemon, and the requests on the socket
+(allocate, release, share, export, open, ping), which return the RPCs' own
+response messages."""
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
@@ -12,12 +12,12 @@ import time
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import _fork
+from . import _fork, _frames, _proto
 from ._abandoned import AbandonedAnswers, Orphan, Pending, orphan_of
 from ._batch import BatchedReleases
 from ._greeting import greet
 from ._locks import condition, guarded, mutex
-from ._reading import ENDED, YIELDED, SocketReading, answer_key
+from ._reading import ENDED, YIELDED, SocketReading
 from ._declared import DEFAULT_TRANSFER_WAIT_MS
 from ._reading import close_fd as _close
 from ._sending import send_message
@@ -31,13 +31,18 @@ UNCLAIMED_TRANSFER_S = 30.0
 # A main thread that leaves the socket to the reader thread at its deadline waits this much longer for it.
 YIELD_GRACE_S = 0.005
 
-# Answers to request messages, and those that carry a descriptor.
-_ANSWERS = ("allocated", "released", "shared", "exported", "opened")
-_WITH_DESCRIPTOR = ("allocated", "exported", "opened")
+_WITH_DESCRIPTOR = _frames.WITH_DESCRIPTOR
 
 
 # How long a send with no timeout of its own (send_descriptor) waits for the daemon to read.
 SEND_WAIT_S = 30.0
+
+
+_PING = _proto.message("Ping")()
+
+
+def _release_request(allocation: int) -> Any:
+    return _proto.message("ReleaseRequest")(allocation_id=int(u64(allocation, "allocation")))
 
 
 def _SOCKET_BUSY() -> VmmdError:
@@ -61,15 +66,15 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
     answer) or the reader thread.
     """
 
-    def __init__(self, sock: socket.socket, hello: Dict[str, Any], busy_poll_us: int = DEFAULT_BUSY_POLL_US) -> None:
+    def __init__(self, sock: socket.socket, hello: Any, busy_poll_us: int = DEFAULT_BUSY_POLL_US) -> None:
         self._sock = sock
-        self.id: str = str(hello["session"])
-        self.token: str = str(hello["token"])
-        self.pid: int = int(hello.get("pid", 0))
-        # The daemon's backend ("host", "cuda") when its hello names it (daemons before it do not).
-        backend = hello.get("backend")
-        self.backend: Optional[str] = backend if isinstance(backend, str) and backend != "" else None
-        self.on_daemon_error: List[Callable[[Dict[str, Any]], None]] = []
+        self.id: str = str(hello.session)
+        self.token: str = str(hello.token)
+        self.pid: int = int(hello.pid)
+        # What the daemon can do (session.proto's Capability names): asked, instead of a backend's name.
+        self.capabilities: frozenset = frozenset(_proto.enum_name("Capability", number) for number in hello.capabilities)
+        # Callbacks get the daemon's SessionError (code, message, status).
+        self.on_daemon_error: List[Callable[[Any], None]] = []
         self.on_close: List[Callable[[], None]] = []
         # Both locks are taken through guarded() only: an interrupt anywhere leaves them free.
         self._lock = condition()
@@ -87,7 +92,7 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
         # Set in a child forked while this session was open: the socket is its parent's (see _check_process).
         self._forked = False
         self._pid = os.getpid()
-        self._reading = SocketReading(sock, self._lock, self._dispatch, _ANSWERS, busy_poll_us, ("transfer",) + _WITH_DESCRIPTOR)
+        self._reading = SocketReading(sock, self._lock, self._dispatch, busy_poll_us, ("transfer",) + _WITH_DESCRIPTOR)
         self._reader = threading.Thread(target=self._read_loop, name=f"vmmd-session-{self.id}", daemon=True)
         self._reader.start()
         _fork.track(self)
@@ -150,68 +155,63 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
         with self._sending(deadline):
             transfer = str(self._next_transfer)
             self._next_transfer += 1
-            self._send({"type": "transfer", "transfer": transfer}, fd, deadline)
+            self._send(_frames.ClientFrame(transfer={"id": int(transfer)}), fd, deadline)
             return transfer
 
     # -- requests ----------------------------------------------------------
 
-    def allocate(self, size: int, location: Optional[Dict[str, Any]] = None, timeout: Optional[float] = 30.0) -> Tuple[Dict[str, Any], int]:
+    def allocate(self, size: int, location: Any = None, timeout: Optional[float] = 30.0) -> Tuple[Any, int]:
         """Allocate on the session socket: a new allocation of this session
-        and its descriptor (the caller owns it), in one round trip.
+        and its descriptor (the caller owns it), in one round trip. `location`:
+        CreateRequest's (a Location, or a dict of its fields; None: device 0).
+        Returns the Allocate RPC's ExportResponse (transfer_id 0: the descriptor came with it).
 
         Raises VmmdError as the Allocate RPC (OUT_OF_MEMORY, NOT_ALIGNED…),
         DEADLINE_EXCEEDED NO_ANSWER, UNAVAILABLE SESSION_LOST."""
         if not isinstance(size, int) or isinstance(size, bool) or size < 0 or size >= 1 << 64:
             raise VmmdError("BAD_SIZE", STATUS["INVALID_ARGUMENT"], f"allocation size {size!r} is not an integer in [0, 2^64)")
-        message: Dict[str, Any] = {"type": "allocate", "size": str(size)}
-        if location is not None:
-            message["location"] = location
-        return self._request(message, timeout, "allocate").take()
+        request = _proto.message("CreateRequest")(size=size, location=location)
+        return self._request("allocate", request, timeout).take()
 
-    def release(self, allocation: int, timeout: Optional[float] = 30.0) -> Dict[str, Any]:
-        """Release on the session socket, one round trip: the answer has the
-        Release RPC's fields (freed, handleReferences, mappingCount).
+    def release(self, allocation: int, timeout: Optional[float] = 30.0) -> Any:
+        """Release on the session socket, one round trip: the Release RPC's
+        ReleaseResponse (freed, handle_references, mapping_count).
 
         Raises VmmdError as the Release RPC (UNKNOWN_ALLOCATION, NOT_OWNER,
         ALREADY_RELEASED…), NO_ANSWER, SESSION_LOST."""
-        pending = self._request({"type": "release", "allocation": u64(allocation, "allocation")}, timeout, "release")
-        assert pending.message is not None
-        return pending.message
+        return self._request("release", _release_request(allocation), timeout).take()[0]
 
     def share(self, allocation: int, timeout: Optional[float] = 30.0) -> str:
         """Share on the session socket: the key another session exports the allocation with."""
-        pending = self._request({"type": "share", "allocation": u64(allocation, "allocation")}, timeout, "share")
-        assert pending.message is not None
-        return str(pending.message["shareKey"])
+        request = _proto.message("ShareRequest")(allocation_id=int(u64(allocation, "allocation")))
+        return str(self._request("share", request, timeout).take()[0].share_key)
 
-    def export(self, allocation: int, share_key: str = "", timeout: Optional[float] = 30.0) -> Tuple[Dict[str, Any], int]:
-        """Export on the session socket: the allocation's descriptor (the caller owns it), attached to the answer.
+    def export(self, allocation: int, share_key: str = "", timeout: Optional[float] = 30.0) -> Tuple[Any, int]:
+        """Export on the session socket: the Export RPC's ExportResponse and the allocation's descriptor (the caller owns it), attached to the answer.
 
         Raises VmmdError as the Export RPC (NOT_OWNER, BAD_SHARE_KEY, ALREADY_RELEASED…), NO_ANSWER, SESSION_LOST."""
-        message: Dict[str, Any] = {"type": "export", "allocation": u64(allocation, "allocation")}
-        if share_key:
-            message["shareKey"] = share_key
-        return self._request(message, timeout, "export").take()
+        request = _proto.message("ExportRequest")(allocation_id=int(u64(allocation, "allocation")), share_key=share_key, handle_type="HANDLE_TYPE_POSIX_FD")
+        return self._request("export", request, timeout).take()
 
-    def open_store(self, store: Dict[str, Any], writable: bool = False, timeout: Optional[float] = 30.0) -> Tuple[Dict[str, Any], int]:
-        """Open a store on the session socket: {"store": Store's JSON fields,
-        "granularity", "mappedSize"} and its descriptor (the caller owns it).
+    def open_store(self, store: Dict[str, Any], writable: bool = False, timeout: Optional[float] = 30.0) -> Tuple[Any, int]:
+        """Open a store on the session socket: Stores.Open's OpenResponse and
+        its descriptor (the caller owns it). `store`: {"id": …} or {"name": …}.
 
         Raises VmmdError as Stores.Open (UNKNOWN_STORE, STORE_DETACHED, STORE_READ_ONLY…), NO_ANSWER, SESSION_LOST."""
         ref: Dict[str, Any] = {}
         if "id" in store:
-            ref["id"] = u64(store["id"], "store id")
+            ref["id"] = int(u64(store["id"], "store id"))
         if "name" in store:
             ref["name"] = str(store["name"])
-        return self._request({"type": "open", "store": ref, "writable": bool(writable)}, timeout, "open").take()
+        return self._request("open", _proto.message("OpenRequest")(store=ref, writable=bool(writable)), timeout).take()
 
     def ping(self, timeout: Optional[float] = 5.0) -> float:
         """One round trip on the session socket; returns its seconds."""
         start = time.perf_counter()
-        self._request({"type": "ping"}, timeout, "ping", key="nonce")
+        self._request("ping", _PING, timeout)
         return time.perf_counter() - start
 
-    def _request(self, message: Dict[str, Any], timeout: Optional[float], what: str, key: str = "request") -> Pending:
+    def _request(self, what: str, body: Any, timeout: Optional[float]) -> Pending:
         self._check_process()  # before the take: a forked child's take would turn its parent's epoll
         self._release_orphans()
         sent: List[Tuple[str, Pending]] = []
@@ -221,8 +221,8 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
                 # The socket is taken before the request goes: its answer cannot reach the reader thread first.
                 self._reading.take(self._closed)
                 deadline = deadline_of(timeout)
-                request, pending = self._send_request(message, key, sent, deadline)
-                self._await(request, pending, left_until(deadline), what, key, limit=timeout)
+                request, pending = self._send_request(what, body, sent, deadline)
+                self._await(request, pending, left_until(deadline), what, limit=timeout)
             finally:
                 self._reading.leave_to(held)
         except BaseException:
@@ -232,16 +232,18 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
             raise
         return pending
 
-    def _send_request(self, message: Dict[str, Any], key: str = "request", sent: Optional[List[Tuple[str, Pending]]] = None, deadline: Optional[float] = None) -> Tuple[str, Pending]:
-        """Sends a request under a new id, registered for its answer: (the id,
-        its pending answer). `sent` gets (its key, the pending answer) before
-        the registration: a caller cut short anywhere after it can forget it.
-        The send waits for room in the socket until `deadline` (_send)."""
+    def _send_request(self, what: str, body: Any, sent: Optional[List[Tuple[str, Pending]]] = None, deadline: Optional[float] = None) -> Tuple[str, Pending]:
+        """Sends a request frame whose body `what` is `body` under a new id,
+        registered for its answer: (the id, its pending answer). `sent` gets
+        (its key, the pending answer) before the registration: a caller cut
+        short anywhere after it can forget it. The send waits for room in the
+        socket until `deadline` (_send)."""
         pending = Pending(self._orphans)
+        key = "request"
         with self._sending(deadline):
             request = str(self._next_request)
             self._next_request += 1
-            message[key] = request
+            frame = _frames.ClientFrame(request=int(request), **{what: body})
             if sent is not None:
                 sent.append((f"{key}:{request}", pending))
             with guarded(self._lock):
@@ -250,7 +252,7 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
                 self._requests[f"{key}:{request}"] = pending
             stage = ["waiting"]
             try:
-                self._send(message, deadline=deadline, stage=stage)
+                self._send(frame, deadline=deadline, stage=stage)
             except BaseException as error:
                 # Not sent (refused, or cut short while waiting for room): forgotten. Perhaps sent (an interrupt
                 # right after the send): the caller abandons it, and its answer is released when it comes.
@@ -260,7 +262,7 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
                 raise
         return request, pending
 
-    def _await(self, request: str, pending: Pending, timeout: Optional[float], what: str, key: str = "request", limit: Optional[float] = None) -> None:
+    def _await(self, request: str, pending: Pending, timeout: Optional[float], what: str, limit: Optional[float] = None) -> None:
         """Waits for a sent request's answer, reading the socket on this
         thread when no other reads it (a take the caller leaves); raises its
         refusal, SESSION_LOST, or NO_ANSWER after `timeout` seconds (None or
@@ -268,6 +270,7 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
         what was left of it). A wait cut short (an interrupt) forgets the
         request and closes a descriptor that came for it."""
         deadline = deadline_of(timeout)
+        key = "request"
         try:
             grace = 0.0
             if not pending.event.is_set() and (self._reading.holds() or self._reading.take(self._closed)):
@@ -354,8 +357,8 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
         Raises VmmdError UNAVAILABLE SESSION_SOCKET_FULL at the deadline."""
         return guarded(self._send_lock, left_until(deadline), _SOCKET_BUSY)
 
-    def _send(self, message: Dict[str, Any], fd: int = -1, deadline: Optional[float] = None, stage: Optional[List[str]] = None) -> None:
-        """Sends one message (and a descriptor), waiting for room in the socket
+    def _send(self, frame: Any, fd: int = -1, deadline: Optional[float] = None, stage: Optional[List[str]] = None) -> None:
+        """Sends one ClientFrame (and a descriptor), waiting for room in the socket
         until `deadline` (monotonic; None: no limit): a daemon that stops
         reading fills it. Raises VmmdError UNAVAILABLE SESSION_SOCKET_FULL at
         the deadline (nothing sent; the session stays), SESSION_LOST.
@@ -363,7 +366,7 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
         self._check_process()
         if self._closed:
             raise self._lost()
-        send_message(self._sock, json.dumps(message, separators=(",", ":")).encode("utf-8"), fd, deadline, stage, lambda: self._closed, self._lost)
+        send_message(self._sock, frame.SerializeToString(), fd, deadline, stage, lambda: self._closed, self._lost)
 
     def _read_loop(self) -> None:
         """The reader thread: reads while no caller does, until the connection ends; then finishes the session."""
@@ -375,7 +378,7 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
             finally:
                 self._reading.close()
 
-    def _dispatch(self, data: bytes, fds: List[int], parsed: Optional[Dict[str, Any]] = None) -> None:
+    def _dispatch(self, data: bytes, fds: List[int], parsed: Optional[Any] = None) -> None:
         """Takes one message and its descriptors (owned from here: each is
         handed on or closed); never raises for what the daemon sent, nor for
         a callback's error. `parsed`: the message, when the reading parsed it."""
@@ -391,50 +394,45 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
             # Still ours unless handed on (a callback's KeyboardInterrupt too: callbacks get no descriptor).
             _close(fd)
 
-    def _dispatch_one(self, data: bytes, fd: int, parsed: Optional[Dict[str, Any]]) -> int:
+    def _dispatch_one(self, data: bytes, fd: int, parsed: Optional[Any]) -> int:
         """_dispatch's work; returns the descriptor if it is still the caller's to close, else -1."""
-        message: Any = parsed
-        if message is None:
-            try:
-                message = json.loads(data.decode("utf-8"))
-            except Exception:  # ValueError, UnicodeDecodeError, RecursionError: a bad message is dropped
-                message = None
-        if not isinstance(message, dict):
+        frame = parsed if parsed is not None else _frames.decode(data)
+        if frame is None:  # not a DaemonFrame: dropped
             return fd
-        kind = message.get("type")
+        kind = frame.WhichOneof("body")
         now = time.monotonic()
-        key = answer_key(message, _ANSWERS)
+        key = _frames.answer_key(frame)
         orphaned = False
         with guarded(self._lock):
             self._expire(now)
-            if kind == "transfer" and fd >= 0 and isinstance(message.get("transfer"), str):
-                old = self._inbox.pop(message["transfer"], None)
+            if kind == "transfer" and fd >= 0 and frame.transfer.id:
+                transfer = str(frame.transfer.id)
+                old = self._inbox.pop(transfer, None)
                 if old is not None:
                     _close(old[0])
-                self._inbox[message["transfer"]] = (fd, now)
+                self._inbox[transfer] = (fd, now)
                 self._lock.notify_all()
                 return -1
             pending = self._requests.get(key) if key is not None else None
             if pending is not None and pending.abandoned:
                 # Nobody awaits it: what it made is released (its descriptor by _dispatch, its allocation below).
                 del self._requests[key]  # type: ignore[arg-type]
-                orphan = orphan_of(message)
+                orphan = orphan_of(frame)
                 if orphan is not None:
                     self._orphans.append(orphan)
                 orphaned = True
             elif pending is not None:
                 # Answered, then forgotten: a caller is never left unregistered and unanswered.
                 if kind in _WITH_DESCRIPTOR and fd >= 0:
-                    pending.message, pending.fd = message, fd
+                    pending.message, pending.fd = frame, fd
                     fd = -1
                 elif kind == "error":
-                    status = message.get("status")
-                    status = status if isinstance(status, int) and not isinstance(status, bool) and 0 <= status <= 16 else STATUS["UNKNOWN"]
-                    pending.error = VmmdError(str(message.get("code")), status, str(message.get("message")))
+                    status = frame.error.status if 0 <= frame.error.status <= 16 else STATUS["UNKNOWN"]
+                    pending.error = VmmdError(frame.error.code, status, frame.error.message)
                 elif kind in _WITH_DESCRIPTOR:
-                    pending.error = VmmdError("BAD_ANSWER", STATUS["INTERNAL"], f"the daemon's answer ({kind}) to request {message.get('request')} carried no descriptor")
+                    pending.error = VmmdError("BAD_ANSWER", STATUS["INTERNAL"], f"the daemon's answer ({kind}) to request {frame.request} carried no descriptor")
                 else:
-                    pending.message = message
+                    pending.message = frame
                 pending.event.set()
                 del self._requests[key]  # type: ignore[arg-type]
         if orphaned:
@@ -443,7 +441,7 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
         if pending is None and kind == "error":
             for callback in list(self.on_daemon_error):
                 try:
-                    callback(message)
+                    callback(frame.error)
                 except Exception as error:  # a callback's failure is its own: the reading goes on
                     warnings.warn(f"vmmd: an on_daemon_error callback failed: {error!r}", RuntimeWarning, stacklevel=2)
         return fd

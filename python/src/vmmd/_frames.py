@@ -1,0 +1,52 @@
+"""The session socket's frames (proto/vmmd/v1/session.proto, docs/PROTOCOL.md):
+one SEQPACKET datagram is one ClientFrame or DaemonFrame in protobuf's binary
+encoding, built from the descriptor set the package ships (vmmd._proto). A
+request's body is its RPC's request message and its answer's body the RPC's
+response, so what the session returns are the RPCs' own messages."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from . import _proto
+
+PROTOCOL_VERSION = 2
+
+ClientFrame = _proto.message("ClientFrame")
+DaemonFrame = _proto.message("DaemonFrame")
+
+# The bodies that answer a request (by its id), and those whose datagram carries a descriptor.
+ANSWERS = ("allocated", "released", "shared", "exported", "opened", "pong")
+WITH_DESCRIPTOR = ("allocated", "exported", "opened")
+
+
+def encode(**fields: Any) -> bytes:
+    """The bytes of a ClientFrame with `fields` (request=, and one body: hello=, allocate=…)."""
+    return ClientFrame(**fields).SerializeToString()
+
+
+def is_protocol1(data: bytes) -> bool:
+    """A JSON object, a frame of session protocol 1 ("{" would open a protobuf group, which no frame has)."""
+    return data[:1] == b"{"
+
+
+def decode(data: bytes) -> Optional[Any]:
+    """The DaemonFrame in `data`, or None for bytes that are not one."""
+    if is_protocol1(data):
+        return None
+    try:
+        return DaemonFrame.FromString(data)
+    except Exception:  # protobuf's DecodeError, or anything a malformed frame raises: dropped by the caller
+        return None
+
+
+def body_of(frame: Any) -> Optional[str]:
+    """The case of a frame's body ("allocated", "error"…), or None."""
+    return None if frame is None else frame.WhichOneof("body")
+
+
+def answer_key(frame: Any) -> Optional[str]:
+    """The key of the request a frame answers ("request:N"), or None."""
+    kind = body_of(frame)
+    if frame is not None and frame.request and (kind in ANSWERS or kind == "error"):
+        return f"request:{frame.request}"
+    return None
