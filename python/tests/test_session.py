@@ -1,16 +1,18 @@
 """Sessions and the descriptor inbox (docs/PROTOCOL.md), from Python."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
+import threading
+from typing import Any
 
 import grpc
 import pytest
 
 import vmmd
-from vmmd import _proto
+from vmmd import _frames, _proto
+from vmmd.session import ClientSession
 
 from conftest import MiB, Daemon, eventually
 
@@ -22,8 +24,8 @@ def test_hello_gives_a_session_with_a_token_and_this_process_credentials(daemon:
         sessions = {s.id: s for s in client.admin.list_sessions().sessions}
         assert sessions[int(client.session.id)].pid == os.getpid()
         assert client.backend == "host"
-        # Named by the daemon's hello: connect() asked no RPC for it.
-        assert client.session.backend == "host"
+        # From the capabilities in the daemon's hello: connect() asked no RPC for it.
+        assert client.session.capabilities == {"CAPABILITY_MEMFD_DESCRIPTORS", "CAPABILITY_READ_ONLY_DESCRIPTORS"}
 
 
 def test_ping_round_trips_on_the_session_socket(client: vmmd.VmmdClient) -> None:
@@ -91,10 +93,10 @@ def test_transfer_ids_rise_and_a_replayed_id_is_refused(daemon: Daemon) -> None:
         first = client.session.send_descriptor(vmmd.sealed_memfd("a", 2 * MiB))
         assert first == "1" and client.session.send_descriptor(vmmd.sealed_memfd("b", 2 * MiB)) == "2"
         fd = vmmd.sealed_memfd("replay", 2 * MiB)
-        socket.send_fds(client.session._sock, [json.dumps({"type": "transfer", "transfer": "1"}).encode()], [fd])
+        socket.send_fds(client.session._sock, [_frames.encode(transfer={"id": 1})], [fd])
         os.close(fd)
         eventually(lambda: errors, what="the daemon's error message")
-        assert errors[0]["code"] == "TRANSFER_USED"
+        assert errors[0].code == "TRANSFER_USED"
         # The session stays open.
         assert client.session.ping() > 0
 
@@ -104,10 +106,11 @@ def test_bad_messages_are_answered_and_change_nothing(daemon: Daemon) -> None:
         errors: list = []
         client.session.on_daemon_error.append(errors.append)
         before = daemon.stats()
-        client.session._sock.send(b"not json")
-        client.session._sock.send(json.dumps({"type": "allocate", "request": "01", "size": "2097152"}).encode())
+        # Not protobuf (a length past the frame), and an allocate without a request id.
+        client.session._sock.send(bytes([0x12, 0x05, 0x01]))
+        client.session._sock.send(_frames.encode(allocate={"size": 2 * MiB}))
         eventually(lambda: len(errors) == 2, what="two error messages")
-        assert [e["code"] for e in errors] == ["BAD_MESSAGE", "BAD_MESSAGE"]
+        assert [e.code for e in errors] == ["BAD_MESSAGE", "BAD_MESSAGE"]
         assert daemon.stats().allocations == before.allocations
         assert client.session.ping() > 0
 
@@ -203,3 +206,28 @@ def test_socket_dir_comes_from_the_environment(daemon: Daemon, monkeypatch: pyte
         assert client.socket_dir == daemon.dir
     monkeypatch.delenv("VMMD_SOCKET_DIR")
     assert vmmd.default_socket_dir({"XDG_RUNTIME_DIR": "/nonexistent"}) in ("/run/vmmd", f"/tmp/vmmd-{os.getuid()}", os.path.join(os.environ.get("TMPDIR", "/tmp"), f"vmmd-{os.getuid()}"))
+
+
+def test_a_daemon_of_protocol_1_is_refused_naming_both_protocols(tmp_path: Any) -> None:
+    """A daemon of protocol 1 speaks first, in JSON: the client fails PROTOCOL_VERSION, not a vague greeting error."""
+    path = str(tmp_path / "vmmd.session.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+
+    def old_daemon() -> None:
+        peer, _ = listener.accept()
+        peer.send(b'{"type":"hello","protocol":1,"session":"1","token":"ff","pid":1,"uid":0,"gid":0,"backend":"host"}')
+        peer.recv(4096)
+        peer.close()
+
+    side = threading.Thread(target=old_daemon, daemon=True)
+    side.start()
+    try:
+        with pytest.raises(vmmd.VmmdError) as raised:
+            ClientSession.open(path, timeout=5)
+        assert raised.value.code == "PROTOCOL_VERSION"
+        assert "speaks session protocol 1; this client speaks 2" in raised.value.message
+    finally:
+        side.join(5)
+        listener.close()

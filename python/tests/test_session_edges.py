@@ -5,7 +5,6 @@ allocate answered and then interrupted as it leaves the socket, timeouts of
 failed when written.)"""
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -18,7 +17,7 @@ import pytest
 import vmmd
 
 from test_session_hazards import Interrupted, interrupt  # noqa: F401 - the fixture
-from test_session_reading import FakeDaemon, fake, in_thread  # noqa: F401 - the fixture
+from test_session_reading import FakeDaemon, client_request, daemon_frame, fake, in_thread  # noqa: F401 - the fixture
 
 
 def open_fds() -> int:
@@ -69,11 +68,11 @@ def test_an_interrupt_after_a_nested_leave_does_not_release_the_outer_take(fake:
         if child == 0:
             code = 1
             try:
-                outer = json.loads(fake.end.recv(8192))
-                fake.end.send(json.dumps({"type": "error", "code": "FIRST", "status": 13, "message": "x"}).encode())
-                inner = json.loads(fake.end.recv(8192))
-                fake.end.send(json.dumps({"type": "pong", "nonce": inner["nonce"]}).encode())
-                fake.end.send(json.dumps({"type": "pong", "nonce": outer["nonce"]}).encode())
+                outer = client_request(fake.end.recv(8192))
+                fake.end.send(daemon_frame({"type": "error", "code": "FIRST", "status": 13, "message": "x"}))
+                inner = client_request(fake.end.recv(8192))
+                fake.end.send(daemon_frame({"type": "pong", "request": inner["request"]}))
+                fake.end.send(daemon_frame({"type": "pong", "request": outer["request"]}))
                 code = 0
             finally:
                 os._exit(code)
@@ -129,7 +128,7 @@ def test_take_transfer_with_an_infinite_timeout_waits(fake: FakeDaemon) -> None:
     time.sleep(0.2)
     read, write = os.pipe()
     try:
-        fake.send({"type": "transfer", "transfer": "3"}, read)
+        fake.send({"type": "transfer", "id": "3"}, read)
         thread.join(5)
     finally:
         os.close(read)
@@ -163,7 +162,7 @@ def test_the_main_thread_at_its_deadline_finds_its_answer_behind_another_message
     fake.session._reading._caller_poll = SlowPoll(fake.session._reading._caller_poll)  # type: ignore[assignment]
     read, write = os.pipe()
 
-    side = fake.serve(lambda request: (fake.send({"type": "transfer", "transfer": "8"}, read), fake.pong(request)))
+    side = fake.serve(lambda request: (fake.send({"type": "transfer", "id": "8"}, read), fake.pong(request)))
     done = threading.Event()
     other = threading.Thread(target=done.wait, daemon=True)  # another thread of the program, alive throughout
     other.start()

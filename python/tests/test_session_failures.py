@@ -68,7 +68,7 @@ def test_an_interrupt_as_the_caller_leaves_the_socket_does_not_wedge_the_reader(
     # A descriptor the daemon sends for a gRPC call (Export, the Allocate RPC, Stores.Open): only the reader thread can take it.
     read, write = os.pipe()
     try:
-        fake.send({"type": "transfer", "transfer": "9"}, read)
+        fake.send({"type": "transfer", "id": "9"}, read)
         try:
             fd = fake.session.take_transfer("9", timeout=2)
             os.close(fd)
@@ -82,12 +82,12 @@ def test_an_interrupt_as_the_caller_leaves_the_socket_does_not_wedge_the_reader(
 def test_an_answer_with_a_malformed_status_fails_only_its_call(fake: FakeDaemon) -> None:
     """_dispatch claims never to raise for what the daemon sent, and the
     reading no longer catches anything around it (the old reader loop did).
-    An error answer whose `status` is not a number makes int() raise inside
-    _dispatch: the reading caller gets a bare ValueError instead of a
-    VmmdError, and its request stays registered for ever."""
+    An error answer whose `status` is no gRPC status must still fail the
+    call with a VmmdError (UNKNOWN), never a bare error out of _dispatch that
+    leaves its request registered for ever."""
     thread, out = in_thread(lambda: fake.session.allocate(4096, timeout=3))
     request = fake.request()
-    fake.send({"type": "error", "request": request["request"], "code": "OUT_OF_MEMORY", "status": "RESOURCE_EXHAUSTED", "message": "no room"})
+    fake.send({"type": "error", "request": request["request"], "code": "OUT_OF_MEMORY", "status": 99, "message": "no room"})
     thread.join(10)
     assert not thread.is_alive()
     assert isinstance(out.get("error"), vmmd.VmmdError), f"the caller got {out.get('error')!r}"
@@ -107,7 +107,7 @@ def test_a_malformed_answer_read_by_the_reader_thread_does_not_end_the_session(f
         mine = fake.request()  # the main thread's ping: it holds the socket from before it sent
         other_box.append(in_thread(lambda: fake.session.allocate(4096, timeout=1)))
         other = fake.request()  # the other thread's allocate: its take failed, it waits on its event
-        fake.send({"type": "error", "request": other["request"], "code": "OUT_OF_MEMORY", "status": [8], "message": "no room"})
+        fake.send({"type": "error", "request": other["request"], "code": "OUT_OF_MEMORY", "status": 4000000000, "message": "no room"})
         time.sleep(0.2)
         fake.pong(mine)
 
@@ -183,7 +183,7 @@ def test_a_request_from_an_on_daemon_error_callback_keeps_the_socket_held_by_one
     caller_box: List[Any] = []
 
     def on_error(message: Any) -> None:
-        if message.get("code") != "FIRST":
+        if message.code != "FIRST":
             return
         # The reader thread pings from the callback (the daemon side answers it below).
         fake.session.ping(timeout=5)
@@ -205,7 +205,7 @@ def test_a_request_from_an_on_daemon_error_callback_keeps_the_socket_held_by_one
     assert "error" not in out, out.get("error")
     read, write = os.pipe()
     try:
-        fake.send({"type": "transfer", "transfer": "4"}, read)
+        fake.send({"type": "transfer", "id": "4"}, read)
         try:
             os.close(fake.session.take_transfer("4", timeout=2))
         except vmmd.VmmdError as error:
@@ -242,4 +242,4 @@ def test_an_interrupted_allocate_leaks_neither_its_request_nor_its_descriptor(fa
     assert open_fds() == baseline, "the late answer's descriptor leaked"
     # The allocation the late answer made is nobody's: the session releases it.
     release = fake.request()
-    assert (release["type"], release["allocation"]) == ("release", "5")
+    assert (release["type"], release["allocationId"]) == ("release", "5")

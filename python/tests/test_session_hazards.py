@@ -191,18 +191,17 @@ def test_a_long_timeout_waits_instead_of_overflowing_poll() -> None:
     first wait a sleeping one; with the default it comes 200 us later."""
     import socket
 
-    from test_session_reading import HELLO
+    from test_session_reading import HELLO, client_request, daemon_frame
 
     end, client_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     end.settimeout(5)
-    session = session_module.ClientSession(client_end, dict(HELLO), busy_poll_us=0)
+    session = session_module.ClientSession(client_end, HELLO, busy_poll_us=0)
     try:
         thread, out = in_thread(lambda: session.ping(timeout=30 * 24 * 3600.0))
-        import json
 
-        request = json.loads(end.recv(8192))
+        request = client_request(end.recv(8192))
         time.sleep(0.05)
-        end.send(json.dumps({"type": "pong", "nonce": request["nonce"]}).encode())
+        end.send(daemon_frame({"type": "pong", "request": request["request"]}))
         thread.join(10)
         assert not thread.is_alive()
         assert "error" not in out, repr(out.get("error"))

@@ -5,7 +5,6 @@ an answer or the end of the session. A fake daemon on a socketpair makes the
 timing cases exact; a real daemon checks many threads at once."""
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
@@ -14,12 +13,35 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
+from google.protobuf import json_format
+
 import vmmd
+from vmmd import _frames, _proto
 from vmmd.session import ClientSession
 
 from conftest import MiB, Daemon
 
-HELLO = {"type": "hello", "protocol": 1, "session": "7", "token": "0" * 64, "pid": os.getpid(), "uid": os.getuid(), "gid": os.getgid()}
+HELLO = _proto.message("HelloResponse")(protocol=2, session=7, token="0" * 64, pid=os.getpid(), uid=os.getuid(), gid=os.getgid(), capabilities=["CAPABILITY_MEMFD_DESCRIPTORS"])
+
+
+def daemon_frame(flat: Dict[str, Any]) -> bytes:
+    """A DaemonFrame's bytes from a flat dict: {"type": the body's case, "request": its id, the body's fields (JSON names)}."""
+    fields = dict(flat)
+    kind = fields.pop("type")
+    frame = _frames.DaemonFrame(request=int(fields.pop("request", 0) or 0))
+    getattr(frame, kind).SetInParent()
+    json_format.ParseDict(fields, getattr(frame, kind))
+    return frame.SerializeToString()
+
+
+def client_request(data: bytes) -> Dict[str, Any]:
+    """A ClientFrame flat: {"type": its body's case, "request": its id, the body's fields (JSON names)}."""
+    frame = _frames.ClientFrame.FromString(data)
+    kind = frame.WhichOneof("body")
+    flat: Dict[str, Any] = {"type": kind, "request": str(frame.request)}
+    if kind is not None:
+        flat.update(json_format.MessageToDict(getattr(frame, kind)))
+    return flat
 
 
 class FakeDaemon:
@@ -27,24 +49,24 @@ class FakeDaemon:
 
     def __init__(self) -> None:
         self.end, client_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.session = ClientSession(client_end, dict(HELLO))
+        self.session = ClientSession(client_end, HELLO)
         self.end.settimeout(5)
 
     def request(self) -> Dict[str, Any]:
         data, fds, _, _ = socket.recv_fds(self.end, 8192, 4)
         for fd in fds:
             os.close(fd)
-        return json.loads(data)
+        return client_request(data)
 
     def send(self, message: Dict[str, Any], fd: int = -1) -> None:
-        data = json.dumps(message).encode()
+        data = daemon_frame(message)
         if fd >= 0:
             socket.send_fds(self.end, [data], [fd])
         else:
             self.end.send(data)
 
     def pong(self, request: Dict[str, Any]) -> None:
-        self.send({"type": "pong", "nonce": request["nonce"]})
+        self.send({"type": "pong", "request": request["request"]})
 
     def serve(self, body: Any) -> threading.Thread:
         """On a thread of its own: waits for the next request and runs body(request)."""
@@ -53,7 +75,7 @@ class FakeDaemon:
         return side
 
     def allocated(self, request: Dict[str, Any], fd: int) -> None:
-        self.send({"type": "allocated", "request": request["request"], "allocation": "5", "size": "4096"}, fd)
+        self.send({"type": "allocated", "request": request["request"], "allocationId": "5", "size": "4096"}, fd)
 
     def close(self) -> None:
         self.end.close()
@@ -87,7 +109,7 @@ def dispatch_threads(session: ClientSession) -> List[Tuple[str, str]]:
     original = session._reading._dispatch
 
     def recording(data: bytes, fds: List[int], parsed: Optional[Dict[str, Any]] = None) -> None:
-        seen.append((json.loads(data)["type"], threading.current_thread().name))
+        seen.append((_frames.decode(data).WhichOneof("body"), threading.current_thread().name))
         original(data, fds, parsed)
 
     session._reading._dispatch = recording  # type: ignore[method-assign]
@@ -109,7 +131,7 @@ def test_what_arrives_while_no_caller_waits_is_taken_by_the_reader_thread(fake: 
     fake.session.on_daemon_error.append(errors.append)
     read, write = os.pipe()
     try:
-        fake.send({"type": "transfer", "transfer": "3"}, read)
+        fake.send({"type": "transfer", "id": "3"}, read)
         fake.send({"type": "error", "code": "FREE_FAILED", "status": 13, "message": "a free failed after its answer"})
         fd = fake.session.take_transfer("3", timeout=5)
         os.close(fd)
@@ -119,7 +141,7 @@ def test_what_arrives_while_no_caller_waits_is_taken_by_the_reader_thread(fake: 
     finally:
         os.close(read)
         os.close(write)
-    assert errors and errors[0]["code"] == "FREE_FAILED"
+    assert errors and errors[0].code == "FREE_FAILED"
     assert [name for _, name in seen] == [f"vmmd-session-{fake.session.id}"] * 2
 
 
@@ -131,7 +153,7 @@ def test_an_answer_that_comes_after_the_timeout_is_dropped_and_the_session_goes_
     # The late answer (with a descriptor, as an allocate's) lands after the caller gave up: closed, not kept.
     before = len(os.listdir("/proc/self/fd"))
     read, write = os.pipe()
-    fake.send({"type": "allocated", "request": late["nonce"], "allocation": "1"}, read)
+    fake.send({"type": "allocated", "request": late["request"], "allocationId": "1"}, read)
     os.close(read)
     os.close(write)
     fake.pong(late)
@@ -203,7 +225,7 @@ def test_many_threads_at_once_each_get_their_answers(daemon: Daemon) -> None:
                     session.ping(timeout=10)
                     message, fd = session.allocate(2 * MiB, timeout=10)
                     os.close(fd)
-                    assert session.release(int(message["allocation"]), timeout=10)["freed"]
+                    assert session.release(int(message.allocation_id), timeout=10).freed
             except BaseException as error:  # noqa: BLE001 - collected
                 failures.append(error)
 
@@ -233,14 +255,14 @@ class RecordingPoll:
 @pytest.mark.parametrize("budget", [0, 200])
 def test_a_caller_spins_for_its_answer_only_within_its_budget(budget: int) -> None:
     end, client_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    session = ClientSession(client_end, dict(HELLO), busy_poll_us=budget)
+    session = ClientSession(client_end, HELLO, busy_poll_us=budget)
     recording = RecordingPoll(session._reading._caller_poll)
     session._reading._caller_poll = recording  # type: ignore[assignment]
     try:
         thread, out = in_thread(lambda: session.ping(timeout=5))
-        request = json.loads(end.recv(8192))
+        request = client_request(end.recv(8192))
         time.sleep(0.05)  # well past any budget: the caller sleeps in poll by now
-        end.send(json.dumps({"type": "pong", "nonce": request["nonce"]}).encode())
+        end.send(daemon_frame({"type": "pong", "request": request["request"]}))
         thread.join(5)
         assert "error" not in out, out.get("error")
     finally:
@@ -288,7 +310,7 @@ def test_the_main_thread_takes_only_its_own_answer_and_leaves_the_rest_to_the_re
     done = threading.Event()
     idle = threading.Thread(target=done.wait, daemon=True)
     idle.start()
-    side = fake.serve(lambda request: (fake.send({"type": "transfer", "transfer": "5"}, read), fake.pong(request)))
+    side = fake.serve(lambda request: (fake.send({"type": "transfer", "id": "5"}, read), fake.pong(request)))
     try:
         assert fake.session.ping(timeout=5) > 0
         side.join(5)
@@ -326,7 +348,7 @@ def test_the_main_thread_alone_reads_what_comes_before_its_answer_too(fake: Fake
     # The daemon answers once the ping is sent, after an error of its own, both on the socket before the
     # main thread reads: answered from inside the send, on this thread (a thread of the fake's would make
     # the main thread careful). Sent before the ping, the answer could be read, and dropped as answering
-    # nothing, by the reader thread before the ping registers its nonce, as a real daemon's never is.
+    # nothing, by the reader thread before the ping registers its id, as a real daemon's never is.
     requests: List[Dict[str, Any]] = []
     send = fake.session._send
 
@@ -334,10 +356,10 @@ def test_the_main_thread_alone_reads_what_comes_before_its_answer_too(fake: Fake
         send(message, **kwargs)
         requests.append(fake.request())
         fake.send({"type": "error", "code": "FREE_FAILED", "status": 13, "message": "a free failed after its answer"})
-        fake.send({"type": "pong", "nonce": requests[-1]["nonce"]})
+        fake.send({"type": "pong", "request": requests[-1]["request"]})
 
     fake.session._send = send_and_answer  # type: ignore[method-assign]
     assert fake.session.ping(timeout=5) > 0
     assert [request["type"] for request in requests] == ["ping"]
-    assert [code["code"] for code in errors] == ["FREE_FAILED"]
+    assert [error.code for error in errors] == ["FREE_FAILED"]
     assert [kind for kind, _ in seen] == ["error", "pong"]

@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List
 import pytest
 
 import vmmd
+from vmmd import _frames
 
 from test_session_reading import FakeDaemon, fake  # noqa: F401 - the fixture
 
@@ -23,7 +24,7 @@ def fill(sock: socket.socket) -> int:
     sent = 0
     while True:
         try:
-            sock.send(b'{"type":"ping","nonce":"x"}', socket.MSG_DONTWAIT)
+            sock.send(_frames.encode(request=1, ping={"nonce": "x"}), socket.MSG_DONTWAIT)
         except BlockingIOError:
             return sent
         sent += 1
@@ -66,7 +67,7 @@ def test_a_call_to_a_daemon_that_stopped_reading_fails_within_its_timeout(fake: 
             break
     fake.end.settimeout(5)
     side = fake.serve(lambda request: fake.send({"type": "released", "request": request["request"], "freed": True, "handleReferences": 0, "mappingCount": 0}))
-    assert fake.session.release(5, timeout=5)["type"] == "released"
+    assert fake.session.release(5, timeout=5).freed
     side.join(5)
 
 
