@@ -6,7 +6,7 @@
 import { EventEmitter } from 'node:events';
 import { dirname } from 'node:path';
 import { status as Status } from '@grpc/grpc-js';
-import { type ClientFrame, type DaemonCase, type DaemonFrame__Output, decodeDaemonFrame, encodeClientFrame, isProtocol1, PROTOCOL_VERSION } from '../common/protocol';
+import { type ClientFrame, type DaemonCase, decodeDaemonFrame, encodeClientFrame, isProtocol1, PROTOCOL_VERSION } from '../common/protocol';
 import type { Capability__Output } from '../generated/vmmd/v1/Capability';
 import type { Location } from '../generated/vmmd/v1/Location';
 import type { ExportResponse__Output } from '../generated/vmmd/v1/ExportResponse';

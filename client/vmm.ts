@@ -4,7 +4,6 @@
  * process, importDescriptor() hands one of this process's descriptors to the
  * daemon.
  */
-import { status as Status } from '@grpc/grpc-js';
 import { traceMark } from '../common/trace';
 import type { Allocation__Output } from '../generated/vmmd/v1/Allocation';
 import type { CreateRequest } from '../generated/vmmd/v1/CreateRequest';

@@ -6,7 +6,7 @@
  */
 import { DEFAULT_BUSY_POLL_MICROS } from './busy-poll';
 import { DEFAULT_TRANSFER_WAIT_MS } from './daemon-settings';
-import { ERROR_CODE_KEY, SESSION_METADATA_KEY } from './protocol';
+import { ERROR_CODE_KEY, MAX_MESSAGE_BYTES, PROTOCOL_VERSION, SESSION_METADATA_KEY } from './protocol';
 
 /** Reads and writes from this size up take the staging buffer; smaller ones stream over gRPC. */
 export const STAGED_MIN_BYTES = 256 * 1024;
@@ -17,6 +17,8 @@ export const MAX_STAGING_BYTES = 1 << 30;
 
 /** Each shared constant with its Python name and what it is, in the generated module's order. */
 export const CLIENT_CONSTANTS = {
+  PROTOCOL_VERSION: { value: PROTOCOL_VERSION, meaning: 'the session protocol this tree speaks (proto/vmmd/v1/session.proto)' },
+  MAX_MESSAGE_BYTES: { value: MAX_MESSAGE_BYTES, meaning: 'the longest session-socket frame either side reads' },
   SESSION_METADATA_KEY: { value: SESSION_METADATA_KEY, meaning: 'the gRPC metadata key that carries the session token' },
   ERROR_CODE_KEY: { value: ERROR_CODE_KEY, meaning: "the gRPC trailer that carries a refusal's string code" },
   STAGED_MIN_BYTES: { value: STAGED_MIN_BYTES, meaning: 'reads and writes from this size up take the staging buffer; smaller ones stream over gRPC' },

@@ -3,7 +3,7 @@ awaited, at most RELEASE_WINDOW unanswered at a time."""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 from . import _proto
 from ._abandoned import Pending

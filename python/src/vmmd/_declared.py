@@ -6,6 +6,10 @@ common/error-codes.ts: edit those and run `npm run build`, not this file.
 # ruff: noqa: E501
 from typing import Dict, Tuple
 
+# The session protocol this tree speaks (proto/vmmd/v1/session.proto).
+PROTOCOL_VERSION = 2
+# The longest session-socket frame either side reads.
+MAX_MESSAGE_BYTES = 4096
 # The gRPC metadata key that carries the session token.
 SESSION_METADATA_KEY = "vmmd-session-token"
 # The gRPC trailer that carries a refusal's string code.

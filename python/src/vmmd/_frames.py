@@ -8,8 +8,9 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from . import _proto
+from ._declared import PROTOCOL_VERSION
 
-PROTOCOL_VERSION = 2
+__all__ = ["PROTOCOL_VERSION", "ClientFrame", "DaemonFrame"]
 
 ClientFrame = _proto.message("ClientFrame")
 DaemonFrame = _proto.message("DaemonFrame")
@@ -29,7 +30,7 @@ def is_protocol1(data: bytes) -> bool:
     return data[:1] == b"{"
 
 
-def decode(data: bytes) -> Optional[Any]:
+def decode(data: bytes) -> Any:
     """The DaemonFrame in `data`, or None for bytes that are not one."""
     if is_protocol1(data):
         return None

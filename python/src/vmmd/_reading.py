@@ -30,12 +30,11 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from . import _frames
+from ._declared import MAX_MESSAGE_BYTES
 from ._locks import guarded
-
-MAX_MESSAGE_BYTES = 4096
 
 # What the reader thread waits for: messages and the hang-up, or (while a caller reads) only the hang-up.
 _WATCH_ALL = select.EPOLLIN | select.EPOLLRDHUP

@@ -2,7 +2,7 @@
 round trip on the session socket while the session is open, the RPC after."""
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
+from typing import Any, Iterator, List, Optional, Union
 
 from . import _proto
 from ._rpc import STREAM_CHUNK_BYTES, Message, Request, _Service
