@@ -99,7 +99,7 @@ def test_trim_and_close_send_every_release_before_waiting_for_any_answer(daemon:
     session = client.session
     events: list = []
     send, wait = session._send, session._await
-    session._send = lambda message, *rest, **options: (events.append(("send", message.get("type"))), send(message, *rest, **options))[1]  # type: ignore[method-assign]
+    session._send = lambda message, *rest, **options: (events.append(("send", message.WhichOneof("body"))), send(message, *rest, **options))[1]  # type: ignore[method-assign]
     session._await = lambda *args, **kwargs: (events.append(("wait", None)), wait(*args, **kwargs))[1]  # type: ignore[method-assign]
     try:
         before = daemon.stats().allocations
@@ -122,7 +122,7 @@ def test_a_release_refused_among_many_is_raised_after_the_others_are_answered(da
     results = client.session.release_many(ids)
     assert [isinstance(result, dict) for result in results] == [True, False, True]
     assert (results[1].code, results[1].status_name) == ("UNKNOWN_ALLOCATION", "NOT_FOUND")  # type: ignore[union-attr]
-    assert all(result["freed"] for result in (results[0], results[2]))  # type: ignore[index]
+    assert all(result.freed for result in (results[0], results[2]))  # type: ignore[index]
     with pytest.raises(vmmd.VmmdError) as raised:
         client.session.release_many([ids[0], 1 << 64])
     assert raised.value.code == "BAD_ID" and "18446744073709551616" in str(raised.value)
