@@ -29,6 +29,8 @@ export const PROTO_FILES = [
   'vmmd/v1/virtual_memory.proto',
   'vmmd/v1/admin.proto',
   'vmmd/v1/stores.proto',
+  // The session socket's frames: not a service, but grpcurl's `describe` resolves them through reflection.
+  'vmmd/v1/session.proto',
 ];
 
 /** The options shared with scripts/gen-types.js, with include dirs made absolute. */
