@@ -146,9 +146,9 @@ export class ClientSession extends EventEmitter {
         resolve(new ClientSession(connection, frame.hello, busyPollMicros));
       });
       try {
-        if (!connection.send(encodeClientFrame({ hello: { protocol: PROTOCOL_VERSION } }))) throw new Error('the socket is full');
-      } catch (error) {
-        fail(new VmmdError('DAEMON_UNREACHABLE', Status.UNAVAILABLE, `cannot say hello to vmmd at ${path}: ${(error as Error).message}`));
+        connection.send(encodeClientFrame({ hello: { protocol: PROTOCOL_VERSION } }));
+      } catch {
+        // The daemon refused the session at connect and closed (EPIPE): its refusal, already queued, is read above.
       }
     });
   }

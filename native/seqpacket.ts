@@ -152,11 +152,19 @@ export class SeqpacketConnection extends EventEmitter {
   }
 
   private readSome(max: number, events: number): 'more' | 'drained' | 'closed' {
+    let reset = false;
     for (let read = 0; read < max; read++) {
       let received;
       try {
         received = addon.seqpacketRecv(this.fd, MAX_MESSAGE_BYTES);
       } catch (error) {
+        // A peer that closed with a message of ours unread makes the next read fail ECONNRESET once; what it sent
+        // before closing (a daemon's refusal of the session) is still queued behind that error and is read first.
+        if ((error as { code?: string }).code === 'ECONNRESET' && !reset) {
+          reset = true;
+          read--;
+          continue;
+        }
         this.closeReason = (error as Error).message;
         this.close();
         return 'closed';

@@ -29,8 +29,15 @@ def greet(path: str, timeout: float) -> Tuple[socket.socket, Any]:
         raise VmmdError("DAEMON_UNREACHABLE", STATUS["UNAVAILABLE"], f"cannot reach vmmd at {path}: {error.strerror or error}; {where_else(os.path.dirname(path))}") from None
     sock.settimeout(timeout)
     try:
-        sock.send(_frames.encode(hello={"protocol": PROTOCOL_VERSION}))
-        data, fds = recv_message(sock)
+        try:
+            sock.send(_frames.encode(hello={"protocol": PROTOCOL_VERSION}))
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the daemon refused the session and closed: its refusal is read below
+        try:
+            data, fds = recv_message(sock)
+        except ConnectionResetError:
+            # The daemon closed with the hello unread (a refusal at connect): its refusal is still queued behind the error.
+            data, fds = recv_message(sock)
     except socket.timeout:
         sock.close()
         raise VmmdError("NO_GREETING", STATUS["DEADLINE_EXCEEDED"], f"vmmd at {path} sent no greeting within {timeout} s") from None

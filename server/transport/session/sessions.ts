@@ -215,12 +215,20 @@ export class SessionManager {
     if (allowed !== undefined) {
       this.log.warn({ peerPid: peer.pid, peerUid: peer.uid, peerGid: peer.gid, code, heldBack: allowed.suppressed }, `session refused: ${refusal}`);
     }
-    try {
-      connection.send(encodeDaemonFrame({ error: { code, status, message: refusal } }));
-    } catch {
-      // the peer left already
-    }
-    connection.close();
+    const refuse = () => {
+      clearTimeout(silent);
+      try {
+        connection.send(encodeDaemonFrame({ error: { code, status, message: refusal } }));
+      } catch {
+        // the peer left already
+      }
+      connection.close();
+    };
+    // The client speaks first: its hello is read before the refusal goes and the socket closes (a socket closed
+    // with a frame unread resets its peer, whose read of the refusal then fails).
+    const silent = setTimeout(refuse, HELLO_WAIT_MS);
+    connection.once('message', refuse);
+    connection.once('close', () => clearTimeout(silent));
   }
 
   private open(connection: SeqpacketConnection): void {
