@@ -13,10 +13,19 @@
  */
 import { status as Status } from '@grpc/grpc-js';
 import { native } from '../native/client';
-import type { VmmdClient } from './connection';
 import { VmmdError } from './errors';
 import type { ImportedMemory } from './local-memory';
-import type { OpenedStore } from './stores';
+import type { ClientSession } from './session';
+import type { OpenedStore, StoresApi } from './stores';
+import type { VirtualMemoryApi } from './vmm';
+
+/** What sleep and wake use of a client (client/connection.ts's VmmdClient). */
+export interface SleepClient {
+  readonly backend: string;
+  readonly vmm: VirtualMemoryApi;
+  readonly session: ClientSession;
+  readonly stores: StoresApi;
+}
 
 /** offload: the contents are copied to host memory and back; discard: the memory comes back with contents not promised. */
 export type SleepMode = 'offload' | 'discard';
@@ -105,7 +114,7 @@ function copyIn(host: ImportedMemory, to: ImportedMemory): Promise<void> {
 }
 
 /** Closes mappings and releases their allocations, failures ignored (the session reclaims what is left). */
-async function discardAll(client: VmmdClient, memory: ImportedMemory[]): Promise<void> {
+async function discardAll(client: SleepClient, memory: ImportedMemory[]): Promise<void> {
   await Promise.all(
     memory.map(async (mapped) => {
       await mapped.close().catch(() => undefined);
@@ -124,7 +133,7 @@ export class TaggedMemory implements Sleeper {
   private state: 'awake' | 'asleep' | 'busy' = 'awake';
 
   constructor(
-    private readonly client: VmmdClient,
+    private readonly client: SleepClient,
     readonly tag: string,
   ) {}
 
@@ -321,7 +330,7 @@ export class TaggedMemory implements Sleeper {
 export class MemoryTags {
   private readonly tags = new Map<string, Sleeper[]>();
 
-  constructor(private readonly client: VmmdClient) {}
+  constructor(private readonly client: SleepClient) {}
 
   /** The tag's group of mappings (made on first use). */
   group(tag: string): TaggedMemory {
