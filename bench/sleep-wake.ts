@@ -16,7 +16,6 @@ import type { ImportedMemory, VmmdClient } from '../client';
 import { startDaemon } from './lib/daemon';
 import { markdownTable, Row, Target } from './lib/stats';
 
-const GiB = 1n << 30n;
 const MiB = 1n << 20n;
 const GB = 1e9;
 /** A model's allocations: what a PyTorch caching allocator's segments look like (large, a few hundred MiB to 2 GiB). */

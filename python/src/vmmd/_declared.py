@@ -131,6 +131,7 @@ CODES: Dict[str, Tuple[str, str, str]] = {
     "FORKED": ("FAILED_PRECONDITION", "client", "a session used in a child of the process that opened it"),
     "CLIENT_CLOSED": ("FAILED_PRECONDITION", "client", "a call on a closed client"),
     "CLOSED": ("FAILED_PRECONDITION", "client", "a call on closed memory"),
+    "ASLEEP": ("FAILED_PRECONDITION", "client", "a copy into or out of memory whose pool sleeps, or a sleep or wake of a pool not in the state it needs"),
     "CONTEXT_CLOSED": ("FAILED_PRECONDITION", "client", "a call on a closed context"),
     "POOL_CLOSED": ("FAILED_PRECONDITION", "client", "a call on a closed pool"),
     "ALREADY_FREED": ("FAILED_PRECONDITION", "client", "a device array freed twice"),
