@@ -2,7 +2,7 @@
 round trip on the session socket where it can, the RPC where it cannot."""
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 from . import _proto
 from ._rpc import STREAM_CHUNK_BYTES, Message, Request, _Service
@@ -213,6 +213,27 @@ class VirtualMemoryApi:
             close_fd(owner[0])
             self._give_back(str(response.allocation_id), error)
             raise
+
+    def allocate_for_wake(self, pieces: List[Tuple[int, Any]], timeout: Optional[float] = None) -> List[Tuple[int, int]]:
+        """New allocations of this session for memory that wakes: one per
+        (size, location), all or none; returns (allocation id, descriptor)
+        pairs in order, the descriptors the caller's.
+        Raises VmmdError OUT_OF_MEMORY (nothing kept), SESSION_LOST; VmmdTimeoutError past `timeout`."""
+        seconds = self._service.seconds(timeout)
+        granted: List[Tuple[int, int]] = []
+        try:
+            for size, location in pieces:
+                on_socket = _location_message(location)
+                if on_socket is None:
+                    raise VmmdError("BAD_LOCATION", STATUS["INVALID_ARGUMENT"], f"memory that sleeps wakes on a device or host NUMA node by index, not {location!r}")
+                answer, fd = self._session.allocate(int(size), on_socket or None, seconds)
+                granted.append((int(answer["allocation"]), fd))
+        except BaseException as error:
+            for allocation, fd in granted:
+                close_fd(fd)
+                self._give_back(str(allocation), error)
+            raise
+        return granted
 
     def _give_back(self, allocation: str, error: BaseException) -> None:
         """Releases an allocation its caller will not get: at once after a
