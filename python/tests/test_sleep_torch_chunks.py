@@ -69,14 +69,14 @@ def test_a_tag_sleeps_and_wakes_at_its_addresses(library: Any, client: vmmd.Vmmd
     library.vmmd_set_tag(WEIGHTS)
     assert library.vmmd_torch_malloc(MiB, 0, STREAM_A) is None
     assert any(getattr(e, "code", "") == "ASLEEP" for e in supply.errors)
-    assert supply.wake(WEIGHTS) == held and not supply.asleep(WEIGHTS)
+    assert supply.wake([WEIGHTS]) == held and not supply.asleep(WEIGHTS)
     assert ctypes.string_at(weights, 3 * MiB) == b"\x5e" * (3 * MiB)
     assert library.vmmd_torch_malloc(MiB // 2, 0, STREAM_A) == weights + 3 * MiB
     with pytest.raises(vmmd.VmmdError) as raised:
-        supply.wake(WEIGHTS)
+        supply.wake([WEIGHTS])
     assert raised.value.code == "NOT_ASLEEP"
     supply.sleep(CACHE, "discard")
-    supply.wake(CACHE)
+    supply.wake([CACHE])
     library.vmmd_set_tag(0)
     supply.stop()
     pool.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import _sleep
 from ._sleep import Segment
@@ -132,17 +132,22 @@ class ChunkSupply:
                     chunk.share_key = None
         return sum(segment.memory.size for segment in segments)
 
-    def wake(self, tag: int, timeout: Optional[float] = None) -> int:
-        """Maps new memory at the addresses of the chunks of `tag` and copies offloaded contents back; returns the bytes.
-        Raises VmmdError NOT_ASLEEP, OUT_OF_MEMORY (still asleep and intact)."""
+    def wake(self, tags: Sequence[int], timeout: Optional[float] = None) -> int:
+        """Maps new memory at the addresses of the chunks of every tag in
+        `tags`, asked of the daemon in one request, and copies offloaded
+        contents back; returns the bytes.
+        Raises VmmdError NOT_ASLEEP (nothing done), OUT_OF_MEMORY (all still asleep and intact)."""
         with self._lock:
-            segments = self._asleep.get(tag)
-        if segments is None:
-            raise VmmdError("NOT_ASLEEP", STATUS["FAILED_PRECONDITION"], f"tag number {tag} is not asleep")
+            missing = [tag for tag in tags if tag not in self._asleep]
+            segments = [segment for tag in tags for segment in self._asleep.get(tag, [])]
+        if missing:
+            raise VmmdError("NOT_ASLEEP", STATUS["FAILED_PRECONDITION"], f"tag number {missing[0]} is not asleep")
         _sleep.wake(self._client(segments), segments, timeout)
         with self._lock:
-            del self._asleep[tag]
-        self.library.vmmd_set_asleep(tag, 0)
+            for tag in tags:
+                del self._asleep[tag]
+        for tag in tags:
+            self.library.vmmd_set_asleep(tag, 0)
         return sum(segment.memory.size for segment in segments)
 
     def _client(self, segments: List[Segment]) -> Any:
