@@ -14,14 +14,14 @@ either changes one import.
 Each (tag, backup) pair has a MemPool per device and a tag number in the C
 library (a region sets its thread's number, as torch_memory_saver's region
 config); pause and sleep put the numbers' chunks to sleep, resume and wake_up
-ask the daemon for all their memory in one request."""
+ask the daemon for all their memory in one request. torch is imported where
+a MemPool is needed only: pausing and resuming are the C library's and the
+daemon's business."""
 from __future__ import annotations
 
 import contextlib
 import threading
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
-
-import torch
 
 from . import _sleep
 from .errors import STATUS, VmmdError
@@ -67,6 +67,8 @@ class TorchMemorySaver:
             return number
 
     def _mem_pool(self, number: int, device: int) -> Any:
+        import torch
+
         with self._lock:
             pool = self._pools.get((number, device))
             if pool is None:
@@ -92,6 +94,8 @@ class TorchMemorySaver:
         """Tensors made inside live in vmmd memory of `tag` and pause with it:
         their contents are kept in the daemon's host memory when
         `enable_cpu_backup`, else dropped. Raises VmmdError BAD_TAG, ASLEEP."""
+        import torch
+
         number = self._number(tag, bool(enable_cpu_backup))
         self._check_awake(number, tag)
         device = torch.cuda.current_device()
@@ -104,6 +108,8 @@ class TorchMemorySaver:
         `tag` (the tag's MemPool unless `pool` is given), so that pausing the
         tag gives the graph's memory back too; the graph replays after resume.
         Raises VmmdError BAD_TAG, ASLEEP."""
+        import torch
+
         number = self._number(tag, bool(enable_cpu_backup))
         self._check_awake(number, tag)
         device = torch.cuda.current_device()
@@ -116,6 +122,8 @@ class TorchMemorySaver:
     @contextlib.contextmanager
     def disable(self) -> Iterator[None]:
         """Tensors made inside are outside every region (PyTorch's own memory), as torch_memory_saver's disable()."""
+        import torch
+
         with self._tagged(0), torch.cuda.use_mem_pool(torch.cuda.MemPool()):
             yield
 
