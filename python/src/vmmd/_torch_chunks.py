@@ -48,6 +48,9 @@ class ChunkSupply:
         self._chunks: Dict[int, Tuple[DevicePool, Chunk, int]] = {}
         # Tags whose chunks are asleep, with their segments; a refill for one of them fails (PyTorch's out of memory).
         self._asleep: Dict[int, List[Segment]] = {}
+        # CUDA graph captures under way: no chunk goes back meanwhile (a give-back synchronizes the
+        # device, which a capture in global mode refuses and is invalidated by).
+        self.captures = 0
         self._lock = threading.Lock()
         self.errors: List[BaseException] = []
         # Room ahead (half a chunk, the largest malloc and a quarter of what is held): most mallocs never wait for this thread.
@@ -169,8 +172,9 @@ class ChunkSupply:
                 return
             try:
                 # Emptied chunks first: their memory may be what the refill needs.
-                self.give_back(TAKE_FREED)
-                if kind == NEXT_TICK and self.idle_seconds > 0:
+                if not self.captures:
+                    self.give_back(TAKE_FREED)
+                if kind == NEXT_TICK and self.idle_seconds > 0 and not self.captures:
                     self.give_back(TAKE_IDLE)
             except BaseException as error:  # noqa: BLE001 - the thread must live on; kept for stats and tests
                 self.errors.append(error)

@@ -115,9 +115,14 @@ class TorchMemorySaver:
         device = torch.cuda.current_device()
         mem_pool = self._mem_pool(number, device)
         # Room before capture: the refill thread's driver calls must not run while the stream captures.
-        self.allocator.supply.add(device, 1, number)
-        with self._tagged(number), torch.cuda.graph(cuda_graph, pool=pool if pool is not None else mem_pool.id, stream=stream, capture_error_mode=capture_error_mode):
-            yield
+        supply = self.allocator.supply
+        supply.add(device, 1, number)
+        supply.captures += 1
+        try:
+            with self._tagged(number), torch.cuda.graph(cuda_graph, pool=pool if pool is not None else mem_pool.id, stream=stream, capture_error_mode=capture_error_mode):
+                yield
+        finally:
+            supply.captures -= 1
 
     @contextlib.contextmanager
     def disable(self) -> Iterator[None]:
