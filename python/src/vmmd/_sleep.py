@@ -136,6 +136,8 @@ def wake(client: Any, segments: Sequence[Segment], timeout: Optional[float] = No
     """Wakes every segment at its address (see the module's documentation).
     Raises VmmdError OUT_OF_MEMORY (the daemon had no room by the deadline),
     STORE_DETACHED, LOCAL_MAP_FAILED: every segment is still asleep then."""
+    if not segments:
+        return
     for segment in segments:
         if not segment.memory.asleep:
             raise VmmdError("NOT_ASLEEP", STATUS["FAILED_PRECONDITION"], f"the memory at 0x{segment.memory.address:x} is not asleep")
@@ -148,10 +150,10 @@ def wake(client: Any, segments: Sequence[Segment], timeout: Optional[float] = No
     reopened: List[Any] = []
     try:
         for segment in stores:
-            answer, fd = client.session.open_store({"id": int(segment.store.store.id)}, not segment.memory.read_only, client.vmm._service.seconds(timeout))
+            _, fd = client.session.open_store({"id": int(segment.store.store.id)}, not segment.memory.read_only, client.vmm._service.seconds(timeout))
             reopened.append(segment)
             fds.append(fd)
-            ids.append(int(answer["store"]["allocationId"]) if "allocationId" in answer.get("store", {}) else int(segment.store.store.allocation_id))
+            ids.append(int(segment.store.store.allocation_id))
         for index, segment in enumerate(kept + stores):
             fd, fds[index] = fds[index], -1
             segment.memory.resume(ids[index], fd)

@@ -46,8 +46,9 @@ class ChunkSupply:
         self.idle_seconds = idle_seconds_setting(idle_seconds)
         # Invariant: every chunk the C library holds, by base, with the pool that leased it and its tag.
         self._chunks: Dict[int, Tuple[DevicePool, Chunk, int]] = {}
-        # Tags whose chunks are asleep, with their segments; a refill for one of them fails (PyTorch's out of memory).
-        self._asleep: Dict[int, List[Segment]] = {}
+        # Tags whose chunks are asleep, with the client their pools lease from and their segments; a refill
+        # for one of them fails (PyTorch's out of memory).
+        self._asleep: Dict[int, Tuple[Any, List[Segment]]] = {}
         # CUDA graph captures under way: no chunk goes back meanwhile (a give-back synchronizes the
         # device, which a capture in global mode refuses and is invalidated by).
         self.captures = 0
@@ -103,7 +104,7 @@ class ChunkSupply:
         self.library.vmmd_counters(values)
         with self._lock:
             held = sum(chunk.size for _, chunk, _ in self._chunks.values())
-            asleep = sum(segment.memory.size for segments in self._asleep.values() for segment in segments)
+            asleep = sum(segment.memory.size for _, segments in self._asleep.values() for segment in segments)
         return {**dict(zip(COUNTERS, (int(v) for v in values))), "chunks": len(self._chunks), "bytes": held, "asleep_bytes": asleep}
 
     def asleep(self, tag: int) -> bool:
@@ -117,22 +118,23 @@ class ChunkSupply:
             if tag in self._asleep:
                 raise VmmdError("ASLEEP", STATUS["FAILED_PRECONDITION"], f"tag number {tag} is already asleep")
             # Marked first: from here no malloc carves from them and the refill thread gives none of them back.
-            self._asleep[tag] = []
+            self._asleep[tag] = (None, [])
         self.library.vmmd_set_asleep(tag, 1)
         try:
             with self._lock:
-                segments = [Segment(chunk.memory, pool.location) for pool, chunk, chunk_tag in self._chunks.values() if chunk_tag == tag]
-            _sleep.sleep(self._client(segments), segments, mode)
+                tagged = [(pool, chunk) for pool, chunk, chunk_tag in self._chunks.values() if chunk_tag == tag]
+            segments = [Segment(chunk.memory, pool.location) for pool, chunk in tagged]
+            client = tagged[0][0].client if tagged else None
+            _sleep.sleep(client, segments, mode)
         except BaseException:
             with self._lock:
                 del self._asleep[tag]
             self.library.vmmd_set_asleep(tag, 0)
             raise
         with self._lock:
-            self._asleep[tag] = segments
-            for pool, chunk, chunk_tag in self._chunks.values():
-                if chunk_tag == tag:
-                    chunk.share_key = None
+            self._asleep[tag] = (client, segments)
+            for _, chunk in tagged:
+                chunk.share_key = None
         return sum(segment.memory.size for segment in segments)
 
     def wake(self, tags: Sequence[int], timeout: Optional[float] = None) -> int:
@@ -142,21 +144,17 @@ class ChunkSupply:
         Raises VmmdError NOT_ASLEEP (nothing done), OUT_OF_MEMORY (all still asleep and intact)."""
         with self._lock:
             missing = [tag for tag in tags if tag not in self._asleep]
-            segments = [segment for tag in tags for segment in self._asleep.get(tag, [])]
+            segments = [segment for tag in tags for segment in self._asleep.get(tag, (None, []))[1]]
+            clients = [self._asleep[tag][0] for tag in tags if tag in self._asleep and self._asleep[tag][0] is not None]
         if missing:
             raise VmmdError("NOT_ASLEEP", STATUS["FAILED_PRECONDITION"], f"tag number {missing[0]} is not asleep")
-        _sleep.wake(self._client(segments), segments, timeout)
+        _sleep.wake(clients[0] if clients else None, segments, timeout)
         with self._lock:
             for tag in tags:
                 del self._asleep[tag]
         for tag in tags:
             self.library.vmmd_set_asleep(tag, 0)
         return sum(segment.memory.size for segment in segments)
-
-    def _client(self, segments: List[Segment]) -> Any:
-        with self._lock:
-            pools = [pool for pool, _, _ in self._chunks.values()]
-        return pools[0].client if pools else None
 
     def stop(self) -> None:
         """Stops the thread (mallocs fail from now on); the chunks stay with the session."""
