@@ -69,6 +69,9 @@ export const ERROR_CODES = {
   BEYOND_STAGING: daemon('OUT_OF_RANGE', 'a range past the end of the session\'s staging buffer'),
   BEYOND_STORE: daemon('OUT_OF_RANGE', 'a range past the end of its store'),
   RESERVATION_TOO_LARGE: daemon('OUT_OF_RANGE', 'a reservation larger than the daemon allows'),
+  TOO_MANY_SIZES: daemon('OUT_OF_RANGE', 'an AllocateAll naming more allocations than MAX_ALLOCATE_ALL_SIZES'),
+  BEYOND_DEVICE: daemon('OUT_OF_RANGE', 'an AllocateAll asking for more bytes than its device (or host memory) has in all'),
+  BAD_DEADLINE: daemon('OUT_OF_RANGE', 'an AllocateAll deadline past MAX_ALLOCATE_ALL_WAIT_MS'),
   // Objects that are not there
   UNKNOWN_ALLOCATION: daemon('NOT_FOUND', 'an allocation id that names no live allocation'),
   UNKNOWN_STORE: daemon('NOT_FOUND', 'a store id or name that names no store'),
@@ -117,7 +120,7 @@ export const ERROR_CODES = {
   SESSION_SOCKET_FULL: daemon('UNAVAILABLE', "the session socket is full: the client is not reading it"),
 
   // Backend and operating-system codes, mapped as they cross the wire
-  OUT_OF_MEMORY: backend('RESOURCE_EXHAUSTED', "the host backend's capacity is used up"),
+  OUT_OF_MEMORY: backend('RESOURCE_EXHAUSTED', "the host backend's capacity is used up, or an AllocateAll's memory was not freed before its deadline"),
   ENOMEM: backend('RESOURCE_EXHAUSTED', 'the kernel has no memory for the request'),
   EMFILE: backend('RESOURCE_EXHAUSTED', 'the daemon is out of descriptors'),
   ENFILE: backend('RESOURCE_EXHAUSTED', 'the system is out of descriptors'),

@@ -20,6 +20,10 @@ MAX_STAGING_BYTES = 1073741824
 DEFAULT_BUSY_POLL_US = 200
 # How long a descriptor sent as a transfer is waited for.
 DEFAULT_TRANSFER_WAIT_MS = 5000
+# The most allocations one AllocateAll (a wake) asks for.
+MAX_ALLOCATE_ALL_SIZES = 256
+# The longest an AllocateAll may wait for its memory, in milliseconds.
+MAX_ALLOCATE_ALL_WAIT_MS = 600000
 
 # Every error code: name -> (gRPC status name, who produces it, meaning).
 CODES: Dict[str, Tuple[str, str, str]] = {
@@ -47,6 +51,9 @@ CODES: Dict[str, Tuple[str, str, str]] = {
     "BEYOND_STAGING": ("OUT_OF_RANGE", "daemon", "a range past the end of the session's staging buffer"),
     "BEYOND_STORE": ("OUT_OF_RANGE", "daemon", "a range past the end of its store"),
     "RESERVATION_TOO_LARGE": ("OUT_OF_RANGE", "daemon", "a reservation larger than the daemon allows"),
+    "TOO_MANY_SIZES": ("OUT_OF_RANGE", "daemon", "an AllocateAll naming more allocations than MAX_ALLOCATE_ALL_SIZES"),
+    "BEYOND_DEVICE": ("OUT_OF_RANGE", "daemon", "an AllocateAll asking for more bytes than its device (or host memory) has in all"),
+    "BAD_DEADLINE": ("OUT_OF_RANGE", "daemon", "an AllocateAll deadline past MAX_ALLOCATE_ALL_WAIT_MS"),
     "UNKNOWN_ALLOCATION": ("NOT_FOUND", "daemon", "an allocation id that names no live allocation"),
     "UNKNOWN_STORE": ("NOT_FOUND", "daemon", "a store id or name that names no store"),
     "NOT_MAPPED": ("NOT_FOUND", "daemon", "an address inside a reservation where nothing is mapped"),
@@ -88,7 +95,7 @@ CODES: Dict[str, Tuple[str, str, str]] = {
     "TRANSFER_NOT_RECEIVED": ("DEADLINE_EXCEEDED", "daemon", "no descriptor arrived for the transfer id within --transfer-wait-ms"),
     "SESSION_CLOSED": ("UNAVAILABLE", "daemon", "the session closed while the call waited for it"),
     "SESSION_SOCKET_FULL": ("UNAVAILABLE", "daemon", "the session socket is full: the client is not reading it"),
-    "OUT_OF_MEMORY": ("RESOURCE_EXHAUSTED", "backend", "the host backend's capacity is used up"),
+    "OUT_OF_MEMORY": ("RESOURCE_EXHAUSTED", "backend", "the host backend's capacity is used up, or an AllocateAll's memory was not freed before its deadline"),
     "ENOMEM": ("RESOURCE_EXHAUSTED", "backend", "the kernel has no memory for the request"),
     "EMFILE": ("RESOURCE_EXHAUSTED", "backend", "the daemon is out of descriptors"),
     "ENFILE": ("RESOURCE_EXHAUSTED", "backend", "the system is out of descriptors"),
