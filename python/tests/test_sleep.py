@@ -172,6 +172,8 @@ def test_closing_an_asleep_pool_gives_everything_back(daemon: Daemon, client: vm
 
 
 def test_a_process_killed_while_asleep_leaves_nothing(daemon: Daemon) -> None:
+    # The previous test's client may still be closing: its session and memory would count in `before`.
+    eventually(lambda: daemon.stats().sessions == 0, what="the previous tests' sessions to close")
     before = daemon.stats()
     script = (
         "import ctypes, sys, vmmd\n"
