@@ -191,3 +191,26 @@ def test_a_process_killed_while_asleep_leaves_nothing(daemon: Daemon) -> None:
     os.kill(child.pid, signal.SIGKILL)
     child.wait(10)
     eventually(lambda: daemon.stats().allocated_bytes == before.allocated_bytes and daemon.stats().sessions == before.sessions, what="the killed session's memory released")
+
+
+def test_retained_copies_serve_the_next_sleep(daemon: Daemon, client: vmmd.VmmdClient) -> None:
+    eventually(lambda: daemon.stats().sessions == 1, what="the previous tests' sessions to close")
+    before = daemon.stats().allocated_bytes
+    pool = DevicePool(client, chunk_size=4 * MiB, idle_seconds=0, retain_copies=True)
+    block = pool.allocate(MiB)
+    ctypes.memset(block.address, 0xA1, MiB)
+    pool.sleep("offload")
+    pool.wake()
+    assert daemon.stats().allocated_bytes == before + 8 * MiB  # the chunk and its copy, kept
+    ctypes.memset(block.address, 0xB2, MiB)  # changed while awake: the next sleep copies it again
+    pool.sleep("offload")
+    assert daemon.stats().allocated_bytes == before + 4 * MiB  # no new copy
+    pool.wake()
+    assert ctypes.string_at(block.address, MiB) == b"\xb2" * MiB
+    pool.sleep("discard")  # a discard has no use for the copy
+    assert daemon.stats().allocated_bytes == before
+    pool.wake()
+    pool.sleep("offload")
+    pool.wake()
+    pool.close()
+    assert daemon.stats().allocated_bytes == before

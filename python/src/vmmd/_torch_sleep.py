@@ -56,6 +56,15 @@ class TorchMemorySaver:
     def enabled(self) -> bool:
         return True
 
+    @property
+    def retain_cpu_backup(self) -> bool:
+        """Whether resume keeps the host copies of backed-up regions for the next pause (torch_memory_saver's name)."""
+        return bool(self.allocator.supply.retain)
+
+    @retain_cpu_backup.setter
+    def retain_cpu_backup(self, value: bool) -> None:
+        self.allocator.supply.retain = bool(value)
+
     def _number(self, tag: str, backup: bool) -> int:
         check_tag(tag)
         with self._lock:
