@@ -46,6 +46,20 @@ def test_torch_tensors_keep_addresses_and_backed_up_contents() -> None:
     assert answer["freed"] >= 700 << 20, f"pause gave back {answer['freed']} bytes"
 
 
+def test_a_plain_mem_pool_sleeps_and_wakes() -> None:
+    pytest.importorskip("torch")
+    answer = run_python("""
+        import json, torch, vmmd.torch
+        with torch.cuda.use_mem_pool(vmmd.torch.mem_pool()):
+            t = torch.arange(1 << 24, device="cuda", dtype=torch.int64)
+        pointer = t.data_ptr()
+        vmmd.torch.allocator().sleep("offload")
+        vmmd.torch.allocator().wake()
+        print(json.dumps({"same": t.data_ptr() == pointer, "equal": bool(torch.equal(t, torch.arange(1 << 24, device="cuda", dtype=torch.int64)))}))
+    """)
+    assert answer == {"same": True, "equal": True}
+
+
 def test_vllm_levels_keep_the_weights_and_drop_the_rest() -> None:
     pytest.importorskip("torch")
     answer = run_python("""
