@@ -84,8 +84,12 @@ class ChunkSupply:
         """Takes the chunks the C library lets go (TAKE_FREED or TAKE_IDLE) back to the daemon; returns the bytes."""
         device, base, size = ctypes.c_int(), ctypes.c_uint64(), ctypes.c_uint64()
         taken: Dict[int, Tuple[DevicePool, List[Chunk]]] = {}
-        while self.library.vmmd_take_empty_chunk(mode, ctypes.c_double(self.idle_seconds), ctypes.byref(device), ctypes.byref(base), ctypes.byref(size)):
+        while True:
+            # The take and the pop under one lock: a sleep that marks a tag asleep between them would
+            # otherwise find a chunk this is giving back (it marks first, then collects under this lock).
             with self._lock:
+                if not self.library.vmmd_take_empty_chunk(mode, ctypes.c_double(self.idle_seconds), ctypes.byref(device), ctypes.byref(base), ctypes.byref(size)):
+                    break
                 pool, chunk, _ = self._chunks.pop(base.value)
                 segment = self._segments.pop(chunk.base, None)
             if segment is not None:
