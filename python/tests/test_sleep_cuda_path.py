@@ -1,0 +1,39 @@
+"""Sleep and wake on the CUDA path against the stand-in driver
+(fake_cuda_driver.py): unmapped with the range kept reserved, offloaded by
+the copy engines into host memory mapped for the device, mapped again at the
+same address with its access, every handle and stream released."""
+from __future__ import annotations
+
+import types
+
+import vmmd
+from vmmd.pool import DevicePool
+
+from conftest import MiB, Daemon
+from test_cuda_path import cuda_client, driver  # noqa: F401 - fixtures
+
+
+def test_device_memory_sleeps_with_its_range_reserved_and_wakes_at_it(daemon: Daemon, cuda_client: vmmd.VmmdClient, driver: types.ModuleType) -> None:  # noqa: F811
+    pool = DevicePool(cuda_client, chunk_size=4 * MiB, idle_seconds=0)
+    block = pool.allocate(MiB)
+    chunk = block.chunk
+    chunk.memory.write(block.offset, b"weights" * 1000)
+    driver.calls.clear()
+    pool.sleep("offload")
+    # Synchronized first, copied by the copy engines into host memory mapped for the device, then unmapped with the range kept.
+    assert driver.calls.index("cuCtxSynchronize") < driver.calls.index("cuMemcpyAsync") < driver.calls.index("cuMemUnmap")
+    assert (chunk.base, chunk.size) in driver.live["reservations"] and (chunk.base, chunk.size) not in driver.live["mappings"]
+    assert [d for d in driver.access[-1] if d[0] == 3], "the host copy is not mapped for the host"
+    assert not driver.live["streams"] and not driver.poisoned
+    driver.calls.clear()
+    pool.wake()
+    assert "cuMemAddressReserve" not in driver.calls and driver.calls.count("cuMemMap") == 1
+    assert (chunk.base, chunk.size) in driver.live["mappings"] and chunk.memory.address == chunk.base
+    assert chunk.memory.read(block.offset, 7000) == b"weights" * 1000
+    assert not driver.live["streams"] and not driver.poisoned
+    driver.calls.clear()
+    pool.sleep("discard")
+    pool.wake()
+    assert "cuMemcpyAsync" not in driver.calls and driver.calls.count("cuMemUnmap") == 1 and driver.calls.count("cuMemMap") == 1
+    pool.close()
+    assert not driver.live["mappings"] and not driver.live["reservations"]
