@@ -93,6 +93,10 @@ def test_bad_calls_change_nothing(client: vmmd.VmmdClient) -> None:
     with pytest.raises(vmmd.VmmdError) as raised:
         pool.sleep("offload")
     assert raised.value.code == "ASLEEP" and pool.asleep
+    for bad in (-1, 601):
+        with pytest.raises(vmmd.VmmdError) as raised:
+            pool.wake(timeout=bad)
+        assert (raised.value.code, raised.value.status_name) == ("BAD_TIMEOUT", "INVALID_ARGUMENT") and str(bad) in raised.value.message and pool.asleep
     # A free while asleep is bookkeeping only; the block's memory comes back with the rest.
     pool.free(blocks[0])
     assert pool.trim() == 0
