@@ -134,10 +134,13 @@ def main() -> None:
     opened = client.stores.open("sleep-bench-model")
     pool = DevicePool(client, idle_seconds=0, tag="model")
     pool.attach_store(opened)
+    address = opened.memory.address
+    start = time.perf_counter()
     pool.sleep("offload")
+    sleep_seconds = time.perf_counter() - start
     start = time.perf_counter()
     pool.wake()
-    result["store"] = {"wake_s": time.perf_counter() - start, "same_address": opened.memory.address != 0}
+    result["store"] = {"sleep_s": sleep_seconds, "wake_s": time.perf_counter() - start, "same_address": opened.memory.address == address}
     opened.close()
     pool.close()
     client.stores.detach(int(store.id))
