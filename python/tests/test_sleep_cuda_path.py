@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import types
 
+import pytest
+
+import fake_cuda_driver
 import vmmd
 from vmmd.pool import DevicePool
 
@@ -37,3 +40,31 @@ def test_device_memory_sleeps_with_its_range_reserved_and_wakes_at_it(daemon: Da
     assert "cuMemcpyAsync" not in driver.calls and driver.calls.count("cuMemUnmap") == 1 and driver.calls.count("cuMemMap") == 1
     pool.close()
     assert not driver.live["mappings"] and not driver.live["reservations"]
+
+
+def test_a_wake_whose_mapping_fails_leaves_everything_asleep(daemon: Daemon, cuda_client: vmmd.VmmdClient, driver: types.ModuleType) -> None:  # noqa: F811
+    pool = DevicePool(cuda_client, chunk_size=4 * MiB, large_threshold=2 * MiB, idle_seconds=0)
+    small, large = pool.allocate(MiB), pool.allocate(3 * MiB)
+    large.chunk.memory.write(large.offset, b"kept")
+    pool.sleep("offload")
+    asleep = daemon.stats().allocations
+    original, maps = driver.cuMemMap, []
+
+    def second_map_fails(*args: object) -> object:
+        maps.append(args)
+        if len(maps) == 2:
+            return (fake_cuda_driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY,)
+        return original(*args)
+
+    driver.cuMemMap = second_map_fails
+    with pytest.raises(vmmd.VmmdError) as raised:
+        pool.wake()
+    assert raised.value.code == "CUDA_ERROR_OUT_OF_MEMORY" and "cuMemMap" in raised.value.message
+    # The first range mapped is unmapped again, the new allocations are given back, the copies stay.
+    assert pool.asleep and small.chunk.memory.asleep and large.chunk.memory.asleep
+    assert all((chunk.base, chunk.size) not in driver.live["mappings"] for chunk in (small.chunk, large.chunk))
+    assert daemon.stats().allocations == asleep and not driver.live["handles"]
+    driver.cuMemMap = original
+    pool.wake()
+    assert large.chunk.memory.read(large.offset, 4) == b"kept"
+    pool.close()
