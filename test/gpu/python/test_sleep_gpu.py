@@ -184,7 +184,8 @@ from vmmd.torch import torch_memory_saver as saver
 # 60% of the GPU: weights (kept across sleeps) and a KV cache (dropped, refilled after each wake), as a vLLM worker at level 1.
 total = torch.cuda.mem_get_info()[1]
 share = int(total * 0.60)
-weights_bytes = min(share // 8, 4 << 30)
+weights_bytes = min(share // 8, 2 << 30)
+saver.retain_cpu_backup = True  # the weights' host copies are made once, as an RL loop would keep them
 with saver.region(tag="weights", enable_cpu_backup=True):
     weights = [torch.randn(weights_bytes // 4 // 8, device="cuda") for _ in range(8)]
 with saver.region(tag="kv_cache"):
