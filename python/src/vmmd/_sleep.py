@@ -100,6 +100,8 @@ def sleep(client: Any, segments: Sequence[Segment], mode: str) -> None:
     made: List[ImportedMemory] = []
     try:
         if mode == OFFLOAD:
+            # Plain allocations, never queued: a sleep is what frees memory, and a queued request for its
+            # copies could wait behind a wake that waits for this very sleep (the host backend has one queue).
             for segment in kept:
                 copy = segment.copy  # retained from the last wake
                 if copy is None or copy.size < segment.memory.size:
