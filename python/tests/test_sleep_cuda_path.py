@@ -68,3 +68,20 @@ def test_a_wake_whose_mapping_fails_leaves_everything_asleep(daemon: Daemon, cud
     pool.wake()
     assert large.chunk.memory.read(large.offset, 4) == b"kept"
     pool.close()
+
+
+def test_a_wake_whose_copy_back_fails_leaves_everything_asleep(daemon: Daemon, cuda_client: vmmd.VmmdClient, driver: types.ModuleType) -> None:  # noqa: F811
+    pool = DevicePool(cuda_client, chunk_size=4 * MiB, idle_seconds=0)
+    block = pool.allocate(MiB)
+    block.chunk.memory.write(block.offset, b"kept")
+    pool.sleep("offload")
+    asleep = daemon.stats().allocations
+    driver.fail["cuMemcpyAsync"] = fake_cuda_driver.CUresult.CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(vmmd.VmmdError) as raised:
+        pool.wake()
+    assert "cuMemcpyAsync" in raised.value.message
+    assert pool.asleep and block.chunk.memory.asleep and (block.chunk.base, block.chunk.size) not in driver.live["mappings"]
+    assert daemon.stats().allocations == asleep and not driver.live["streams"]
+    pool.wake()
+    assert block.chunk.memory.read(block.offset, 4) == b"kept"
+    pool.close()

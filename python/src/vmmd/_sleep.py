@@ -165,7 +165,7 @@ def wake(client: Any, segments: Sequence[Segment], timeout: Optional[float] = No
     reopened: List[Any] = []
     try:
         for segment in stores:
-            _, fd = client.session.open_store({"id": int(segment.store.store.id)}, not segment.memory.read_only, client.vmm._service.seconds(timeout))
+            _, fd = client.session.open_store({"id": int(segment.store.store.id)}, not segment.memory.read_only, client.vmm._service.seconds(None))
             reopened.append(segment)
             fds.append(fd)
             ids.append(int(segment.store.store.allocation_id))
@@ -187,9 +187,21 @@ def wake(client: Any, segments: Sequence[Segment], timeout: Optional[float] = No
         _release(client, ids[: len(kept)])
         raise
     offloaded = [segment for segment in kept if segment.copy is not None]
-    for device in sorted({s.memory.device for s in offloaded if s.memory.is_device_memory}) or [-1]:
-        pairs = [(s.memory.address, s.copy.address, s.memory.size) for s in offloaded if s.copy is not None and (device < 0 or s.memory.device == device)]
-        _copy(pairs, device >= 0, device)
+    try:
+        for device in sorted({s.memory.device for s in offloaded if s.memory.is_device_memory}) or [-1]:
+            pairs = [(s.memory.address, s.copy.address, s.memory.size) for s in offloaded if s.copy is not None and (device < 0 or s.memory.device == device)]
+            _copy(pairs, device >= 0, device)
+    except BaseException:
+        # The bytes did not come back: asleep again, the copies kept for another wake.
+        for segment in resumed:
+            segment.memory.suspend()
+        for segment in stores:
+            try:
+                client.stores.close(int(segment.store.store.id))
+            except VmmdError:
+                pass
+        _release(client, ids[: len(kept)])
+        raise
     if retain:
         return
     copies = [segment.copy for segment in offloaded if segment.copy is not None]
