@@ -30,6 +30,7 @@ import { VmmdError } from './errors';
 import { LazyServices } from './lazy-services';
 import { StoresApi } from './stores';
 import { VirtualMemoryApi } from './vmm';
+import { MemoryTags, SleepOptions, SleepReport, WakeOptions, WakeReport } from './sleep-wake';
 
 export interface ConnectOptions {
   /** The daemon's socket directory; default VMMD_SOCKET_DIR, then the daemon's own default. */
@@ -144,6 +145,25 @@ export class VmmdClient extends EventEmitter {
 
   /** True once the daemon ended the session without close() (it stopped or crashed). */
   lost = false;
+
+  /** Memory that sleeps and wakes by tag (client/sleep-wake.ts): groups of mappings, memory managers' pools. */
+  readonly tags = new MemoryTags(this);
+
+  /**
+   * Puts the memory tagged `tag` to sleep (docs/CLIENT.md, Sleep and wake).
+   * @throws VmmdError NOT_FOUND NOT_VMMD_MEMORY (no such tag); FAILED_PRECONDITION ASLEEP; the offload's refusals
+   */
+  sleep(tag: string, options: SleepOptions = {}): Promise<SleepReport> {
+    return this.tags.sleep(tag, options);
+  }
+
+  /**
+   * Wakes the memory tagged `tag` at the same addresses.
+   * @throws VmmdError NOT_FOUND NOT_VMMD_MEMORY; RESOURCE_EXHAUSTED OUT_OF_MEMORY (still asleep and intact)
+   */
+  wake(tag: string, options: WakeOptions = {}): Promise<WakeReport> {
+    return this.tags.wake(tag, options);
+  }
 
   /**
    * A new client, on a new session with the daemon at the same socket

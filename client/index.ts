@@ -30,6 +30,8 @@ export { DEFAULT_POOL, sizeClass } from './emm/pool';
 export type { PoolSettings } from './emm/pool';
 export { VmmdMemoryManager } from './emm/vmmd-manager';
 export type { ManagerStats, VmmdManagerContext } from './emm/vmmd-manager';
+export { MemoryTags, SLEEP_COPIES_IN_FLIGHT, SLEEP_COPY_CHUNK_BYTES, TaggedMemory } from './sleep-wake';
+export type { Sleeper, SleepMode, SleepOptions, SleepReport, WakeOptions, WakeReport } from './sleep-wake';
 export { OpenedStore, StoresApi } from './stores';
 export type { StoreName } from './stores';
 export { AttachedStore, ExternalAllocation, onDeleterError } from './external';

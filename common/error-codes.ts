@@ -160,6 +160,7 @@ export const ERROR_CODES = {
   FORKED: client('FAILED_PRECONDITION', "a session used in a child of the process that opened it"),
   CLIENT_CLOSED: client('FAILED_PRECONDITION', 'a call on a closed client'),
   CLOSED: client('FAILED_PRECONDITION', 'a call on closed memory'),
+  ASLEEP: client('FAILED_PRECONDITION', 'a copy into or out of memory whose pool sleeps, or a sleep or wake of a pool not in the state it needs'),
   CONTEXT_CLOSED: client('FAILED_PRECONDITION', 'a call on a closed context'),
   POOL_CLOSED: client('FAILED_PRECONDITION', 'a call on a closed pool'),
   ALREADY_FREED: client('FAILED_PRECONDITION', 'a device array freed twice'),
