@@ -25,6 +25,8 @@ export interface SleepClient {
   readonly vmm: VirtualMemoryApi;
   readonly session: ClientSession;
   readonly stores: StoresApi;
+  /** ListDevices (connection.ts's DevicesApi): which host memory is nearest a device. */
+  readonly devices: { listDevices(): Promise<{ devices: Array<{ index: number; hostNumaId: number }> }> };
 }
 
 /** offload: the contents are copied to host memory and back; discard: the memory comes back with contents not promised. */
@@ -81,8 +83,16 @@ export const SLEEP_COPIES_IN_FLIGHT = 4;
 const DEFAULT_SLEEP_DEADLINE_MS = 10_000;
 const DEFAULT_WAKE_DEADLINE_MS = 30_000;
 
-/** Where offloaded bytes go: host memory, near the device (NUMA node 0 on the host backend). */
-const HOST_MEMORY = { type: 'LOCATION_TYPE_HOST_NUMA' as const, id: 0 };
+/**
+ * Where offloaded bytes go: the host memory nearest the device (on a host of two sockets the far one
+ * halves the copy's bandwidth); node 0 where the daemon does not know it, or the memory spans devices.
+ */
+async function hostMemoryNear(client: SleepClient, devices: number[]): Promise<{ type: 'LOCATION_TYPE_HOST_NUMA'; id: number }> {
+  const known = new Set(devices);
+  if (client.backend !== 'cuda' || known.size !== 1) return { type: 'LOCATION_TYPE_HOST_NUMA', id: 0 };
+  const device = (await client.devices.listDevices()).devices.find((info) => info.index === devices[0]);
+  return { type: 'LOCATION_TYPE_HOST_NUMA', id: device !== undefined && device.hostNumaId >= 0 ? device.hostNumaId : 0 };
+}
 
 /** Runs `step` over [0, length) in pieces of `chunk` bytes, at most `inFlight` at once. */
 async function inPieces(length: bigint, chunk: number, inFlight: number, step: (offset: bigint, bytes: number) => Promise<unknown>): Promise<void> {
@@ -219,7 +229,8 @@ export class TaggedMemory implements Sleeper {
     const copied = mode === 'offload' ? this.members.filter((member) => member.storeId === undefined) : [];
     let offloadedBytes = 0n;
     if (copied.length > 0) {
-      const { memory: hosts } = await this.client.vmm.allocateAll({ sizes: copied.map((member) => member.memory.size), location: HOST_MEMORY, deadlineMs }, { hostAccess: true });
+      const location = await hostMemoryNear(this.client, copied.map((member) => member.memory.device));
+      const { memory: hosts } = await this.client.vmm.allocateAll({ sizes: copied.map((member) => member.memory.size), location, deadlineMs }, { hostAccess: true });
       try {
         await Promise.all(copied.map((member, index) => copyOut(member.memory, hosts[index])));
       } catch (error) {
