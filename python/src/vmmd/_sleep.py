@@ -30,7 +30,8 @@ from .memory import ImportedMemory
 OFFLOAD = "offload"
 DISCARD = "discard"
 MODES = (OFFLOAD, DISCARD)
-# Where offloaded contents go: host memory of the daemon, mapped here for the device (pinned: the copy engines reach it).
+# Where offloaded contents go where the device's nearest node is not known: host memory of the daemon,
+# mapped here for the device (pinned: the copy engines reach it).
 HOST_LOCATION: Dict[str, Any] = {"type": "LOCATION_TYPE_HOST_NUMA", "id": 0}
 
 
@@ -81,6 +82,22 @@ def _release(client: Any, allocation_ids: List[int]) -> List[VmmdError]:
     return [result for result in results if isinstance(result, VmmdError) and result.code != "SESSION_LOST"]
 
 
+def _nearest_host_memory(client: Any) -> Any:
+    """Where a segment's copy goes: the host memory nearest its device (on a
+    host of two sockets the far node halves the copy's bandwidth), as the
+    daemon's ListDevices names it on cuda; node 0 where it is not known."""
+    numa: Dict[int, int] = {}
+    if getattr(client.vmm, "backend", "") == "cuda":
+        numa = {int(d.index): int(d.host_numa_id) for d in client.devices.list_devices().devices}
+
+    def near(location: Any) -> Dict[str, Any]:
+        device = location.get("id", 0) if isinstance(location, dict) and location.get("type", "LOCATION_TYPE_DEVICE") == "LOCATION_TYPE_DEVICE" else None
+        node = numa.get(int(device), -1) if device is not None else -1
+        return {"type": "LOCATION_TYPE_HOST_NUMA", "id": node} if node >= 0 else HOST_LOCATION
+
+    return near
+
+
 def sleep(client: Any, segments: Sequence[Segment], mode: str) -> None:
     """Puts every segment to sleep (see the module's documentation). Nothing
     changes when the offload copies cannot be made.
@@ -102,10 +119,11 @@ def sleep(client: Any, segments: Sequence[Segment], mode: str) -> None:
         if mode == OFFLOAD:
             # Plain allocations, never queued: a sleep is what frees memory, and a queued request for its
             # copies could wait behind a wake that waits for this very sleep (the host backend has one queue).
+            near = _nearest_host_memory(client)
             for segment in kept:
                 copy = segment.copy  # retained from the last wake
                 if copy is None or copy.size < segment.memory.size:
-                    copy = client.vmm.allocate(segment.memory.size, location=HOST_LOCATION, host_access=True)
+                    copy = client.vmm.allocate(segment.memory.size, location=near(segment.location), host_access=True)
                     made.append(copy)
                 copies.append(copy)
             for device in devices or [-1]:
