@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterator, Optional
 
 import cupy
 
+from . import _cupy_native
 from .client import VmmdClient, shared_client
 from .pool import Block, DevicePool
 
@@ -39,15 +40,20 @@ class _BlockOwner:
 class VmmdAllocator:
     """An allocator for cupy.cuda.set_allocator: malloc(size) → MemoryPointer
     of vmmd memory. One pool per device, leased by `client` (default: this
-    process's shared session); `idle_seconds` as DevicePool's."""
+    process's shared session); `idle_seconds` as DevicePool's. `native`: blocks
+    carved in C (vmmd._cupy_native) where it can run, else in Python."""
 
-    def __init__(self, client: Optional[VmmdClient] = None, chunk_size: int = 32 << 20, large_threshold: int = 16 << 20, idle_seconds: Optional[float] = None) -> None:
+    def __init__(self, client: Optional[VmmdClient] = None, chunk_size: int = 32 << 20, large_threshold: int = 16 << 20, idle_seconds: Optional[float] = None, native: bool = True) -> None:
         if client is None:
             client = shared_client()
         self.client = client
         self._settings = (chunk_size, large_threshold, idle_seconds)
         self._pools: Dict[int, DevicePool] = {}
         self._daemon_devices: Dict[str, int] = {d.uuid: int(d.index) for d in client.devices.list_devices().devices}
+        self._carver = _cupy_native.carver(client, self.pool, chunk_size, large_threshold, idle_seconds) if native else None
+        if self._carver is not None:
+            # What CuPy calls: the C path, Python only to lease a chunk.
+            self.malloc = self._carver.malloc  # type: ignore[method-assign]
 
     def pool(self, device: Optional[int] = None) -> DevicePool:
         device = cupy.cuda.runtime.getDevice() if device is None else device
@@ -72,9 +78,11 @@ class VmmdAllocator:
     def free_all_blocks(self) -> int:
         """Gives every empty chunk back to the daemon, once the work queued
         before the frees is done; returns the bytes."""
-        return sum(pool.trim() for pool in self._pools.values())
+        return sum(pool.trim() for pool in self._pools.values()) + (self._carver.trim() if self._carver is not None else 0)
 
     def stats(self) -> Dict[int, Dict[str, int]]:
+        if self._carver is not None:
+            return {device: self._carver.stats(device) for device in self._pools}
         return {device: pool.stats() for device, pool in self._pools.items()}
 
 

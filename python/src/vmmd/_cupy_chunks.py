@@ -1,0 +1,166 @@
+"""The chunks behind vmmd's CuPy allocator when it runs in C
+(_cupy_allocator.c through cupy.cuda.memory.CFunctionAllocator): the library
+carves blocks from chunks that this module leases, maps and hands over, and
+takes them back on trim() (CuPy's free_all_blocks) or once a chunk has been
+idle for `idle_seconds`.
+
+CuPy calls the C malloc holding the GIL; when it finds no room it answers
+NULL at once and the Python function CuPy really calls (`Carver.malloc`)
+leases a chunk on the caller's thread and asks again: no thread waits for
+another, and out of memory (after giving cached chunks back) is raised there
+as the OutOfMemoryError CuPy's callers catch. One carver per process: the C
+library's state is the process's, and the chunks must outlive every array
+carved from them, so the carver is never dropped. Nothing here imports cupy:
+the host tests drive it through the library alone."""
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from ._compile import shared_library
+from .errors import STATUS, VmmdError
+from .pool import _REAPER, Chunk, DevicePool, idle_seconds_setting
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TAKE_IDLE = 1
+# The C library's counters (those of _torch_allocator.c, as this library uses them).
+COUNTERS = ("mallocs", "frees", "same_stream_reused", None, "no_room", None, None, "unknown_frees")
+# Times a malloc leases and asks again before it gives up (other threads may take the room between).
+GROW_ATTEMPTS = 4
+
+
+def library_path() -> str:
+    """The built library (vmmd._compile: built with the host's C compiler on first use, then cached).
+    Raises VmmdError NO_COMPILER."""
+    return shared_library(os.path.join(HERE, "_cupy_allocator.c"), includes=(os.path.join(HERE, "_torch_allocator.c"),))
+
+
+def load(path: Optional[str] = None) -> ctypes.CDLL:
+    """The library (library_path(), or `path`), its functions typed."""
+    library = ctypes.CDLL(path or library_path())
+    u64, pointer = ctypes.c_uint64, ctypes.c_void_p
+    library.vmmd_set_driver.argtypes = [pointer] * 5
+    library.vmmd_counters.argtypes = [ctypes.POINTER(u64)]
+    library.vmmd_cupy_configure.argtypes = [pointer, u64]
+    library.vmmd_cupy_size_class.argtypes = [u64]
+    library.vmmd_cupy_size_class.restype = u64
+    library.vmmd_cupy_malloc.argtypes = [pointer, ctypes.c_size_t, ctypes.c_int]
+    library.vmmd_cupy_malloc.restype = pointer
+    library.vmmd_cupy_free.argtypes = [pointer, pointer, ctypes.c_int]
+    library.vmmd_cupy_add_chunk.argtypes = [ctypes.c_int, u64, u64, ctypes.c_int]
+    library.vmmd_cupy_stats.argtypes = [ctypes.c_int, ctypes.POINTER(u64)]
+    library.vmmd_take_empty_chunk.argtypes = [ctypes.c_int, ctypes.c_double, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(u64), ctypes.POINTER(u64)]
+    return library
+
+
+def function_address(library: ctypes.CDLL, name: str) -> int:
+    return int(ctypes.cast(getattr(library, name), ctypes.c_void_p).value or 0)
+
+
+class Carver:
+    """Chunks for the C library, leased from per-device pools (`pool_for(device)`,
+    device as CuPy numbers it). `large_threshold` as DevicePool's: a larger request
+    gets a chunk of its own size when none has room. `allocate(size)` is the C path
+    (CFunctionAllocator's malloc: an object whose `.ptr` is 0 when there was no
+    room); `device()` the device it allocates on."""
+
+    def __init__(self, library: Any, pool_for: Callable[[int], DevicePool], allocate: Callable[[int], Any], device: Callable[[], int], large_threshold: int, idle_seconds: Optional[float] = None, stream_getter: int = 0) -> None:
+        self.library = library
+        self._pool_for = pool_for
+        self._allocate = allocate
+        self._device = device
+        self.large_threshold = large_threshold
+        self.idle_seconds = idle_seconds_setting(idle_seconds)
+        library.vmmd_cupy_configure(stream_getter or None, large_threshold)
+        # Invariant: every chunk the C library holds, by base, with the pool that leased it.
+        self._chunks: Dict[int, Tuple[DevicePool, Chunk]] = {}
+        self._lock = threading.Lock()
+        self.counters = collections.Counter()  # type: ignore[var-annotated]
+        if self.idle_seconds > 0:
+            _REAPER.watch(self)  # type: ignore[arg-type]
+
+    def malloc(self, size: int) -> Any:
+        """CuPy's allocation: the C path, and when it finds no room a chunk leased here and the C path again.
+        Raises VmmdError RESOURCE_EXHAUSTED (a MemoryError, CuPy's OutOfMemoryError) when the daemon has no room."""
+        memory = self._allocate(size)
+        if memory.ptr or not size:
+            return memory
+        for _ in range(GROW_ATTEMPTS):
+            self.grow(self._device(), size)
+            memory = self._allocate(size)
+            if memory.ptr:
+                return memory
+        raise VmmdError("OUT_OF_MEMORY", STATUS["RESOURCE_EXHAUSTED"], f"CuPy allocation of {size} bytes: other threads took each chunk leased for it ({GROW_ATTEMPTS} times)")
+
+    def grow(self, device: int, size: int) -> Chunk:
+        """Leases and maps a chunk where a request of `size` bytes fits and hands it to the C library.
+        Raises VmmdError RESOURCE_EXHAUSTED when even after giving back cached chunks the daemon has no room."""
+        pool = self._pool_for(device)
+        rounded = int(self.library.vmmd_cupy_size_class(size))
+        own = rounded > self.large_threshold
+        lease = -(-rounded // pool.granularity) * pool.granularity if own else pool.chunk_size
+        memory = self._lease(pool, lease)
+        chunk = Chunk(memory, int(memory.address), int(memory.size))
+        with self._lock:
+            self._chunks[chunk.base] = (pool, chunk)
+        if self.library.vmmd_cupy_add_chunk(device, chunk.base, chunk.size, int(own)) != 0:
+            with self._lock:
+                del self._chunks[chunk.base]
+            pool._release([chunk])
+            raise VmmdError("NO_MEMORY", STATUS["RESOURCE_EXHAUSTED"], "the allocation library could not record a chunk (out of host memory)")
+        self.counters["chunks_leased" if not own else "large"] += 1
+        return chunk
+
+    def _lease(self, pool: DevicePool, size: int) -> Any:
+        try:
+            return pool.client.vmm.allocate(size, location=pool.location)
+        except VmmdError as error:
+            if not error.out_of_memory:
+                raise
+            # Give back what is cached (once the device is done with it) and try once more, as CuPy does.
+            self.counters["out_of_memory_retries"] += 1
+            if self.trim() == 0:
+                raise
+            return pool.client.vmm.allocate(size, location=pool.location)
+
+    def trim(self) -> int:
+        """Returns every chunk with nothing in use to the daemon (after the device's work on them); returns the bytes."""
+        return self._give_back(1e-9)
+
+    def trim_if_idle(self) -> int:
+        """Returns the chunks unused for `idle_seconds`; returns the bytes."""
+        if self.idle_seconds <= 0:
+            return 0
+        given = self._give_back(self.idle_seconds)
+        if given:
+            self.counters["idle_trims"] += 1
+        return given
+
+    def _give_back(self, idle: float) -> int:
+        device, base, size = ctypes.c_int(), ctypes.c_uint64(), ctypes.c_uint64()
+        taken: Dict[int, Tuple[DevicePool, List[Chunk]]] = {}
+        while self.library.vmmd_take_empty_chunk(TAKE_IDLE, ctypes.c_double(idle), ctypes.byref(device), ctypes.byref(base), ctypes.byref(size)):
+            with self._lock:
+                pool, chunk = self._chunks.pop(base.value)
+            taken.setdefault(id(pool), (pool, []))[1].append(chunk)
+        total = 0
+        for pool, chunks in taken.values():
+            # _release synchronizes the device first: the held blocks' work may still run.
+            pool._release(chunks)
+            total += sum(chunk.size for chunk in chunks)
+        return total
+
+    def stats(self, device: int) -> Dict[str, int]:
+        """DevicePool.stats()'s keys for the chunks of `device`."""
+        values = (ctypes.c_uint64 * 6)()
+        self.library.vmmd_cupy_stats(device, values)
+        chunks, held, used, blocks, stream_held, _ = (int(v) for v in values)
+        return {"chunks": chunks, "bytes": held, "used": used, "blocks": blocks, "large": 0, "large_bytes": 0, "idle_large_bytes": 0, "pending_frees": 0, "stream_held_bytes": stream_held}
+
+    def library_counters(self) -> Dict[str, int]:
+        values = (ctypes.c_uint64 * len(COUNTERS))()
+        self.library.vmmd_counters(values)
+        return {name: int(value) for name, value in zip(COUNTERS, values) if name}
