@@ -1,8 +1,9 @@
 """The C allocation library behind vmmd's CuPy allocator (_cupy_allocator.c)
 and the carver that leases its chunks (_cupy_chunks.py), without CuPy: blocks
-carved in C in size classes, stream-ordered reuse with the driver's events
-stood in for (a malloc never waits: no room is NULL at once), chunks of their
-own for large requests, and the Python side that leases on the caller's
+carved in C in size classes, stream-ordered reuse (a block freed goes to its
+stream, to others once the held blocks are released after a synchronize; a
+malloc never waits: no room is NULL at once), chunks of their own for large
+requests, and the Python side that leases on the caller's
 thread, raises out of memory as a MemoryError and gives chunks back on trim
 and when idle."""
 from __future__ import annotations
@@ -19,7 +20,7 @@ from vmmd import _cupy_chunks
 from vmmd.pool import DevicePool
 
 from conftest import MiB, eventually
-from test_torch_allocator import FakeEvents, session_bytes
+from test_torch_allocator import session_bytes
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler here")
 STREAM_A, STREAM_B = 0x5A, 0x5B
@@ -88,25 +89,50 @@ def test_blocks_are_carved_in_size_classes_and_reused_by_their_stream(library: A
     assert list(stats) == [1, 8 * MiB, 1024 + 5120, 2, 0, 0]
 
 
-def test_a_block_freed_on_a_busy_stream_goes_to_no_other_stream_and_nobody_waits(library: Any, current: CurrentStream) -> None:
-    events = FakeEvents()
-    library.vmmd_set_driver(*events.pointers())
+def test_a_block_freed_on_a_stream_goes_to_no_other_stream_until_the_held_blocks_are_released(library: Any, current: CurrentStream) -> None:
     library.vmmd_cupy_add_chunk(0, BASE, 4 * MiB, 0)
     first = malloc(library, 2 * MiB)
-    events.busy.add(STREAM_A)  # a kernel on A still writes the block
-    free(library, first)
+    free(library, first)  # a kernel on A may still write it: CuPy's free comes when the array is dropped
     current.stream = STREAM_B
-    other = malloc(library, 2 * MiB)
-    assert other == BASE + 2 * MiB, "B got memory that A's work still writes"
-    assert malloc(library, 2 * MiB) == 0  # only A's block is left: no room now, and no wait for A
-    assert not any(e["waited"] for e in events.events.values())
+    assert malloc(library, 2 * MiB) == BASE + 2 * MiB, "B got memory that A's work may still write"
+    assert malloc(library, 2 * MiB) == 0  # only A's block is left: no room now, and no wait
     current.stream = STREAM_A
     assert malloc(library, 2 * MiB) == first  # A's own later work runs after its free
     free(library, first)
-    events.busy.discard(STREAM_A)
+    library.vmmd_cupy_mark_held()
+    assert library.vmmd_cupy_release_held() == 2 * MiB  # the caller synchronized the device in between
     current.stream = STREAM_B
-    assert malloc(library, MiB) == first  # A's work done: its block is every stream's
-    assert all(e["destroyed"] for e in events.events.values())
+    assert malloc(library, MiB) == first and malloc(library, MiB) == first + MiB  # every stream's, coalesced
+
+
+def test_a_block_freed_after_the_mark_stays_held(library: Any) -> None:
+    library.vmmd_cupy_add_chunk(0, BASE, 4 * MiB, 0)
+    early, late = malloc(library, MiB), malloc(library, MiB)
+    free(library, early)
+    library.vmmd_cupy_mark_held()
+    free(library, late)  # another thread, while the device synchronizes: its work may be queued after the synchronize
+    assert library.vmmd_cupy_release_held() == MiB
+    stats = (ctypes.c_uint64 * 6)()
+    library.vmmd_cupy_stats(0, stats)
+    assert (stats[4], stats[5]) == (MiB, 1)
+    assert malloc(library, MiB) == late  # still its stream's
+
+
+def test_many_held_blocks_of_many_streams_are_each_found_by_their_stream(library: Any, current: CurrentStream) -> None:
+    library.vmmd_cupy_add_chunk(0, BASE, 64 * MiB, 0)
+    blocks = {}
+    for stream in range(1, 41):
+        current.stream = stream
+        blocks[stream] = [malloc(library, size) for size in (512, 4096, 70000, 1 << 20)]
+    for stream, addresses in blocks.items():
+        for address in addresses:
+            free(library, address)
+    for stream in reversed(range(1, 41)):
+        current.stream = stream
+        assert [malloc(library, size) for size in (1 << 20, 70000, 4096, 512)] == blocks[stream][::-1]
+    values = (ctypes.c_uint64 * 8)()
+    library.vmmd_counters(values)
+    assert values[2] == 160
 
 
 def test_a_chunk_of_its_own_stays_whole_for_large_requests(library: Any) -> None:

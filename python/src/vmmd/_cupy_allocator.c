@@ -2,34 +2,205 @@
  * The allocation functions of vmmd's CuPy allocator, called by
  * cupy.cuda.memory.CFunctionAllocator from Cython with no Python in between:
  * a pure-Python malloc costs several microseconds more than CuPy's own pool,
- * these cost a mutex and a scan of the chunks. The chunks, spans and events are
- * those of the PyTorch library (_torch_allocator.c, included: this library has
- * its own copy of that state); the Python side (vmmd._cupy_chunks) leases
- * chunks and hands them over with vmmd_add_chunk.
+ * these cost a mutex and a lookup. The chunks and spans are those of the
+ * PyTorch library (_torch_allocator.c, included: this library has its own
+ * copy of that state); the Python side (vmmd._cupy_chunks) leases chunks and
+ * hands them over with vmmd_cupy_add_chunk.
  *
  * CuPy calls malloc and free holding the GIL, so malloc never waits: with no
  * room it answers NULL at once and the Python caller leases a chunk on its own
- * thread, then asks again. The stream whose order a block follows is the one
- * CuPy considers current at malloc, read through CuPy's C API
- * (cupy.cuda.stream's get_current_stream_ptr, which needs the GIL: it is held).
- * A block freed is reused at once by its stream, by others once an event
- * recorded on that stream after the free is done; requests round up to size
- * classes (512-byte multiples, then quarters of a power of two) so that a
- * freed block fits the next request like it; small requests never split a
- * chunk leased for a large one, so it stays whole for the next large one.
+ * thread, then asks again. Reuse is stream-ordered as in CuPy's MemoryPool:
+ * a block freed is held for the stream it was allocated on (the one CuPy
+ * considered current at malloc, read through CuPy's C API:
+ * cupy.cuda.stream's get_current_stream_ptr, which needs the GIL: it is held)
+ * and reused at once by later work on that stream; other streams get it only
+ * once the device has finished its work (vmmd_cupy_release_held, after a
+ * synchronize: on trim and out of memory). No event is ever recorded on a
+ * stream after the fact: CuPy destroys a Stream whose arrays may live on,
+ * and an event recorded on a destroyed stream is undefined behaviour.
+ *
+ * Requests round up to size classes (512-byte multiples, then quarters of a
+ * power of two) so that a freed block fits the next request like it; held
+ * blocks are indexed by (stream, size class): the common malloc is one hash
+ * lookup. Small requests never split a chunk leased for a large one.
  */
 #include "_torch_allocator.c"
 
 typedef intptr_t (*current_stream_fn)(void);
 
+#define HELD_BUCKETS 4096
+
 static current_stream_fn current_stream;
 /* Requests above it are large: they may take a chunk leased for one of them (`own`), the others never do. */
 static uint64_t large_threshold = UINT64_MAX;
+
+/* The held blocks by (stream, size), newest first. Invariant: every HELD span has a node; a node
+ * whose span is no longer HELD for that stream and size (its chunk gone, reused) is dropped when met. */
+typedef struct {
+  void *stream;
+  uint64_t size, address;
+  int device, next;
+} held_node_t;
+static int held_heads[HELD_BUCKETS];
+static held_node_t *held_nodes;
+static int held_capacity, held_spare = -1, held_ready;
 
 void vmmd_cupy_configure(void *stream_getter, uint64_t large) {
   pthread_mutex_lock(&lock);
   current_stream = (current_stream_fn)stream_getter;
   large_threshold = large;
+  pthread_mutex_unlock(&lock);
+}
+
+/* The size a request really takes (pool.py's size_class with this library's alignment). */
+uint64_t vmmd_cupy_size_class(uint64_t size) {
+  if (size <= ALIGNMENT) return ALIGNMENT;
+  uint64_t power = 1;
+  while (power * 2 < size) power *= 2;
+  uint64_t step = power / 4 > ALIGNMENT ? power / 4 : ALIGNMENT;
+  return (size + step - 1) / step * step;
+}
+
+static unsigned held_bucket(void *stream, uint64_t size) {
+  uint64_t key = (uint64_t)(uintptr_t)stream * 0x9E3779B97F4A7C15ull ^ (size >> 9) * 0xC2B2AE3D27D4EB4Full;
+  return (unsigned)(key >> 40) & (HELD_BUCKETS - 1);
+}
+
+static void held_clear(void) {
+  for (int b = 0; b < HELD_BUCKETS; b++) held_heads[b] = -1;
+  held_spare = -1;
+  for (int n = held_capacity - 1; n >= 0; n--) {
+    held_nodes[n].next = held_spare;
+    held_spare = n;
+  }
+  held_ready = 1;
+}
+
+static int held_push(int device, void *stream, uint64_t size, uint64_t address) {
+  if (!held_ready) held_clear();
+  if (held_spare < 0) {
+    int capacity = held_capacity ? held_capacity * 2 : 256;
+    held_node_t *grown = realloc(held_nodes, sizeof(held_node_t) * (size_t)capacity);
+    if (grown == NULL) return -1;
+    held_nodes = grown;
+    for (int n = capacity - 1; n >= held_capacity; n--) {
+      held_nodes[n].next = held_spare;
+      held_spare = n;
+    }
+    held_capacity = capacity;
+  }
+  int n = held_spare;
+  held_spare = held_nodes[n].next;
+  unsigned b = held_bucket(stream, size);
+  held_nodes[n] = (held_node_t){stream, size, address, device, held_heads[b]};
+  held_heads[b] = n;
+  return 0;
+}
+
+/* The span at `address`, as chunk k, span i (-1: none). */
+static int span_at(uint64_t address, int *k_out) {
+  for (int k = 0; k < chunk_count; k++) {
+    chunk_t *c = &chunks[k];
+    if (address < c->base || address >= c->base + c->size) continue;
+    int low = 0, high = c->count - 1;
+    uint64_t offset = address - c->base;
+    while (low <= high) {
+      int middle = (low + high) / 2;
+      if (c->spans[middle].offset == offset) {
+        *k_out = k;
+        return middle;
+      }
+      if (c->spans[middle].offset < offset) low = middle + 1;
+      else high = middle - 1;
+    }
+    return -1;
+  }
+  return -1;
+}
+
+/* A block `stream` freed, of exactly `size` bytes, now USED again; NULL when none. */
+static void *held_take(int device, uint64_t size, void *stream) {
+  if (!held_ready) return NULL;
+  unsigned b = held_bucket(stream, size);
+  for (int *link = &held_heads[b]; *link >= 0;) {
+    held_node_t *node = &held_nodes[*link];
+    if (node->stream != stream || node->size != size || node->device != device) {
+      link = &node->next;
+      continue;
+    }
+    int n = *link, k, i = span_at(node->address, &k);
+    uint64_t address = node->address;
+    *link = node->next;
+    held_nodes[n].next = held_spare;
+    held_spare = n;
+    if (i < 0) continue;
+    chunk_t *c = &chunks[k];
+    span_t *s = &c->spans[i];
+    if (s->state != SPAN_HELD || s->stream != stream || s->size != size) continue;
+    s->state = SPAN_USED;
+    c->freed = 0;
+    counters[2]++;
+    return (void *)(uintptr_t)address;
+  }
+  return NULL;
+}
+
+/* The smallest FREE span that fits `size`, as chunk k, span i (-1: none). */
+static int best_free(int device, uint64_t size, int large, int *k_out) {
+  int best_k = -1, best_i = -1;
+  uint64_t best_size = UINT64_MAX;
+  for (int k = 0; k < chunk_count; k++) {
+    chunk_t *c = &chunks[k];
+    if (c->device != device || (!large && c->own) || c->size < size) continue;
+    for (int i = 0; i < c->count; i++) {
+      span_t *s = &c->spans[i];
+      if (s->state != SPAN_FREE || s->size < size || s->size >= best_size) continue;
+      best_k = k;
+      best_i = i;
+      best_size = s->size;
+      if (best_size == size) break;
+    }
+    if (best_size == size) break;
+  }
+  *k_out = best_k;
+  return best_i;
+}
+
+/* CFunctionAllocator's malloc: a block, or NULL when no chunk has room for it (never a wait). */
+void *vmmd_cupy_malloc(void *param, size_t requested, int device) {
+  (void)param;
+  if (requested == 0 || device < 0 || device >= MAX_DEVICES) return NULL;
+  void *stream = current_stream != NULL ? (void *)current_stream() : NULL;
+  uint64_t size = vmmd_cupy_size_class(requested);
+  pthread_mutex_lock(&lock);
+  counters[0]++;
+  void *found = held_take(device, size, stream);
+  if (found == NULL) {
+    int k, i = best_free(device, size, size > large_threshold, &k);
+    if (i >= 0) found = take(&chunks[k], i, size, stream);
+  }
+  if (found == NULL) counters[4]++;
+  pthread_mutex_unlock(&lock);
+  return found;
+}
+
+/* CFunctionAllocator's free: the block is held for the stream it was allocated on. */
+void vmmd_cupy_free(void *param, void *pointer, int device) {
+  (void)param;
+  (void)device;
+  pthread_mutex_lock(&lock);
+  counters[1]++;
+  int k, i = span_at((uint64_t)(uintptr_t)pointer, &k);
+  span_t *s = i >= 0 ? &chunks[k].spans[i] : NULL;
+  if (s != NULL && s->state == SPAN_USED) {
+    /* Without host memory for its node the block is reused only once the held blocks are released. */
+    held_push(chunks[k].device, s->stream, s->size, (uint64_t)(uintptr_t)pointer);
+    s->state = SPAN_HELD;
+    s->event = NULL; /* not marked: freed after the last vmmd_cupy_mark_held */
+    chunks[k].last_use = now();
+  } else {
+    counters[7]++;
+  }
   pthread_mutex_unlock(&lock);
 }
 
@@ -44,108 +215,52 @@ int vmmd_cupy_add_chunk(int device, uint64_t base, uint64_t size, int own) {
   return 0;
 }
 
-/* The size a request really takes (pool.py's size_class with this library's alignment). */
-uint64_t vmmd_cupy_size_class(uint64_t size) {
-  if (size <= ALIGNMENT) return ALIGNMENT;
-  uint64_t power = 1;
-  while (power * 2 < size) power *= 2;
-  uint64_t step = power / 4 > ALIGNMENT ? power / 4 : ALIGNMENT;
-  return (size + step - 1) / step * step;
+/* A held span's `event` (no event is recorded in this library) marks it held before a synchronize. */
+#define HELD_MARK ((void *)1)
+
+/* Marks every held block: vmmd_cupy_release_held frees these and no block freed later. */
+void vmmd_cupy_mark_held(void) {
+  pthread_mutex_lock(&lock);
+  for (int k = 0; k < chunk_count; k++) {
+    for (int i = 0; i < chunks[k].count; i++) {
+      if (chunks[k].spans[i].state == SPAN_HELD) chunks[k].spans[i].event = HELD_MARK;
+    }
+  }
+  pthread_mutex_unlock(&lock);
 }
 
-/* The smallest span in `state` (for HELD: freed on `stream`) that fits `size`, as chunk k, span i. */
-static int best_fit(int device, uint64_t size, int large, int state, void *stream, int *k_out) {
-  int best_k = -1, best_i = -1;
-  uint64_t best_size = UINT64_MAX;
+/* Every block held and marked becomes free for every stream: the caller marked them, then
+ * synchronized their devices, so the work queued before their frees is done. Returns the bytes. */
+uint64_t vmmd_cupy_release_held(void) {
+  uint64_t released = 0;
+  pthread_mutex_lock(&lock);
   for (int k = 0; k < chunk_count; k++) {
     chunk_t *c = &chunks[k];
-    if (c->device != device || (!large && c->own) || c->size < size) continue;
+    for (int i = 0; i < c->count; i++) {
+      if (c->spans[i].state != SPAN_HELD || c->spans[i].event != HELD_MARK) continue;
+      c->spans[i].event = NULL;
+      c->spans[i].state = SPAN_FREE;
+      room[c->device] += c->spans[i].size;
+      released += c->spans[i].size;
+    }
+    coalesce(c);
+  }
+  /* Their nodes are dropped when met. */
+  pthread_mutex_unlock(&lock);
+  return released;
+}
+
+/* Drops the index's nodes whose block is gone (chunks taken back) and indexes what is held. */
+void vmmd_cupy_reindex(void) {
+  pthread_mutex_lock(&lock);
+  held_clear();
+  for (int k = 0; k < chunk_count; k++) {
+    chunk_t *c = &chunks[k];
     for (int i = 0; i < c->count; i++) {
       span_t *s = &c->spans[i];
-      if (s->state != state || s->size < size || s->size >= best_size) continue;
-      if (state == SPAN_HELD && s->stream != stream) continue;
-      best_k = k;
-      best_i = i;
-      best_size = s->size;
-      if (best_size == size) break;
-    }
-    if (best_size == size) break;
-  }
-  *k_out = best_k;
-  return best_i;
-}
-
-static void *carve_fitting(int device, uint64_t size, int large, void *stream) {
-  int k, i = best_fit(device, size, large, SPAN_HELD, stream, &k);
-  if (i >= 0) {
-    counters[2]++;
-    return take(&chunks[k], i, size, stream);
-  }
-  i = best_fit(device, size, large, SPAN_FREE, NULL, &k);
-  return i >= 0 ? take(&chunks[k], i, size, stream) : NULL;
-}
-
-static int any_held(int device) {
-  for (int k = 0; k < chunk_count; k++) {
-    if (chunks[k].device != device) continue;
-    for (int i = 0; i < chunks[k].count; i++) {
-      if (chunks[k].spans[i].state == SPAN_HELD) return 1;
+      if (s->state == SPAN_HELD) held_push(c->device, s->stream, s->size, c->base + s->offset);
     }
   }
-  return 0;
-}
-
-/* CFunctionAllocator's malloc: a block, or NULL when no chunk has room (never a wait). */
-void *vmmd_cupy_malloc(void *param, size_t requested, int device) {
-  (void)param;
-  if (requested == 0 || device < 0 || device >= MAX_DEVICES) return NULL;
-  void *stream = current_stream != NULL ? (void *)current_stream() : NULL;
-  uint64_t size = vmmd_cupy_size_class(requested);
-  int large = size > large_threshold;
-  pthread_mutex_lock(&lock);
-  counters[0]++;
-  void *found = carve_fitting(device, size, large, stream);
-  if (found == NULL && any_held(device)) {
-    /* Blocks other streams freed whose work is done; never a wait (streams would run one after the other). */
-    settle(device, 0);
-    found = carve_fitting(device, size, large, stream);
-  }
-  if (found == NULL) counters[4]++;
-  pthread_mutex_unlock(&lock);
-  return found;
-}
-
-/* CFunctionAllocator's free: the block is held for the stream it was allocated for. */
-void vmmd_cupy_free(void *param, void *pointer, int device) {
-  (void)param;
-  (void)device;
-  uint64_t address = (uint64_t)(uintptr_t)pointer;
-  pthread_mutex_lock(&lock);
-  counters[1]++;
-  int known = 0;
-  for (int k = 0; k < chunk_count && !known; k++) {
-    chunk_t *c = &chunks[k];
-    if (address < c->base || address >= c->base + c->size) continue;
-    int low = 0, high = c->count - 1;
-    uint64_t offset = address - c->base;
-    while (low <= high) {
-      int middle = (low + high) / 2;
-      span_t *s = &c->spans[middle];
-      if (s->offset == offset) {
-        if (s->state == SPAN_USED) {
-          s->state = SPAN_HELD;
-          s->event = NULL;
-          known = 1;
-        }
-        break;
-      }
-      if (s->offset < offset) low = middle + 1;
-      else high = middle - 1;
-    }
-    c->last_use = now();
-    break;
-  }
-  if (!known) counters[7]++;
   pthread_mutex_unlock(&lock);
 }
 

@@ -7,8 +7,10 @@ idle for `idle_seconds`.
 CuPy calls the C malloc holding the GIL; when it finds no room it answers
 NULL at once and the Python function CuPy really calls (`Carver.malloc`)
 leases a chunk on the caller's thread and asks again: no thread waits for
-another, and out of memory (after giving cached chunks back) is raised there
-as the OutOfMemoryError CuPy's callers catch. One carver per process: the C
+another. Out of memory first makes every held block free for every stream
+and gives empty chunks back (after synchronizing the device, as CuPy's pool
+frees its cache), then is raised there as the OutOfMemoryError CuPy's
+callers catch. One carver per process: the C
 library's state is the process's, and the chunks must outlive every array
 carved from them, so the carver is never dropped. Nothing here imports cupy:
 the host tests drive it through the library alone."""
@@ -20,6 +22,7 @@ import os
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from . import _cuda
 from ._compile import shared_library
 from .errors import STATUS, VmmdError
 from .pool import _REAPER, Chunk, DevicePool, idle_seconds_setting
@@ -42,7 +45,6 @@ def load(path: Optional[str] = None) -> ctypes.CDLL:
     """The library (library_path(), or `path`), its functions typed."""
     library = ctypes.CDLL(path or library_path())
     u64, pointer = ctypes.c_uint64, ctypes.c_void_p
-    library.vmmd_set_driver.argtypes = [pointer] * 5
     library.vmmd_counters.argtypes = [ctypes.POINTER(u64)]
     library.vmmd_cupy_configure.argtypes = [pointer, u64]
     library.vmmd_cupy_size_class.argtypes = [u64]
@@ -52,6 +54,7 @@ def load(path: Optional[str] = None) -> ctypes.CDLL:
     library.vmmd_cupy_free.argtypes = [pointer, pointer, ctypes.c_int]
     library.vmmd_cupy_add_chunk.argtypes = [ctypes.c_int, u64, u64, ctypes.c_int]
     library.vmmd_cupy_stats.argtypes = [ctypes.c_int, ctypes.POINTER(u64)]
+    library.vmmd_cupy_release_held.restype = u64
     library.vmmd_take_empty_chunk.argtypes = [ctypes.c_int, ctypes.c_double, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(u64), ctypes.POINTER(u64)]
     return library
 
@@ -65,7 +68,7 @@ class Carver:
     device as CuPy numbers it). `large_threshold` as DevicePool's: a larger request
     gets a chunk of its own size when none has room. `allocate(size)` is the C path
     (CFunctionAllocator's malloc: an object whose `.ptr` is 0 when there was no
-    room); `device()` the device it allocates on."""
+    room); `device()` the device it allocates on. `malloc` is what CuPy calls."""
 
     def __init__(self, library: Any, pool_for: Callable[[int], DevicePool], allocate: Callable[[int], Any], device: Callable[[], int], large_threshold: int, idle_seconds: Optional[float] = None, stream_getter: int = 0) -> None:
         self.library = library
@@ -81,15 +84,37 @@ class Carver:
         self.counters = collections.Counter()  # type: ignore[var-annotated]
         if self.idle_seconds > 0:
             _REAPER.watch(self)  # type: ignore[arg-type]
+        slow = self._malloc_slowly
 
-    def malloc(self, size: int) -> Any:
-        """CuPy's allocation: the C path, and when it finds no room a chunk leased here and the C path again.
-        Raises VmmdError RESOURCE_EXHAUSTED (a MemoryError, CuPy's OutOfMemoryError) when the daemon has no room."""
-        memory = self._allocate(size)
-        if memory.ptr or not size:
-            return memory
+        def malloc(size: int) -> Any:
+            # CuPy's allocation: a closure, no attribute lookups; Python beyond this only to lease.
+            memory = allocate(size)
+            if memory.ptr or not size:
+                return memory
+            return slow(size)
+
+        self.malloc = malloc
+
+    def _malloc_slowly(self, size: int) -> Any:
+        """A chunk leased here for a request the C path had no room for, and the C path again.
+        Raises VmmdError RESOURCE_EXHAUSTED (a MemoryError, CuPy's OutOfMemoryError) when even after
+        freeing what is held the daemon has no room."""
+        device = self._device()
         for _ in range(GROW_ATTEMPTS):
-            self.grow(self._device(), size)
+            try:
+                self.grow(device, size)
+            except VmmdError as error:
+                if not error.out_of_memory:
+                    raise
+                # What is cached goes back (held blocks free for every stream, empty chunks to the daemon), as CuPy does.
+                self.counters["out_of_memory_retries"] += 1
+                given = self.trim()
+                memory = self._allocate(size)
+                if memory.ptr:
+                    return memory
+                if given == 0:
+                    raise
+                self.grow(device, size)
             memory = self._allocate(size)
             if memory.ptr:
                 return memory
@@ -102,7 +127,7 @@ class Carver:
         rounded = int(self.library.vmmd_cupy_size_class(size))
         own = rounded > self.large_threshold
         lease = -(-rounded // pool.granularity) * pool.granularity if own else pool.chunk_size
-        memory = self._lease(pool, lease)
+        memory = pool.client.vmm.allocate(lease, location=pool.location)
         chunk = Chunk(memory, int(memory.address), int(memory.size))
         with self._lock:
             self._chunks[chunk.base] = (pool, chunk)
@@ -114,20 +139,15 @@ class Carver:
         self.counters["chunks_leased" if not own else "large"] += 1
         return chunk
 
-    def _lease(self, pool: DevicePool, size: int) -> Any:
-        try:
-            return pool.client.vmm.allocate(size, location=pool.location)
-        except VmmdError as error:
-            if not error.out_of_memory:
-                raise
-            # Give back what is cached (once the device is done with it) and try once more, as CuPy does.
-            self.counters["out_of_memory_retries"] += 1
-            if self.trim() == 0:
-                raise
-            return pool.client.vmm.allocate(size, location=pool.location)
-
     def trim(self) -> int:
-        """Returns every chunk with nothing in use to the daemon (after the device's work on them); returns the bytes."""
+        """Makes every held block free for every stream and returns every chunk with nothing in use
+        to the daemon, once the devices' work is done; returns the bytes given back."""
+        self.library.vmmd_cupy_mark_held()
+        with self._lock:
+            devices = {chunk.memory.device for _, chunk in self._chunks.values() if getattr(chunk.memory, "is_device_memory", False)}
+        for device in devices:
+            _cuda.synchronize(device)
+        self.library.vmmd_cupy_release_held()
         return self._give_back(1e-9)
 
     def trim_if_idle(self) -> int:
@@ -146,6 +166,8 @@ class Carver:
             with self._lock:
                 pool, chunk = self._chunks.pop(base.value)
             taken.setdefault(id(pool), (pool, []))[1].append(chunk)
+        if taken:
+            self.library.vmmd_cupy_reindex()
         total = 0
         for pool, chunks in taken.values():
             # _release synchronizes the device first: the held blocks' work may still run.

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import cupy
 
-from . import _allocator_lib, _cupy_chunks
+from . import _cupy_chunks
 from .errors import VmmdError
 from .pool import DevicePool
 
@@ -59,7 +59,6 @@ def carver(client: Any, pool_for: Callable[[int], DevicePool], chunk_size: int, 
             return None
         try:
             library = _cupy_chunks.load()
-            library.vmmd_set_driver(*_allocator_lib.driver_events())
         except (VmmdError, OSError):
             return None
         native = cupy.cuda.memory.CFunctionAllocator(0, _cupy_chunks.function_address(library, "vmmd_cupy_malloc"), _cupy_chunks.function_address(library, "vmmd_cupy_free"), library)
