@@ -3,7 +3,7 @@ import * as grpc from '@grpc/grpc-js';
 import { VmmdError } from './errors';
 
 /** A request type whose uint64 fields also take bigint (sent as decimal strings). */
-export type Input<T> = { [K in keyof T]?: T[K] | bigint };
+export type Input<T> = { [K in keyof T]?: T[K] | bigint | (NonNullable<T[K]> extends ReadonlyArray<infer E> ? Array<E | bigint> : never) };
 
 type UnaryMethod<Req, Res> = (
   request: Req,

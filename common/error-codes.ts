@@ -69,6 +69,9 @@ export const ERROR_CODES = {
   BEYOND_STAGING: daemon('OUT_OF_RANGE', 'a range past the end of the session\'s staging buffer'),
   BEYOND_STORE: daemon('OUT_OF_RANGE', 'a range past the end of its store'),
   RESERVATION_TOO_LARGE: daemon('OUT_OF_RANGE', 'a reservation larger than the daemon allows'),
+  TOO_MANY_SIZES: daemon('OUT_OF_RANGE', 'an AllocateAll naming more allocations than MAX_ALLOCATE_ALL_SIZES'),
+  BEYOND_DEVICE: daemon('OUT_OF_RANGE', 'an AllocateAll asking for more bytes than its device (or host memory) has in all'),
+  BAD_DEADLINE: daemon('OUT_OF_RANGE', 'an AllocateAll deadline past MAX_ALLOCATE_ALL_WAIT_MS'),
   // Objects that are not there
   UNKNOWN_ALLOCATION: daemon('NOT_FOUND', 'an allocation id that names no live allocation'),
   UNKNOWN_STORE: daemon('NOT_FOUND', 'a store id or name that names no store'),
@@ -117,7 +120,7 @@ export const ERROR_CODES = {
   SESSION_SOCKET_FULL: daemon('UNAVAILABLE', "the session socket is full: the client is not reading it"),
 
   // Backend and operating-system codes, mapped as they cross the wire
-  OUT_OF_MEMORY: backend('RESOURCE_EXHAUSTED', "the host backend's capacity is used up"),
+  OUT_OF_MEMORY: backend('RESOURCE_EXHAUSTED', "the host backend's capacity is used up, or an AllocateAll's memory was not freed before its deadline"),
   ENOMEM: backend('RESOURCE_EXHAUSTED', 'the kernel has no memory for the request'),
   EMFILE: backend('RESOURCE_EXHAUSTED', 'the daemon is out of descriptors'),
   ENFILE: backend('RESOURCE_EXHAUSTED', 'the system is out of descriptors'),
@@ -161,6 +164,10 @@ export const ERROR_CODES = {
   POOL_CLOSED: client('FAILED_PRECONDITION', 'a call on a closed pool'),
   ALREADY_FREED: client('FAILED_PRECONDITION', 'a device array freed twice'),
   DOUBLE_FREE: client('FAILED_PRECONDITION', 'a pool block freed twice'),
+  ASLEEP: client('FAILED_PRECONDITION', 'memory or a pool used, or put to sleep, while asleep (its ranges reserved, nothing mapped)'),
+  NOT_ASLEEP: client('FAILED_PRECONDITION', 'a wake or resume of memory or a tag that is not asleep'),
+  BAD_SLEEP_MODE: client('INVALID_ARGUMENT', "a sleep mode other than 'offload' or 'discard', or a sleep level other than 1 or 2"),
+  BAD_TAG: client('INVALID_ARGUMENT', 'a sleep tag that is not a non-empty string'),
   BAD_OPTION: client('INVALID_ARGUMENT', 'a connect() option out of its range'),
   BAD_STAGING_SIZE: client('INVALID_ARGUMENT', 'a staging size that is not 0 or a positive multiple of twice the page size'),
   BAD_CONFIG: client('INVALID_ARGUMENT', 'a context or pool setting out of its range'),

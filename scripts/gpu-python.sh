@@ -10,7 +10,7 @@
 #   5. the Python benchmarks.
 # Every step logs, has a time limit, and the run goes on after a failure.
 # Usage: scripts/gpu-python.sh [BUNDLE_DIR [OUTPUT_DIR]]   (defaults: .gpu, $OUT or ./gpu-results)
-# VMMD_STEPS picks steps (default "pytest numba weights bench"): two calls of
+# VMMD_STEPS picks steps (default "pytest numba weights bench"; also pools-bench, sleep-bench): two calls of
 # "pytest numba" and "weights bench" each stay well inside a 10-minute limit.
 # VMMD_PYTEST_TARGETS narrows the pytest step (files or node ids), VMMD_PYTEST_SECONDS bounds it (240).
 # Writes OUTPUT_DIR/python/: gpu-python.log (everything), steps.txt, pytest.log,
@@ -128,6 +128,7 @@ want weights && step shared-weights 240 $PY test/gpu/python/shared_weights.py "$
 # 5. Benchmarks.
 want bench && step bench 150 $PY bench/python/bench_python.py "$out/bench-python.json"
 want pools-bench && step pools-bench 240 $PY bench/python/pools_bench.py "$out/pools-bench.json"
+want sleep-bench && step sleep-bench 300 $PY bench/python/sleep_bench.py "$out/sleep-bench.json" --gib "${VMMD_SLEEP_GIB:-16}" --discard-gib "${VMMD_DISCARD_GIB:-64}"
 
 kill "$daemon" 2>/dev/null
 wait "$daemon" 2>/dev/null

@@ -204,3 +204,21 @@ def test_chunks_unused_for_the_idle_time_go_back(library: Any, client: vmmd.Vmmd
     del block
     eventually(lambda: session_bytes(client) == 0, timeout=5, what="the idle chunk to go back")
     assert chunks.counters["idle_trims"] >= 1
+
+
+def test_sleep_keeps_every_address_and_byte_and_a_malloc_while_asleep_is_refused(library: Any, client: vmmd.VmmdClient) -> None:
+    chunks = carver(library, client)
+    blocks = [chunks.malloc(size) for size in (MiB, 3000, 10 * MiB)]
+    for index, block in enumerate(blocks):
+        ctypes.memset(block.ptr, 0x10 + index, 3000)
+    spare = chunks.malloc(MiB)
+    del spare  # held: it sleeps with its chunk
+    assert chunks.sleep("offload") == 4 * MiB + 10 * MiB
+    assert chunks.asleep and chunks.trim() == 0
+    with pytest.raises(vmmd.VmmdError) as raised:
+        chunks.malloc(MiB)
+    assert (raised.value.code, raised.value.status_name) == ("ASLEEP", "FAILED_PRECONDITION")
+    assert chunks.wake() == 4 * MiB + 10 * MiB and not chunks.asleep
+    assert all(ctypes.string_at(block.ptr, 3000) == bytes([0x10 + index]) * 3000 for index, block in enumerate(blocks))
+    assert chunks.malloc(MiB).ptr  # carved from the woken chunk again
+    assert chunks.stats(0)["chunks"] == 2

@@ -155,7 +155,7 @@ export class Daemon {
     const budgets = uidBudgets(config, systemLimits(log), (session) => sessions.uidOf(session), log);
     const registry = new Registry(backend, (upstream) => quotas.around(upstream, (handle, device) => backend.memoryIdentity(handle, device)), actsForDaemon, budgets);
     // Metrics and GetReport show the registry's budgets and the transport's alike.
-    const everyBudget = () => [...budgets.list(), ...transportBudgets.all()];
+    const everyBudget = () => [...budgets.list(), registry.referee.waitingPerUid, ...transportBudgets.all()];
     const paths = socketPaths(config.socketDir);
     const previousMode = prepareSocketDir(config);
     if (previousMode !== undefined) {

@@ -13,15 +13,17 @@ import { Allocations } from './allocations';
 import { DeviceTable } from './devices';
 import { ByteIo } from './io';
 import { Inspection, RegistrySnapshot, RegistryStats } from './reclaim';
-import { CreateArgs, ExportArgs, IdSequence, MapArgs, Ownership, ReserveArgs } from './records';
+import { CreateArgs, Exported, ExportArgs, IdSequence, MapArgs, Ownership, ReserveArgs } from './records';
 import { AllocationSource, BackendSource } from './source';
 import { AllocationBudget } from './allocation-budget';
 import type { UidBudgets } from './uid-budgets';
+import { AllocateAllArgs, FreedSignal, Referee } from './referee';
 
 export { DAEMON_OWNER, IO_CHUNK_BYTES, MAX_RESERVATION_BYTES } from './records';
 export type { AllocationRecord, CreateArgs, Exported, MapArgs, MappingRecord, ReleaseResult, ReservationRecord, ReserveArgs } from './records';
 export type { RegistrySnapshot, RegistryStats } from './reclaim';
 export type { AllocationSource } from './source';
+export type { AllocateAllArgs, AllocatedAll, RefereeStats } from './referee';
 
 export class Registry {
   readonly deviceTable: DeviceTable;
@@ -30,6 +32,8 @@ export class Registry {
   readonly io: ByteIo;
   readonly inspection: Inspection;
   readonly statistics: AllocationStatistics;
+  /** Serves AllocateAll: all-or-none requests, one at a time per device, waiting for memory to be freed. */
+  readonly referee: Referee;
 
   /**
    * @param adapt wraps the allocation source in policy adaptors (the daemon's quotas); statistics sit under them
@@ -47,7 +51,9 @@ export class Registry {
     this.deviceTable = new DeviceTable(backend);
     this.statistics = new AllocationStatistics(new BackendSource(backend));
     const adapted = adapt(this.statistics);
-    this.allocations = new Allocations(backend, budgets === undefined ? adapted : new AllocationBudget(budgets, adapted), this.deviceTable, ids, ownership);
+    const freed = new FreedSignal(budgets === undefined ? adapted : new AllocationBudget(budgets, adapted));
+    this.allocations = new Allocations(backend, freed, this.deviceTable, ids, ownership);
+    this.referee = new Referee(backend, this.allocations, this.deviceTable, freed, budgets);
     this.space = new AddressSpace(backend, this.allocations, this.deviceTable, ids, ownership, budgets);
     this.io = new ByteIo(backend, this.space);
     this.inspection = new Inspection(this.space, this.allocations, this.statistics);
@@ -88,6 +94,9 @@ export class Registry {
   inspectAllocation = (caller: bigint, allocationId: bigint) => this.allocations.inspect(caller, allocationId);
   createExported = (caller: bigint, args: CreateArgs, onRollbackFailure: (error: unknown) => void) =>
     this.allocations.createExported(caller, args, onRollbackFailure);
+  allocateAll = (caller: bigint, args: AllocateAllArgs) => this.referee.allocateAll(caller, args);
+  /** Gives back what an AllocateAll answered when the answer cannot be delivered: descriptors closed, memory released. */
+  undoAllocateAll = (caller: bigint, made: Exported[]) => this.referee.undo(caller, made);
   holdAllocation = (caller: bigint, allocationId: bigint, holder: bigint) => this.allocations.hold(caller, allocationId, holder);
   dropHolder = (holder: bigint, allocationId: bigint) => this.allocations.dropHolder(holder, allocationId);
   referenceCount = (allocation: Parameters<Allocations['referenceCount']>[0]) => this.allocations.referenceCount(allocation);

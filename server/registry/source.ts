@@ -13,6 +13,8 @@ export interface SourcedAllocation {
   readonly size: bigint;
   readonly device: number;
   readonly imported: boolean;
+  /** Where the memory lives, where known (the registry's records). */
+  readonly location?: MemLocation;
 }
 
 export interface AllocationSource {

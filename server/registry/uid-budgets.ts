@@ -121,7 +121,8 @@ export class UidBudgets {
   constructor(
     limits: UidBudgetLimits,
     totals: ClientTotals,
-    private readonly uidOf: (owner: bigint) => number | undefined,
+    /** The uid an owner's objects count against; undefined for owners not counted. */
+    readonly uidOf: (owner: bigint) => number | undefined,
   ) {
     this.mappings = new Budget('mappings per uid', limits.mappingsPerUid);
     this.reservations = new Budget('reservations per uid', limits.reservationsPerUid);

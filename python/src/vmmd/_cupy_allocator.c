@@ -118,13 +118,21 @@ static int span_at(uint64_t address, int *k_out) {
   return -1;
 }
 
+/* Whether `address` lies in a chunk that is asleep (unmapped until it wakes; its nodes stay). */
+static int asleep_at(uint64_t address) {
+  for (int k = 0; k < chunk_count; k++) {
+    if (address >= chunks[k].base && address < chunks[k].base + chunks[k].size) return chunks[k].asleep;
+  }
+  return 0;
+}
+
 /* A block `stream` freed, of exactly `size` bytes, now USED again; NULL when none. */
 static void *held_take(int device, uint64_t size, void *stream) {
   if (!held_ready) return NULL;
   unsigned b = held_bucket(stream, size);
   for (int *link = &held_heads[b]; *link >= 0;) {
     held_node_t *node = &held_nodes[*link];
-    if (node->stream != stream || node->size != size || node->device != device) {
+    if (node->stream != stream || node->size != size || node->device != device || asleep_at(node->address)) {
       link = &node->next;
       continue;
     }
@@ -151,7 +159,7 @@ static int best_free(int device, uint64_t size, int large, int *k_out) {
   uint64_t best_size = UINT64_MAX;
   for (int k = 0; k < chunk_count; k++) {
     chunk_t *c = &chunks[k];
-    if (c->device != device || (!large && c->own) || c->size < size) continue;
+    if (c->device != device || c->asleep || (!large && c->own) || c->size < size) continue;
     for (int i = 0; i < c->count; i++) {
       span_t *s = &c->spans[i];
       if (s->state != SPAN_FREE || s->size < size || s->size >= best_size) continue;
@@ -236,11 +244,12 @@ uint64_t vmmd_cupy_release_held(void) {
   pthread_mutex_lock(&lock);
   for (int k = 0; k < chunk_count; k++) {
     chunk_t *c = &chunks[k];
+    if (c->asleep) continue;
     for (int i = 0; i < c->count; i++) {
       if (c->spans[i].state != SPAN_HELD || c->spans[i].event != HELD_MARK) continue;
       c->spans[i].event = NULL;
       c->spans[i].state = SPAN_FREE;
-      room[c->device] += c->spans[i].size;
+      room[SLOT(c->tag, c->device)] += c->spans[i].size;
       released += c->spans[i].size;
     }
     coalesce(c);

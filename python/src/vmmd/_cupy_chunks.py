@@ -22,10 +22,12 @@ import os
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import _cuda
+from . import _cuda, _sleep
+from ._sleep import Segment
 from ._compile import shared_library
 from .errors import STATUS, VmmdError
-from .pool import _REAPER, Chunk, DevicePool, idle_seconds_setting
+from ._pool_idle import REAPER, idle_seconds_setting
+from .pool import Chunk, DevicePool
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TAKE_IDLE = 1
@@ -55,6 +57,8 @@ def load(path: Optional[str] = None) -> ctypes.CDLL:
     library.vmmd_cupy_add_chunk.argtypes = [ctypes.c_int, u64, u64, ctypes.c_int]
     library.vmmd_cupy_stats.argtypes = [ctypes.c_int, ctypes.POINTER(u64)]
     library.vmmd_cupy_release_held.restype = u64
+    library.vmmd_set_asleep.argtypes = [ctypes.c_int, ctypes.c_int]
+    library.vmmd_set_asleep.restype = u64
     library.vmmd_take_empty_chunk.argtypes = [ctypes.c_int, ctypes.c_double, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(u64), ctypes.POINTER(u64)]
     return library
 
@@ -82,8 +86,12 @@ class Carver:
         self._chunks: Dict[int, Tuple[DevicePool, Chunk]] = {}
         self._lock = threading.Lock()
         self.counters = collections.Counter()  # type: ignore[var-annotated]
+        # Invariant: None while awake; asleep, one segment per chunk the C library holds (all marked asleep there).
+        self._sleeping: Optional[List[Segment]] = None
+        self._sleep_lock = threading.Lock()
+        self._sleep_client: Any = None
         if self.idle_seconds > 0:
-            _REAPER.watch(self)  # type: ignore[arg-type]
+            REAPER.watch(self)
         slow = self._malloc_slowly
 
         def malloc(size: int) -> Any:
@@ -99,6 +107,8 @@ class Carver:
         """A chunk leased here for a request the C path had no room for, and the C path again.
         Raises VmmdError RESOURCE_EXHAUSTED (a MemoryError, CuPy's OutOfMemoryError) when even after
         freeing what is held the daemon has no room."""
+        if self._sleeping is not None:
+            raise VmmdError("ASLEEP", STATUS["FAILED_PRECONDITION"], "vmmd's CuPy allocator is asleep: wake() it before allocating")
         device = self._device()
         for _ in range(GROW_ATTEMPTS):
             try:
@@ -141,7 +151,9 @@ class Carver:
 
     def trim(self) -> int:
         """Makes every held block free for every stream and returns every chunk with nothing in use
-        to the daemon, once the devices' work is done; returns the bytes given back."""
+        to the daemon, once the devices' work is done; returns the bytes given back (none while asleep)."""
+        if self._sleeping is not None:
+            return 0
         self.library.vmmd_cupy_mark_held()
         with self._lock:
             devices = {chunk.memory.device for _, chunk in self._chunks.values() if getattr(chunk.memory, "is_device_memory", False)}
@@ -174,6 +186,55 @@ class Carver:
             pool._release(chunks)
             total += sum(chunk.size for chunk in chunks)
         return total
+
+    @property
+    def asleep(self) -> bool:
+        return self._sleeping is not None
+
+    def sleep(self, mode: str = _sleep.OFFLOAD) -> int:
+        """Gives the chunks' physical memory back, every address kept (DevicePool.sleep's contract):
+        empty chunks go back as trim() gives them, the rest sleeps. Returns the bytes put to sleep.
+        Raises VmmdError INVALID_ARGUMENT BAD_SLEEP_MODE, FAILED_PRECONDITION ASLEEP; OUT_OF_MEMORY
+        (no host memory for the copies: still awake)."""
+        _sleep.check_mode(mode)
+        with self._sleep_lock:
+            if self._sleeping is not None:
+                raise VmmdError("ASLEEP", STATUS["FAILED_PRECONDITION"], "vmmd's CuPy allocator is already asleep")
+            self.trim()
+            # No malloc carves from them from now on; one that finds no room raises ASLEEP.
+            self._sleeping = []
+            self.library.vmmd_set_asleep(0, 1)
+            with self._lock:
+                held = list(self._chunks.values())
+            segments = [Segment(chunk.memory, pool.location) for pool, chunk in held]
+            try:
+                if segments:
+                    _sleep.sleep(held[0][0].client, segments, mode)
+            except BaseException:
+                self.library.vmmd_set_asleep(0, 0)
+                self._sleeping = None
+                raise
+            for _, chunk in held:
+                chunk.share_key = None  # a key names an allocation, and the allocation is gone
+            self._sleeping = segments
+            self.counters["sleeps"] += 1
+            self._sleep_client = held[0][0].client if held else None
+        return sum(segment.memory.size for segment in segments)
+
+    def wake(self, timeout: Optional[float] = None) -> int:
+        """Maps new memory at every address the chunks held and copies offloaded contents back;
+        returns the bytes woken (0 when awake). Raises VmmdError RESOURCE_EXHAUSTED OUT_OF_MEMORY
+        (still asleep and intact)."""
+        with self._sleep_lock:
+            if self._sleeping is None:
+                return 0
+            if self._sleeping:
+                _sleep.wake(self._sleep_client, self._sleeping, timeout)
+            woken = sum(segment.memory.size for segment in self._sleeping)
+            self.library.vmmd_set_asleep(0, 0)
+            self._sleeping = None
+            self.counters["wakes"] += 1
+        return woken
 
     def stats(self, device: int) -> Dict[str, int]:
         """DevicePool.stats()'s keys for the chunks of `device`."""

@@ -24,7 +24,7 @@ STREAM_GETTER_SIGNATURE = "intptr_t(void)"
 _lock = threading.Lock()
 # Invariant: set once, never dropped: the chunks must outlive every array carved from them.
 _carver: Optional[_cupy_chunks.Carver] = None
-_settings: Optional[Tuple[int, int, int, Optional[float]]] = None
+_settings: Optional[Tuple[int, int, int, Optional[float], str]] = None
 # The client and CuPy's allocator object the carver uses, kept with it.
 _kept: Tuple[Any, ...] = ()
 
@@ -45,12 +45,12 @@ def stream_getter() -> int:
     return int(api.PyCapsule_GetPointer(capsule, name) or 0)
 
 
-def carver(client: Any, pool_for: Callable[[int], DevicePool], chunk_size: int, large_threshold: int, idle_seconds: Optional[float]) -> Optional[_cupy_chunks.Carver]:
+def carver(client: Any, pool_for: Callable[[int], DevicePool], chunk_size: int, large_threshold: int, idle_seconds: Optional[float], tag: str) -> Optional[_cupy_chunks.Carver]:
     """The process's C path for these settings, made on first call; None where it
     cannot run here (no C compiler, no libcuda, a CuPy without the C API it
     needs) or another client or settings hold it."""
     global _carver, _settings, _kept
-    settings = (id(client), chunk_size, large_threshold, idle_seconds)
+    settings = (id(client), chunk_size, large_threshold, idle_seconds, tag)
     with _lock:
         if _carver is not None:
             return _carver if _settings == settings else None

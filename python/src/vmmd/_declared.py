@@ -20,6 +20,10 @@ MAX_STAGING_BYTES = 1073741824
 DEFAULT_BUSY_POLL_US = 200
 # How long a descriptor sent as a transfer is waited for.
 DEFAULT_TRANSFER_WAIT_MS = 5000
+# The most allocations one AllocateAll (a wake) asks for.
+MAX_ALLOCATE_ALL_SIZES = 256
+# The longest an AllocateAll may wait for its memory, in milliseconds.
+MAX_ALLOCATE_ALL_WAIT_MS = 600000
 
 # Every error code: name -> (gRPC status name, who produces it, meaning).
 CODES: Dict[str, Tuple[str, str, str]] = {
@@ -47,6 +51,9 @@ CODES: Dict[str, Tuple[str, str, str]] = {
     "BEYOND_STAGING": ("OUT_OF_RANGE", "daemon", "a range past the end of the session's staging buffer"),
     "BEYOND_STORE": ("OUT_OF_RANGE", "daemon", "a range past the end of its store"),
     "RESERVATION_TOO_LARGE": ("OUT_OF_RANGE", "daemon", "a reservation larger than the daemon allows"),
+    "TOO_MANY_SIZES": ("OUT_OF_RANGE", "daemon", "an AllocateAll naming more allocations than MAX_ALLOCATE_ALL_SIZES"),
+    "BEYOND_DEVICE": ("OUT_OF_RANGE", "daemon", "an AllocateAll asking for more bytes than its device (or host memory) has in all"),
+    "BAD_DEADLINE": ("OUT_OF_RANGE", "daemon", "an AllocateAll deadline past MAX_ALLOCATE_ALL_WAIT_MS"),
     "UNKNOWN_ALLOCATION": ("NOT_FOUND", "daemon", "an allocation id that names no live allocation"),
     "UNKNOWN_STORE": ("NOT_FOUND", "daemon", "a store id or name that names no store"),
     "NOT_MAPPED": ("NOT_FOUND", "daemon", "an address inside a reservation where nothing is mapped"),
@@ -88,7 +95,7 @@ CODES: Dict[str, Tuple[str, str, str]] = {
     "TRANSFER_NOT_RECEIVED": ("DEADLINE_EXCEEDED", "daemon", "no descriptor arrived for the transfer id within --transfer-wait-ms"),
     "SESSION_CLOSED": ("UNAVAILABLE", "daemon", "the session closed while the call waited for it"),
     "SESSION_SOCKET_FULL": ("UNAVAILABLE", "daemon", "the session socket is full: the client is not reading it"),
-    "OUT_OF_MEMORY": ("RESOURCE_EXHAUSTED", "backend", "the host backend's capacity is used up"),
+    "OUT_OF_MEMORY": ("RESOURCE_EXHAUSTED", "backend", "the host backend's capacity is used up, or an AllocateAll's memory was not freed before its deadline"),
     "ENOMEM": ("RESOURCE_EXHAUSTED", "backend", "the kernel has no memory for the request"),
     "EMFILE": ("RESOURCE_EXHAUSTED", "backend", "the daemon is out of descriptors"),
     "ENFILE": ("RESOURCE_EXHAUSTED", "backend", "the system is out of descriptors"),
@@ -128,6 +135,10 @@ CODES: Dict[str, Tuple[str, str, str]] = {
     "POOL_CLOSED": ("FAILED_PRECONDITION", "client", "a call on a closed pool"),
     "ALREADY_FREED": ("FAILED_PRECONDITION", "client", "a device array freed twice"),
     "DOUBLE_FREE": ("FAILED_PRECONDITION", "client", "a pool block freed twice"),
+    "ASLEEP": ("FAILED_PRECONDITION", "client", "memory or a pool used, or put to sleep, while asleep (its ranges reserved, nothing mapped)"),
+    "NOT_ASLEEP": ("FAILED_PRECONDITION", "client", "a wake or resume of memory or a tag that is not asleep"),
+    "BAD_SLEEP_MODE": ("INVALID_ARGUMENT", "client", "a sleep mode other than 'offload' or 'discard', or a sleep level other than 1 or 2"),
+    "BAD_TAG": ("INVALID_ARGUMENT", "client", "a sleep tag that is not a non-empty string"),
     "BAD_OPTION": ("INVALID_ARGUMENT", "client", "a connect() option out of its range"),
     "BAD_STAGING_SIZE": ("INVALID_ARGUMENT", "client", "a staging size that is not 0 or a positive multiple of twice the page size"),
     "BAD_CONFIG": ("INVALID_ARGUMENT", "client", "a context or pool setting out of its range"),

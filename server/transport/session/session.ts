@@ -48,7 +48,7 @@ export const DEFAULT_SESSION_OPTIONS: SessionOptions = {
 /** What counts a session's answers that carry a descriptor until its client has read them. */
 export interface DescriptorsInFlight {
   /** @throws RESOURCE_EXHAUSTED BUDGET_EXCEEDED when the session may be sent no more now */
-  check(session: Session): void;
+  check(session: Session, count?: number): void;
   /** One more was sent. */
   sent(session: Session): void;
 }
@@ -62,6 +62,8 @@ export class Session {
   readonly token = randomBytes(32).toString('hex');
   readonly log: Logger;
   closing = false;
+  // Aborted once the socket closes: a call that waits for something (AllocateAll's memory) stops waiting then.
+  private readonly closed = new AbortController();
   // Invariant: inFlight counts calls of this session that started and have not settled.
   private inFlight = 0;
   private drainWaiters: Array<() => void> = [];
@@ -107,6 +109,17 @@ export class Session {
     });
   }
 
+  /** Aborted when the session's socket closes, before its reclaim: calls waiting on the session's behalf give up. */
+  get endSignal(): AbortSignal {
+    return this.closed.signal;
+  }
+
+  /** Marks the session closing and tells its waiting calls (once). */
+  end(): void {
+    this.closing = true;
+    if (!this.closed.signal.aborted) this.closed.abort();
+  }
+
   get inFlightCalls(): number {
     return this.inFlight;
   }
@@ -130,10 +143,11 @@ export class Session {
   /**
    * Refuses a request whose answer would carry a descriptor when the client has
    * too many unread already: checked before the request does anything.
+   * @param count the descriptors the answer carries (AllocateAll: one per allocation)
    * @throws RESOURCE_EXHAUSTED BUDGET_EXCEEDED
    */
-  checkDescriptorRoom(): void {
-    this.descriptors?.check(this);
+  checkDescriptorRoom(count = 1): void {
+    this.descriptors?.check(this, count);
   }
 
   /** @throws UNAVAILABLE SESSION_SOCKET_FULL; RESOURCE_EXHAUSTED BUDGET_EXCEEDED (a descriptor, with too many unread) */

@@ -356,7 +356,7 @@ export class SessionManager {
 
   private onClose(session: Session): void {
     if (session.closing) return;
-    session.closing = true;
+    session.end();
     if (session.connection.closeReason !== undefined) {
       // A peer that closes with answers unread makes this happen at will: bounded per uid like the other lines of a session's life.
       const allowed = this.lifeLogLimiter.allow(`failed:${session.peer.uid}`);

@@ -24,7 +24,7 @@ export interface CallContext {
   /** The connection's peer: its uid, whether it is an admin (server/transport/grpc/access.ts). Absent for the session socket's own requests. */
   who?: Caller;
   log: Logger;
-  /** Aborted when the client cancels (server streams): a body that waits for something to send ends on it. */
+  /** Aborted when the client cancels (unary calls and server streams): a body that waits for something ends on it. */
   signal?: AbortSignal;
 }
 
@@ -170,7 +170,10 @@ export function unary<Req, Res>(
   return (call, callback) =>
     startFairly(deps, call, () => {
       deps.turns?.enter('grpc', method);
-      void settle(deps, method, withContext(deps, call, method, async (context) => body(call.request, context))).then(({ value, error }) => {
+      // A body that waits (AllocateAll) stops waiting when the client cancels.
+      const cancelled = new AbortController();
+      call.once('cancelled', () => cancelled.abort());
+      void settle(deps, method, withContext(deps, call, method, async (context) => body(call.request, { ...context, signal: cancelled.signal }))).then(({ value, error }) => {
         if (error !== undefined) return callback(error as grpc.ServiceError);
         countUnaryBytes(deps, method, value);
         callback(null, value);

@@ -5,6 +5,8 @@
  */
 import * as grpc from '@grpc/grpc-js';
 import type { Allocation } from '../../../../generated/vmmd/v1/Allocation';
+import type { AllocateAllRequest__Output } from '../../../../generated/vmmd/v1/AllocateAllRequest';
+import type { AllocateAllResponse } from '../../../../generated/vmmd/v1/AllocateAllResponse';
 import type { CreateRequest__Output } from '../../../../generated/vmmd/v1/CreateRequest';
 import type { ExportRequest__Output } from '../../../../generated/vmmd/v1/ExportRequest';
 import type { ExportResponse } from '../../../../generated/vmmd/v1/ExportResponse';
@@ -151,6 +153,39 @@ export class VirtualMemoryService {
     return this.handOver(session, 'POSIX_FD', exported);
   }
 
+  /**
+   * AllocateAll: one allocation per size, made when the device's turn and its
+   * memory come (server/registry/referee.ts), each descriptor sent on the
+   * session socket; when one cannot be sent, every allocation is released
+   * again (descriptors already sent are the client's, closed unclaimed).
+   * @throws as Registry.allocateAll; FAILED_PRECONDITION NO_SESSION; RESOURCE_EXHAUSTED BUDGET_EXCEEDED
+   *   (the session cannot be sent so many descriptors now); UNAVAILABLE SESSION_SOCKET_FULL
+   */
+  async allocateAll(request: AllocateAllRequest__Output, context: CallContext): Promise<AllocateAllResponse> {
+    const session = requireSession(context, 'AllocateAll');
+    session.checkDescriptorRoom(Math.max(1, request.sizes.length));
+    const args = {
+      sizes: request.sizes.map((size) => u64(size)),
+      location: location(request.location, this.resolveDevice),
+      handleType: handleType(request.handleType),
+      deadlineMs: request.deadlineMs,
+      signal: context.signal === undefined ? session.endSignal : AbortSignal.any([session.endSignal, context.signal]),
+    };
+    const { exported, waitedMs } = await this.registry.allocateAll(context.caller, args);
+    const answers: ExportResponse[] = [];
+    try {
+      for (const one of exported) {
+        answers.push(this.handOver(session, 'POSIX_FD', one));
+        // handOver closed the daemon's copy.
+        one.fd = undefined;
+      }
+    } catch (error) {
+      await this.registry.undoAllocateAll(context.caller, exported);
+      throw error;
+    }
+    return { allocations: answers, waitedMs };
+  }
+
   /** Sends an exported descriptor on the session socket (closing the daemon's copy) and describes the export. */
   private handOver(
     session: Session | undefined,
@@ -263,6 +298,7 @@ export class VirtualMemoryService {
       GetAccess: unary(deps, 'GetAccess', (r: GetAccessRequest__Output, c) => this.getAccess(r, c)),
       Export: unary(deps, 'Export', (r: ExportRequest__Output, c) => this.export(r, c)),
       Allocate: unary(deps, 'Allocate', (r: CreateRequest__Output, c) => this.allocate(r, c)),
+      AllocateAll: unary(deps, 'AllocateAll', (r: AllocateAllRequest__Output, c) => this.allocateAll(r, c)),
       Share: unary(deps, 'Share', (r: ShareRequest__Output, c) => this.share(r, c)),
       Import: unary(deps, 'Import', (r: ImportRequest__Output, c) => this.import(r, c)),
       GetProperties: unary(deps, 'GetProperties', (r: GetPropertiesRequest__Output, c) => this.getProperties(r, c)),
