@@ -156,6 +156,17 @@ def test_a_free_of_an_unknown_address_is_counted_and_changes_nothing(library: An
     assert values[7] == 3
 
 
+def test_mallocs_and_frees_leave_the_clock_to_the_stamp(library: Any) -> None:
+    # The clock can cost microseconds a read; the idle check stamps the chunks used since it last looked.
+    library.vmmd_cupy_add_chunk(0, BASE, 4 * MiB, 0)
+    free(library, malloc(library, MiB))
+    device, base, size = ctypes.c_int(), ctypes.c_uint64(), ctypes.c_uint64()
+    take = lambda: library.vmmd_take_empty_chunk(_cupy_chunks.TAKE_IDLE, ctypes.c_double(1e-9), ctypes.byref(device), ctypes.byref(base), ctypes.byref(size))  # noqa: E731
+    assert take() == 0  # used since the last stamp: not idle, however long ago
+    library.vmmd_cupy_stamp(0)
+    assert take() == 1 and (base.value, size.value) == (BASE, 4 * MiB)
+
+
 class FakeMemory:
     """CuPy's CFunctionAllocatorMemory as far as the carver goes: `.ptr`, freed when dropped."""
 

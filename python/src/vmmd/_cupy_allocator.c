@@ -29,6 +29,9 @@
 typedef intptr_t (*current_stream_fn)(void);
 
 #define HELD_BUCKETS 4096
+/* A chunk's last_use while used since the last stamp: mallocs and frees never read the clock (on some
+ * hosts clock_gettime is a system call, microseconds each); vmmd_cupy_stamp puts the time in. */
+#define TOUCHED 1e300
 
 static current_stream_fn current_stream;
 /* Requests above it are large: they may take a chunk leased for one of them (`own`), the others never do. */
@@ -174,6 +177,24 @@ static int best_free(int device, uint64_t size, int large, int *k_out) {
   return best_i;
 }
 
+/* Makes [offset, +size) of FREE span i USED for `stream` (the core's take, without the clock). */
+static void *take_free(chunk_t *c, int i, uint64_t size, void *stream) {
+  span_t *s = &c->spans[i];
+  if (s->size > size) {
+    span_t rest = {s->offset + size, s->size - size, SPAN_FREE, NULL, NULL};
+    if (insert_span(c, i + 1, rest) != 0) return NULL;
+    s = &c->spans[i];
+  }
+  s->size = size;
+  s->state = SPAN_USED;
+  s->stream = stream;
+  s->event = NULL;
+  room[SLOT(c->tag, c->device)] -= size;
+  c->freed = 0;
+  c->last_use = TOUCHED;
+  return (void *)(uintptr_t)(c->base + s->offset);
+}
+
 /* CFunctionAllocator's malloc: a block, or NULL when no chunk has room for it (never a wait). */
 void *vmmd_cupy_malloc(void *param, size_t requested, int device) {
   (void)param;
@@ -185,7 +206,7 @@ void *vmmd_cupy_malloc(void *param, size_t requested, int device) {
   void *found = held_take(device, size, stream);
   if (found == NULL) {
     int k, i = best_free(device, size, size > large_threshold, &k);
-    if (i >= 0) found = take(&chunks[k], i, size, stream);
+    if (i >= 0) found = take_free(&chunks[k], i, size, stream);
   }
   if (found == NULL) counters[4]++;
   pthread_mutex_unlock(&lock);
@@ -205,9 +226,20 @@ void vmmd_cupy_free(void *param, void *pointer, int device) {
     held_push(chunks[k].device, s->stream, s->size, (uint64_t)(uintptr_t)pointer);
     s->state = SPAN_HELD;
     s->event = NULL; /* not marked: freed after the last vmmd_cupy_mark_held */
-    chunks[k].last_use = now();
+    chunks[k].last_use = TOUCHED;
   } else {
     counters[7]++;
+  }
+  pthread_mutex_unlock(&lock);
+}
+
+/* Puts the time (`ancient`: long ago) into the last_use of the chunks used since the last stamp:
+ * before vmmd_take_empty_chunk, which never takes a chunk still TOUCHED. */
+void vmmd_cupy_stamp(int ancient) {
+  pthread_mutex_lock(&lock);
+  double t = ancient ? 0.0 : now();
+  for (int k = 0; k < chunk_count; k++) {
+    if (chunks[k].last_use == TOUCHED) chunks[k].last_use = t;
   }
   pthread_mutex_unlock(&lock);
 }

@@ -160,12 +160,14 @@ class Carver:
         for device in devices:
             _cuda.synchronize(device)
         self.library.vmmd_cupy_release_held()
+        self.library.vmmd_cupy_stamp(1)
         return self._give_back(1e-9)
 
     def trim_if_idle(self) -> int:
         """Returns the chunks unused for `idle_seconds`; returns the bytes."""
         if self.idle_seconds <= 0:
             return 0
+        self.library.vmmd_cupy_stamp(0)
         given = self._give_back(self.idle_seconds)
         if given:
             self.counters["idle_trims"] += 1
