@@ -93,6 +93,10 @@ def test_bad_calls_change_nothing(client: vmmd.VmmdClient) -> None:
     with pytest.raises(vmmd.VmmdError) as raised:
         pool.sleep("offload")
     assert raised.value.code == "ASLEEP" and pool.asleep
+    for bad in (-1, 601):
+        with pytest.raises(vmmd.VmmdError) as raised:
+            pool.wake(timeout=bad)
+        assert (raised.value.code, raised.value.status_name) == ("BAD_TIMEOUT", "INVALID_ARGUMENT") and str(bad) in raised.value.message and pool.asleep
     # A free while asleep is bookkeeping only; the block's memory comes back with the rest.
     pool.free(blocks[0])
     assert pool.trim() == 0
@@ -172,6 +176,8 @@ def test_closing_an_asleep_pool_gives_everything_back(daemon: Daemon, client: vm
 
 
 def test_a_process_killed_while_asleep_leaves_nothing(daemon: Daemon) -> None:
+    # The previous test's client may still be closing: its session and memory would count in `before`.
+    eventually(lambda: daemon.stats().sessions == 0, what="the previous tests' sessions to close")
     before = daemon.stats()
     script = (
         "import ctypes, sys, vmmd\n"
@@ -189,3 +195,26 @@ def test_a_process_killed_while_asleep_leaves_nothing(daemon: Daemon) -> None:
     os.kill(child.pid, signal.SIGKILL)
     child.wait(10)
     eventually(lambda: daemon.stats().allocated_bytes == before.allocated_bytes and daemon.stats().sessions == before.sessions, what="the killed session's memory released")
+
+
+def test_retained_copies_serve_the_next_sleep(daemon: Daemon, client: vmmd.VmmdClient) -> None:
+    eventually(lambda: daemon.stats().sessions == 1, what="the previous tests' sessions to close")
+    before = daemon.stats().allocated_bytes
+    pool = DevicePool(client, chunk_size=4 * MiB, idle_seconds=0, retain_copies=True)
+    block = pool.allocate(MiB)
+    ctypes.memset(block.address, 0xA1, MiB)
+    pool.sleep("offload")
+    pool.wake()
+    assert daemon.stats().allocated_bytes == before + 8 * MiB  # the chunk and its copy, kept
+    ctypes.memset(block.address, 0xB2, MiB)  # changed while awake: the next sleep copies it again
+    pool.sleep("offload")
+    assert daemon.stats().allocated_bytes == before + 4 * MiB  # no new copy
+    pool.wake()
+    assert ctypes.string_at(block.address, MiB) == b"\xb2" * MiB
+    pool.sleep("discard")  # a discard has no use for the copy
+    assert daemon.stats().allocated_bytes == before
+    pool.wake()
+    pool.sleep("offload")
+    pool.wake()
+    pool.close()
+    assert daemon.stats().allocated_bytes == before

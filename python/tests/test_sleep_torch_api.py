@@ -105,3 +105,18 @@ def test_a_wake_without_room_leaves_every_tag_asleep(saver: Any, daemon: Daemon)
     other.close()
     saver.resume()
     assert kept(weights, 0x42)
+
+
+def test_retain_cpu_backup_keeps_the_copies_across_resumes(saver: Any, daemon: Daemon) -> None:
+    saver, library = saver
+    weights = tensor(saver, library, "weights", True, 0x61)
+    saver.retain_cpu_backup = True
+    assert saver.retain_cpu_backup
+    saver.pause()
+    saver.resume()
+    held = daemon.stats().allocated_bytes  # the chunk and its copy
+    ctypes.memset(weights, 0x62, MiB)
+    saver.pause()
+    assert daemon.stats().allocated_bytes == held - 4 * MiB  # the copy was reused, the chunk released
+    saver.resume()
+    assert kept(weights, 0x62) and daemon.stats().allocated_bytes == held

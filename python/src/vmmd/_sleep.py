@@ -12,7 +12,12 @@ Wake asks the daemon for all the memory at once (all or none), maps each
 piece at its old address with the access it had, maps the stores again and
 copies the offloaded bytes back (device memory: the copy engines, in chunks
 over two streams; host backend: memmove). A wake that fails leaves every
-range asleep and every offloaded copy where it was."""
+range asleep and every offloaded copy where it was.
+
+With `retain`, wake keeps the host copies (charged to the session while the
+memory is awake) and the next offload writes into them: a cycle then costs
+the copies only, not making and pinning host memory each time (as
+torch_memory_saver's retain_cpu_backup)."""
 from __future__ import annotations
 
 import ctypes
@@ -39,7 +44,7 @@ def check_mode(mode: str) -> str:
 class Segment:
     """One range that sleeps and wakes: `memory` mapped here; new memory for it
     comes from `location`, or it maps the opened `store` (never copied).
-    While asleep with offload, `copy` holds its bytes."""
+    While asleep with offload, `copy` holds its bytes; with retain, also after wake."""
 
     __slots__ = ("memory", "location", "store", "mode", "copy")
 
@@ -92,16 +97,24 @@ def sleep(client: Any, segments: Sequence[Segment], mode: str) -> None:
             _cuda.synchronize(device)
     kept = [segment for segment in segments if segment.store is None]
     copies: List[ImportedMemory] = []
+    made: List[ImportedMemory] = []
     try:
         if mode == OFFLOAD:
+            # Plain allocations, never queued: a sleep is what frees memory, and a queued request for its
+            # copies could wait behind a wake that waits for this very sleep (the host backend has one queue).
             for segment in kept:
-                copies.append(client.vmm.allocate(segment.memory.size, location=HOST_LOCATION, host_access=True))
+                copy = segment.copy  # retained from the last wake
+                if copy is None or copy.size < segment.memory.size:
+                    copy = client.vmm.allocate(segment.memory.size, location=HOST_LOCATION, host_access=True)
+                    made.append(copy)
+                copies.append(copy)
             for device in devices or [-1]:
                 pairs = [(copy.address, s.memory.address, s.memory.size) for copy, s in zip(copies, kept) if device < 0 or s.memory.device == device]
                 _copy(pairs, device >= 0, device)
     except BaseException:
-        _drop_copies(client, copies)
+        _drop_copies(client, made)
         raise
+    stale = [segment.copy for segment in kept if segment.copy is not None and all(segment.copy is not copy for copy in copies)]
     failed: List[VmmdError] = []
     released: List[int] = []
     for index, segment in enumerate(kept):
@@ -117,6 +130,8 @@ def sleep(client: Any, segments: Sequence[Segment], mode: str) -> None:
             except VmmdError as error:
                 failed.append(error)
     failed += _release(client, released)
+    # Retained copies a discard or a larger range made useless.
+    _drop_copies(client, [copy for copy in stale if copy is not None])
     if failed:
         raise failed[0]
 
@@ -132,7 +147,7 @@ def _drop_copies(client: Any, copies: List[ImportedMemory]) -> None:
     _release(client, ids)
 
 
-def wake(client: Any, segments: Sequence[Segment], timeout: Optional[float] = None) -> None:
+def wake(client: Any, segments: Sequence[Segment], timeout: Optional[float] = None, retain: bool = False) -> None:
     """Wakes every segment at its address (see the module's documentation).
     Raises VmmdError OUT_OF_MEMORY (the daemon had no room by the deadline),
     STORE_DETACHED, LOCAL_MAP_FAILED: every segment is still asleep then."""
@@ -150,7 +165,7 @@ def wake(client: Any, segments: Sequence[Segment], timeout: Optional[float] = No
     reopened: List[Any] = []
     try:
         for segment in stores:
-            _, fd = client.session.open_store({"id": int(segment.store.store.id)}, not segment.memory.read_only, client.vmm._service.seconds(timeout))
+            _, fd = client.session.open_store({"id": int(segment.store.store.id)}, not segment.memory.read_only, client.vmm._service.seconds(None))
             reopened.append(segment)
             fds.append(fd)
             ids.append(int(segment.store.store.allocation_id))
@@ -172,9 +187,23 @@ def wake(client: Any, segments: Sequence[Segment], timeout: Optional[float] = No
         _release(client, ids[: len(kept)])
         raise
     offloaded = [segment for segment in kept if segment.copy is not None]
-    for device in sorted({s.memory.device for s in offloaded if s.memory.is_device_memory}) or [-1]:
-        pairs = [(s.memory.address, s.copy.address, s.memory.size) for s in offloaded if s.copy is not None and (device < 0 or s.memory.device == device)]
-        _copy(pairs, device >= 0, device)
+    try:
+        for device in sorted({s.memory.device for s in offloaded if s.memory.is_device_memory}) or [-1]:
+            pairs = [(s.memory.address, s.copy.address, s.memory.size) for s in offloaded if s.copy is not None and (device < 0 or s.memory.device == device)]
+            _copy(pairs, device >= 0, device)
+    except BaseException:
+        # The bytes did not come back: asleep again, the copies kept for another wake.
+        for segment in resumed:
+            segment.memory.suspend()
+        for segment in stores:
+            try:
+                client.stores.close(int(segment.store.store.id))
+            except VmmdError:
+                pass
+        _release(client, ids[: len(kept)])
+        raise
+    if retain:
+        return
     copies = [segment.copy for segment in offloaded if segment.copy is not None]
     for segment in kept:
         segment.copy = None
@@ -182,8 +211,8 @@ def wake(client: Any, segments: Sequence[Segment], timeout: Optional[float] = No
 
 
 def forget(client: Any, segments: Sequence[Segment]) -> None:
-    """Drops what asleep segments keep in the daemon (their offloaded copies);
-    the caller closes the memories, which frees their ranges."""
+    """Drops what segments keep in the daemon (their offloaded or retained
+    copies); the caller closes or releases the memories."""
     copies = [segment.copy for segment in segments if segment.copy is not None]
     for segment in segments:
         segment.copy = None

@@ -52,6 +52,9 @@ class ChunkSupply:
         # CUDA graph captures under way: no chunk goes back meanwhile (a give-back synchronizes the
         # device, which a capture in global mode refuses and is invalidated by).
         self.captures = 0
+        # The sleep record of every chunk that has slept, by base; with `retain`, its host copy stays after wake.
+        self._segments: Dict[int, Segment] = {}
+        self.retain = False
         self._lock = threading.Lock()
         self.errors: List[BaseException] = []
         # Room ahead (half a chunk, the largest malloc and a quarter of what is held): most mallocs never wait for this thread.
@@ -81,9 +84,16 @@ class ChunkSupply:
         """Takes the chunks the C library lets go (TAKE_FREED or TAKE_IDLE) back to the daemon; returns the bytes."""
         device, base, size = ctypes.c_int(), ctypes.c_uint64(), ctypes.c_uint64()
         taken: Dict[int, Tuple[DevicePool, List[Chunk]]] = {}
-        while self.library.vmmd_take_empty_chunk(mode, ctypes.c_double(self.idle_seconds), ctypes.byref(device), ctypes.byref(base), ctypes.byref(size)):
+        while True:
+            # The take and the pop under one lock: a sleep that marks a tag asleep between them would
+            # otherwise find a chunk this is giving back (it marks first, then collects under this lock).
             with self._lock:
+                if not self.library.vmmd_take_empty_chunk(mode, ctypes.c_double(self.idle_seconds), ctypes.byref(device), ctypes.byref(base), ctypes.byref(size)):
+                    break
                 pool, chunk, _ = self._chunks.pop(base.value)
+                segment = self._segments.pop(chunk.base, None)
+            if segment is not None:
+                _sleep.forget(pool.client, [segment])
             taken.setdefault(id(pool), (pool, []))[1].append(chunk)
         total = 0
         for pool, chunks in taken.values():
@@ -123,7 +133,7 @@ class ChunkSupply:
         try:
             with self._lock:
                 tagged = [(pool, chunk) for pool, chunk, chunk_tag in self._chunks.values() if chunk_tag == tag]
-            segments = [Segment(chunk.memory, pool.location) for pool, chunk in tagged]
+                segments = [self._segments.setdefault(chunk.base, Segment(chunk.memory, pool.location)) for pool, chunk in tagged]
             client = tagged[0][0].client if tagged else None
             _sleep.sleep(client, segments, mode)
         except BaseException:
@@ -148,7 +158,7 @@ class ChunkSupply:
             clients = [self._asleep[tag][0] for tag in tags if tag in self._asleep and self._asleep[tag][0] is not None]
         if missing:
             raise VmmdError("NOT_ASLEEP", STATUS["FAILED_PRECONDITION"], f"tag number {missing[0]} is not asleep")
-        _sleep.wake(clients[0] if clients else None, segments, timeout)
+        _sleep.wake(clients[0] if clients else None, segments, timeout, retain=self.retain)
         with self._lock:
             for tag in tags:
                 del self._asleep[tag]

@@ -42,7 +42,7 @@ class TorchMemorySaver:
         self._lock = threading.Lock()
         # Invariant: every (tag, backup) pair ever used has one number in 1..MAX_TAG_NUMBERS, never reused.
         self._numbers: Dict[Tuple[str, bool], int] = {}
-        self._pools: Dict[Tuple[int, int], Any] = {}
+        self._pools: Dict[Tuple[int, int, bool], Any] = {}
 
     @property
     def allocator(self) -> Any:
@@ -56,6 +56,15 @@ class TorchMemorySaver:
     def enabled(self) -> bool:
         return True
 
+    @property
+    def retain_cpu_backup(self) -> bool:
+        """Whether resume keeps the host copies of backed-up regions for the next pause (torch_memory_saver's name)."""
+        return bool(self.allocator.supply.retain)
+
+    @retain_cpu_backup.setter
+    def retain_cpu_backup(self, value: bool) -> None:
+        self.allocator.supply.retain = bool(value)
+
     def _number(self, tag: str, backup: bool) -> int:
         check_tag(tag)
         with self._lock:
@@ -66,13 +75,15 @@ class TorchMemorySaver:
                 number = self._numbers[(tag, backup)] = len(self._numbers) + 1
             return number
 
-    def _mem_pool(self, number: int, device: int) -> Any:
+    def _mem_pool(self, number: int, device: int, graph: bool = False) -> Any:
+        """The MemPool of a tag number on a device; graphs capture into one of their own (a pool that
+        eager tensors also use would mix graph-private blocks with theirs), of the same tag."""
         import torch
 
         with self._lock:
-            pool = self._pools.get((number, device))
+            pool = self._pools.get((number, device, graph))
             if pool is None:
-                pool = self._pools[(number, device)] = torch.cuda.MemPool(self.allocator.pluggable.allocator())
+                pool = self._pools[(number, device, graph)] = torch.cuda.MemPool(self.allocator.pluggable.allocator())
             return pool
 
     @contextlib.contextmanager
@@ -113,7 +124,7 @@ class TorchMemorySaver:
         number = self._number(tag, bool(enable_cpu_backup))
         self._check_awake(number, tag)
         device = torch.cuda.current_device()
-        mem_pool = self._mem_pool(number, device)
+        mem_pool = self._mem_pool(number, device, graph=True)
         # Room before capture: the refill thread's driver calls must not run while the stream captures.
         supply = self.allocator.supply
         supply.add(device, 1, number)

@@ -144,6 +144,12 @@ class VirtualMemoryApi:
         """The raw Allocate RPC: the descriptor waits on the session socket under the returned transfer id."""
         return self._service.unary("Allocate", request, timeout=timeout, **fields)
 
+    def allocate_all(self, request: Request = None, timeout: Optional[float] = None, **fields: Any) -> Message:
+        """The raw AllocateAll RPC (sizes, location, deadline_ms): the descriptors wait on the session
+        socket under the answer's transfer ids; allocate_for_wake() takes them.
+        Raises VmmdError OUT_OF_MEMORY (at the deadline), ZERO_SIZE, NOT_ALIGNED, TOO_MANY_SIZES, BEYOND_DEVICE, BAD_DEADLINE, BUDGET_EXCEEDED."""
+        return self._service.unary("AllocateAll", request, timeout=timeout, **fields)
+
     def open_staging(self, transfer_id: int, timeout: Optional[float] = None) -> Message:
         return self._service.unary("OpenStaging", transfer_id=transfer_id, timeout=timeout)
 
@@ -257,7 +263,7 @@ class VirtualMemoryApi:
         if location is not None:
             fields["location"] = location
         # The call outlives the daemon's deadline: the daemon answers OUT_OF_MEMORY, not the channel DEADLINE_EXCEEDED.
-        response = self._service.unary("AllocateAll", timeout=wait + self._service.seconds(None), **fields)
+        response = self.allocate_all(timeout=wait + self._service.seconds(None), **fields)
         taken: List[Tuple[int, int]] = []
         try:
             for allocation in response.allocations:

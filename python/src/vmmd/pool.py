@@ -148,9 +148,13 @@ class DevicePool:
     blocks; chunks come from client.vmm.allocate() and go back to the daemon on
     trim(), close(), or with the session when the process ends."""
 
-    def __init__(self, client: Any, device: int = 0, chunk_size: int = 32 << 20, large_threshold: int = 16 << 20, location: Optional[Dict[str, Any]] = None, idle_seconds: Optional[float] = None, tag: str = DEFAULT_TAG) -> None:
+    def __init__(self, client: Any, device: int = 0, chunk_size: int = 32 << 20, large_threshold: int = 16 << 20, location: Optional[Dict[str, Any]] = None, idle_seconds: Optional[float] = None, tag: str = DEFAULT_TAG, retain_copies: bool = False) -> None:
         self.client = client
         self.tag = check_tag(tag)
+        # Keep the host copies of offloaded memory after wake, for the next sleep (_sleep.py).
+        self.retain_copies = retain_copies
+        # The sleep record of each chunk (by base) and attached store (by address) that has slept.
+        self._segments: Dict[int, Segment] = {}
         # Invariant: None while awake; asleep, one segment per chunk of _chunks and _large, nothing else held.
         self._sleeping: Optional[List[Segment]] = None
         # Opened stores whose mappings sleep and wake with the pool (never copied).
@@ -357,9 +361,10 @@ class DevicePool:
             chunks = self._chunks + list(self._large.values()) + self._idle_large
             self._chunks, self._bases, self._large, self._idle_large = [], [], {}, []
             sleeping, self._sleeping = self._sleeping, None
+            _sleep.forget(self.client, list(self._segments.values()))
+            self._segments = {}
             if sleeping is not None:
-                # Nothing is mapped: the copies go back to the daemon, the ranges are freed here (the stores' opens went at sleep).
-                _sleep.forget(self.client, sleeping)
+                # Nothing is mapped: the copies went back to the daemon, the ranges are freed here (the stores' opens went at sleep).
                 for chunk in chunks:
                     chunk.memory.close()
                 for store in self._stores:
@@ -371,6 +376,7 @@ class DevicePool:
     def _release(self, chunks: List[Chunk]) -> None:
         if not chunks:
             return
+        _sleep.forget(self.client, [self._segments.pop(chunk.base) for chunk in chunks if chunk.base in self._segments])
         if getattr(chunks[0].memory, "is_device_memory", False):
             from . import _cuda
 
@@ -429,8 +435,8 @@ class DevicePool:
             raise VmmdError("ASLEEP", STATUS["FAILED_PRECONDITION"], f"the pool tagged {self.tag!r} is already asleep")
         self.trim()
         with self._lock:
-            segments = [Segment(chunk.memory, self.location) for chunk in self._chunks + list(self._large.values())]
-            segments += [Segment(store.memory, store=store) for store in self._stores]
+            segments = [self._segments.setdefault(chunk.base, Segment(chunk.memory, self.location)) for chunk in self._chunks + list(self._large.values())]
+            segments += [self._segments.setdefault(store.memory.address, Segment(store.memory, store=store)) for store in self._stores]
             _sleep.sleep(self.client, segments, mode)
             for chunk in self._chunks + list(self._large.values()):
                 chunk.share_key = None  # a key names an allocation, and the allocation is gone
@@ -448,7 +454,7 @@ class DevicePool:
         with self._lock:
             if self._sleeping is None:
                 return 0
-            _sleep.wake(self.client, self._sleeping, timeout)
+            _sleep.wake(self.client, self._sleeping, timeout, retain=self.retain_copies)
             woken = sum(segment.memory.size for segment in self._sleeping)
             self._sleeping = None
             self.counters["wakes"] += 1

@@ -76,6 +76,17 @@ class VmmdTorchAllocator:
     def stats(self) -> Dict[str, int]:
         return self.supply.counters()
 
+    def sleep(self, mode: str = "offload") -> int:
+        """Puts the memory of mem_pool() MemPools (outside every region) to
+        sleep, every address kept; returns the bytes. Tagged regions sleep by
+        torch_memory_saver.pause() or sleep(level).
+        Raises VmmdError BAD_SLEEP_MODE, ASLEEP, OUT_OF_MEMORY (no host memory for the copies)."""
+        return self.supply.sleep(0, mode)
+
+    def wake(self, timeout: Optional[float] = None) -> int:
+        """Wakes what sleep() put to sleep; returns the bytes. Raises VmmdError NOT_ASLEEP, OUT_OF_MEMORY (still asleep)."""
+        return self.supply.wake([0], timeout)
+
 
 _allocator: Optional[VmmdTorchAllocator] = None
 _allocator_lock = threading.Lock()
