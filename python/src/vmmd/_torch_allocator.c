@@ -68,6 +68,7 @@ typedef struct {
   int count, capacity;
   int freed; /* nothing in use since PyTorch freed a block of it: give it back */
   double last_use;
+  int own; /* leased for one large request (the CuPy library): small requests never split it */
 } chunk_t;
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -366,7 +367,7 @@ int vmmd_add_tagged_chunk(int device, int tag, uint64_t base, uint64_t size) {
     }
   }
   if (chunk_count < chunk_capacity) {
-    chunk_t c = {device, tag, 0, base, size, NULL, 0, 0, 0, now()};
+    chunk_t c = {device, tag, 0, base, size, NULL, 0, 0, 0, now(), 0};
     span_t whole = {0, size, SPAN_FREE, NULL, NULL};
     if (insert_span(&c, 0, whole) == 0) {
       chunks[chunk_count++] = c;

@@ -8,7 +8,10 @@ or, for one block of code, `with vmmd.cupy.using():`. Frees are CuPy's: a
 block goes back to the pool when the last array using it is gone (reuse is
 stream-ordered as with CuPy's own MemoryPool: a block is reused at once by
 later work on the stream current when it was allocated, by other streams once
-the work queued there before the free is done). free_all_blocks() gives what
+the work queued there before the free is done). The blocks are carved in C
+(vmmd._cupy_native: CuPy's CFunctionAllocator, other streams reuse a block
+once the device is synchronized) where a C compiler and CuPy's C API are
+there, else by the pool in Python (also with native=False). free_all_blocks() gives what
 the pool holds free back to the daemon; an idle pool does so by itself after
 VMMD_POOL_IDLE_SECONDS.
 
@@ -23,6 +26,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import cupy
 
+from . import _cupy_native
 from .client import VmmdClient, shared_client
 from .pool import DEFAULT_TAG, Block, DevicePool, check_tag
 
@@ -43,9 +47,11 @@ class _BlockOwner:
 class VmmdAllocator:
     """An allocator for cupy.cuda.set_allocator: malloc(size) → MemoryPointer
     of vmmd memory. One pool per device, leased by `client` (default: this
-    process's shared session); `idle_seconds` and `tag` as DevicePool's."""
+    process's shared session); `idle_seconds` and `tag` as DevicePool's.
+    `native`: blocks carved in C (vmmd._cupy_native) where it can run, else
+    in Python."""
 
-    def __init__(self, client: Optional[VmmdClient] = None, chunk_size: int = 32 << 20, large_threshold: int = 16 << 20, idle_seconds: Optional[float] = None, tag: str = DEFAULT_TAG) -> None:
+    def __init__(self, client: Optional[VmmdClient] = None, chunk_size: int = 32 << 20, large_threshold: int = 16 << 20, idle_seconds: Optional[float] = None, tag: str = DEFAULT_TAG, native: bool = True) -> None:
         if client is None:
             client = shared_client()
         self.client = client
@@ -53,6 +59,10 @@ class VmmdAllocator:
         self._settings = (chunk_size, large_threshold, idle_seconds)
         self._pools: Dict[int, DevicePool] = {}
         self._daemon_devices: Dict[str, int] = {d.uuid: int(d.index) for d in client.devices.list_devices().devices}
+        self._carver = _cupy_native.carver(client, self.pool, chunk_size, large_threshold, idle_seconds, self.tag) if native else None
+        if self._carver is not None:
+            # What CuPy calls: the C path, Python only to lease a chunk.
+            self.malloc = self._carver.malloc  # type: ignore[method-assign]
 
     def pool(self, device: Optional[int] = None) -> DevicePool:
         device = cupy.cuda.runtime.getDevice() if device is None else device
@@ -77,15 +87,16 @@ class VmmdAllocator:
     def free_all_blocks(self) -> int:
         """Gives every empty chunk back to the daemon, once the work queued
         before the frees is done; returns the bytes."""
-        return sum(pool.trim() for pool in self._pools.values())
+        return sum(pool.trim() for pool in self._pools.values()) + (self._carver.trim() if self._carver is not None else 0)
 
     def sleep(self, mode: str = "offload") -> int:
         """Puts every device's pool to sleep (DevicePool.sleep); returns the bytes.
         Raises VmmdError BAD_SLEEP_MODE, ASLEEP, OUT_OF_MEMORY (host memory for the copies)."""
-        done: List[DevicePool] = []
+        done: List[Any] = []
         total = 0
         try:
-            for pool in self._pools.values():
+            sleepers: List[Any] = [*self._pools.values(), *([self._carver] if self._carver is not None else [])]
+            for pool in sleepers:
                 total += pool.sleep(mode)
                 done.append(pool)
         except BaseException:
@@ -97,9 +108,11 @@ class VmmdAllocator:
     def wake(self, timeout: Optional[float] = None) -> int:
         """Wakes every device's pool (DevicePool.wake); returns the bytes.
         Raises VmmdError OUT_OF_MEMORY (the pools not woken stay asleep and intact)."""
-        return sum(pool.wake(timeout) for pool in self._pools.values())
+        return sum(pool.wake(timeout) for pool in self._pools.values()) + (self._carver.wake(timeout) if self._carver is not None else 0)
 
     def stats(self) -> Dict[int, Dict[str, int]]:
+        if self._carver is not None:
+            return {device: self._carver.stats(device) for device in self._pools}
         return {device: pool.stats() for device, pool in self._pools.items()}
 
 
