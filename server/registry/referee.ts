@@ -120,7 +120,8 @@ export class Referee {
     freed: FreedSignal,
     private readonly budgets?: UidBudgets,
   ) {
-    freed.listeners.add((device, location) => this.freed(location === undefined ? undefined : this.queueOf(location, device)));
+    // On the host backend every location is one memory: a free may serve any queue.
+    freed.listeners.add((device, location) => this.freed(location === undefined || !this.backend.capabilities.gpuMemory ? undefined : this.queueOf(location, device)));
   }
 
   /**
@@ -223,22 +224,27 @@ export class Referee {
     return { device, total, queue };
   }
 
-  /** Requests for one queue share one memory: a device's own, or host memory (on the host backend, everything is one memory). */
+  /**
+   * A device's requests queue apart from host memory's, even on the host backend where both
+   * draw on one memory: a sleep's offload copies (host memory) must never wait behind a wake
+   * that waits for that very sleep to free the device.
+   */
   private queueOf(location: MemLocation, device: number): string {
-    if (location.type === 'DEVICE' || !this.backend.capabilities.gpuMemory) return `device ${device}`;
+    if (location.type === 'DEVICE') return `device ${device}`;
     return `host memory (${describeLocation(location)})`;
   }
 
-  private isDeviceQueue(queue: string): boolean {
-    return queue.startsWith('device ');
+  /** Whether the queue's memory is what the backend counts per device (a device's; every location's on the host backend). */
+  private countedByBackend(queue: string): boolean {
+    return queue.startsWith('device ') || !this.backend.capabilities.gpuMemory;
   }
 
   private capacityOf(queue: string, device: number): bigint {
-    return this.isDeviceQueue(queue) ? this.backend.memoryInfo(device).totalBytes : BigInt(totalmem());
+    return this.countedByBackend(queue) ? this.backend.memoryInfo(device).totalBytes : BigInt(totalmem());
   }
 
   private freeOf(queue: string, device: number): bigint {
-    return this.isDeviceQueue(queue) ? this.backend.memoryInfo(device).freeBytes : BigInt(freemem());
+    return this.countedByBackend(queue) ? this.backend.memoryInfo(device).freeBytes : BigInt(freemem());
   }
 
   /** Runs the head of a queue when it is its turn and its memory may be there. */
@@ -271,7 +277,7 @@ export class Referee {
   /** Whether the head's memory may be there now: something was freed through the registry, or the free count says so. */
   private mayFit(head: Waiting): boolean {
     if (head.freedSince) return true;
-    if (this.isDeviceQueue(head.queue)) return this.freeOf(head.queue, head.device) >= head.total;
+    if (this.countedByBackend(head.queue)) return this.freeOf(head.queue, head.device) >= head.total;
     return performance.now() - head.lastAttempt >= REFEREE_HOST_RETRY_MS;
   }
 

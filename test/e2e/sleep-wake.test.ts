@@ -160,6 +160,30 @@ describe('sleep and wake of tagged memory', () => {
     await freeAll(first, [a]);
   }, 30_000);
 
+  test('an offload sleep does not queue behind a wake that waits for memory: host copies have their queue', async () => {
+    const first = await client();
+    const second = await client();
+    const [tagA, tagB] = [`engine-a-${nextTag}`, `engine-b-${nextTag++}`];
+    const b = await filled(second, 40n * MiB, 4);
+    second.tags.group(tagB).add(b);
+    await second.sleep(tagB, { mode: 'discard' });
+    const a = await filled(first, 28n * MiB, 3);
+    first.tags.group(tagA).add(a);
+    // 28 MiB in use: the 40 MiB wake waits; the 28 MiB offload fits at once and must not wait behind it.
+    let wakeEnded = false;
+    const waking = second.wake(tagB, { deadlineMs: 4000 }).then(
+      () => ((wakeEnded = true), 'woke'),
+      (error: { code?: string }) => ((wakeEnded = true), error.code),
+    );
+    await sleep(200);
+    await first.sleep(tagA, { mode: 'offload', deadlineMs: 3000 });
+    expect(wakeEnded).toBe(false);
+    expect(await waking).toBe('OUT_OF_MEMORY');
+    await first.wake(tagA, { deadlineMs: 5000 });
+    expect(Buffer.from(a.buffer).equals(Buffer.from(pattern(28n * MiB, 3)))).toBe(true);
+    await freeAll(first, [a]);
+  }, 30_000);
+
   test('refuses what does not fit the state: sleep twice, wake awake, an unknown tag', async () => {
     const owner = await client();
     const tag = `x-${nextTag++}`;
