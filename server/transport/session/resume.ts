@@ -14,7 +14,7 @@
  * hand-over to a successor.
  */
 import { randomBytes } from 'node:crypto';
-import { failedPrecondition, notFound, permissionDenied, RpcError } from '../../errors';
+import { failedPrecondition, invalidArgument, notFound, permissionDenied } from '../../errors';
 
 /** What the daemon parks for a live session, and what a restarted daemon waits for its client with. */
 export interface ParkedSession {
@@ -86,10 +86,19 @@ export class ResumeTable {
   }
 
   /**
-   * Takes the waiting session a resume token names, for a peer of `uid`; it waits no more.
-   * @throws NOT_FOUND RESUME_UNKNOWN, SESSION_RECLAIMED; PERMISSION_DENIED RESUME_OF_ANOTHER_UID
+   * Takes the waiting session a resume token names, for the fresh session of a
+   * new connection, which must have done nothing yet; it waits no more.
+   * @throws INVALID_ARGUMENT BAD_MESSAGE; NOT_FOUND RESUME_UNKNOWN, SESSION_RECLAIMED;
+   *   PERMISSION_DENIED RESUME_OF_ANOTHER_UID; FAILED_PRECONDITION RESUME_DUPLICATE
    */
-  claim(resumeToken: string, uid: number): ParkedSession {
+  claim(resumeToken: unknown, fresh: { id: bigint; peer: { uid: number }; used: boolean; resumed: boolean }): ParkedSession {
+    if (typeof resumeToken !== 'string' || !RESUME_TOKEN_PATTERN.test(resumeToken)) {
+      throw invalidArgument('BAD_MESSAGE', `hello: resumeToken ${JSON.stringify(resumeToken)?.slice(0, 80)} is not 64 lowercase hex digits`);
+    }
+    if (fresh.used || fresh.resumed) {
+      throw failedPrecondition('RESUME_DUPLICATE', `session ${fresh.id} was used or resumed already: only a fresh connection may resume a session`);
+    }
+    const uid = fresh.peer.uid;
     const waiting = this.byResumeToken.get(resumeToken)?.session;
     if (waiting === undefined) {
       const reclaimed = this.reclaimed.get(resumeToken);
@@ -145,9 +154,4 @@ export class ResumeTable {
     this.reclaimed.set(session.resumeToken, session.id);
     if (this.reclaimed.size > RECLAIMED_REMEMBERED) this.reclaimed.delete(this.reclaimed.keys().next().value as string);
   }
-}
-
-/** Whether an error is a refusal of a resume (the client opens a new session instead). */
-export function isResumeRefusal(error: unknown): error is RpcError {
-  return error instanceof RpcError && ['RESUME_UNKNOWN', 'SESSION_RECLAIMED', 'RESUME_OF_ANOTHER_UID'].includes(error.code);
 }

@@ -11,7 +11,7 @@ import { TRANSFER_ID_PATTERN } from '../../../common/protocol';
 import type { Registry } from '../../registry';
 import type { CreateArgs, ExportArgs } from '../../registry/records';
 import { toWireStore } from '../wire';
-import { Answer, ReclaimSummary, refuseMessage, RequestMessage, Session, SessionServices } from './sessions';
+import { Answer, ReclaimSummary, ReclaimTarget, refuseMessage, RequestMessage, Session, SessionServices } from './sessions';
 import { openFor, StoreCaller } from '../../stores/store-writers';
 import type { StoreRegistry } from '../../stores/stores';
 
@@ -263,7 +263,7 @@ export class SessionDispatcher implements SessionServices {
   }
 
   /** Each step runs whatever the one before it did: a failure is logged, never a reason to leave objects behind. */
-  async reclaim(session: Session): Promise<ReclaimSummary> {
+  async reclaim(session: ReclaimTarget): Promise<ReclaimSummary> {
     // What the session holds once its calls have drained is what the steps below free.
     const held = this.deps.registry.snapshot();
     const owner = String(session.id);

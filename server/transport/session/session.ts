@@ -34,6 +34,11 @@ export interface SessionOptions {
   maxTransfersPerUid: number;
   /** The backend's name, told to each client in its hello. */
   backend?: string;
+  /**
+   * The daemon parks its sessions' objects (systemd's file-descriptor store, the keeper, a hand-over): each
+   * hello carries a resume token. Without, there is nothing to resume after a restart and none is given.
+   */
+  resumable?: boolean;
   /** Unread descriptors per session, per uid and daemon-wide (server/transport/budgets.ts); absent: not bounded. */
   budgets?: TransportBudgets;
 }

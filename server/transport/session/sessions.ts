@@ -10,70 +10,23 @@ import { exitSignal, sessionEnding, stillRunning } from './peer-process';
 import type { Logger } from 'pino';
 import { status as Status } from '@grpc/grpc-js';
 import { traceClock, traceMark, traceSince, tracing } from '../../../common/trace';
-import { decodeMessage, encodeMessage, PROTOCOL_VERSION, readableRequestId, SessionMessage, TRANSFER_ID_PATTERN } from '../../../common/protocol';
+import { decodeMessage, encodeMessage, PROTOCOL_VERSION, readableRequestId, TRANSFER_ID_PATTERN } from '../../../common/protocol';
 import { addon, Credentials } from '../../../native';
 import { SeqpacketConnection, SeqpacketListener, SeqpacketMessage } from '../../../native/seqpacket';
 import { LogLimiter } from '../../observability/log-limiter';
-import type { TurnMeter } from '../../observability/turns';
 import { type ErrorCode, ERROR_CODE_KEY, failedPrecondition, RpcError, toServiceError, unauthenticated, unavailable } from '../../errors';
 import { FairShare } from './fair-share';
 import { DEFAULT_SESSION_OPTIONS, refuseMessage, Session, SessionOptions } from './session';
 import { UnreadDescriptors } from './unread-descriptors';
-import { ParkedSession, RESUME_TOKEN_PATTERN, ResumeTable, SessionJournal } from './resume';
+import type { Answer, ReclaimSummary, RequestMessage, SessionHooks, SessionServices } from './session-services';
+import { ParkedSession, ResumeTable, SessionJournal } from './resume';
 
 export { refuseMessage, Session };
 
 export { DEFAULT_SESSION_OPTIONS } from './session';
 export type { SessionOptions } from './session';
+export type { Answer, ReclaimSummary, ReclaimTarget, RequestMessage, SessionHooks, SessionServices } from './session-services';
 
-/** A request message as framed: an object with a string type (the dispatcher checks the rest). */
-export type RequestMessage = { type: string } & Record<string, unknown>;
-
-/** What answers a request: the reply, and a descriptor sent with it (the transport closes its copy). */
-export interface Answer {
-  reply: SessionMessage;
-  fd?: number;
-  /** Undoes what the request did when its answer cannot be sent (the client is not reading its socket). */
-  unsent?: () => Promise<unknown>;
-}
-
-/**
- * What the daemon does for sessions, wired in daemon.ts: answering their
- * request messages, and reclaiming what a closed one owned.
- */
-export interface SessionServices {
-  /**
-   * Answers one request message (anything but a transfer). A refusal is
-   * thrown: refuseMessage() refuses the message itself (BAD_MESSAGE…; the
-   * transport closes `fd`), any other error is the request's answer. Past a
-   * refusal of the message, `fd` (-1: none) is the services' to close.
-   */
-  answer(session: Session, message: RequestMessage, fd: number): Promise<Answer> | Answer;
-  /** Frees everything a closed session owned (or a parked one nobody resumed); runs once its calls have drained. Says what it freed, for the log. */
-  reclaim(session: ReclaimTarget): Promise<ReclaimSummary | void>;
-  /** The RPC a request message type is the socket's form of (its metrics are counted under that name). */
-  methodOf?(type: string): string | undefined;
-}
-
-/** What the transport tells the rest of the daemon about its requests. */
-export interface SessionHooks {
-  /** Sees every request's method (the RPC's name), status name, error code and duration (metrics). */
-  observe?: (method: string, status: string, code: string | undefined, seconds: number) => void;
-  /** Measures each message's turn of the event loop (server/observability/turns.ts). */
-  turns?: TurnMeter;
-  /** Told of each session when it opens; what it returns is called once the session's socket closes. */
-  connected?: () => () => void;
-}
-
-/** What a reclaim needs of a session: its id (the owner of its objects) and its log. */
-export type ReclaimTarget = Pick<Session, 'id' | 'log'>;
-
-/** What a closed session's reclaim freed: its allocations (and their bytes) and reservations. */
-export interface ReclaimSummary {
-  allocations: number;
-  bytes: string;
-  reservations: number;
-}
 
 /** The field saying how many like lines went to debug since the last one, when any did. */
 function heldBack(allowed: { suppressed: number } | undefined): { heldBack?: number } {
@@ -279,14 +232,9 @@ export class SessionManager {
    */
   private resume(fresh: Session, message: RequestMessage, fd: number): void {
     if (fd >= 0) addon.close(fd);
-    const { resumeToken } = message;
-    if (typeof resumeToken !== 'string' || !RESUME_TOKEN_PATTERN.test(resumeToken)) {
-      return this.refuse(fresh, -1, 'BAD_MESSAGE', `hello: resumeToken ${JSON.stringify(resumeToken)?.slice(0, 80)} is not 64 lowercase hex digits`);
-    }
     let parked: ParkedSession;
     try {
-      if (fresh.used || fresh.resumed) throw failedPrecondition('RESUME_DUPLICATE', `session ${fresh.id} was used or resumed already: only a fresh connection may resume a session`);
-      parked = this.waiting.claim(resumeToken, fresh.peer.uid);
+      parked = this.waiting.claim(message.resumeToken, fresh);
     } catch (error) {
       const refusal = error as RpcError;
       const allowed = this.logLimiter.allow(`resume:${fresh.peer.uid}:${refusal.code}`);
@@ -403,7 +351,7 @@ export class SessionManager {
       uid: peer.uid,
       gid: peer.gid,
       ...(this.options.backend === undefined ? {} : { backend: this.options.backend }),
-      resumeToken: session.resumeToken,
+      ...(this.options.resumable === true ? { resumeToken: session.resumeToken } : {}),
       ...(resumed ? { resumed: true } : {}),
     });
   }
