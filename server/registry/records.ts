@@ -127,6 +127,25 @@ export class IdSequence {
   take(): bigint {
     return this.next++;
   }
+  /** The id the next take() returns. */
+  peek(): bigint {
+    return this.next;
+  }
+  /** Skips ids an earlier daemon process gave out (the parked state's next id). */
+  advanceTo(next: bigint): void {
+    if (next > this.next) this.next = next;
+  }
+}
+
+/**
+ * Hears of every allocation's changes, synchronously, before the answer that
+ * reports them (the parked state: server/lifecycle/). A change is a new
+ * allocation, a reference dropped, a new owner, a share key.
+ */
+export interface AllocationObserver {
+  changed(allocation: AllocationRecord): void;
+  /** Its free has begun: it is gone for callers. */
+  gone(allocation: AllocationRecord): void;
 }
 
 export const hex = (value: bigint) => `0x${value.toString(16)}`;

@@ -100,6 +100,11 @@ export class SessionManager {
     return this.sessions.size;
   }
 
+  /** Gives new sessions ids above `last` (the sessions an earlier daemon process had: their objects came back with their ids). */
+  skipIdsThrough(last: bigint): void {
+    if (last >= this.nextId) this.nextId = last + 1n;
+  }
+
   list(): Session[] {
     return [...this.sessions.values()];
   }
