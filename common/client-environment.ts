@@ -23,7 +23,7 @@ export const CLIENT_ENVIRONMENT = {
   VMMD_RESUME_WAIT_MS: {
     readBy: 'both',
     default: '30000',
-    meaning: "after the session socket closes under a daemon that parks its sessions, how long a client tries to resume its session (the daemon's `--resume-grace-ms` is how long the daemon waits); `connect({ resumeWaitMs })`, `vmmd.connect(resume_wait_ms=...)`; `0`: never resume",
+    meaning: "after the session socket closes under a daemon that parks its sessions, how long a client tries to resume its session (the daemon's `--parked-grace-ms` is how long the daemon waits); `connect({ resumeWaitMs })`, `vmmd.connect(resume_wait_ms=...)`; `0`: never resume",
   },
   VMMD_MEMORY_MANAGER: {
     readBy: 'typescript',

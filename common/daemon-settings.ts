@@ -206,10 +206,6 @@ export const DAEMON_SETTINGS = {
     flag: 'tls-ca', env: 'VMMD_TLS_CA', placeholder: 'FILE', type: 'text', default: undefined, shown: 'none',
     help: 'require client certificates signed by this CA (mutual TLS)',
   },
-  resumeGraceMs: {
-    flag: 'resume-grace-ms', env: 'VMMD_RESUME_GRACE_MS', placeholder: 'MS', type: 'integer', default: 30_000, min: 0, max: 3_600_000,
-    help: 'after a restart from parked state, how long each session waits for its client to resume it before it is reclaimed',
-  },
   shutdownGraceMs: {
     flag: 'shutdown-grace-ms', env: 'VMMD_SHUTDOWN_GRACE_MS', placeholder: 'MS', type: 'integer', default: 10_000, min: 0, max: 600_000,
     help: 'on SIGTERM, how long calls in flight may finish',
@@ -237,7 +233,7 @@ export const DAEMON_SETTINGS = {
   },
   parkedGraceMs: {
     flag: 'parked-grace-ms', env: 'VMMD_PARKED_GRACE_MS', placeholder: 'MS', type: 'integer', default: 30_000, min: 0, max: 3_600_000,
-    help: "after a restart, how long a parked session's objects stay its own before they are reclaimed as if it had closed",
+    help: "after a restart, how long a parked session waits for its client to resume it (its objects its own meanwhile) before it is reclaimed as if it had closed",
   },
   turnCpu: {
     flag: 'turn-cpu', env: 'VMMD_TURN_CPU', placeholder: 'on|off', type: 'switch', default: true, shown: 'on',

@@ -148,7 +148,7 @@ export const ERROR_CODES = {
   NO_DESCRIPTOR: session('INVALID_ARGUMENT', 'a transfer message that carries no descriptor'),
   TOO_MANY_TRANSFERS: session('RESOURCE_EXHAUSTED', 'more unclaimed descriptors than a session or uid may hold'),
   RESUME_UNKNOWN: session('NOT_FOUND', 'a resume token that names no session waiting for its client (never given, already resumed, or of a daemon that kept no state)'),
-  SESSION_RECLAIMED: session('NOT_FOUND', 'a resume token of a session not resumed within --resume-grace-ms: its objects were reclaimed'),
+  SESSION_RECLAIMED: session('NOT_FOUND', 'a resume token of a session not resumed within --parked-grace-ms: its objects were reclaimed'),
   RESUME_DUPLICATE: session('FAILED_PRECONDITION', 'a resume hello on a connection that already resumed or used its session, or parked records that repeat a session'),
   FREE_FAILED: session('INTERNAL', 'a released allocation whose memory could not be freed yet; the daemon retries'),
 

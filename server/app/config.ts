@@ -83,8 +83,6 @@ export interface DaemonConfig {
   tls?: TlsConfig;
   /** How long SIGTERM waits for calls in flight before cutting them. */
   shutdownGraceMs: number;
-  /** After a restart from parked state, how long a session waits for its client to resume it. */
-  resumeGraceMs: number;
   /** Allocations created and exported ahead, per device ('auto': the backend's default). */
   stock: StockLevel[] | 'auto';
   /** How long the event loop spins for the next message before it sleeps, in microseconds (0: never; native/busy-poll.ts). */
@@ -380,7 +378,6 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
       tcpListen,
       tls,
       shutdownGraceMs: integer('shutdownGraceMs'),
-      resumeGraceMs: integer('resumeGraceMs'),
       busyPollMicros: integer('busyPollMicros'),
       turnCpu: read('turnCpu') as boolean,
       park: text('park') as 'auto' | 'off',

@@ -147,6 +147,7 @@ export class Daemon {
       maxSessionsPerUid: config.maxSessionsPerUid,
       maxTransfersPerUid: config.maxTransfersPerUid,
       authorize: (peer) => access.refusal(peer),
+      resumable: lifecycle.parks,
     });
     const quotas = new Quotas({ perUid: config.quotaPerUid, perSession: config.quotaPerSession }, (session) => sessions.uidOf(session), () => backend.hurry?.());
     // The daemon's objects (made without a session, or left by an ended one) are acted on by admins' sessions only,

@@ -11,7 +11,7 @@ import type { AllocationSource, Registry } from '../registry';
 import type { StoreRegistry } from '../stores/stores';
 import type { SessionManager } from '../transport/session/sessions';
 import { FdStoreClient, inheritedDescriptors } from './fd-store';
-import { Parking, ParkingSlot } from './parking';
+import { Parking, ParkingSlot, SessionPeers } from './parking';
 import { restoreParked, Restored } from './restore';
 
 export class Lifecycle {
@@ -33,6 +33,11 @@ export class Lifecycle {
     return new Lifecycle(park === 'auto' && env.NOTIFY_SOCKET ? env.NOTIFY_SOCKET : undefined, log);
   }
 
+  /** Whether memory is parked: sessions can then be resumed after a restart. */
+  get parks(): boolean {
+    return this.socket !== undefined;
+  }
+
   get parking(): Parking | undefined {
     return this.slot.parking;
   }
@@ -51,7 +56,7 @@ export class Lifecycle {
     if (this.socket === undefined) return undefined;
     const started = process.hrtime.bigint();
     const restored = await restoreParked(
-      { ...deps, client: new FdStoreClient(this.socket), peers: { peerOf: (session) => deps.sessions.peerOf(session) }, log: this.log },
+      { ...deps, client: new FdStoreClient(this.socket), peers: sessionPeers(deps.sessions), log: this.log },
       this.inherited,
       this.slot,
     );
@@ -62,8 +67,15 @@ export class Lifecycle {
       { allocations: restored.allocations, stores: restored.stores, sessions: restored.sessions.length, dropped: restored.dropped, ms: Number(process.hrtime.bigint() - started) / 1e6 },
       restored.allocations + restored.stores > 0 ? 'parked memory taken back' : 'parking memory in the file-descriptor store',
     );
-    if (restored.sessions.length > 0) {
-      this.grace = setTimeout(() => void this.reclaimParked(deps, restored), graceMs);
+    // A session whose record has its tokens waits for its client to resume it; the others' objects are reclaimed after the grace.
+    const resumable = restored.sessions.filter((session) => session.token !== undefined && session.resumeToken !== undefined);
+    deps.sessions.awaitResume(
+      resumable.map((session) => ({ id: BigInt(session.id), uid: session.uid, gid: session.gid, token: session.token!, resumeToken: session.resumeToken! })),
+      graceMs,
+    );
+    const unresumable = { ...restored, sessions: restored.sessions.filter((session) => !resumable.includes(session)) };
+    if (unresumable.sessions.length > 0) {
+      this.grace = setTimeout(() => void this.reclaimParked(deps, unresumable), graceMs);
       this.grace.unref();
     }
     return restored;
@@ -87,4 +99,15 @@ export class Lifecycle {
       }
     }
   }
+}
+
+/** Who a session is, and its tokens, for its parked record: live sessions' and those still waiting to be resumed. */
+function sessionPeers(sessions: SessionManager): SessionPeers {
+  return {
+    peerOf: (session) => sessions.peerOf(session),
+    tokensOf: (session) => {
+      const record = sessions.recordOf(session);
+      return record === undefined ? undefined : { token: record.token, resumeToken: record.resumeToken };
+    },
+  };
 }

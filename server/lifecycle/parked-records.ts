@@ -47,6 +47,9 @@ export interface ParkedSessionRecord {
   id: string;
   uid: number;
   gid: number;
+  /** Its gRPC token and resume token (server/transport/session/resume.ts): absent, nobody can resume it. */
+  token?: string;
+  resumeToken?: string;
 }
 
 export type JournalLine =

@@ -33,6 +33,8 @@ export interface ParkingSlot {
 /** Who a session is, for its parked record. */
 export interface SessionPeers {
   peerOf(session: bigint): { uid: number; gid: number } | undefined;
+  /** The session's tokens, for its client to resume it after a restart. */
+  tokensOf?(session: bigint): { token: string; resumeToken: string } | undefined;
 }
 
 export class Parking implements AllocationObserver {
@@ -214,7 +216,7 @@ export class Parking implements AllocationObserver {
     if (owner === 0n || isStoreHolder(owner) || this.state.sessions.has(String(owner))) return;
     const peer = this.peers.peerOf(owner);
     if (peer === undefined) return;
-    this.write({ t: 'p', p: { id: String(owner), uid: peer.uid, gid: peer.gid } });
+    this.write({ t: 'p', p: { id: String(owner), uid: peer.uid, gid: peer.gid, ...this.peers.tokensOf?.(owner) } });
   }
 
   private write(line: JournalLine): void {

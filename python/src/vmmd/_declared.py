@@ -117,7 +117,7 @@ CODES: Dict[str, Tuple[str, str, str]] = {
     "NO_DESCRIPTOR": ("INVALID_ARGUMENT", "session", "a transfer message that carries no descriptor"),
     "TOO_MANY_TRANSFERS": ("RESOURCE_EXHAUSTED", "session", "more unclaimed descriptors than a session or uid may hold"),
     "RESUME_UNKNOWN": ("NOT_FOUND", "session", "a resume token that names no session waiting for its client (never given, already resumed, or of a daemon that kept no state)"),
-    "SESSION_RECLAIMED": ("NOT_FOUND", "session", "a resume token of a session not resumed within --resume-grace-ms: its objects were reclaimed"),
+    "SESSION_RECLAIMED": ("NOT_FOUND", "session", "a resume token of a session not resumed within --parked-grace-ms: its objects were reclaimed"),
     "RESUME_DUPLICATE": ("FAILED_PRECONDITION", "session", "a resume hello on a connection that already resumed or used its session, or parked records that repeat a session"),
     "FREE_FAILED": ("INTERNAL", "session", "a released allocation whose memory could not be freed yet; the daemon retries"),
     "SESSION_LOST": ("UNAVAILABLE", "client", "the client's session socket closed"),

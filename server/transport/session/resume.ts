@@ -3,7 +3,7 @@
  * peer's uid and gid, its gRPC token and its resume token) is what the daemon
  * parks beside the memory its objects hold; the daemon that starts from the
  * parked state hands those records to awaitResume, and each then waits, for
- * the grace period (--resume-grace-ms), for its client to reconnect and
+ * the grace period (--parked-grace-ms), for its client to reconnect and
  * present the resume token in a `hello`. A client that does adopts its
  * session back: the same id, the same gRPC token, the same objects. A session
  * nobody resumes in time is reclaimed as if its socket had closed.
@@ -15,6 +15,7 @@
  */
 import { randomBytes } from 'node:crypto';
 import { failedPrecondition, invalidArgument, notFound, permissionDenied } from '../../errors';
+import type { Session } from './session';
 
 /** What the daemon parks for a live session, and what a restarted daemon waits for its client with. */
 export interface ParkedSession {
@@ -154,4 +155,16 @@ export class ResumeTable {
     this.reclaimed.set(session.resumeToken, session.id);
     if (this.reclaimed.size > RECLAIMED_REMEMBERED) this.reclaimed.delete(this.reclaimed.keys().next().value as string);
   }
+}
+
+/** A live session's record, as parked. */
+export function recordOf(session: Session): ParkedSession {
+  return { id: session.id, uid: session.peer.uid, gid: session.peer.gid, token: session.token, resumeToken: session.resumeToken };
+}
+
+/** A promise and what settles it, for a value that comes later. */
+export function deferred<T>(): { promise: Promise<T>; resolve(value: T): void } {
+  let resolve!: (value: T) => void;
+  const promise = new Promise<T>((settle) => (resolve = settle));
+  return { promise, resolve };
 }

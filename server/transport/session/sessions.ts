@@ -19,7 +19,7 @@ import { FairShare } from './fair-share';
 import { DEFAULT_SESSION_OPTIONS, refuseMessage, Session, SessionOptions } from './session';
 import { UnreadDescriptors } from './unread-descriptors';
 import type { Answer, ReclaimSummary, RequestMessage, SessionHooks, SessionServices } from './session-services';
-import { ParkedSession, ResumeTable, SessionJournal } from './resume';
+import { deferred, ParkedSession, recordOf, ResumeTable, SessionJournal } from './resume';
 
 export { refuseMessage, Session };
 
@@ -46,6 +46,8 @@ export function sessionTurnLabel(type: string, isRequest: (type: string) => bool
 export class SessionManager {
   private listener?: SeqpacketListener;
   private services?: SessionServices;
+  // A parked session's grace can end before listen() (a restore with a short grace): its reclaim waits for the services.
+  private readonly listening: { promise: Promise<SessionServices>; resolve(services: SessionServices): void } = deferred();
   private hooks: SessionHooks = {};
   // The daemon is stopping: the sessions it closes now are closed by it, not by their clients.
   private stopping = false;
@@ -77,6 +79,7 @@ export class SessionManager {
   /** Starts accepting sessions on `path`; `services` answers their requests and reclaims them. */
   listen(path: string, services: SessionServices, hooks: SessionHooks = {}): void {
     this.services = services;
+    this.listening.resolve(services);
     this.hooks = hooks;
     const refusal = encodeMessage({
       type: 'error',
@@ -161,14 +164,10 @@ export class SessionManager {
     this.journal = journal;
   }
 
-  /** The id the next session gets: parked with the state, so that a restarted daemon never gives an id twice. */
-  get nextSessionId(): bigint {
-    return this.nextId;
-  }
-
-  /** Raises the next session id (never lowers it): the parked state's, at restore. */
-  set nextSessionId(next: bigint) {
-    if (next > this.nextId) this.nextId = next;
+  /** The record of a session open or waiting to be resumed, as parked; undefined for any other id. */
+  recordOf(id: bigint): ParkedSession | undefined {
+    const open = this.sessions.get(id);
+    return open !== undefined && !open.closing ? recordOf(open) : this.waiting.get(id);
   }
 
   /** The records of every session to park now: the open ones and those still waiting for their clients. */
@@ -204,7 +203,8 @@ export class SessionManager {
    * At restore: each parked session waits `graceMs` for its client to present
    * its resume token in a hello; one not resumed by then is reclaimed as a
    * closed session is (`reclaim`, default the services' own). Session ids
-   * from here on are above every parked one.
+   * from here on are above every parked one. A daemon that parks its sessions
+   * starts its SessionManager with `resumable` (the hello's resume token).
    * @throws FAILED_PRECONDITION RESUME_DUPLICATE when a record repeats a session already open or waiting
    */
   awaitResume(parked: readonly ParkedSession[], graceMs: number, reclaim?: (session: ParkedSession) => Promise<unknown>): void {
@@ -215,7 +215,7 @@ export class SessionManager {
       const target = { id: record.id, log: this.log.child({ session: String(record.id), peerUid: record.uid }) };
       const done = (async () => {
         try {
-          const reclaimed = await (reclaim === undefined ? this.services?.reclaim(target) : reclaim(record));
+          const reclaimed = await (reclaim === undefined ? (await this.listening.promise).reclaim(target) : reclaim(record));
           target.log.info({ end: 'not-resumed', reclaimed }, `session ${record.id} was not resumed within ${graceMs} ms; reclaimed`);
         } catch (error) {
           target.log.error({ err: error }, 'reclaiming a session nobody resumed failed in part');
@@ -225,7 +225,7 @@ export class SessionManager {
       this.reclaims.add(done);
       void done.finally(() => this.reclaims.delete(done));
     });
-    for (const record of parked) this.nextSessionId = record.id + 1n;
+    for (const record of parked) this.skipIdsThrough(record.id);
     if (parked.length > 0) this.log.info({ sessions: parked.length, graceMs }, 'parked sessions wait for their clients to resume them');
   }
 
@@ -494,9 +494,4 @@ export class SessionManager {
     this.reclaims.add(reclaim);
     void reclaim.finally(() => this.reclaims.delete(reclaim));
   }
-}
-
-/** A live session's record, as parked. */
-export function recordOf(session: Session): ParkedSession {
-  return { id: session.id, uid: session.peer.uid, gid: session.peer.gid, token: session.token, resumeToken: session.resumeToken };
 }
