@@ -98,8 +98,6 @@ describe('the keeper', () => {
     // The maker's session waits for it (the grace), or is resumed by its client: its objects are its own either way.
     const after = await observed(daemon);
     expect(after).toEqual(before);
-    await maker.kill();
-    peers.splice(peers.indexOf(maker), 1);
     expect(await checksums()).toEqual(sumsBefore);
     // The share key opens the same memory, with its bytes.
     const again = await Peer.start(daemon.dir);
