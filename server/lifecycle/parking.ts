@@ -232,7 +232,10 @@ export class Parking implements AllocationObserver {
   /** Writes the state anew in a fresh journal, parks it, then drops the old one: a crash between leaves two, and the newer is whole. */
   private compact(): void {
     const live = new Set<string>();
-    for (const a of this.state.allocations.values()) live.add(a.owner), a.charged && live.add(a.charged.session);
+    for (const a of this.state.allocations.values()) {
+      live.add(a.owner);
+      if (a.charged !== undefined) live.add(a.charged.session);
+    }
     for (const s of this.state.stores.values()) live.add(s.owner);
     for (const id of [...this.state.sessions.keys()]) if (!live.has(id)) this.state.sessions.delete(id);
     let next: Journal;
