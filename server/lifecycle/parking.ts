@@ -44,6 +44,8 @@ export class Parking implements AllocationObserver {
   private readonly written = new Map<string, string>();
   private nextName = 1;
   private frozen = false;
+  // The devices' UUIDs, read once: a record names its device by UUID.
+  private readonly uuids: string[];
 
   private constructor(
     private readonly client: FdStoreClient,
@@ -57,6 +59,7 @@ export class Parking implements AllocationObserver {
     private readonly nextId: () => bigint,
   ) {
     this.state = state;
+    this.uuids = backend.devices().map((device) => device.uuid);
   }
 
   /**
@@ -129,7 +132,8 @@ export class Parking implements AllocationObserver {
     const id = String(allocation.id);
     if (this.written.get(id) === text) return;
     this.noteSession(allocation.owner);
-    this.write({ t: 'a', a: parked, next: String(this.nextId()) });
+    // The line is written from the record's text as it is: one serialization per change.
+    this.write({ t: 'a', a: parked, next: String(this.nextId()) }, `{"t":"a","a":${text},"next":"${this.nextId()}"}`);
     this.written.set(id, text);
   }
 
@@ -179,7 +183,7 @@ export class Parking implements AllocationObserver {
       fd,
       owner: String(owner),
       device: allocation.device,
-      deviceUuid: this.backend.devices()[allocation.device]?.uuid ?? '',
+      deviceUuid: this.uuids[allocation.device] ?? '',
       location: allocation.location,
       size: String(allocation.size),
       handleTypes: allocation.handleTypes as HandleKind[],
@@ -217,9 +221,9 @@ export class Parking implements AllocationObserver {
     this.write({ t: 'p', p: { id: String(owner), uid: peer.uid, gid: peer.gid } });
   }
 
-  private write(line: JournalLine): void {
+  private write(line: JournalLine, text?: string): void {
     try {
-      this.journal.append(line);
+      this.journal.append(line, text);
     } catch (error) {
       this.log.error({ err: error }, 'writing the parked state failed: the change will not survive a restart of the daemon');
       return;

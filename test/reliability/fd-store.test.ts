@@ -122,6 +122,23 @@ describe("systemd's file-descriptor store (a stand-in of the protocol)", () => {
     expect(objects).toEqual([kept.id]);
   }, 120_000);
 
+  it('leaves everything parked through a clean stop (SIGTERM), as systemctl restart stops and starts the daemon', async () => {
+    manager = new ServiceManagerStandIn();
+    await manager.start();
+    const peer = await Peer.start(manager.dir);
+    peers.push(peer);
+    const allocation = await peer.do({ op: 'call', api: 'vmm', method: 'create', args: { size: String(2n * MiB) } });
+    await peer.do({ op: 'call', api: 'stores', method: 'createStore', args: { allocationId: allocation.id, name: 'restarted', handOver: true } });
+    const own = await peer.do({ op: 'call', api: 'vmm', method: 'create', args: { size: String(2n * MiB) } });
+    await manager.kill('SIGTERM');
+    await peer.kill();
+    peers.splice(0);
+    await manager.start();
+    expect((await call(manager.raw!.stores, 'List', {})).stores.map((s: any) => s.name)).toEqual(['restarted']);
+    const objects = (await call(manager.raw!.admin, 'ListObjects', {})).objects.filter((o: any) => o.kind === 'allocation').map((o: any) => o.id);
+    expect(objects.sort()).toEqual([allocation.id, own.id].sort());
+  }, 120_000);
+
   it('closes a parked descriptor no record names, and keeps one journal', async () => {
     manager = new ServiceManagerStandIn();
     await manager.start();
