@@ -45,9 +45,12 @@ export class Journal {
     return replay(buffer.subarray(0, done).toString('utf8'));
   }
 
-  /** @throws the write's error (nothing is recorded then) */
-  append(line: JournalLine): void {
-    this.write(`${JSON.stringify(line)}\n`);
+  /**
+   * @param text the line already serialized, when the caller has it
+   * @throws the write's error (nothing is recorded then)
+   */
+  append(line: JournalLine, text = JSON.stringify(line)): void {
+    this.write(`${text}\n`);
     this.lines++;
   }
 

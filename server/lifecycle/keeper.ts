@@ -8,8 +8,11 @@
  * back as LISTEN_FDS / LISTEN_FDNAMES from fd 3 on, LISTEN_PID naming the
  * daemon, as systemd does. It never loads CUDA: a descriptor held by a
  * process that is not a CUDA process keeps a cuMemCreate allocation and its
- * bytes (docs/ARCHITECTURE.md). SIGTERM or SIGINT stop the daemon and then
- * the keeper: its descriptors close, and the memory goes with them.
+ * bytes (docs/ARCHITECTURE.md). SIGHUP is a planned restart (an upgrade:
+ * the daemon's files replaced on disk): the daemon stops as on SIGTERM,
+ * finishing the calls in flight and leaving everything parked, and the keeper
+ * starts it again from the files now there. SIGTERM or SIGINT stop the daemon
+ * and then the keeper: its descriptors close, and the memory goes with them.
  */
 import { ChildProcess, spawn } from 'node:child_process';
 import * as fs from 'node:fs';
@@ -127,6 +130,10 @@ export async function runKeeper(argv: string[], entry: string, log: Logger): Pro
   };
   process.on('SIGTERM', onSignal);
   process.on('SIGINT', onSignal);
+  process.on('SIGHUP', () => {
+    log.info('keeper: restarting the daemon (SIGHUP)');
+    child?.kill('SIGTERM');
+  });
 
   const args = daemonArguments(argv);
   try {

@@ -46,6 +46,8 @@ export class Parking implements AllocationObserver {
   private readonly written = new Map<string, string>();
   private nextName = 1;
   private frozen = false;
+  // The devices' UUIDs, read once: a record names its device by UUID.
+  private readonly uuids: string[];
 
   private constructor(
     private readonly client: FdStoreClient,
@@ -59,6 +61,7 @@ export class Parking implements AllocationObserver {
     private readonly nextId: () => bigint,
   ) {
     this.state = state;
+    this.uuids = backend.devices().map((device) => device.uuid);
   }
 
   /**
@@ -131,7 +134,8 @@ export class Parking implements AllocationObserver {
     const id = String(allocation.id);
     if (this.written.get(id) === text) return;
     this.noteSession(allocation.owner);
-    this.write({ t: 'a', a: parked, next: String(this.nextId()) });
+    // The line is written from the record's text as it is: one serialization per change.
+    this.write({ t: 'a', a: parked, next: String(this.nextId()) }, `{"t":"a","a":${text},"next":"${this.nextId()}"}`);
     this.written.set(id, text);
   }
 
@@ -181,7 +185,7 @@ export class Parking implements AllocationObserver {
       fd,
       owner: String(owner),
       device: allocation.device,
-      deviceUuid: this.backend.devices()[allocation.device]?.uuid ?? '',
+      deviceUuid: this.uuids[allocation.device] ?? '',
       location: allocation.location,
       size: String(allocation.size),
       handleTypes: allocation.handleTypes as HandleKind[],
@@ -219,9 +223,9 @@ export class Parking implements AllocationObserver {
     this.write({ t: 'p', p: { id: String(owner), uid: peer.uid, gid: peer.gid, ...this.peers.tokensOf?.(owner) } });
   }
 
-  private write(line: JournalLine): void {
+  private write(line: JournalLine, text?: string): void {
     try {
-      this.journal.append(line);
+      this.journal.append(line, text);
     } catch (error) {
       this.log.error({ err: error }, 'writing the parked state failed: the change will not survive a restart of the daemon');
       return;
@@ -234,7 +238,10 @@ export class Parking implements AllocationObserver {
   /** Writes the state anew in a fresh journal, parks it, then drops the old one: a crash between leaves two, and the newer is whole. */
   private compact(): void {
     const live = new Set<string>();
-    for (const a of this.state.allocations.values()) live.add(a.owner), a.charged && live.add(a.charged.session);
+    for (const a of this.state.allocations.values()) {
+      live.add(a.owner);
+      if (a.charged !== undefined) live.add(a.charged.session);
+    }
     for (const s of this.state.stores.values()) live.add(s.owner);
     for (const id of [...this.state.sessions.keys()]) if (!live.has(id)) this.state.sessions.delete(id);
     let next: Journal;
