@@ -313,7 +313,10 @@ export class Daemon {
     this.healthServer.forceShutdown();
     // The parked memory stays for the next start: the sessions' reclaim below frees only this process's hold of it.
     this.lifecycle.freeze();
-    await this.sessions.close();
+    // Where memory is parked, the sessions are too: their calls in flight finish and are answered, and each
+    // waits for its client in the next daemon (a planned restart, an upgrade); else they end and are reclaimed.
+    if (this.lifecycle.parks) await this.sessions.park();
+    else await this.sessions.close();
     for (const path of [this.paths.grpc, this.paths.session]) fs.rmSync(path, { force: true });
     await this.backend.close();
     this.admin.close();

@@ -67,6 +67,8 @@ export class Lifecycle {
       { allocations: restored.allocations, stores: restored.stores, sessions: restored.sessions.length, dropped: restored.dropped, ms: Number(process.hrtime.bigint() - started) / 1e6 },
       restored.allocations + restored.stores > 0 ? 'parked memory taken back' : 'parking memory in the file-descriptor store',
     );
+    // Each session is parked as it opens, and its record dropped once it has ended.
+    deps.sessions.setJournal({ opened: (session) => this.slot.parking?.sessionOpened(session.id), ended: (id) => this.slot.parking?.sessionEnded(id) });
     // A session whose record has its tokens waits for its client to resume it; the others' objects are reclaimed after the grace.
     const resumable = restored.sessions.filter((session) => session.token !== undefined && session.resumeToken !== undefined);
     deps.sessions.awaitResume(

@@ -215,7 +215,17 @@ export class Parking implements AllocationObserver {
     };
   }
 
-  /** The owner's session record, written once, before the first object it owns. */
+  /** A session opened: its record is parked before its hello goes, so that its client can resume it even if it owns nothing yet. */
+  sessionOpened(id: bigint): void {
+    this.noteSession(id);
+  }
+
+  /** A session ended and was reclaimed: its record goes (the next compaction would drop it anyway). */
+  sessionEnded(id: bigint): void {
+    if (this.state.sessions.has(String(id))) this.write({ t: 'P', id: String(id) });
+  }
+
+  /** The owner's session record, written once, before the first object it owns (or at its open). */
   private noteSession(owner: bigint): void {
     if (owner === 0n || isStoreHolder(owner) || this.state.sessions.has(String(owner))) return;
     const peer = this.peers.peerOf(owner);
@@ -243,6 +253,8 @@ export class Parking implements AllocationObserver {
       if (a.charged !== undefined) live.add(a.charged.session);
     }
     for (const s of this.state.stores.values()) live.add(s.owner);
+    // And the sessions open or waiting for their clients, objects or not: they can be resumed.
+    for (const id of this.state.sessions.keys()) if (this.peers.peerOf(BigInt(id)) !== undefined) live.add(id);
     for (const id of [...this.state.sessions.keys()]) if (!live.has(id)) this.state.sessions.delete(id);
     let next: Journal;
     try {

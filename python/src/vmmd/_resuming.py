@@ -14,6 +14,7 @@ import time
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from ._abandoned import Pending
 from ._greeting import greet
 from ._locks import guarded
 from ._reading import recv_message
@@ -177,6 +178,14 @@ class Resumable:
                 if left is not None and left <= 0:
                     return
                 self._lock.wait(left)
+
+    def _released_before(self, message: Dict[str, Any]) -> Any:
+        """A release sent again after a resume, of an allocation the daemon no longer knows: the first one freed
+        it before the daemon went (the allocation was this session's, and nobody else releases it)."""
+        pending = Pending([])
+        pending.message = {"type": "released", "allocation": message.get("allocation"), "freed": True, "handleReferences": 0, "mappingCount": 0}
+        pending.event.set()
+        return pending
 
     def _wait_resumed(self, generation: int, deadline: Optional[float]) -> bool:
         """Waits until the session serves on a connection newer than `generation`; False once it has ended, or at `deadline`."""

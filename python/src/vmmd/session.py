@@ -231,13 +231,17 @@ class ClientSession(AbandonedAnswers, BatchedReleases, Resumable):
         """Sends a request and waits for its answer; one the daemon's restart cut off goes again once the
         session is resumed (a new id: resume() says which of them the daemon may have done)."""
         deadline = deadline_of(timeout)
+        again = False
         while True:
             generation = self._generation
             try:
                 return self._request_once(message, left_until(deadline), what, key, timeout)
             except VmmdError as error:
+                if again and what == "release" and error.code == "UNKNOWN_ALLOCATION":
+                    return self._released_before(message)
                 if error.code != "SESSION_RESUMING" or not self._wait_resumed(generation, deadline):
                     raise (self._lost() if self._closed else error) from None
+                again = True
 
     def _request_once(self, message: Dict[str, Any], timeout: Optional[float], what: str, key: str, limit: Optional[float]) -> Pending:
         self._check_process()  # before the take: a forked child's take would turn its parent's epoll
