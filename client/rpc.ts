@@ -49,6 +49,9 @@ const SAFE_AGAIN = new Set([
   'List', 'Read', 'GetAccess', 'GetProperties', 'Share', 'Export', 'SetAccess', 'Fill',
 ]);
 
+/** How often a call of SAFE_AGAIN goes again after UNAVAILABLE (each after the session serves again). */
+const SAFE_ATTEMPTS = 3;
+
 /** The method's name, from its path (/vmmd.v1.Devices/ListDevices). */
 function methodName(method: UnaryMethod<unknown, unknown>): string {
   const path = (method as { path?: unknown }).path;
@@ -72,9 +75,10 @@ export async function unaryCall<Req, Res>(
   const resumable = session !== undefined && session.resumeToken !== undefined;
   const once = () =>
     new Promise<Res>((resolve, reject) => {
+      const metadata = settings.metadata();
       // A session that can resume waits for the daemon's channel rather than failing at once while the daemon restarts.
-      const options: grpc.CallOptions = { deadline, ...(resumable && !session.closed ? { waitForReady: true } : {}) };
-      method.call(client, toWire(request) as Req, settings.metadata(), options, (error, response) => {
+      if (resumable && !session.closed) metadata.setOptions({ waitForReady: true });
+      method.call(client, toWire(request) as Req, metadata, { deadline }, (error, response) => {
         if (error) reject(VmmdError.fromServiceError(error));
         else resolve(response as Res);
       });
@@ -86,7 +90,7 @@ export async function unaryCall<Req, Res>(
       return await once();
     } catch (error) {
       const failed = error as VmmdError;
-      const again = failed.code === 'SESSION_RESUMING' || (failed.status === grpc.status.UNAVAILABLE && attempt === 0 && SAFE_AGAIN.has(methodName(method as UnaryMethod<unknown, unknown>)));
+      const again = failed.code === 'SESSION_RESUMING' || (failed.status === grpc.status.UNAVAILABLE && attempt < SAFE_ATTEMPTS && SAFE_AGAIN.has(methodName(method as UnaryMethod<unknown, unknown>)));
       if (!again || session.closed || Date.now() >= deadline) throw failed;
       // The session socket may notice the restart a moment after the call did.
       await new Promise((resolve) => setTimeout(resolve, 20));

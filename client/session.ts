@@ -144,6 +144,11 @@ export class ClientSession extends EventEmitter {
     return this.ended;
   }
 
+  /** Whether a closed socket would be resumed rather than end the session. */
+  private get mayResume(): boolean {
+    return this.resumeToken !== undefined && this.resumeWaitMs > 0 && !this.closedByUs && !this.ended;
+  }
+
   /** Whether the session is coming back after its socket closed (requests wait meanwhile). */
   get isResuming(): boolean {
     return this.resuming !== undefined;
@@ -263,6 +268,7 @@ export class ClientSession extends EventEmitter {
       try {
         this.send(sending);
       } catch (error) {
+        if ((error as VmmdError).code === 'SESSION_RESUMING') return;
         clearTimeout(timer);
         this.requests.delete(request);
         spun();
@@ -303,6 +309,7 @@ export class ClientSession extends EventEmitter {
       try {
         this.send({ type: 'ping', nonce });
       } catch (error) {
+        if ((error as VmmdError).code === 'SESSION_RESUMING') return;
         this.pings.delete(nonce);
         settle(error as Error);
       }
@@ -325,6 +332,8 @@ export class ClientSession extends EventEmitter {
     try {
       sent = this.connection.send(encodeMessage(message), fd);
     } catch (error) {
+      // The daemon went and the socket's close is not seen yet: a request waits for the session to come back.
+      if (this.mayResume) throw new VmmdError('SESSION_RESUMING', Status.UNAVAILABLE, `session ${this.id} is resuming after the daemon went away`);
       throw new VmmdError('SESSION_LOST', Status.UNAVAILABLE, `the session socket failed: ${(error as Error).message}`);
     }
     if (!sent) throw new VmmdError('SESSION_SOCKET_FULL', Status.UNAVAILABLE, 'the session socket is full; the daemon is not reading');
@@ -388,7 +397,7 @@ export class ClientSession extends EventEmitter {
   }
 
   private onClose(): void {
-    if (this.closedByUs || this.resumeToken === undefined || this.resumeWaitMs === 0 || this.ended) return this.end();
+    if (!this.mayResume) return this.end();
     this.resuming = this.resume();
     this.emit('resuming');
   }

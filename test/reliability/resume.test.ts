@@ -119,12 +119,12 @@ describe('clients carry on across restarts of the daemon (16 clients, 8 stores o
       const before = servingPid(daemon.pid)!;
       process.kill(before, 'SIGKILL');
       await eventually(async () => (servingPid(daemon.pid) !== before && (await daemon.stats().then(() => true, () => undefined)) ? true : undefined), 30_000, 'the daemon to serve again');
-    }), 90_000);
+    }), 150_000);
 
   it('a planned restart (SIGHUP to the keeper, an upgrade): no client sees an error', () =>
     scenario('planned upgrade under load', async (daemon) => {
       const before = servingPid(daemon.pid)!;
       process.kill(daemon.pid, 'SIGHUP');
       await eventually(async () => (servingPid(daemon.pid) !== undefined && servingPid(daemon.pid) !== before && (await daemon.stats().then(() => true, () => undefined)) ? true : undefined), 30_000, 'the new daemon to serve');
-    }), 90_000);
+    }), 150_000);
 });

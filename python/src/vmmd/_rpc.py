@@ -89,7 +89,7 @@ class _Service:
                 return self._calls[method](message, metadata=self._metadata(), timeout=max(0.001, deadline - time.monotonic()), wait_for_ready=not session.closed)
             except grpc.RpcError as error:
                 failed = VmmdError.from_rpc(error)
-                again = failed.code == "SESSION_RESUMING" or (failed.status == STATUS["UNAVAILABLE"] and attempt == 0 and method in SAFE_AGAIN)
+                again = failed.code == "SESSION_RESUMING" or (failed.status == STATUS["UNAVAILABLE"] and attempt < 3 and method in SAFE_AGAIN)
                 if not again or session.closed or time.monotonic() >= deadline:
                     raise failed from None
                 time.sleep(0.02)
