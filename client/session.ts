@@ -429,6 +429,8 @@ export class ClientSession extends EventEmitter {
     this.resuming = undefined;
     for (const [request, pending] of this.requests) {
       pending.resent = true;
+      // An allocate the daemon may have made before it went: it answers with that allocation, not a second one.
+      if (pending.answer === 'allocated') pending.message = { ...(pending.message as AllocateMessage), again: true };
       this.trySendAgain(pending.message, (error) => {
         clearTimeout(pending.timer);
         this.requests.delete(request);

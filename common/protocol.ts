@@ -75,6 +75,11 @@ export interface AllocateMessage {
   size: string;
   /** Default: device 0. */
   location?: { type: 'DEVICE' | 'HOST_NUMA'; id: number };
+  /**
+   * The same request (same id) sent again on a resumed session: if the daemon made its allocation before a
+   * restart cut off the answer, that allocation is the answer; else it is made now.
+   */
+  again?: boolean;
 }
 
 /** Daemon → client: the allocation made for `request`; its descriptor is attached. */

@@ -23,6 +23,8 @@ export interface ParkedAllocation {
   /** Handle references by holder (sessions, store holders), as [holder, count]. */
   references: Array<[string, number]>;
   shareKey?: string;
+  /** The session request that made it: an allocate sent again after the restart finds it. */
+  request?: string;
   readOnlyStore?: string;
   /** Whom the quota charged when the memory came (its first owner and that owner's uid); none: the daemon's, uncharged. */
   charged?: { session: string; uid: number };

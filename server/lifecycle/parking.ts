@@ -192,6 +192,7 @@ export class Parking implements AllocationObserver {
       imported: allocation.imported,
       references,
       ...(allocation.shareKey === undefined ? {} : { shareKey: allocation.shareKey }),
+      ...(allocation.request === undefined ? {} : { request: allocation.request }),
       // Whom the quota charged: the owner when the memory came (a later owner, the daemon, inherits no charge).
       ...(previous?.charged !== undefined ? { charged: previous.charged } : peer === undefined ? {} : { charged: { session: String(owner), uid: peer.uid } }),
     };

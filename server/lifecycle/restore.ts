@@ -77,6 +77,7 @@ export async function restoreParked(deps: RestoreDeps, inherited: Map<string, nu
         location: parked.location,
         references: new Map(parked.references.map(([holder, count]) => [BigInt(holder), count])),
         shareKey: parked.shareKey,
+        request: parked.request,
         memory: {
           fd: fds[0],
           size: BigInt(parked.size),

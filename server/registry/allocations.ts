@@ -91,7 +91,7 @@ export class Allocations {
     this.creating.set(caller, waiting.add(pending));
     try {
       const handle = await this.createAfterFrees(caller, device, args.location, args.size, handleTypes);
-      if (!pending.abandoned) return this.add(caller, handle, args.size, device, args.location, handleTypes, false, granularity);
+      if (!pending.abandoned) return this.add(caller, handle, args.size, device, args.location, handleTypes, false, granularity, args.request);
       // Nobody is left to release it: given back through the adaptors (refunded, uncounted) before the refusal.
       let fate = 'the memory was released';
       try {
@@ -472,8 +472,10 @@ export class Allocations {
     handleTypes: HandleKind[],
     imported: boolean,
     granularity: bigint,
+    request?: string,
   ): AllocationRecord {
     const record: AllocationRecord = {
+      ...(request === undefined ? {} : { request }),
       id: this.ids.take(),
       owner,
       device,

@@ -32,6 +32,8 @@ export interface RestoredAllocation {
   /** Handle references by holder (sessions); stores' holders come back with their stores. */
   references: Map<bigint, number>;
   shareKey?: string;
+  /** The session request that made it. */
+  request?: string;
   memory: RestoredMemory;
 }
 
@@ -93,6 +95,7 @@ export class Registry {
       mappingCount: 0,
       busy: 0,
       shareKey: parked.shareKey,
+      ...(parked.request === undefined ? {} : { request: parked.request }),
       freed: false,
     };
     this.allocations.insert(record);

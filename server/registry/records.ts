@@ -53,6 +53,8 @@ export interface AllocationRecord {
   // Operations in flight that use the handle (export); freeing waits for them.
   busy: number;
   shareKey?: string;
+  /** The session request that made it (CreateArgs.request), parked with it. */
+  request?: string;
   /** The read-only store made of it, if any: from then on nothing writes it through the daemon (for good, as the host's seal). */
   readOnlyStore?: bigint;
   freed: boolean;
@@ -79,6 +81,8 @@ export interface CreateArgs {
   size: bigint;
   location: MemLocation;
   handleType: HandleKind;
+  /** The session request that asks for it (an allocate message's id): the same request sent again after a restart finds it. */
+  request?: string;
 }
 
 export interface MapArgs {

@@ -49,6 +49,24 @@ describe('session resume', () => {
     raw.close();
   });
 
+  it('an allocate sent again (after a restart cut off its answer) is answered by the allocation it made, not a second one', async () => {
+    daemon = await TestDaemon.start();
+    const raw = new RawSession(daemon.dir);
+    await raw.next();
+    const allocate = (again?: boolean) => raw.connection.send(Buffer.from(JSON.stringify({ type: 'allocate', request: '5', size: String(2n * MiB), ...(again ? { again } : {}) })));
+    allocate();
+    const first = await raw.next();
+    expect(first).toMatchObject({ type: 'allocated', request: '5' });
+    allocate(true);
+    expect(await raw.next()).toMatchObject({ type: 'allocated', request: '5', allocation: first.allocation });
+    expect((await daemon.stats()).allocations).toBe('1');
+    // An id the daemon made nothing for is a new allocation.
+    raw.connection.send(Buffer.from(JSON.stringify({ type: 'allocate', request: '6', size: String(2n * MiB), again: true })));
+    expect(await raw.next()).toMatchObject({ type: 'allocated', request: '6' });
+    expect((await daemon.stats()).allocations).toBe('2');
+    raw.close();
+  }, 60_000);
+
   it('a SIGKILLed daemon: the client resumes its session by itself, owning what it owned; memory mapped stays valid; calls made meanwhile wait', async () => {
     daemon = await TestDaemon.start(['--keeper', 'on', '--quota-per-uid', '64MiB', '--parked-grace-ms', '60000']);
     const client = await connect({ socketDir: daemon.dir });

@@ -242,6 +242,8 @@ class ClientSession(AbandonedAnswers, BatchedReleases, Resumable):
                 if error.code != "SESSION_RESUMING" or not self._wait_resumed(generation, deadline):
                     raise (self._lost() if self._closed else error) from None
                 again = True
+                # The same id again: an allocate the daemon made before it went is answered with that allocation.
+                message["again"] = message["type"] == "allocate" and key in message
 
     def _request_once(self, message: Dict[str, Any], timeout: Optional[float], what: str, key: str, limit: Optional[float]) -> Pending:
         self._check_process()  # before the take: a forked child's take would turn its parent's epoll
@@ -272,8 +274,8 @@ class ClientSession(AbandonedAnswers, BatchedReleases, Resumable):
         The send waits for room in the socket until `deadline` (_send)."""
         pending = Pending(self._orphans)
         with self._sending(deadline):
-            request = str(self._next_request)
-            self._next_request += 1
+            request = message[key] if message.get("again") else str(self._next_request)
+            self._next_request += 0 if message.get("again") else 1
             message[key] = request
             if sent is not None:
                 sent.append((f"{key}:{request}", pending))
