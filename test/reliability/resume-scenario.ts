@@ -23,7 +23,10 @@ const STORES = 8;
 const RUN_MS = 10_000;
 const WORKER = path.join(packageRoot(), 'dist', 'test', 'reliability', 'fixtures', 'resume-worker.js');
 const PY_WORKER = path.join(packageRoot(), 'test', 'reliability', 'fixtures', 'resume_worker.py');
-const PYTHON = path.join(packageRoot(), process.env.VMMD_PYTHON_VENV ?? '.venv', 'bin', 'python');
+/** The Python client's interpreter: the venv's where there is one (npm test), else $PYTHON or python3 with the package's sources (the GPU bundle). */
+const VENV_PYTHON = path.join(packageRoot(), process.env.VMMD_PYTHON_VENV ?? '.venv', 'bin', 'python');
+const PYTHON = fs.existsSync(VENV_PYTHON) ? VENV_PYTHON : (process.env.PYTHON ?? 'python3');
+const PYTHON_PATH = path.join(packageRoot(), 'python', 'src');
 
 interface Report {
   ops: number;
@@ -41,7 +44,8 @@ interface Report {
 
 function runPython(args: string[], socketDir: string): Promise<Report> {
   return new Promise((resolve, reject) => {
-    const child = spawn(PYTHON, [PY_WORKER, ...args], { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, VMMD_SOCKET_DIR: socketDir } });
+    const pythonPath = [PYTHON_PATH, process.env.PYTHONPATH].filter(Boolean).join(':');
+    const child = spawn(PYTHON, [PY_WORKER, ...args], { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, VMMD_SOCKET_DIR: socketDir, PYTHONPATH: pythonPath } });
     let out = '';
     let err = '';
     child.stdout!.on('data', (chunk) => (out += chunk));
