@@ -170,7 +170,7 @@ class Resumable:
             self._lock.notify_all()
         return True
 
-    def wait_serving(self, deadline: Optional[float]) -> None:
+    def _wait_serving(self, deadline: Optional[float]) -> None:
         """Returns once the session is not resuming (it serves, or has ended), or at `deadline` (time.monotonic())."""
         with guarded(self._lock):
             while self._resuming and not self._closed:

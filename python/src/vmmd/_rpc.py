@@ -84,7 +84,7 @@ class _Service:
         # channel rather than failing at once, and goes again when the restart cut it off where that is safe.
         deadline = time.monotonic() + seconds
         for attempt in range(1_000_000):
-            session.wait_serving(deadline)
+            session._wait_serving(deadline)
             try:
                 return self._calls[method](message, metadata=self._metadata(), timeout=max(0.001, deadline - time.monotonic()), wait_for_ready=not session.closed)
             except grpc.RpcError as error:
