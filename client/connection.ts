@@ -220,8 +220,9 @@ export async function connect(options: ConnectOptions = {}): Promise<VmmdClient>
       return metadata;
     },
     deadlineMs: options.deadlineMs ?? 30_000,
-    session,
   };
+  // Not enumerable: a service API printed or serialised does not take the session (and its bigints) with it.
+  Object.defineProperty(settings, 'session', { value: session, enumerable: false });
   const devices = new DevicesApi(services.client('devices'), settings);
   let backend: BackendName;
   try {
