@@ -5,7 +5,7 @@
  * keys and quota charges are what they were.
  */
 import { call, eventually, MiB, Peer, sleep, TestDaemon } from '../e2e/harness';
-import { killServing, observed, restartScenario, servingPid } from './restart-scenario';
+import { killServing, observed, restartScenario, servingPid, settledState } from './restart-scenario';
 
 describe('the keeper', () => {
   let daemon: TestDaemon | undefined;
@@ -56,8 +56,6 @@ describe('the keeper', () => {
       return pid !== undefined && pid !== old ? true : undefined;
     }, 30_000, 'the new daemon');
     await eventually(async () => (await call(daemon!.raw.devices, 'ListDevices', {}).then(() => true, () => undefined)), 60_000, 'the daemon to serve again');
-    await maker.kill();
-    peers.splice(0);
     expect(await observed(daemon)).toEqual(before);
   }, 180_000);
 
@@ -78,7 +76,7 @@ describe('the keeper', () => {
     await settled;
     await loader.kill();
     peers.splice(0);
-    const first = await observed(daemon);
+    const first = await settledState(daemon);
     // Every store listed is made of an allocation that exists: no half store.
     for (const store of first.stores) expect(first.objects.map((o: any) => o.id)).toContain(store.allocation);
     await killServing(daemon);
