@@ -15,7 +15,6 @@
  */
 import { randomBytes } from 'node:crypto';
 import { failedPrecondition, invalidArgument, notFound, permissionDenied } from '../../errors';
-import type { Session } from './session';
 
 /** What the daemon parks for a live session, and what a restarted daemon waits for its client with. */
 export interface ParkedSession {
@@ -157,8 +156,8 @@ export class ResumeTable {
   }
 }
 
-/** A live session's record, as parked. */
-export function recordOf(session: Session): ParkedSession {
+/** A live session's record, as parked (what it needs of a Session, named here: session.ts imports this file). */
+export function recordOf(session: { id: bigint; peer: { uid: number; gid: number }; token: string; resumeToken: string }): ParkedSession {
   return { id: session.id, uid: session.peer.uid, gid: session.peer.gid, token: session.token, resumeToken: session.resumeToken };
 }
 
