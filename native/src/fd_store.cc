@@ -32,12 +32,31 @@ socklen_t NotifyAddress(Napi::Env env, const std::string& path, sockaddr_un* add
   return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + path.size());
 }
 
-// unixDgramSendFds(path, data, fds): one datagram with up to 253 descriptors,
-// sent blocking as sd_pid_notify_with_fds sends it: the store holds its own
-// copies once this returns.
-Napi::Value UnixDgramSendFds(const Napi::CallbackInfo& info) {
+// unixDgramConnect(path) -> fd: a datagram socket connected to path, for
+// sending many notifications without a socket each.
+Napi::Value UnixDgramConnect(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   std::string path = info[0].As<Napi::String>().Utf8Value();
+  sockaddr_un address;
+  socklen_t length = NotifyAddress(env, path, &address);
+  int sock = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (sock < 0) ThrowErrno(env, "socket(AF_UNIX, SOCK_DGRAM)");
+  if (connect(sock, reinterpret_cast<sockaddr*>(&address), length) != 0) {
+    int err = errno;
+    close(sock);
+    throw ErrnoError(env, err, "connect(" + path + ")");
+  }
+  return Napi::Number::New(env, sock);
+}
+
+// unixDgramSendFds(target, data, fds): one datagram with up to 253
+// descriptors, to a path (a socket made for it, as sd_pid_notify_with_fds
+// does) or on a socket from unixDgramConnect; sent blocking: the store holds
+// its own copies once this returns.
+Napi::Value UnixDgramSendFds(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  bool connected = info[0].IsNumber();
+  std::string path = connected ? std::string() : info[0].As<Napi::String>().Utf8Value();
   if (!info[1].IsBuffer()) ThrowArg(env, "data must be a Buffer");
   Napi::Buffer<uint8_t> data = info[1].As<Napi::Buffer<uint8_t>>();
   if (!info[2].IsArray()) ThrowArg(env, "fds must be an array");
@@ -46,14 +65,22 @@ Napi::Value UnixDgramSendFds(const Napi::CallbackInfo& info) {
   std::vector<int> fds(list.Length());
   for (uint32_t i = 0; i < list.Length(); i++) fds[i] = list.Get(i).As<Napi::Number>().Int32Value();
   sockaddr_un address;
-  socklen_t length = NotifyAddress(env, path, &address);
-  int sock = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  if (sock < 0) ThrowErrno(env, "socket(AF_UNIX, SOCK_DGRAM)");
+  socklen_t length = 0;
+  int sock;
+  if (connected) {
+    sock = info[0].As<Napi::Number>().Int32Value();
+  } else {
+    length = NotifyAddress(env, path, &address);
+    sock = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (sock < 0) ThrowErrno(env, "socket(AF_UNIX, SOCK_DGRAM)");
+  }
   iovec iov{data.Data(), data.Length()};
   msghdr message;
   std::memset(&message, 0, sizeof(message));
-  message.msg_name = &address;
-  message.msg_namelen = length;
+  if (!connected) {
+    message.msg_name = &address;
+    message.msg_namelen = length;
+  }
   message.msg_iov = &iov;
   message.msg_iovlen = 1;
   std::vector<char> control(CMSG_SPACE(sizeof(int) * (fds.empty() ? 1 : fds.size())));
@@ -71,8 +98,8 @@ Napi::Value UnixDgramSendFds(const Napi::CallbackInfo& info) {
     sent = sendmsg(sock, &message, MSG_NOSIGNAL);
   } while (sent < 0 && errno == EINTR);
   int err = errno;
-  close(sock);
-  if (sent < 0) throw ErrnoError(env, err, "sendmsg(" + path + ")");
+  if (!connected) close(sock);
+  if (sent < 0) throw ErrnoError(env, err, connected ? "sendmsg" : "sendmsg(" + path + ")");
   return env.Undefined();
 }
 
@@ -146,6 +173,7 @@ Napi::Value StateMemfdCreate(const Napi::CallbackInfo& info) {
 }  // namespace
 
 void InitFdStore(Napi::Env env, Napi::Object exports) {
+  exports.Set("unixDgramConnect", Napi::Function::New(env, UnixDgramConnect, "unixDgramConnect"));
   exports.Set("unixDgramSendFds", Napi::Function::New(env, UnixDgramSendFds, "unixDgramSendFds"));
   exports.Set("unixDgramRecvFds", Napi::Function::New(env, UnixDgramRecvFds, "unixDgramRecvFds"));
   exports.Set("stateMemfdCreate", Napi::Function::New(env, StateMemfdCreate, "stateMemfdCreate"));

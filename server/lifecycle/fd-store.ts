@@ -20,6 +20,9 @@ export function isValidFdName(name: string): boolean {
 }
 
 export class FdStoreClient {
+  // One socket connected to the store for the process's life: a notification is one sendmsg, not three system calls.
+  private connected?: number;
+
   constructor(private readonly socket: string) {}
 
   /**
@@ -28,12 +31,24 @@ export class FdStoreClient {
    * @throws the send's error (ENOENT, ECONNREFUSED: nothing is stored)
    */
   store(name: string, fd: number): void {
-    addon.unixDgramSendFds(this.socket, Buffer.from(`FDSTORE=1\nFDNAME=${name}`), [fd]);
+    this.send(`FDSTORE=1\nFDNAME=${name}`, [fd]);
   }
 
   /** Drops every descriptor stored under `name`. @throws the send's error */
   remove(name: string): void {
-    addon.unixDgramSendFds(this.socket, Buffer.from(`FDSTOREREMOVE=1\nFDNAME=${name}`), []);
+    this.send(`FDSTOREREMOVE=1\nFDNAME=${name}`, []);
+  }
+
+  private send(text: string, fds: number[]): void {
+    this.connected ??= addon.unixDgramConnect(this.socket);
+    try {
+      addon.unixDgramSendFds(this.connected, Buffer.from(text), fds);
+    } catch {
+      // The store's socket was replaced (a service manager re-executed): connect again once.
+      addon.close(this.connected);
+      this.connected = addon.unixDgramConnect(this.socket);
+      addon.unixDgramSendFds(this.connected, Buffer.from(text), fds);
+    }
   }
 }
 

@@ -46,6 +46,8 @@ export class Parking implements AllocationObserver {
   private readonly written = new Map<string, string>();
   private nextName = 1;
   private frozen = false;
+  // Invariant: names of freed memory whose descriptor is still to leave the store (sent on the next turn).
+  private readonly removals: string[] = [];
   // The devices' UUIDs, read once: a record names its device by UUID.
   private readonly uuids: string[];
 
@@ -114,15 +116,26 @@ export class Parking implements AllocationObserver {
     }
   }
 
-  /** Memory freed: its descriptor leaves the store. */
+  /**
+   * Memory freed: its descriptor leaves the store, after the answer (the
+   * journal already says it is gone: a crash before the removal leaves a
+   * descriptor no record names, which the next start closes).
+   */
   unpark(handle: BackendHandle): void {
     const name = this.names.get(handle);
     this.names.delete(handle);
     if (name === undefined || this.frozen) return;
-    try {
-      this.client.remove(name);
-    } catch (error) {
-      this.log.warn({ err: error, name }, 'dropping a parked descriptor failed; the next start closes it');
+    if (this.removals.push(name) === 1) setImmediate(() => this.removeParked());
+  }
+
+  private removeParked(): void {
+    for (const name of this.removals.splice(0)) {
+      if (this.frozen) return;
+      try {
+        this.client.remove(name);
+      } catch (error) {
+        this.log.warn({ err: error, name }, 'dropping a parked descriptor failed; the next start closes it');
+      }
     }
   }
 

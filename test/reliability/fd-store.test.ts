@@ -21,6 +21,8 @@ class ServiceManagerStandIn {
   readonly messages: string[] = [];
   daemon?: ChildProcess;
   raw?: RawClients;
+  // Read as they come, as systemd's event loop does: a queue left full would block the daemon's next send.
+  private readonly reader = setInterval(() => this.drain(), 2);
 
   /** Reads every waiting notification, as systemd's manager_dispatch_notify_fd does. */
   drain(): void {
@@ -73,6 +75,7 @@ class ServiceManagerStandIn {
 
   async close(): Promise<void> {
     if (this.daemon !== undefined && this.daemon.exitCode === null && this.daemon.signalCode === null) await this.kill('SIGTERM');
+    clearInterval(this.reader);
     this.drain();
     for (const entry of this.held.splice(0)) addon.close(entry.fd);
     addon.close(this.socket);
@@ -138,6 +141,30 @@ describe("systemd's file-descriptor store (a stand-in of the protocol)", () => {
     const objects = (await call(manager.raw!.admin, 'ListObjects', {})).objects.filter((o: any) => o.kind === 'allocation').map((o: any) => o.id);
     expect(objects.sort()).toEqual([allocation.id, own.id].sort());
   }, 120_000);
+
+  it('compacts a journal grown long into a new one, parked before the old one goes, and restores from it', async () => {
+    manager = new ServiceManagerStandIn();
+    await manager.start();
+    const peer = await Peer.start(manager.dir);
+    peers.push(peer);
+    const kept = await peer.do({ op: 'call', api: 'vmm', method: 'create', args: { size: String(2n * MiB) } });
+    // Churn: 2,400 allocations made and released (120 at a time: the host capacity), two lines each, past the journal's slack of 4,096 lines.
+    const size = String(2n * MiB);
+    for (let round = 0; round < 20; round++) {
+      expect((await peer.do({ op: 'many', api: 'vmm', method: 'create', args: Array.from({ length: 120 }, () => ({ size })), parallel: 8 })).done).toBe(120);
+      const ids = (await call(manager.raw!.admin, 'ListObjects', {})).objects.filter((o: any) => o.kind === 'allocation' && o.id !== kept.id).map((o: any) => ({ allocationId: o.id }));
+      expect((await peer.do({ op: 'many', api: 'vmm', method: 'release', args: ids, parallel: 8 })).done).toBe(ids.length);
+    }
+    const journals = manager.names().filter((name) => /^j\d+$/.test(name));
+    expect(journals).toHaveLength(1);
+    expect(journals[0]).not.toBe('j1');
+    await manager.kill();
+    await peer.kill();
+    peers.splice(0);
+    await manager.start();
+    const objects = (await call(manager.raw!.admin, 'ListObjects', {})).objects.filter((o: any) => o.kind === 'allocation').map((o: any) => o.id);
+    expect(objects).toEqual([kept.id]);
+  }, 300_000);
 
   it('closes a parked descriptor no record names, and keeps one journal', async () => {
     manager = new ServiceManagerStandIn();

@@ -27,6 +27,17 @@ export async function observed(daemon: TestDaemon) {
   return { stores, objects, quotas: report.quotas };
 }
 
+/** What `observed` says once it stays the same for half a second (a session's end, a reclaim, have settled). */
+export async function settledState(daemon: TestDaemon) {
+  let last = JSON.stringify(await observed(daemon));
+  for (;;) {
+    await new Promise((resolve) => setTimeout(resolve, 500));
+    const now = await observed(daemon);
+    if (JSON.stringify(now) === last) return now;
+    last = JSON.stringify(now);
+  }
+}
+
 /** Kills the serving daemon and waits until the keeper's next one serves. */
 export async function killServing(daemon: TestDaemon): Promise<{ before: number; after: number }> {
   const before = servingPid(daemon.pid)!;
@@ -90,7 +101,6 @@ export async function restartScenario(backend: 'host' | 'cuda'): Promise<void> {
 
     await killServing(daemon);
     // The maker's session waits for it (the grace) and its client resumes it: its objects are its own either way.
-
     const after = await observed(daemon);
     expect(after).toEqual(before);
     expect(await checksums()).toEqual(sumsBefore);

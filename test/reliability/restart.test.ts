@@ -5,7 +5,7 @@
  * keys and quota charges are what they were.
  */
 import { call, eventually, MiB, Peer, sleep, TestDaemon } from '../e2e/harness';
-import { killServing, observed, restartScenario, servingPid } from './restart-scenario';
+import { killServing, observed, restartScenario, servingPid, settledState } from './restart-scenario';
 
 describe('the keeper', () => {
   let daemon: TestDaemon | undefined;
@@ -60,6 +60,25 @@ describe('the keeper', () => {
     expect(await observed(daemon)).toEqual(before);
   }, 180_000);
 
+  it('survives a crash in the middle of a planned restart: SIGKILL while the daemon drains after SIGHUP', async () => {
+    daemon = await TestDaemon.start(['--keeper', 'on', '--parked-grace-ms', '600000', '--shutdown-grace-ms', '2000']);
+    const maker = await Peer.start(daemon.dir);
+    peers.push(maker);
+    const allocation = await maker.do({ op: 'call', api: 'vmm', method: 'create', args: { size: String(2n * MiB) } });
+    await maker.do({ op: 'call', api: 'stores', method: 'createStore', args: { allocationId: allocation.id, name: 'mid-upgrade', handOver: true } });
+    const before = await observed(daemon);
+    const old = servingPid(daemon.pid)!;
+    process.kill(daemon.pid, 'SIGHUP');
+    await sleep(20);
+    if (servingPid(daemon.pid) === old) process.kill(old, 'SIGKILL');
+    await eventually(() => {
+      const pid = servingPid(daemon!.pid);
+      return pid !== undefined && pid !== old ? true : undefined;
+    }, 30_000, 'the new daemon');
+    await eventually(async () => (await call(daemon!.raw.devices, 'ListDevices', {}).then(() => true, () => undefined)), 60_000, 'the daemon to serve again');
+    expect(await observed(daemon)).toEqual(before);
+  }, 180_000);
+
   it('survives a crash in the middle of store loads: each store is whole or absent, and a second crash changes nothing', async () => {
     daemon = await TestDaemon.start(['--keeper', 'on', '--parked-grace-ms', '600000']);
     const loader = await Peer.start(daemon.dir);
@@ -77,7 +96,7 @@ describe('the keeper', () => {
     await settled;
     await loader.kill();
     peers.splice(0);
-    const first = await observed(daemon);
+    const first = await settledState(daemon);
     // Every store listed is made of an allocation that exists: no half store.
     for (const store of first.stores) expect(first.objects.map((o: any) => o.id)).toContain(store.allocation);
     await killServing(daemon);

@@ -156,7 +156,7 @@ export class ResumeTable {
   }
 }
 
-/** A live session's record, as parked. */
+/** A live session's record, as parked (what it needs of a Session, named here: session.ts imports this file). */
 export function recordOf(session: { id: bigint; peer: { uid: number; gid: number }; token: string; resumeToken: string }): ParkedSession {
   return { id: session.id, uid: session.peer.uid, gid: session.peer.gid, token: session.token, resumeToken: session.resumeToken };
 }
