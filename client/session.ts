@@ -1,7 +1,9 @@
 /**
  * The client's side of the session socket: the greeting with the session
  * token, descriptors received from the daemon by transfer id, and descriptors
- * sent to it.
+ * sent to it. Under a daemon that parks its sessions, a socket that closes
+ * without close() is resumed (client/resume.ts): requests wait, up to their
+ * deadlines, and go (again) on the new connection.
  */
 import { EventEmitter } from 'node:events';
 import { dirname } from 'node:path';
@@ -15,7 +17,6 @@ import {
   HelloMessage,
   OpenedMessage,
   OpenMessage,
-  PROTOCOL_VERSION,
   ReleasedMessage,
   RequestAnswer,
   SessionMessage,
@@ -29,6 +30,7 @@ import { SeqpacketConnection, SeqpacketMessage } from '../native/seqpacket';
 import { type DeclaredCode, VmmdError } from './errors';
 import { busyPollWhile, DEFAULT_BUSY_POLL_MICROS } from '../native/busy-poll';
 import { flushUnmapsIfIdle } from '../native/mapping';
+import { greeting, resumeConnection } from './resume';
 
 /** Answers to request messages, and those that carry a descriptor. */
 const ANSWERS = new Set<string>(['allocated', 'released', 'shared', 'exported', 'opened']);
@@ -37,6 +39,10 @@ const WITH_DESCRIPTOR = new Set<string>(['allocated', 'exported', 'opened']);
 /** A request message waiting for its answer. */
 interface PendingRequest {
   answer: RequestAnswer['type'];
+  /** The message, with its request id: sent again, as it was, on the resumed connection. */
+  message: SessionMessage;
+  /** Sent again after a resume: the daemon may have done it before it went. */
+  resent: boolean;
   resolve(answer: { message: RequestAnswer; fd: number }): void;
   reject(error: Error): void;
   timer: NodeJS.Timeout;
@@ -49,16 +55,27 @@ const UNCLAIMED_TRANSFER_MS = 30_000;
 
 /**
  * One session: the lease on everything this process creates through vmmd.
- * Emits 'close' when the connection ends and 'daemon-error' (ErrorMessage)
- * when the daemon refuses a message.
+ * Emits 'close' (with the error that ended it, when the daemon did) when the
+ * session ends, 'daemon-error' (ErrorMessage) when the daemon refuses a
+ * message, and, under a daemon that parks its sessions, 'resuming' when the
+ * socket closed and 'resumed' once the session is back.
  */
 export class ClientSession extends EventEmitter {
   readonly id: string;
   readonly token: string;
+  /** The secret that resumes this session after a restart of the daemon; undefined where the daemon parks nothing. */
+  readonly resumeToken: string | undefined;
+  private connection: SeqpacketConnection;
+  // Invariant: `resuming` is set exactly while the socket is closed and the session tries to come back.
+  private resuming?: Promise<void>;
+  private ended = false;
+  private closedByUs = false;
   /** The daemon's backend, from its hello ("host", "cuda"); undefined from daemons that do not say. */
   readonly backend: string | undefined;
-  // Descriptors the daemon sent, until a call claims them.
-  private readonly inbox = new TransferInbox({
+  // Descriptors the daemon sent, until a call claims them (a resumed session's transfer ids start again: a new inbox).
+  private inbox = this.newInbox();
+  private newInbox(): TransferInbox {
+    return new TransferInbox({
     keepMs: UNCLAIMED_TRANSFER_MS,
     increasing: false,
     close: (fd) => native.close(fd),
@@ -67,7 +84,8 @@ export class ClientSession extends EventEmitter {
       used: (transfer) => new VmmdError('TRANSFER_USED', Status.FAILED_PRECONDITION, `descriptor ${transfer} is already being claimed`),
       closed: () => this.lost(),
     },
-  });
+    });
+  }
   private nextTransfer = 1n;
   // Pings in flight by nonce.
   private readonly pings = new Map<string, { resolve(): void; reject(error: Error): void; spun(): void }>();
@@ -77,15 +95,23 @@ export class ClientSession extends EventEmitter {
   private nextRequest = 1n;
 
   private constructor(
-    private readonly connection: SeqpacketConnection,
+    connection: SeqpacketConnection,
     hello: HelloMessage,
     private readonly busyPollMicros: number,
+    private readonly path: string,
+    private readonly resumeWaitMs: number,
   ) {
     super();
     this.id = hello.session;
     this.token = hello.token;
+    this.resumeToken = hello.resumeToken === '' ? undefined : hello.resumeToken;
     // An empty name is no name (proto3's default): the client asks ListDevices.
     this.backend = hello.backend === '' ? undefined : hello.backend;
+    this.connection = connection;
+    this.attach(connection);
+  }
+
+  private attach(connection: SeqpacketConnection): void {
     connection.on('message', (message: SeqpacketMessage) => this.onMessage(message));
     connection.on('close', () => this.onClose());
     // The session must not keep a finished program alive; pending calls do.
@@ -98,51 +124,46 @@ export class ClientSession extends EventEmitter {
    *   (native/busy-poll.ts): an answer that comes within it finds the process awake (0: never spin)
    * @throws VmmdError UNAVAILABLE DAEMON_UNREACHABLE, DEADLINE_EXCEEDED NO_GREETING
    */
-  static open(path: string, timeoutMs: number, busyPollMicros = DEFAULT_BUSY_POLL_MICROS): Promise<ClientSession> {
+  static async open(path: string, timeoutMs: number, busyPollMicros = DEFAULT_BUSY_POLL_MICROS, resumeWaitMs = 0): Promise<ClientSession> {
     let connection: SeqpacketConnection;
     try {
       connection = SeqpacketConnection.connect(path);
     } catch (error) {
-      return Promise.reject(
-        new VmmdError('DAEMON_UNREACHABLE', Status.UNAVAILABLE, `cannot reach vmmd at ${path}: ${(error as Error).message}; ${whereElse(dirname(path))}`),
-      );
+      throw new VmmdError('DAEMON_UNREACHABLE', Status.UNAVAILABLE, `cannot reach vmmd at ${path}: ${(error as Error).message}; ${whereElse(dirname(path))}`);
     }
-    return new Promise((resolve, reject) => {
-      let settled = false;
-      const fail = (error: VmmdError) => {
-        // Settle first: closing emits 'close', whose handler would settle with a vaguer error.
-        if (settled) return;
-        settled = true;
-        clearTimeout(timer);
-        reject(error);
-        connection.close();
-      };
-      const timer = setTimeout(
-        () => fail(new VmmdError('NO_GREETING', Status.DEADLINE_EXCEEDED, `vmmd at ${path} sent no greeting within ${timeoutMs} ms`)),
-        timeoutMs,
-      );
-      connection.once('close', () => fail(new VmmdError('DAEMON_UNREACHABLE', Status.UNAVAILABLE, `vmmd at ${path} closed the session socket`)));
-      connection.once('message', (message: SeqpacketMessage) => {
-        if (message.fd >= 0) native.close(message.fd);
-        const hello = decodeMessage(message.data);
-        if (typeof hello !== 'string' && hello.type === 'error') {
-          fail(new VmmdError(hello.code as DeclaredCode, typeof hello.status === 'number' ? hello.status : Status.PERMISSION_DENIED, `vmmd refused the session: ${hello.message}`));
-          return;
-        }
-        if (typeof hello === 'string' || hello.type !== 'hello' || hello.protocol !== PROTOCOL_VERSION) {
-          fail(new VmmdError('BAD_GREETING', Status.UNAVAILABLE, `vmmd at ${path} greeted with an unexpected message`));
-          return;
-        }
-        settled = true;
-        clearTimeout(timer);
-        connection.removeAllListeners();
-        resolve(new ClientSession(connection, hello, busyPollMicros));
-      });
-    });
+    try {
+      return new ClientSession(connection, await greeting(connection, path, timeoutMs), busyPollMicros, path, resumeWaitMs);
+    } catch (error) {
+      connection.close();
+      throw error;
+    }
   }
 
+  /** True once the session has ended for good (close(), or the daemon went and the session did not come back). */
   get closed(): boolean {
-    return this.connection.isClosed;
+    return this.ended;
+  }
+
+  /** Whether a closed socket would be resumed rather than end the session. */
+  private get mayResume(): boolean {
+    return this.resumeToken !== undefined && this.resumeWaitMs > 0 && !this.closedByUs && !this.ended;
+  }
+
+  /** Whether the session is coming back after its socket closed (requests wait meanwhile). */
+  get isResuming(): boolean {
+    return this.resuming !== undefined;
+  }
+
+  /**
+   * Resolves once the session serves: at once unless it is resuming; then when it is back, or has
+   * ended (the next call says why), or at `deadline` (ms since the epoch), whichever comes first.
+   */
+  async ready(deadline = Infinity): Promise<void> {
+    if (this.resuming === undefined) return;
+    let timer: NodeJS.Timeout | undefined;
+    const late = Number.isFinite(deadline) ? new Promise<void>((resolve) => (timer = setTimeout(resolve, Math.max(0, deadline - Date.now())))) : new Promise<void>(() => undefined);
+    await Promise.race([this.resuming, late]);
+    clearTimeout(timer);
   }
 
   /**
@@ -229,8 +250,11 @@ export class ClientSession extends EventEmitter {
         spun();
         reject(new VmmdError('NO_ANSWER', Status.DEADLINE_EXCEEDED, `the daemon did not answer ${message.type} request ${request} within ${timeoutMs} ms`));
       }, timeoutMs);
+      const sending = { ...message, request } as unknown as SessionMessage;
       this.requests.set(request, {
         answer,
+        message: sending,
+        resent: false,
         resolve: (tracing ? (value) => {
           traceSince(`session:${message.type}`, sent);
           resolve(value as never);
@@ -239,9 +263,12 @@ export class ClientSession extends EventEmitter {
         timer,
         spun,
       });
+      // While the session resumes, the request waits and goes on the new connection.
+      if (this.resuming !== undefined) return;
       try {
-        this.send({ ...message, request } as unknown as SessionMessage);
+        this.send(sending);
       } catch (error) {
+        if ((error as VmmdError).code === 'SESSION_RESUMING') return;
         clearTimeout(timer);
         this.requests.delete(request);
         spun();
@@ -278,9 +305,11 @@ export class ClientSession extends EventEmitter {
         else reject(error);
       };
       this.pings.set(nonce, { resolve: () => settle(), reject: settle, spun });
+      if (this.resuming !== undefined) return;
       try {
         this.send({ type: 'ping', nonce });
       } catch (error) {
+        if ((error as VmmdError).code === 'SESSION_RESUMING') return;
         this.pings.delete(nonce);
         settle(error as Error);
       }
@@ -288,22 +317,33 @@ export class ClientSession extends EventEmitter {
   }
 
   close(): void {
+    this.closedByUs = true;
     this.connection.close();
+    // A session that was resuming ends here: the socket it had is closed already.
+    if (this.resuming !== undefined) this.end();
   }
 
   private send(message: SessionMessage, fd = -1): void {
     if (this.closed) throw this.lost();
+    if (this.resuming !== undefined) {
+      throw new VmmdError('SESSION_RESUMING', Status.UNAVAILABLE, `session ${this.id} is resuming after the daemon restarted; call again once it has (await session.ready())`);
+    }
     let sent: boolean;
     try {
       sent = this.connection.send(encodeMessage(message), fd);
     } catch (error) {
+      // The daemon went and the socket's close is not seen yet: a request waits for the session to come back.
+      if (this.mayResume) throw new VmmdError('SESSION_RESUMING', Status.UNAVAILABLE, `session ${this.id} is resuming after the daemon went away`);
       throw new VmmdError('SESSION_LOST', Status.UNAVAILABLE, `the session socket failed: ${(error as Error).message}`);
     }
     if (!sent) throw new VmmdError('SESSION_SOCKET_FULL', Status.UNAVAILABLE, 'the session socket is full; the daemon is not reading');
   }
 
+  // Why the session ended, when the daemon ended it (a resume refused or out of time).
+  private endedBy?: VmmdError;
+
   private lost(): VmmdError {
-    return new VmmdError('SESSION_LOST', Status.UNAVAILABLE, `session ${this.id} with vmmd is closed`);
+    return this.endedBy ?? new VmmdError('SESSION_LOST', Status.UNAVAILABLE, `session ${this.id} with vmmd is closed`);
   }
 
   private onMessage(raw: SeqpacketMessage): void {
@@ -321,6 +361,12 @@ export class ClientSession extends EventEmitter {
         this.requests.delete(request);
         if (message.type === pending.answer && (raw.fd >= 0) === WITH_DESCRIPTOR.has(message.type)) {
           pending.resolve({ message: message as RequestAnswer, fd: raw.fd });
+          return;
+        }
+        // A release sent again after a resume, of an allocation the daemon no longer knows: the first one freed it before the daemon went.
+        if (pending.resent && pending.answer === 'released' && message.type === 'error' && message.code === 'UNKNOWN_ALLOCATION') {
+          const allocation = (pending.message as { allocation: string }).allocation;
+          pending.resolve({ message: { type: 'released', request, allocation, freed: true, handleReferences: 0, mappingCount: 0 }, fd: -1 });
           return;
         }
         pending.reject(
@@ -351,6 +397,69 @@ export class ClientSession extends EventEmitter {
   }
 
   private onClose(): void {
+    if (!this.mayResume) return this.end();
+    this.resuming = this.resume();
+    this.emit('resuming');
+  }
+
+  /** Tries to bring the session back on a new connection; ends it when it cannot. */
+  private async resume(): Promise<void> {
+    let connection: SeqpacketConnection;
+    try {
+      connection = await resumeConnection(this.path, this.id, this.resumeToken!, Date.now() + this.resumeWaitMs);
+    } catch (error) {
+      const why = error as VmmdError;
+      this.endedBy = new VmmdError(
+        'SESSION_LOST',
+        Status.UNAVAILABLE,
+        `session ${this.id} with vmmd could not be resumed after its socket closed (${why.code}: ${why.message}); everything it held in the daemon is gone (memory mapped in this process stays valid)`,
+      );
+      this.resuming = undefined;
+      return this.end();
+    }
+    if (this.closedByUs || this.ended) {
+      connection.close();
+      return;
+    }
+    this.connection = connection;
+    // Descriptors the old connection brought and nobody claimed belong to calls that failed with it.
+    this.inbox.close();
+    this.inbox = this.newInbox();
+    this.attach(connection);
+    this.resuming = undefined;
+    for (const [request, pending] of this.requests) {
+      pending.resent = true;
+      // An allocate the daemon may have made before it went: it answers with that allocation, not a second one.
+      if (pending.answer === 'allocated') pending.message = { ...(pending.message as AllocateMessage), again: true };
+      this.trySendAgain(pending.message, (error) => {
+        clearTimeout(pending.timer);
+        this.requests.delete(request);
+        pending.spun();
+        pending.reject(error);
+      });
+    }
+    for (const [nonce, ping] of this.pings) {
+      this.trySendAgain({ type: 'ping', nonce }, (error) => {
+        this.pings.delete(nonce);
+        ping.reject(error);
+      });
+    }
+    this.emit('resumed');
+  }
+
+  private trySendAgain(message: SessionMessage, failed: (error: Error) => void): void {
+    try {
+      this.send(message);
+    } catch (error) {
+      failed(error as Error);
+    }
+  }
+
+  /** The session is over: everything waiting on it fails with why. */
+  private end(): void {
+    if (this.ended) return;
+    this.ended = true;
+    this.resuming = undefined;
     this.inbox.close();
     for (const ping of this.pings.values()) ping.reject(this.lost());
     this.pings.clear();
@@ -360,6 +469,6 @@ export class ClientSession extends EventEmitter {
       pending.reject(this.lost());
     }
     this.requests.clear();
-    this.emit('close');
+    this.emit('close', this.endedBy);
   }
 }

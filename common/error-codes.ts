@@ -108,6 +108,7 @@ export const ERROR_CODES = {
   TCP_SESSION: daemon('UNAUTHENTICATED', 'a session token over TCP, where no session can be'),
   UNKNOWN_SESSION: daemon('UNAUTHENTICATED', 'a session token that names no open session'),
   SESSION_CLOSING: daemon('UNAUTHENTICATED', 'a session token of a session being closed (its reclaim still running)'),
+  RESUME_OF_ANOTHER_UID: session('PERMISSION_DENIED', "a resume token presented by a peer of another uid than the session's"),
   // Limits
   QUOTA_EXCEEDED: daemon('RESOURCE_EXHAUSTED', "an allocation past the uid's or session's quota"),
   DAEMON_MAP_FAILED: daemon('RESOURCE_EXHAUSTED', "the daemon's own mapping of memory failed (its address space or map count): nothing of the client's is at fault"),
@@ -118,6 +119,7 @@ export const ERROR_CODES = {
   TRANSFER_NOT_RECEIVED: daemon('DEADLINE_EXCEEDED', 'no descriptor arrived for the transfer id within --transfer-wait-ms'),
   SESSION_CLOSED: daemon('UNAVAILABLE', 'the session closed while the call waited for it'),
   SESSION_SOCKET_FULL: daemon('UNAVAILABLE', "the session socket is full: the client is not reading it"),
+  SESSION_RESUMING: daemon('UNAVAILABLE', 'a session token of a session that waits for its client to resume it after a restart: resume it, then call again'),
 
   // Backend and operating-system codes, mapped as they cross the wire
   OUT_OF_MEMORY: backend('RESOURCE_EXHAUSTED', "the host backend's capacity is used up, or an AllocateAll's memory was not freed before its deadline"),
@@ -148,6 +150,9 @@ export const ERROR_CODES = {
   UNEXPECTED_DESCRIPTOR: session('INVALID_ARGUMENT', 'a descriptor on a message other than a transfer'),
   NO_DESCRIPTOR: session('INVALID_ARGUMENT', 'a transfer message that carries no descriptor'),
   TOO_MANY_TRANSFERS: session('RESOURCE_EXHAUSTED', 'more unclaimed descriptors than a session or uid may hold'),
+  RESUME_UNKNOWN: session('NOT_FOUND', 'a resume token that names no session waiting for its client (never given, already resumed, or of a daemon that kept no state)'),
+  SESSION_RECLAIMED: session('NOT_FOUND', 'a resume token of a session not resumed within --parked-grace-ms: its objects were reclaimed'),
+  RESUME_DUPLICATE: session('FAILED_PRECONDITION', 'a resume hello on a connection that already resumed or used its session, or parked records that repeat a session'),
   FREE_FAILED: session('INTERNAL', 'a released allocation whose memory could not be freed yet; the daemon retries'),
 
   // Made by the client libraries themselves

@@ -27,6 +27,20 @@ export interface HelloMessage {
    * request, without a ListDevices RPC. Absent from daemons before it.
    */
   backend?: string;
+  /**
+   * The secret that resumes this session after the daemon restarts: sent
+   * back in a client's `hello` (HelloRequest) on a new connection. Bound to
+   * the uid. Absent from daemons before it.
+   */
+  resumeToken?: string;
+  /** True when this hello answers a client's resume: the session is the parked one, with its objects. */
+  resumed?: boolean;
+}
+
+/** Client → daemon, the first message of a new connection: resume the parked session this token names. */
+export interface HelloRequest {
+  type: 'hello';
+  resumeToken: string;
 }
 
 /** Either direction: the descriptor attached to this message is transfer `transfer`. */
@@ -61,6 +75,11 @@ export interface AllocateMessage {
   size: string;
   /** Default: device 0. */
   location?: { type: 'DEVICE' | 'HOST_NUMA'; id: number };
+  /**
+   * The same request (same id) sent again on a resumed session: if the daemon made its allocation before a
+   * restart cut off the answer, that allocation is the answer; else it is made now.
+   */
+  again?: boolean;
 }
 
 /** Daemon → client: the allocation made for `request`; its descriptor is attached. */
@@ -200,7 +219,7 @@ export function readableRequestId(data: Buffer): string | undefined {
   }
 }
 
-export function encodeMessage(message: SessionMessage): Buffer {
+export function encodeMessage(message: SessionMessage | HelloRequest): Buffer {
   return Buffer.from(JSON.stringify(message), 'utf8');
 }
 

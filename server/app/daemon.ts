@@ -37,6 +37,7 @@ import { DEFAULT_SESSION_OPTIONS, SessionManager, SessionOptions } from '../tran
 import { StagingBuffers } from '../stores/staging';
 import { CUDA_STAGING_PINNING } from '../backends/cuda';
 import { isStoreHolder, StoreRegistry } from '../stores/stores';
+import { Lifecycle } from '../lifecycle/lifecycle';
 
 // eslint-disable-next-line @typescript-eslint/no-require-imports -- package.json lies outside the compiled tree
 export const VERSION: string = require('../../../package.json').version;
@@ -110,11 +111,14 @@ export class Daemon {
     private readonly metrics: Metrics,
     private readonly healthServer: grpc.Server,
     private readonly activity: ClientActivity,
+    private readonly lifecycle: Lifecycle,
   ) {}
 
   /** @throws DaemonStartError, BackendUnavailableError, or the socket's error */
   static async start(config: DaemonConfig, log: Logger, sessionOptions: SessionOptions = DEFAULT_SESSION_OPTIONS): Promise<Daemon> {
     const descriptors = raiseDescriptorLimit(log);
+    // The descriptors a file-descriptor store handed back are read first: they sit from fd 3 on.
+    const lifecycle = Lifecycle.fromEnvironment(config.park, process.env, log);
     // The daemon's own turns: each native completion's continuation is one (server/observability/turns.ts),
     // measured by wall clock, and (unless --turn-cpu off) by this thread's CPU time too.
     // With the collector's pauses, which GetStats sets beside its longest turns (started with the admin service).
@@ -143,6 +147,7 @@ export class Daemon {
       maxSessionsPerUid: config.maxSessionsPerUid,
       maxTransfersPerUid: config.maxTransfersPerUid,
       authorize: (peer) => access.refusal(peer),
+      resumable: lifecycle.parks,
     });
     const quotas = new Quotas({ perUid: config.quotaPerUid, perSession: config.quotaPerSession }, (session) => sessions.uidOf(session), () => backend.hurry?.());
     // The daemon's objects (made without a session, or left by an ended one) are acted on by admins' sessions only,
@@ -153,7 +158,12 @@ export class Daemon {
       return peer !== undefined && access.isAdmin(peer);
     };
     const budgets = uidBudgets(config, systemLimits(log), (session) => sessions.uidOf(session), log);
-    const registry = new Registry(backend, (upstream) => quotas.around(upstream, (handle, device) => backend.memoryIdentity(handle, device)), actsForDaemon, budgets);
+    const registry = new Registry(
+      backend,
+      (upstream) => lifecycle.adapt(quotas.around(upstream, (handle, device) => backend.memoryIdentity(handle, device))),
+      actsForDaemon,
+      budgets,
+    );
     // Metrics and GetReport show the registry's budgets and the transport's alike.
     const everyBudget = () => [...budgets.list(), registry.referee.waitingPerUid, ...transportBudgets.all()];
     const paths = socketPaths(config.socketDir);
@@ -176,6 +186,8 @@ export class Daemon {
     const undo: Array<() => void> = [];
     try {
       // The session socket's requests go straight to the registry; a closed session's stores and staging go before its objects.
+      // What an earlier process of the daemon parked comes back before anyone can ask for it.
+      await lifecycle.restore({ registry, stores, backend, sessions }, config.parkedGraceMs);
       const metrics = new Metrics(registry, () => sessions, stores, { version: VERSION, backend: backend.name }, turns, everyBudget);
       undo.push(() => metrics.close());
       // Busy polling and the delay sampler run only while a client is connected: an idle daemon sleeps.
@@ -275,7 +287,7 @@ export class Daemon {
         { backend: backend.name, socketDir: config.socketDir, devices: registry.devices.length, version: VERSION },
         'vmmd serving',
       );
-      started = new Daemon(config, backend, registry, sessions, server, unix, log, paths, admin, health, metrics, healthServer, activity);
+      started = new Daemon(config, backend, registry, sessions, server, unix, log, paths, admin, health, metrics, healthServer, activity, lifecycle);
     } finally {
       if (started === undefined) {
         for (const step of undo) step();
@@ -299,7 +311,12 @@ export class Daemon {
     this.server.forceShutdown();
     this.unix.close();
     this.healthServer.forceShutdown();
-    await this.sessions.close();
+    // The parked memory stays for the next start: the sessions' reclaim below frees only this process's hold of it.
+    this.lifecycle.freeze();
+    // Where memory is parked, the sessions are too: their calls in flight finish and are answered, and each
+    // waits for its client in the next daemon (a planned restart, an upgrade); else they end and are reclaimed.
+    if (this.lifecycle.parks) await this.sessions.park();
+    else await this.sessions.close();
     for (const path of [this.paths.grpc, this.paths.session]) fs.rmSync(path, { force: true });
     await this.backend.close();
     this.admin.close();

@@ -151,6 +151,15 @@ export interface Backend {
    * @throws an error with code BAD_DESCRIPTOR when the source is not memory of this backend
    */
   importHandle(source: ImportSource, size: bigint): Promise<ImportedHandle>;
+  /**
+   * Takes back memory an earlier daemon process parked (server/lifecycle/):
+   * a descriptor this backend exported, with the size it had. The backend
+   * takes ownership of fd. Unlike importHandle, the memory is the daemon's
+   * own as before (a read-only store's sealed memfd included), not a client's.
+   * Backends without it cannot restart without loss.
+   * @throws an error with code BAD_DESCRIPTOR when fd is not such memory
+   */
+  restoreHandle?(fd: number, size: bigint): Promise<ImportedHandle>;
   /** Copies out of mapped memory, through `device` (which has access to it), into a new Buffer or into `into`. */
   readBytes(address: bigint, length: number, device: number, into?: Buffer): Promise<Buffer>;
   /** Copies into mapped memory, through `device` (which has write access to it). */

@@ -33,6 +33,10 @@ export class PassThroughBackend implements Backend {
   release(handle: BackendHandle, size: bigint, imported: boolean, device: number): Promise<void> {
     return this.inner.release(handle, size, imported, device);
   }
+  restoreHandle(fd: number, size: bigint): Promise<ImportedHandle> {
+    if (this.inner.restoreHandle === undefined) throw new Error(`the ${this.inner.name} backend cannot take parked memory back`);
+    return this.inner.restoreHandle(fd, size);
+  }
   hurry(): void {
     this.inner.hurry?.();
   }

@@ -9,7 +9,7 @@
  * the count is given back once the memory is freed.
  */
 import type { BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from '../backends/backend';
-import type { AllocationSource, SourcedAllocation } from './source';
+import type { AllocationSource, RestoredMemory, SourcedAllocation } from './source';
 import type { Charge, UidBudgets } from './uid-budgets';
 
 export class AllocationBudget implements AllocationSource {
@@ -47,6 +47,14 @@ export class AllocationBudget implements AllocationSource {
     }
     if (charge !== undefined) this.charges.set(imported.handle, charge);
     return imported;
+  }
+
+  /** Counted against the uid it counted for before (none: the daemon's, not counted). */
+  async restore(memory: RestoredMemory): Promise<ImportedHandle> {
+    const restored = await this.upstream.restore(memory);
+    const charge = memory.charged === undefined ? undefined : this.budgets.restore(memory.charged.uid, { allocations: 1 });
+    if (charge !== undefined) this.charges.set(restored.handle, charge);
+    return restored;
   }
 
   async release(allocation: SourcedAllocation): Promise<void> {

@@ -19,6 +19,7 @@ import {
   IdSequence,
   Ownership,
   ownerName,
+  AllocationObserver,
   Released,
   ReleaseResult,
   shareKeyMatches,
@@ -40,6 +41,8 @@ export class Allocations {
   // Invariant: one promise per free in flight (settled either way), removed once it settles.
   private readonly freeing = new Set<Promise<void>>();
   private readonly retained: RetainedReferences;
+  /** Hears of every allocation's changes (the parked state, server/lifecycle/); none: nobody records them. */
+  observer?: AllocationObserver;
 
   constructor(
     private readonly backend: Backend,
@@ -49,6 +52,11 @@ export class Allocations {
     private readonly ownership: Ownership = new Ownership(),
   ) {
     this.retained = new RetainedReferences(backend);
+  }
+
+  /** Takes in an allocation whole (parked by an earlier daemon process, restored): its id is its own. */
+  insert(record: AllocationRecord): void {
+    this.records.set(record.id, record);
   }
 
   /** Every allocation not freed nor being freed. */
@@ -70,10 +78,7 @@ export class Allocations {
     const info = this.devices.list[device];
     if (args.size === 0n) throw invalidArgument('ZERO_SIZE', 'allocation size must be greater than 0');
     if (!info.handleTypes.includes(args.handleType)) {
-      throw failedPrecondition(
-        'UNSUPPORTED_HANDLE_TYPE',
-        `device ${device} cannot export ${args.handleType} handles (supported: ${info.handleTypes.join(', ')})`,
-      );
+      throw failedPrecondition('UNSUPPORTED_HANDLE_TYPE', `device ${device} cannot export ${args.handleType} handles (supported: ${info.handleTypes.join(', ')})`);
     }
     const granularity = this.backend.granularity(args.location).minimum;
     checkAligned('allocation size', args.size, granularity);
@@ -86,7 +91,7 @@ export class Allocations {
     this.creating.set(caller, waiting.add(pending));
     try {
       const handle = await this.createAfterFrees(caller, device, args.location, args.size, handleTypes);
-      if (!pending.abandoned) return this.add(caller, handle, args.size, device, args.location, handleTypes, false, granularity);
+      if (!pending.abandoned) return this.add(caller, handle, args.size, device, args.location, handleTypes, false, granularity, args.request);
       // Nobody is left to release it: given back through the adaptors (refunded, uncounted) before the refusal.
       let fate = 'the memory was released';
       try {
@@ -182,10 +187,7 @@ export class Allocations {
       return { result: { freed: freeing !== undefined, handleReferences: 0, mappingCount: 0 }, freeing: freeing ?? Promise.resolve() };
     }
     if (total === 0) {
-      throw failedPrecondition(
-        'ALREADY_RELEASED',
-        `allocation ${allocationId} was already released; its memory lives until its ${allocation.mappingCount} mapping(s) are unmapped`,
-      );
+      throw failedPrecondition('ALREADY_RELEASED', `allocation ${allocationId} was already released; its memory lives until its ${allocation.mappingCount} mapping(s) are unmapped`);
     }
     let holder: bigint;
     if (allocation.references.has(caller)) {
@@ -359,6 +361,7 @@ export class Allocations {
     const allocation = this.live(allocationId);
     this.ownership.check(caller, allocation.owner, `allocation ${allocationId}`);
     allocation.shareKey ??= randomBytes(24).toString('base64url');
+    this.observer?.changed(allocation);
     return allocation.shareKey;
   }
 
@@ -372,20 +375,14 @@ export class Allocations {
     const allocation = this.live(args.allocationId);
     if (!this.ownership.mayAct(caller, allocation.owner) && !allocation.references.has(caller)) {
       if (args.shareKey === '') {
-        throw permissionDenied(
-          'NOT_OWNER',
-          `allocation ${allocation.id} belongs to ${ownerName(allocation.owner)}; its owner can Share it and hand you the key`,
-        );
+        throw permissionDenied('NOT_OWNER', `allocation ${allocation.id} belongs to ${ownerName(allocation.owner)}; its owner can Share it and hand you the key`);
       }
       if (!shareKeyMatches(allocation, args.shareKey)) {
         throw permissionDenied('BAD_SHARE_KEY', `the share key does not open allocation ${allocation.id}`);
       }
     }
     if (!allocation.handleTypes.includes(args.handleType)) {
-      throw failedPrecondition(
-        'UNSUPPORTED_HANDLE_TYPE',
-        `allocation ${allocation.id} was created for ${allocation.handleTypes.join(', ')} handles, not ${args.handleType}`,
-      );
+      throw failedPrecondition('UNSUPPORTED_HANDLE_TYPE', `allocation ${allocation.id} was created for ${allocation.handleTypes.join(', ')} handles, not ${args.handleType}`);
     }
     allocation.busy++;
     try {
@@ -443,22 +440,24 @@ export class Allocations {
    * callers; the returned promise settles with the source's release.
    */
   private startFree(allocation: AllocationRecord): Promise<void> | undefined {
-    if (allocation.freed || allocation.busy > 0 || allocation.mappingCount > 0) return undefined;
-    if (this.referenceCount(allocation) > 0) return undefined;
+    // Every drop of references and change of owner ends here: what is left is recorded, or the end.
+    if (allocation.freed || allocation.busy > 0 || allocation.mappingCount > 0 || this.referenceCount(allocation) > 0) {
+      if (!allocation.freed) this.observer?.changed(allocation);
+      return undefined;
+    }
     allocation.freed = true;
+    this.observer?.gone(allocation);
     const freeing = (async () => {
       try {
         await this.source.release(allocation);
       } catch (error) {
         allocation.freed = false;
+        this.observer?.changed(allocation);
         throw error;
       }
       this.records.delete(allocation.id);
     })();
-    const settled = freeing.then(
-      () => undefined,
-      () => undefined,
-    );
+    const settled = freeing.then(() => undefined, () => undefined);
     this.freeing.add(settled);
     void settled.then(() => this.freeing.delete(settled));
     return freeing;
@@ -473,8 +472,10 @@ export class Allocations {
     handleTypes: HandleKind[],
     imported: boolean,
     granularity: bigint,
+    request?: string,
   ): AllocationRecord {
     const record: AllocationRecord = {
+      ...(request === undefined ? {} : { request }),
       id: this.ids.take(),
       owner,
       device,
@@ -491,6 +492,7 @@ export class Allocations {
       freed: false,
     };
     this.records.set(record.id, record);
+    this.observer?.changed(record);
     return record;
   }
 }

@@ -13,8 +13,8 @@ import { Allocations } from './allocations';
 import { DeviceTable } from './devices';
 import { ByteIo } from './io';
 import { Inspection, RegistrySnapshot, RegistryStats } from './reclaim';
-import { CreateArgs, Exported, ExportArgs, IdSequence, MapArgs, Ownership, ReserveArgs } from './records';
-import { AllocationSource, BackendSource } from './source';
+import { AllocationRecord, CreateArgs, Exported, ExportArgs, IdSequence, MapArgs, Ownership, ReserveArgs } from './records';
+import { AllocationSource, BackendSource, RestoredMemory } from './source';
 import { AllocationBudget } from './allocation-budget';
 import type { UidBudgets } from './uid-budgets';
 import { AllocateAllArgs, FreedSignal, Referee } from './referee';
@@ -22,8 +22,22 @@ import { AllocateAllArgs, FreedSignal, Referee } from './referee';
 export { DAEMON_OWNER, IO_CHUNK_BYTES, MAX_RESERVATION_BYTES } from './records';
 export type { AllocationRecord, CreateArgs, Exported, MapArgs, MappingRecord, ReleaseResult, ReservationRecord, ReserveArgs } from './records';
 export type { RegistrySnapshot, RegistryStats } from './reclaim';
-export type { AllocationSource } from './source';
 export type { AllocateAllArgs, AllocatedAll, RefereeStats } from './referee';
+export type { AllocationSource, RestoredMemory } from './source';
+export type { AllocationObserver } from './records';
+
+/** An allocation parked by an earlier daemon process, as the registry takes it back. */
+export interface RestoredAllocation {
+  id: bigint;
+  owner: bigint;
+  location: MemLocation;
+  /** Handle references by holder (sessions); stores' holders come back with their stores. */
+  references: Map<bigint, number>;
+  shareKey?: string;
+  /** The session request that made it. */
+  request?: string;
+  memory: RestoredMemory;
+}
 
 export class Registry {
   readonly deviceTable: DeviceTable;
@@ -34,6 +48,9 @@ export class Registry {
   readonly statistics: AllocationStatistics;
   /** Serves AllocateAll: all-or-none requests, one at a time per device, waiting for memory to be freed. */
   readonly referee: Referee;
+  /** Ids of reservations, allocations and stores' holders. */
+  readonly ids = new IdSequence();
+  private readonly source: FreedSignal;
 
   /**
    * @param adapt wraps the allocation source in policy adaptors (the daemon's quotas); statistics sit under them
@@ -46,17 +63,48 @@ export class Registry {
     actsForDaemon?: (caller: bigint) => boolean,
     readonly budgets?: UidBudgets,
   ) {
-    const ids = new IdSequence();
+    const ids = this.ids;
     const ownership = new Ownership(actsForDaemon);
     this.deviceTable = new DeviceTable(backend);
     this.statistics = new AllocationStatistics(new BackendSource(backend));
     const adapted = adapt(this.statistics);
-    const freed = new FreedSignal(budgets === undefined ? adapted : new AllocationBudget(budgets, adapted));
-    this.allocations = new Allocations(backend, freed, this.deviceTable, ids, ownership);
-    this.referee = new Referee(backend, this.allocations, this.deviceTable, freed, budgets);
+    this.source = new FreedSignal(budgets === undefined ? adapted : new AllocationBudget(budgets, adapted));
+    this.allocations = new Allocations(backend, this.source, this.deviceTable, ids, ownership);
+    this.referee = new Referee(backend, this.allocations, this.deviceTable, this.source, budgets);
     this.space = new AddressSpace(backend, this.allocations, this.deviceTable, ids, ownership, budgets);
     this.io = new ByteIo(backend, this.space);
     this.inspection = new Inspection(this.space, this.allocations, this.statistics);
+  }
+
+  /**
+   * Takes back an allocation an earlier daemon process parked: its memory
+   * through the source's adaptors (counted and charged as before), under its
+   * own id, owner, references and share key. Ids given out before are never
+   * given again (advance `ids` past them).
+   * @throws the backend's BAD_DESCRIPTOR (nothing is recorded)
+   */
+  async restoreAllocation(parked: RestoredAllocation): Promise<AllocationRecord> {
+    const restored = await this.source.restore(parked.memory);
+    const record: AllocationRecord = {
+      id: parked.id,
+      owner: parked.owner,
+      device: restored.device,
+      location: parked.location,
+      size: restored.size,
+      handle: restored.handle,
+      handleTypes: ['POSIX_FD'],
+      imported: parked.memory.imported,
+      granularity: this.backend.granularity(parked.location).minimum,
+      references: parked.references,
+      backendRetains: 0,
+      mappingCount: 0,
+      busy: 0,
+      shareKey: parked.shareKey,
+      ...(parked.request === undefined ? {} : { request: parked.request }),
+      freed: false,
+    };
+    this.allocations.insert(record);
+    return record;
   }
 
   get devices(): readonly DeviceInfo[] {

@@ -21,7 +21,7 @@
 import type { BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from '../backends/backend';
 import { resourceExhausted } from '../errors';
 import { DAEMON_OWNER } from './records';
-import type { AllocationSource, SourcedAllocation } from './source';
+import type { AllocationSource, RestoredMemory, SourcedAllocation } from './source';
 
 export interface QuotaLimits {
   /** 0: no limit. */
@@ -102,6 +102,18 @@ export class Quotas {
       this.hurry();
       await Promise.all(own.map(([, settled]) => settled));
     }
+  }
+
+  /**
+   * A hold of memory an earlier daemon process charged (parked, now taken
+   * back): charged again to the same session and uid, never refused.
+   */
+  restore(session: bigint, uid: number, identity: string, size: bigint): QuotaHold {
+    if (!this.sessionHolds.has(`${identity}|${session}`)) this.add(this.bySession, session, size);
+    if (!this.uidHolds.has(`${identity}|${uid}`)) this.add(this.byUid, uid, size);
+    const hold: QuotaHold = { session, uid, size };
+    this.name(hold, identity, false);
+    return hold;
   }
 
   /** Marks a hold whose memory is being freed until `free` settles: holds refused meanwhile wait for it. */
@@ -231,6 +243,14 @@ class QuotaAdaptor implements AllocationSource {
     }
     if (hold !== undefined) this.holds.set(imported.handle, hold);
     return imported;
+  }
+
+  async restore(memory: RestoredMemory): Promise<ImportedHandle> {
+    const restored = await this.upstream.restore(memory);
+    if (memory.charged !== undefined) {
+      this.holds.set(restored.handle, this.quotas.restore(memory.charged.session, memory.charged.uid, this.identify(restored.handle, restored.device), restored.size));
+    }
+    return restored;
   }
 
   async release(allocation: SourcedAllocation): Promise<void> {

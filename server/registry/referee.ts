@@ -19,7 +19,7 @@ import type { Allocations } from './allocations';
 import { Budget } from './budgets';
 import type { DeviceTable } from './devices';
 import { checkAligned, Exported, ownerName } from './records';
-import type { AllocationSource, SourcedAllocation } from './source';
+import type { AllocationSource, RestoredMemory, SourcedAllocation } from './source';
 import type { UidBudgets } from './uid-budgets';
 
 /** How often a waiting request looks again at its device's free memory (memory freed outside the registry). */
@@ -94,6 +94,10 @@ export class FreedSignal implements AllocationSource {
 
   adopt(owner: bigint, source: ImportSource, size: bigint): Promise<ImportedHandle> {
     return this.upstream.adopt(owner, source, size);
+  }
+
+  restore(memory: RestoredMemory): Promise<ImportedHandle> {
+    return this.upstream.restore(memory);
   }
 
   async release(allocation: SourcedAllocation): Promise<void> {

@@ -32,6 +32,22 @@ export interface AllocationSource {
   adopt(owner: bigint, source: ImportSource, size: bigint): Promise<ImportedHandle>;
   /** Frees the handle's last reference; memory made by create() or adopt(). */
   release(allocation: SourcedAllocation): Promise<void>;
+  /**
+   * Memory an earlier daemon process parked, taken back with the counts and
+   * charges it had then: never refused for a quota (it fit when it came).
+   * @throws the backend's BAD_DESCRIPTOR
+   */
+  restore(memory: RestoredMemory): Promise<ImportedHandle>;
+}
+
+/** Parked memory coming back: its descriptor (owned by the source from then on), and whom it was charged to. */
+export interface RestoredMemory {
+  readonly fd: number;
+  readonly size: bigint;
+  readonly imported: boolean;
+  readonly charged?: { session: bigint; uid: number };
+  /** The name its descriptor is parked under (server/lifecycle/). */
+  readonly parkedAs?: string;
 }
 
 /** The backend itself, at the bottom of the chain. */
@@ -44,6 +60,11 @@ export class BackendSource implements AllocationSource {
 
   adopt(_owner: bigint, source: ImportSource, size: bigint): Promise<ImportedHandle> {
     return this.backend.importHandle(source, size);
+  }
+
+  restore(memory: RestoredMemory): Promise<ImportedHandle> {
+    if (this.backend.restoreHandle === undefined) throw new Error(`the ${this.backend.name} backend cannot take parked memory back`);
+    return this.backend.restoreHandle(memory.fd, memory.size);
   }
 
   release(allocation: SourcedAllocation): Promise<void> {

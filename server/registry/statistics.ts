@@ -5,7 +5,7 @@
  * the registry.
  */
 import type { BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from '../backends/backend';
-import type { AllocationSource, SourcedAllocation } from './source';
+import type { AllocationSource, RestoredMemory, SourcedAllocation } from './source';
 
 export interface AllocationTotals {
   allocations: number;
@@ -34,6 +34,12 @@ export class AllocationStatistics implements AllocationSource {
     const imported = await this.upstream.adopt(owner, source, size);
     this.count(imported.device, imported.size, true, 1);
     return imported;
+  }
+
+  async restore(memory: RestoredMemory): Promise<ImportedHandle> {
+    const restored = await this.upstream.restore(memory);
+    this.count(restored.device, restored.size, memory.imported, 1);
+    return restored;
   }
 
   /**

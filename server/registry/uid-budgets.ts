@@ -148,6 +148,24 @@ export class UidBudgets {
   take(owner: bigint, costs: Costs): Charge | undefined {
     const uid = this.uidOf(owner);
     if (uid === undefined) return undefined;
+    const entries = this.entries(uid, costs);
+    for (const [budget, holder, amount] of entries) if (!budget.fits(holder, amount)) throw budget.refusal(holder, budget.usedBy(holder), amount);
+    for (const [budget, holder, amount] of entries) budget.take(holder, amount);
+    return new Charge(entries);
+  }
+
+  /**
+   * Counts again what an object counted before the daemon's process
+   * restarted (parked, now taken back) against the uid it counted for:
+   * never refused, it fit then.
+   */
+  restore(uid: number, costs: Costs): Charge {
+    const entries = this.entries(uid, costs);
+    for (const [budget, holder, amount] of entries) budget.take(holder, amount);
+    return new Charge(entries);
+  }
+
+  private entries(uid: number, costs: Costs): Array<[Budget, Holder, number]> {
     const entries: Array<[Budget, Holder, number]> = [];
     const add = (budget: Budget, holder: Holder, amount: number | undefined) => {
       if (amount === undefined || amount === 0) return;
@@ -163,8 +181,6 @@ export class UidBudgets {
     add(this.mapEntries, ALL_UIDS, 2 * (costs.mappings ?? 0) + (costs.reservations ?? 0));
     add(this.totalAddressSpace, ALL_UIDS, costs.addressSpace);
     add(this.descriptors, ALL_UIDS, (costs.allocations ?? 0) + (costs.stores ?? 0));
-    for (const [budget, holder, amount] of entries) if (!budget.fits(holder, amount)) throw budget.refusal(holder, budget.usedBy(holder), amount);
-    for (const [budget, holder, amount] of entries) budget.take(holder, amount);
-    return new Charge(entries);
+    return entries;
   }
 }

@@ -113,7 +113,7 @@ export class StoreRegistry extends EventEmitter {
    */
   async create(
     caller: bigint,
-    args: { allocationId: bigint; name: string; readOnly: boolean; handOver: boolean; size: bigint },
+    args: { allocationId: bigint; name: string; readOnly: boolean; handOver: boolean; size: bigint; creatorUid?: number },
   ): Promise<StoreRecord> {
     const unclaim = this.names.claim(args.name);
     try {
@@ -123,7 +123,7 @@ export class StoreRegistry extends EventEmitter {
     }
   }
 
-  private async createClaimed(caller: bigint, args: { allocationId: bigint; name: string; readOnly: boolean; handOver: boolean; size: bigint }): Promise<StoreRecord> {
+  private async createClaimed(caller: bigint, args: { allocationId: bigint; name: string; readOnly: boolean; handOver: boolean; size: bigint; creatorUid?: number }): Promise<StoreRecord> {
     const allocationSize = this.registry.allocation(args.allocationId).size;
     if (args.size > allocationSize) {
       throw outOfRange('BEYOND_ALLOCATION', `store size ${args.size} exceeds allocation ${args.allocationId} of ${allocationSize} bytes`);
@@ -153,6 +153,7 @@ export class StoreRegistry extends EventEmitter {
       attached: false,
       hasDeleter: false,
       memory,
+      creatorUid: args.creatorUid,
     });
   }
 
@@ -166,7 +167,7 @@ export class StoreRegistry extends EventEmitter {
   async attach(
     caller: bigint,
     fd: number,
-    args: { target: StoreTarget; device: number; size: bigint; readOnly: boolean; name: string; hasDeleter: boolean },
+    args: { target: StoreTarget; device: number; size: bigint; readOnly: boolean; name: string; hasDeleter: boolean; creatorUid?: number },
   ): Promise<StoreRecord> {
     let unclaim: () => void;
     try {
@@ -185,7 +186,7 @@ export class StoreRegistry extends EventEmitter {
   private async attachClaimed(
     caller: bigint,
     fd: number,
-    args: { target: StoreTarget; device: number; size: bigint; readOnly: boolean; name: string; hasDeleter: boolean },
+    args: { target: StoreTarget; device: number; size: bigint; readOnly: boolean; name: string; hasDeleter: boolean; creatorUid?: number },
   ): Promise<StoreRecord> {
     let charge: Charge | undefined;
     try {
@@ -213,7 +214,7 @@ export class StoreRegistry extends EventEmitter {
   private async attachCharged(
     caller: bigint,
     fd: number,
-    args: { target: StoreTarget; device: number; size: bigint; readOnly: boolean; name: string; hasDeleter: boolean },
+    args: { target: StoreTarget; device: number; size: bigint; readOnly: boolean; name: string; hasDeleter: boolean; creatorUid?: number },
     charge: Charge | undefined,
   ): Promise<StoreRecord> {
     const id = this.nextId++;
@@ -240,7 +241,21 @@ export class StoreRegistry extends EventEmitter {
       attached: true,
       hasDeleter: args.hasDeleter,
       memory,
+      creatorUid: args.creatorUid,
     });
+  }
+
+  /**
+   * A store an earlier daemon process parked, taken back on its allocation
+   * (restored, server/lifecycle/): held and mapped again under its own id.
+   * @throws as mapHeld (the store is not made)
+   */
+  async restore(fields: Pick<StoreRecord, 'id' | 'name' | 'owner' | 'target' | 'device' | 'size' | 'readOnly' | 'attached' | 'creatorUid' | 'charge'>, allocation: AllocationRecord): Promise<StoreRecord> {
+    const holder = STORE_HOLDER_BASE + fields.id;
+    allocation.references.set(holder, (allocation.references.get(holder) ?? 0) + 1);
+    const memory = await this.mapHeld(allocation, holder, fields.id, fields.readOnly);
+    if (fields.id >= this.nextId) this.nextId = fields.id + 1n;
+    return this.add(fields.owner, { ...fields, hasDeleter: false, memory });
   }
 
   /**
@@ -248,10 +263,7 @@ export class StoreRegistry extends EventEmitter {
    * @throws NOT_FOUND UNKNOWN_STORE
    */
   find(ref: { id: bigint; name: string }): StoreRecord {
-    const store =
-      ref.id !== 0n
-        ? this.stores.get(ref.id)
-        : this.names.get(ref.name);
+    const store = ref.id !== 0n ? this.stores.get(ref.id) : this.names.get(ref.name);
     if (store === undefined) {
       throw notFound('UNKNOWN_STORE', ref.id !== 0n ? `store ${ref.id} does not exist` : `no store is named ${JSON.stringify(ref.name)}`);
     }

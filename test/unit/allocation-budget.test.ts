@@ -19,6 +19,7 @@ describe('the allocation budget around the allocation source', () => {
     const upstream = {
       create: async () => (calls.push('create'), next++),
       adopt: async () => (calls.push('adopt'), { handle: next++, size: 2n, device: 0, location }),
+      restore: async () => (calls.push('restore'), { handle: next++, size: 2n, device: 0, location }),
       release: async () => {
         calls.push('release');
         if (failRelease) throw Object.assign(new Error('driver says no'), { code: 'CUDA_ERROR_UNKNOWN' });
@@ -43,6 +44,7 @@ describe('the allocation budget around the allocation source', () => {
     const upstream = {
       create: async () => (calls.push('create'), next++),
       adopt: async () => (calls.push('adopt'), { handle: next++, size: 2n, device: 0, location }),
+      restore: async () => (calls.push('restore'), { handle: next++, size: 2n, device: 0, location }),
       release: async () => void calls.push('release'),
     };
     const budgets = budgetsOf();

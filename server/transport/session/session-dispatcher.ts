@@ -11,7 +11,7 @@ import { TRANSFER_ID_PATTERN } from '../../../common/protocol';
 import type { Registry } from '../../registry';
 import type { CreateArgs, ExportArgs } from '../../registry/records';
 import { toWireStore } from '../wire';
-import { Answer, ReclaimSummary, refuseMessage, RequestMessage, Session, SessionServices } from './sessions';
+import { Answer, ReclaimSummary, ReclaimTarget, refuseMessage, RequestMessage, Session, SessionServices } from './sessions';
 import { openFor, StoreCaller } from '../../stores/store-writers';
 import type { StoreRegistry } from '../../stores/stores';
 
@@ -72,9 +72,10 @@ function describeExport(registry: Registry, request: string, allocation: Awaited
 }
 
 /** Allocate: Create and Export in one round trip, the descriptor attached to the answer. */
-const allocate: Handler<{ request: string; args: CreateArgs }> = {
+const allocate: Handler<{ request: string; args: CreateArgs; again: boolean }> = {
   method: 'Allocate',
-  parse({ request, size, location }) {
+  parse({ request, size, location, again }) {
+    if (again !== undefined && typeof again !== 'boolean') return `allocate: again ${shown(again)} is not true or false`;
     const badId = badRequestId('allocate', request);
     if (badId !== undefined) return badId;
     const bytes = u64Field('allocate', 'size', size);
@@ -89,9 +90,16 @@ const allocate: Handler<{ request: string; args: CreateArgs }> = {
       }
       where = { type: kind, id: id as number };
     }
-    return { request: request as string, args: { size: bytes, location: where, handleType: 'POSIX_FD' } };
+    return { request: request as string, args: { size: bytes, location: where, handleType: 'POSIX_FD', request: request as string }, again: again === true };
   },
-  async answer(session, { request, args }, { registry }) {
+  async answer(session, { request, args, again }, { registry }) {
+    // Sent again after a restart cut off its answer: the allocation the first one made (recorded, then parked,
+    // with its request id) is this answer, exported anew, rather than a second allocation.
+    const made = again ? [...registry.allocations.all()].find((allocation) => allocation.owner === session.id && allocation.request === request) : undefined;
+    if (made !== undefined) {
+      const exported = await registry.exportHandle(session.id, { allocationId: made.id, handleType: 'POSIX_FD', shareKey: '' });
+      return { reply: { type: 'allocated', ...describeExport(registry, request, exported.allocation) }, fd: exported.fd };
+    }
     const { allocation, fd } = await registry.createExported(session.id, args, (error) =>
       session.log.error({ err: error }, 'allocate: releasing the allocation after a failed export failed'),
     );
@@ -263,7 +271,7 @@ export class SessionDispatcher implements SessionServices {
   }
 
   /** Each step runs whatever the one before it did: a failure is logged, never a reason to leave objects behind. */
-  async reclaim(session: Session): Promise<ReclaimSummary> {
+  async reclaim(session: ReclaimTarget): Promise<ReclaimSummary> {
     // What the session holds once its calls have drained is what the steps below free.
     const held = this.deps.registry.snapshot();
     const owner = String(session.id);

@@ -15,6 +15,7 @@ import type { LogLimiter } from '../../observability/log-limiter';
 import { type CodeWithStatus, deadlineExceeded, failedPrecondition, RpcError, unavailable } from '../../errors';
 import { DAEMON_SETTINGS } from '../../../common/daemon-settings';
 import { describeProcess, PeerProcess } from './peer-process';
+import { newResumeToken } from './resume';
 import type { TransportBudgets } from '../budgets';
 
 /** How sessions are opened and what each may hold (wired from the config in daemon.ts). */
@@ -33,6 +34,11 @@ export interface SessionOptions {
   maxTransfersPerUid: number;
   /** The backend's name, told to each client in its hello. */
   backend?: string;
+  /**
+   * The daemon parks its sessions' objects (systemd's file-descriptor store, the keeper, a hand-over): each
+   * hello carries a resume token. Without, there is nothing to resume after a restart and none is given.
+   */
+  resumable?: boolean;
   /** Unread descriptors per session, per uid and daemon-wide (server/transport/budgets.ts); absent: not bounded. */
   budgets?: TransportBudgets;
 }
@@ -59,11 +65,20 @@ export function refuseMessage(code: CodeWithStatus<'INVALID_ARGUMENT'>, message:
 }
 
 export class Session {
-  readonly token = randomBytes(32).toString('hex');
+  /** The gRPC token (metadata vmmd-session-token). */
+  readonly token: string;
+  /** The secret its client presents to resume it after a restart (server/transport/session/resume.ts). */
+  readonly resumeToken: string;
   readonly log: Logger;
   closing = false;
   // Aborted once the socket closes: a call that waits for something (AllocateAll's memory) stops waiting then.
   private readonly closed = new AbortController();
+  /** The session sent a request or a descriptor, or a call named its token: a connection that has cannot become another session by resuming. */
+  used = false;
+  /** Adopted by a resume hello: a parked session's again. */
+  resumed = false;
+  /** Closed by the daemon to be parked (a hand-over): its objects live on, nothing is reclaimed. */
+  parked = false;
   // Invariant: inFlight counts calls of this session that started and have not settled.
   private inFlight = 0;
   private drainWaiters: Array<() => void> = [];
@@ -81,7 +96,10 @@ export class Session {
     log: Logger,
     options: SessionOptions,
     limits: { logLimiter: LogLimiter; mayHold: () => string | undefined; descriptors?: DescriptorsInFlight },
+    identity: { token: string; resumeToken: string } = { token: randomBytes(32).toString('hex'), resumeToken: newResumeToken() },
   ) {
+    this.token = identity.token;
+    this.resumeToken = identity.resumeToken;
     this.descriptors = limits.descriptors;
     this.process = describeProcess(peer.pid);
     this.log = log.child({ session: String(id), peerPid: peer.pid, peerUid: peer.uid, command: this.process.command });

@@ -61,8 +61,8 @@ export class StoresService {
       readOnly: request.readOnly,
       handOver: request.handOver,
       size: u64(request.size),
+      creatorUid: context.who?.peer?.uid,
     });
-    store.creatorUid = context.who?.peer?.uid;
     return this.toWire(store);
   }
 
@@ -79,8 +79,8 @@ export class StoresService {
       readOnly: request.readOnly,
       name: request.name,
       hasDeleter: request.hasDeleter,
+      creatorUid: session.peer.uid,
     });
-    store.creatorUid = session.peer.uid;
     return this.toWire(store);
   }
 
