@@ -62,7 +62,7 @@ describeGpu('sleep and wake (cuda)', () => {
     const report = await owner.sleep('weights', { mode: 'offload' });
     expect(report.offloadedBytes).toBe(196n * MiB);
     const objects = await owner.admin.listObjects({});
-    expect(JSON.stringify(objects)).toContain('LOCATION_TYPE_HOST_NUMA');
+    expect(JSON.stringify(objects)).toContain('HOST_NUMA');
     await owner.wake('weights', { deadlineMs: 30_000 });
     expect(memory.map((mapped) => mapped.address)).toEqual(pointers);
     expect(await Promise.all(memory.map(digest))).toEqual(digests);
@@ -113,8 +113,9 @@ describeGpu('sleep and wake (cuda)', () => {
         const w = (await engine.vmm.allocateAll({ sizes: [weights], deadlineMs: 60_000 })).memory[0];
         await w.write(0, pattern(Number(weights), 10 + index));
         engine.tags.group('weights').add(w);
-        engine.tags.group('weights').add((await engine.vmm.allocateAll({ sizes: [share - weights], deadlineMs: 60_000 })).memory[0]);
+        engine.tags.group('cache').add((await engine.vmm.allocateAll({ sizes: [share - weights], deadlineMs: 60_000 })).memory[0]);
         await engine.sleep('weights', { mode: 'offload' });
+        await engine.sleep('cache', { mode: 'discard' });
         return w;
       }),
     ).catch((error) => {
@@ -124,15 +125,19 @@ describeGpu('sleep and wake (cuda)', () => {
     for (let cycle = 0; cycle < 10; cycle++) {
       for (const [index, engine] of engines.entries()) {
         await engine.wake('weights', { deadlineMs: 60_000 });
+        await engine.wake('cache', { deadlineMs: 60_000 });
         expect(await digest(held[index])).toBe(expected[index]);
         await engine.sleep('weights', { mode: 'offload' });
+        await engine.sleep('cache', { mode: 'discard' });
       }
     }
     // Both at once: one is served, the other waits for its sleep.
-    const first = engines[0].wake('weights', { deadlineMs: 60_000 });
-    const second = engines[1].wake('weights', { deadlineMs: 60_000 });
+    const wakeBoth = (engine: VmmdClient) => engine.wake('weights', { deadlineMs: 60_000 }).then(() => engine.wake('cache', { deadlineMs: 60_000 }));
+    const first = wakeBoth(engines[0]);
+    const second = wakeBoth(engines[1]);
     const winner = await Promise.race([first.then(() => 0), second.then(() => 1)]);
     await engines[winner].sleep('weights', { mode: 'offload' });
+    await engines[winner].sleep('cache', { mode: 'discard' });
     await Promise.all([first, second]);
     const other = 1 - winner;
     expect(await digest(held[other])).toBe(expected[other]);
