@@ -30,11 +30,11 @@ export class PassThroughBackend implements Backend {
   exportHandle(handle: BackendHandle, device: number): Promise<number> {
     return this.inner.exportHandle(handle, device);
   }
-  release(handle: BackendHandle, size: bigint, imported: boolean, device: number): Promise<void> {
-    return this.inner.release(handle, size, imported, device);
+  release(handle: BackendHandle, size: bigint, imported: boolean, device: number, awaited?: boolean): Promise<void> {
+    return this.inner.release(handle, size, imported, device, awaited);
   }
-  hurry(): void {
-    this.inner.hurry?.();
+  settleReleases(): Promise<void> {
+    return this.inner.settleReleases?.() ?? Promise.resolve();
   }
   close(): void | Promise<void> {
     return this.inner.close();

@@ -10,7 +10,6 @@ import { EventEmitter } from 'node:events';
 import type { Logger } from 'pino';
 import { addon } from '../../native';
 import { failedPrecondition, invalidArgument, notFound, outOfRange, permissionDenied } from '../errors';
-import type { Quotas } from '../registry/quotas';
 import type { Charge } from '../registry/uid-budgets';
 import { AllocationRecord, DAEMON_OWNER, Registry } from '../registry';
 import { LogLimiter } from '../observability/log-limiter';
@@ -81,11 +80,9 @@ export class StoreRegistry extends EventEmitter {
   // The trail of stores' lives, bounded per uid: a client can make and drop stores as fast as it likes.
   private readonly trail = new LogLimiter(10_000, 20);
 
-  /** @param quotas charge SYSMEM attachments (the registry's adaptor charges the rest); none: not limited */
   constructor(
     private readonly registry: Registry,
     private readonly log?: Logger,
-    private readonly quotas?: Quotas,
   ) {
     super();
     this.setMaxListeners(0);
@@ -219,7 +216,7 @@ export class StoreRegistry extends EventEmitter {
     const id = this.nextId++;
     let memory: StoreMemory;
     if (args.target === 'SYSMEM') {
-      memory = await attachClientMemfd(this.registry, this.quotas, caller, fd, args.size, args.readOnly);
+      memory = await attachClientMemfd(this.registry, caller, fd, args.size, args.readOnly);
     } else {
       const allocation = await this.registry.importHandle(caller, { fd }, args.size);
       const holder = STORE_HOLDER_BASE + id;
