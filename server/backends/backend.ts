@@ -130,6 +130,15 @@ export interface Backend {
    */
   sealReadOnly(handle: BackendHandle): void;
   /**
+   * From now on no descriptor of the memory can add seals (host: F_SEAL_SEAL
+   * on the memfd; its growth and shrinking are sealed already): what the
+   * daemon does before a descriptor goes to a session that does not own the
+   * memory, so that no holder can seal it against its owner's writes. The
+   * memory can no longer be sealed read-only afterwards. Backends whose
+   * handles take no seals (cuda) leave it out.
+   */
+  freezeSeals?(handle: BackendHandle): void;
+  /**
    * The physical memory a live handle names, as a string equal for every
    * handle of the same memory however it came in (created here, imported
    * from a descriptor this daemon exported, imported twice): what quotas count

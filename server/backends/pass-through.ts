@@ -33,6 +33,9 @@ export class PassThroughBackend implements Backend {
   release(handle: BackendHandle, size: bigint, imported: boolean, device: number, awaited?: boolean): Promise<void> {
     return this.inner.release(handle, size, imported, device, awaited);
   }
+  freezeSeals(handle: BackendHandle): void {
+    this.inner.freezeSeals?.(handle);
+  }
   settleReleases(): Promise<void> {
     return this.inner.settleReleases?.() ?? Promise.resolve();
   }

@@ -378,6 +378,9 @@ export class Allocations {
       if (!shareKeyMatches(allocation, args.shareKey)) {
         throw permissionDenied('BAD_SHARE_KEY', `the share key does not open allocation ${allocation.id}`);
       }
+      // The holder's descriptor is writable, and a writable descriptor can add seals: frozen first, no holder can seal
+      // the memory against its owner's writes (the owner cannot seal it read-only any more either).
+      if (args.handleType === 'POSIX_FD') this.backend.freezeSeals?.(allocation.handle);
     }
     if (!allocation.handleTypes.includes(args.handleType)) {
       throw failedPrecondition(

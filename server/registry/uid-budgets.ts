@@ -145,6 +145,19 @@ export class UidBudgets {
    * @throws RpcError RESOURCE_EXHAUSTED BUDGET_EXCEEDED naming the first budget it does not fit
    */
   take(owner: bigint, costs: Costs): Charge | undefined {
+    return this.count(owner, costs, false);
+  }
+
+  /**
+   * take(), counted past the limits where it does not fit: for what the owner
+   * holds already and cannot be refused (a detached store it keeps open). Its
+   * uid's next requests are refused until it is back under.
+   */
+  takeAnyway(owner: bigint, costs: Costs): Charge | undefined {
+    return this.count(owner, costs, true);
+  }
+
+  private count(owner: bigint, costs: Costs, anyway: boolean): Charge | undefined {
     const uid = this.uidOf(owner);
     if (uid === undefined) return undefined;
     const entries: Array<[Budget, Holder, number]> = [];
@@ -162,8 +175,8 @@ export class UidBudgets {
     add(this.mapEntries, ALL_UIDS, 2 * (costs.mappings ?? 0) + (costs.reservations ?? 0));
     add(this.totalAddressSpace, ALL_UIDS, costs.addressSpace);
     add(this.descriptors, ALL_UIDS, (costs.allocations ?? 0) + (costs.stores ?? 0));
-    for (const [budget, holder, amount] of entries) if (!budget.fits(holder, amount)) throw budget.refusal(holder, budget.usedBy(holder), amount);
-    for (const [budget, holder, amount] of entries) budget.take(holder, amount);
+    if (!anyway) for (const [budget, holder, amount] of entries) if (!budget.fits(holder, amount)) throw budget.refusal(holder, budget.usedBy(holder), amount);
+    for (const [budget, holder, amount] of entries) budget.take(holder, amount, anyway);
     return new Charge(entries);
   }
 }
