@@ -182,18 +182,34 @@ async function withContext<T>(
   return session === undefined || !tracked ? run(context) : session.track(() => run(context));
 }
 
+/**
+ * @param undo undoes what `body` made (given its answer) when the call's deadline passed, or its client
+ *   cancelled it, while it ran: the answer reaches nobody, and nobody would know to free what it names.
+ */
 export function unary<Req, Res>(
   deps: HandlerDeps,
   method: string,
   body: (request: Req, context: CallContext) => Promise<Res> | Res,
+  undo?: (made: Res, context: CallContext, request: Req) => unknown,
 ): grpc.handleUnaryCall<Req, Res> {
+  const run = async (call: grpc.ServerUnaryCall<Req, Res>, context: CallContext): Promise<Res> => {
+    const made = await body(call.request, context);
+    if (!call.cancelled || undo === undefined) return made;
+    // Undone within the call: a session's reclaim waits for it.
+    try {
+      await undo(made, context, call.request);
+    } catch (error) {
+      context.log.warn({ err: error }, 'undoing what a call made after its client stopped waiting failed');
+    }
+    throw deadlineExceeded('DEADLINE_PASSED', 'the deadline passed (or the client cancelled the call) while it ran; what it made was undone');
+  };
   return (call, callback) =>
     startFairly(
       deps,
       call,
       () => {
         deps.turns?.enter('grpc', method);
-        void settle(deps, method, withContext(deps, call, method, async (context) => body(call.request, context))).then(({ value, error }) => {
+        void settle(deps, method, withContext(deps, call, method, (context) => run(call, context))).then(({ value, error }) => {
           if (error !== undefined) return callback(error as grpc.ServiceError);
           countUnaryBytes(deps, method, value);
           callback(null, value);
