@@ -21,6 +21,9 @@ import { VirtualMemoryService } from '../../server/transport/grpc/services/virtu
 import { Registry } from '../../server/registry';
 import { StagingBuffers } from '../../server/stores/staging';
 import { FakeBackend } from '../unit/fake-backend';
+import { StoresService } from '../../server/transport/grpc/services/stores';
+import { StoreRegistry } from '../../server/stores/stores';
+import { DAEMON_OWNER } from '../../server/registry/records';
 
 const HOLD_MS = 300;
 const DEADLINE_MS = 100;
@@ -157,6 +160,44 @@ describe('a gRPC call whose deadline passed while it waited', () => {
       expect(registry.stats()).toMatchObject({ allocations: 1 });
     } finally {
       client.close();
+      listener.close();
+      server.forceShutdown();
+      fs.rmSync(dir, { recursive: true, force: true });
+    }
+  });
+
+  it('a CreateStore whose store came after its deadline is detached again: no store stays', async () => {
+    const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-deadline-'));
+    const socket = path.join(dir, 'grpc.sock');
+    const deps = handlerDeps();
+    // The daemon's mapping of the store's memory takes longer than the caller waits.
+    class SlowMaps extends FakeBackend {
+      override async map(...args: Parameters<FakeBackend['map']>) {
+        await new Promise((resolve) => setTimeout(resolve, HOLD_MS));
+        return super.map(...args);
+      }
+    }
+    const registry = new Registry(new SlowMaps());
+    const stores = new StoreRegistry(registry);
+    const allocation = await registry.create(DAEMON_OWNER, { size: 2n << 20n, location: { type: 'DEVICE', id: 0 }, handleType: 'POSIX_FD' });
+    const { proto } = loadProtos();
+    const server = new grpc.Server();
+    new StoresService(registry, stores, deps.sessions).addToServer(server, proto, deps);
+    const listener = await GrpcUnixListener.listen(server, socket, deps.log);
+    const client = new proto.vmmd.v1.Stores(`unix://${socket}`, grpc.credentials.createInsecure());
+    const createStore = (name: string, deadline?: number) =>
+      new Promise<grpc.ServiceError | null>((resolve) =>
+        client.CreateStore({ allocationId: String(allocation.id), name }, deadline === undefined ? {} : { deadline }, (error: grpc.ServiceError | null) => resolve(error)),
+      );
+    try {
+      expect((await createStore('late', Date.now() + DEADLINE_MS))?.code).toBe(grpc.status.DEADLINE_EXCEEDED);
+      await new Promise((resolve) => setTimeout(resolve, 2 * HOLD_MS));
+      expect(stores.list().map((store) => store.name)).toEqual([]);
+      expect(await createStore('in-time')).toBeNull();
+      expect(stores.list().map((store) => store.name)).toEqual(['in-time']);
+    } finally {
+      // (The Stores client's own close() is the Close RPC's alias.)
+      client.getChannel().close();
       listener.close();
       server.forceShutdown();
       fs.rmSync(dir, { recursive: true, force: true });
