@@ -3,6 +3,8 @@
  */
 export { connect, VmmdClient, DevicesApi, AdminApi } from './connection';
 export type { BackendName, ConnectOptions } from './connection';
+export { inspect, VmmdInspector } from './inspect';
+export type { InspectOptions } from './inspect';
 export { VmmdError } from './errors';
 export { CudaImportedMemory, HostImportedMemory, ImportedMemory, mapFabricHandle } from './local-memory';
 export type { CudaSource } from './local-memory';

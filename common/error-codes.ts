@@ -117,6 +117,7 @@ export const ERROR_CODES = {
   READER_STALLED: daemon('RESOURCE_EXHAUSTED', 'a stream reader that took nothing for --stream-stall-ms'),
   // Time and the session
   TRANSFER_NOT_RECEIVED: daemon('DEADLINE_EXCEEDED', 'no descriptor arrived for the transfer id within --transfer-wait-ms'),
+  DEADLINE_PASSED: daemon('DEADLINE_EXCEEDED', 'a call whose deadline passed (or that its client cancelled) while it waited for its turn (not run) or while it ran (what it made undone)'),
   SESSION_CLOSED: daemon('UNAVAILABLE', 'the session closed while the call waited for it'),
   SESSION_SOCKET_FULL: daemon('UNAVAILABLE', "the session socket is full: the client is not reading it"),
   SESSION_RESUMING: daemon('UNAVAILABLE', 'a session token of a session that waits for its client to resume it after a restart: resume it, then call again'),

@@ -18,6 +18,9 @@ import { GrpcUnixListener } from '../transport/grpc/grpc-unix';
 import { TransportBudgets } from '../transport/budgets';
 import { Metrics } from '../observability/metrics';
 import { Quotas } from '../registry/quotas';
+import { AllocationStatistics } from '../registry/statistics';
+import { AllocationBudget } from '../registry/allocation-budget';
+import { BackendSource } from '../registry/source';
 import { derivedLimits, SystemLimits, UidBudgetLimits, UidBudgets } from '../registry/uid-budgets';
 import { Registry } from '../registry';
 import { AdminService } from '../transport/grpc/services/admin';
@@ -149,7 +152,7 @@ export class Daemon {
       authorize: (peer) => access.refusal(peer),
       resumable: lifecycle.parks,
     });
-    const quotas = new Quotas({ perUid: config.quotaPerUid, perSession: config.quotaPerSession }, (session) => sessions.uidOf(session), () => backend.hurry?.());
+    const quotas = new Quotas({ perUid: config.quotaPerUid, perSession: config.quotaPerSession }, (session) => sessions.uidOf(session));
     // The daemon's objects (made without a session, or left by an ended one) are acted on by admins' sessions only,
     // besides the daemon itself and store holders on their stores' memory.
     const actsForDaemon = (caller: bigint) => {
@@ -158,12 +161,11 @@ export class Daemon {
       return peer !== undefined && access.isAdmin(peer);
     };
     const budgets = uidBudgets(config, systemLimits(log), (session) => sessions.uidOf(session), log);
-    const registry = new Registry(
-      backend,
-      (upstream) => lifecycle.adapt(quotas.around(upstream, (handle, device) => backend.memoryIdentity(handle, device))),
-      actsForDaemon,
-      budgets,
-    );
+    // The allocation source, RMM's way: each policy one adaptor around its upstream. Statistics count what the backend
+    // makes and adopts, quotas charge it (SYSMEM stores' memfds too), the lifecycle parks what is made, the per-uid budget counts allocations.
+    const statistics = new AllocationStatistics(new BackendSource(backend));
+    const charged = lifecycle.adapt(quotas.around(statistics, (handle, device) => backend.memoryIdentity(handle, device)));
+    const registry = new Registry(backend, { source: new AllocationBudget(budgets, charged), statistics }, actsForDaemon, budgets);
     // Metrics and GetReport show the registry's budgets and the transport's alike.
     const everyBudget = () => [...budgets.list(), registry.referee.waitingPerUid, ...transportBudgets.all()];
     const paths = socketPaths(config.socketDir);
@@ -173,7 +175,7 @@ export class Daemon {
     }
     clearStaleSockets(paths);
 
-    const stores = new StoreRegistry(registry, log, quotas);
+    const stores = new StoreRegistry(registry, log);
     // On cuda the staging buffers are page-locked: staged Read and Write are DMAs of the copy engine, not CPU copies.
     // A client can open staging buffers at will: their warnings are bounded (one per interval, the next saying how many were held back).
     const stagingWarnings = new LogLimiter();

@@ -12,7 +12,7 @@ import type { Logger } from 'pino';
 import { addon } from '../../native';
 import type { Backend, BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from '../backends/backend';
 import type { AllocationObserver, AllocationRecord, AllocationSource, RestoredMemory } from '../registry';
-import type { SourcedAllocation } from '../registry/source';
+import type { HeldMemfd, SourcedAllocation } from '../registry/source';
 import { isStoreHolder, StoreEvent, StoreRecord } from '../stores/stores';
 import type { FdStoreClient } from './fd-store';
 import { Journal } from './journal';
@@ -317,9 +317,17 @@ class ParkingAdaptor implements AllocationSource {
     return this.upstream.restore(memory);
   }
 
-  async release(allocation: SourcedAllocation): Promise<void> {
-    await this.upstream.release(allocation);
+  holdClientMemfd(owner: bigint, fd: number, size: bigint): Promise<HeldMemfd> {
+    return this.upstream.holdClientMemfd(owner, fd, size);
+  }
+
+  async release(allocation: SourcedAllocation, awaited: boolean): Promise<void> {
+    await this.upstream.release(allocation, awaited);
     this.slot.parking?.unpark(allocation.handle);
+  }
+
+  settle(): Promise<void> {
+    return this.upstream.settle();
   }
 }
 

@@ -95,9 +95,7 @@ export class Allocations {
       // Nobody is left to release it: given back through the adaptors (refunded, uncounted) before the refusal.
       let fate = 'the memory was released';
       try {
-        const releasing = this.source.release({ owner: caller, handle, size: args.size, device, imported: false });
-        this.backend.hurry?.();
-        await releasing;
+        await this.source.release({ owner: caller, handle, size: args.size, device, imported: false }, true);
       } catch (error) {
         // Kept in sight rather than lost: the daemon's, with no reference, freed by the next reclaim or Release.
         const orphan = this.add(DAEMON_OWNER, handle, args.size, device, args.location, handleTypes, false, granularity);
@@ -156,9 +154,8 @@ export class Allocations {
    *   PERMISSION_DENIED NOT_OWNER; the free's error
    */
   async release(caller: bigint, allocationId: bigint): Promise<ReleaseResult> {
-    const { result, freeing } = await this.releaseAnswering(caller, allocationId);
-    // Waited for: not held back for a quiet moment.
-    this.backend.hurry?.();
+    // Waited for: the source starts the free now rather than at a quiet moment.
+    const { result, freeing } = await this.retained.run(this.get(allocationId), () => this.releaseStep(caller, allocationId, true));
     await freeing;
     return result;
   }
@@ -173,17 +170,20 @@ export class Allocations {
    * @throws as release, but never the free's error (that is `freeing`'s)
    */
   async releaseAnswering(caller: bigint, allocationId: bigint): Promise<Released> {
-    return this.retained.run(this.get(allocationId), () => this.releaseStep(caller, allocationId));
+    return this.retained.run(this.get(allocationId), () => this.releaseStep(caller, allocationId, false));
   }
 
-  /** releaseAnswering once no drop of the allocation is in flight: synchronous unless a driver reference is dropped. */
-  private releaseStep(caller: bigint, allocationId: bigint): Released | Promise<Released> {
+  /**
+   * releaseAnswering once no drop of the allocation is in flight: synchronous unless a driver reference is dropped.
+   * @param awaited whether the caller waits for the free (AllocationSource.release)
+   */
+  private releaseStep(caller: bigint, allocationId: bigint, awaited: boolean): Released | Promise<Released> {
     const allocation = this.get(allocationId);
     const total = this.referenceCount(allocation);
     if (total === 0 && allocation.mappingCount === 0 && allocation.busy === 0) {
       // Every reference was dropped but freeing failed (a driver error): this Release tries again.
       this.ownership.check(caller, allocation.owner, `allocation ${allocationId}`);
-      const freeing = this.startFree(allocation);
+      const freeing = this.startFree(allocation, awaited);
       return { result: { freed: freeing !== undefined, handleReferences: 0, mappingCount: 0 }, freeing: freeing ?? Promise.resolve() };
     }
     if (total === 0) {
@@ -200,7 +200,7 @@ export class Allocations {
       holder = allocation.owner;
     }
     const answer = (): Released => {
-      const freeing = this.startFree(allocation);
+      const freeing = this.startFree(allocation, awaited);
       return {
         result: { freed: freeing !== undefined, handleReferences: this.referenceCount(allocation), mappingCount: allocation.mappingCount },
         freeing: freeing ?? Promise.resolve(),
@@ -252,8 +252,7 @@ export class Allocations {
    * them would never go on.
    */
   async settleFrees(): Promise<void> {
-    this.backend.hurry?.();
-    await Promise.allSettled([...this.freeing]);
+    await Promise.allSettled([this.source.settle(), ...this.freeing]);
   }
 
   /**
@@ -327,13 +326,12 @@ export class Allocations {
       // In an object: a promise returned from then() would be waited for, and the step is over once the free has started.
       const free = () => {
         dropped();
-        return { freeing: this.startFree(allocation) };
+        return { freeing: this.startFree(allocation, true) };
       };
       const drop = held === undefined ? undefined : this.retained.drop(allocation, holder, held);
       return drop === undefined ? free() : drop.then(free);
     });
     if (freeing === undefined) return;
-    this.backend.hurry?.();
     await freeing;
   }
 
@@ -380,6 +378,9 @@ export class Allocations {
       if (!shareKeyMatches(allocation, args.shareKey)) {
         throw permissionDenied('BAD_SHARE_KEY', `the share key does not open allocation ${allocation.id}`);
       }
+      // The holder's descriptor is writable, and a writable descriptor can add seals: frozen first, no holder can seal
+      // the memory against its owner's writes (the owner cannot seal it read-only any more either).
+      if (args.handleType === 'POSIX_FD') this.backend.freezeSeals?.(allocation.handle);
     }
     if (!allocation.handleTypes.includes(args.handleType)) {
       throw failedPrecondition('UNSUPPORTED_HANDLE_TYPE', `allocation ${allocation.id} was created for ${allocation.handleTypes.join(', ')} handles, not ${args.handleType}`);
@@ -427,9 +428,8 @@ export class Allocations {
    * and charged, and the next Release or reclaim tries again.
    */
   async freeIfUnused(allocation: AllocationRecord): Promise<boolean> {
-    const freeing = this.startFree(allocation);
+    const freeing = this.startFree(allocation, true);
     if (freeing === undefined) return false;
-    this.backend.hurry?.();
     await freeing;
     return true;
   }
@@ -438,8 +438,9 @@ export class Allocations {
    * Starts freeing an allocation nobody references or maps (undefined when
    * it is in use or already being freed). From this moment it is gone for
    * callers; the returned promise settles with the source's release.
+   * @param awaited whether the caller waits for the free (AllocationSource.release)
    */
-  private startFree(allocation: AllocationRecord): Promise<void> | undefined {
+  private startFree(allocation: AllocationRecord, awaited: boolean): Promise<void> | undefined {
     // Every drop of references and change of owner ends here: what is left is recorded, or the end.
     if (allocation.freed || allocation.busy > 0 || allocation.mappingCount > 0 || this.referenceCount(allocation) > 0) {
       if (!allocation.freed) this.observer?.changed(allocation);
@@ -449,7 +450,7 @@ export class Allocations {
     this.observer?.gone(allocation);
     const freeing = (async () => {
       try {
-        await this.source.release(allocation);
+        await this.source.release(allocation, awaited);
       } catch (error) {
         allocation.freed = false;
         this.observer?.changed(allocation);

@@ -19,7 +19,7 @@ import type { Allocations } from './allocations';
 import { Budget } from './budgets';
 import type { DeviceTable } from './devices';
 import { checkAligned, Exported, ownerName } from './records';
-import type { AllocationSource, RestoredMemory, SourcedAllocation } from './source';
+import type { AllocationSource, HeldMemfd, RestoredMemory, SourcedAllocation } from './source';
 import type { UidBudgets } from './uid-budgets';
 
 /** How often a waiting request looks again at its device's free memory (memory freed outside the registry). */
@@ -100,8 +100,16 @@ export class FreedSignal implements AllocationSource {
     return this.upstream.restore(memory);
   }
 
-  async release(allocation: SourcedAllocation): Promise<void> {
-    await this.upstream.release(allocation);
+  holdClientMemfd(owner: bigint, fd: number, size: bigint): Promise<HeldMemfd> {
+    return this.upstream.holdClientMemfd(owner, fd, size);
+  }
+
+  settle(): Promise<void> {
+    return this.upstream.settle();
+  }
+
+  async release(allocation: SourcedAllocation, awaited: boolean): Promise<void> {
+    await this.upstream.release(allocation, awaited);
     for (const listener of this.listeners) listener(allocation.device, allocation.location);
   }
 }
@@ -121,11 +129,11 @@ export class Referee {
     private readonly backend: Backend,
     private readonly allocations: Allocations,
     private readonly devices: DeviceTable,
-    freed: FreedSignal,
+    private readonly freedSignal: FreedSignal,
     private readonly budgets?: UidBudgets,
   ) {
     // On the host backend every location is one memory: a free may serve any queue.
-    freed.listeners.add((device, location) => this.freed(location === undefined || !this.backend.capabilities.gpuMemory ? undefined : this.queueOf(location, device)));
+    freedSignal.listeners.add((device, location) => this.freed(location === undefined || !this.backend.capabilities.gpuMemory ? undefined : this.queueOf(location, device)));
   }
 
   /**
@@ -288,7 +296,7 @@ export class Referee {
   /** Every allocation made, or none: rolled back (descriptors closed, memory released) when one cannot be made. */
   private async attempt(head: Waiting): Promise<'answered' | 'no memory'> {
     // Frees the stock holds back for a quiet moment go now: this request is waiting for memory.
-    this.backend.hurry?.();
+    void this.freedSignal.settle();
     const made: Exported[] = [];
     try {
       for (const size of head.args.sizes) {

@@ -146,12 +146,16 @@ export class UidBudgets {
    * @throws RpcError RESOURCE_EXHAUSTED BUDGET_EXCEEDED naming the first budget it does not fit
    */
   take(owner: bigint, costs: Costs): Charge | undefined {
-    const uid = this.uidOf(owner);
-    if (uid === undefined) return undefined;
-    const entries = this.entries(uid, costs);
-    for (const [budget, holder, amount] of entries) if (!budget.fits(holder, amount)) throw budget.refusal(holder, budget.usedBy(holder), amount);
-    for (const [budget, holder, amount] of entries) budget.take(holder, amount);
-    return new Charge(entries);
+    return this.count(owner, costs, false);
+  }
+
+  /**
+   * take(), counted past the limits where it does not fit: for what the owner
+   * holds already and cannot be refused (a detached store it keeps open). Its
+   * uid's next requests are refused until it is back under.
+   */
+  takeAnyway(owner: bigint, costs: Costs): Charge | undefined {
+    return this.count(owner, costs, true);
   }
 
   /**
@@ -161,7 +165,16 @@ export class UidBudgets {
    */
   restore(uid: number, costs: Costs): Charge {
     const entries = this.entries(uid, costs);
-    for (const [budget, holder, amount] of entries) budget.take(holder, amount);
+    for (const [budget, holder, amount] of entries) budget.take(holder, amount, true);
+    return new Charge(entries);
+  }
+
+  private count(owner: bigint, costs: Costs, anyway: boolean): Charge | undefined {
+    const uid = this.uidOf(owner);
+    if (uid === undefined) return undefined;
+    const entries = this.entries(uid, costs);
+    if (!anyway) for (const [budget, holder, amount] of entries) if (!budget.fits(holder, amount)) throw budget.refusal(holder, budget.usedBy(holder), amount);
+    for (const [budget, holder, amount] of entries) budget.take(holder, amount, anyway);
     return new Charge(entries);
   }
 

@@ -94,6 +94,7 @@ CODES: Dict[str, Tuple[str, str, str]] = {
     "FELL_BEHIND": ("RESOURCE_EXHAUSTED", "daemon", "a store watcher that fell behind the events queued for it"),
     "READER_STALLED": ("RESOURCE_EXHAUSTED", "daemon", "a stream reader that took nothing for --stream-stall-ms"),
     "TRANSFER_NOT_RECEIVED": ("DEADLINE_EXCEEDED", "daemon", "no descriptor arrived for the transfer id within --transfer-wait-ms"),
+    "DEADLINE_PASSED": ("DEADLINE_EXCEEDED", "daemon", "a call whose deadline passed (or that its client cancelled) while it waited for its turn (not run) or while it ran (what it made undone)"),
     "SESSION_CLOSED": ("UNAVAILABLE", "daemon", "the session closed while the call waited for it"),
     "SESSION_SOCKET_FULL": ("UNAVAILABLE", "daemon", "the session socket is full: the client is not reading it"),
     "SESSION_RESUMING": ("UNAVAILABLE", "daemon", "a session token of a session that waits for its client to resume it after a restart: resume it, then call again"),

@@ -288,11 +288,12 @@ export class VirtualMemoryService {
 
   addToServer(server: grpc.Server, proto: VmmdProto, deps: HandlerDeps): void {
     server.addService(proto.vmmd.v1.VirtualMemory.service, {
-      Reserve: unary(deps, 'Reserve', (r: ReserveRequest__Output, c) => this.reserve(r, c)),
+      // What Reserve, Create, Map and Import made is undone when their answer can reach nobody (handler.ts).
+      Reserve: unary(deps, 'Reserve', (r: ReserveRequest__Output, c) => this.reserve(r, c), (made, c) => this.registry.freeAddress(c.caller, BigInt(String(made.address)), BigInt(String(made.size)))),
       FreeAddress: unary(deps, 'FreeAddress', (r: FreeAddressRequest__Output, c) => this.freeAddress(r, c)),
-      Create: unary(deps, 'Create', (r: CreateRequest__Output, c) => this.create(r, c)),
+      Create: unary(deps, 'Create', (r: CreateRequest__Output, c) => this.create(r, c), (made, c) => this.registry.release(c.caller, BigInt(String(made.id)))),
       Release: unary(deps, 'Release', (r: ReleaseRequest__Output, c) => this.release(r, c)),
-      Map: unary(deps, 'Map', (r: MapRequest__Output, c) => this.map(r, c)),
+      Map: unary(deps, 'Map', (r: MapRequest__Output, c) => this.map(r, c), (_made, c, r) => this.registry.unmap(c.caller, u64(r.address), u64(r.size))),
       Unmap: unary(deps, 'Unmap', (r: UnmapRequest__Output, c) => this.unmap(r, c)),
       SetAccess: unary(deps, 'SetAccess', (r: SetAccessRequest__Output, c) => this.setAccess(r, c)),
       GetAccess: unary(deps, 'GetAccess', (r: GetAccessRequest__Output, c) => this.getAccess(r, c)),
@@ -300,7 +301,7 @@ export class VirtualMemoryService {
       Allocate: unary(deps, 'Allocate', (r: CreateRequest__Output, c) => this.allocate(r, c)),
       AllocateAll: unary(deps, 'AllocateAll', (r: AllocateAllRequest__Output, c) => this.allocateAll(r, c)),
       Share: unary(deps, 'Share', (r: ShareRequest__Output, c) => this.share(r, c)),
-      Import: unary(deps, 'Import', (r: ImportRequest__Output, c) => this.import(r, c)),
+      Import: unary(deps, 'Import', (r: ImportRequest__Output, c) => this.import(r, c), (made, c) => this.registry.release(c.caller, BigInt(String(made.id)))),
       GetProperties: unary(deps, 'GetProperties', (r: GetPropertiesRequest__Output, c) => this.getProperties(r, c)),
       RetainHandle: unary(deps, 'RetainHandle', (r: RetainHandleRequest__Output, c) => this.retainHandle(r, c)),
       Read: serverStream(deps, 'Read', (r: ReadRequest__Output, c) => this.read(r, c)),
