@@ -174,9 +174,20 @@ def map_at(fd: int, address: int, size: int, device: int, read_only: bool, host_
 
 
 def _import_and_map(fd: int, at: int, size: int, granularity: int, device: int, read_only: bool, host_numa: Optional[int]) -> int:
+    # In `device`'s context, and the caller's context current again after: Numba's
+    # `with cuda.gpus[n]` pops the context it pushed and checks that it is its own.
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(in_context(device))
+        except BaseException:
+            os.close(fd)
+            raise
+        return _import_and_map_here(fd, at, size, granularity, device, read_only, host_numa)
+
+
+def _import_and_map_here(fd: int, at: int, size: int, granularity: int, device: int, read_only: bool, host_numa: Optional[int]) -> int:
     try:
         cu = driver()
-        ensure_context(device)
         _peers_of(device)  # asked before the mapping starts: nothing to undo if it fails
         result, handle = cu.cuMemImportFromShareableHandle(fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
         check(result, f"cuMemImportFromShareableHandle(fd {fd})")
@@ -265,41 +276,41 @@ def copy_to_device(device: int, address: int, data: memoryview) -> None:
     from .memory import buffer_address
 
     cu = driver()
-    ensure_context(device)
-    # By address: every cuda-bindings version takes an int for a host pointer; `data` stays alive meanwhile.
-    (result,) = cu.cuMemcpyHtoD(address, buffer_address(data), data.nbytes)
-    check(result, f"cuMemcpyHtoD({data.nbytes})")
-    # NOTE: from pageable memory cuMemcpyHtoD returns once the bytes are staged,
-    # before the DMA lands; a caller that unmapped the range then would fault the context.
-    # The copy ran on the legacy default stream: synchronizing that stream waits for it.
-    (result,) = cu.cuStreamSynchronize(cu.CUstream(0))
-    check(result, "cuStreamSynchronize")
+    with in_context(device):
+        # By address: every cuda-bindings version takes an int for a host pointer; `data` stays alive meanwhile.
+        (result,) = cu.cuMemcpyHtoD(address, buffer_address(data), data.nbytes)
+        check(result, f"cuMemcpyHtoD({data.nbytes})")
+        # NOTE: from pageable memory cuMemcpyHtoD returns once the bytes are staged,
+        # before the DMA lands; a caller that unmapped the range then would fault the context.
+        # The copy ran on the legacy default stream: synchronizing that stream waits for it.
+        (result,) = cu.cuStreamSynchronize(cu.CUstream(0))
+        check(result, "cuStreamSynchronize")
 
 
 def copy_from_device(device: int, address: int, length: int) -> bytes:
     cu = driver()
-    ensure_context(device)
     from .memory import buffer_address
 
     out = bytearray(length)
-    (result,) = cu.cuMemcpyDtoH(buffer_address(out) if length else 0, address, length)
-    check(result, f"cuMemcpyDtoH({length})")
+    with in_context(device):
+        (result,) = cu.cuMemcpyDtoH(buffer_address(out) if length else 0, address, length)
+        check(result, f"cuMemcpyDtoH({length})")
     return bytes(out)
 
 
 def synchronize(device: int) -> None:
     cu = driver()
-    ensure_context(device)
-    (result,) = cu.cuCtxSynchronize()
-    check(result, "cuCtxSynchronize")
+    with in_context(device):
+        (result,) = cu.cuCtxSynchronize()
+        check(result, "cuCtxSynchronize")
 
 
 def memory_info(device: int) -> tuple:
     """(free, total) bytes of `device`, as the driver sees them here."""
     cu = driver()
-    ensure_context(device)
-    result, free, total = cu.cuMemGetInfo()
-    check(result, "cuMemGetInfo")
+    with in_context(device):
+        result, free, total = cu.cuMemGetInfo()
+        check(result, "cuMemGetInfo")
     return int(free), int(total)
 
 
