@@ -109,7 +109,9 @@ fi
 #    VMMD_NUMBA_JOBS processes per manager (default 7: 14 of 16 cores), VMMD_NUMBA_MODULE_SECONDS each.
 if want numba; then
 mkdir -p "$out/numba/default" "$out/numba/vmmd"
-modules=$(VMMD_NUMBA_SHARD="${VMMD_NUMBA_SHARD:-1/1}" $PY - <<'PY'
+# VMMD_NUMBA_MODULES names the modules instead (e.g. numba.cuda.tests.cudapy.test_ipc).
+modules=${VMMD_NUMBA_MODULES:-}
+[ -n "$modules" ] || modules=$(VMMD_NUMBA_SHARD="${VMMD_NUMBA_SHARD:-1/1}" $PY - <<'PY'
 import glob, os
 import numba.cuda.tests.cudadrv as drv, numba.cuda.tests.cudapy as py
 names = []
