@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "errors.h"
+#include "fd_passing.h"
 
 namespace vmmd {
 namespace {
@@ -21,24 +22,13 @@ namespace {
 // The kernel's limit on descriptors in one SCM_RIGHTS message (SCM_MAX_FD).
 constexpr size_t kMaxFdsPerDatagram = 253;
 
-socklen_t NotifyAddress(Napi::Env env, const std::string& path, sockaddr_un* address) {
-  std::memset(address, 0, sizeof(*address));
-  address->sun_family = AF_UNIX;
-  if (path.empty() || path.size() >= sizeof(address->sun_path)) {
-    throw ErrnoError(env, ENAMETOOLONG, "socket address '" + path + "'");
-  }
-  std::memcpy(address->sun_path, path.c_str(), path.size());
-  if (path[0] == '@') address->sun_path[0] = '\0';
-  return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + path.size());
-}
-
 // unixDgramConnect(path) -> fd: a datagram socket connected to path, for
 // sending many notifications without a socket each.
 Napi::Value UnixDgramConnect(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   std::string path = info[0].As<Napi::String>().Utf8Value();
   sockaddr_un address;
-  socklen_t length = NotifyAddress(env, path, &address);
+  socklen_t length = DatagramAddress(env, path, &address);
   int sock = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
   if (sock < 0) ThrowErrno(env, "socket(AF_UNIX, SOCK_DGRAM)");
   if (connect(sock, reinterpret_cast<sockaddr*>(&address), length) != 0) {
@@ -70,7 +60,7 @@ Napi::Value UnixDgramSendFds(const Napi::CallbackInfo& info) {
   if (connected) {
     sock = info[0].As<Napi::Number>().Int32Value();
   } else {
-    length = NotifyAddress(env, path, &address);
+    length = DatagramAddress(env, path, &address);
     sock = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     if (sock < 0) ThrowErrno(env, "socket(AF_UNIX, SOCK_DGRAM)");
   }
