@@ -1,7 +1,7 @@
 /**
  * The edges allowed between the source folders, checked by `npm run lint`
  * (part of `npm test`). The daemon is layered top to bottom:
- *   server/main.ts → server/app → server/transport/{grpc,session} → server/stores
+ *   server/main.ts → server/app → server/lifecycle → server/transport/{grpc,session} → server/stores
  *   → server/registry → server/backends → native → common
  * and no file imports one of a layer above it. observability/ is read by every
  * layer (turns, GC pauses, the log limiter); only its metrics read the layers
@@ -25,7 +25,8 @@ module.exports = {
       to: { circular: true },
     },
     layer('app-not-up', '^server/app/', '^server/main\\.ts$'),
-    layer('transport-not-up', '^server/transport/', '^server/(main\\.ts|app/)'),
+    layer('lifecycle-not-up', '^server/lifecycle/', '^server/(main\\.ts|app/)'),
+    layer('transport-not-up', '^server/transport/', '^server/(main\\.ts|app/|lifecycle/)'),
     {
       name: 'transports-apart',
       comment: 'the session transport knows nothing of the gRPC one (what both need lives in server/transport/ itself)',
@@ -33,9 +34,9 @@ module.exports = {
       from: { path: '^server/transport/session/' },
       to: { path: '^server/transport/grpc/' },
     },
-    layer('stores-not-up', '^server/stores/', '^server/(main\\.ts|app/|transport/)'),
-    layer('registry-not-up', '^server/registry/', '^server/(main\\.ts|app/|transport/|stores/)'),
-    layer('backends-not-up', '^server/backends/', '^server/(main\\.ts|app/|transport/|stores/|registry/)'),
+    layer('stores-not-up', '^server/stores/', '^server/(main\\.ts|app/|lifecycle/|transport/)'),
+    layer('registry-not-up', '^server/registry/', '^server/(main\\.ts|app/|lifecycle/|transport/|stores/)'),
+    layer('backends-not-up', '^server/backends/', '^server/(main\\.ts|app/|lifecycle/|transport/|stores/|registry/)'),
     layer('observability-not-up', '^server/observability/(turns|gc-pauses|log-limiter)\\.ts$', '^server/(main\\.ts|app/|transport/|stores/|registry/|backends/)'),
     layer('server-roots-not-up', '^(server/(errors|serial-queue)\\.ts)$', '^server/(?!errors\\.ts$|serial-queue\\.ts$|observability/(turns|gc-pauses|log-limiter)\\.ts$)'),
     layer('native-not-up', '^native/', '^(server|client)/'),

@@ -8,6 +8,7 @@
         "native/src/faults.cc",
         "native/src/host_memory.cc",
         "native/src/fd_passing.cc",
+        "native/src/fd_store.cc",
         "native/src/cuda_driver.cc",
         "native/src/busy_poll.cc",
         "native/src/thread_clock.cc"

@@ -30,6 +30,8 @@ import { VmmdError } from './errors';
 import { LazyServices } from './lazy-services';
 import { StoresApi } from './stores';
 import { VirtualMemoryApi } from './vmm';
+import { MemoryTags, SleepOptions, SleepReport, WakeOptions, WakeReport } from './sleep-wake';
+import { resumeWaitMs } from './resume';
 
 export interface ConnectOptions {
   /** The daemon's socket directory; default VMMD_SOCKET_DIR, then the daemon's own default. */
@@ -50,6 +52,12 @@ export interface ConnectOptions {
    * Costs at most that much CPU per wait. Default VMMD_CLIENT_BUSY_POLL_US, else 200; 0: never spin.
    */
   busyPollMicros?: number;
+  /**
+   * Under a daemon that parks its sessions (restarts without loss), how long, ms, the client tries to
+   * resume its session after the session socket closed without close(): calls wait meanwhile, up to their
+   * deadlines. Default VMMD_RESUME_WAIT_MS, else 30 s; 0: never resume (the session is lost at once).
+   */
+  resumeWaitMs?: number;
 }
 
 export class DevicesApi {
@@ -109,7 +117,10 @@ export type BackendName = 'host' | 'cuda';
 
 /**
  * A connected client: the session (the lease on everything it creates) and
- * the three services. Emits 'session-lost' if the daemon goes away.
+ * the three services. Emits 'session-lost' if the daemon goes away and the
+ * session does not come back; under a daemon that parks its sessions,
+ * 'resuming' when the session socket closed and 'resumed' once the session
+ * is back with everything it owned.
  */
 export class VmmdClient extends EventEmitter {
   private closing = false;
@@ -128,7 +139,9 @@ export class VmmdClient extends EventEmitter {
     private readonly options: ConnectOptions = {},
   ) {
     super();
-    session.on('close', () => {
+    session.on('resuming', () => this.emit('resuming'));
+    session.on('resumed', () => this.emit('resumed'));
+    session.on('close', (why?: VmmdError) => {
       if (this.closing) return;
       this.lost = true;
       this.emit(
@@ -136,7 +149,7 @@ export class VmmdClient extends EventEmitter {
         new VmmdError(
           'SESSION_LOST',
           grpc.status.UNAVAILABLE,
-          `session ${session.id} with vmmd at ${socketDir} ended: the daemon went away; everything the session held in the daemon is gone (memory mapped in this process stays valid); reconnect() opens a new session`,
+          `session ${session.id} with vmmd at ${socketDir} ended: the daemon went away${why === undefined ? '' : ` and the session did not come back (${why.message})`}; everything the session held in the daemon is gone (memory mapped in this process stays valid); reconnect() opens a new session`,
         ),
       );
     });
@@ -144,6 +157,25 @@ export class VmmdClient extends EventEmitter {
 
   /** True once the daemon ended the session without close() (it stopped or crashed). */
   lost = false;
+
+  /** Memory that sleeps and wakes by tag (client/sleep-wake.ts): groups of mappings, memory managers' pools. */
+  readonly tags = new MemoryTags(this);
+
+  /**
+   * Puts the memory tagged `tag` to sleep (docs/CLIENT.md, Sleep and wake).
+   * @throws VmmdError NOT_FOUND NOT_VMMD_MEMORY (no such tag); FAILED_PRECONDITION ASLEEP; the offload's refusals
+   */
+  sleep(tag: string, options: SleepOptions = {}): Promise<SleepReport> {
+    return this.tags.sleep(tag, options);
+  }
+
+  /**
+   * Wakes the memory tagged `tag` at the same addresses.
+   * @throws VmmdError NOT_FOUND NOT_VMMD_MEMORY; RESOURCE_EXHAUSTED OUT_OF_MEMORY (still asleep and intact)
+   */
+  wake(tag: string, options: WakeOptions = {}): Promise<WakeReport> {
+    return this.tags.wake(tag, options);
+  }
 
   /**
    * A new client, on a new session with the daemon at the same socket
@@ -198,7 +230,7 @@ export async function connect(options: ConnectOptions = {}): Promise<VmmdClient>
   }
   const socketDir = options.socketDir ?? defaultSocketDir();
   const paths = socketPaths(socketDir);
-  const session = await ClientSession.open(paths.session, options.connectTimeoutMs ?? 5_000, busyPollBudget(options.busyPollMicros));
+  const session = await ClientSession.open(paths.session, options.connectTimeoutMs ?? 5_000, busyPollBudget(options.busyPollMicros), resumeWaitMs(options.resumeWaitMs));
   // The gRPC clients are made on first use: the session socket serves a worker's hot requests.
   const services = new LazyServices(`unix://${paths.grpc}`);
   const settings: CallSettings = {
@@ -209,6 +241,8 @@ export async function connect(options: ConnectOptions = {}): Promise<VmmdClient>
     },
     deadlineMs: options.deadlineMs ?? 30_000,
   };
+  // Not enumerable: a service API printed or serialised does not take the session (and its bigints) with it.
+  Object.defineProperty(settings, 'session', { value: session, enumerable: false });
   const devices = new DevicesApi(services.client('devices'), settings);
   // How to map the daemon's descriptors is a capability its hello states: memfds, or CUDA handles.
   let backend: BackendName;

@@ -3,6 +3,8 @@
  */
 export { connect, VmmdClient, DevicesApi, AdminApi } from './connection';
 export type { BackendName, ConnectOptions } from './connection';
+export { inspect, VmmdInspector } from './inspect';
+export type { InspectOptions } from './inspect';
 export { VmmdError } from './errors';
 export { CudaImportedMemory, HostImportedMemory, ImportedMemory, mapFabricHandle } from './local-memory';
 export type { CudaSource } from './local-memory';
@@ -30,6 +32,8 @@ export { DEFAULT_POOL, sizeClass } from './emm/pool';
 export type { PoolSettings } from './emm/pool';
 export { VmmdMemoryManager } from './emm/vmmd-manager';
 export type { ManagerStats, VmmdManagerContext } from './emm/vmmd-manager';
+export { MemoryTags, SLEEP_COPIES_IN_FLIGHT, SLEEP_COPY_CHUNK_BYTES, TaggedMemory } from './sleep-wake';
+export type { Sleeper, SleepMode, SleepOptions, SleepReport, WakeOptions, WakeReport } from './sleep-wake';
 export { OpenedStore, StoresApi } from './stores';
 export type { StoreName } from './stores';
 export { AttachedStore, ExternalAllocation, onDeleterError } from './external';

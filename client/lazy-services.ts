@@ -22,6 +22,9 @@ export interface ServiceClients {
   stores: StoresClient;
 }
 
+/** The channel's reconnection backoff (grpc-js's defaults: 1 s first, up to 120 s). */
+const RECONNECT_BACKOFF = { 'grpc.initial_reconnect_backoff_ms': 50, 'grpc.max_reconnect_backoff_ms': 1_000 };
+
 export class LazyServices {
   private made?: ServiceClients;
   private closed = false;
@@ -44,7 +47,8 @@ export class LazyServices {
       const { proto } = loadProtos();
       const credentials = grpc.credentials.createInsecure();
       const v1 = proto.vmmd.v1;
-      const devices = new v1.Devices(this.target, credentials) as unknown as DevicesClient;
+      // A restarted daemon is reached again within a fraction of a second, not after grpc-js's default backoff of seconds.
+      const devices = new v1.Devices(this.target, credentials, RECONNECT_BACKOFF) as unknown as DevicesClient;
       // One channel for all services: grpc-js shares the subchannel when target and options match.
       const channelOverride = devices.getChannel();
       this.made = {
@@ -77,7 +81,8 @@ export class LazyServices {
         }
         const real = this.clients()[service] as unknown as Record<PropertyKey, unknown>;
         const value = real[property];
-        return typeof value === 'function' ? (value as (...args: unknown[]) => unknown).bind(real) : value;
+        // The bound method keeps its path: a resumed call knows which method it is (client/rpc.ts).
+        return typeof value === 'function' ? Object.assign((value as (...args: unknown[]) => unknown).bind(real), { path: (value as { path?: string }).path }) : value;
       },
     });
   }

@@ -39,9 +39,12 @@ export abstract class ImportedMemory implements AsyncDisposable {
   // The unmap may be gathered with others (close({ gather: true })).
   private gather = false;
   private readonly copies = new InFlight();
+  // True between suspend() and resume(): the range is reserved, nothing is mapped in it.
+  private asleep = false;
 
   constructor(
-    readonly allocationId: bigint,
+    /** The daemon's allocation mapped here; a wake (resume()) maps a new one at the same address. */
+    public allocationId: bigint,
     readonly address: bigint,
     readonly size: bigint,
     readonly device: number,
@@ -50,6 +53,60 @@ export abstract class ImportedMemory implements AsyncDisposable {
 
   get isClosed(): boolean {
     return this.closed;
+  }
+
+  /** True while the memory sleeps: its address is kept, nothing is mapped there. */
+  get isAsleep(): boolean {
+    return this.asleep;
+  }
+
+  /**
+   * Unmaps the memory here once every copy started on it has finished, and
+   * keeps its address range reserved (no other mapping of this process gets
+   * it); copies fail ASLEEP until resume(). The allocation itself is the
+   * caller's to release. On cuda the context is synchronized first.
+   * @throws VmmdError FAILED_PRECONDITION CLOSED; the unmap's error (still mapped then)
+   */
+  async suspend(): Promise<void> {
+    this.checkOpen();
+    if (this.asleep) return;
+    if (!this.copies.idle) await this.copies.drain();
+    if (this.view !== undefined) detachView(this.view);
+    this.view = undefined;
+    await this.suspendHere();
+    this.asleep = true;
+  }
+
+  /**
+   * Maps `allocationId`'s memory (a descriptor of the same size, taken over
+   * and closed here) at the address this memory kept while asleep.
+   * @throws VmmdError FAILED_PRECONDITION CLOSED; LOCAL_MAP_FAILED (still asleep then)
+   */
+  async resume(allocationId: bigint, fd: number): Promise<void> {
+    if (this.closed || !this.asleep) {
+      native.close(fd);
+      this.checkOpen();
+      throw new VmmdError('ASLEEP', Status.FAILED_PRECONDITION, `allocation ${this.allocationId} is not asleep here`);
+    }
+    try {
+      await this.resumeHere(fd);
+    } catch (error) {
+      throw localMapFailed(error, this.readOnly);
+    } finally {
+      native.close(fd);
+    }
+    this.allocationId = allocationId;
+    this.asleep = false;
+  }
+
+  /** Unmaps, keeping the range; memory that cannot sleep refuses. */
+  protected suspendHere(): Promise<void> {
+    return Promise.reject(new VmmdError('ASLEEP', Status.FAILED_PRECONDITION, `allocation ${this.allocationId} cannot sleep: it is not a mapping of this process`));
+  }
+
+  /** Maps the descriptor at the kept range (the caller closes fd). */
+  protected resumeHere(_fd: number): Promise<void> {
+    return Promise.reject(new VmmdError('ASLEEP', Status.FAILED_PRECONDITION, `allocation ${this.allocationId} cannot wake: it is not a mapping of this process`));
   }
 
   /**
@@ -135,6 +192,7 @@ export abstract class ImportedMemory implements AsyncDisposable {
 
   protected checkOpen(): void {
     if (this.closed) throw new VmmdError('CLOSED', Status.FAILED_PRECONDITION, `allocation ${this.allocationId} was unmapped here`);
+    if (this.asleep) throw new VmmdError('ASLEEP', Status.FAILED_PRECONDITION, `the memory at 0x${this.address.toString(16)} sleeps: wake its pool first`);
   }
 
   private checkRange(offset: bigint, length: bigint): void {
@@ -177,6 +235,14 @@ export class HostImportedMemory extends ImportedMemory {
 
   protected unmapHere(): Promise<void> {
     return this.unmapView(this.mapping);
+  }
+
+  protected override async suspendHere(): Promise<void> {
+    this.mapping.suspend();
+  }
+
+  protected override async resumeHere(fd: number): Promise<void> {
+    this.mapping.resume(fd, this.readOnly);
   }
 
   // Made on first use: V8 counts an external buffer's bytes as memory pressure,
@@ -238,7 +304,7 @@ export class CudaImportedMemory extends ImportedMemory {
         handle = await native.cudaImportFabric(source.fabric, true);
         mapping = await DeviceMapping.map(device, handle, size, granularity, access);
       }
-      return new CudaImportedMemory(allocationId, mapping, readOnly, hostNuma === undefined ? undefined : mapping.view());
+      return new CudaImportedMemory(allocationId, mapping, readOnly, hostNuma);
     } catch (error) {
       await mapping?.unmap().catch(() => undefined);
       throw localMapFailed(error, readOnly);
@@ -258,14 +324,24 @@ export class CudaImportedMemory extends ImportedMemory {
     allocationId: bigint,
     private readonly mapping: DeviceMapping,
     readOnly: boolean,
-    view: ArrayBuffer | undefined,
+    /** Host memory of this NUMA node, mapped with CPU access too (a view), or undefined. */
+    private readonly hostNuma: number | undefined,
   ) {
     super(allocationId, mapping.address, mapping.size, mapping.device, readOnly);
-    this.view = view;
+    this.view = hostNuma === undefined ? undefined : mapping.view();
   }
 
   protected unmapHere(): Promise<void> {
     return this.unmapView(this.mapping);
+  }
+
+  protected override suspendHere(): Promise<void> {
+    return this.mapping.suspend();
+  }
+
+  protected override async resumeHere(fd: number): Promise<void> {
+    await this.mapping.resume(fd, { readOnly: this.readOnly, hostNuma: this.hostNuma, synchronizeUnmap: true, inline: true });
+    if (this.hostNuma !== undefined) this.view = this.mapping.view();
   }
 
   /** Host-located memory mapped with host access has a CPU view; device memory has none. */

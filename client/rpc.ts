@@ -3,7 +3,7 @@ import * as grpc from '@grpc/grpc-js';
 import { VmmdError } from './errors';
 
 /** A request type whose uint64 fields also take bigint (sent as decimal strings). */
-export type Input<T> = { [K in keyof T]?: T[K] | bigint };
+export type Input<T> = { [K in keyof T]?: T[K] | bigint | (NonNullable<T[K]> extends ReadonlyArray<infer E> ? Array<E | bigint> : never) };
 
 type UnaryMethod<Req, Res> = (
   request: Req,
@@ -22,23 +22,81 @@ export function toWire<T>(value: T): T {
   return value;
 }
 
+/** What a call needs of the session whose token it carries: whether it is coming back after a restart of the daemon. */
+export interface ResumableSession {
+  readonly resumeToken: string | undefined;
+  readonly closed: boolean;
+  readonly isResuming: boolean;
+  /** Resolves once the session serves (or has ended, or at `deadline`). */
+  ready(deadline: number): Promise<void>;
+}
+
 export interface CallSettings {
   metadata: () => grpc.Metadata;
   deadlineMs: number;
+  /** The session: a call waits while it resumes, and one that met the restart is sent again where that is safe. */
+  session?: ResumableSession;
 }
 
-export function unaryCall<Req, Res>(
+/**
+ * The RPCs sent again when they failed UNAVAILABLE because the daemon went
+ * away under them: they change nothing, or change it to the same end however
+ * often they run. The rest (Create, Release, Map, Open…) fail to their caller,
+ * who knows whether doing it twice is right.
+ */
+const SAFE_AGAIN = new Set([
+  'GetStats', 'GetReport', 'ListSessions', 'ListObjects', 'GetVersion', 'ListDevices', 'GetMemoryInfo', 'GetGranularity',
+  'List', 'Read', 'GetAccess', 'GetProperties', 'Share', 'Export', 'SetAccess', 'Fill',
+]);
+
+/** How often a call of SAFE_AGAIN goes again after UNAVAILABLE (each after the session serves again). */
+const SAFE_ATTEMPTS = 3;
+
+/** The method's name, from its path (/vmmd.v1.Devices/ListDevices). */
+function methodName(method: UnaryMethod<unknown, unknown>): string {
+  const path = (method as { path?: unknown }).path;
+  return typeof path === 'string' ? path.slice(path.lastIndexOf('/') + 1) : '';
+}
+
+/**
+ * One unary call. Under a daemon that parks its sessions the call waits while
+ * the session resumes (up to its deadline), and a call the daemon's restart
+ * refused (SESSION_RESUMING, which the daemon answers having done nothing, or
+ * UNAVAILABLE for a method of SAFE_AGAIN) goes again once the session is back.
+ */
+export async function unaryCall<Req, Res>(
   client: grpc.Client,
   method: UnaryMethod<Req, Res>,
   request: Input<Req>,
   settings: CallSettings,
 ): Promise<Res> {
-  return new Promise((resolve, reject) => {
-    method.call(client, toWire(request) as Req, settings.metadata(), { deadline: Date.now() + settings.deadlineMs }, (error, response) => {
-      if (error) reject(VmmdError.fromServiceError(error));
-      else resolve(response as Res);
+  const deadline = Date.now() + settings.deadlineMs;
+  const session = settings.session;
+  const resumable = session !== undefined && session.resumeToken !== undefined;
+  const once = () =>
+    new Promise<Res>((resolve, reject) => {
+      const metadata = settings.metadata();
+      // A session that can resume waits for the daemon's channel rather than failing at once while the daemon restarts.
+      if (resumable && !session.closed) metadata.setOptions({ waitForReady: true });
+      method.call(client, toWire(request) as Req, metadata, { deadline }, (error, response) => {
+        if (error) reject(VmmdError.fromServiceError(error));
+        else resolve(response as Res);
+      });
     });
-  });
+  if (!resumable) return once();
+  await session.ready(deadline);
+  for (let attempt = 0; ; attempt++) {
+    try {
+      return await once();
+    } catch (error) {
+      const failed = error as VmmdError;
+      const again = failed.code === 'SESSION_RESUMING' || (failed.status === grpc.status.UNAVAILABLE && attempt < SAFE_ATTEMPTS && SAFE_AGAIN.has(methodName(method as UnaryMethod<unknown, unknown>)));
+      if (!again || session.closed || Date.now() >= deadline) throw failed;
+      // The session socket may notice the restart a moment after the call did.
+      await new Promise((resolve) => setTimeout(resolve, 20));
+      await session.ready(deadline);
+    }
+  }
 }
 
 /** Largest message a client stream sends. */

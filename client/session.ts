@@ -1,12 +1,14 @@
 /**
  * The client's side of the session socket: the greeting with the session
  * token, descriptors received from the daemon by transfer id, and descriptors
- * sent to it.
+ * sent to it. Under a daemon that parks its sessions, a socket that closes
+ * without close() is resumed (client/resume.ts): requests wait, up to their
+ * deadlines, and go (again) on the new connection.
  */
 import { EventEmitter } from 'node:events';
 import { dirname } from 'node:path';
 import { status as Status } from '@grpc/grpc-js';
-import { type ClientFrame, type DaemonCase, decodeDaemonFrame, encodeClientFrame, isProtocol1, PROTOCOL_VERSION } from '../common/protocol';
+import { type ClientFrame, type DaemonCase, decodeDaemonFrame, encodeClientFrame } from '../common/protocol';
 import type { Capability__Output } from '../generated/vmmd/v1/Capability';
 import type { Location } from '../generated/vmmd/v1/Location';
 import type { ExportResponse__Output } from '../generated/vmmd/v1/ExportResponse';
@@ -24,6 +26,7 @@ import { SeqpacketConnection, SeqpacketMessage } from '../native/seqpacket';
 import { type DeclaredCode, VmmdError } from './errors';
 import { busyPollWhile, DEFAULT_BUSY_POLL_MICROS } from '../native/busy-poll';
 import { flushUnmapsIfIdle } from '../native/mapping';
+import { greeting, resumeConnection } from './resume';
 
 /** The answers that carry a descriptor. */
 const WITH_DESCRIPTOR = new Set<DaemonCase>(['allocated', 'exported', 'opened']);
@@ -41,6 +44,10 @@ interface Answers {
 /** A request frame waiting for its answer. */
 interface PendingRequest {
   answer: keyof Answers;
+  /** The frame, with its request id: sent again, as it was (again: true), on the resumed connection. */
+  frame: ClientFrame;
+  /** Sent again after a resume: the daemon may have done it before it went. */
+  resent: boolean;
   resolve(answer: { message: unknown; fd: number }): void;
   reject(error: Error): void;
   timer: NodeJS.Timeout;
@@ -53,16 +60,27 @@ const UNCLAIMED_TRANSFER_MS = 30_000;
 
 /**
  * One session: the lease on everything this process creates through vmmd.
- * Emits 'close' when the connection ends and 'daemon-error' (SessionError)
- * when the daemon refuses a frame or tells of a failure no request waits for.
+ * Emits 'close' (with the error that ended it, when the daemon did) when the
+ * session ends, 'daemon-error' (SessionError) when the daemon refuses a
+ * frame or tells of a failure no request waits for, and, under a daemon that parks its sessions, 'resuming' when the
+ * socket closed and 'resumed' once the session is back.
  */
 export class ClientSession extends EventEmitter {
   readonly id: string;
   readonly token: string;
+  /** The secret that resumes this session after a restart of the daemon; undefined where the daemon parks nothing. */
+  readonly resumeToken: string | undefined;
+  private connection: SeqpacketConnection;
+  // Invariant: `resuming` is set exactly while the socket is closed and the session tries to come back.
+  private resuming?: Promise<void>;
+  private ended = false;
+  private closedByUs = false;
   /** What the daemon can do, from its hello (session.proto's Capability names): ask these, not a backend's name. */
   readonly capabilities: ReadonlySet<Capability__Output>;
-  // Descriptors the daemon sent, until a call claims them.
-  private readonly inbox = new TransferInbox({
+  // Descriptors the daemon sent, until a call claims them (a resumed session's transfer ids start again: a new inbox).
+  private inbox = this.newInbox();
+  private newInbox(): TransferInbox {
+    return new TransferInbox({
     keepMs: UNCLAIMED_TRANSFER_MS,
     increasing: false,
     close: (fd) => native.close(fd),
@@ -71,21 +89,30 @@ export class ClientSession extends EventEmitter {
       used: (transfer) => new VmmdError('TRANSFER_USED', Status.FAILED_PRECONDITION, `descriptor ${transfer} is already being claimed`),
       closed: () => this.lost(),
     },
-  });
+    });
+  }
   private nextTransfer = 1n;
   // Requests in flight (allocate, release, share, export, open, ping) by request id.
   private readonly requests = new Map<string, PendingRequest>();
   private nextRequest = 1n;
 
   private constructor(
-    private readonly connection: SeqpacketConnection,
+    connection: SeqpacketConnection,
     hello: HelloResponse__Output,
     private readonly busyPollMicros: number,
+    private readonly path: string,
+    private readonly resumeWaitMs: number,
   ) {
     super();
     this.id = hello.session;
     this.token = hello.token;
+    this.resumeToken = hello.resumeToken === '' ? undefined : hello.resumeToken;
     this.capabilities = new Set(hello.capabilities);
+    this.connection = connection;
+    this.attach(connection);
+  }
+
+  private attach(connection: SeqpacketConnection): void {
     connection.on('message', (message: SeqpacketMessage) => this.onMessage(message));
     connection.on('close', () => this.onClose());
     // The session must not keep a finished program alive; pending calls do.
@@ -96,65 +123,50 @@ export class ClientSession extends EventEmitter {
    * Connects, says hello (the protocol it speaks) and waits for the daemon's answer.
    * @param busyPollMicros while a request waits for its answer, the event loop spins this long before each sleep
    *   (native/busy-poll.ts): an answer that comes within it finds the process awake (0: never spin)
+   * @param resumeWaitMs how long a session whose socket closes tries to resume (0: it ends at once)
    * @throws VmmdError UNAVAILABLE DAEMON_UNREACHABLE, BAD_GREETING; DEADLINE_EXCEEDED NO_GREETING; FAILED_PRECONDITION
    *   PROTOCOL_VERSION (a daemon of another session protocol); the daemon's refusal of the session (PERMISSION_DENIED…)
    */
-  static open(path: string, timeoutMs: number, busyPollMicros = DEFAULT_BUSY_POLL_MICROS): Promise<ClientSession> {
+  static async open(path: string, timeoutMs: number, busyPollMicros = DEFAULT_BUSY_POLL_MICROS, resumeWaitMs = 0): Promise<ClientSession> {
     let connection: SeqpacketConnection;
     try {
       connection = SeqpacketConnection.connect(path);
     } catch (error) {
-      return Promise.reject(
-        new VmmdError('DAEMON_UNREACHABLE', Status.UNAVAILABLE, `cannot reach vmmd at ${path}: ${(error as Error).message}; ${whereElse(dirname(path))}`),
-      );
+      throw new VmmdError('DAEMON_UNREACHABLE', Status.UNAVAILABLE, `cannot reach vmmd at ${path}: ${(error as Error).message}; ${whereElse(dirname(path))}`);
     }
-    return new Promise((resolve, reject) => {
-      let settled = false;
-      const fail = (error: VmmdError) => {
-        // Settle first: closing emits 'close', whose handler would settle with a vaguer error.
-        if (settled) return;
-        settled = true;
-        clearTimeout(timer);
-        reject(error);
-        connection.close();
-      };
-      const timer = setTimeout(
-        () => fail(new VmmdError('NO_GREETING', Status.DEADLINE_EXCEEDED, `vmmd at ${path} sent no greeting within ${timeoutMs} ms`)),
-        timeoutMs,
-      );
-      connection.once('close', () => fail(new VmmdError('DAEMON_UNREACHABLE', Status.UNAVAILABLE, `vmmd at ${path} closed the session socket`)));
-      connection.once('message', (message: SeqpacketMessage) => {
-        if (message.fd >= 0) native.close(message.fd);
-        // A daemon of protocol 1 speaks first, in JSON.
-        if (isProtocol1(message.data)) {
-          fail(new VmmdError('PROTOCOL_VERSION', Status.FAILED_PRECONDITION, `vmmd at ${path} speaks session protocol 1; this client speaks ${PROTOCOL_VERSION}: upgrade the daemon`));
-          return;
-        }
-        const frame = decodeDaemonFrame(message.data);
-        if (typeof frame !== 'string' && frame.error != null) {
-          const refused = frame.error;
-          fail(new VmmdError(refused.code as DeclaredCode, refused.status === 0 ? Status.PERMISSION_DENIED : (refused.status as Status), `vmmd refused the session: ${refused.message}`));
-          return;
-        }
-        if (typeof frame === 'string' || frame.hello == null || frame.hello.protocol !== PROTOCOL_VERSION) {
-          fail(new VmmdError('BAD_GREETING', Status.UNAVAILABLE, `vmmd at ${path} greeted with an unexpected frame`));
-          return;
-        }
-        settled = true;
-        clearTimeout(timer);
-        connection.removeAllListeners();
-        resolve(new ClientSession(connection, frame.hello, busyPollMicros));
-      });
-      try {
-        connection.send(encodeClientFrame({ hello: { protocol: PROTOCOL_VERSION } }));
-      } catch {
-        // The daemon refused the session at connect and closed (EPIPE): its refusal, already queued, is read above.
-      }
-    });
+    try {
+      return new ClientSession(connection, await greeting(connection, path, timeoutMs), busyPollMicros, path, resumeWaitMs);
+    } catch (error) {
+      connection.close();
+      throw error;
+    }
   }
 
+  /** True once the session has ended for good (close(), or the daemon went and the session did not come back). */
   get closed(): boolean {
-    return this.connection.isClosed;
+    return this.ended;
+  }
+
+  /** Whether a closed socket would be resumed rather than end the session. */
+  private get mayResume(): boolean {
+    return this.resumeToken !== undefined && this.resumeWaitMs > 0 && !this.closedByUs && !this.ended;
+  }
+
+  /** Whether the session is coming back after its socket closed (requests wait meanwhile). */
+  get isResuming(): boolean {
+    return this.resuming !== undefined;
+  }
+
+  /**
+   * Resolves once the session serves: at once unless it is resuming; then when it is back, or has
+   * ended (the next call says why), or at `deadline` (ms since the epoch), whichever comes first.
+   */
+  async ready(deadline = Infinity): Promise<void> {
+    if (this.resuming === undefined) return;
+    let timer: NodeJS.Timeout | undefined;
+    const late = Number.isFinite(deadline) ? new Promise<void>((resolve) => (timer = setTimeout(resolve, Math.max(0, deadline - Date.now())))) : new Promise<void>(() => undefined);
+    await Promise.race([this.resuming, late]);
+    clearTimeout(timer);
   }
 
   /**
@@ -223,9 +235,9 @@ export class ClientSession extends EventEmitter {
   }
 
   /** Sends a request frame under a new id and waits for its answer `answer` (with a descriptor: fd, else -1). */
-  private request<T extends keyof Answers>(answer: T, frame: ClientFrame, timeoutMs: number, awaited = true): Promise<{ message: Answers[T]; fd: number }> {
+  private request<T extends keyof Answers>(answer: T, body: ClientFrame, timeoutMs: number, awaited = true): Promise<{ message: Answers[T]; fd: number }> {
     const request = String(this.nextRequest++);
-    const what = Object.keys(frame)[0];
+    const what = Object.keys(body)[0];
     const sent = tracing ? traceClock() : 0n;
     return new Promise((resolve, reject) => {
       const spun = busyPollWhile(this.busyPollMicros);
@@ -234,8 +246,11 @@ export class ClientSession extends EventEmitter {
         spun();
         reject(new VmmdError('NO_ANSWER', Status.DEADLINE_EXCEEDED, `the daemon did not answer ${what} request ${request} within ${timeoutMs} ms`));
       }, timeoutMs);
+      const frame: ClientFrame = { ...body, request };
       this.requests.set(request, {
         answer,
+        frame,
+        resent: false,
         resolve: (tracing ? (value) => {
           traceSince(`session:${what}`, sent);
           resolve(value as never);
@@ -244,9 +259,12 @@ export class ClientSession extends EventEmitter {
         timer,
         spun,
       });
+      // While the session resumes, the request waits and goes on the new connection.
+      if (this.resuming !== undefined) return;
       try {
-        this.send({ ...frame, request });
+        this.send(frame);
       } catch (error) {
+        if ((error as VmmdError).code === 'SESSION_RESUMING') return;
         clearTimeout(timer);
         this.requests.delete(request);
         spun();
@@ -256,7 +274,7 @@ export class ClientSession extends EventEmitter {
       // While the answer is on its way this process makes no driver call: its waiting unmaps go now,
       // rather than beside the import and map the answer leads to (the driver serializes them). Never throws.
       // Not for a request nobody waits on yet (an allocation ahead, sent as its caller starts mapping).
-      if (awaited && (frame.allocate !== undefined || frame.open !== undefined)) flushUnmapsIfIdle();
+      if (awaited && (body.allocate !== undefined || body.open !== undefined)) flushUnmapsIfIdle();
     });
   }
 
@@ -269,22 +287,33 @@ export class ClientSession extends EventEmitter {
   }
 
   close(): void {
+    this.closedByUs = true;
     this.connection.close();
+    // A session that was resuming ends here: the socket it had is closed already.
+    if (this.resuming !== undefined) this.end();
   }
 
   private send(frame: ClientFrame, fd = -1): void {
     if (this.closed) throw this.lost();
+    if (this.resuming !== undefined) {
+      throw new VmmdError('SESSION_RESUMING', Status.UNAVAILABLE, `session ${this.id} is resuming after the daemon restarted; call again once it has (await session.ready())`);
+    }
     let sent: boolean;
     try {
       sent = this.connection.send(encodeClientFrame(frame), fd);
     } catch (error) {
+      // The daemon went and the socket's close is not seen yet: a request waits for the session to come back.
+      if (this.mayResume) throw new VmmdError('SESSION_RESUMING', Status.UNAVAILABLE, `session ${this.id} is resuming after the daemon went away`);
       throw new VmmdError('SESSION_LOST', Status.UNAVAILABLE, `the session socket failed: ${(error as Error).message}`);
     }
     if (!sent) throw new VmmdError('SESSION_SOCKET_FULL', Status.UNAVAILABLE, 'the session socket is full; the daemon is not reading');
   }
 
+  // Why the session ended, when the daemon ended it (a resume refused or out of time).
+  private endedBy?: VmmdError;
+
   private lost(): VmmdError {
-    return new VmmdError('SESSION_LOST', Status.UNAVAILABLE, `session ${this.id} with vmmd is closed`);
+    return this.endedBy ?? new VmmdError('SESSION_LOST', Status.UNAVAILABLE, `session ${this.id} with vmmd is closed`);
   }
 
   private onMessage(raw: SeqpacketMessage): void {
@@ -307,6 +336,11 @@ export class ClientSession extends EventEmitter {
         return;
       }
       const refused = frame.error;
+      // A release sent again after a resume, of an allocation the daemon no longer knows: the first one freed it before the daemon went.
+      if (pending.resent && pending.answer === 'released' && refused?.code === 'UNKNOWN_ALLOCATION') {
+        pending.resolve({ message: { allocationId: pending.frame.release!.allocationId, freed: true, handleReferences: 0, mappingCount: 0 }, fd: -1 });
+        return;
+      }
       pending.reject(
         refused != null
           ? new VmmdError(refused.code as DeclaredCode, refused.status as Status, refused.message)
@@ -328,6 +362,63 @@ export class ClientSession extends EventEmitter {
   }
 
   private onClose(): void {
+    if (!this.mayResume) return this.end();
+    this.resuming = this.resume();
+    this.emit('resuming');
+  }
+
+  /** Tries to bring the session back on a new connection; ends it when it cannot. */
+  private async resume(): Promise<void> {
+    let connection: SeqpacketConnection;
+    try {
+      connection = await resumeConnection(this.path, this.id, this.resumeToken!, Date.now() + this.resumeWaitMs);
+    } catch (error) {
+      const why = error as VmmdError;
+      this.endedBy = new VmmdError(
+        'SESSION_LOST',
+        Status.UNAVAILABLE,
+        `session ${this.id} with vmmd could not be resumed after its socket closed (${why.code}: ${why.message}); everything it held in the daemon is gone (memory mapped in this process stays valid)`,
+      );
+      this.resuming = undefined;
+      return this.end();
+    }
+    if (this.closedByUs || this.ended) {
+      connection.close();
+      return;
+    }
+    this.connection = connection;
+    // Descriptors the old connection brought and nobody claimed belong to calls that failed with it.
+    this.inbox.close();
+    this.inbox = this.newInbox();
+    this.attach(connection);
+    this.resuming = undefined;
+    for (const [request, pending] of this.requests) {
+      pending.resent = true;
+      // An allocate the daemon may have made before it went: it answers with that allocation, not a second one.
+      pending.frame = { ...pending.frame, again: true };
+      this.trySendAgain(pending.frame, (error) => {
+        clearTimeout(pending.timer);
+        this.requests.delete(request);
+        pending.spun();
+        pending.reject(error);
+      });
+    }
+    this.emit('resumed');
+  }
+
+  private trySendAgain(frame: ClientFrame, failed: (error: Error) => void): void {
+    try {
+      this.send(frame);
+    } catch (error) {
+      failed(error as Error);
+    }
+  }
+
+  /** The session is over: everything waiting on it fails with why. */
+  private end(): void {
+    if (this.ended) return;
+    this.ended = true;
+    this.resuming = undefined;
     this.inbox.close();
     for (const pending of this.requests.values()) {
       clearTimeout(pending.timer);
@@ -335,6 +426,6 @@ export class ClientSession extends EventEmitter {
       pending.reject(this.lost());
     }
     this.requests.clear();
-    this.emit('close');
+    this.emit('close', this.endedBy);
   }
 }

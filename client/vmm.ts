@@ -6,6 +6,8 @@
  */
 import { traceMark } from '../common/trace';
 import type { Allocation__Output } from '../generated/vmmd/v1/Allocation';
+import type { AllocateAllRequest } from '../generated/vmmd/v1/AllocateAllRequest';
+import type { AllocateAllResponse__Output } from '../generated/vmmd/v1/AllocateAllResponse';
 import type { CreateRequest } from '../generated/vmmd/v1/CreateRequest';
 import type { ExportRequest } from '../generated/vmmd/v1/ExportRequest';
 import type { ExportResponse__Output } from '../generated/vmmd/v1/ExportResponse';
@@ -239,6 +241,40 @@ export class VirtualMemoryApi {
   /** The raw Allocate call: the descriptor waits on the session socket under the returned transfer id. */
   allocateRaw(request: Input<CreateRequest>): Promise<ExportResponse__Output> {
     return unaryCall(this.client, this.client.Allocate, request, this.settings);
+  }
+
+  /**
+   * The raw AllocateAll call: one allocation per size, all or none, served in
+   * the device's turn once the memory is free (waiting up to `deadlineMs`);
+   * each descriptor waits on the session socket under its transfer id.
+   * The call's own deadline is stretched to cover the wait.
+   * @throws VmmdError RESOURCE_EXHAUSTED OUT_OF_MEMORY (not freed in time: nothing was made), BUDGET_EXCEEDED;
+   *   OUT_OF_RANGE TOO_MANY_SIZES, BEYOND_DEVICE, BAD_DEADLINE, UNKNOWN_DEVICE; INVALID_ARGUMENT ZERO_SIZE, NOT_ALIGNED
+   */
+  allocateAllRaw(request: Input<AllocateAllRequest>): Promise<AllocateAllResponse__Output> {
+    const waitMs = Number(request.deadlineMs ?? 0);
+    const settings = { ...this.settings, deadlineMs: this.settings.deadlineMs + (Number.isFinite(waitMs) && waitMs > 0 ? waitMs : 0) };
+    return unaryCall(this.client, this.client.AllocateAll, request, settings);
+  }
+
+  /**
+   * AllocateAll, each allocation mapped into this process (in the order of
+   * `sizes`). When one cannot be claimed or mapped, every one is released
+   * again: the caller gets all of them or none.
+   * @throws VmmdError as allocateAllRaw; TRANSFER_NOT_RECEIVED, NO_CUDA, LOCAL_MAP_FAILED
+   */
+  async allocateAll(request: Input<AllocateAllRequest>, options: { hostAccess?: boolean } = {}): Promise<{ memory: ImportedMemory[]; waitedMs: number }> {
+    const response = await this.allocateAllRaw(request);
+    const memory: ImportedMemory[] = [];
+    try {
+      for (const exported of response.allocations) memory.push(await this.mapExported(exported, false, options.hostAccess ?? false));
+    } catch (error) {
+      await Promise.all(memory.map((mapped) => mapped.close().catch(() => undefined)));
+      // Descriptors not yet claimed are closed unclaimed by the session's inbox.
+      await Promise.all(response.allocations.map((exported) => this.release({ allocationId: exported.allocationId }).catch(() => undefined)));
+      throw error;
+    }
+    return { memory, waitedMs: response.waitedMs };
   }
 
   /** Claims an exported descriptor from the session socket and maps it here. */

@@ -15,6 +15,11 @@ export const DEFAULT_STAGING_BYTES = 32 << 20;
 /** The largest staging buffer the daemon maps. */
 export const MAX_STAGING_BYTES = 1 << 30;
 
+/** The most allocations one AllocateAll asks for (below the daemon's default of unread descriptors per session). */
+export const MAX_ALLOCATE_ALL_SIZES = 256;
+/** The longest an AllocateAll may wait for its memory, in milliseconds. */
+export const MAX_ALLOCATE_ALL_WAIT_MS = 600_000;
+
 /** Each shared constant with its Python name and what it is, in the generated module's order. */
 export const CLIENT_CONSTANTS = {
   PROTOCOL_VERSION: { value: PROTOCOL_VERSION, meaning: 'the session protocol this tree speaks (proto/vmmd/v1/session.proto)' },
@@ -26,4 +31,6 @@ export const CLIENT_CONSTANTS = {
   MAX_STAGING_BYTES: { value: MAX_STAGING_BYTES, meaning: 'the largest staging buffer the daemon maps' },
   DEFAULT_BUSY_POLL_US: { value: DEFAULT_BUSY_POLL_MICROS, meaning: 'how long a caller spins for its answer before it sleeps, in microseconds' },
   DEFAULT_TRANSFER_WAIT_MS: { value: DEFAULT_TRANSFER_WAIT_MS, meaning: 'how long a descriptor sent as a transfer is waited for' },
+  MAX_ALLOCATE_ALL_SIZES: { value: MAX_ALLOCATE_ALL_SIZES, meaning: 'the most allocations one AllocateAll (a wake) asks for' },
+  MAX_ALLOCATE_ALL_WAIT_MS: { value: MAX_ALLOCATE_ALL_WAIT_MS, meaning: 'the longest an AllocateAll may wait for its memory, in milliseconds' },
 } as const;

@@ -20,6 +20,11 @@ export const CLIENT_ENVIRONMENT = {
     default: '200',
     meaning: 'how long a client spins for its answer before it sleeps (0 to 10000; 0: never); `connect({ busyPollMicros })`, `vmmd.connect(busy_poll_us=...)`',
   },
+  VMMD_RESUME_WAIT_MS: {
+    readBy: 'both',
+    default: '30000',
+    meaning: "after the session socket closes under a daemon that parks its sessions, how long a client tries to resume its session (the daemon's `--parked-grace-ms` is how long the daemon waits); `connect({ resumeWaitMs })`, `vmmd.connect(resume_wait_ms=...)`; `0`: never resume",
+  },
   VMMD_MEMORY_MANAGER: {
     readBy: 'typescript',
     default: 'none',

@@ -221,6 +221,20 @@ export const DAEMON_SETTINGS = {
     help: 'before its event loop sleeps, the daemon spins this long for the next message: a round trip with a spinning peer skips two wake-ups (on VMs ~30-70 us each); costs at most that much CPU per wake',
     doc: 'before its event loop sleeps the daemon spins this long for the next message, so that a client\'s request finds it awake; at most that much CPU per wake, none when idle; `0` turns it off ([OPERATIONS.md](OPERATIONS.md#busy-polling---busy-poll-us))',
   },
+  park: {
+    flag: 'park', env: 'VMMD_PARK', placeholder: 'auto|off', type: 'choice', choices: ['auto', 'off'], default: 'auto',
+    help: "keep every allocation's and store's memory and records in the file-descriptor store (systemd's, or vmmd's keeper) so that a restart or a crash loses nothing; auto: wherever NOTIFY_SOCKET names one",
+    doc: "`auto` parks every allocation's descriptor, every store and a journal of their records in the service manager's file-descriptor store whenever `NOTIFY_SOCKET` is set (systemd with `FileDescriptorStoreMax=`, or `vmmd --keeper`), and takes them back at start from `LISTEN_FDS`; `off` parks nothing ([OPERATIONS.md](OPERATIONS.md#restarts-without-loss))",
+  },
+  keeper: {
+    flag: 'keeper', env: 'VMMD_KEEPER', placeholder: 'on|off', type: 'switch', default: false, shown: 'off',
+    help: 'run as the keeper: a small process (no CUDA) that holds the parked descriptors, starts the serving daemon with the same settings, and starts it again after a crash, handing everything back',
+    doc: "runs a keeper of vmmd's own in front of the daemon where no systemd does (Docker, Kubernetes, a shell): it answers the file-descriptor store protocol, starts the serving daemon with the same settings and starts it again, with every parked descriptor, when it exits; SIGTERM to the keeper stops both, and the memory goes ([OPERATIONS.md](OPERATIONS.md#restarts-without-loss))",
+  },
+  parkedGraceMs: {
+    flag: 'parked-grace-ms', env: 'VMMD_PARKED_GRACE_MS', placeholder: 'MS', type: 'integer', default: 30_000, min: 0, max: 3_600_000,
+    help: "after a restart, how long a parked session waits for its client to resume it (its objects its own meanwhile) before it is reclaimed as if it had closed",
+  },
   turnCpu: {
     flag: 'turn-cpu', env: 'VMMD_TURN_CPU', placeholder: 'on|off', type: 'switch', default: true, shown: 'on',
     help: "measure each turn by the event-loop thread's CPU time too, not only by wall clock (on, off; or true, false): two clock system calls a turn, well under 1 us on a GPU host, 1-3 us on a small VM (docs/OPERATIONS.md)",

@@ -69,6 +69,9 @@ export const ERROR_CODES = {
   BEYOND_STAGING: daemon('OUT_OF_RANGE', 'a range past the end of the session\'s staging buffer'),
   BEYOND_STORE: daemon('OUT_OF_RANGE', 'a range past the end of its store'),
   RESERVATION_TOO_LARGE: daemon('OUT_OF_RANGE', 'a reservation larger than the daemon allows'),
+  TOO_MANY_SIZES: daemon('OUT_OF_RANGE', 'an AllocateAll naming more allocations than MAX_ALLOCATE_ALL_SIZES'),
+  BEYOND_DEVICE: daemon('OUT_OF_RANGE', 'an AllocateAll asking for more bytes than its device (or host memory) has in all'),
+  BAD_DEADLINE: daemon('OUT_OF_RANGE', 'an AllocateAll deadline past MAX_ALLOCATE_ALL_WAIT_MS'),
   // Objects that are not there
   UNKNOWN_ALLOCATION: daemon('NOT_FOUND', 'an allocation id that names no live allocation'),
   UNKNOWN_STORE: daemon('NOT_FOUND', 'a store id or name that names no store'),
@@ -105,6 +108,7 @@ export const ERROR_CODES = {
   TCP_SESSION: daemon('UNAUTHENTICATED', 'a session token over TCP, where no session can be'),
   UNKNOWN_SESSION: daemon('UNAUTHENTICATED', 'a session token that names no open session'),
   SESSION_CLOSING: daemon('UNAUTHENTICATED', 'a session token of a session being closed (its reclaim still running)'),
+  RESUME_OF_ANOTHER_UID: session('PERMISSION_DENIED', "a resume token presented by a peer of another uid than the session's"),
   // Limits
   QUOTA_EXCEEDED: daemon('RESOURCE_EXHAUSTED', "an allocation past the uid's or session's quota"),
   DAEMON_MAP_FAILED: daemon('RESOURCE_EXHAUSTED', "the daemon's own mapping of memory failed (its address space or map count): nothing of the client's is at fault"),
@@ -113,11 +117,13 @@ export const ERROR_CODES = {
   READER_STALLED: daemon('RESOURCE_EXHAUSTED', 'a stream reader that took nothing for --stream-stall-ms'),
   // Time and the session
   TRANSFER_NOT_RECEIVED: daemon('DEADLINE_EXCEEDED', 'no descriptor arrived for the transfer id within --transfer-wait-ms'),
+  DEADLINE_PASSED: daemon('DEADLINE_EXCEEDED', 'a call whose deadline passed (or that its client cancelled) while it waited for its turn (not run) or while it ran (what it made undone)'),
   SESSION_CLOSED: daemon('UNAVAILABLE', 'the session closed while the call waited for it'),
   SESSION_SOCKET_FULL: daemon('UNAVAILABLE', "the session socket is full: the client is not reading it"),
+  SESSION_RESUMING: daemon('UNAVAILABLE', 'a session token of a session that waits for its client to resume it after a restart: resume it, then call again'),
 
   // Backend and operating-system codes, mapped as they cross the wire
-  OUT_OF_MEMORY: backend('RESOURCE_EXHAUSTED', "the host backend's capacity is used up"),
+  OUT_OF_MEMORY: backend('RESOURCE_EXHAUSTED', "the host backend's capacity is used up, or an AllocateAll's memory was not freed before its deadline"),
   ENOMEM: backend('RESOURCE_EXHAUSTED', 'the kernel has no memory for the request'),
   EMFILE: backend('RESOURCE_EXHAUSTED', 'the daemon is out of descriptors'),
   ENFILE: backend('RESOURCE_EXHAUSTED', 'the system is out of descriptors'),
@@ -146,6 +152,9 @@ export const ERROR_CODES = {
   NO_DESCRIPTOR: session('INVALID_ARGUMENT', 'a transfer message that carries no descriptor'),
   TOO_MANY_TRANSFERS: session('RESOURCE_EXHAUSTED', 'more unclaimed descriptors than a session or uid may hold'),
   PROTOCOL_VERSION: session('FAILED_PRECONDITION', "a client of another session protocol than the daemon's (the message names the one it needs)"),
+  RESUME_UNKNOWN: session('NOT_FOUND', 'a resume token that names no session waiting for its client (never given, already resumed, or of a daemon that kept no state)'),
+  SESSION_RECLAIMED: session('NOT_FOUND', 'a resume token of a session not resumed within --parked-grace-ms: its objects were reclaimed'),
+  RESUME_DUPLICATE: session('FAILED_PRECONDITION', 'parked records that repeat a session already open or waiting for its client'),
   FREE_FAILED: session('INTERNAL', 'a released allocation whose memory could not be freed yet; the daemon retries'),
 
   // Made by the client libraries themselves
@@ -158,10 +167,14 @@ export const ERROR_CODES = {
   FORKED: client('FAILED_PRECONDITION', "a session used in a child of the process that opened it"),
   CLIENT_CLOSED: client('FAILED_PRECONDITION', 'a call on a closed client'),
   CLOSED: client('FAILED_PRECONDITION', 'a call on closed memory'),
+  ASLEEP: client('FAILED_PRECONDITION', 'memory or a pool used while asleep (its ranges reserved, nothing mapped: a copy into or out of it, an allocation), or a sleep or wake of a pool not in the state it needs'),
   CONTEXT_CLOSED: client('FAILED_PRECONDITION', 'a call on a closed context'),
   POOL_CLOSED: client('FAILED_PRECONDITION', 'a call on a closed pool'),
   ALREADY_FREED: client('FAILED_PRECONDITION', 'a device array freed twice'),
   DOUBLE_FREE: client('FAILED_PRECONDITION', 'a pool block freed twice'),
+  NOT_ASLEEP: client('FAILED_PRECONDITION', 'a wake or resume of memory or a tag that is not asleep'),
+  BAD_SLEEP_MODE: client('INVALID_ARGUMENT', "a sleep mode other than 'offload' or 'discard', or a sleep level other than 1 or 2"),
+  BAD_TAG: client('INVALID_ARGUMENT', 'a sleep tag that is not a non-empty string'),
   BAD_OPTION: client('INVALID_ARGUMENT', 'a connect() option out of its range'),
   BAD_STAGING_SIZE: client('INVALID_ARGUMENT', 'a staging size that is not 0 or a positive multiple of twice the page size'),
   BAD_CONFIG: client('INVALID_ARGUMENT', 'a context or pool setting out of its range'),

@@ -122,6 +122,16 @@ export interface Addon {
   unixDgramSend(path: string, data: Buffer): void;
   /** A bound, non-blocking datagram socket (read it with seqpacketRecv). */
   unixDgramBind(path: string): number;
+  /** A datagram socket connected to a path ('@name': abstract), to send many notifications on. */
+  unixDgramConnect(path: string): number;
+  /** One datagram with up to 253 descriptors (SCM_RIGHTS) to a path or on a connected socket, as sd_pid_notify_with_fds sends to NOTIFY_SOCKET. */
+  unixDgramSendFds(target: string | number, data: Buffer, fds: number[]): void;
+  /** One datagram and every descriptor it carried (close-on-exec); null when nothing waits. */
+  unixDgramRecvFds(fd: number, maxLength: number): { data: Buffer; fds: number[]; truncated: boolean } | null;
+  /** An empty, growable, owner-only memfd (the parked state's journal). */
+  stateMemfdCreate(name: string): number;
+  /** Sets or clears FD_CLOEXEC. */
+  setCloseOnExec(fd: number, on: boolean): void;
   Poller: new (fd: number, callback: (status: number, events: number) => void) => Poller;
   /** Spin up to this long before each sleep of this thread's event loop, 0: never (native/busy-poll.ts is the policy). */
   busyPoll(microseconds: number): void;

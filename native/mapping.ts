@@ -203,6 +203,32 @@ export class HostMapping {
   }
 
   /**
+   * Unmaps the pages but keeps the range (inaccessible, reserved): what a
+   * sleeping mapping holds. resume() maps memory there again.
+   * @throws the addon's error
+   */
+  suspend(): void {
+    if (!this.mapped) return;
+    addon.hostUnmap(this.address, this.size);
+    this.mapped = false;
+  }
+
+  /**
+   * Maps another memfd of the same size at the same address, after suspend().
+   * @throws the addon's error; the range stays reserved and unmapped
+   */
+  resume(fd: number, readOnly: boolean): void {
+    if (this.mapped || !this.reserved) throw new Error(`host mapping at 0x${this.address.toString(16)} is not suspended`);
+    addon.hostMap(this.address, this.size, fd, 0n);
+    try {
+      addon.hostProtect(this.address, this.size, readOnly ? HOST_ACCESS.READ : HOST_ACCESS.READWRITE);
+    } catch (error) {
+      rollBackNow(error, [() => addon.hostUnmap(this.address, this.size)]);
+    }
+    this.mapped = true;
+  }
+
+  /**
    * Unmaps and gives the address range back to the arena. After a failure
    * the next call resumes at the step that failed; once done, a call does nothing.
    * @throws the addon's error
@@ -323,6 +349,30 @@ export class DeviceMapping {
   /** An ArrayBuffer over the memory: only for host (NUMA) memory mapped with CPU access. */
   view(): ArrayBuffer {
     return addon.hostArrayBuffer(this.address, Number(this.size));
+  }
+
+  /**
+   * Unmaps the memory (synchronizing the context first where the mapping's
+   * unmaps do) but keeps the range reserved: what a sleeping mapping holds.
+   * resume() maps memory there again.
+   * @throws the addon's error
+   */
+  async suspend(): Promise<void> {
+    if (!this.mapped) return;
+    await addon.cudaUnmap(this.device, this.address, this.size, this.synchronizeUnmap);
+    this.mapped = false;
+  }
+
+  /**
+   * Imports a descriptor of memory of the same size and maps it at the same
+   * address, with the access of `access`, after suspend(). The caller keeps `fd`.
+   * @throws the addon's error; the range stays reserved and unmapped
+   */
+  async resume(fd: number, access: DeviceAccess): Promise<void> {
+    if (this.mapped || !this.reserved) throw new Error(`device mapping at 0x${this.address.toString(16)} is not suspended`);
+    const releaseFailed = await addon.cudaImportMap(fd, this.address, this.size, this.device, access.readOnly ? 1 : 3, access.hostNuma ?? -1, peersOf(this.device));
+    this.mapped = true;
+    if (releaseFailed !== undefined) process.emitWarning(`vmmd: releasing the imported handle of the mapping at 0x${this.address.toString(16)} failed (${releaseFailed})`);
   }
 
   /**

@@ -31,6 +31,9 @@ cp build/Release/vmmd_native.node "$stage/vmmd/build/Release/"
 mkdir -p "$stage/vmmd/python" "$stage/vmmd/test/gpu" "$stage/vmmd/bench"
 cp -r python/pyproject.toml python/MANIFEST.in python/README.md python/src python/tests "$stage/vmmd/python/"
 cp -r test/gpu/python "$stage/vmmd/test/gpu/"
+# The Python client of the resume scenario (test/gpu/resume-cuda.test.ts).
+mkdir -p "$stage/vmmd/test/reliability/fixtures"
+cp test/reliability/fixtures/resume_worker.py "$stage/vmmd/test/reliability/fixtures/"
 cp -r bench/python "$stage/vmmd/bench/"
 find "$stage/vmmd/python" "$stage/vmmd/test/gpu/python" "$stage/vmmd/bench/python" \( -name __pycache__ -o -name '*.egg-info' -o -name '*.so' \) -prune -exec rm -rf {} +
 # Production dependencies and jest's runtime; no compiler, no type packages, no linters.

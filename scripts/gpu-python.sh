@@ -2,15 +2,15 @@
 # The Python client on a GPU host, from the bundle that scripts/gpu-bundle.sh made:
 #   1. starts vmmd from the bundle on the cuda backend;
 #   2. the Python GPU tests (test/gpu/python, pytest);
-#   3. Numba's own CUDA tests (cudadrv; cudapy arrays, IPC, CUDA array interface)
-#      with NUMBA_CUDA_MEMORY_MANAGER=default and =vmmd.numba, side by side, and
-#      the difference of their pass sets;
+#   3. Numba's own CUDA tests (the whole cudadrv and cudapy packages, in shards:
+#      VMMD_NUMBA_SHARD) with NUMBA_CUDA_MEMORY_MANAGER=default and =vmmd.numba,
+#      side by side, and the difference of their pass sets;
 #   4. the shared-weights case (8 GiB store, 8 PyTorch openers; a MemPool model;
 #      the copy baseline);
 #   5. the Python benchmarks.
 # Every step logs, has a time limit, and the run goes on after a failure.
 # Usage: scripts/gpu-python.sh [BUNDLE_DIR [OUTPUT_DIR]]   (defaults: .gpu, $OUT or ./gpu-results)
-# VMMD_STEPS picks steps (default "pytest numba weights bench"): two calls of
+# VMMD_STEPS picks steps (default "pytest numba weights bench"; also pools-bench, sleep-bench): two calls of
 # "pytest numba" and "weights bench" each stay well inside a 10-minute limit.
 # VMMD_PYTEST_TARGETS narrows the pytest step (files or node ids), VMMD_PYTEST_SECONDS bounds it (240).
 # Writes OUTPUT_DIR/python/: gpu-python.log (everything), steps.txt, pytest.log,
@@ -102,23 +102,30 @@ if want pytest; then
   step pytest "${VMMD_PYTEST_SECONDS:-240}" $PY -m pytest -p no:cacheprovider -v -s -rs ${VMMD_PYTEST_TARGETS:-test/gpu/python} 2>&1 | tee "$out/pytest.log"
 fi
 
-# 3. Numba's suite, default and vmmd.numba at once, 5 modules at a time each.
+# 3. Numba's suite: the whole cudadrv and cudapy packages, with NUMBA_CUDA_MEMORY_MANAGER=default
+#    and =vmmd.numba at once, each module in its own process. VMMD_NUMBA_SHARD=K/N runs every N-th
+#    module from the K-th (1-based) so that N calls each fit a 10-minute limit; results of several
+#    shards land in the same OUTPUT_DIR/python/numba/ and the comparison covers what is there.
+#    VMMD_NUMBA_JOBS processes per manager (default 7: 14 of 16 cores), VMMD_NUMBA_MODULE_SECONDS each.
 if want numba; then
 mkdir -p "$out/numba/default" "$out/numba/vmmd"
-modules=$($PY - <<'PY'
+# VMMD_NUMBA_MODULES names the modules instead (e.g. numba.cuda.tests.cudapy.test_ipc).
+modules=${VMMD_NUMBA_MODULES:-}
+[ -n "$modules" ] || modules=$(VMMD_NUMBA_SHARD="${VMMD_NUMBA_SHARD:-1/1}" $PY - <<'PY'
 import glob, os
 import numba.cuda.tests.cudadrv as drv, numba.cuda.tests.cudapy as py
-names = [f"numba.cuda.tests.cudadrv.{os.path.basename(p)[:-3]}" for p in sorted(glob.glob(os.path.join(os.path.dirname(drv.__file__), "test_*.py")))]
-for pattern in ("test_array*.py", "test_ipc.py", "test_cuda_array_interface.py"):
-    names += [f"numba.cuda.tests.cudapy.{os.path.basename(p)[:-3]}" for p in sorted(glob.glob(os.path.join(os.path.dirname(py.__file__), pattern)))]
-print(" ".join(names))
+names = []
+for package in (drv, py):
+    names += [f"{package.__name__}.{os.path.basename(p)[:-3]}" for p in sorted(glob.glob(os.path.join(os.path.dirname(package.__file__), "test_*.py")))]
+k, n = (int(x) for x in os.environ["VMMD_NUMBA_SHARD"].split("/"))
+print(" ".join(names[k - 1 :: n]))
 PY
 )
-echo "numba modules: $modules"
-run_suite() { # run_suite MANAGER DIR: every module in its own process, 5 at a time, 150 s each
-  printf '%s\n' $modules | xargs -P 5 -I{} sh -c "touch '$out/numba/$2/{}.started'; NUMBA_CUDA_MEMORY_MANAGER=$1 timeout --kill-after=5 150 $PY test/gpu/python/numba_suite.py '$out/numba/$2/{}.json' {} > '$out/numba/$2/{}.log' 2>&1"
+echo "numba modules (shard ${VMMD_NUMBA_SHARD:-1/1}): $modules"
+run_suite() { # run_suite MANAGER DIR: every module in its own process
+  printf '%s\n' $modules | xargs -P "${VMMD_NUMBA_JOBS:-7}" -I{} sh -c "touch '$out/numba/$2/{}.started'; NUMBA_CUDA_MEMORY_MANAGER=$1 timeout --kill-after=5 ${VMMD_NUMBA_MODULE_SECONDS:-240} $PY test/gpu/python/numba_suite.py '$out/numba/$2/{}.json' {} > '$out/numba/$2/{}.log' 2>&1"
 }
-step numba-suites 240 bash -c "$(declare -f run_suite); modules='$modules'; out='$out'; PY='$PY'; run_suite default default & run_suite vmmd.numba vmmd & wait"
+step numba-suites "${VMMD_NUMBA_SECONDS:-480}" bash -c "$(declare -f run_suite); modules='$modules'; out='$out'; PY='$PY'; run_suite default default & run_suite vmmd.numba vmmd & wait"
 step numba-compare 60 $PY test/gpu/python/compare_numba.py "$out/numba/default" "$out/numba/vmmd" "$out/numba-compare.json"
 fi
 
@@ -128,6 +135,7 @@ want weights && step shared-weights 240 $PY test/gpu/python/shared_weights.py "$
 # 5. Benchmarks.
 want bench && step bench 150 $PY bench/python/bench_python.py "$out/bench-python.json"
 want pools-bench && step pools-bench 240 $PY bench/python/pools_bench.py "$out/pools-bench.json"
+want sleep-bench && step sleep-bench 300 $PY bench/python/sleep_bench.py "$out/sleep-bench.json" --gib "${VMMD_SLEEP_GIB:-16}" --discard-gib "${VMMD_DISCARD_GIB:-64}"
 
 kill "$daemon" 2>/dev/null
 wait "$daemon" 2>/dev/null

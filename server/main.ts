@@ -6,6 +6,7 @@ import { ConfigError, parseCommandLine, USAGE } from './app/config';
 import { Daemon, VERSION } from './app/daemon';
 import { Notifier } from './app/notify';
 import { socketDirFix } from './app/socket-dir';
+import { runKeeper } from './lifecycle/keeper';
 
 export async function main(argv: string[]): Promise<number> {
   let command;
@@ -27,6 +28,7 @@ export async function main(argv: string[]): Promise<number> {
     return 0;
   }
   const log = pino({ level: command.config.logLevel, base: { pid: process.pid } });
+  if (command.config.keeper) return runKeeper(argv, __filename, log);
   if (process.env.npm_lifecycle_event !== undefined) endWithParent();
   // Handlers go in before the sockets exist: a SIGTERM that arrives while the
   // daemon starts stops it cleanly once it has started.

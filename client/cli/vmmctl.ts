@@ -14,6 +14,7 @@ import type { StoreName } from '../stores';
 import { copyFileToMemory, copyMemoryToWriter } from '../pinned-copy';
 import { defaultSocketDir } from '../../common/paths';
 import { checkHealth } from './health';
+import { inspect, VmmdInspector } from '../inspect';
 import { CHUNK, humanBytes, openSource, PartialFile, Progress } from './files';
 
 export { humanBytes };
@@ -53,6 +54,9 @@ type Command =
   | { kind: 'store-load'; name: string; file: string }
   | { kind: 'store-dump'; store: StoreName; file: string }
   | { kind: 'store-rm'; store: StoreName };
+
+/** Commands that only look: they run without a session (server/transport/grpc/access.ts lets any allowed caller inspect). */
+const INSPECTIONS = new Set<Command['kind']>(['devices', 'stats', 'sessions', 'objects', 'report', 'version', 'store-ls']);
 
 /** A store argument: digits are an id, anything else a name. */
 function storeArgument(text: string): StoreName {
@@ -265,11 +269,13 @@ export async function main(argv: string[]): Promise<number> {
     return health.serving ? 0 : 1;
   }
   let client: VmmdClient | undefined;
+  let inspector: VmmdInspector | undefined;
   try {
-    client = await connect({ socketDir: values['socket-dir'] });
+    // Listings go without a session: nothing opened in the daemon, nothing logged there (a health check's vmmctl runs every 30 s).
+    const view = INSPECTIONS.has(command.kind) ? (inspector = await inspect({ socketDir: values['socket-dir'] })) : (client = await connect({ socketDir: values['socket-dir'] }));
     switch (command.kind) {
       case 'devices': {
-        const { devices } = await client.devices.listDevices();
+        const { devices } = await view.devices.listDevices();
         rows(
           devices.map((d) => ({ index: d.index, name: d.name, uuid: d.uuid, total: size(d.totalBytes), free: size(d.freeBytes), granularity: size(d.granularityMinimum) })),
           devices,
@@ -277,13 +283,13 @@ export async function main(argv: string[]): Promise<number> {
         break;
       }
       case 'stats': {
-        const stats = await client.admin.getStats();
+        const stats = await view.admin.getStats();
         const shown = Object.fromEntries(Object.entries(stats).map(([key, value]) => [key, /Bytes$/.test(key) ? size(value as string) : value]));
         out({ text: fields(shown), json: stats });
         break;
       }
       case 'sessions': {
-        const { sessions } = await client.admin.listSessions();
+        const { sessions } = await view.admin.listSessions();
         rows(
           sessions.map((s) => ({
             id: s.id,
@@ -305,12 +311,12 @@ export async function main(argv: string[]): Promise<number> {
       }
       case 'objects': {
         if (command.session !== undefined) {
-          const { sessions } = await client.admin.listSessions();
+          const { sessions } = await view.admin.listSessions();
           if (!sessions.some((s) => BigInt(s.id) === command.session)) {
             throw new VmmdError('UNKNOWN_SESSION', Status.NOT_FOUND, `no open session has id ${command.session} (vmmctl sessions lists them)`);
           }
         }
-        const { objects } = await client.admin.listObjects({ ownerSession: command.session ?? 0n });
+        const { objects } = await view.admin.listObjects({ ownerSession: command.session ?? 0n });
         rows(
           objects.map((o) => ({ ...o, size: size(o.size), address: o.address === '0' ? '' : `0x${BigInt(o.address).toString(16)}` })),
           objects,
@@ -318,32 +324,32 @@ export async function main(argv: string[]): Promise<number> {
         break;
       }
       case 'report':
-        process.stdout.write(`${JSON.stringify(await client.admin.getReport(), null, 2)}\n`);
+        process.stdout.write(`${JSON.stringify(await view.admin.getReport(), null, 2)}\n`);
         break;
       case 'clear-caches': {
-        const cleared = await client.admin.clearCaches();
+        const cleared = await client!.admin.clearCaches();
         out({ text: `closed ${cleared.transfersClosed} unclaimed descriptor(s)`, json: cleared });
         break;
       }
       case 'version': {
-        const version = await client.admin.getVersion();
+        const version = await view.admin.getVersion();
         out({ text: fields({ vmmctl: VERSION, ...version }), json: { vmmctl: VERSION, ...version } });
         break;
       }
       case 'store-load': {
-        const result = await load(client, command.name, command.file, { mutable: values.mutable ?? false, host: values.host ?? false });
+        const result = await load(client!, command.name, command.file, { mutable: values.mutable ?? false, host: values.host ?? false });
         out(result);
         break;
       }
       case 'store-dump': {
-        const result = await dump(client, command.store, command.file);
+        const result = await dump(client!, command.store, command.file);
         // With the bytes on standard output, what was done goes to standard error.
         if (command.file === '-') process.stderr.write(`${json ? JSON.stringify(result.json) : result.text}\n`);
         else out(result);
         break;
       }
       case 'store-ls': {
-        const stores = await client.stores.list();
+        const stores = await view.stores.list();
         rows(
           stores.map((s) => ({
             id: s.id,
@@ -361,7 +367,7 @@ export async function main(argv: string[]): Promise<number> {
         break;
       }
       case 'store-rm': {
-        const store = await client.stores.detach(command.store);
+        const store = await client!.stores.detach(command.store);
         out({
           text: `detached store ${store.id}${store.name ? ` "${store.name}"` : ''}${store.opens > 0 ? `: freed when its ${store.opens} open(s) close` : ''}`,
           json: store,
@@ -378,6 +384,7 @@ export async function main(argv: string[]): Promise<number> {
     return failure.errorCode;
   } finally {
     client?.close();
+    inspector?.close();
   }
 }
 

@@ -18,6 +18,7 @@ import { DEFAULT_DEFERRED_FREE, DeferredFreeSettings } from './deallocations';
 import { IpcHandle, ManagerContext, MappedMemory, MemoryInfo, MemoryPointer, PinnedMemory } from './memory';
 import { noteAllocation } from './plugin';
 import { Chunk, DEFAULT_POOL, Pool, PoolBlock, PoolSettings, sizeClassBytes } from './pool';
+import { Sleeper, SleepOptions, SleepReport, TaggedMemory, WakeOptions, WakeReport } from '../sleep-wake';
 
 export interface VmmdManagerContext extends ManagerContext {
   readonly client: VmmdClient;
@@ -29,6 +30,8 @@ export interface VmmdManagerContext extends ManagerContext {
   readonly unified?: boolean;
   /** Check the pool's invariant after every change (debugging). */
   readonly checks?: boolean;
+  /** Registers the pool under this tag with the client (client.sleep(tag), client.wake(tag)). */
+  readonly tag?: string;
 }
 
 export interface ManagerStats {
@@ -42,7 +45,7 @@ export interface ManagerStats {
 
 const isOutOfMemory = (error: unknown) => error instanceof VmmdError && error.status === Status.RESOURCE_EXHAUSTED;
 
-export class VmmdMemoryManager extends HostOnlyMemoryManager {
+export class VmmdMemoryManager extends HostOnlyMemoryManager implements Sleeper {
   private readonly client: VmmdClient;
   private readonly settings: PoolSettings;
   // Requests up to this many bytes come from the pool (the threshold as a number, for the hot path).
@@ -65,6 +68,8 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   private generation = 0;
   // The local device of the chunks when they are device memory (CUDA mappings), else undefined (host memory).
   private mappedDevice?: number;
+  // While the pool sleeps: the group its chunks and large allocations sleep in (their addresses kept); undefined awake.
+  private sleeping?: TaggedMemory;
   readonly counters = { memalloc: 0, pooled: 0, large: 0, chunksLeased: 0, chunksReturned: 0, frees: 0, outOfMemoryRetries: 0 };
 
   constructor(override readonly context: VmmdManagerContext) {
@@ -76,6 +81,56 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     // Frees carry no stream: a kernel queued before one may still use its block, so a batch of frees waits
     // for the device's work (as cuMemFree does for Numba's own manager) before blocks go back to the pool.
     this.deallocations.beforeBatch = () => (this.mappedDevice === undefined ? Promise.resolve() : native.cudaSynchronize(this.mappedDevice));
+    if (context.tag !== undefined) context.client.tags.register(context.tag, this);
+  }
+
+  get asleep(): boolean {
+    return this.sleeping !== undefined;
+  }
+
+  /**
+   * Puts the pool to sleep: pending frees run and empty chunks go back, then
+   * every chunk and large allocation sleeps at its address (client/sleep-wake.ts).
+   * Blocks stay as they were; memalloc refuses (ASLEEP) until wake(); frees are taken.
+   * @throws VmmdError FAILED_PRECONDITION ASLEEP; the offload's refusals (awake and unchanged then)
+   */
+  async sleep(options: SleepOptions = {}): Promise<SleepReport> {
+    if (this.sleeping !== undefined) throw new VmmdError('ASLEEP', Status.FAILED_PRECONDITION, 'the pool sleeps already');
+    await this.initialize();
+    await this.makeRoom();
+    const group = new TaggedMemory(this.client, this.context.tag ?? 'pool');
+    for (const lease of this.sleepingLeases()) group.add(lease.memory);
+    this.sleeping = group;
+    try {
+      return await group.sleep(options);
+    } catch (error) {
+      this.sleeping = undefined;
+      throw error;
+    }
+  }
+
+  /**
+   * Wakes the pool at the same addresses, all of its memory as one request to the daemon.
+   * @throws VmmdError FAILED_PRECONDITION ASLEEP (awake); RESOURCE_EXHAUSTED OUT_OF_MEMORY (still asleep and intact)
+   */
+  async wake(options: WakeOptions = {}): Promise<WakeReport> {
+    const group = this.sleeping;
+    if (group === undefined) throw new VmmdError('ASLEEP', Status.FAILED_PRECONDITION, 'the pool is awake');
+    const report = await group.wake(options);
+    for (const lease of this.sleepingLeases()) lease.allocationId = lease.memory.allocationId;
+    this.sleeping = undefined;
+    return report;
+  }
+
+  private sleepingLeases(): Lease[] {
+    return [...this.pool.chunks.map((chunk) => chunk.lease), ...this.large.values()];
+  }
+
+  /** Gives a lease back; one that sleeps has no allocation left to release (its offloaded bytes go). */
+  private giveBackLease(lease: Lease): void {
+    const group = this.sleeping;
+    if (group === undefined) return this.leases.giveBack(lease);
+    void group.forget(lease.memory).then((asleep) => (asleep ? this.leases.unmapInBackground(lease.memory) : this.leases.giveBack(lease)));
   }
 
   /** Reads the device's size and granularity once; later calls return at once. */
@@ -101,7 +156,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
    */
   memalloc(size: bigint | number): Promise<MemoryPointer> {
     // The hot path: a block of a chunk already held, with no await and no bigint arithmetic.
-    if (this.granularity !== 0n) {
+    if (this.granularity !== 0n && this.sleeping === undefined) {
       const bytes = Number(size);
       const rounded = sizeClassBytes(bytes);
       if (bytes > 0 && rounded <= this.largeThresholdBytes) {
@@ -118,6 +173,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
 
   private async memallocSlow(bytes: bigint): Promise<MemoryPointer> {
     if (bytes <= 0n) throw new VmmdError('ZERO_SIZE', Status.INVALID_ARGUMENT, `memalloc size ${bytes} must be greater than 0`);
+    if (this.sleeping !== undefined) throw new VmmdError('ASLEEP', Status.FAILED_PRECONDITION, `memalloc of ${bytes} bytes: the pool sleeps; wake it first`);
     await this.initialize();
     this.counters.memalloc++;
     noteAllocation();
@@ -241,9 +297,10 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
     this.pool.chunks.length = 0;
     this.large.clear();
     this.hostLeases.clear();
-    for (const lease of leases) this.leases.giveBack(lease);
+    for (const lease of leases) this.giveBackLease(lease);
     await this.leases.ahead.dropAll();
     await this.leases.settle();
+    this.sleeping = undefined;
   }
 
   /** Runs pending frees and gives empty chunks and allocations held ahead back to the daemon; resolves once their memory is unmapped here. */
@@ -355,7 +412,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
   private async giveBackLarge(generation: number, lease: Lease): Promise<void> {
     if (generation !== this.generation) return;
     this.large.delete(lease.memory.address);
-    this.leases.giveBack(lease);
+    this.giveBackLease(lease);
   }
 
   private async giveBack(generation: number, lease: Lease): Promise<void> {
@@ -369,7 +426,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager {
       if (!chunk.empty) continue;
       this.pool.remove(chunk);
       this.counters.chunksReturned++;
-      this.leases.giveBack(chunk.lease);
+      this.giveBackLease(chunk.lease);
     }
   }
 

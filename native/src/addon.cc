@@ -5,6 +5,7 @@
 #include "cuda_driver.h"
 #include "faults.h"
 #include "fd_passing.h"
+#include "fd_store.h"
 #include "host_memory.h"
 #include "thread_clock.h"
 
@@ -14,6 +15,7 @@ Napi::Object Init(Napi::Env env, Napi::Object exports) {
   vmmd::faults::Init(env, exports);
   vmmd::InitHostMemory(env, exports);
   vmmd::InitFdPassing(env, exports);
+  vmmd::InitFdStore(env, exports);
   vmmd::InitCudaDriver(env, exports);
   vmmd::InitBusyPoll(env, exports);
   vmmd::InitThreadClock(env, exports);

@@ -270,18 +270,6 @@ Napi::Value SeqpacketRecv(const Napi::CallbackInfo& info) {
   return out;
 }
 
-// The address of a datagram socket: a path, or (leading '@') an abstract name, as NOTIFY_SOCKET gives it.
-socklen_t DatagramAddress(Napi::Env env, const std::string& path, sockaddr_un* address) {
-  std::memset(address, 0, sizeof(*address));
-  address->sun_family = AF_UNIX;
-  if (path.empty() || path.size() >= sizeof(address->sun_path)) {
-    throw ErrnoError(env, ENAMETOOLONG, "socket address '" + path + "'");
-  }
-  std::memcpy(address->sun_path, path.c_str(), path.size());
-  if (path[0] == '@') address->sun_path[0] = '\0';
-  return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + path.size());
-}
-
 // unixDgramSend(path, data): one datagram, as sd_notify(3) sends to NOTIFY_SOCKET.
 Napi::Value UnixDgramSend(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
@@ -415,6 +403,17 @@ class Poller : public Napi::ObjectWrap<Poller> {
 };
 
 }  // namespace
+
+socklen_t DatagramAddress(Napi::Env env, const std::string& path, sockaddr_un* address) {
+  std::memset(address, 0, sizeof(*address));
+  address->sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof(address->sun_path)) {
+    throw ErrnoError(env, ENAMETOOLONG, "socket address '" + path + "'");
+  }
+  std::memcpy(address->sun_path, path.c_str(), path.size());
+  if (path[0] == '@') address->sun_path[0] = '\0';
+  return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + path.size());
+}
 
 void InitFdPassing(Napi::Env env, Napi::Object exports) {
   exports.Set("seqpacketListen", Napi::Function::New(env, SeqpacketListen, "seqpacketListen"));

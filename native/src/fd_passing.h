@@ -5,7 +5,15 @@
 #pragma once
 
 #include <napi.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+
+#include <string>
 
 namespace vmmd {
 void InitFdPassing(Napi::Env env, Napi::Object exports);
+
+// The address of a datagram socket: a path, or (leading '@') an abstract name,
+// as NOTIFY_SOCKET gives it; throws ENAMETOOLONG for one that does not fit.
+socklen_t DatagramAddress(Napi::Env env, const std::string& path, sockaddr_un* address);
 }

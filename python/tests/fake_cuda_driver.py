@@ -64,7 +64,7 @@ def build() -> types.ModuleType:
     m.CUmemAccessDesc = CUmemAccessDesc  # type: ignore[attr-defined]
     calls: List[str] = []
     fail: Dict[str, CUresult] = {}
-    live: Dict[str, set] = {"handles": set(), "reservations": set(), "mappings": set()}
+    live: Dict[str, set] = {"handles": set(), "reservations": set(), "mappings": set(), "streams": set()}
     m.calls, m.fail, m.live = calls, fail, live  # type: ignore[attr-defined]
     current = {"context": 0}
     # As the real driver does from pageable memory, cuMemcpyHtoD returns once the bytes are
@@ -254,6 +254,27 @@ def build() -> types.ModuleType:
     def cuMemcpyHtoD(device: int, host: int, count: int) -> Any:
         assert isinstance(device, int) and isinstance(host, int)
         in_flight.append((device, ctypes.string_at(host, count)))
+        return (CUresult.CUDA_SUCCESS,)
+
+    @api
+    def cuStreamCreate(flags: int) -> Any:
+        stream = 0x5000 + len(calls)
+        live["streams"].add(stream)
+        return (CUresult.CUDA_SUCCESS, stream)
+
+    @api
+    def cuStreamDestroy(stream: int) -> Any:
+        live["streams"].remove(stream)
+        return (CUresult.CUDA_SUCCESS,)
+
+    @api
+    def cuMemcpyAsync(target: int, source: int, count: int, stream: int) -> Any:
+        # Both ends must be mapped (device memory, or host memory mapped for the device); the bytes are
+        # read now and land at the stream's synchronization.
+        assert isinstance(target, int) and isinstance(source, int) and stream in live["streams"]
+        for end in (target, source):
+            assert any(address <= end and end + count <= address + size for address, size in live["mappings"]), f"cuMemcpyAsync on unmapped 0x{end:x}"
+        in_flight.append((target, ctypes.string_at(source, count)))
         return (CUresult.CUDA_SUCCESS,)
 
     @api

@@ -51,7 +51,7 @@ def test_one_pure_python_wheel_installs_and_imports_in_a_fresh_venv(tmp_path: An
         names = archive.namelist()
         metadata = archive.read(next(name for name in names if name.endswith("/WHEEL"))).decode()
     assert "Root-Is-Purelib: true" in metadata and not any(name.endswith(".so") for name in names), names
-    assert "vmmd/_torch_allocator.c" in names
+    assert "vmmd/_torch_allocator.c" in names and "vmmd/_cupy_allocator.c" in names
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     installed = subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--disable-pip-version-check", "--retries", "0", wheel], capture_output=True, text=True, timeout=300, env=fresh_env())

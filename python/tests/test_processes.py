@@ -87,11 +87,14 @@ def test_typescript_and_python_clients_share_one_allocation(daemon: Daemon) -> N
                 assert mapped.read(0, 15) == b"typescript-made"
                 mapped.write(0, b"TYPESCRIPT")
             assert node.send(op="peek", handle=other, offset=0, length=15)["text"] == "TYPESCRIPT-made"
-            # A store made in Python, opened in TypeScript, checksummed there.
-            store = client.stores.create_store(allocation_id=memory.allocation_id, name="mixed", read_only=True)
+            # A store made in Python, opened in TypeScript, checksummed there (of memory never shared by key:
+            # a share key's holder gets a writable descriptor, so shared memory cannot be sealed read-only).
+            weights = client.vmm.allocate(2 * MiB)
+            weights.write(0, b"store from python")
+            store = client.stores.create_store(allocation_id=weights.allocation_id, name="mixed", read_only=True)
             opened = node.send(op="storeOpen", name="mixed")
             assert opened["id"] == str(store.id)
-            assert node.send(op="storeChecksum", handle=opened["handle"])["sha256"] == hashlib.sha256(memory.read(0, memory.size)).hexdigest()
+            assert node.send(op="storeChecksum", handle=opened["handle"])["sha256"] == hashlib.sha256(weights.read(0, weights.size)).hexdigest()
             node.send(op="storeClose", handle=opened["handle"])
             memory.close()
     finally:

@@ -1,5 +1,5 @@
 """The Python examples of the README (the client one, run here on the host
-backend) and of docs/PYTHON.md (CuPy and shared weights: they need a GPU and
+backend) and of docs/PYTHON.md (CuPy, shared weights, sleep and wake: they need a GPU and
 run in test/gpu/python); all compile."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def python_examples() -> list:
 
 def test_the_examples_compile_and_the_install_command_is_what_ci_runs() -> None:
     examples = python_examples()
-    assert len(examples) == 3
+    assert len(examples) == 4
     for code in examples:
         compile(code, "README.md or docs/PYTHON.md", "exec")
     section = open(os.path.join(ROOT, "README.md")).read().split("## Quick start: Python")[1]

@@ -143,8 +143,10 @@ def test_release_share_export_and_open_take_the_session_socket_with_the_rules_of
         seen = other.vmm.import_(memory.allocation_id, share_key=key)
         assert seen.read(100, 6) == b"shared"
         seen.close()
-        # Open a store on the socket: the Store message as the RPC gives it.
-        store = owner.stores.create_store(allocation_id=memory.allocation_id, name="py-socket-open", read_only=True)
+        # Open a store on the socket: the Store message as the RPC gives it (of memory never shared by key).
+        unshared = owner.vmm.allocate(2 * MiB)
+        unshared.write(100, b"shared")
+        store = owner.stores.create_store(allocation_id=unshared.allocation_id, name="py-socket-open", read_only=True)
         with pytest.raises(vmmd.VmmdError) as refused:
             other.stores.open("py-socket-open", writable=True)
         assert refused.value.code == "STORE_READ_ONLY"
@@ -161,6 +163,8 @@ def test_release_share_export_and_open_take_the_session_socket_with_the_rules_of
         assert refused.value.code == "NOT_OWNER"
         memory.close()
         owner.stores.detach("py-socket-open")
+        unshared.close()
+        owner.vmm.release(allocation_id=unshared.allocation_id)
         answer = owner.vmm.release(allocation_id=memory.allocation_id)
         assert answer.handle_references == 0
         with pytest.raises(vmmd.VmmdError) as refused:

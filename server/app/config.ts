@@ -89,6 +89,12 @@ export interface DaemonConfig {
   busyPollMicros: number;
   /** Whether each turn is measured by the event-loop thread's CPU time too (two CLOCK_THREAD_CPUTIME_ID reads a turn), not only by wall clock. */
   turnCpu: boolean;
+  /** Park memory and records in the file-descriptor store named by NOTIFY_SOCKET ('off': never). */
+  park: 'auto' | 'off';
+  /** Run as the keeper in front of the serving daemon (server/lifecycle/keeper.ts). */
+  keeper: boolean;
+  /** After a restart, how long a parked session's objects wait for it. */
+  parkedGraceMs: number;
 }
 
 
@@ -374,6 +380,9 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
       shutdownGraceMs: integer('shutdownGraceMs'),
       busyPollMicros: integer('busyPollMicros'),
       turnCpu: read('turnCpu') as boolean,
+      park: text('park') as 'auto' | 'off',
+      keeper: read('keeper') as boolean,
+      parkedGraceMs: integer('parkedGraceMs'),
     },
   };
 }

@@ -18,6 +18,9 @@ import { GrpcUnixListener } from '../transport/grpc/grpc-unix';
 import { TransportBudgets } from '../transport/budgets';
 import { Metrics } from '../observability/metrics';
 import { Quotas } from '../registry/quotas';
+import { AllocationStatistics } from '../registry/statistics';
+import { AllocationBudget } from '../registry/allocation-budget';
+import { BackendSource } from '../registry/source';
 import { derivedLimits, SystemLimits, UidBudgetLimits, UidBudgets } from '../registry/uid-budgets';
 import { Registry } from '../registry';
 import { AdminService } from '../transport/grpc/services/admin';
@@ -38,6 +41,7 @@ import { DEFAULT_SESSION_OPTIONS, SessionManager, SessionOptions } from '../tran
 import { StagingBuffers } from '../stores/staging';
 import { CUDA_STAGING_PINNING } from '../backends/cuda';
 import { isStoreHolder, StoreRegistry } from '../stores/stores';
+import { Lifecycle } from '../lifecycle/lifecycle';
 
 // eslint-disable-next-line @typescript-eslint/no-require-imports -- package.json lies outside the compiled tree
 export const VERSION: string = require('../../../package.json').version;
@@ -111,11 +115,14 @@ export class Daemon {
     private readonly metrics: Metrics,
     private readonly healthServer: grpc.Server,
     private readonly activity: ClientActivity,
+    private readonly lifecycle: Lifecycle,
   ) {}
 
   /** @throws DaemonStartError, BackendUnavailableError, or the socket's error */
   static async start(config: DaemonConfig, log: Logger, sessionOptions: SessionOptions = DEFAULT_SESSION_OPTIONS): Promise<Daemon> {
     const descriptors = raiseDescriptorLimit(log);
+    // The descriptors a file-descriptor store handed back are read first: they sit from fd 3 on.
+    const lifecycle = Lifecycle.fromEnvironment(config.park, process.env, log);
     // The daemon's own turns: each native completion's continuation is one (server/observability/turns.ts),
     // measured by wall clock, and (unless --turn-cpu off) by this thread's CPU time too.
     // With the collector's pauses, which GetStats sets beside its longest turns (started with the admin service).
@@ -144,8 +151,9 @@ export class Daemon {
       maxSessionsPerUid: config.maxSessionsPerUid,
       maxTransfersPerUid: config.maxTransfersPerUid,
       authorize: (peer) => access.refusal(peer),
+      resumable: lifecycle.parks,
     });
-    const quotas = new Quotas({ perUid: config.quotaPerUid, perSession: config.quotaPerSession }, (session) => sessions.uidOf(session), () => backend.hurry?.());
+    const quotas = new Quotas({ perUid: config.quotaPerUid, perSession: config.quotaPerSession }, (session) => sessions.uidOf(session));
     // The daemon's objects (made without a session, or left by an ended one) are acted on by admins' sessions only,
     // besides the daemon itself and store holders on their stores' memory.
     const actsForDaemon = (caller: bigint) => {
@@ -154,9 +162,13 @@ export class Daemon {
       return peer !== undefined && access.isAdmin(peer);
     };
     const budgets = uidBudgets(config, systemLimits(log), (session) => sessions.uidOf(session), log);
-    const registry = new Registry(backend, (upstream) => quotas.around(upstream, (handle, device) => backend.memoryIdentity(handle, device)), actsForDaemon, budgets);
+    // The allocation source, RMM's way: each policy one adaptor around its upstream. Statistics count what the backend
+    // makes and adopts, quotas charge it (SYSMEM stores' memfds too), the lifecycle parks what is made, the per-uid budget counts allocations.
+    const statistics = new AllocationStatistics(new BackendSource(backend));
+    const charged = lifecycle.adapt(quotas.around(statistics, (handle, device) => backend.memoryIdentity(handle, device)));
+    const registry = new Registry(backend, { source: new AllocationBudget(budgets, charged), statistics }, actsForDaemon, budgets);
     // Metrics and GetReport show the registry's budgets and the transport's alike.
-    const everyBudget = () => [...budgets.list(), ...transportBudgets.all()];
+    const everyBudget = () => [...budgets.list(), registry.referee.waitingPerUid, ...transportBudgets.all()];
     const paths = socketPaths(config.socketDir);
     const previousMode = prepareSocketDir(config);
     if (previousMode !== undefined) {
@@ -164,7 +176,7 @@ export class Daemon {
     }
     clearStaleSockets(paths);
 
-    const stores = new StoreRegistry(registry, log, quotas);
+    const stores = new StoreRegistry(registry, log);
     // On cuda the staging buffers are page-locked: staged Read and Write are DMAs of the copy engine, not CPU copies.
     // A client can open staging buffers at will: their warnings are bounded (one per interval, the next saying how many were held back).
     const stagingWarnings = new LogLimiter();
@@ -177,6 +189,8 @@ export class Daemon {
     const undo: Array<() => void> = [];
     try {
       // The session socket's requests go straight to the registry; a closed session's stores and staging go before its objects.
+      // What an earlier process of the daemon parked comes back before anyone can ask for it.
+      await lifecycle.restore({ registry, stores, backend, sessions }, config.parkedGraceMs);
       const metrics = new Metrics(registry, () => sessions, stores, { version: VERSION, backend: backend.name }, turns, everyBudget);
       undo.push(() => metrics.close());
       // Busy polling and the delay sampler run only while a client is connected: an idle daemon sleeps.
@@ -285,7 +299,7 @@ export class Daemon {
         { backend: backend.name, socketDir: config.socketDir, devices: registry.devices.length, version: VERSION },
         'vmmd serving',
       );
-      started = new Daemon(config, backend, registry, sessions, server, unix, log, paths, admin, health, metrics, healthServer, activity);
+      started = new Daemon(config, backend, registry, sessions, server, unix, log, paths, admin, health, metrics, healthServer, activity, lifecycle);
     } finally {
       if (started === undefined) {
         for (const step of undo) step();
@@ -309,7 +323,12 @@ export class Daemon {
     this.server.forceShutdown();
     this.unix.close();
     this.healthServer.forceShutdown();
-    await this.sessions.close();
+    // The parked memory stays for the next start: the sessions' reclaim below frees only this process's hold of it.
+    this.lifecycle.freeze();
+    // Where memory is parked, the sessions are too: their calls in flight finish and are answered, and each
+    // waits for its client in the next daemon (a planned restart, an upgrade); else they end and are reclaimed.
+    if (this.lifecycle.parks) await this.sessions.park();
+    else await this.sessions.close();
     for (const path of [this.paths.grpc, this.paths.session]) fs.rmSync(path, { force: true });
     await this.backend.close();
     this.admin.close();

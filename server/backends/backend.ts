@@ -95,15 +95,21 @@ export interface Backend {
    * backend can (cuda: one job on a driver thread). What the stock refills with.
    */
   createExported(device: number, location: MemLocation, size: bigint): Promise<{ handle: BackendHandle; fd: number }>;
-  /** Frees the handle's last reference (the memory goes once unmapped everywhere); `device` is the memory's. */
-  release(handle: BackendHandle, size: bigint, imported: boolean, device: number): Promise<void>;
   /**
-   * Starts at once whatever frees the backend holds back to run later in a
-   * batch (server/backends/stock.ts holds a session-socket release's free
-   * until the daemon is quiet). Whoever waits for a free calls it first.
-   * Backends that hold nothing back leave it out.
+   * Frees the handle's last reference (the memory goes once unmapped everywhere); `device` is the memory's.
+   * `awaited`: the caller waits for this free (a Release RPC, a reclaim, a rollback). Otherwise nobody
+   * does (a session-socket release, answered before its free), and a backend may hold it back to run
+   * later in a batch (server/backends/stock.ts holds such frees until the daemon is quiet).
    */
-  hurry?(): void;
+  release(handle: BackendHandle, size: bigint, imported: boolean, device: number, awaited?: boolean): Promise<void>;
+  /**
+   * Someone waits for the frees in flight (a request over its quota or out of
+   * memory, a reclaim, the daemon stopping): a backend that holds frees back
+   * lets them go now. Resolves once every release given to the backend before
+   * the call has settled, done or failed (never rejects). Backends that hold
+   * nothing back leave it out.
+   */
+  settleReleases?(): Promise<void>;
   /**
    * One more driver reference to the handle mapped at `address`
    * (cuMemRetainAllocationHandle); returns the handle the driver names.
@@ -125,6 +131,15 @@ export interface Backend {
    * access flags are the importer's) do nothing.
    */
   sealReadOnly(handle: BackendHandle): void;
+  /**
+   * From now on no descriptor of the memory can add seals (host: F_SEAL_SEAL
+   * on the memfd; its growth and shrinking are sealed already): what the
+   * daemon does before a descriptor goes to a session that does not own the
+   * memory, so that no holder can seal it against its owner's writes. The
+   * memory can no longer be sealed read-only afterwards. Backends whose
+   * handles take no seals (cuda) leave it out.
+   */
+  freezeSeals?(handle: BackendHandle): void;
   /**
    * The physical memory a live handle names, as a string equal for every
    * handle of the same memory however it came in (created here, imported
@@ -153,6 +168,15 @@ export interface Backend {
    * @throws an error with code BAD_DESCRIPTOR when the source is not memory of this backend
    */
   importHandle(source: ImportSource, size: bigint): Promise<ImportedHandle>;
+  /**
+   * Takes back memory an earlier daemon process parked (server/lifecycle/):
+   * a descriptor this backend exported, with the size it had. The backend
+   * takes ownership of fd. Unlike importHandle, the memory is the daemon's
+   * own as before (a read-only store's sealed memfd included), not a client's.
+   * Backends without it cannot restart without loss.
+   * @throws an error with code BAD_DESCRIPTOR when fd is not such memory
+   */
+  restoreHandle?(fd: number, size: bigint): Promise<ImportedHandle>;
   /** Copies out of mapped memory, through `device` (which has access to it), into a new Buffer or into `into`. */
   readBytes(address: bigint, length: number, device: number, into?: Buffer): Promise<Buffer>;
   /** Copies into mapped memory, through `device` (which has write access to it). */

@@ -235,6 +235,11 @@ export class CudaBackend implements Backend {
     return addon.cudaExportFabric(device, BigInt(handle));
   }
 
+  /** The parked descriptor is an export of this memory: imported again, it names the same physical memory. */
+  restoreHandle(fd: number, size: bigint): Promise<ImportedHandle> {
+    return this.importHandle({ fd }, size);
+  }
+
   async importHandle(source: ImportSource, size: bigint): Promise<ImportedHandle> {
     let handle: bigint;
     try {

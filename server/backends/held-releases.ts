@@ -10,8 +10,9 @@
  * the daemon's frees held until it stops). Let go, they start
  * RELEASE_START_BATCH a turn, none waiting for another to end (started two
  * at a time instead, under the cuda load test's 32 clients they fell behind
- * and the daemon's heap grew to its cap). Whoever waits for a free calls
- * hurry() (Backend.hurry).
+ * and the daemon's heap grew to its cap). A free someone waits for, or
+ * someone waiting for every free in flight (Backend.release's `awaited`,
+ * Backend.settleReleases), lets them go at once.
  */
 import type { BackendHandle } from './backend';
 
@@ -112,6 +113,17 @@ export class HeldReleases {
       void run.finally(() => this.running.delete(run));
     }
     if (this.letGo.length > 0) this.starting = setImmediate(() => this.startSome(RELEASE_START_BATCH));
+  }
+
+  /**
+   * Lets every release held, let go or running now go (hurry), and resolves
+   * once they have all settled, done or failed.
+   */
+  settle(): Promise<void> {
+    const waiting: Array<Promise<void>> = [...this.held, ...this.letGo].map((release) => release.done);
+    waiting.push(...this.running);
+    this.hurry();
+    return Promise.allSettled(waiting).then(() => undefined);
   }
 
   /** Lets the held releases go now, and those that reach hold() later in this turn. */

@@ -3,7 +3,7 @@
  * API, for machines without a GPU. It is a product feature, not a mock: the
  * daemon's policy runs unchanged on it, and clients map the same pages.
  */
-import { addon, HOST_ACCESS, isNativeError } from '../../native';
+import { addon, HOST_ACCESS, isNativeError, MEMFD_SEALS } from '../../native';
 import {
   AccessGrant,
   Backend,
@@ -194,7 +194,19 @@ export class HostBackend implements Backend {
     } catch (error) {
       // The daemon's memfds take seals: F_SEAL_SEAL was added since, through a descriptor the daemon exported.
       if (!isNativeError(error, 'EPERM')) throw error;
-      throw codedError('MEMORY_SEALED', `the memory cannot be sealed read-only: it was sealed F_SEAL_SEAL through a descriptor of it (${(error as Error).message})`);
+      throw codedError(
+        'MEMORY_SEALED',
+        `the memory cannot be sealed read-only: its seals are frozen (F_SEAL_SEAL), by a client through a descriptor of it or by the daemon when it went writable to a share key's holder (${(error as Error).message})`,
+      );
+    }
+  }
+
+  freezeSeals(handle: BackendHandle): void {
+    try {
+      addon.hostMemfdAddSeals(Number(handle), MEMFD_SEALS.SEAL);
+    } catch (error) {
+      // Frozen already (by the daemon, or by a client through a descriptor of it): what was asked holds.
+      if (!isNativeError(error, 'EPERM')) throw error;
     }
   }
 
@@ -227,6 +239,21 @@ export class HostBackend implements Backend {
       addon.close(fd);
       if (isNativeError(error, 'BAD_DESCRIPTOR') || isNativeError(error, 'OUT_OF_MEMORY')) throw error;
       throw codedError('BAD_DESCRIPTOR', `the descriptor cannot be imported: ${(error as Error).message}`);
+    }
+  }
+
+  async restoreHandle(fd: number, size: bigint): Promise<ImportedHandle> {
+    try {
+      const info = addon.hostFdInfo(fd);
+      if (info.size !== size) throw codedError('BAD_DESCRIPTOR', `the parked memfd holds ${info.size} bytes, not the ${size} its record says`);
+      // Counted as before the restart; not checked against the capacity: it was within it then.
+      const identity = memfdIdentity(info);
+      this.hold(identity, size);
+      this.identities.set(fd, identity);
+      return { handle: fd, size, device: 0, location: { type: 'DEVICE', id: 0 } };
+    } catch (error) {
+      addon.close(fd);
+      throw error;
     }
   }
 

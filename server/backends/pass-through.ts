@@ -30,11 +30,18 @@ export class PassThroughBackend implements Backend {
   exportHandle(handle: BackendHandle, device: number): Promise<number> {
     return this.inner.exportHandle(handle, device);
   }
-  release(handle: BackendHandle, size: bigint, imported: boolean, device: number): Promise<void> {
-    return this.inner.release(handle, size, imported, device);
+  release(handle: BackendHandle, size: bigint, imported: boolean, device: number, awaited?: boolean): Promise<void> {
+    return this.inner.release(handle, size, imported, device, awaited);
   }
-  hurry(): void {
-    this.inner.hurry?.();
+  restoreHandle(fd: number, size: bigint): Promise<ImportedHandle> {
+    if (this.inner.restoreHandle === undefined) throw new Error(`the ${this.inner.name} backend cannot take parked memory back`);
+    return this.inner.restoreHandle(fd, size);
+  }
+  freezeSeals(handle: BackendHandle): void {
+    this.inner.freezeSeals?.(handle);
+  }
+  settleReleases(): Promise<void> {
+    return this.inner.settleReleases?.() ?? Promise.resolve();
   }
   close(): void | Promise<void> {
     return this.inner.close();

@@ -264,22 +264,21 @@ export class StockedBackend extends PassThroughBackend {
     return fd;
   }
 
-  /** Frees the handle, held back until the daemon is quiet (or hurried); resolves once it is freed. */
-  override release(handle: BackendHandle, size: bigint, imported: boolean, device: number): Promise<void> {
+  /** Frees the handle, held back until the daemon is quiet unless `awaited` (then the held ones go with it); resolves once freed. */
+  override release(handle: BackendHandle, size: bigint, imported: boolean, device: number, awaited = false): Promise<void> {
     const fd = this.ready.get(handle);
-    if (fd !== undefined) {
-      this.ready.delete(handle);
-      this.closeDescriptor(fd);
-    }
+    if (fd !== undefined) this.closeDescriptor(fd);
+    this.ready.delete(handle);
     if (this.closed) return this.track(this.releaseNow(handle, size, imported, device));
     const released = this.held.hold(handle, size, imported, device);
     this.refillWhenQuiet();
+    if (awaited) this.held.hurry();
     return released;
   }
 
-  /** Starts the held releases now, and those on their way here within this turn. */
-  override hurry(): void {
-    this.held.hurry();
+  /** Someone waits for the frees in flight: the held ones start now; resolves once every one given so far has settled. */
+  override settleReleases(): Promise<void> {
+    return this.held.settle();
   }
 
   /** Releases held back now. */

@@ -214,6 +214,40 @@ export class Metrics {
       },
     });
     new Gauge({
+      name: 'vmmd_uid_location_bytes',
+      help: 'Bytes of live allocations held by the sessions of each uid, by where the memory lives (DEVICE:n, HOST_NUMA:n): what a sleeping process offloaded to host memory shows here.',
+      labelNames: ['uid', 'location'],
+      registers: [this.registry],
+      collect() {
+        this.reset();
+        const uids = new Map(sessions().list().map((session) => [session.id, session.peer.uid]));
+        for (const allocation of registry.allocations.all()) {
+          const uid = uids.get(allocation.owner);
+          if (uid !== undefined) this.inc({ uid: String(uid), location: `${allocation.location.type}:${allocation.location.id}` }, Number(allocation.size));
+        }
+      },
+    });
+    new Gauge({
+      name: 'vmmd_allocate_all_waiting',
+      help: 'AllocateAll requests (wakes) waiting for their turn or their memory, or being served, by queue (a device, or host memory).',
+      labelNames: ['queue'],
+      registers: [this.registry],
+      collect() {
+        this.reset();
+        for (const [queue, count] of registry.referee.stats().waiting) this.set({ queue }, count);
+      },
+    });
+    new Counter({
+      name: 'vmmd_allocate_all_total',
+      help: 'AllocateAll requests answered since start, by outcome (served; out_of_memory at the deadline; abandoned: its session closed or its call was cancelled while it waited; refused for another rule).',
+      labelNames: ['outcome'],
+      registers: [this.registry],
+      collect() {
+        this.reset();
+        for (const [outcome, count] of registry.referee.stats().outcomes) this.inc({ outcome }, count);
+      },
+    });
+    new Gauge({
       name: 'vmmd_stores',
       help: 'Stores, by target, state and owner kind.',
       labelNames: ['target', 'state', 'owner_kind'],

@@ -6,10 +6,11 @@
  * host) however little memory they hold. A create is counted before the
  * upstream is awaited, an adoption once its memory is there (check and count
  * are one synchronous step either way: concurrent requests never overshoot);
- * the count is given back once the memory is freed.
+ * the count is given back once the memory is freed. A SYSMEM store's memfd
+ * counts as its store (server/stores/stores.ts), not as an allocation.
  */
 import type { BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from '../backends/backend';
-import type { AllocationSource, SourcedAllocation } from './source';
+import type { AllocationSource, HeldMemfd, RestoredMemory, SourcedAllocation } from './source';
 import type { Charge, UidBudgets } from './uid-budgets';
 
 export class AllocationBudget implements AllocationSource {
@@ -42,19 +43,35 @@ export class AllocationBudget implements AllocationSource {
     try {
       charge = this.budgets.take(owner, { allocations: 1 });
     } catch (error) {
-      await this.upstream.release({ owner, handle: imported.handle, size: imported.size, device: imported.device, imported: true });
+      await this.upstream.release({ owner, handle: imported.handle, size: imported.size, device: imported.device, imported: true }, true);
       throw error;
     }
     if (charge !== undefined) this.charges.set(imported.handle, charge);
     return imported;
   }
 
-  async release(allocation: SourcedAllocation): Promise<void> {
+  /** Counted against the uid it counted for before (none: the daemon's, not counted). */
+  async restore(memory: RestoredMemory): Promise<ImportedHandle> {
+    const restored = await this.upstream.restore(memory);
+    const charge = memory.charged === undefined ? undefined : this.budgets.restore(memory.charged.uid, { allocations: 1 });
+    if (charge !== undefined) this.charges.set(restored.handle, charge);
+    return restored;
+  }
+
+  holdClientMemfd(owner: bigint, fd: number, size: bigint): Promise<HeldMemfd> {
+    return this.upstream.holdClientMemfd(owner, fd, size);
+  }
+
+  settle(): Promise<void> {
+    return this.upstream.settle();
+  }
+
+  async release(allocation: SourcedAllocation, awaited: boolean): Promise<void> {
     // Taken out before the upstream frees the handle: a handle number reused at once (a memfd's) must not meet this charge.
     const charge = this.charges.get(allocation.handle);
     this.charges.delete(allocation.handle);
     try {
-      await this.upstream.release(allocation);
+      await this.upstream.release(allocation, awaited);
     } catch (error) {
       // Not freed: still counted, and the next release tries again.
       if (charge !== undefined && !this.charges.has(allocation.handle)) this.charges.set(allocation.handle, charge);

@@ -19,6 +19,7 @@ import {
   IdSequence,
   Ownership,
   ownerName,
+  AllocationObserver,
   Released,
   ReleaseResult,
   shareKeyMatches,
@@ -40,6 +41,8 @@ export class Allocations {
   // Invariant: one promise per free in flight (settled either way), removed once it settles.
   private readonly freeing = new Set<Promise<void>>();
   private readonly retained: RetainedReferences;
+  /** Hears of every allocation's changes (the parked state, server/lifecycle/); none: nobody records them. */
+  observer?: AllocationObserver;
 
   constructor(
     private readonly backend: Backend,
@@ -49,6 +52,11 @@ export class Allocations {
     private readonly ownership: Ownership = new Ownership(),
   ) {
     this.retained = new RetainedReferences(backend);
+  }
+
+  /** Takes in an allocation whole (parked by an earlier daemon process, restored): its id is its own. */
+  insert(record: AllocationRecord): void {
+    this.records.set(record.id, record);
   }
 
   /** Every allocation not freed nor being freed. */
@@ -70,10 +78,7 @@ export class Allocations {
     const info = this.devices.list[device];
     if (args.size === 0n) throw invalidArgument('ZERO_SIZE', 'allocation size must be greater than 0');
     if (!info.handleTypes.includes(args.handleType)) {
-      throw failedPrecondition(
-        'UNSUPPORTED_HANDLE_TYPE',
-        `device ${device} cannot export ${args.handleType} handles (supported: ${info.handleTypes.join(', ')})`,
-      );
+      throw failedPrecondition('UNSUPPORTED_HANDLE_TYPE', `device ${device} cannot export ${args.handleType} handles (supported: ${info.handleTypes.join(', ')})`);
     }
     const granularity = this.backend.granularity(args.location).minimum;
     checkAligned('allocation size', args.size, granularity);
@@ -86,13 +91,11 @@ export class Allocations {
     this.creating.set(caller, waiting.add(pending));
     try {
       const handle = await this.createAfterFrees(caller, device, args.location, args.size, handleTypes);
-      if (!pending.abandoned) return this.add(caller, handle, args.size, device, args.location, handleTypes, false, granularity);
+      if (!pending.abandoned) return this.add(caller, handle, args.size, device, args.location, handleTypes, false, granularity, args.request);
       // Nobody is left to release it: given back through the adaptors (refunded, uncounted) before the refusal.
       let fate = 'the memory was released';
       try {
-        const releasing = this.source.release({ owner: caller, handle, size: args.size, device, imported: false });
-        this.backend.hurry?.();
-        await releasing;
+        await this.source.release({ owner: caller, handle, size: args.size, device, imported: false }, true);
       } catch (error) {
         // Kept in sight rather than lost: the daemon's, with no reference, freed by the next reclaim or Release.
         const orphan = this.add(DAEMON_OWNER, handle, args.size, device, args.location, handleTypes, false, granularity);
@@ -151,9 +154,8 @@ export class Allocations {
    *   PERMISSION_DENIED NOT_OWNER; the free's error
    */
   async release(caller: bigint, allocationId: bigint): Promise<ReleaseResult> {
-    const { result, freeing } = await this.releaseAnswering(caller, allocationId);
-    // Waited for: not held back for a quiet moment.
-    this.backend.hurry?.();
+    // Waited for: the source starts the free now rather than at a quiet moment.
+    const { result, freeing } = await this.retained.run(this.get(allocationId), () => this.releaseStep(caller, allocationId, true));
     await freeing;
     return result;
   }
@@ -168,24 +170,24 @@ export class Allocations {
    * @throws as release, but never the free's error (that is `freeing`'s)
    */
   async releaseAnswering(caller: bigint, allocationId: bigint): Promise<Released> {
-    return this.retained.run(this.get(allocationId), () => this.releaseStep(caller, allocationId));
+    return this.retained.run(this.get(allocationId), () => this.releaseStep(caller, allocationId, false));
   }
 
-  /** releaseAnswering once no drop of the allocation is in flight: synchronous unless a driver reference is dropped. */
-  private releaseStep(caller: bigint, allocationId: bigint): Released | Promise<Released> {
+  /**
+   * releaseAnswering once no drop of the allocation is in flight: synchronous unless a driver reference is dropped.
+   * @param awaited whether the caller waits for the free (AllocationSource.release)
+   */
+  private releaseStep(caller: bigint, allocationId: bigint, awaited: boolean): Released | Promise<Released> {
     const allocation = this.get(allocationId);
     const total = this.referenceCount(allocation);
     if (total === 0 && allocation.mappingCount === 0 && allocation.busy === 0) {
       // Every reference was dropped but freeing failed (a driver error): this Release tries again.
       this.ownership.check(caller, allocation.owner, `allocation ${allocationId}`);
-      const freeing = this.startFree(allocation);
+      const freeing = this.startFree(allocation, awaited);
       return { result: { freed: freeing !== undefined, handleReferences: 0, mappingCount: 0 }, freeing: freeing ?? Promise.resolve() };
     }
     if (total === 0) {
-      throw failedPrecondition(
-        'ALREADY_RELEASED',
-        `allocation ${allocationId} was already released; its memory lives until its ${allocation.mappingCount} mapping(s) are unmapped`,
-      );
+      throw failedPrecondition('ALREADY_RELEASED', `allocation ${allocationId} was already released; its memory lives until its ${allocation.mappingCount} mapping(s) are unmapped`);
     }
     let holder: bigint;
     if (allocation.references.has(caller)) {
@@ -198,7 +200,7 @@ export class Allocations {
       holder = allocation.owner;
     }
     const answer = (): Released => {
-      const freeing = this.startFree(allocation);
+      const freeing = this.startFree(allocation, awaited);
       return {
         result: { freed: freeing !== undefined, handleReferences: this.referenceCount(allocation), mappingCount: allocation.mappingCount },
         freeing: freeing ?? Promise.resolve(),
@@ -250,8 +252,7 @@ export class Allocations {
    * them would never go on.
    */
   async settleFrees(): Promise<void> {
-    this.backend.hurry?.();
-    await Promise.allSettled([...this.freeing]);
+    await Promise.allSettled([this.source.settle(), ...this.freeing]);
   }
 
   /**
@@ -325,13 +326,12 @@ export class Allocations {
       // In an object: a promise returned from then() would be waited for, and the step is over once the free has started.
       const free = () => {
         dropped();
-        return { freeing: this.startFree(allocation) };
+        return { freeing: this.startFree(allocation, true) };
       };
       const drop = held === undefined ? undefined : this.retained.drop(allocation, holder, held);
       return drop === undefined ? free() : drop.then(free);
     });
     if (freeing === undefined) return;
-    this.backend.hurry?.();
     await freeing;
   }
 
@@ -359,6 +359,7 @@ export class Allocations {
     const allocation = this.live(allocationId);
     this.ownership.check(caller, allocation.owner, `allocation ${allocationId}`);
     allocation.shareKey ??= randomBytes(24).toString('base64url');
+    this.observer?.changed(allocation);
     return allocation.shareKey;
   }
 
@@ -372,20 +373,17 @@ export class Allocations {
     const allocation = this.live(args.allocationId);
     if (!this.ownership.mayAct(caller, allocation.owner) && !allocation.references.has(caller)) {
       if (args.shareKey === '') {
-        throw permissionDenied(
-          'NOT_OWNER',
-          `allocation ${allocation.id} belongs to ${ownerName(allocation.owner)}; its owner can Share it and hand you the key`,
-        );
+        throw permissionDenied('NOT_OWNER', `allocation ${allocation.id} belongs to ${ownerName(allocation.owner)}; its owner can Share it and hand you the key`);
       }
       if (!shareKeyMatches(allocation, args.shareKey)) {
         throw permissionDenied('BAD_SHARE_KEY', `the share key does not open allocation ${allocation.id}`);
       }
+      // The holder's descriptor is writable, and a writable descriptor can add seals: frozen first, no holder can seal
+      // the memory against its owner's writes (the owner cannot seal it read-only any more either).
+      if (args.handleType === 'POSIX_FD') this.backend.freezeSeals?.(allocation.handle);
     }
     if (!allocation.handleTypes.includes(args.handleType)) {
-      throw failedPrecondition(
-        'UNSUPPORTED_HANDLE_TYPE',
-        `allocation ${allocation.id} was created for ${allocation.handleTypes.join(', ')} handles, not ${args.handleType}`,
-      );
+      throw failedPrecondition('UNSUPPORTED_HANDLE_TYPE', `allocation ${allocation.id} was created for ${allocation.handleTypes.join(', ')} handles, not ${args.handleType}`);
     }
     allocation.busy++;
     try {
@@ -430,9 +428,8 @@ export class Allocations {
    * and charged, and the next Release or reclaim tries again.
    */
   async freeIfUnused(allocation: AllocationRecord): Promise<boolean> {
-    const freeing = this.startFree(allocation);
+    const freeing = this.startFree(allocation, true);
     if (freeing === undefined) return false;
-    this.backend.hurry?.();
     await freeing;
     return true;
   }
@@ -441,24 +438,27 @@ export class Allocations {
    * Starts freeing an allocation nobody references or maps (undefined when
    * it is in use or already being freed). From this moment it is gone for
    * callers; the returned promise settles with the source's release.
+   * @param awaited whether the caller waits for the free (AllocationSource.release)
    */
-  private startFree(allocation: AllocationRecord): Promise<void> | undefined {
-    if (allocation.freed || allocation.busy > 0 || allocation.mappingCount > 0) return undefined;
-    if (this.referenceCount(allocation) > 0) return undefined;
+  private startFree(allocation: AllocationRecord, awaited: boolean): Promise<void> | undefined {
+    // Every drop of references and change of owner ends here: what is left is recorded, or the end.
+    if (allocation.freed || allocation.busy > 0 || allocation.mappingCount > 0 || this.referenceCount(allocation) > 0) {
+      if (!allocation.freed) this.observer?.changed(allocation);
+      return undefined;
+    }
     allocation.freed = true;
+    this.observer?.gone(allocation);
     const freeing = (async () => {
       try {
-        await this.source.release(allocation);
+        await this.source.release(allocation, awaited);
       } catch (error) {
         allocation.freed = false;
+        this.observer?.changed(allocation);
         throw error;
       }
       this.records.delete(allocation.id);
     })();
-    const settled = freeing.then(
-      () => undefined,
-      () => undefined,
-    );
+    const settled = freeing.then(() => undefined, () => undefined);
     this.freeing.add(settled);
     void settled.then(() => this.freeing.delete(settled));
     return freeing;
@@ -473,8 +473,10 @@ export class Allocations {
     handleTypes: HandleKind[],
     imported: boolean,
     granularity: bigint,
+    request?: string,
   ): AllocationRecord {
     const record: AllocationRecord = {
+      ...(request === undefined ? {} : { request }),
       id: this.ids.take(),
       owner,
       device,
@@ -491,6 +493,7 @@ export class Allocations {
       freed: false,
     };
     this.records.set(record.id, record);
+    this.observer?.changed(record);
     return record;
   }
 }

@@ -27,12 +27,13 @@ export class Budget {
   ) {}
 
   /**
-   * Counts `amount` more against `holder`, or refuses with nothing counted.
+   * Counts `amount` more against `holder`, or refuses with nothing counted;
+   * with `anyway`, counts it past the limit too (something held already, that cannot be refused).
    * @throws RpcError RESOURCE_EXHAUSTED BUDGET_EXCEEDED
    */
-  take(holder: Holder, amount = 1): void {
+  take(holder: Holder, amount = 1, anyway = false): void {
     const now = this.used.get(holder) ?? 0;
-    if (this.limit > 0 && now + amount > this.limit) throw this.refusal(holder, now, amount);
+    if (!anyway && this.limit > 0 && now + amount > this.limit) throw this.refusal(holder, now, amount);
     if (now + amount > 0) this.used.set(holder, now + amount);
   }
 

@@ -14,14 +14,16 @@
  * in one synchronous step before the creation is awaited (or right after
  * the adoption), so concurrent requests never overshoot. Memory being freed
  * stays charged until the backend has freed it; a request over the quota
- * while its holder has such frees in flight waits for them and asks again,
- * so that release-then-allocate at the limit is never refused. Calls without a session
- * (operators) are not limited.
+ * while its holder has such frees in flight waits for them (telling the
+ * source so: a free held back for a quiet moment starts) and asks again,
+ * so that release-then-allocate at the limit is never refused. A client's
+ * memfd a SYSMEM store maps comes through the same adaptor, charged like an
+ * Import. Calls without a session (operators) are not limited.
  */
 import type { BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from '../backends/backend';
 import { resourceExhausted } from '../errors';
 import { DAEMON_OWNER } from './records';
-import type { AllocationSource, SourcedAllocation } from './source';
+import { once, type AllocationSource, type HeldMemfd, type RestoredMemory, type SourcedAllocation } from './source';
 
 export interface QuotaLimits {
   /** 0: no limit. */
@@ -53,13 +55,9 @@ export class Quotas {
   private readonly beingFreed = new Map<QuotaHold, Promise<void>>();
   refusals = 0;
 
-  /**
-   * @param hurry starts at once the frees the backend holds back (Backend.hurry): a hold waiting for frees calls it
-   */
   constructor(
     private readonly limits: QuotaLimits,
     private readonly uidOf: (session: bigint) => number | undefined,
-    private readonly hurry: () => void = () => {},
   ) {}
 
   /** The adaptor that charges these quotas for memory `upstream` creates and adopts. */
@@ -88,9 +86,10 @@ export class Quotas {
    * the memory is really freed, and asks again: a client at its limit that
    * releases and then allocates is never refused for memory on its way out.
    * The check and the charge are one synchronous step, as in hold().
+   * @param settle tells the source someone waits for its frees (AllocationSource.settle); only the holder's own are awaited here
    * @throws RESOURCE_EXHAUSTED QUOTA_EXCEEDED when it is over with no free of its own left in flight
    */
-  async holdAfterFrees(owner: bigint, identity: string | undefined, size: bigint, what = 'requested'): Promise<QuotaHold | undefined> {
+  async holdAfterFrees(owner: bigint, identity: string | undefined, size: bigint, settle: () => Promise<void>, what = 'requested'): Promise<QuotaHold | undefined> {
     for (;;) {
       const refusal = this.refusal(owner, identity, size, what);
       if (refusal === undefined) return this.take(owner, identity, size);
@@ -99,9 +98,22 @@ export class Quotas {
         this.refusals++;
         throw refusal.error;
       }
-      this.hurry();
+      // Not awaited: every free in flight may take longer than the holder's own (settle never rejects).
+      void settle();
       await Promise.all(own.map(([, settled]) => settled));
     }
+  }
+
+  /**
+   * A hold of memory an earlier daemon process charged (parked, now taken
+   * back): charged again to the same session and uid, never refused.
+   */
+  restore(session: bigint, uid: number, identity: string, size: bigint): QuotaHold {
+    if (!this.sessionHolds.has(`${identity}|${session}`)) this.add(this.bySession, session, size);
+    if (!this.uidHolds.has(`${identity}|${uid}`)) this.add(this.byUid, uid, size);
+    const hold: QuotaHold = { session, uid, size };
+    this.name(hold, identity, false);
+    return hold;
   }
 
   /** Marks a hold whose memory is being freed until `free` settles: holds refused meanwhile wait for it. */
@@ -204,7 +216,7 @@ class QuotaAdaptor implements AllocationSource {
   async create(owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
     // Charged before the create's await: creates in flight at once are all counted, so none escapes the quota.
     // Over the quota, it waits first for the owner's frees in flight (still charged) and asks again.
-    const hold = await this.quotas.holdAfterFrees(owner, undefined, size);
+    const hold = await this.quotas.holdAfterFrees(owner, undefined, size, this.settleUpstream);
     let handle: BackendHandle;
     try {
       handle = await this.upstream.create(owner, device, location, size, handleTypes);
@@ -224,21 +236,54 @@ class QuotaAdaptor implements AllocationSource {
     const imported = await this.upstream.adopt(owner, source, size);
     let hold: QuotaHold | undefined;
     try {
-      hold = await this.quotas.holdAfterFrees(owner, this.identify(imported.handle, imported.device), imported.size, 'importing');
+      hold = await this.quotas.holdAfterFrees(owner, this.identify(imported.handle, imported.device), imported.size, this.settleUpstream, 'importing');
     } catch (error) {
-      await this.upstream.release({ owner, handle: imported.handle, size: imported.size, device: imported.device, imported: true });
+      await this.upstream.release({ owner, handle: imported.handle, size: imported.size, device: imported.device, imported: true }, true);
       throw error;
     }
     if (hold !== undefined) this.holds.set(imported.handle, hold);
     return imported;
   }
 
-  async release(allocation: SourcedAllocation): Promise<void> {
+  async restore(memory: RestoredMemory): Promise<ImportedHandle> {
+    const restored = await this.upstream.restore(memory);
+    if (memory.charged !== undefined) {
+      this.holds.set(restored.handle, this.quotas.restore(memory.charged.session, memory.charged.uid, this.identify(restored.handle, restored.device), restored.size));
+    }
+    return restored;
+  }
+
+  /** Charged by the memfd's size once the backend holds it, as an adoption is; refused, the backend's hold goes again. */
+  async holdClientMemfd(owner: bigint, fd: number, size: bigint): Promise<HeldMemfd> {
+    const held = await this.upstream.holdClientMemfd(owner, fd, size);
+    let hold: QuotaHold | undefined;
+    try {
+      hold = await this.quotas.holdAfterFrees(owner, held.identity, size, this.settleUpstream, 'attaching');
+    } catch (error) {
+      held.release();
+      throw error;
+    }
+    return {
+      identity: held.identity,
+      release: once(() => {
+        if (hold !== undefined) this.quotas.release(hold);
+        held.release();
+      }),
+    };
+  }
+
+  settle(): Promise<void> {
+    return this.upstream.settle();
+  }
+
+  private readonly settleUpstream = () => this.upstream.settle();
+
+  async release(allocation: SourcedAllocation, awaited: boolean): Promise<void> {
     // Taken out before the upstream frees the handle: a handle number the
     // backend reuses at once (a memfd's) must not meet this hold.
     const hold = this.holds.get(allocation.handle);
     this.holds.delete(allocation.handle);
-    const release = this.upstream.release(allocation);
+    const release = this.upstream.release(allocation, awaited);
     // Still charged until it is freed: a hold refused meanwhile waits for this free.
     if (hold !== undefined) this.quotas.freeing(hold, release);
     try {

@@ -53,6 +53,8 @@ export interface AllocationRecord {
   // Operations in flight that use the handle (export); freeing waits for them.
   busy: number;
   shareKey?: string;
+  /** The session request that made it (CreateArgs.request), parked with it. */
+  request?: string;
   /** The read-only store made of it, if any: from then on nothing writes it through the daemon (for good, as the host's seal). */
   readOnlyStore?: bigint;
   freed: boolean;
@@ -79,6 +81,8 @@ export interface CreateArgs {
   size: bigint;
   location: MemLocation;
   handleType: HandleKind;
+  /** The session request that asks for it (an allocate message's id): the same request sent again after a restart finds it. */
+  request?: string;
 }
 
 export interface MapArgs {
@@ -127,6 +131,25 @@ export class IdSequence {
   take(): bigint {
     return this.next++;
   }
+  /** The id the next take() returns. */
+  peek(): bigint {
+    return this.next;
+  }
+  /** Skips ids an earlier daemon process gave out (the parked state's next id). */
+  advanceTo(next: bigint): void {
+    if (next > this.next) this.next = next;
+  }
+}
+
+/**
+ * Hears of every allocation's changes, synchronously, before the answer that
+ * reports them (the parked state: server/lifecycle/). A change is a new
+ * allocation, a reference dropped, a new owner, a share key.
+ */
+export interface AllocationObserver {
+  changed(allocation: AllocationRecord): void;
+  /** Its free has begun: it is gone for callers. */
+  gone(allocation: AllocationRecord): void;
 }
 
 export const hex = (value: bigint) => `0x${value.toString(16)}`;

@@ -2,10 +2,10 @@
  * Statistics: an adaptor around the allocation source that counts live
  * allocations and their bytes (created and adopted, in total and per device)
  * as they come and go, so that Admin's stats and GetMemoryInfo never walk
- * the registry.
+ * the registry. A SYSMEM store's memfd is the store's, not an allocation: not counted here.
  */
 import type { BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from '../backends/backend';
-import type { AllocationSource, SourcedAllocation } from './source';
+import type { AllocationSource, HeldMemfd, RestoredMemory, SourcedAllocation } from './source';
 
 export interface AllocationTotals {
   allocations: number;
@@ -36,6 +36,12 @@ export class AllocationStatistics implements AllocationSource {
     return imported;
   }
 
+  async restore(memory: RestoredMemory): Promise<ImportedHandle> {
+    const restored = await this.upstream.restore(memory);
+    this.count(restored.device, restored.size, memory.imported, 1);
+    return restored;
+  }
+
   /**
    * Uncounted when its free starts, as the registry forgets it then (a
    * session-socket release is answered, and the stock may hold the free a
@@ -43,10 +49,18 @@ export class AllocationStatistics implements AllocationSource {
    * The device's own free bytes (GetMemoryInfo) and the quotas still see
    * the memory until it is freed.
    */
-  async release(allocation: SourcedAllocation): Promise<void> {
+  holdClientMemfd(owner: bigint, fd: number, size: bigint): Promise<HeldMemfd> {
+    return this.upstream.holdClientMemfd(owner, fd, size);
+  }
+
+  settle(): Promise<void> {
+    return this.upstream.settle();
+  }
+
+  async release(allocation: SourcedAllocation, awaited: boolean): Promise<void> {
     this.count(allocation.device, allocation.size, allocation.imported, -1);
     try {
-      await this.upstream.release(allocation);
+      await this.upstream.release(allocation, awaited);
     } catch (error) {
       this.count(allocation.device, allocation.size, allocation.imported, 1);
       throw error;

@@ -121,7 +121,8 @@ export class UidBudgets {
   constructor(
     limits: UidBudgetLimits,
     totals: ClientTotals,
-    private readonly uidOf: (owner: bigint) => number | undefined,
+    /** The uid an owner's objects count against; undefined for owners not counted. */
+    readonly uidOf: (owner: bigint) => number | undefined,
   ) {
     this.mappings = new Budget('mappings per uid', limits.mappingsPerUid);
     this.reservations = new Budget('reservations per uid', limits.reservationsPerUid);
@@ -145,8 +146,39 @@ export class UidBudgets {
    * @throws RpcError RESOURCE_EXHAUSTED BUDGET_EXCEEDED naming the first budget it does not fit
    */
   take(owner: bigint, costs: Costs): Charge | undefined {
+    return this.count(owner, costs, false);
+  }
+
+  /**
+   * take(), counted past the limits where it does not fit: for what the owner
+   * holds already and cannot be refused (a detached store it keeps open). Its
+   * uid's next requests are refused until it is back under.
+   */
+  takeAnyway(owner: bigint, costs: Costs): Charge | undefined {
+    return this.count(owner, costs, true);
+  }
+
+  /**
+   * Counts again what an object counted before the daemon's process
+   * restarted (parked, now taken back) against the uid it counted for:
+   * never refused, it fit then.
+   */
+  restore(uid: number, costs: Costs): Charge {
+    const entries = this.entries(uid, costs);
+    for (const [budget, holder, amount] of entries) budget.take(holder, amount, true);
+    return new Charge(entries);
+  }
+
+  private count(owner: bigint, costs: Costs, anyway: boolean): Charge | undefined {
     const uid = this.uidOf(owner);
     if (uid === undefined) return undefined;
+    const entries = this.entries(uid, costs);
+    if (!anyway) for (const [budget, holder, amount] of entries) if (!budget.fits(holder, amount)) throw budget.refusal(holder, budget.usedBy(holder), amount);
+    for (const [budget, holder, amount] of entries) budget.take(holder, amount, anyway);
+    return new Charge(entries);
+  }
+
+  private entries(uid: number, costs: Costs): Array<[Budget, Holder, number]> {
     const entries: Array<[Budget, Holder, number]> = [];
     const add = (budget: Budget, holder: Holder, amount: number | undefined) => {
       if (amount === undefined || amount === 0) return;
@@ -162,8 +194,6 @@ export class UidBudgets {
     add(this.mapEntries, ALL_UIDS, 2 * (costs.mappings ?? 0) + (costs.reservations ?? 0));
     add(this.totalAddressSpace, ALL_UIDS, costs.addressSpace);
     add(this.descriptors, ALL_UIDS, (costs.allocations ?? 0) + (costs.stores ?? 0));
-    for (const [budget, holder, amount] of entries) if (!budget.fits(holder, amount)) throw budget.refusal(holder, budget.usedBy(holder), amount);
-    for (const [budget, holder, amount] of entries) budget.take(holder, amount);
-    return new Charge(entries);
+    return entries;
   }
 }

@@ -1,19 +1,23 @@
 /**
  * Stores: memory many processes open, with legate::ExternalAllocation's
  * semantics. Detach stops new opens and waits for every daemon operation on
- * the store; a store is freed once it is detached (or its owner's session is
- * gone) and nobody has it open, and exactly then a RELEASED event tells the
- * owner to run its deleter. Read-only stores are never written by the daemon
- * and are handed out read-only.
+ * the store; a store is freed once it is detached (or its owner's session
+ * is gone) and nobody has it open, and exactly then a RELEASED event tells
+ * the owner to run its deleter. Once detached, a store still open is no
+ * longer its maker's to pay for: what it costs (a store, the daemon's
+ * mapping and its address space) counts against each uid that keeps it
+ * open, until it closes, so that no other uid can keep a maker's detached
+ * store on the maker's budgets.
+ * Read-only stores are never written by the daemon and are handed out read-only.
  */
 import { EventEmitter } from 'node:events';
 import type { Logger } from 'pino';
 import { addon } from '../../native';
 import { failedPrecondition, invalidArgument, notFound, outOfRange, permissionDenied } from '../errors';
-import type { Quotas } from '../registry/quotas';
 import type { Charge } from '../registry/uid-budgets';
 import { AllocationRecord, DAEMON_OWNER, Registry } from '../registry';
-import { LogLimiter } from '../observability/log-limiter';
+import { LoggedEvent, StoreEventKind, StoreEventLog } from './store-events';
+import { ChargedStore, closeOpens, moveCharge, storeCosts } from './store-charges';
 import { AllocationMemory, StoreMemory } from './store-memory';
 import { checkNotMappedWritable } from './store-admission';
 import { attachClientMemfd } from './sysmem-attachment';
@@ -21,7 +25,7 @@ import { StoreNames } from './store-names';
 
 export type StoreTarget = 'SYSMEM' | 'ZCMEM' | 'FBMEM';
 export type StoreState = 'LIVE' | 'DETACHING' | 'DETACHED';
-export type StoreEventKind = 'CREATED' | 'OPENED' | 'CLOSED' | 'DETACHED' | 'RELEASED';
+export type { StoreEventKind } from './store-events';
 
 /** Store holders in the registry: far above any session id. */
 const STORE_HOLDER_BASE = 1n << 62n;
@@ -31,7 +35,8 @@ export function isStoreHolder(caller: bigint): boolean {
   return caller >= STORE_HOLDER_BASE;
 }
 
-export interface StoreRecord {
+/** A store; what it is charged and to whom: ChargedStore. */
+export interface StoreRecord extends ChargedStore {
   readonly id: bigint;
   name: string;
   readonly owner: bigint;
@@ -45,8 +50,6 @@ export interface StoreRecord {
   /** The uid that made it (attributed by its connection); who besides admins may detach it once it is the daemon's. */
   creatorUid?: number;
   state: StoreState;
-  // Invariant: opens per session; no entry holds 0.
-  readonly opens: Map<bigint, number>;
   // Invariant: daemon operations on the store that started and have not settled.
   inFlight: number;
   drainWaiters: Array<() => void>;
@@ -54,41 +57,24 @@ export interface StoreRecord {
   releasing: boolean;
   /** Why freeing its memory failed last (a driver or OS error); the next Detach, close or session end tries again. */
   releaseFailure?: string;
-  /** What it counts against its maker's uid's budgets (a store, the daemon's mapping of it and its address space) until its memory is freed. */
-  readonly charge?: Charge;
 }
 
-export interface StoreEvent {
-  sequence: bigint;
-  kind: StoreEventKind;
-  store: StoreRecord;
-  session: bigint;
-}
-
-/** What a store of `size` bytes counts against its maker's uid: itself, and the daemon's mapping of its memory with the address space under it. */
-const storeCosts = (size: bigint) => ({ stores: 1, mappings: 1, addressSpace: Number(size) });
-
-/** Events kept for Watch's replay. */
-const EVENT_LOG_SIZE = 4096;
+export type StoreEvent = LoggedEvent<StoreRecord>;
 
 export class StoreRegistry extends EventEmitter {
   private nextId = 1n;
-  private nextSequence = 1n;
   // Invariant: every store not yet released; names of stores not detached are unique, and `names` indexes them.
   private readonly stores = new Map<bigint, StoreRecord>();
   private readonly names = new StoreNames<StoreRecord>();
-  private readonly events: StoreEvent[] = [];
-  // The trail of stores' lives, bounded per uid: a client can make and drop stores as fast as it likes.
-  private readonly trail = new LogLimiter(10_000, 20);
+  private readonly events: StoreEventLog<StoreRecord>;
 
-  /** @param quotas charge SYSMEM attachments (the registry's adaptor charges the rest); none: not limited */
   constructor(
     private readonly registry: Registry,
     private readonly log?: Logger,
-    private readonly quotas?: Quotas,
   ) {
     super();
     this.setMaxListeners(0);
+    this.events = new StoreEventLog(log);
   }
 
   list(): StoreRecord[] {
@@ -97,12 +83,12 @@ export class StoreRegistry extends EventEmitter {
 
   /** The sequence number of the latest event (0: none yet). */
   get lastSequence(): bigint {
-    return this.nextSequence - 1n;
+    return this.events.lastSequence;
   }
 
   /** Events after `since`, oldest first. */
   eventsSince(since: bigint): StoreEvent[] {
-    return this.events.filter((event) => event.sequence > since);
+    return this.events.since(since);
   }
 
   /**
@@ -113,7 +99,7 @@ export class StoreRegistry extends EventEmitter {
    */
   async create(
     caller: bigint,
-    args: { allocationId: bigint; name: string; readOnly: boolean; handOver: boolean; size: bigint },
+    args: { allocationId: bigint; name: string; readOnly: boolean; handOver: boolean; size: bigint; creatorUid?: number },
   ): Promise<StoreRecord> {
     const unclaim = this.names.claim(args.name);
     try {
@@ -123,7 +109,7 @@ export class StoreRegistry extends EventEmitter {
     }
   }
 
-  private async createClaimed(caller: bigint, args: { allocationId: bigint; name: string; readOnly: boolean; handOver: boolean; size: bigint }): Promise<StoreRecord> {
+  private async createClaimed(caller: bigint, args: { allocationId: bigint; name: string; readOnly: boolean; handOver: boolean; size: bigint; creatorUid?: number }): Promise<StoreRecord> {
     const allocationSize = this.registry.allocation(args.allocationId).size;
     if (args.size > allocationSize) {
       throw outOfRange('BEYOND_ALLOCATION', `store size ${args.size} exceeds allocation ${args.allocationId} of ${allocationSize} bytes`);
@@ -143,6 +129,7 @@ export class StoreRegistry extends EventEmitter {
     const target: StoreTarget = allocation.location.type === 'DEVICE' && this.registry.backend.capabilities.gpuMemory ? 'FBMEM' : allocation.location.type === 'DEVICE' ? 'SYSMEM' : 'ZCMEM';
     return this.add(caller, {
       charge,
+      chargedBytes: allocationSize,
       id,
       name: args.name,
       owner: args.handOver ? DAEMON_OWNER : caller,
@@ -153,6 +140,7 @@ export class StoreRegistry extends EventEmitter {
       attached: false,
       hasDeleter: false,
       memory,
+      creatorUid: args.creatorUid,
     });
   }
 
@@ -166,7 +154,7 @@ export class StoreRegistry extends EventEmitter {
   async attach(
     caller: bigint,
     fd: number,
-    args: { target: StoreTarget; device: number; size: bigint; readOnly: boolean; name: string; hasDeleter: boolean },
+    args: { target: StoreTarget; device: number; size: bigint; readOnly: boolean; name: string; hasDeleter: boolean; creatorUid?: number },
   ): Promise<StoreRecord> {
     let unclaim: () => void;
     try {
@@ -185,7 +173,7 @@ export class StoreRegistry extends EventEmitter {
   private async attachClaimed(
     caller: bigint,
     fd: number,
-    args: { target: StoreTarget; device: number; size: bigint; readOnly: boolean; name: string; hasDeleter: boolean },
+    args: { target: StoreTarget; device: number; size: bigint; readOnly: boolean; name: string; hasDeleter: boolean; creatorUid?: number },
   ): Promise<StoreRecord> {
     let charge: Charge | undefined;
     try {
@@ -213,13 +201,13 @@ export class StoreRegistry extends EventEmitter {
   private async attachCharged(
     caller: bigint,
     fd: number,
-    args: { target: StoreTarget; device: number; size: bigint; readOnly: boolean; name: string; hasDeleter: boolean },
+    args: { target: StoreTarget; device: number; size: bigint; readOnly: boolean; name: string; hasDeleter: boolean; creatorUid?: number },
     charge: Charge | undefined,
   ): Promise<StoreRecord> {
     const id = this.nextId++;
     let memory: StoreMemory;
     if (args.target === 'SYSMEM') {
-      memory = await attachClientMemfd(this.registry, this.quotas, caller, fd, args.size, args.readOnly);
+      memory = await attachClientMemfd(this.registry, caller, fd, args.size, args.readOnly);
     } else {
       const allocation = await this.registry.importHandle(caller, { fd }, args.size);
       const holder = STORE_HOLDER_BASE + id;
@@ -230,6 +218,7 @@ export class StoreRegistry extends EventEmitter {
     }
     return this.add(caller, {
       charge,
+      chargedBytes: args.size,
       id,
       name: args.name,
       owner: caller,
@@ -240,7 +229,21 @@ export class StoreRegistry extends EventEmitter {
       attached: true,
       hasDeleter: args.hasDeleter,
       memory,
+      creatorUid: args.creatorUid,
     });
+  }
+
+  /**
+   * A store an earlier daemon process parked, taken back on its allocation
+   * (restored, server/lifecycle/): held and mapped again under its own id.
+   * @throws as mapHeld (the store is not made)
+   */
+  async restore(fields: Pick<StoreRecord, 'id' | 'name' | 'owner' | 'target' | 'device' | 'size' | 'readOnly' | 'attached' | 'creatorUid' | 'charge'>, allocation: AllocationRecord): Promise<StoreRecord> {
+    const holder = STORE_HOLDER_BASE + fields.id;
+    allocation.references.set(holder, (allocation.references.get(holder) ?? 0) + 1);
+    const memory = await this.mapHeld(allocation, holder, fields.id, fields.readOnly);
+    if (fields.id >= this.nextId) this.nextId = fields.id + 1n;
+    return this.add(fields.owner, { ...fields, chargedBytes: allocation.size, hasDeleter: false, memory });
   }
 
   /**
@@ -248,10 +251,7 @@ export class StoreRegistry extends EventEmitter {
    * @throws NOT_FOUND UNKNOWN_STORE
    */
   find(ref: { id: bigint; name: string }): StoreRecord {
-    const store =
-      ref.id !== 0n
-        ? this.stores.get(ref.id)
-        : this.names.get(ref.name);
+    const store = ref.id !== 0n ? this.stores.get(ref.id) : this.names.get(ref.name);
     if (store === undefined) {
       throw notFound('UNKNOWN_STORE', ref.id !== 0n ? `store ${ref.id} does not exist` : `no store is named ${JSON.stringify(ref.name)}`);
     }
@@ -290,7 +290,7 @@ export class StoreRegistry extends EventEmitter {
   async close(session: bigint, store: StoreRecord): Promise<number> {
     const count = store.opens.get(session) ?? 0;
     if (count === 0) throw failedPrecondition('NOT_OPEN', `session ${session} has no open of store ${store.id}`);
-    if (count === 1) store.opens.delete(session);
+    if (count === 1) closeOpens(store, session);
     else store.opens.set(session, count - 1);
     this.record('CLOSED', store, session);
     await this.releaseOrLog(store);
@@ -325,7 +325,10 @@ export class StoreRegistry extends EventEmitter {
   async reclaim(session: bigint): Promise<void> {
     const failures: unknown[] = [];
     for (const store of [...this.stores.values()]) {
-      if (store.opens.delete(session)) this.record('CLOSED', store, session);
+      if (store.opens.has(session)) {
+        closeOpens(store, session);
+        this.record('CLOSED', store, session);
+      }
       try {
         if (store.owner === session && store.state === 'LIVE') await this.detachNow(store, session);
         else await this.release(store);
@@ -408,8 +411,11 @@ export class StoreRegistry extends EventEmitter {
     }
   }
 
-  private add(caller: bigint, fields: Omit<StoreRecord, 'state' | 'opens' | 'inFlight' | 'drainWaiters' | 'releasing' | 'releaseFailure'>): StoreRecord {
-    const store: StoreRecord = { ...fields, state: 'LIVE', opens: new Map(), inFlight: 0, drainWaiters: [], releasing: false };
+  private add(
+    caller: bigint,
+    fields: Omit<StoreRecord, 'state' | 'opens' | 'inFlight' | 'drainWaiters' | 'releasing' | 'releaseFailure' | 'chargeMoved' | 'openerCharges'>,
+  ): StoreRecord {
+    const store: StoreRecord = { ...fields, state: 'LIVE', opens: new Map(), inFlight: 0, drainWaiters: [], releasing: false, chargeMoved: false, openerCharges: new Map() };
     this.stores.set(store.id, store);
     this.names.bind(store.name, store);
     this.record('CREATED', store, caller);
@@ -435,9 +441,12 @@ export class StoreRegistry extends EventEmitter {
    * Frees a detached store nobody uses. A store is forgotten only once its
    * memory is freed: when a step fails it stays (detached, accounted, with
    * releaseFailure) and the error is thrown; a repeat resumes at that step.
+   * One still open moves its charge to the sessions that keep it open first.
    */
   private async release(store: StoreRecord): Promise<void> {
-    if (store.releasing || store.state !== 'DETACHED' || this.openCount(store) > 0 || store.inFlight > 0) return;
+    if (store.state !== 'DETACHED' || store.inFlight > 0) return;
+    if (this.openCount(store) > 0) return moveCharge(store, this.registry.budgets);
+    if (store.releasing) return;
     store.releasing = true;
     try {
       await store.memory.release();
@@ -471,18 +480,6 @@ export class StoreRegistry extends EventEmitter {
   }
 
   private record(kind: StoreEventKind, store: StoreRecord, session: bigint): void {
-    // An operator's trail of every store's life (opens and closes are too many to log at info).
-    if (kind === 'CREATED' || kind === 'DETACHED' || kind === 'RELEASED') {
-      const allowed = this.trail.allow(`${kind}:${store.creatorUid ?? 'daemon'}`);
-      const fields = { store: String(store.id), name: store.name, target: store.target, size: String(store.size), readOnly: store.readOnly, by: session === DAEMON_OWNER ? 'daemon' : `session ${session}`, ...(allowed !== undefined && allowed.suppressed > 0 ? { heldBack: allowed.suppressed } : {}) };
-      const level = allowed === undefined ? 'debug' : 'info';
-      if (kind === 'CREATED') this.log?.[level](fields, 'store created');
-      else if (kind === 'DETACHED') this.log?.[level]({ ...fields, opens: this.openCount(store) }, 'store detached');
-      else this.log?.[level](fields, 'store released: its memory is freed');
-    }
-    const event: StoreEvent = { sequence: this.nextSequence++, kind, store, session };
-    this.events.push(event);
-    if (this.events.length > EVENT_LOG_SIZE) this.events.shift();
-    this.emit('event', event);
+    this.emit('event', this.events.add(kind, store, session, this.openCount(store)));
   }
 }

@@ -8,47 +8,30 @@
 import { addon } from '../../native';
 import { admitClientMemfd } from '../backends/client-memfd';
 import { invalidArgument } from '../errors';
-import type { Quotas } from '../registry/quotas';
-import type { Registry } from '../registry';
+import type { HeldMemfd, Registry } from '../registry';
 import { ChargedMemory, MemfdMemory, StoreMemory } from './store-memory';
 
 /**
  * Admits, charges and maps `fd` (taken over: closed on failure too) for `caller`'s store of `size` bytes.
  * @throws INVALID_ARGUMENT BAD_DESCRIPTOR; RESOURCE_EXHAUSTED OUT_OF_MEMORY (host capacity), QUOTA_EXCEEDED; the mapping's error
  */
-export async function attachClientMemfd(registry: Registry, quotas: Quotas | undefined, caller: bigint, fd: number, size: bigint, readOnly: boolean): Promise<StoreMemory> {
-  let uncharge: () => void;
+export async function attachClientMemfd(registry: Registry, caller: bigint, fd: number, size: bigint, readOnly: boolean): Promise<StoreMemory> {
+  let held: HeldMemfd;
   try {
     const info = admitClientMemfd(fd, { what: 'a SYSMEM attachment', writable: !readOnly, sealReadOnly: readOnly, handedOut: true, reopenedReadOnly: true });
     if (info.size < size) {
       throw invalidArgument('BAD_DESCRIPTOR', `a SYSMEM attachment is a memfd of at least ${size} bytes (this one: ${info.size} bytes)`);
     }
-    uncharge = await charge(registry, quotas, caller, fd, info.size);
+    // Through the registry's allocation source: the backend's capacity and the caller's quotas, as an Import.
+    held = await registry.holdClientMemfd(caller, fd, info.size);
   } catch (error) {
     addon.close(fd);
     throw error;
   }
   try {
-    return new ChargedMemory(MemfdMemory.map(fd, size, readOnly), uncharge);
+    return new ChargedMemory(MemfdMemory.map(fd, size, readOnly), () => held.release());
   } catch (error) {
-    uncharge();
+    held.release();
     throw error;
   }
-}
-
-/** Holds the memfd in the backend and the caller's quotas; returns what undoes both. */
-async function charge(registry: Registry, quotas: Quotas | undefined, caller: bigint, fd: number, size: bigint): Promise<() => void> {
-  const backend = registry.backend;
-  const identity = await backend.holdClientMemfd(fd, size);
-  let hold: ReturnType<Quotas['hold']>;
-  try {
-    hold = quotas?.hold(caller, identity, size, 'attaching');
-  } catch (error) {
-    backend.dropClientMemfd(identity);
-    throw error;
-  }
-  return () => {
-    if (hold !== undefined) quotas!.release(hold);
-    backend.dropClientMemfd(identity);
-  };
 }

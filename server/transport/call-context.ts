@@ -16,6 +16,10 @@ import type { Session } from './session/session';
  * cannot be sent, and a release is answered once its free has started.
  */
 export interface SocketAnswer {
+  /** The frame's request id (recorded with what an allocate makes: the same request sent again finds it). */
+  request: string;
+  /** The frame says it was sent before, on a session since resumed (ClientFrame.again). */
+  again: boolean;
   /** The descriptor to attach to the answer; the transport sends it, then closes this copy. */
   fd?: number;
   /** Undoes what the request made (an allocation released, an open dropped) when its answer cannot be sent. */
@@ -32,7 +36,7 @@ export interface CallContext {
   /** The connection's peer: its uid, whether it is an admin (server/transport/grpc/access.ts). */
   who?: Caller;
   log: Logger;
-  /** Aborted when the client cancels (server streams): a body that waits for something to send ends on it. */
+  /** Aborted when the client cancels (unary calls and server streams): a body that waits for something ends on it. */
   signal?: AbortSignal;
   /** Set for a session-socket request: how its answer travels (see SocketAnswer). */
   socket?: SocketAnswer;

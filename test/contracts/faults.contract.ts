@@ -282,6 +282,8 @@ export function faultsContract(backend: Backend): void {
     const daemon = await TestDaemon.start(backend === 'cuda' ? ['--stock', 'none'] : [], backend, { VMMD_FAULTS: entry.plan });
     const client = await connect({ socketDir: daemon.dir });
     try {
+      // Its gRPC connection first: the client's channel is its own, opened by its first call.
+      await client.devices.getGranularity();
       const start = objectsOf(await daemon.stats());
       const startFds = daemon.openFds();
       const prepared = (await entry.prepare?.(client)) ?? {};

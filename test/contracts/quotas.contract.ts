@@ -173,6 +173,8 @@ export function quotaContract(backend: Backend, _options: { full: boolean }): vo
     // The address-space budget would refuse the 32 TiB store first (test/e2e/budgets.test.ts): off here, the quotas are under test.
     daemon = await start([...QUOTA_FLAGS, '--max-address-space-per-uid', '0']);
     const a = await client();
+    // The client's gRPC connection is its own (it reconnects by itself): opened before the daemon's descriptors are counted.
+    await a.devices.listDevices();
     const before = objectsOf(await daemon.stats());
     const fdsBefore = daemon.openFds();
     const sizes = [32n * TiB, CAPACITY + 2n * MiB, SESSION_QUOTA + 2n * MiB];

@@ -143,7 +143,9 @@ describe('session closed with allocations held ahead', () => {
       const afterClose = fds();
       await eventually(() => (mm.stats().ahead.expired === 2 ? true : undefined), 5_000, 'expiry');
       await new Promise((resolve) => setTimeout(resolve, 300));
-      expect({ before, afterClose, afterExpiry: fds() }).toEqual({ before, afterClose: before + 2, afterExpiry: before });
+      // Held until expiry: the two descriptors are still open after close (the client's gRPC channel may close a moment later).
+      expect(afterClose).toBeGreaterThanOrEqual(before + 2);
+      expect(fds()).toBe(before);
       // Nothing the caller asked for was released: no warning is due.
       expect(spy.mock.calls.map((args) => String(args[0]))).toEqual([]);
     } finally {

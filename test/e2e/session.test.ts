@@ -123,6 +123,8 @@ describe('refusals over the wire', () => {
 describe('descriptors from the client', () => {
   it("imports a client's memfd: the daemon maps and reads the client's bytes, and releases the descriptor", async () => {
     const session = await client();
+    // Its gRPC connection first: the client's channel is its own (its own reconnection backoff), not the harness's.
+    await session.devices.getGranularity();
     const fdsBefore = daemon.openFds();
     const fd = memfdWith('bytes from the client');
     const allocation = await session.vmm.importDescriptor(fd);
@@ -141,6 +143,8 @@ describe('descriptors from the client', () => {
   it('refuses a descriptor that is not memory with INVALID_ARGUMENT and keeps no descriptor', async () => {
     const session = await client();
     const before = objectsOf(await daemon.stats());
+    // Its gRPC connection first: the client's channel is its own (its own reconnection backoff), not the harness's.
+    await session.devices.getGranularity();
     const fdsBefore = daemon.openFds();
     const file = fs.openSync(__filename, 'r');
     await expect(session.vmm.importDescriptor(file)).rejects.toMatchObject({ code: 'BAD_DESCRIPTOR', status: grpc.status.INVALID_ARGUMENT });

@@ -8,7 +8,7 @@ import { randomBytes } from 'node:crypto';
 import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
-import { packageRoot, TestDaemon } from './harness';
+import { packageRoot, sleep, TestDaemon } from './harness';
 
 const ROOT = packageRoot();
 const VERSION = JSON.parse(fs.readFileSync(path.join(ROOT, 'package.json'), 'utf8')).version;
@@ -237,5 +237,26 @@ describe('vmmctl against a daemon', () => {
     expect(parsed['store rm json']).toMatchObject({ name: 'json', state: 'STORE_STATE_DETACHED' });
     expect(parsed.version).toMatchObject({ vmmctl: VERSION });
     expect(parsed['store dump json ' + path.join(dir, 'out.bin')]).toMatchObject({ dumped: String(1 << 20) });
+  });
+});
+
+describe("vmmctl's inspection in the daemon's log", () => {
+  // A container's health check runs vmmctl every 30 s: an inspection that logged a line or two at info each time
+  // would write thousands of lines a day. Inspection goes without a session, so the daemon logs nothing of it.
+  test('one inspection call of each kind writes no line at info in the daemon log', async () => {
+    const daemon = await TestDaemon.start(['--log-level', 'info']);
+    try {
+      const infoLines = () => daemon.logs.filter((line) => line.startsWith('{') && JSON.parse(line).level === 30);
+      const before = infoLines().length;
+      for (const args of [['stats'], ['sessions'], ['devices'], ['objects'], ['store', 'ls'], ['version'], ['report'], ['health']]) {
+        const ran = await vmmctl(['--socket-dir', daemon.dir, ...args]);
+        expect({ args, code: ran.code, stderr: ran.stderr }).toEqual({ args, code: 0, stderr: '' });
+      }
+      // What a closing session logs comes after the client is gone.
+      await sleep(500);
+      expect(infoLines().slice(before)).toEqual([]);
+    } finally {
+      expect(await daemon.stop()).toBe(0);
+    }
   });
 });

@@ -234,8 +234,8 @@ describe('descriptor pressure (host)', () => {
       }
       expect(served).toBeDefined();
       expect(served!).toBeLessThan(1_000);
-      // And it works: a client of that uid allocates and frees.
-      const victim = await connect({ socketDir: daemon.dir });
+      // And it works: a client of that uid allocates and frees (its session and its gRPC channel need room too: once the reclaim made it).
+      const victim = await eventually(() => connect({ socketDir: daemon!.dir }).catch(() => undefined), 10_000, 'a client to be served');
       const allocation = await victim.vmm.create({ size: 2n * MiB });
       await victim.vmm.release({ allocationId: allocation.id });
       victim.close();

@@ -82,7 +82,7 @@ class World {
   readonly backend = new HostBackend({ capacity: CAPACITY, granularity: GRANULARITY });
   readonly quotas = new Quotas({ perSession: PER_SESSION, perUid: PER_UID }, (id) => UID_OF.get(id));
   readonly registry = new Registry(this.backend, (upstream) => this.quotas.around(upstream, (handle) => this.backend.memoryIdentity(handle)));
-  readonly stores = new StoreRegistry(this.registry, undefined, this.quotas);
+  readonly stores = new StoreRegistry(this.registry);
   /** Which session made or imported each allocation (the one it is charged to), while it lives. */
   readonly holderOf = new Map<bigint, bigint>();
   /** Each SYSMEM store's memfd (its identity and size) and the session that attached it. */
@@ -300,7 +300,7 @@ describe('host capacity by physical memory, without quotas', () => {
     const backend = new HostBackend({ capacity: CAPACITY, granularity: GRANULARITY });
     const quotas = new Quotas({ perSession: 0n, perUid: 0n }, (id) => UID_OF.get(id));
     const registry = new Registry(backend, (upstream) => quotas.around(upstream, (handle) => backend.memoryIdentity(handle)));
-    const stores = new StoreRegistry(registry, undefined, quotas);
+    const stores = new StoreRegistry(registry);
     const sparse = addon.hostMemfdCreate('sparse', 32n << 40n);
     const half = addon.hostMemfdCreate('half', CAPACITY / 2n);
     try {

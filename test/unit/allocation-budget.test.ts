@@ -19,10 +19,13 @@ describe('the allocation budget around the allocation source', () => {
     const upstream = {
       create: async () => (calls.push('create'), next++),
       adopt: async () => (calls.push('adopt'), { handle: next++, size: 2n, device: 0, location }),
+      restore: async () => (calls.push('restore'), { handle: next++, size: 2n, device: 0, location }),
       release: async () => {
         calls.push('release');
         if (failRelease) throw Object.assign(new Error('driver says no'), { code: 'CUDA_ERROR_UNKNOWN' });
       },
+      holdClientMemfd: async () => ({ identity: 'memfd', release: () => {} }),
+      settle: async () => {},
     };
     const budgets = budgetsOf();
     const source = new AllocationBudget(budgets, upstream);
@@ -30,10 +33,10 @@ describe('the allocation budget around the allocation source', () => {
     await expect(source.create(1n, 0, location, 2n, ['POSIX_FD'])).rejects.toMatchObject({ code: 'BUDGET_EXCEEDED' });
     expect(calls).toEqual(['create']);
     // A free that failed leaves the memory, and its count, in place.
-    await expect(source.release({ owner: 1n, handle, size: 2n, device: 0, imported: false })).rejects.toThrow('driver says no');
+    await expect(source.release({ owner: 1n, handle, size: 2n, device: 0, imported: false }, true)).rejects.toThrow('driver says no');
     expect(budgets.allocations.usedBy(1000)).toBe(1);
     failRelease = false;
-    await source.release({ owner: 1n, handle, size: 2n, device: 0, imported: false });
+    await source.release({ owner: 1n, handle, size: 2n, device: 0, imported: false }, true);
     expect(budgets.allocations.usedBy(1000)).toBe(0);
   });
 
@@ -43,7 +46,10 @@ describe('the allocation budget around the allocation source', () => {
     const upstream = {
       create: async () => (calls.push('create'), next++),
       adopt: async () => (calls.push('adopt'), { handle: next++, size: 2n, device: 0, location }),
+      restore: async () => (calls.push('restore'), { handle: next++, size: 2n, device: 0, location }),
       release: async () => void calls.push('release'),
+      holdClientMemfd: async () => ({ identity: 'memfd', release: () => {} }),
+      settle: async () => {},
     };
     const budgets = budgetsOf();
     const source = new AllocationBudget(budgets, upstream);

@@ -71,7 +71,7 @@ describe('close() and the frees let go a batch a turn', () => {
     await turns();
     expect(stock.heldReleases).toBe(count);
     // A Release RPC waits for its free: RELEASE_START_BATCH start now, the rest at the next turns...
-    stock.hurry();
+    void stock.settleReleases();
     expect(releases(fake)).toBe(RELEASE_START_BATCH);
     // ...and the daemon stops in this same turn.
     await stock.close();

@@ -198,7 +198,7 @@ describe('a size that becomes steady demand on a request', () => {
     for (let i = 0; i < DEMAND_WINDOW - DEMAND_MIN_COUNT; i++) {
       const size = BigInt(10 + 2 * (i % 20)) * MiB;
       await stock.create(0, DEVICE, size, ['POSIX_FD']).then((handle) => void stock.release(handle, size, false, 0), () => undefined);
-      stock.hurry();
+      void stock.settleReleases();
       if (demandLevels(stock).length > 1) break;
     }
     const discards = fake.calls.filter((call) => call === 'release').length;

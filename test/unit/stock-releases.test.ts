@@ -114,12 +114,12 @@ describe('frees the stock holds back', () => {
     expect(fake.calls.filter((call) => call === 'release' || call === 'create')).toEqual(['release', 'create', 'create', 'create']);
   });
 
-  it('starts them at hurry(), with a release that reaches the stock later in the same turn', async () => {
+  it('starts them when someone waits for the frees in flight, with a release that reaches the stock later in the same turn', async () => {
     const { fake, stock } = stocked([]);
     const [a, b] = await made(fake, 2);
     const first = stock.release(a, 4n * MiB, false, 0);
-    stock.hurry();
-    // On its way through the registry's adaptors: it arrives after hurry(), in the same turn.
+    void stock.settleReleases();
+    // On its way through the registry's adaptors: it arrives after settleReleases(), in the same turn.
     const second = Promise.resolve().then(() => stock.release(b, 4n * MiB, false, 0));
     await first;
     await second;
@@ -130,7 +130,7 @@ describe('frees the stock holds back', () => {
     const { fake, stock } = stocked([]);
     const [handle] = await made(fake, 1);
     const failing = stock.release(Number(handle) + 1000, 4n * MiB, false, 0);
-    stock.hurry();
+    void stock.settleReleases();
     await expect(failing).rejects.toMatchObject({ code: 'EBADF' });
     expect(fake.memoryInfo().freeBytes).toBe(252n * MiB);
   });
@@ -203,7 +203,7 @@ describe('whoever waits for a free hurries the held ones (no timer advances in t
 
   it('a create over the session quota right after a session-socket release', async () => {
     const { stock } = stocked([], 64n * MiB);
-    const quotas = new Quotas({ perUid: 0n, perSession: 8n * MiB }, () => 1000, () => stock.hurry());
+    const quotas = new Quotas({ perUid: 0n, perSession: 8n * MiB }, () => 1000);
     const registry = new Registry(stock, (upstream) => quotas.around(upstream, (handle, device) => stock.memoryIdentity(handle, device)));
     const a = await registry.create(SESSION, ARGS);
     await registry.create(SESSION, ARGS);

@@ -34,6 +34,12 @@ def load(path: Optional[str] = None) -> ctypes.CDLL:
     library.vmmd_add_chunk.argtypes = [ctypes.c_int, u64, u64]
     library.vmmd_refill_failed.argtypes = [ctypes.c_int]
     library.vmmd_next_request.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.POINTER(u64), ctypes.c_double]
+    library.vmmd_add_tagged_chunk.argtypes = [ctypes.c_int, ctypes.c_int, u64, u64]
+    library.vmmd_refill_failed_tag.argtypes = [ctypes.c_int, ctypes.c_int]
+    library.vmmd_next_tagged_request.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int), ctypes.POINTER(u64), ctypes.c_double]
+    library.vmmd_set_tag.argtypes = [ctypes.c_int]
+    library.vmmd_set_asleep.argtypes = [ctypes.c_int, ctypes.c_int]
+    library.vmmd_set_asleep.restype = u64
     library.vmmd_take_empty_chunk.argtypes = [ctypes.c_int, ctypes.c_double, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(u64), ctypes.POINTER(u64)]
     return library
 

@@ -22,16 +22,20 @@ def cache_dir() -> str:
     return os.environ.get("VMMD_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "vmmd")
 
 
-def shared_library(source: str) -> str:
-    """The library built from `source`: from the cache, or built now with
+def shared_library(source: str, includes: tuple = ()) -> str:
+    """The library built from `source` (and the files it `#include`s from the
+    package, named in `includes`: they count in the cache key): from the cache, or built now with
     CC (default cc) into a temporary file renamed into place only once the
     build succeeded (a failed or interrupted build leaves nothing).
     Raises VmmdError FAILED_PRECONDITION NO_COMPILER when no compiler is
     found or the build fails (its message says which and how to fix it),
     NO_CACHE_DIR when the cache cannot be written."""
     compiler = shlex.split(os.environ.get("CC") or "cc")
-    with open(source, "rb") as file:
-        digest = hashlib.sha256(file.read() + " ".join([*compiler, *BUILD_FLAGS]).encode()).hexdigest()[:16]
+    text = b""
+    for path in (source, *includes):
+        with open(path, "rb") as file:
+            text += file.read()
+    digest = hashlib.sha256(text + " ".join([*compiler, *BUILD_FLAGS]).encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(source))[0]
     directory = cache_dir()
     target = os.path.join(directory, f"{stem}-{digest}.so")

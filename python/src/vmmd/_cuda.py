@@ -164,22 +164,46 @@ def import_and_map(fd: int, size: int, granularity: int, device: int, read_only:
     """Imports a POSIX-fd handle, reserves, maps and sets access for `device`;
     returns the address. Takes ownership of fd (closed here); the import
     handle is released once mapped (the mapping keeps the memory)."""
+    return _import_and_map(fd, 0, size, granularity, device, read_only, host_numa)
+
+
+def map_at(fd: int, address: int, size: int, device: int, read_only: bool, host_numa: Optional[int] = None) -> None:
+    """As import_and_map, at `address` of a range this process keeps reserved
+    (memory put to sleep): the range stays reserved whatever happens."""
+    _import_and_map(fd, address, size, 0, device, read_only, host_numa)
+
+
+def _import_and_map(fd: int, at: int, size: int, granularity: int, device: int, read_only: bool, host_numa: Optional[int]) -> int:
+    # In `device`'s context, and the caller's context current again after: Numba's
+    # `with cuda.gpus[n]` pops the context it pushed and checks that it is its own.
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(in_context(device))
+        except BaseException:
+            os.close(fd)
+            raise
+        return _import_and_map_here(fd, at, size, granularity, device, read_only, host_numa)
+
+
+def _import_and_map_here(fd: int, at: int, size: int, granularity: int, device: int, read_only: bool, host_numa: Optional[int]) -> int:
     try:
         cu = driver()
-        ensure_context(device)
         _peers_of(device)  # asked before the mapping starts: nothing to undo if it fails
         result, handle = cu.cuMemImportFromShareableHandle(fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
         check(result, f"cuMemImportFromShareableHandle(fd {fd})")
     finally:
         os.close(fd)
-    address = 0
+    address = at
+    reserved = False
     mapped = False
     try:
-        result, pointer = cu.cuMemAddressReserve(size, granularity, 0, 0)
-        check(result, f"cuMemAddressReserve({size})")
-        address = native(pointer)
+        if not at:
+            result, pointer = cu.cuMemAddressReserve(size, granularity, 0, 0)
+            check(result, f"cuMemAddressReserve({size})")
+            address = native(pointer)
+            reserved = True
         (result,) = cu.cuMemMap(address, size, 0, handle, 0)
-        check(result, f"cuMemMap({size})")
+        check(result, f"cuMemMap({size} at 0x{address:x})")
         mapped = True
         descs = _access(cu, device, read_only, host_numa)
         (result,) = cu.cuMemSetAccess(address, size, descs, len(descs))
@@ -188,64 +212,105 @@ def import_and_map(fd: int, size: int, granularity: int, device: int, read_only:
     except BaseException:
         if mapped:
             cu.cuMemUnmap(address, size)
-        if address:
+        if reserved:
             cu.cuMemAddressFree(address, size)
         raise
     finally:
         cu.cuMemRelease(handle)
 
 
-def unmap(address: int, size: int, device: int) -> None:
-    """Unmaps and frees the address range (no context needed; safe at exit
-    while the driver is loaded). Work queued on the memory must be done."""
+def unmap(address: int, size: int, device: int, mapped: bool = True) -> None:
+    """Unmaps (unless `mapped` is False: a range kept asleep) and frees the
+    address range (no context needed; safe at exit while the driver is
+    loaded). Work queued on the memory must be done."""
     cu = _driver
     if cu is None:
         return
-    (result,) = cu.cuMemUnmap(address, size)
-    check(result, f"cuMemUnmap({size})")
+    if mapped:
+        (result,) = cu.cuMemUnmap(address, size)
+        check(result, f"cuMemUnmap({size})")
     (result,) = cu.cuMemAddressFree(address, size)
     check(result, f"cuMemAddressFree({size})")
+
+
+def unmap_keep_range(address: int, size: int) -> None:
+    """Unmaps the memory at [address, +size) and keeps the range reserved (sleep). Work queued on it must be done."""
+    cu = driver()
+    (result,) = cu.cuMemUnmap(address, size)
+    check(result, f"cuMemUnmap({size} at 0x{address:x})")
+
+
+# Bytes per copy of a sleep or a wake, alternating between two streams so that the copy engines overlap them.
+COPY_CHUNK_BYTES = 64 << 20
+
+
+def copy_between(device: int, pairs: List[Any]) -> None:
+    """Copies each (target, source, length) of device-visible addresses (device
+    memory, and host memory the daemon made and this process mapped for the
+    device: pinned, so the copy engines reach it) in chunks over two streams
+    of this package's own; returns once every byte has landed."""
+    cu = driver()
+    with in_context(device):
+        streams = []
+        try:
+            for _ in range(2):
+                result, stream = cu.cuStreamCreate(1)  # CU_STREAM_NON_BLOCKING: never waits for the default stream
+                check(result, "cuStreamCreate")
+                streams.append(stream)
+            turn = 0
+            for target, source, length in pairs:
+                for offset in range(0, length, COPY_CHUNK_BYTES):
+                    count = min(COPY_CHUNK_BYTES, length - offset)
+                    (result,) = cu.cuMemcpyAsync(target + offset, source + offset, count, streams[turn % 2])
+                    check(result, f"cuMemcpyAsync({count})")
+                    turn += 1
+            for stream in streams:
+                (result,) = cu.cuStreamSynchronize(stream)
+                check(result, "cuStreamSynchronize")
+        finally:
+            for stream in streams:
+                cu.cuStreamDestroy(stream)
 
 
 def copy_to_device(device: int, address: int, data: memoryview) -> None:
     from .memory import buffer_address
 
     cu = driver()
-    ensure_context(device)
-    # By address: every cuda-bindings version takes an int for a host pointer; `data` stays alive meanwhile.
-    (result,) = cu.cuMemcpyHtoD(address, buffer_address(data), data.nbytes)
-    check(result, f"cuMemcpyHtoD({data.nbytes})")
-    # NOTE: from pageable memory cuMemcpyHtoD returns once the bytes are staged,
-    # before the DMA lands; a caller that unmapped the range then would fault the context.
-    # The copy ran on the legacy default stream: synchronizing that stream waits for it.
-    (result,) = cu.cuStreamSynchronize(cu.CUstream(0))
-    check(result, "cuStreamSynchronize")
+    with in_context(device):
+        # By address: every cuda-bindings version takes an int for a host pointer; `data` stays alive meanwhile.
+        (result,) = cu.cuMemcpyHtoD(address, buffer_address(data), data.nbytes)
+        check(result, f"cuMemcpyHtoD({data.nbytes})")
+        # NOTE: from pageable memory cuMemcpyHtoD returns once the bytes are staged,
+        # before the DMA lands; a caller that unmapped the range then would fault the context.
+        # The copy ran on the legacy default stream: synchronizing that stream waits for it.
+        (result,) = cu.cuStreamSynchronize(cu.CUstream(0))
+        check(result, "cuStreamSynchronize")
 
 
 def copy_from_device(device: int, address: int, length: int) -> bytes:
     cu = driver()
-    ensure_context(device)
     from .memory import buffer_address
 
     out = bytearray(length)
-    (result,) = cu.cuMemcpyDtoH(buffer_address(out) if length else 0, address, length)
-    check(result, f"cuMemcpyDtoH({length})")
+    with in_context(device):
+        (result,) = cu.cuMemcpyDtoH(buffer_address(out) if length else 0, address, length)
+        check(result, f"cuMemcpyDtoH({length})")
     return bytes(out)
 
 
 def synchronize(device: int) -> None:
     cu = driver()
-    ensure_context(device)
-    (result,) = cu.cuCtxSynchronize()
-    check(result, "cuCtxSynchronize")
+    with in_context(device):
+        (result,) = cu.cuCtxSynchronize()
+        check(result, "cuCtxSynchronize")
 
 
 def memory_info(device: int) -> tuple:
     """(free, total) bytes of `device`, as the driver sees them here."""
     cu = driver()
-    ensure_context(device)
-    result, free, total = cu.cuMemGetInfo()
-    check(result, "cuMemGetInfo")
+    with in_context(device):
+        result, free, total = cu.cuMemGetInfo()
+        check(result, "cuMemGetInfo")
     return int(free), int(total)
 
 

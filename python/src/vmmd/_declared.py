@@ -24,6 +24,10 @@ MAX_STAGING_BYTES = 1073741824
 DEFAULT_BUSY_POLL_US = 200
 # How long a descriptor sent as a transfer is waited for.
 DEFAULT_TRANSFER_WAIT_MS = 5000
+# The most allocations one AllocateAll (a wake) asks for.
+MAX_ALLOCATE_ALL_SIZES = 256
+# The longest an AllocateAll may wait for its memory, in milliseconds.
+MAX_ALLOCATE_ALL_WAIT_MS = 600000
 
 # Every error code: name -> (gRPC status name, who produces it, meaning).
 CODES: Dict[str, Tuple[str, str, str]] = {
@@ -51,6 +55,9 @@ CODES: Dict[str, Tuple[str, str, str]] = {
     "BEYOND_STAGING": ("OUT_OF_RANGE", "daemon", "a range past the end of the session's staging buffer"),
     "BEYOND_STORE": ("OUT_OF_RANGE", "daemon", "a range past the end of its store"),
     "RESERVATION_TOO_LARGE": ("OUT_OF_RANGE", "daemon", "a reservation larger than the daemon allows"),
+    "TOO_MANY_SIZES": ("OUT_OF_RANGE", "daemon", "an AllocateAll naming more allocations than MAX_ALLOCATE_ALL_SIZES"),
+    "BEYOND_DEVICE": ("OUT_OF_RANGE", "daemon", "an AllocateAll asking for more bytes than its device (or host memory) has in all"),
+    "BAD_DEADLINE": ("OUT_OF_RANGE", "daemon", "an AllocateAll deadline past MAX_ALLOCATE_ALL_WAIT_MS"),
     "UNKNOWN_ALLOCATION": ("NOT_FOUND", "daemon", "an allocation id that names no live allocation"),
     "UNKNOWN_STORE": ("NOT_FOUND", "daemon", "a store id or name that names no store"),
     "NOT_MAPPED": ("NOT_FOUND", "daemon", "an address inside a reservation where nothing is mapped"),
@@ -84,15 +91,18 @@ CODES: Dict[str, Tuple[str, str, str]] = {
     "TCP_SESSION": ("UNAUTHENTICATED", "daemon", "a session token over TCP, where no session can be"),
     "UNKNOWN_SESSION": ("UNAUTHENTICATED", "daemon", "a session token that names no open session"),
     "SESSION_CLOSING": ("UNAUTHENTICATED", "daemon", "a session token of a session being closed (its reclaim still running)"),
+    "RESUME_OF_ANOTHER_UID": ("PERMISSION_DENIED", "session", "a resume token presented by a peer of another uid than the session's"),
     "QUOTA_EXCEEDED": ("RESOURCE_EXHAUSTED", "daemon", "an allocation past the uid's or session's quota"),
     "DAEMON_MAP_FAILED": ("RESOURCE_EXHAUSTED", "daemon", "the daemon's own mapping of memory failed (its address space or map count): nothing of the client's is at fault"),
     "BUDGET_EXCEEDED": ("RESOURCE_EXHAUSTED", "daemon", "more objects of a kind (reservations, stores, opens…) than one holder may keep"),
     "FELL_BEHIND": ("RESOURCE_EXHAUSTED", "daemon", "a store watcher that fell behind the events queued for it"),
     "READER_STALLED": ("RESOURCE_EXHAUSTED", "daemon", "a stream reader that took nothing for --stream-stall-ms"),
     "TRANSFER_NOT_RECEIVED": ("DEADLINE_EXCEEDED", "daemon", "no descriptor arrived for the transfer id within --transfer-wait-ms"),
+    "DEADLINE_PASSED": ("DEADLINE_EXCEEDED", "daemon", "a call whose deadline passed (or that its client cancelled) while it waited for its turn (not run) or while it ran (what it made undone)"),
     "SESSION_CLOSED": ("UNAVAILABLE", "daemon", "the session closed while the call waited for it"),
     "SESSION_SOCKET_FULL": ("UNAVAILABLE", "daemon", "the session socket is full: the client is not reading it"),
-    "OUT_OF_MEMORY": ("RESOURCE_EXHAUSTED", "backend", "the host backend's capacity is used up"),
+    "SESSION_RESUMING": ("UNAVAILABLE", "daemon", "a session token of a session that waits for its client to resume it after a restart: resume it, then call again"),
+    "OUT_OF_MEMORY": ("RESOURCE_EXHAUSTED", "backend", "the host backend's capacity is used up, or an AllocateAll's memory was not freed before its deadline"),
     "ENOMEM": ("RESOURCE_EXHAUSTED", "backend", "the kernel has no memory for the request"),
     "EMFILE": ("RESOURCE_EXHAUSTED", "backend", "the daemon is out of descriptors"),
     "ENFILE": ("RESOURCE_EXHAUSTED", "backend", "the system is out of descriptors"),
@@ -119,6 +129,9 @@ CODES: Dict[str, Tuple[str, str, str]] = {
     "NO_DESCRIPTOR": ("INVALID_ARGUMENT", "session", "a transfer message that carries no descriptor"),
     "TOO_MANY_TRANSFERS": ("RESOURCE_EXHAUSTED", "session", "more unclaimed descriptors than a session or uid may hold"),
     "PROTOCOL_VERSION": ("FAILED_PRECONDITION", "session", "a client of another session protocol than the daemon's (the message names the one it needs)"),
+    "RESUME_UNKNOWN": ("NOT_FOUND", "session", "a resume token that names no session waiting for its client (never given, already resumed, or of a daemon that kept no state)"),
+    "SESSION_RECLAIMED": ("NOT_FOUND", "session", "a resume token of a session not resumed within --parked-grace-ms: its objects were reclaimed"),
+    "RESUME_DUPLICATE": ("FAILED_PRECONDITION", "session", "parked records that repeat a session already open or waiting for its client"),
     "FREE_FAILED": ("INTERNAL", "session", "a released allocation whose memory could not be freed yet; the daemon retries"),
     "SESSION_LOST": ("UNAVAILABLE", "client", "the client's session socket closed"),
     "DAEMON_UNREACHABLE": ("UNAVAILABLE", "client", "no daemon answers on the socket directory"),
@@ -129,10 +142,14 @@ CODES: Dict[str, Tuple[str, str, str]] = {
     "FORKED": ("FAILED_PRECONDITION", "client", "a session used in a child of the process that opened it"),
     "CLIENT_CLOSED": ("FAILED_PRECONDITION", "client", "a call on a closed client"),
     "CLOSED": ("FAILED_PRECONDITION", "client", "a call on closed memory"),
+    "ASLEEP": ("FAILED_PRECONDITION", "client", "memory or a pool used while asleep (its ranges reserved, nothing mapped: a copy into or out of it, an allocation), or a sleep or wake of a pool not in the state it needs"),
     "CONTEXT_CLOSED": ("FAILED_PRECONDITION", "client", "a call on a closed context"),
     "POOL_CLOSED": ("FAILED_PRECONDITION", "client", "a call on a closed pool"),
     "ALREADY_FREED": ("FAILED_PRECONDITION", "client", "a device array freed twice"),
     "DOUBLE_FREE": ("FAILED_PRECONDITION", "client", "a pool block freed twice"),
+    "NOT_ASLEEP": ("FAILED_PRECONDITION", "client", "a wake or resume of memory or a tag that is not asleep"),
+    "BAD_SLEEP_MODE": ("INVALID_ARGUMENT", "client", "a sleep mode other than 'offload' or 'discard', or a sleep level other than 1 or 2"),
+    "BAD_TAG": ("INVALID_ARGUMENT", "client", "a sleep tag that is not a non-empty string"),
     "BAD_OPTION": ("INVALID_ARGUMENT", "client", "a connect() option out of its range"),
     "BAD_STAGING_SIZE": ("INVALID_ARGUMENT", "client", "a staging size that is not 0 or a positive multiple of twice the page size"),
     "BAD_CONFIG": ("INVALID_ARGUMENT", "client", "a context or pool setting out of its range"),

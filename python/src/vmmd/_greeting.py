@@ -1,6 +1,7 @@
 """Opening a session: connect to the daemon's session socket, say hello (the
-protocol this client speaks) and take the daemon's answer (docs/PROTOCOL.md):
-the session id, its token, what the daemon can do."""
+protocol this client speaks, and the resume token of a session to resume) and
+take the daemon's answer (docs/PROTOCOL.md): the session id, its tokens, what
+the daemon can do."""
 from __future__ import annotations
 
 import os
@@ -15,8 +16,9 @@ from .errors import STATUS, VmmdError
 PROTOCOL_VERSION = _frames.PROTOCOL_VERSION
 
 
-def greet(path: str, timeout: float) -> Tuple[socket.socket, Any]:
-    """The connected socket and the daemon's HelloResponse.
+def greet(path: str, timeout: float, resume_token: str = "", what: str = "the session") -> Tuple[socket.socket, Any]:
+    """The connected socket and the daemon's HelloResponse (to a resume:
+    resumed, or the refusal raised).
 
     Raises VmmdError UNAVAILABLE DAEMON_UNREACHABLE, DEADLINE_EXCEEDED NO_GREETING,
     PERMISSION_DENIED (the daemon refused the session), FAILED_PRECONDITION
@@ -30,7 +32,7 @@ def greet(path: str, timeout: float) -> Tuple[socket.socket, Any]:
     sock.settimeout(timeout)
     try:
         try:
-            sock.send(_frames.encode(hello={"protocol": PROTOCOL_VERSION}))
+            sock.send(_frames.encode(hello={"protocol": PROTOCOL_VERSION, "resume_token": resume_token}))
         except (BrokenPipeError, ConnectionResetError):
             pass  # the daemon refused the session and closed: its refusal is read below
         try:
@@ -58,7 +60,7 @@ def greet(path: str, timeout: float) -> Tuple[socket.socket, Any]:
     if kind == "error":
         sock.close()
         status = frame.error.status if 0 < frame.error.status <= 16 else STATUS["PERMISSION_DENIED"]
-        raise VmmdError(frame.error.code, status, f"vmmd refused the session: {frame.error.message}")
+        raise VmmdError(frame.error.code, status, f"vmmd refused {what}: {frame.error.message}")
     if kind != "hello" or frame.hello.protocol != PROTOCOL_VERSION:
         sock.close()
         raise VmmdError("BAD_GREETING", STATUS["UNAVAILABLE"], f"vmmd at {path} greeted with an unexpected frame")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import fcntl
+import time
 from typing import Any, Callable, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 import grpc
@@ -14,6 +15,12 @@ from ._values import timeout_seconds
 from .errors import STATUS, VmmdError
 
 from ._declared import SESSION_METADATA_KEY  # noqa: F401  (re-exported: shared with the daemon, generated)
+# The RPCs sent again when the daemon's restart cut them off (UNAVAILABLE): they change nothing, or change it
+# to the same end however often they run. The rest fail to their caller (client/rpc.ts has the same list).
+SAFE_AGAIN = frozenset((
+    "GetStats", "GetReport", "ListSessions", "ListObjects", "GetVersion", "ListDevices", "GetMemoryInfo", "GetGranularity",
+    "List", "Read", "GetAccess", "GetProperties", "Share", "Export", "SetAccess", "Fill",
+))
 # Largest message a client stream sends.
 STREAM_CHUNK_BYTES = 1 << 20
 
@@ -41,7 +48,8 @@ def sealed_memfd(name: str, size: int) -> int:
 class _Service:
     """Calls of one service: each sends the session token and turns gRPC errors into VmmdError."""
 
-    def __init__(self, channel: grpc.Channel, name: str, metadata: Callable[[], List[Tuple[str, str]]], deadline: float) -> None:
+    def __init__(self, channel: grpc.Channel, name: str, metadata: Callable[[], List[Tuple[str, str]]], deadline: float, session: Any = None) -> None:
+        self._session = session
         self._calls = _proto.stub(channel, name)
         self._methods = _proto.methods(name)
         self._metadata = metadata
@@ -66,10 +74,26 @@ class _Service:
         """Raises VmmdError of the daemon's code; VmmdTimeoutError past `timeout` (None: the client's deadline)."""
         message = self._request(method, request, fields)
         seconds = self.seconds(timeout)
-        try:
-            return self._calls[method](message, metadata=self._metadata(), timeout=seconds)
-        except grpc.RpcError as error:
-            raise VmmdError.from_rpc(error) from None
+        session = self._session
+        if session is None or session.resume_token is None:
+            try:
+                return self._calls[method](message, metadata=self._metadata(), timeout=seconds)
+            except grpc.RpcError as error:
+                raise VmmdError.from_rpc(error) from None
+        # Under a daemon that parks sessions: the call waits while the session resumes, waits for the daemon's
+        # channel rather than failing at once, and goes again when the restart cut it off where that is safe.
+        deadline = time.monotonic() + seconds
+        for attempt in range(1_000_000):
+            session._wait_serving(deadline)
+            try:
+                return self._calls[method](message, metadata=self._metadata(), timeout=max(0.001, deadline - time.monotonic()), wait_for_ready=not session.closed)
+            except grpc.RpcError as error:
+                failed = VmmdError.from_rpc(error)
+                again = failed.code == "SESSION_RESUMING" or (failed.status == STATUS["UNAVAILABLE"] and attempt < 3 and method in SAFE_AGAIN)
+                if not again or session.closed or time.monotonic() >= deadline:
+                    raise failed from None
+                time.sleep(0.02)
+        raise AssertionError("unreachable")
 
     def server_stream(self, method: str, request: Request = None, timeout: Optional[float] = -1.0, **fields: Any) -> Iterator[Message]:
         message = self._request(method, request, fields)

@@ -11,6 +11,13 @@
  * a thread that waits for that mutex), the wait ends in NULL, PyTorch's out of
  * memory, never in a hang. The refill thread never calls into PyTorch.
  *
+ * Chunks carry a tag (0: none; vmmd.torch numbers the tags of its regions): a
+ * malloc carves only from chunks of the tag its thread set (vmmd_set_tag, a
+ * thread-local, as torch_memory_saver's region config), and never from a
+ * chunk put to sleep (vmmd_set_asleep): its range stays reserved with nothing
+ * mapped until the package wakes it. Room, refills and waits are per
+ * (tag, device) slot.
+ *
  * Reuse is stream-ordered, as in PyTorch's own allocator: a block freed on a
  * stream is reused at once by that stream, by another only once an event
  * recorded on the freeing stream (after the free) is done. The event calls are
@@ -27,6 +34,9 @@
 
 #define ALIGNMENT 512
 #define MAX_DEVICES 64
+#define MAX_TAGS 16
+#define SLOTS (MAX_TAGS * MAX_DEVICES)
+#define SLOT(tag, device) ((tag) * MAX_DEVICES + (device))
 #define CU_EVENT_DISABLE_TIMING 2
 #define CU_SUCCESS 0
 
@@ -50,13 +60,15 @@ typedef struct {
 } span_t;
 
 typedef struct {
-  int device;
+  int device, tag;
+  int asleep; /* unmapped, range kept: no malloc carves from it, it is never given back */
   uint64_t base, size;
   /* Invariant: spans cover [0, size) in order; no two FREE spans touch. */
   span_t *spans;
   int count, capacity;
   int freed; /* nothing in use since PyTorch freed a block of it: give it back */
   double last_use;
+  int own; /* leased for one large request (the CuPy library): small requests never split it */
 } chunk_t;
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -65,15 +77,17 @@ static pthread_cond_t wanted = PTHREAD_COND_INITIALIZER;   /* the refill thread 
 /* Invariant: every chunk is mapped and owned by the refill thread's pool until taken back. */
 static chunk_t *chunks;
 static int chunk_count, chunk_capacity;
-/* Bytes a malloc waits for, per device (0: none); generation counts refills and failures. */
-static uint64_t want[MAX_DEVICES];
-static uint64_t generation[MAX_DEVICES], failed_generation[MAX_DEVICES];
-/* FREE bytes per device, and its largest malloc: a refill goes ahead once the room is below
- * low_water plus the largest malloc, so that the next one like it need not wait. */
-static uint64_t room[MAX_DEVICES], largest[MAX_DEVICES];
-/* Bytes of the chunks held per device; a refill goes ahead also to keep ahead_fraction of them free:
+/* Bytes a malloc waits for, per slot (0: none); generation counts refills and failures. */
+static uint64_t want[SLOTS];
+static uint64_t generation[SLOTS], failed_generation[SLOTS];
+/* FREE bytes of awake chunks per slot, and its largest malloc: a refill goes ahead once the room is
+ * below low_water plus the largest malloc, so that the next one like it need not wait. */
+static uint64_t room[SLOTS], largest[SLOTS];
+/* Bytes of the chunks held per slot; a refill goes ahead also to keep ahead_fraction of them free:
  * the refill thread needs the GIL, and a burst of mallocs may come while it cannot have it. */
-static uint64_t held[MAX_DEVICES];
+static uint64_t held[SLOTS];
+/* The tag this thread's mallocs carve from. */
+static __thread int current_tag;
 static double ahead_fraction = 0.25;
 static int return_wanted, stopping;
 static double refill_timeout = 5.0;
@@ -162,17 +176,17 @@ static void *take(chunk_t *c, int i, uint64_t size, void *stream) {
   s->size = size;
   s->state = SPAN_USED;
   s->stream = stream;
-  if (was == SPAN_FREE) room[c->device] -= size;
+  if (was == SPAN_FREE) room[SLOT(c->tag, c->device)] -= size;
   c->freed = 0;
   c->last_use = now();
   return (void *)(uintptr_t)(c->base + s->offset);
 }
 
-static void *carve(int device, uint64_t size, void *stream) {
+static void *carve(int device, int tag, uint64_t size, void *stream) {
   /* A block this stream freed first: its work runs after the work before the free. */
   for (int k = 0; k < chunk_count; k++) {
     chunk_t *c = &chunks[k];
-    if (c->device != device) continue;
+    if (c->device != device || c->tag != tag || c->asleep) continue;
     for (int i = 0; i < c->count; i++) {
       if (c->spans[i].state == SPAN_HELD && c->spans[i].stream == stream && c->spans[i].size >= size) {
         counters[2]++;
@@ -182,7 +196,7 @@ static void *carve(int device, uint64_t size, void *stream) {
   }
   for (int k = 0; k < chunk_count; k++) {
     chunk_t *c = &chunks[k];
-    if (c->device != device) continue;
+    if (c->device != device || c->tag != tag || c->asleep) continue;
     for (int i = 0; i < c->count; i++) {
       if (c->spans[i].state == SPAN_FREE && c->spans[i].size >= size) return take(c, i, size, stream);
     }
@@ -190,13 +204,13 @@ static void *carve(int device, uint64_t size, void *stream) {
   return NULL;
 }
 
-/* HELD spans of `device` whose stream's work is done become FREE (waiting for it when `wait`).
- * Returns the bytes still HELD. */
-static uint64_t settle(int device, int wait) {
+/* HELD spans of the tag's awake chunks on `device` whose stream's work is done become FREE
+ * (waiting for it when `wait`). Returns the bytes still HELD. */
+static uint64_t settle(int device, int tag, int wait) {
   uint64_t held = 0;
   for (int k = 0; k < chunk_count; k++) {
     chunk_t *c = &chunks[k];
-    if (c->device != device) continue;
+    if (c->device != device || c->tag != tag || c->asleep) continue;
     for (int i = 0; i < c->count; i++) {
       span_t *s = &c->spans[i];
       if (s->state != SPAN_HELD) continue;
@@ -215,7 +229,7 @@ static uint64_t settle(int device, int wait) {
       }
       drop_event(s);
       s->state = SPAN_FREE;
-      room[device] += s->size;
+      room[SLOT(tag, device)] += s->size;
     }
     coalesce(c);
   }
@@ -236,41 +250,42 @@ static void deadline_after(struct timespec *t, double seconds) {
 void *vmmd_torch_malloc(ssize_t requested, int device, void *stream) {
   if (requested <= 0 || device < 0 || device >= MAX_DEVICES) return NULL;
   uint64_t size = ((uint64_t)requested + ALIGNMENT - 1) / ALIGNMENT * ALIGNMENT;
+  int tag = current_tag, slot = SLOT(tag, device);
   struct timespec deadline;
   deadline_after(&deadline, refill_timeout);
   pthread_mutex_lock(&lock);
   counters[0]++;
   void *found = NULL;
   for (;;) {
-    found = carve(device, size, stream);
-    if (found == NULL && settle(device, 0) >= size) {
+    found = carve(device, tag, size, stream);
+    if (found == NULL && settle(device, tag, 0) >= size) {
       counters[3]++;
-      settle(device, 1);
+      settle(device, tag, 1);
     }
-    if (found == NULL) found = carve(device, size, stream);
+    if (found == NULL) found = carve(device, tag, size, stream);
     if (found != NULL || stopping) break;
     /* No room: ask the refill thread and wait (a refill or a failure bumps the generation). */
-    uint64_t seen = generation[device];
-    if (want[device] < size) want[device] = size;
+    uint64_t seen = generation[slot];
+    if (want[slot] < size) want[slot] = size;
     pthread_cond_signal(&wanted);
     counters[4]++;
     int timed_out = 0;
-    while (generation[device] == seen && !stopping && !timed_out) {
+    while (generation[slot] == seen && !stopping && !timed_out) {
       timed_out = pthread_cond_timedwait(&refilled, &lock, &deadline) == ETIMEDOUT;
     }
     if (timed_out) {
       counters[5]++;
       break;
     }
-    if (failed_generation[device] == generation[device]) {
+    if (failed_generation[slot] == generation[slot]) {
       counters[6]++;
       break;
     }
   }
-  if (found != NULL && size > largest[device]) largest[device] = size;
-  uint64_t target = low_water + largest[device] + (uint64_t)((double)held[device] * ahead_fraction);
-  if (found != NULL && low_water > 0 && room[device] < target && want[device] == 0) {
-    want[device] = target - room[device]; /* ahead: room before the next mallocs need it */
+  if (found != NULL && size > largest[slot]) largest[slot] = size;
+  uint64_t target = low_water + largest[slot] + (uint64_t)((double)held[slot] * ahead_fraction);
+  if (found != NULL && low_water > 0 && room[slot] < target && want[slot] == 0) {
+    want[slot] = target - room[slot]; /* ahead: room before the next mallocs need it */
     pthread_cond_signal(&wanted);
   }
   pthread_mutex_unlock(&lock);
@@ -301,7 +316,7 @@ void vmmd_torch_free(void *pointer, ssize_t size, int device, void *stream) {
     c->last_use = now();
     if (known && !in_use) {
       c->freed = 1;
-      return_wanted = 1;
+      return_wanted |= !c->asleep; /* an asleep chunk goes back once it wakes */
       pthread_cond_signal(&wanted);
     }
   }
@@ -311,8 +326,36 @@ void vmmd_torch_free(void *pointer, ssize_t size, int device, void *stream) {
 
 /* The refill thread's side. */
 
-int vmmd_add_chunk(int device, uint64_t base, uint64_t size) {
-  if (device < 0 || device >= MAX_DEVICES) return -1;
+void vmmd_set_tag(int tag) { current_tag = tag >= 0 && tag < MAX_TAGS ? tag : 0; }
+
+int vmmd_get_tag(void) { return current_tag; }
+
+/* Marks the chunks of `tag` asleep (1: no malloc carves from them, none is given back; their
+ * FREE bytes leave the room) or awake (0). Returns the bytes of the chunks marked. */
+uint64_t vmmd_set_asleep(int tag, int asleep) {
+  uint64_t total = 0;
+  pthread_mutex_lock(&lock);
+  for (int k = 0; k < chunk_count; k++) {
+    chunk_t *c = &chunks[k];
+    if (c->tag != tag || c->asleep == !!asleep) continue;
+    uint64_t free_bytes = 0;
+    for (int i = 0; i < c->count; i++) free_bytes += c->spans[i].state == SPAN_FREE ? c->spans[i].size : 0;
+    int slot = SLOT(c->tag, c->device);
+    if (asleep) room[slot] -= free_bytes;
+    else room[slot] += free_bytes;
+    c->asleep = !!asleep;
+    c->last_use = now();
+    return_wanted |= !asleep && c->freed;
+    total += c->size;
+  }
+  pthread_cond_signal(&wanted);
+  pthread_mutex_unlock(&lock);
+  return total;
+}
+
+int vmmd_add_tagged_chunk(int device, int tag, uint64_t base, uint64_t size) {
+  if (device < 0 || device >= MAX_DEVICES || tag < 0 || tag >= MAX_TAGS) return -1;
+  int slot = SLOT(tag, device);
   pthread_mutex_lock(&lock);
   int result = -1;
   if (chunk_count == chunk_capacity) {
@@ -324,32 +367,37 @@ int vmmd_add_chunk(int device, uint64_t base, uint64_t size) {
     }
   }
   if (chunk_count < chunk_capacity) {
-    chunk_t c = {device, base, size, NULL, 0, 0, 0, now()};
+    chunk_t c = {device, tag, 0, base, size, NULL, 0, 0, 0, now(), 0};
     span_t whole = {0, size, SPAN_FREE, NULL, NULL};
     if (insert_span(&c, 0, whole) == 0) {
       chunks[chunk_count++] = c;
-      room[device] += size;
-      held[device] += size;
+      room[slot] += size;
+      held[slot] += size;
       result = 0;
     }
   }
-  generation[device]++;
+  generation[slot]++;
   pthread_cond_broadcast(&refilled);
   pthread_mutex_unlock(&lock);
   return result;
 }
 
-void vmmd_refill_failed(int device) {
-  if (device < 0 || device >= MAX_DEVICES) return;
+int vmmd_add_chunk(int device, uint64_t base, uint64_t size) { return vmmd_add_tagged_chunk(device, 0, base, size); }
+
+void vmmd_refill_failed_tag(int device, int tag) {
+  if (device < 0 || device >= MAX_DEVICES || tag < 0 || tag >= MAX_TAGS) return;
   pthread_mutex_lock(&lock);
-  failed_generation[device] = ++generation[device];
+  failed_generation[SLOT(tag, device)] = ++generation[SLOT(tag, device)];
   pthread_cond_broadcast(&refilled);
   pthread_mutex_unlock(&lock);
 }
 
-/* Waits up to `timeout` seconds for work: NEXT_REFILL with the device and the bytes a malloc
- * waits for (1: refill ahead), NEXT_RETURN when chunks may have emptied, NEXT_STOP, or NEXT_TICK. */
-int vmmd_next_request(int *device, uint64_t *bytes, double timeout) {
+void vmmd_refill_failed(int device) { vmmd_refill_failed_tag(device, 0); }
+
+/* Waits up to `timeout` seconds for work: NEXT_REFILL with the device, the tag and the bytes a
+ * malloc waits for (1: refill ahead), NEXT_RETURN when chunks may have emptied, NEXT_STOP, or
+ * NEXT_TICK. */
+int vmmd_next_tagged_request(int *device, int *tag, uint64_t *bytes, double timeout) {
   struct timespec deadline;
   deadline_after(&deadline, timeout);
   pthread_mutex_lock(&lock);
@@ -360,9 +408,10 @@ int vmmd_next_request(int *device, uint64_t *bytes, double timeout) {
       break;
     }
     int d = 0;
-    while (d < MAX_DEVICES && want[d] == 0) d++;
-    if (d < MAX_DEVICES) {
-      *device = d;
+    while (d < SLOTS && want[d] == 0) d++;
+    if (d < SLOTS) {
+      *device = d % MAX_DEVICES;
+      *tag = d / MAX_DEVICES;
       *bytes = want[d];
       want[d] = 0;
       answer = NEXT_REFILL;
@@ -379,11 +428,16 @@ int vmmd_next_request(int *device, uint64_t *bytes, double timeout) {
   return answer;
 }
 
-/* Bytes not in use in the device's chunks other than chunk `except`. */
-static uint64_t spare(int device, int except) {
+int vmmd_next_request(int *device, uint64_t *bytes, double timeout) {
+  int tag = 0;
+  return vmmd_next_tagged_request(device, &tag, bytes, timeout);
+}
+
+/* Bytes not in use in the awake chunks of the chunk `except`'s tag and device, other than it. */
+static uint64_t spare(int device, int tag, int except) {
   uint64_t total = 0;
   for (int k = 0; k < chunk_count; k++) {
-    if (k == except || chunks[k].device != device) continue;
+    if (k == except || chunks[k].device != device || chunks[k].tag != tag || chunks[k].asleep) continue;
     for (int i = 0; i < chunks[k].count; i++) {
       if (chunks[k].spans[i].state != SPAN_USED) total += chunks[k].spans[i].size;
     }
@@ -403,15 +457,16 @@ int vmmd_take_empty_chunk(int mode, double idle, int *device, uint64_t *base, ui
   int found = 0;
   for (int k = 0; k < chunk_count && !found; k++) {
     chunk_t *c = &chunks[k];
-    int in_use = 0;
+    int in_use = c->asleep;
     for (int i = 0; i < c->count; i++) in_use |= c->spans[i].state == SPAN_USED;
     if (in_use) continue;
-    if (mode == TAKE_FREED ? !c->freed || spare(c->device, k) < low_water : idle <= 0 || t - c->last_use < idle) continue;
+    if (mode == TAKE_FREED ? !c->freed || spare(c->device, c->tag, k) < low_water : idle <= 0 || t - c->last_use < idle) continue;
+    int slot = SLOT(c->tag, c->device);
     for (int i = 0; i < c->count; i++) {
-      if (c->spans[i].state == SPAN_FREE) room[c->device] -= c->spans[i].size;
+      if (c->spans[i].state == SPAN_FREE) room[slot] -= c->spans[i].size;
       drop_event(&c->spans[i]);
     }
-    held[c->device] -= c->size;
+    held[slot] -= c->size;
     *device = c->device;
     *base = c->base;
     *size = c->size;

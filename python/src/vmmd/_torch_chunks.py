@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from . import _sleep
+from ._sleep import Segment
 from ._values import seconds_setting
 from .pool import Chunk, DevicePool, idle_seconds_setting
 from .errors import STATUS, VmmdError
@@ -42,8 +44,17 @@ class ChunkSupply:
         self._pool_for = pool_for
         self.chunk_size = chunk_size
         self.idle_seconds = idle_seconds_setting(idle_seconds)
-        # Invariant: every chunk the C library holds, by base, with the pool that leased it.
-        self._chunks: Dict[int, Tuple[DevicePool, Chunk]] = {}
+        # Invariant: every chunk the C library holds, by base, with the pool that leased it and its tag.
+        self._chunks: Dict[int, Tuple[DevicePool, Chunk, int]] = {}
+        # Tags whose chunks are asleep, with the client their pools lease from and their segments; a refill
+        # for one of them fails (PyTorch's out of memory).
+        self._asleep: Dict[int, Tuple[Any, List[Segment]]] = {}
+        # CUDA graph captures under way: no chunk goes back meanwhile (a give-back synchronizes the
+        # device, which a capture in global mode refuses and is invalidated by).
+        self.captures = 0
+        # The sleep record of every chunk that has slept, by base; with `retain`, its host copy stays after wake.
+        self._segments: Dict[int, Segment] = {}
+        self.retain = False
         self._lock = threading.Lock()
         self.errors: List[BaseException] = []
         # Room ahead (half a chunk, the largest malloc and a quarter of what is held): most mallocs never wait for this thread.
@@ -51,15 +62,18 @@ class ChunkSupply:
         self._thread = threading.Thread(target=self._run, name="vmmd-torch-chunks", daemon=True)
         self._thread.start()
 
-    def add(self, device: int, wanted: int) -> Chunk:
-        """Leases and maps a chunk of at least `wanted` bytes for `device` and hands it to the C library."""
+    def add(self, device: int, wanted: int, tag: int = 0) -> Chunk:
+        """Leases and maps a chunk of at least `wanted` bytes for `device` and `tag` and hands it to the C library.
+        Raises VmmdError ASLEEP for a tag asleep."""
+        if tag in self._asleep:
+            raise VmmdError("ASLEEP", STATUS["FAILED_PRECONDITION"], f"tag number {tag} is asleep: no memory is allocated for it until it wakes")
         pool = self._pool_for(device)
         size = max(pool.chunk_size, -(-wanted // pool.granularity) * pool.granularity)
         memory = pool._lease(size)
         chunk = Chunk(memory, int(memory.address), int(memory.size))
         with self._lock:
-            self._chunks[chunk.base] = (pool, chunk)
-        if self.library.vmmd_add_chunk(device, chunk.base, chunk.size) != 0:
+            self._chunks[chunk.base] = (pool, chunk, tag)
+        if self.library.vmmd_add_tagged_chunk(device, tag, chunk.base, chunk.size) != 0:
             with self._lock:
                 del self._chunks[chunk.base]
             pool._release([chunk])
@@ -70,9 +84,16 @@ class ChunkSupply:
         """Takes the chunks the C library lets go (TAKE_FREED or TAKE_IDLE) back to the daemon; returns the bytes."""
         device, base, size = ctypes.c_int(), ctypes.c_uint64(), ctypes.c_uint64()
         taken: Dict[int, Tuple[DevicePool, List[Chunk]]] = {}
-        while self.library.vmmd_take_empty_chunk(mode, ctypes.c_double(self.idle_seconds), ctypes.byref(device), ctypes.byref(base), ctypes.byref(size)):
+        while True:
+            # The take and the pop under one lock: a sleep that marks a tag asleep between them would
+            # otherwise find a chunk this is giving back (it marks first, then collects under this lock).
             with self._lock:
-                pool, chunk = self._chunks.pop(base.value)
+                if not self.library.vmmd_take_empty_chunk(mode, ctypes.c_double(self.idle_seconds), ctypes.byref(device), ctypes.byref(base), ctypes.byref(size)):
+                    break
+                pool, chunk, _ = self._chunks.pop(base.value)
+                segment = self._segments.pop(chunk.base, None)
+            if segment is not None:
+                _sleep.forget(pool.client, [segment])
             taken.setdefault(id(pool), (pool, []))[1].append(chunk)
         total = 0
         for pool, chunks in taken.values():
@@ -83,7 +104,7 @@ class ChunkSupply:
 
     def locate(self, address: int) -> Optional[Tuple[DevicePool, Chunk, int]]:
         with self._lock:
-            for pool, chunk in self._chunks.values():
+            for pool, chunk, _ in self._chunks.values():
                 if chunk.base <= address < chunk.base + chunk.size:
                     return pool, chunk, address - chunk.base
         return None
@@ -92,8 +113,58 @@ class ChunkSupply:
         values = (ctypes.c_uint64 * len(COUNTERS))()
         self.library.vmmd_counters(values)
         with self._lock:
-            held = sum(chunk.size for _, chunk in self._chunks.values())
-        return {**dict(zip(COUNTERS, (int(v) for v in values))), "chunks": len(self._chunks), "bytes": held}
+            held = sum(chunk.size for _, chunk, _ in self._chunks.values())
+            asleep = sum(segment.memory.size for _, segments in self._asleep.values() for segment in segments)
+        return {**dict(zip(COUNTERS, (int(v) for v in values))), "chunks": len(self._chunks), "bytes": held, "asleep_bytes": asleep}
+
+    def asleep(self, tag: int) -> bool:
+        return tag in self._asleep
+
+    def sleep(self, tag: int, mode: str) -> int:
+        """Puts the chunks of `tag` to sleep (`offload` or `discard`, _sleep.py); returns their bytes.
+        Raises VmmdError BAD_SLEEP_MODE, ASLEEP, OUT_OF_MEMORY (no host memory for the copies: still awake)."""
+        _sleep.check_mode(mode)
+        with self._lock:
+            if tag in self._asleep:
+                raise VmmdError("ASLEEP", STATUS["FAILED_PRECONDITION"], f"tag number {tag} is already asleep")
+            # Marked first: from here no malloc carves from them and the refill thread gives none of them back.
+            self._asleep[tag] = (None, [])
+        self.library.vmmd_set_asleep(tag, 1)
+        try:
+            with self._lock:
+                tagged = [(pool, chunk) for pool, chunk, chunk_tag in self._chunks.values() if chunk_tag == tag]
+                segments = [self._segments.setdefault(chunk.base, Segment(chunk.memory, pool.location)) for pool, chunk in tagged]
+            client = tagged[0][0].client if tagged else None
+            _sleep.sleep(client, segments, mode)
+        except BaseException:
+            with self._lock:
+                del self._asleep[tag]
+            self.library.vmmd_set_asleep(tag, 0)
+            raise
+        with self._lock:
+            self._asleep[tag] = (client, segments)
+            for _, chunk in tagged:
+                chunk.share_key = None
+        return sum(segment.memory.size for segment in segments)
+
+    def wake(self, tags: Sequence[int], timeout: Optional[float] = None) -> int:
+        """Maps new memory at the addresses of the chunks of every tag in
+        `tags`, asked of the daemon in one request, and copies offloaded
+        contents back; returns the bytes.
+        Raises VmmdError NOT_ASLEEP (nothing done), OUT_OF_MEMORY (all still asleep and intact)."""
+        with self._lock:
+            missing = [tag for tag in tags if tag not in self._asleep]
+            segments = [segment for tag in tags for segment in self._asleep.get(tag, (None, []))[1]]
+            clients = [self._asleep[tag][0] for tag in tags if tag in self._asleep and self._asleep[tag][0] is not None]
+        if missing:
+            raise VmmdError("NOT_ASLEEP", STATUS["FAILED_PRECONDITION"], f"tag number {missing[0]} is not asleep")
+        _sleep.wake(clients[0] if clients else None, segments, timeout, retain=self.retain)
+        with self._lock:
+            for tag in tags:
+                del self._asleep[tag]
+        for tag in tags:
+            self.library.vmmd_set_asleep(tag, 0)
+        return sum(segment.memory.size for segment in segments)
 
     def stop(self) -> None:
         """Stops the thread (mallocs fail from now on); the chunks stay with the session."""
@@ -101,22 +172,23 @@ class ChunkSupply:
         self._thread.join(10)
 
     def _run(self) -> None:
-        device, wanted = ctypes.c_int(), ctypes.c_uint64()
+        device, tag, wanted = ctypes.c_int(), ctypes.c_int(), ctypes.c_uint64()
         tick = ctypes.c_double(min(1.0, self.idle_seconds / 4) if self.idle_seconds > 0 else 1.0)
         while True:
-            kind = self.library.vmmd_next_request(ctypes.byref(device), ctypes.byref(wanted), tick)
+            kind = self.library.vmmd_next_tagged_request(ctypes.byref(device), ctypes.byref(tag), ctypes.byref(wanted), tick)
             if kind == NEXT_STOP:
                 return
             try:
                 # Emptied chunks first: their memory may be what the refill needs.
-                self.give_back(TAKE_FREED)
-                if kind == NEXT_TICK and self.idle_seconds > 0:
+                if not self.captures:
+                    self.give_back(TAKE_FREED)
+                if kind == NEXT_TICK and self.idle_seconds > 0 and not self.captures:
                     self.give_back(TAKE_IDLE)
             except BaseException as error:  # noqa: BLE001 - the thread must live on; kept for stats and tests
                 self.errors.append(error)
             if kind == NEXT_REFILL:
                 try:
-                    self.add(device.value, int(wanted.value))
+                    self.add(device.value, int(wanted.value), tag.value)
                 except BaseException as error:  # noqa: BLE001 - the waiting malloc gets NULL: PyTorch's out of memory
                     self.errors.append(error)
-                    self.library.vmmd_refill_failed(device.value)
+                    self.library.vmmd_refill_failed_tag(device.value, tag.value)

@@ -2,15 +2,21 @@
 round trip on the session socket while the session is open, the RPC after."""
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Optional, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 from . import _proto
 from ._rpc import STREAM_CHUNK_BYTES, Message, Request, _Service
 from ._staging import STAGED_MIN_BYTES, StagingBuffer, StagingRefused
 from .errors import STATUS, VmmdError
 from .memory import CudaImportedMemory, HostImportedMemory, ImportedMemory
+from ._declared import MAX_ALLOCATE_ALL_SIZES, MAX_ALLOCATE_ALL_WAIT_MS
 from ._reading import close_fd
 from .session import ClientSession, allocation_id
+
+# How long a wake waits by default for memory another process's sleep frees, and at most.
+WAKE_SECONDS = 60.0
+MAX_WAKE_SECONDS = MAX_ALLOCATE_ALL_WAIT_MS / 1000
+
 
 class VirtualMemoryApi:
     """The VirtualMemory service, and mapping exported memory here."""
@@ -107,6 +113,12 @@ class VirtualMemoryApi:
         """The raw Allocate RPC: the descriptor waits on the session socket under the returned transfer id."""
         return self._service.unary("Allocate", request, timeout=timeout, **fields)
 
+    def allocate_all(self, request: Request = None, timeout: Optional[float] = None, **fields: Any) -> Message:
+        """The raw AllocateAll RPC (sizes, location, deadline_ms): the descriptors wait on the session
+        socket under the answer's transfer ids; allocate_for_wake() takes them.
+        Raises VmmdError OUT_OF_MEMORY (at the deadline), ZERO_SIZE, NOT_ALIGNED, TOO_MANY_SIZES, BEYOND_DEVICE, BAD_DEADLINE, BUDGET_EXCEEDED."""
+        return self._service.unary("AllocateAll", request, timeout=timeout, **fields)
+
     def open_staging(self, transfer_id: int, timeout: Optional[float] = None) -> Message:
         return self._service.unary("OpenStaging", transfer_id=transfer_id, timeout=timeout)
 
@@ -165,6 +177,58 @@ class VirtualMemoryApi:
             int(exported.allocation_id), owner, int(exported.size), int(exported.granularity), int(exported.device), exported.device_uuid,
             _proto_location_type(exported.location), int(exported.location.id), read_only, host_access,
         )
+
+    def allocate_for_wake(self, pieces: List[Tuple[int, Any]], timeout: Optional[float] = None) -> List[Tuple[int, int]]:
+        """New allocations of this session for memory that wakes: one per
+        (size, location), all or none; returns (allocation id, descriptor)
+        pairs in order, the descriptors the caller's. The daemon serves each
+        location's pieces as one AllocateAll: serialized with other wakes of
+        that device, and queued up to `timeout` seconds (None: WAKE_SECONDS)
+        until releases free the memory.
+        Raises VmmdError OUT_OF_MEMORY (at the deadline; nothing kept), BEYOND_DEVICE, SESSION_LOST."""
+        wait = WAKE_SECONDS if timeout is None else float(timeout)
+        if not (0 <= wait <= MAX_WAKE_SECONDS):
+            raise VmmdError("BAD_TIMEOUT", STATUS["INVALID_ARGUMENT"], f"a wake's timeout of {timeout!r} s: it is 0 to {MAX_WAKE_SECONDS:g} s")
+        groups: Dict[str, List[int]] = {}
+        locations: Dict[str, Any] = {}
+        for index, (_, location) in enumerate(pieces):
+            key = repr(sorted(location.items())) if isinstance(location, Mapping) else repr(location)
+            groups.setdefault(key, []).append(index)
+            locations[key] = location
+        granted: List[Optional[Tuple[int, int]]] = [None] * len(pieces)
+        try:
+            for key, indices in groups.items():
+                # At most MAX_ALLOCATE_ALL_SIZES a request: a larger wake is several, undone together on a failure.
+                for start in range(0, len(indices), MAX_ALLOCATE_ALL_SIZES):
+                    batch = indices[start : start + MAX_ALLOCATE_ALL_SIZES]
+                    for index, answer in zip(batch, self._allocate_all([int(pieces[i][0]) for i in batch], locations[key], wait)):
+                        granted[index] = answer
+        except BaseException as error:
+            for got in granted:
+                if got is not None:
+                    close_fd(got[1])
+                    self._give_back(str(got[0]), error)
+            raise
+        return [got for got in granted if got is not None]
+
+    def _allocate_all(self, sizes: List[int], location: Any, wait: float) -> List[Tuple[int, int]]:
+        """One AllocateAll and its descriptors, taken from the session socket; all or none."""
+        fields: Dict[str, Any] = {"sizes": sizes, "deadline_ms": int(wait * 1000)}
+        if location is not None:
+            fields["location"] = location
+        # The call outlives the daemon's deadline: the daemon answers OUT_OF_MEMORY, not the channel DEADLINE_EXCEEDED.
+        response = self.allocate_all(timeout=wait + self._service.seconds(None), **fields)
+        taken: List[Tuple[int, int]] = []
+        try:
+            for allocation in response.allocations:
+                taken.append((int(allocation.allocation_id), self._session.take_transfer(allocation.transfer_id, self._service.seconds(None))))
+        except BaseException as error:
+            for allocation_id, fd in taken:
+                close_fd(fd)
+            for allocation in response.allocations:
+                self._give_back(str(allocation.allocation_id), error)
+            raise
+        return taken
 
     def _give_back(self, allocation: str, error: BaseException) -> None:
         """Releases an allocation its caller will not get: at once after a

@@ -21,6 +21,7 @@ from ._stores import OpenedStore, StoreName, StoresApi
 from ._vmm import VirtualMemoryApi
 from .errors import STATUS, VmmdError
 from .paths import default_socket_dir, socket_paths
+from ._resuming import resume_wait_seconds
 from .session import DEFAULT_BUSY_POLL_US, ClientSession, busy_poll_budget
 
 __all__ = [
@@ -88,12 +89,12 @@ class VmmdClient:
         self.lost = False
         self.on_session_lost: List[Callable[[VmmdError], None]] = []
         metadata = lambda: [(SESSION_METADATA_KEY, session.token)]  # noqa: E731
-        self.devices = DevicesApi(_Service(channel, "Devices", metadata, deadline))
-        self.admin = AdminApi(_Service(channel, "Admin", metadata, deadline))
+        self.devices = DevicesApi(_Service(channel, "Devices", metadata, deadline, session))
+        self.admin = AdminApi(_Service(channel, "Admin", metadata, deadline, session))
         # How to map the daemon's descriptors is a capability its hello states: memfds ("host") or CUDA handles ("cuda").
         self.backend: str = _descriptor_kind(session)
-        self.vmm = VirtualMemoryApi(_Service(channel, "VirtualMemory", metadata, deadline), session, self.backend, staging_bytes)
-        self.stores = StoresApi(_Service(channel, "Stores", metadata, deadline), session, self.backend)
+        self.vmm = VirtualMemoryApi(_Service(channel, "VirtualMemory", metadata, deadline, session), session, self.backend, staging_bytes)
+        self.stores = StoresApi(_Service(channel, "Stores", metadata, deadline, session), session, self.backend)
         self._options = (deadline, staging_bytes, busy_poll_us)
         # The session holds the client weakly (its reader thread holds the session): a client dropped without
         # close() is collected, and its finalizer ends the session.
@@ -108,10 +109,11 @@ class VmmdClient:
         if self._closing:
             return
         self.lost = True
+        why = self.session._why_lost
         error = VmmdError(
             "SESSION_LOST",
             STATUS["UNAVAILABLE"],
-            f"session {self.session.id} with vmmd at {self.socket_dir} ended: the daemon went away; everything the session held in the daemon is gone (memory mapped in this process stays valid); reconnect() opens a new session",
+            f"session {self.session.id} with vmmd at {self.socket_dir} ended: the daemon went away{'' if why is None else f' and the session did not come back ({why})'}; everything the session held in the daemon is gone (memory mapped in this process stays valid); reconnect() opens a new session",
         )
         for callback in list(self.on_session_lost):
             callback(error)
@@ -195,6 +197,7 @@ def connect(
     connect_timeout: float = 5.0,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     busy_poll_us: Optional[int] = None,
+    resume_wait_s: Optional[float] = None,
 ) -> VmmdClient:
     """Opens a session with the daemon and a gRPC channel to it.
 
@@ -203,7 +206,10 @@ def connect(
     staging buffer of large reads and writes (0: stream everything over gRPC);
     busy_poll_us: how long a caller spins for its answer on the session
     socket before it sleeps (default VMMD_CLIENT_BUSY_POLL_US, else 200; 0:
-    never). Raises VmmdError UNAVAILABLE DAEMON_UNREACHABLE when no daemon
+    never); resume_wait_s: under a daemon that parks its sessions (restarts
+    without loss), how long the session tries to resume after its socket
+    closed, calls waiting meanwhile (default VMMD_RESUME_WAIT_MS, else 30 s;
+    0: never). Raises VmmdError UNAVAILABLE DAEMON_UNREACHABLE when no daemon
     serves the directory, INVALID_ARGUMENT BAD_STAGING_SIZE, BAD_OPTION."""
     page = mmap.PAGESIZE
     if not isinstance(staging_bytes, int) or staging_bytes < 0 or staging_bytes % (2 * page) != 0 or staging_bytes > MAX_STAGING_BYTES:
@@ -211,8 +217,9 @@ def connect(
     spin = busy_poll_budget(busy_poll_us)
     directory = socket_dir or default_socket_dir()
     grpc_path, session_path = socket_paths(directory)
-    session = ClientSession.open(session_path, connect_timeout, spin)
-    channel = grpc.insecure_channel(f"unix://{grpc_path}")
+    session = ClientSession.open(session_path, connect_timeout, spin, resume_wait_seconds(resume_wait_s))
+    # A restarted daemon is reached again within a fraction of a second, not after gRPC's default backoff of seconds.
+    channel = grpc.insecure_channel(f"unix://{grpc_path}", options=[("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 1000)])
     try:
         return VmmdClient(session, directory, channel, deadline, staging_bytes, spin)
     except BaseException:

@@ -53,10 +53,44 @@ class ImportedMemory:
         self.device = device
         self.read_only = read_only
         self._closed = False
+        # Invariant: while asleep the range stays reserved at `address` with nothing mapped, and allocation_id is 0.
+        self._asleep = False
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the memory was given back with its range kept (suspend()) and not mapped again yet."""
+        return self._asleep
+
+    def suspend(self) -> None:
+        """Unmaps the memory here and keeps its address range reserved, so that
+        resume() maps other memory at the same address; the caller releases
+        the allocation. Work queued on the range must be done.
+        Raises VmmdError FAILED_PRECONDITION CLOSED, ASLEEP."""
+        self._check_open()
+        self._suspend()
+        self._asleep = True
+        self.allocation_id = 0
+
+    def resume(self, allocation_id: int, fd: int) -> None:
+        """Maps the descriptor `fd` (of at least `size` bytes) at this memory's
+        address, with its access as before; takes fd (closed here).
+        Raises VmmdError FAILED_PRECONDITION NOT_ASLEEP, LOCAL_MAP_FAILED (still asleep then)."""
+        if not self._asleep or self._closed:
+            os.close(fd)
+            raise VmmdError("NOT_ASLEEP", STATUS["FAILED_PRECONDITION"], f"the memory at 0x{self.address:x} is not asleep: only suspended memory maps again at its address")
+        self._resume(fd)
+        self._asleep = False
+        self.allocation_id = allocation_id
+
+    def _suspend(self) -> None:
+        raise NotImplementedError
+
+    def _resume(self, fd: int) -> None:
+        raise NotImplementedError
 
     @property
     def is_device_memory(self) -> bool:
@@ -122,6 +156,8 @@ class ImportedMemory:
     def _check_open(self) -> None:
         if self._closed:
             raise VmmdError("CLOSED", STATUS["FAILED_PRECONDITION"], f"allocation {self.allocation_id} was unmapped here")
+        if self._asleep:
+            raise VmmdError("ASLEEP", STATUS["FAILED_PRECONDITION"], f"the memory at 0x{self.address:x} is asleep: its range is reserved with nothing mapped until it wakes")
 
     def _check_range(self, offset: int, length: int) -> None:
         self._check_open()
@@ -133,7 +169,7 @@ class ImportedMemory:
             )
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"at 0x{self.address:x}"
+        state = "closed" if self._closed else f"{'asleep ' if self._asleep else ''}at 0x{self.address:x}"
         return f"<{type(self).__name__} allocation {self.allocation_id}, {self.size} bytes {state}{', read-only' if self.read_only else ''}>"
 
 
@@ -213,11 +249,36 @@ class HostImportedMemory(ImportedMemory):
             raise VmmdError("VIEWS_ALIVE", STATUS["FAILED_PRECONDITION"], f"allocation {self.allocation_id} still has views in this process (numpy arrays, memoryviews); drop them before close()") from None
         self._closed = True
 
+    def _suspend(self) -> None:
+        # Anonymous, inaccessible pages over the range (MAP_FIXED replaces the shared ones at once): the
+        # address stays ours, a touch faults as an unmapped device range does, and close() unmaps it all.
+        _fixed_map(self.address, self.size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1)
+
+    def _resume(self, fd: int) -> None:
+        try:
+            _fixed_map(self.address, self.size, PROT_READ | (0 if self.read_only else PROT_WRITE), MAP_SHARED, fd)
+        finally:
+            os.close(fd)
+
     def _copy_out(self, offset: int, length: int) -> bytes:
         return self._map[offset : offset + length]
 
     def _copy_in(self, offset: int, data: memoryview) -> None:
         self._map[offset : offset + data.nbytes] = data
+
+
+PROT_NONE, PROT_READ, PROT_WRITE = 0, 1, 2
+MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+
+
+def _fixed_map(address: int, size: int, protection: int, flags: int, fd: int) -> None:
+    """mmap(MAP_FIXED) over [address, +size) of a mapping of ours. Raises VmmdError LOCAL_MAP_FAILED."""
+    if _libc.mmap(address, size, protection, flags | MAP_FIXED, fd, 0) in (None, ctypes.c_void_p(-1).value):
+        code = ctypes.get_errno()
+        raise local_map_failed(OSError(code, os.strerror(code)), protection == PROT_READ)
 
 
 class _PyBuffer(ctypes.Structure):
@@ -259,9 +320,10 @@ class CudaImportedMemory(ImportedMemory):
     of `device` (imported, reserved, mapped, access set); `__cuda_array_interface__`
     exposes it as bytes, view() as any dtype and shape."""
 
-    def __init__(self, allocation_id: int, address: int, size: int, device: int, read_only: bool, host_view: bool = False) -> None:
+    def __init__(self, allocation_id: int, address: int, size: int, device: int, read_only: bool, host_view: bool = False, host_numa: Optional[int] = None) -> None:
         super().__init__(allocation_id, address, size, device, read_only)
         self._host_view = host_view
+        self._host_numa = host_numa
         self._lock = threading.Lock()
         # Invariant: _copies counts the reads and writes running in any thread; close() waits for 0.
         self._copies = 0
@@ -281,7 +343,7 @@ class CudaImportedMemory(ImportedMemory):
             raise
         except Exception as error:
             raise local_map_failed(error, read_only) from None
-        return cls(allocation_id, address, size, device, read_only, host_view=host_numa is not None)
+        return cls(allocation_id, address, size, device, read_only, host_view=host_numa is not None, host_numa=host_numa)
 
     @property
     def is_device_memory(self) -> bool:
@@ -314,7 +376,25 @@ class CudaImportedMemory(ImportedMemory):
             _cuda.synchronize(self.device)
         except VmmdError:
             pass  # no usable context (interpreter exit, a reset device): nothing of ours can still run
-        _cuda.unmap(self.address, self.size, self.device)
+        _cuda.unmap(self.address, self.size, self.device, mapped=not self._asleep)
+
+    def _suspend(self) -> None:
+        from . import _cuda
+
+        with self._lock:
+            while self._copies > 0:
+                self._idle.wait()
+            _cuda.unmap_keep_range(self.address, self.size)
+
+    def _resume(self, fd: int) -> None:
+        from . import _cuda
+
+        try:
+            _cuda.map_at(fd, self.address, self.size, self.device, self.read_only, self._host_numa)
+        except VmmdError:
+            raise
+        except Exception as error:
+            raise local_map_failed(error, self.read_only) from None
 
     def _copy_out(self, offset: int, length: int) -> bytes:
         from . import _cuda

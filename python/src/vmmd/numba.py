@@ -12,6 +12,10 @@ daemon (the legacy cuIpc* API does not work on VMM memory). Frees go through
 Numba's deferred deallocations and return blocks to the pool in pure Python:
 a finalizer never calls the daemon or the driver.
 
+sleep() gives the context's pool back to the daemon with every address kept
+(device arrays stay valid, untouched until wake()); wake() maps new memory at
+the same addresses and copies back what was offloaded.
+
 The daemon's socket directory comes from VMMD_SOCKET_DIR (or the default);
 VMMD_NUMBA_CHUNK_BYTES and VMMD_NUMBA_LARGE_BYTES tune the pool.
 """
@@ -27,7 +31,7 @@ from numba.cuda import HostOnlyCUDAMemoryManager, IpcHandle, MemoryInfo, MemoryP
 from numba.cuda.cudadrv import driver as _driver
 
 from .client import shared_client
-from .errors import VmmdError
+from .errors import STATUS, VmmdError
 from .ipc import decode_ipc_handle, encode_ipc_handle
 from .pool import Block, DevicePool
 
@@ -159,6 +163,36 @@ class VmmdNumbaMemoryManager(HostOnlyCUDAMemoryManager):
 
     def stats(self) -> Dict[str, int]:
         return {**self.pool.stats(), **dict(self.pool.counters)}
+
+    def sleep(self, mode: str = "offload") -> int:
+        """Runs the pending frees, then puts the pool to sleep (DevicePool.sleep); returns the bytes.
+        Raises VmmdError BAD_SLEEP_MODE, ASLEEP, OUT_OF_MEMORY."""
+        self.deallocations.clear()
+        return self.pool.sleep(mode)
+
+    def wake(self, timeout: Optional[float] = None) -> int:
+        """Wakes the pool (DevicePool.wake); returns the bytes. Raises VmmdError OUT_OF_MEMORY (still asleep)."""
+        return self.pool.wake(timeout)
+
+
+def _manager() -> VmmdNumbaMemoryManager:
+    from numba import cuda
+
+    manager = cuda.current_context().memory_manager
+    if not isinstance(manager, VmmdNumbaMemoryManager):
+        raise VmmdError("NOT_VMMD_MEMORY", STATUS["NOT_FOUND"], f"the current context's memory manager is {type(manager).__name__}: set NUMBA_CUDA_MEMORY_MANAGER=vmmd.numba")
+    return manager
+
+
+def sleep(mode: str = "offload") -> int:
+    """Puts the current context's vmmd pool to sleep (VmmdNumbaMemoryManager.sleep).
+    Raises VmmdError NOT_FOUND NOT_VMMD_MEMORY when Numba does not use vmmd.numba."""
+    return _manager().sleep(mode)
+
+
+def wake(timeout: Optional[float] = None) -> int:
+    """Wakes the current context's vmmd pool (VmmdNumbaMemoryManager.wake)."""
+    return _manager().wake(timeout)
 
 
 _numba_memory_manager = VmmdNumbaMemoryManager

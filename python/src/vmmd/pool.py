@@ -11,6 +11,11 @@ work queued before its free is done. Memory goes back to the daemon on trim()
 (CuPy's free_all_blocks, Numba's reset) and by itself once the pool has been
 idle for `idle_seconds` (VMMD_POOL_IDLE_SECONDS, default 10; 0 never).
 
+A pool carries a tag ("default" unless given): sleep() gives its physical
+memory back while every address stays reserved (offloaded to the daemon's
+host memory or discarded, _sleep.py), wake() maps new memory at the same
+addresses; pools() finds a process's pools by tag.
+
 Frees may come from finalizers and __del__ at any moment, on any thread, even
 while this thread is inside the pool: they are queued and applied under the
 lock by the next call that holds it, so a finalizer never blocks, never
@@ -19,25 +24,31 @@ from __future__ import annotations
 
 import bisect
 import collections
-import os
 import threading
 import time
 import weakref
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
+from . import _sleep
+from ._sleep import Segment
 from ._stream_order import StreamOrder
-from ._values import seconds_setting
+from ._pool_idle import REAPER as _REAPER, idle_seconds_setting
 from .errors import STATUS, VmmdError
 
 ALIGNMENT = 256
-IDLE_SECONDS = 10.0
+DEFAULT_TAG = "default"
 
 
-def idle_seconds_setting(value: Optional[float]) -> float:
-    """Seconds an idle pool keeps its free chunks: `value`, else
-    VMMD_POOL_IDLE_SECONDS, else IDLE_SECONDS; 0 keeps them until trim().
-    Raises VmmdError INVALID_ARGUMENT BAD_IDLE_SECONDS."""
-    return seconds_setting(value, "VMMD_POOL_IDLE_SECONDS", IDLE_SECONDS, keyword="idle_seconds", code="BAD_IDLE_SECONDS", what="pool idle time", zero_allowed=True)
+def check_tag(tag: Any) -> str:
+    """Raises VmmdError INVALID_ARGUMENT BAD_TAG."""
+    if not isinstance(tag, str) or not tag:
+        raise VmmdError("BAD_TAG", STATUS["INVALID_ARGUMENT"], f"tag {tag!r}: a tag is a non-empty string")
+    return tag
+
+
+def pools(tag: Optional[str] = None) -> List["DevicePool"]:
+    """This process's open pools tagged `tag` (None: all)."""
+    return [pool for pool in list(_POOLS) if not pool._closed and (tag is None or pool.tag == tag)]
 
 
 def size_class(size: int) -> int:
@@ -137,8 +148,17 @@ class DevicePool:
     blocks; chunks come from client.vmm.allocate() and go back to the daemon on
     trim(), close(), or with the session when the process ends."""
 
-    def __init__(self, client: Any, device: int = 0, chunk_size: int = 32 << 20, large_threshold: int = 16 << 20, location: Optional[Dict[str, Any]] = None, idle_seconds: Optional[float] = None) -> None:
+    def __init__(self, client: Any, device: int = 0, chunk_size: int = 32 << 20, large_threshold: int = 16 << 20, location: Optional[Dict[str, Any]] = None, idle_seconds: Optional[float] = None, tag: str = DEFAULT_TAG, retain_copies: bool = False) -> None:
         self.client = client
+        self.tag = check_tag(tag)
+        # Keep the host copies of offloaded memory after wake, for the next sleep (_sleep.py).
+        self.retain_copies = retain_copies
+        # The sleep record of each chunk (by base) and attached store (by address) that has slept.
+        self._segments: Dict[int, Segment] = {}
+        # Invariant: None while awake; asleep, one segment per chunk of _chunks and _large, nothing else held.
+        self._sleeping: Optional[List[Segment]] = None
+        # Opened stores whose mappings sleep and wake with the pool (never copied).
+        self._stores: List[Any] = []
         self.device = device
         self.location = location if location is not None else {"type": "LOCATION_TYPE_DEVICE", "id": device}
         granularity = int(client.devices.get_granularity(location=self.location).minimum)
@@ -164,6 +184,7 @@ class DevicePool:
         self._last_use = time.monotonic()
         if self.idle_seconds > 0:
             _REAPER.watch(self)
+        _POOLS.add(self)
 
     # -- allocation --------------------------------------------------------
 
@@ -177,6 +198,8 @@ class DevicePool:
             raise VmmdError("ZERO_SIZE", STATUS["INVALID_ARGUMENT"], f"pool allocation of {size!r} bytes: the size must be an integer above 0")
         if self._closed:
             raise VmmdError("POOL_CLOSED", STATUS["FAILED_PRECONDITION"], "the pool was closed: its memory went back to the daemon")
+        if self._sleeping is not None:
+            raise VmmdError("ASLEEP", STATUS["FAILED_PRECONDITION"], f"the pool tagged {self.tag!r} is asleep: wake() it before allocating")
         rounded = size_class(size)
         large = rounded > self.large_threshold
         lease = -(-size // self.granularity) * self.granularity if large else self.chunk_size
@@ -312,8 +335,10 @@ class DevicePool:
 
     def trim(self) -> int:
         """Returns every empty chunk and idle large allocation to the daemon;
-        returns the bytes given back. Not from a finalizer (it calls the daemon and, on cuda, the driver)."""
+        returns the bytes given back (none while asleep). Not from a finalizer (it calls the daemon and, on cuda, the driver)."""
         with self._lock:
+            if self._sleeping is not None:
+                return 0
             self._drain()
             if len(self._order):
                 self._give_safe(self._order.settle_all())
@@ -335,11 +360,23 @@ class DevicePool:
             self._order.drop()
             chunks = self._chunks + list(self._large.values()) + self._idle_large
             self._chunks, self._bases, self._large, self._idle_large = [], [], {}, []
+            sleeping, self._sleeping = self._sleeping, None
+            _sleep.forget(self.client, list(self._segments.values()))
+            self._segments = {}
+            if sleeping is not None:
+                # Nothing is mapped: the copies went back to the daemon, the ranges are freed here (the stores' opens went at sleep).
+                for chunk in chunks:
+                    chunk.memory.close()
+                for store in self._stores:
+                    store.memory.close()
+                    store._closed = True
+                return
             self._release(chunks)
 
     def _release(self, chunks: List[Chunk]) -> None:
         if not chunks:
             return
+        _sleep.forget(self.client, [self._segments.pop(chunk.base) for chunk in chunks if chunk.base in self._segments])
         if getattr(chunks[0].memory, "is_device_memory", False):
             from . import _cuda
 
@@ -367,6 +404,63 @@ class DevicePool:
         if failed:
             raise failed[0]
 
+    # -- sleep and wake ----------------------------------------------------
+
+    @property
+    def asleep(self) -> bool:
+        return self._sleeping is not None
+
+    def attach_store(self, store: Any) -> None:
+        """Makes an opened store's mapping (client.stores.open) sleep and wake
+        with the pool: unmapped and its open dropped at sleep, opened and
+        mapped at the same address at wake; never copied.
+        Raises VmmdError FAILED_PRECONDITION ASLEEP, CLOSED."""
+        store.memory._check_open()
+        with self._lock:
+            if self._sleeping is not None:
+                raise VmmdError("ASLEEP", STATUS["FAILED_PRECONDITION"], f"the pool tagged {self.tag!r} is asleep: attach stores while it is awake")
+            self._stores.append(store)
+
+    def sleep(self, mode: str = _sleep.OFFLOAD) -> int:
+        """Gives the pool's physical memory back, every address kept: empty
+        chunks go back as trim() gives them, the rest sleeps (`offload`: the
+        contents kept in the daemon's host memory; `discard`: dropped). Blocks,
+        pointers and arrays stay valid but must not be touched until wake().
+        Returns the bytes put to sleep. Raises VmmdError INVALID_ARGUMENT BAD_SLEEP_MODE,
+        FAILED_PRECONDITION ASLEEP, POOL_CLOSED; OUT_OF_MEMORY (no host memory for the copies: still awake)."""
+        _sleep.check_mode(mode)
+        if self._closed:
+            raise VmmdError("POOL_CLOSED", STATUS["FAILED_PRECONDITION"], "the pool was closed: its memory went back to the daemon")
+        if self._sleeping is not None:
+            raise VmmdError("ASLEEP", STATUS["FAILED_PRECONDITION"], f"the pool tagged {self.tag!r} is already asleep")
+        self.trim()
+        with self._lock:
+            segments = [self._segments.setdefault(chunk.base, Segment(chunk.memory, self.location)) for chunk in self._chunks + list(self._large.values())]
+            segments += [self._segments.setdefault(store.memory.address, Segment(store.memory, store=store)) for store in self._stores]
+            _sleep.sleep(self.client, segments, mode)
+            for chunk in self._chunks + list(self._large.values()):
+                chunk.share_key = None  # a key names an allocation, and the allocation is gone
+            self._sleeping = segments
+            self.counters["sleeps"] += 1
+        return sum(segment.memory.size for segment in segments)
+
+    def wake(self, timeout: Optional[float] = None) -> int:
+        """Maps new memory at every address the pool held and copies offloaded
+        contents back; returns the bytes woken (0 when awake). `timeout`: how long
+        the daemon may hold the wake for memory that another process's sleep frees.
+        Raises VmmdError RESOURCE_EXHAUSTED OUT_OF_MEMORY (still asleep and intact), POOL_CLOSED."""
+        if self._closed:
+            raise VmmdError("POOL_CLOSED", STATUS["FAILED_PRECONDITION"], "the pool was closed: its memory went back to the daemon")
+        with self._lock:
+            if self._sleeping is None:
+                return 0
+            _sleep.wake(self.client, self._sleeping, timeout, retain=self.retain_copies)
+            woken = sum(segment.memory.size for segment in self._sleeping)
+            self._sleeping = None
+            self.counters["wakes"] += 1
+            self._last_use = time.monotonic()
+        return woken
+
     def stats(self) -> Dict[str, int]:
         with self._lock:
             # Blocks freed and held for their stream are not in use: they count as held.
@@ -386,7 +480,7 @@ class DevicePool:
     def trim_if_idle(self) -> int:
         """trim() when nothing was allocated or freed for `idle_seconds` and
         there is something to give back; returns the bytes given back."""
-        if self._closed or self.idle_seconds <= 0 or time.monotonic() - self._last_use < self.idle_seconds:
+        if self._closed or self._sleeping is not None or self.idle_seconds <= 0 or time.monotonic() - self._last_use < self.idle_seconds:
             return 0
         with self._lock:
             holding = bool(self._returned or len(self._order) or self._idle_large or any(chunk.blocks == 0 for chunk in self._chunks))
@@ -396,37 +490,4 @@ class DevicePool:
         return self.trim()
 
 
-class _Reaper:
-    """One thread per process that gives idle pools' free memory back
-    (trim_if_idle); it holds the pools weakly and never runs in a finalizer."""
-
-    def __init__(self) -> None:
-        self._pools: "weakref.WeakSet[DevicePool]" = weakref.WeakSet()
-        self._lock = threading.Lock()
-        self._thread: Optional[threading.Thread] = None
-        self._pid = 0
-
-    def watch(self, pool: DevicePool) -> None:
-        with self._lock:
-            self._pools.add(pool)
-            # A forked child has the set but not the thread.
-            if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
-                self._pid = os.getpid()
-                self._thread = threading.Thread(target=self._run, name="vmmd-pool-idle", daemon=True)
-                self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            pools = list(self._pools)
-            settings = [pool.idle_seconds for pool in pools if pool.idle_seconds > 0]
-            time.sleep(min(1.0, max(0.02, min(settings) / 4)) if settings else 1.0)
-            for pool in pools:
-                try:
-                    pool.trim_if_idle()
-                except Exception as error:  # noqa: BLE001 - the next tick tries again
-                    pool.counters["idle_trim_failures"] += 1
-                    pool.last_idle_error = error  # type: ignore[attr-defined]
-            del pools
-
-
-_REAPER = _Reaper()
+_POOLS: "weakref.WeakSet[DevicePool]" = weakref.WeakSet()

@@ -18,6 +18,7 @@ from ._batch import BatchedReleases
 from ._greeting import greet
 from ._locks import condition, guarded, mutex
 from ._reading import ENDED, YIELDED, SocketReading
+from ._resuming import Resumable
 from ._declared import DEFAULT_TRANSFER_WAIT_MS
 from ._reading import close_fd as _close
 from ._sending import send_message
@@ -49,7 +50,7 @@ def _SOCKET_BUSY() -> VmmdError:
     return VmmdError("SESSION_SOCKET_FULL", STATUS["UNAVAILABLE"], "the session socket is full: another call of this process is still waiting for the daemon to read; nothing was sent")
 
 
-class ClientSession(AbandonedAnswers, BatchedReleases):
+class ClientSession(AbandonedAnswers, BatchedReleases, Resumable):
     """One session: the lease on everything this process creates through vmmd.
 
     Every message the daemon sends is dispatched in order: descriptors go to
@@ -66,9 +67,15 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
     answer) or the reader thread.
     """
 
-    def __init__(self, sock: socket.socket, hello: Any, busy_poll_us: int = DEFAULT_BUSY_POLL_US) -> None:
-        self._sock = sock
+    def __init__(self, sock: socket.socket, hello: Any, busy_poll_us: int = DEFAULT_BUSY_POLL_US, path: str = "", resume_wait_s: float = 0.0) -> None:
         self.id: str = str(hello.session)
+        # Under a daemon that parks its sessions: the secret that resumes this one after a restart (_resuming.py).
+        self.resume_token: Optional[str] = hello.resume_token or None
+        self._path, self._resume_wait_s = path, resume_wait_s
+        # Invariant: _generation counts the connections this session has had past its first; _resuming is set
+        # while it has none and tries to come back (both under _lock). _stop_resuming is set by close().
+        self._generation, self._resuming, self._stop_resuming = 0, False, threading.Event()
+        self._why_lost: Optional[VmmdError] = None
         self.token: str = str(hello.token)
         self.pid: int = int(hello.pid)
         # What the daemon can do (session.proto's Capability names): asked, instead of a backend's name.
@@ -92,20 +99,28 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
         # Set in a child forked while this session was open: the socket is its parent's (see _check_process).
         self._forked = False
         self._pid = os.getpid()
-        self._reading = SocketReading(sock, self._lock, self._dispatch, busy_poll_us, ("transfer",) + _WITH_DESCRIPTOR)
-        self._reader = threading.Thread(target=self._read_loop, name=f"vmmd-session-{self.id}", daemon=True)
-        self._reader.start()
+        self._busy_poll_us = busy_poll_us
+        self._start_reading(sock)
         _fork.track(self)
 
+    def _start_reading(self, sock: socket.socket) -> None:
+        """The connection the session is served on, and its reader thread."""
+        self._sock = sock
+        self._reading = SocketReading(sock, self._lock, self._dispatch, _ANSWERS, self._busy_poll_us, ("transfer",) + _WITH_DESCRIPTOR)
+        self._reader = threading.Thread(target=self._read_loop, name=f"vmmd-session-{self.id}", daemon=True)
+        self._reader.start()
+
     @classmethod
-    def open(cls, path: str, timeout: float = 5.0, busy_poll_us: int = DEFAULT_BUSY_POLL_US) -> "ClientSession":
+    def open(cls, path: str, timeout: float = 5.0, busy_poll_us: int = DEFAULT_BUSY_POLL_US, resume_wait_s: float = 0.0) -> "ClientSession":
         """Connects and waits for the daemon's greeting. busy_poll_us: how long
         a caller spins for its answer before it sleeps (busy_poll_budget()).
+        resume_wait_s: how long the session tries to resume after its socket
+        closed under a daemon that parks sessions (0: it ends at once).
 
         Raises VmmdError UNAVAILABLE DAEMON_UNREACHABLE, DEADLINE_EXCEEDED NO_GREETING,
         PERMISSION_DENIED (the daemon refused the session), UNAVAILABLE BAD_GREETING."""
         sock, hello = greet(path, timeout)
-        return cls(sock, hello, busy_poll_us)
+        return cls(sock, hello, busy_poll_us, path, resume_wait_s)
 
     @property
     def closed(self) -> bool:
@@ -212,28 +227,49 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
         return time.perf_counter() - start
 
     def _request(self, what: str, body: Any, timeout: Optional[float]) -> Pending:
+        """Sends a request frame and waits for its answer; one the daemon's restart cut off goes again once the
+        session is resumed: an allocate under the same id with `again` set (the daemon answers with the
+        allocation it made before it went, if it did), anything else under a new id."""
+        deadline = deadline_of(timeout)
+        ids: List[str] = []
+        again: Optional[str] = None
+        while True:
+            generation = self._generation
+            try:
+                return self._request_once(what, body, left_until(deadline), timeout, ids, again)
+            except VmmdError as error:
+                if ids and what == "release" and error.code == "UNKNOWN_ALLOCATION" and again is not None:
+                    return self._released_before(body)
+                if error.code != "SESSION_RESUMING" or not self._wait_resumed(generation, deadline):
+                    raise (self._lost() if self._closed else error) from None
+                again = ids[-1] if ids and what == "allocate" else ""
+
+    def _request_once(self, what: str, body: Any, timeout: Optional[float], limit: Optional[float], ids: List[str], again: Optional[str]) -> Pending:
         self._check_process()  # before the take: a forked child's take would turn its parent's epoll
         self._release_orphans()
         sent: List[Tuple[str, Pending]] = []
-        held = self._reading.depth()
+        reading = self._reading
+        held = reading.depth()
         try:
             try:
                 # The socket is taken before the request goes: its answer cannot reach the reader thread first.
-                self._reading.take(self._closed)
+                reading.take(self._closed)
                 deadline = deadline_of(timeout)
-                request, pending = self._send_request(what, body, sent, deadline)
-                self._await(request, pending, left_until(deadline), what, limit=timeout)
+                request, pending = self._send_request(what, body, sent, deadline, again or None)
+                ids.append(request)
+                self._await(request, pending, left_until(deadline), what, limit=limit, reading=reading)
             finally:
-                self._reading.leave_to(held)
+                reading.leave_to(held)
         except BaseException:
             # Cut short anywhere (an interrupt in the leave too): the socket left, the request forgotten.
-            self._reading.leave_to(held)
+            reading.leave_to(held)
             self._abandon_all(sent)
             raise
         return pending
 
-    def _send_request(self, what: str, body: Any, sent: Optional[List[Tuple[str, Pending]]] = None, deadline: Optional[float] = None) -> Tuple[str, Pending]:
-        """Sends a request frame whose body `what` is `body` under a new id,
+    def _send_request(self, what: str, body: Any, sent: Optional[List[Tuple[str, Pending]]] = None, deadline: Optional[float] = None, again: Optional[str] = None) -> Tuple[str, Pending]:
+        """Sends a request frame whose body `what` is `body` under a new id
+        (`again`: under that id, sent before, with the frame's `again` set),
         registered for its answer: (the id, its pending answer). `sent` gets
         (its key, the pending answer) before the registration: a caller cut
         short anywhere after it can forget it. The send waits for room in the
@@ -241,9 +277,9 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
         pending = Pending(self._orphans)
         key = "request"
         with self._sending(deadline):
-            request = str(self._next_request)
-            self._next_request += 1
-            frame = _frames.ClientFrame(request=int(request), **{what: body})
+            request = again if again is not None else str(self._next_request)
+            self._next_request += 0 if again is not None else 1
+            frame = _frames.ClientFrame(request=int(request), again=again is not None, **{what: body})
             if sent is not None:
                 sent.append((f"{key}:{request}", pending))
             with guarded(self._lock):
@@ -262,7 +298,7 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
                 raise
         return request, pending
 
-    def _await(self, request: str, pending: Pending, timeout: Optional[float], what: str, limit: Optional[float] = None) -> None:
+    def _await(self, request: str, pending: Pending, timeout: Optional[float], what: str, limit: Optional[float] = None, reading: Optional[SocketReading] = None) -> None:
         """Waits for a sent request's answer, reading the socket on this
         thread when no other reads it (a take the caller leaves); raises its
         refusal, SESSION_LOST, or NO_ANSWER after `timeout` seconds (None or
@@ -271,16 +307,17 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
         request and closes a descriptor that came for it."""
         deadline = deadline_of(timeout)
         key = "request"
+        reading = self._reading if reading is None else reading
         try:
             grace = 0.0
-            if not pending.event.is_set() and (self._reading.holds() or self._reading.take(self._closed)):
-                outcome = self._reading.read_until(pending.event, f"{key}:{request}", deadline)
+            if not pending.event.is_set() and (reading.holds() or reading.take(self._closed)):
+                outcome = reading.read_until(pending.event, f"{key}:{request}", deadline)
                 if outcome == ENDED and not pending.event.is_set():
                     raise self._lost()
                 if outcome == YIELDED:
                     # (main thread) another message came first: the reader thread reads on, and an answer
                     # already here behind it is not a timeout (it has YIELD_GRACE_S to dispatch it).
-                    self._reading.leave()
+                    reading.leave()
                     grace = YIELD_GRACE_S
             if not pending.event.is_set():
                 left = left_until(deadline)
@@ -302,6 +339,7 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
         if self._forked:
             return  # this process's copies were dropped at the fork (forget_after_fork)
         self._closing = True
+        self._stop_resuming.set()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -348,8 +386,6 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
         if self._forked:
             raise VmmdError("FORKED", STATUS["FAILED_PRECONDITION"], f"session {self.id} belongs to process {self._pid}, which forked this one; connect() here for a session of this process's own")
 
-    def _lost(self) -> VmmdError:
-        return VmmdError("SESSION_LOST", STATUS["UNAVAILABLE"], f"session {self.id} with vmmd is closed")
 
     def _sending(self, deadline: Optional[float]) -> guarded:
         """Holds the send lock, taken by `deadline` (None: no limit): a sender
@@ -366,17 +402,23 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
         self._check_process()
         if self._closed:
             raise self._lost()
-        send_message(self._sock, frame.SerializeToString(), fd, deadline, stage, lambda: self._closed, self._lost)
+        try:
+            send_message(self._sock, frame.SerializeToString(), fd, deadline, stage, lambda: self._closed, self._lost)
+        except VmmdError as error:
+            # The daemon went away under the send: the session may come back (SESSION_RESUMING).
+            raise (self._lost() if error.code == "SESSION_LOST" else error) from None
 
     def _read_loop(self) -> None:
         """The reader thread: reads while no caller does, until the connection ends; then finishes the session."""
+        reading = self._reading
         try:
-            self._reading.reader_loop(lambda: self._closed)
+            reading.reader_loop(lambda: self._closed)
         finally:
             try:
-                self._finish()
+                if not self._resume():
+                    self._finish()
             finally:
-                self._reading.close()
+                reading.close()
 
     def _dispatch(self, data: bytes, fds: List[int], parsed: Optional[Any] = None) -> None:
         """Takes one message and its descriptors (owned from here: each is
@@ -451,29 +493,3 @@ class ClientSession(AbandonedAnswers, BatchedReleases):
             if now - since > UNCLAIMED_TRANSFER_S:
                 del self._inbox[transfer]
                 os.close(fd)
-
-    def _finish(self) -> None:
-        with guarded(self._lock):
-            if self._closed:
-                return
-            self._closed = True
-            for fd, _ in self._inbox.values():
-                os.close(fd)
-            self._inbox.clear()
-            requests = list(self._requests.values())
-            self._requests.clear()
-            self._lock.notify_all()
-        for pending in requests:
-            pending.error = self._lost()
-            pending.event.set()
-        try:
-            self._sock.close()
-        except OSError:
-            pass
-        self._reading.wake()
-        if not self._closing:
-            for callback in list(self.on_close):
-                try:
-                    callback()
-                except Exception as error:  # one callback's failure stops neither the others nor the session's end
-                    warnings.warn(f"vmmd: an on_close callback failed: {error!r}", RuntimeWarning, stacklevel=2)

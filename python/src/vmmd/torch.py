@@ -12,6 +12,11 @@ VMMD_POOL_IDLE_SECONDS.
     spec = vmmd.torch.export_tensors(model.state_dict())   # picklable
     # in another process:
     tensors = vmmd.torch.import_tensors(spec)              # zero copies
+
+Sleep and wake by tag (_torch_sleep.py): torch_memory_saver's API
+(`from vmmd.torch import torch_memory_saver`: region, cuda_graph, pause,
+resume) and vLLM's sleep mode (sleep(level), wake_up(tags)), also as this
+module's functions.
 """
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ from .client import VmmdClient, shared_client
 from .errors import STATUS, VmmdError
 from .memory import ImportedMemory
 from .pool import DevicePool
+from ._torch_sleep import TorchMemorySaver
 
 
 class VmmdTorchAllocator:
@@ -69,6 +75,17 @@ class VmmdTorchAllocator:
 
     def stats(self) -> Dict[str, int]:
         return self.supply.counters()
+
+    def sleep(self, mode: str = "offload") -> int:
+        """Puts the memory of mem_pool() MemPools (outside every region) to
+        sleep, every address kept; returns the bytes. Tagged regions sleep by
+        torch_memory_saver.pause() or sleep(level).
+        Raises VmmdError BAD_SLEEP_MODE, ASLEEP, OUT_OF_MEMORY (no host memory for the copies)."""
+        return self.supply.sleep(0, mode)
+
+    def wake(self, timeout: Optional[float] = None) -> int:
+        """Wakes what sleep() put to sleep; returns the bytes. Raises VmmdError NOT_ASLEEP, OUT_OF_MEMORY (still asleep)."""
+        return self.supply.wake([0], timeout)
 
 
 _allocator: Optional[VmmdTorchAllocator] = None
@@ -141,3 +158,15 @@ class _Tensors(dict):
     def __init__(self, tensors: Dict[str, Any], memories: Dict[int, ImportedMemory]) -> None:
         super().__init__(tensors)
         self.memories = memories
+
+
+# torch_memory_saver's singleton, and its calls as this module's functions.
+torch_memory_saver = TorchMemorySaver()
+region = torch_memory_saver.region
+cuda_graph = torch_memory_saver.cuda_graph
+pause = torch_memory_saver.pause
+resume = torch_memory_saver.resume
+disable = torch_memory_saver.disable
+sleep = torch_memory_saver.sleep
+wake_up = torch_memory_saver.wake_up
+use_memory_pool = torch_memory_saver.use_memory_pool

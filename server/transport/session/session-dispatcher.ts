@@ -19,7 +19,7 @@ import type { ShareRequest__Output } from '../../../generated/vmmd/v1/ShareReque
 import type { ShareResponse } from '../../../generated/vmmd/v1/ShareResponse';
 import type { Registry } from '../../registry';
 import type { CallContext, SocketAnswer } from '../call-context';
-import { Answer, ReclaimSummary, refuseMessage, Session, SessionServices } from './sessions';
+import { Answer, ReclaimSummary, ReclaimTarget, refuseMessage, Session, SessionServices } from './sessions';
 
 type Method<Req, Res> = (request: Req, context: CallContext) => Promise<Res> | Res;
 
@@ -112,7 +112,7 @@ export class SessionDispatcher implements SessionServices {
     if (frame.request === '0') throw refuseMessage('BAD_MESSAGE', `${body}: the frame's request id must be set (above 0): its answer echoes it`);
     if (fd >= 0) throw refuseMessage('UNEXPECTED_DESCRIPTOR', 'only transfer frames may carry a descriptor');
     this.deps.check?.(session, request.method);
-    const socket: SocketAnswer = { freeFailed: (allocation, error) => freeFailedAfterAnswer(session, this.deps.registry, allocation, error) };
+    const socket: SocketAnswer = { request: frame.request, again: frame.again, freeFailed: (allocation, error) => freeFailedAfterAnswer(session, this.deps.registry, allocation, error) };
     const who = this.deps.who?.(session) ?? { transport: 'unix', peer: session.peer, mutualTls: false, admin: false };
     const context: CallContext = { caller: session.id, session, who, log: session.log, socket };
     const response = await request.run(this.deps.methods, frame[body as keyof ClientFrame__Output] as never, context);
@@ -126,7 +126,7 @@ export class SessionDispatcher implements SessionServices {
   }
 
   /** Each step runs whatever the one before it did: a failure is logged, never a reason to leave objects behind. */
-  async reclaim(session: Session): Promise<ReclaimSummary> {
+  async reclaim(session: ReclaimTarget): Promise<ReclaimSummary> {
     // What the session holds once its calls have drained is what the steps below free.
     const held = this.deps.registry.snapshot();
     const owner = String(session.id);

@@ -16,6 +16,7 @@ import type { LogLimiter } from '../../observability/log-limiter';
 import { type CodeWithStatus, deadlineExceeded, failedPrecondition, RpcError, unavailable } from '../../errors';
 import { DAEMON_SETTINGS } from '../../../common/daemon-settings';
 import { describeProcess, PeerProcess } from './peer-process';
+import { newResumeToken } from './resume';
 import type { TransportBudgets } from '../budgets';
 
 /** How sessions are opened and what each may hold (wired from the config in daemon.ts). */
@@ -34,6 +35,11 @@ export interface SessionOptions {
   maxTransfersPerUid: number;
   /** What the daemon can do, told to each client in its hello (session.proto's Capability names). */
   capabilities?: Capability__Output[];
+  /**
+   * The daemon parks its sessions' objects (systemd's file-descriptor store, the keeper, a hand-over): each
+   * hello carries a resume token. Without, there is nothing to resume after a restart and none is given.
+   */
+  resumable?: boolean;
   /** Unread descriptors per session, per uid and daemon-wide (server/transport/budgets.ts); absent: not bounded. */
   budgets?: TransportBudgets;
 }
@@ -49,7 +55,7 @@ export const DEFAULT_SESSION_OPTIONS: SessionOptions = {
 /** What counts a session's answers that carry a descriptor until its client has read them. */
 export interface DescriptorsInFlight {
   /** @throws RESOURCE_EXHAUSTED BUDGET_EXCEEDED when the session may be sent no more now */
-  check(session: Session): void;
+  check(session: Session, count?: number): void;
   /** One more was sent. */
   sent(session: Session): void;
 }
@@ -60,11 +66,22 @@ export function refuseMessage(code: CodeWithStatus<'INVALID_ARGUMENT'>, message:
 }
 
 export class Session {
-  readonly token = randomBytes(32).toString('hex');
+  /** The gRPC token (metadata vmmd-session-token). */
+  readonly token: string;
+  /** The secret its client presents to resume it after a restart (server/transport/session/resume.ts). */
+  readonly resumeToken: string;
   readonly log: Logger;
   closing = false;
   /** The client's hello was answered: from then on its frames are requests and transfers. */
   greeted = false;
+  // Aborted once the socket closes: a call that waits for something (AllocateAll's memory) stops waiting then.
+  private readonly closed = new AbortController();
+  /** The session sent a request or a descriptor, or a call named its token: a connection that has cannot become another session by resuming. */
+  used = false;
+  /** Adopted by a resume hello: a parked session's again. */
+  resumed = false;
+  /** Closed by the daemon to be parked (a hand-over): its objects live on, nothing is reclaimed. */
+  parked = false;
   // Invariant: inFlight counts calls of this session that started and have not settled.
   private inFlight = 0;
   private drainWaiters: Array<() => void> = [];
@@ -82,7 +99,10 @@ export class Session {
     log: Logger,
     options: SessionOptions,
     limits: { logLimiter: LogLimiter; mayHold: () => string | undefined; descriptors?: DescriptorsInFlight },
+    identity: { token: string; resumeToken: string } = { token: randomBytes(32).toString('hex'), resumeToken: newResumeToken() },
   ) {
+    this.token = identity.token;
+    this.resumeToken = identity.resumeToken;
     this.descriptors = limits.descriptors;
     this.process = describeProcess(peer.pid);
     this.log = log.child({ session: String(id), peerPid: peer.pid, peerUid: peer.uid, command: this.process.command });
@@ -110,6 +130,17 @@ export class Session {
     });
   }
 
+  /** Aborted when the session's socket closes, before its reclaim: calls waiting on the session's behalf give up. */
+  get endSignal(): AbortSignal {
+    return this.closed.signal;
+  }
+
+  /** Marks the session closing and tells its waiting calls (once). */
+  end(): void {
+    this.closing = true;
+    if (!this.closed.signal.aborted) this.closed.abort();
+  }
+
   get inFlightCalls(): number {
     return this.inFlight;
   }
@@ -133,10 +164,11 @@ export class Session {
   /**
    * Refuses a request whose answer would carry a descriptor when the client has
    * too many unread already: checked before the request does anything.
+   * @param count the descriptors the answer carries (AllocateAll: one per allocation)
    * @throws RESOURCE_EXHAUSTED BUDGET_EXCEEDED
    */
-  checkDescriptorRoom(): void {
-    this.descriptors?.check(this);
+  checkDescriptorRoom(count = 1): void {
+    this.descriptors?.check(this, count);
   }
 
   /** @throws UNAVAILABLE SESSION_SOCKET_FULL; RESOURCE_EXHAUSTED BUDGET_EXCEEDED (a descriptor, with too many unread) */

@@ -10,75 +10,25 @@ import { exitSignal, sessionEnding, stillRunning } from './peer-process';
 import type { Logger } from 'pino';
 import { status as Status } from '@grpc/grpc-js';
 import { traceClock, traceMark, traceSince, tracing } from '../../../common/trace';
-import { type ClientFrame__Output, type DaemonFrame, decodeClientFrame, encodeDaemonFrame, isProtocol1, PROTOCOL_VERSION, protocol1Refusal } from '../../../common/protocol';
+import { type ClientFrame__Output, decodeClientFrame, encodeDaemonFrame, isProtocol1, PROTOCOL_VERSION } from '../../../common/protocol';
 import { addon, Credentials } from '../../../native';
 import { SeqpacketConnection, SeqpacketListener, SeqpacketMessage } from '../../../native/seqpacket';
-import { LogLimiter } from '../../observability/log-limiter';
-import type { TurnMeter } from '../../observability/turns';
-import { type ErrorCode, ERROR_CODE_KEY, RpcError, toServiceError, unauthenticated } from '../../errors';
+import { heldBack, LogLimiter } from '../../observability/log-limiter';
+import { type ErrorCode, ERROR_CODE_KEY, failedPrecondition, RpcError, toServiceError, unauthenticated, unavailable } from '../../errors';
 import { ERROR_CODES } from '../../../common/error-codes';
 import { FairShare } from './fair-share';
 import { DEFAULT_SESSION_OPTIONS, refuseMessage, Session, SessionOptions } from './session';
 import { UnreadDescriptors } from './unread-descriptors';
+import type { Answer, ReclaimSummary, SessionHooks, SessionServices } from './session-services';
+import { HELLO_WAIT_MS, helloFrame, refuseProtocol1, turnAway } from './hello';
+import { deferred, ParkedSession, recordOf, ResumeTable, SessionJournal } from './resume';
 
 export { refuseMessage, Session };
 
 export { DEFAULT_SESSION_OPTIONS } from './session';
 export type { SessionOptions } from './session';
-
-/**
- * How long a connection may stay silent before its hello: a client of protocol 1 waits for the daemon
- * to speak first, and is told then, in its own JSON, which protocol it needs.
- */
-export const HELLO_WAIT_MS = 1_000;
-
-/** What answers a request: the reply, and a descriptor sent with it (the transport closes its copy). */
-export interface Answer {
-  reply: DaemonFrame;
-  fd?: number;
-  /** Undoes what the request did when its answer cannot be sent (the client is not reading its socket). */
-  unsent?: () => Promise<unknown>;
-}
-
-/**
- * What the daemon does for sessions, wired in daemon.ts: answering their
- * request messages, and reclaiming what a closed one owned.
- */
-export interface SessionServices {
-  /**
-   * Answers one request frame (anything but a hello or a transfer). A refusal is
-   * thrown: refuseMessage() refuses the message itself (BAD_MESSAGE…; the
-   * transport closes `fd`), any other error is the request's answer. Past a
-   * refusal of the message, `fd` (-1: none) is the services' to close.
-   */
-  answer(session: Session, frame: ClientFrame__Output, fd: number): Promise<Answer> | Answer;
-  /** Frees everything a closed session owned; runs once its calls have drained. Says what it freed, for the log. */
-  reclaim(session: Session): Promise<ReclaimSummary | void>;
-  /** The RPC a request frame's body is the socket's form of (its metrics are counted under that name). */
-  methodOf?(body: string | undefined): string | undefined;
-}
-
-/** What the transport tells the rest of the daemon about its requests. */
-export interface SessionHooks {
-  /** Sees every request's method (the RPC's name), status name, error code and duration (metrics). */
-  observe?: (method: string, status: string, code: string | undefined, seconds: number) => void;
-  /** Measures each message's turn of the event loop (server/observability/turns.ts). */
-  turns?: TurnMeter;
-  /** Told of each session when it opens; what it returns is called once the session's socket closes. */
-  connected?: () => () => void;
-}
-
-/** What a closed session's reclaim freed: its allocations (and their bytes) and reservations. */
-export interface ReclaimSummary {
-  allocations: number;
-  bytes: string;
-  reservations: number;
-}
-
-/** The field saying how many like lines went to debug since the last one, when any did. */
-function heldBack(allowed: { suppressed: number } | undefined): { heldBack?: number } {
-  return allowed !== undefined && allowed.suppressed > 0 ? { heldBack: allowed.suppressed } : {};
-}
+export type { Answer, ReclaimSummary, ReclaimTarget, SessionHooks, SessionServices } from './session-services';
+export { HELLO_WAIT_MS } from './hello';
 
 /**
  * What a session frame's turn is called (GetStats, the long-turn log): its
@@ -93,12 +43,19 @@ export function sessionTurnLabel(body: string | undefined, isRequest: (body: str
 export class SessionManager {
   private listener?: SeqpacketListener;
   private services?: SessionServices;
+  // A parked session's grace can end before listen() (a restore with a short grace): its reclaim waits for the services.
+  private readonly listening: { promise: Promise<SessionServices>; resolve(services: SessionServices): void } = deferred();
   private hooks: SessionHooks = {};
   // The daemon is stopping: the sessions it closes now are closed by it, not by their clients.
   private stopping = false;
   private nextId = 1n;
   private readonly byToken = new Map<string, Session>();
   private readonly sessions = new Map<bigint, Session>();
+  // The session each connection serves now: a resume hello moves a connection from its fresh session to a parked one.
+  private readonly byConnection = new Map<SeqpacketConnection, Session>();
+  // Parked sessions waiting for their clients after a restart.
+  private readonly waiting = new ResumeTable();
+  private journal?: SessionJournal;
   private readonly reclaims = new Set<Promise<void>>();
   // What a peer can make the daemon log is bounded: one line per uid and cause per 10 s.
   private readonly logLimiter = new LogLimiter();
@@ -119,6 +76,7 @@ export class SessionManager {
   /** Starts accepting sessions on `path`; `services` answers their requests and reclaims them. */
   listen(path: string, services: SessionServices, hooks: SessionHooks = {}): void {
     this.services = services;
+    this.listening.resolve(services);
     this.hooks = hooks;
     const refusal = encodeDaemonFrame({
       error: {
@@ -143,6 +101,11 @@ export class SessionManager {
     return this.sessions.size;
   }
 
+  /** Gives new sessions ids above `last` (the sessions an earlier daemon process had: their objects came back with their ids). */
+  skipIdsThrough(last: bigint): void {
+    if (last >= this.nextId) this.nextId = last + 1n;
+  }
+
   list(): Session[] {
     return [...this.sessions.values()];
   }
@@ -162,13 +125,18 @@ export class SessionManager {
 
   /**
    * The session a token names; undefined for a call without a token.
-   * @throws UNAUTHENTICATED UNKNOWN_SESSION, SESSION_CLOSING
+   * @throws UNAUTHENTICATED UNKNOWN_SESSION, SESSION_CLOSING; UNAVAILABLE SESSION_RESUMING (a parked session not resumed yet)
    */
   authenticate(token: string | undefined): Session | undefined {
     if (token === undefined) return undefined;
     const session = this.byToken.get(token);
-    if (session === undefined) throw unauthenticated('UNKNOWN_SESSION', 'the session token names no open session');
+    if (session === undefined) {
+      const parked = this.waiting.byGrpcToken(token);
+      if (parked !== undefined) throw unavailable('SESSION_RESUMING', `session ${parked.id} waits for its client to resume it on the session socket; call again once it has`);
+      throw unauthenticated('UNKNOWN_SESSION', 'the session token names no open session');
+    }
     if (session.closing) throw unauthenticated('SESSION_CLOSING', `session ${session.id} is closed`);
+    session.used = true;
     return session;
   }
 
@@ -183,19 +151,95 @@ export class SessionManager {
   /** Stops accepting sessions, closes every one and waits for their reclaim. */
   async close(): Promise<void> {
     this.stopping = true;
+    this.waiting.drain();
     this.listener?.close();
     for (const session of this.sessions.values()) session.connection.close();
     await Promise.all([...this.reclaims]);
   }
 
+  /** Told of each session as it opens and ends from now on (the park side's journal). */
+  setJournal(journal: SessionJournal | undefined): void {
+    this.journal = journal;
+  }
+
+  /** The record of a session open or waiting to be resumed, as parked; undefined for any other id. */
+  recordOf(id: bigint): ParkedSession | undefined {
+    const open = this.sessions.get(id);
+    return open !== undefined && !open.closing ? recordOf(open) : this.waiting.get(id);
+  }
+
+  /** The records of every session to park now: the open ones and those still waiting for their clients. */
+  parkRecords(): ParkedSession[] {
+    const open = [...this.sessions.values()].filter((session) => !session.closing).map(recordOf);
+    return [...open, ...this.waiting.list()];
+  }
+
+  /** Sessions waiting for their clients to resume them. */
+  get waitingCount(): number {
+    return this.waiting.count;
+  }
+
+  /**
+   * Hands every session over, for a successor: stops accepting, lets the calls
+   * in flight finish (their answers sent), then closes each session socket
+   * without reclaiming anything. Returns the records to park; the successor
+   * passes them to awaitResume.
+   */
+  async park(): Promise<ParkedSession[]> {
+    this.stopping = true;
+    this.listener?.close();
+    const open = [...this.sessions.values()].filter((session) => !session.closing);
+    // A request that arrives from now on is not started: its client sends it again once resumed.
+    for (const session of open) session.parked = true;
+    await Promise.all(open.map((session) => session.drained()));
+    const records = [...open.map(recordOf), ...this.waiting.drain()];
+    for (const session of open) session.connection.close();
+    return records;
+  }
+
+  /**
+   * At restore: each parked session waits `graceMs` for its client to present
+   * its resume token in a hello; one not resumed by then is reclaimed as a
+   * closed session is (`reclaim`, default the services' own). Session ids
+   * from here on are above every parked one. A daemon that parks its sessions
+   * starts its SessionManager with `resumable` (the hello's resume token).
+   * @throws FAILED_PRECONDITION RESUME_DUPLICATE when a record repeats a session already open or waiting
+   */
+  awaitResume(parked: readonly ParkedSession[], graceMs: number, reclaim?: (session: ParkedSession) => Promise<unknown>): void {
+    for (const record of parked) {
+      if (this.sessions.has(record.id)) throw failedPrecondition('RESUME_DUPLICATE', `parked session ${record.id} is open already`);
+    }
+    this.waiting.wait(parked, graceMs, (record) => {
+      const target = { id: record.id, log: this.log.child({ session: String(record.id), peerUid: record.uid }) };
+      const done = (async () => {
+        try {
+          const reclaimed = await (reclaim === undefined ? (await this.listening.promise).reclaim(target) : reclaim(record));
+          target.log.info({ end: 'not-resumed', reclaimed }, `session ${record.id} was not resumed within ${graceMs} ms; reclaimed`);
+        } catch (error) {
+          target.log.error({ err: error }, 'reclaiming a session nobody resumed failed in part');
+        }
+        this.journal?.ended(record.id);
+      })();
+      this.reclaims.add(done);
+      void done.finally(() => this.reclaims.delete(done));
+    });
+    for (const record of parked) this.skipIdsThrough(record.id);
+    if (parked.length > 0) this.log.info({ sessions: parked.length, graceMs }, 'parked sessions wait for their clients to resume them');
+  }
+
   /** The uid of a session's peer. */
   uidOf(session: bigint): number | undefined {
-    return this.sessions.get(session)?.peer.uid;
+    return this.sessions.get(session)?.peer.uid ?? this.waiting.get(session)?.uid;
   }
 
   /** The credentials of a session's peer. */
   peerOf(session: bigint): Credentials | undefined {
-    return this.sessions.get(session)?.peer;
+    const parked = this.waiting.get(session);
+    return this.sessions.get(session)?.peer ?? (parked === undefined ? undefined : { pid: 0, uid: parked.uid, gid: parked.gid });
+  }
+
+  private limitsFor(uid: number): ConstructorParameters<typeof Session>[5] {
+    return { logLimiter: this.logLimiter, mayHold: () => this.transferBound(uid), descriptors: this.unread };
   }
 
   /** Sessions open (closing ones included) by a uid. */
@@ -210,62 +254,47 @@ export class SessionManager {
     return `uid ${uid}'s sessions already hold ${held} unclaimed descriptors, the most one uid may (--max-transfers-per-uid ${this.options.maxTransfersPerUid})`;
   }
 
-  private turnAway(connection: SeqpacketConnection, peer: Credentials, code: ErrorCode, status: Status, refusal: string): void {
-    const allowed = this.logLimiter.allow(`refused:${peer.uid}:${code}`);
-    if (allowed !== undefined) {
-      this.log.warn({ peerPid: peer.pid, peerUid: peer.uid, peerGid: peer.gid, code, heldBack: allowed.suppressed }, `session refused: ${refusal}`);
-    }
-    const refuse = () => {
-      clearTimeout(silent);
-      try {
-        connection.send(encodeDaemonFrame({ error: { code, status, message: refusal } }));
-      } catch {
-        // the peer left already
-      }
-      connection.close();
-    };
-    // The client speaks first: its hello is read before the refusal goes and the socket closes (a socket closed
-    // with a frame unread resets its peer, whose read of the refusal then fails).
-    const silent = setTimeout(refuse, HELLO_WAIT_MS);
-    connection.once('message', refuse);
-    connection.once('close', () => clearTimeout(silent));
-  }
-
   private open(connection: SeqpacketConnection): void {
     const peer = connection.peer ?? { pid: 0, uid: -1, gid: -1 };
     const refusal = this.options.authorize?.(peer);
-    if (refusal !== undefined) return this.turnAway(connection, peer, 'PERMISSION_DENIED', Status.PERMISSION_DENIED, refusal);
+    if (refusal !== undefined) return turnAway(connection, peer, this.log, this.logLimiter, 'PERMISSION_DENIED', Status.PERMISSION_DENIED, refusal);
     const held = this.sessionsOf(peer.uid).length;
     if (held >= this.options.maxSessionsPerUid) {
-      return this.turnAway(
+      return turnAway(
         connection,
         peer,
+        this.log,
+        this.logLimiter,
         'TOO_MANY_SESSIONS',
         Status.RESOURCE_EXHAUSTED,
         `uid ${peer.uid} holds ${held} sessions, the most one uid may (--max-sessions-per-uid ${this.options.maxSessionsPerUid}); close some first`,
       );
     }
-    const session = new Session(this.nextId++, peer, connection, this.log, this.options, {
-      logLimiter: this.logLimiter,
-      mayHold: () => this.transferBound(peer.uid),
-      descriptors: this.unread,
-    });
+    const session = new Session(this.nextId++, peer, connection, this.log, this.options, this.limitsFor(peer.uid));
     this.fairShare.adopt(connection, peer.uid);
-    this.sessions.set(session.id, session);
-    this.byToken.set(session.token, session);
+    this.serve(connection, session);
     const left = this.hooks.connected?.();
-    connection.on('message', (message: SeqpacketMessage) => this.onMessage(session, message));
-    connection.on('close', () => this.onClose(session));
+    connection.on('message', (message: SeqpacketMessage) => this.onMessage(this.byConnection.get(connection)!, message));
+    connection.on('close', () => this.onClose(this.byConnection.get(connection)!));
     if (left !== undefined) connection.once('close', left);
     // Checked once the loop has read what came meanwhile (setImmediate runs after the poll phase): a hello
     // that arrived during a long turn is taken before the connection counts as silent.
     const silent = setTimeout(() => setImmediate(() => {
-      if (!session.greeted && !session.closing) this.refuseProtocol1(session, `this client sent no hello within ${HELLO_WAIT_MS} ms`);
+      const current = this.byConnection.get(connection);
+      if (current !== undefined && !current.greeted && !current.closing) refuseProtocol1(current, this.logLimiter, `this client sent no hello within ${HELLO_WAIT_MS} ms`);
     }), HELLO_WAIT_MS);
     silent.unref();
     connection.once('close', () => clearTimeout(silent));
     const allowed = this.lifeLogLimiter.allow(`opened:${peer.uid}`);
     session.log[allowed === undefined ? 'debug' : 'info']({ cgroup: session.process.cgroup, peerGid: peer.gid, ...heldBack(allowed) }, 'session opened');
+  }
+
+  /** Makes `session` the one its connection serves, recorded (and journaled) before its hello goes. */
+  private serve(connection: SeqpacketConnection, session: Session): void {
+    this.sessions.set(session.id, session);
+    this.byToken.set(session.token, session);
+    this.byConnection.set(connection, session);
+    this.journal?.opened(recordOf(session));
   }
 
   private refuse(session: Session, fd: number, code: ErrorCode, message: string, transfer?: string, request?: string): void {
@@ -276,21 +305,9 @@ export class SessionManager {
   }
 
   /**
-   * Tells a client of another protocol which one it needs, in its own kind of frame, and closes the
-   * connection: nothing it sends can be read.
+   * The client's hello, its first frame: answered with a new session's hello, or, where it presents the
+   * resume token of a parked session, with that session's (resumed), or with why not.
    */
-  private refuseProtocol1(session: Session, why: string): void {
-    const allowed = this.logLimiter.allow(`protocol:${session.peer.uid}`);
-    if (allowed !== undefined) session.log.warn({ code: 'PROTOCOL_VERSION', heldBack: allowed.suppressed }, `a client of session protocol 1: ${why}`);
-    try {
-      session.connection.send(protocol1Refusal(why));
-    } catch {
-      // the peer left already
-    }
-    session.connection.close();
-  }
-
-  /** The client's hello, its first frame: answered with the session's token, or the protocol it needs. */
   private greet(session: Session, frame: ClientFrame__Output, fd: number): void {
     if (fd >= 0) addon.close(fd);
     if (frame.body !== 'hello' || frame.hello == null) {
@@ -302,30 +319,57 @@ export class SessionManager {
       session.trySend({ error: { code: 'PROTOCOL_VERSION', status: Status.FAILED_PRECONDITION, message, protocol: PROTOCOL_VERSION } });
       return session.connection.close();
     }
-    const { peer } = session;
+    session.greeted = true;
+    if (frame.hello.resumeToken !== '' && this.resume(session, frame.hello.resumeToken)) return;
+    this.sendHello(session, false);
+  }
+
+  /**
+   * A hello that presents the resume token of a parked session: the connection, fresh and unused, becomes
+   * that session's (same id, tokens and objects); the fresh session it was given goes, owning nothing.
+   * @returns false when refused: the refusal went as an error frame, and the connection stays the fresh session
+   */
+  private resume(fresh: Session, resumeToken: string): boolean {
+    let parked: ParkedSession;
     try {
-      session.send({
-        hello: {
-          protocol: PROTOCOL_VERSION,
-          session: String(session.id),
-          token: session.token,
-          pid: peer.pid,
-          uid: peer.uid,
-          gid: peer.gid,
-          capabilities: this.options.capabilities ?? [],
-        },
-      });
+      parked = this.waiting.claim(resumeToken, fresh);
+    } catch (error) {
+      const refusal = error as RpcError;
+      const allowed = this.logLimiter.allow(`resume:${fresh.peer.uid}:${refusal.code}`);
+      if (allowed !== undefined) fresh.log.warn({ code: refusal.code, heldBack: allowed.suppressed }, `resume refused: ${refusal.message}`);
+      fresh.trySend({ error: { code: refusal.code, status: refusal.status, message: refusal.message } });
+      return false;
+    }
+    this.byToken.delete(fresh.token);
+    this.sessions.delete(fresh.id);
+    fresh.inbox.close();
+    this.unread?.closed(fresh);
+    this.journal?.ended(fresh.id);
+    const adopted = new Session(parked.id, fresh.peer, fresh.connection, this.log, this.options, this.limitsFor(fresh.peer.uid), parked);
+    adopted.resumed = true;
+    adopted.greeted = true;
+    this.serve(fresh.connection, adopted);
+    if (this.sendHello(adopted, true)) adopted.log.info({ cgroup: adopted.process.cgroup }, 'session resumed');
+    return true;
+  }
+
+  /** Sends the session's hello; a peer that left is closed. @returns whether it went */
+  private sendHello(session: Session, resumed: boolean): boolean {
+    try {
+      session.send(helloFrame(session, this.options, resumed));
+      return true;
     } catch (error) {
       session.log.debug({ err: error }, 'the peer left before its greeting; closing the session');
-      return session.connection.close();
+      session.connection.close();
+      return false;
     }
-    session.greeted = true;
   }
 
   private onMessage(session: Session, raw: SeqpacketMessage): void {
     const turn = this.hooks.turns?.enter('session');
     const received = tracing ? traceClock() : 0n;
-    if (session.closing) {
+    // A session being handed over starts nothing more: its client sends the request again once resumed.
+    if (session.closing || session.parked) {
       if (raw.fd >= 0) addon.close(raw.fd);
       return;
     }
@@ -334,7 +378,7 @@ export class SessionManager {
     // Before its hello a JSON frame is a client of protocol 1, told so in its own JSON; after it, a bad frame.
     if (!session.greeted && isProtocol1(raw.data)) {
       if (raw.fd >= 0) addon.close(raw.fd);
-      return this.refuseProtocol1(session, 'this client sent a JSON frame');
+      return refuseProtocol1(session, this.logLimiter, 'this client sent a JSON frame');
     }
     const frame = decodeClientFrame(raw.data);
     if (typeof frame === 'string') return this.refuse(session, raw.fd, 'BAD_MESSAGE', frame);
@@ -414,7 +458,16 @@ export class SessionManager {
 
   private onClose(session: Session): void {
     if (session.closing) return;
-    session.closing = true;
+    session.end();
+    this.byConnection.delete(session.connection);
+    if (session.parked) {
+      // Handed over: its objects and its record live on in the parked state; only this process forgets it.
+      session.inbox.close();
+      this.unread?.closed(session);
+      this.byToken.delete(session.token);
+      this.sessions.delete(session.id);
+      return;
+    }
     if (session.connection.closeReason !== undefined) {
       // A peer that closes with answers unread makes this happen at will: bounded per uid like the other lines of a session's life.
       const allowed = this.lifeLogLimiter.allow(`failed:${session.peer.uid}`);
@@ -433,6 +486,7 @@ export class SessionManager {
       }
       this.byToken.delete(session.token);
       this.sessions.delete(session.id);
+      this.journal?.ended(session.id);
       const what = reclaimed ? `; reclaimed ${reclaimed.allocations} allocation(s), ${reclaimed.bytes} bytes` : '';
       // Checked after the reclaim: a killed process has become a zombie (or is gone) by then.
       const ending = sessionEnding(this.stopping, stillRunning(session.peer.pid, session.process.startTime), signal);

@@ -37,9 +37,9 @@ export class UnreadDescriptors implements DescriptorsInFlight {
   }
 
   /** @throws RESOURCE_EXHAUSTED BUDGET_EXCEEDED naming the first budget that has no room */
-  check(session: Session): void {
+  check(session: Session, count = 1): void {
     this.settle(session);
-    for (const [budget, holder] of this.counted(session)) if (!budget.fits(holder)) throw budget.refusal(holder);
+    for (const [budget, holder] of this.counted(session)) if (!budget.fits(holder, count)) throw budget.refusal(holder, budget.usedBy(holder), count);
   }
 
   sent(session: Session): void {

@@ -1,4 +1,4 @@
-"""The GPU examples of docs/PYTHON.md (CuPy, shared weights), run as written."""
+"""The GPU examples of docs/PYTHON.md (CuPy, shared weights, sleep and wake), run as written."""
 from __future__ import annotations
 
 import os
@@ -39,3 +39,7 @@ def test_the_shared_weights_example(tmp_path: object) -> None:
     finally:
         with vmmd.connect() as client:
             client.stores.detach("my-weights")
+
+
+def test_the_sleep_example(tmp_path: object) -> None:
+    assert run(examples()[3], str(tmp_path)).strip() == "True"

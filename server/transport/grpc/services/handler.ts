@@ -9,7 +9,7 @@ import type { Logger } from 'pino';
 import { ERROR_CODE_KEY, SESSION_METADATA_KEY } from '../../../../common/protocol';
 import type { AccessPolicy } from '../access';
 import type { CallContext } from '../../call-context';
-import { failedPrecondition, resourceExhausted, toServiceError } from '../../../errors';
+import { deadlineExceeded, failedPrecondition, resourceExhausted, toServiceError } from '../../../errors';
 import { DAEMON_OWNER } from '../../../registry/records';
 import type { Session, SessionManager } from '../../session/sessions';
 import type { TurnMeter } from '../../../observability/turns';
@@ -40,16 +40,36 @@ export interface HandlerDeps {
   fair?: FairCalls;
 }
 
-/** Runs a call's start in its uid's turn (at once without deps.fair, or when the peer cannot be read: the call refuses itself). */
-function startFairly(deps: HandlerDeps, call: { getPeer(): string; getAuthContext(): { sslPeerCertificate?: unknown } }, start: () => void): void {
-  if (deps.fair === undefined) return start();
+/** What startFairly needs of a call. */
+interface StartingCall {
+  getPeer(): string;
+  getAuthContext(): { sslPeerCertificate?: unknown };
+  getDeadline(): grpc.Deadline;
+  readonly cancelled: boolean;
+}
+
+/**
+ * Runs a call's start in its uid's turn (at once without deps.fair, or when
+ * the peer cannot be read: the call refuses itself). A call whose deadline
+ * passed, or that its client cancelled, while it waited is not started:
+ * `late` answers it instead (its client was told already; work done for it
+ * would be memory made for an answer nobody receives).
+ */
+function startFairly(deps: HandlerDeps, call: StartingCall, start: () => void, late: (error: Error) => void): void {
+  const begin = () => {
+    const deadline = call.getDeadline();
+    const passed = (deadline instanceof Date ? deadline.getTime() : deadline) <= Date.now();
+    if (!call.cancelled && !passed) return start();
+    late(deadlineExceeded('DEADLINE_PASSED', `${passed ? 'the deadline passed' : 'the client cancelled the call'} while it waited for its turn; nothing was done`));
+  };
+  if (deps.fair === undefined) return begin();
   let holder: number | string;
   try {
     holder = deps.access.identify(call.getPeer(), call.getAuthContext()).peer?.uid ?? TCP_HOLDER;
   } catch {
-    return start();
+    return begin();
   }
-  deps.fair.run(holder, start);
+  deps.fair.run(holder, begin);
 }
 
 /**
@@ -153,20 +173,44 @@ async function withContext<T>(
   return session === undefined || !tracked ? run(context) : session.track(() => run(context));
 }
 
+/**
+ * @param undo undoes what `body` made (given its answer) when the call's deadline passed, or its client
+ *   cancelled it, while it ran: the answer reaches nobody, and nobody would know to free what it names.
+ */
 export function unary<Req, Res>(
   deps: HandlerDeps,
   method: string,
   body: (request: Req, context: CallContext) => Promise<Res> | Res,
+  undo?: (made: Res, context: CallContext, request: Req) => unknown,
 ): grpc.handleUnaryCall<Req, Res> {
+  const run = async (call: grpc.ServerUnaryCall<Req, Res>, context: CallContext): Promise<Res> => {
+    const made = await body(call.request, context);
+    if (!call.cancelled || undo === undefined) return made;
+    // Undone within the call: a session's reclaim waits for it.
+    try {
+      await undo(made, context, call.request);
+    } catch (error) {
+      context.log.warn({ err: error }, 'undoing what a call made after its client stopped waiting failed');
+    }
+    throw deadlineExceeded('DEADLINE_PASSED', 'the deadline passed (or the client cancelled the call) while it ran; what it made was undone');
+  };
   return (call, callback) =>
-    startFairly(deps, call, () => {
-      deps.turns?.enter('grpc', method);
-      void settle(deps, method, withContext(deps, call, method, async (context) => body(call.request, context))).then(({ value, error }) => {
-        if (error !== undefined) return callback(error as grpc.ServiceError);
-        countUnaryBytes(deps, method, value);
-        callback(null, value);
-      });
-    });
+    startFairly(
+      deps,
+      call,
+      () => {
+        deps.turns?.enter('grpc', method);
+        // A body that waits (AllocateAll) stops waiting when the client cancels.
+        const cancelled = new AbortController();
+        call.once('cancelled', () => cancelled.abort());
+        void settle(deps, method, withContext(deps, call, method, (context) => run(call, { ...context, signal: cancelled.signal }))).then(({ value, error }) => {
+          if (error !== undefined) return callback(error as grpc.ServiceError);
+          countUnaryBytes(deps, method, value);
+          callback(null, value);
+        });
+      },
+      (error) => void settle(deps, method, Promise.reject(error)).then(({ error: answer }) => callback(answer as grpc.ServiceError)),
+    );
 }
 
 /** What a server stream hands grpc-js before its reader has taken it, without a TransportBudgets. */
@@ -286,7 +330,7 @@ export function serverStream<Req, Res>(
       const settled = settle(deps, method, run);
       countStream(deps, method, call, settled);
       void settled.then(({ error }) => (error === undefined ? call.end() : call.emit('error', error)));
-    });
+    }, (error) => void settle(deps, method, Promise.reject(error)).then(({ error: answer }) => call.emit('error', answer)));
 }
 
 export function clientStream<Req, Res>(
@@ -314,5 +358,5 @@ export function clientStream<Req, Res>(
       void settled.then(
         ({ value, error }) => (error === undefined ? callback(null, value as Res) : callback(error as grpc.ServiceError)),
       );
-    });
+    }, (error) => void settle(deps, method, Promise.reject(error)).then(({ error: answer }) => callback(answer as grpc.ServiceError)));
 }

@@ -61,8 +61,8 @@ export class StoresService {
       readOnly: request.readOnly,
       handOver: request.handOver,
       size: u64(request.size),
+      creatorUid: context.who?.peer?.uid,
     });
-    store.creatorUid = context.who?.peer?.uid;
     return this.toWire(store);
   }
 
@@ -79,8 +79,8 @@ export class StoresService {
       readOnly: request.readOnly,
       name: request.name,
       hasDeleter: request.hasDeleter,
+      creatorUid: session.peer.uid,
     });
-    store.creatorUid = session.peer.uid;
     return this.toWire(store);
   }
 
@@ -125,6 +125,10 @@ export class StoresService {
   }
 
   /** @throws PERMISSION_DENIED NOT_OWNER (another session's store; a daemon-owned store another uid made, unless the caller is an admin) */
+  private async undoStore(made: Store, context: CallContext): Promise<void> {
+    await this.stores.detach(context.caller, this.stores.find({ id: BigInt(String(made.id)), name: '' }));
+  }
+
   async detach(request: DetachRequest__Output, context: CallContext): Promise<Store> {
     const store = this.stores.findRef(request.store);
     const who = context.who;
@@ -317,8 +321,9 @@ export class StoresService {
 
   addToServer(server: grpc.Server, proto: VmmdProto, deps: HandlerDeps): void {
     server.addService(proto.vmmd.v1.Stores.service, {
-      CreateStore: unary(deps, 'CreateStore', (r: CreateStoreRequest__Output, c) => this.createStore(r, c)),
-      Attach: unary(deps, 'Attach', (r: AttachRequest__Output, c) => this.attach(r, c)),
+      // A store made after its caller stopped waiting is detached again (handler.ts): nobody would know its id.
+      CreateStore: unary(deps, 'CreateStore', (r: CreateStoreRequest__Output, c) => this.createStore(r, c), (made, c) => this.undoStore(made, c)),
+      Attach: unary(deps, 'Attach', (r: AttachRequest__Output, c) => this.attach(r, c), (made, c) => this.undoStore(made, c)),
       Open: unary(deps, 'Open', (r: OpenRequest__Output, c) => this.open(r, c)),
       Close: unary(deps, 'Close', (r: CloseRequest__Output, c) => this.close(r, c)),
       Detach: unary(deps, 'Detach', (r: DetachRequest__Output, c) => this.detach(r, c)),

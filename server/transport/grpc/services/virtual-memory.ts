@@ -5,6 +5,8 @@
  */
 import * as grpc from '@grpc/grpc-js';
 import type { Allocation } from '../../../../generated/vmmd/v1/Allocation';
+import type { AllocateAllRequest__Output } from '../../../../generated/vmmd/v1/AllocateAllRequest';
+import type { AllocateAllResponse } from '../../../../generated/vmmd/v1/AllocateAllResponse';
 import type { CreateRequest__Output } from '../../../../generated/vmmd/v1/CreateRequest';
 import type { ExportRequest__Output } from '../../../../generated/vmmd/v1/ExportRequest';
 import type { ExportResponse } from '../../../../generated/vmmd/v1/ExportResponse';
@@ -152,11 +154,57 @@ export class VirtualMemoryService {
   async allocate(request: CreateRequest__Output, context: CallContext): Promise<ExportResponse> {
     const session = requireSession(context, 'Allocate');
     session.checkDescriptorRoom();
-    const args = { size: u64(request.size), location: location(request.location, this.resolveDevice), handleType: handleType(request.handleType) };
+    const { socket } = context;
+    // Sent again after a restart cut off its answer: the allocation the first one made (recorded, then parked,
+    // with its request id) is this answer, exported anew, rather than a second allocation.
+    const made = socket?.again === true ? [...this.registry.allocations.all()].find((one) => one.owner === context.caller && one.request === socket.request) : undefined;
+    if (made !== undefined) {
+      const again = await this.registry.exportHandle(context.caller, { allocationId: made.id, handleType: 'POSIX_FD', shareKey: '' });
+      return this.handOver(session, 'POSIX_FD', again, context);
+    }
+    const args = {
+      size: u64(request.size),
+      location: location(request.location, this.resolveDevice),
+      handleType: handleType(request.handleType),
+      ...(socket === undefined ? {} : { request: socket.request }),
+    };
     const exported = await this.registry.createExported(context.caller, args, (cause) => context.log.error({ err: cause }, 'Allocate: the rollback failed'));
     // The client never learns of an allocation whose answer did not reach it: it is released again.
     if (context.socket !== undefined) context.socket.unsent = () => this.registry.release(context.caller, exported.allocation.id);
     return this.handOver(session, 'POSIX_FD', exported, context);
+  }
+
+  /**
+   * AllocateAll: one allocation per size, made when the device's turn and its
+   * memory come (server/registry/referee.ts), each descriptor sent on the
+   * session socket; when one cannot be sent, every allocation is released
+   * again (descriptors already sent are the client's, closed unclaimed).
+   * @throws as Registry.allocateAll; FAILED_PRECONDITION NO_SESSION; RESOURCE_EXHAUSTED BUDGET_EXCEEDED
+   *   (the session cannot be sent so many descriptors now); UNAVAILABLE SESSION_SOCKET_FULL
+   */
+  async allocateAll(request: AllocateAllRequest__Output, context: CallContext): Promise<AllocateAllResponse> {
+    const session = requireSession(context, 'AllocateAll');
+    session.checkDescriptorRoom(Math.max(1, request.sizes.length));
+    const args = {
+      sizes: request.sizes.map((size) => u64(size)),
+      location: location(request.location, this.resolveDevice),
+      handleType: handleType(request.handleType),
+      deadlineMs: request.deadlineMs,
+      signal: context.signal === undefined ? session.endSignal : AbortSignal.any([session.endSignal, context.signal]),
+    };
+    const { exported, waitedMs } = await this.registry.allocateAll(context.caller, args);
+    const answers: ExportResponse[] = [];
+    try {
+      for (const one of exported) {
+        answers.push(this.handOver(session, 'POSIX_FD', one, context));
+        // handOver closed the daemon's copy.
+        one.fd = undefined;
+      }
+    } catch (error) {
+      await this.registry.undoAllocateAll(context.caller, exported);
+      throw error;
+    }
+    return { allocations: answers, waitedMs };
   }
 
   /**
@@ -267,18 +315,20 @@ export class VirtualMemoryService {
 
   addToServer(server: grpc.Server, proto: VmmdProto, deps: HandlerDeps): void {
     server.addService(proto.vmmd.v1.VirtualMemory.service, {
-      Reserve: unary(deps, 'Reserve', (r: ReserveRequest__Output, c) => this.reserve(r, c)),
+      // What Reserve, Create, Map and Import made is undone when their answer can reach nobody (handler.ts).
+      Reserve: unary(deps, 'Reserve', (r: ReserveRequest__Output, c) => this.reserve(r, c), (made, c) => this.registry.freeAddress(c.caller, BigInt(String(made.address)), BigInt(String(made.size)))),
       FreeAddress: unary(deps, 'FreeAddress', (r: FreeAddressRequest__Output, c) => this.freeAddress(r, c)),
-      Create: unary(deps, 'Create', (r: CreateRequest__Output, c) => this.create(r, c)),
+      Create: unary(deps, 'Create', (r: CreateRequest__Output, c) => this.create(r, c), (made, c) => this.registry.release(c.caller, BigInt(String(made.id)))),
       Release: unary(deps, 'Release', (r: ReleaseRequest__Output, c) => this.release(r, c)),
-      Map: unary(deps, 'Map', (r: MapRequest__Output, c) => this.map(r, c)),
+      Map: unary(deps, 'Map', (r: MapRequest__Output, c) => this.map(r, c), (_made, c, r) => this.registry.unmap(c.caller, u64(r.address), u64(r.size))),
       Unmap: unary(deps, 'Unmap', (r: UnmapRequest__Output, c) => this.unmap(r, c)),
       SetAccess: unary(deps, 'SetAccess', (r: SetAccessRequest__Output, c) => this.setAccess(r, c)),
       GetAccess: unary(deps, 'GetAccess', (r: GetAccessRequest__Output, c) => this.getAccess(r, c)),
       Export: unary(deps, 'Export', (r: ExportRequest__Output, c) => this.export(r, c)),
       Allocate: unary(deps, 'Allocate', (r: CreateRequest__Output, c) => this.allocate(r, c)),
+      AllocateAll: unary(deps, 'AllocateAll', (r: AllocateAllRequest__Output, c) => this.allocateAll(r, c)),
       Share: unary(deps, 'Share', (r: ShareRequest__Output, c) => this.share(r, c)),
-      Import: unary(deps, 'Import', (r: ImportRequest__Output, c) => this.import(r, c)),
+      Import: unary(deps, 'Import', (r: ImportRequest__Output, c) => this.import(r, c), (made, c) => this.registry.release(c.caller, BigInt(String(made.id)))),
       GetProperties: unary(deps, 'GetProperties', (r: GetPropertiesRequest__Output, c) => this.getProperties(r, c)),
       RetainHandle: unary(deps, 'RetainHandle', (r: RetainHandleRequest__Output, c) => this.retainHandle(r, c)),
       Read: serverStream(deps, 'Read', (r: ReadRequest__Output, c) => this.read(r, c)),

@@ -1,0 +1,115 @@
+/**
+ * The daemon's lifecycle across its own restarts, composed for
+ * server/app/daemon.ts: whether memory is parked (a file-descriptor store
+ * named by NOTIFY_SOCKET, and `--park auto`), the descriptors handed back at
+ * start, the restore, the parked sessions' grace, and the freeze at stop that
+ * leaves the parked state for the next start.
+ */
+import type { Logger } from 'pino';
+import type { Backend } from '../backends/backend';
+import type { AllocationSource, Registry } from '../registry';
+import type { StoreRegistry } from '../stores/stores';
+import type { SessionManager } from '../transport/session/sessions';
+import { FdStoreClient, inheritedDescriptors } from './fd-store';
+import { Parking, ParkingSlot, SessionPeers } from './parking';
+import { restoreParked, Restored } from './restore';
+
+export class Lifecycle {
+  private readonly slot: ParkingSlot = {};
+  private grace?: NodeJS.Timeout;
+  // Invariant: the descriptors handed back at start, until restore() takes them.
+  private inherited: Map<string, number[]>;
+
+  /** @param socket the store's NOTIFY_SOCKET; undefined: nothing is parked */
+  private constructor(
+    private readonly socket: string | undefined,
+    private readonly log: Logger,
+  ) {
+    this.inherited = socket === undefined ? new Map() : inheritedDescriptors(process.env);
+  }
+
+  /** Reads LISTEN_FDS at once (before the daemon opens anything else): parking is on when `park` is auto and a store is there. */
+  static fromEnvironment(park: 'auto' | 'off', env: NodeJS.ProcessEnv, log: Logger): Lifecycle {
+    return new Lifecycle(park === 'auto' && env.NOTIFY_SOCKET ? env.NOTIFY_SOCKET : undefined, log);
+  }
+
+  /** Whether memory is parked: sessions can then be resumed after a restart. */
+  get parks(): boolean {
+    return this.socket !== undefined;
+  }
+
+  get parking(): Parking | undefined {
+    return this.slot.parking;
+  }
+
+  /** The registry's allocation source with the parking adaptor outermost (each memory's descriptor parked before it is recorded). */
+  adapt(upstream: AllocationSource): AllocationSource {
+    return this.socket === undefined ? upstream : Parking.adaptor(this.slot, upstream);
+  }
+
+  /**
+   * Takes back what was parked and starts parking; the parked sessions'
+   * objects stay theirs for `graceMs`, then are reclaimed as if they had closed.
+   * @throws the fd store's error when nothing can be parked
+   */
+  async restore(deps: { registry: Registry; stores: StoreRegistry; backend: Backend; sessions: SessionManager }, graceMs: number): Promise<Restored | undefined> {
+    if (this.socket === undefined) return undefined;
+    const started = process.hrtime.bigint();
+    const restored = await restoreParked(
+      { ...deps, client: new FdStoreClient(this.socket), peers: sessionPeers(deps.sessions), log: this.log },
+      this.inherited,
+      this.slot,
+    );
+    this.inherited = new Map();
+    const last = restored.sessions.reduce((max, session) => (BigInt(session.id) > max ? BigInt(session.id) : max), 0n);
+    deps.sessions.skipIdsThrough(last);
+    this.log.info(
+      { allocations: restored.allocations, stores: restored.stores, sessions: restored.sessions.length, dropped: restored.dropped, ms: Number(process.hrtime.bigint() - started) / 1e6 },
+      restored.allocations + restored.stores > 0 ? 'parked memory taken back' : 'parking memory in the file-descriptor store',
+    );
+    // Each session is parked as it opens, and its record dropped once it has ended.
+    deps.sessions.setJournal({ opened: (session) => this.slot.parking?.sessionOpened(session.id), ended: (id) => this.slot.parking?.sessionEnded(id) });
+    // A session whose record has its tokens waits for its client to resume it; the others' objects are reclaimed after the grace.
+    const resumable = restored.sessions.filter((session) => session.token !== undefined && session.resumeToken !== undefined);
+    deps.sessions.awaitResume(
+      resumable.map((session) => ({ id: BigInt(session.id), uid: session.uid, gid: session.gid, token: session.token!, resumeToken: session.resumeToken! })),
+      graceMs,
+    );
+    const unresumable = { ...restored, sessions: restored.sessions.filter((session) => !resumable.includes(session)) };
+    if (unresumable.sessions.length > 0) {
+      this.grace = setTimeout(() => void this.reclaimParked(deps, unresumable), graceMs);
+      this.grace.unref();
+    }
+    return restored;
+  }
+
+  /** Stops recording: what the stop reclaims next stays parked for the next start. */
+  freeze(): void {
+    if (this.grace !== undefined) clearTimeout(this.grace);
+    this.slot.parking?.freeze();
+  }
+
+  private async reclaimParked(deps: { registry: Registry; stores: StoreRegistry; sessions: SessionManager }, restored: Restored): Promise<void> {
+    for (const parked of restored.sessions) {
+      const id = BigInt(parked.id);
+      if (deps.sessions.peerOf(id) !== undefined) continue;
+      try {
+        await deps.stores.reclaim(id);
+        await deps.registry.reclaim(id);
+      } catch (error) {
+        this.log.error({ err: error, session: parked.id }, "reclaiming a parked session's objects failed");
+      }
+    }
+  }
+}
+
+/** Who a session is, and its tokens, for its parked record: live sessions' and those still waiting to be resumed. */
+function sessionPeers(sessions: SessionManager): SessionPeers {
+  return {
+    peerOf: (session) => sessions.peerOf(session),
+    tokensOf: (session) => {
+      const record = sessions.recordOf(session);
+      return record === undefined ? undefined : { token: record.token, resumeToken: record.resumeToken };
+    },
+  };
+}

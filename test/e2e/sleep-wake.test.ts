@@ -1,0 +1,234 @@
+/**
+ * Sleep and wake of tagged memory on the host backend: a sleeping group or
+ * pool keeps every address, gives its memory back to the daemon (offloaded
+ * into the daemon's host memory, charged to the session, or discarded), and
+ * wakes at the same addresses with the same contents (offload); a store's
+ * mapping comes back without a copy; a wake that cannot get its memory
+ * leaves the memory asleep and intact; a wake waits for another process's
+ * sleep; a process killed while asleep leaves nothing in the daemon.
+ */
+import { connect, ImportedMemory, VmmdClient, VmmdMemoryManager } from '../../client';
+import { eventually, freePort, MiB, Peer, scrapeMetrics, sleep, stopWhenClean, TestDaemon } from './harness';
+
+let daemon: TestDaemon;
+let metricsPort: number;
+const clients: VmmdClient[] = [];
+let nextTag = 1;
+
+beforeAll(async () => {
+  metricsPort = await freePort();
+  daemon = await TestDaemon.start(['--host-capacity', '64MiB', '--metrics-port', String(metricsPort)]);
+}, 90_000);
+
+afterAll(async () => {
+  await stopWhenClean(daemon, clients);
+});
+
+async function client(): Promise<VmmdClient> {
+  const made = await connect({ socketDir: daemon.dir });
+  clients.push(made);
+  return made;
+}
+
+const stats = () => daemon.stats();
+const allocations = async () => Number((await stats()).allocations);
+
+/** A pattern of `size` bytes that differs per seed. */
+function pattern(size: bigint, seed: number): Uint8Array {
+  const bytes = new Uint8Array(Number(size));
+  for (let i = 0; i < bytes.length; i += 4096) bytes[i] = (i / 4096 + seed) & 0xff;
+  bytes[bytes.length - 1] = seed;
+  return bytes;
+}
+
+async function filled(owner: VmmdClient, size: bigint, seed: number): Promise<ImportedMemory> {
+  const memory = await owner.vmm.allocate({ size });
+  new Uint8Array(memory.buffer).set(pattern(size, seed));
+  return memory;
+}
+
+async function freeAll(owner: VmmdClient, memory: ImportedMemory[]): Promise<void> {
+  for (const mapped of memory) {
+    await mapped.close();
+    await owner.vmm.release({ allocationId: mapped.allocationId });
+  }
+}
+
+describe('sleep and wake of tagged memory', () => {
+  test('offload: the same addresses and contents after wake; while asleep the daemon holds the bytes in host memory, charged to the session', async () => {
+    const owner = await client();
+    const tag = `weights-${nextTag++}`;
+    const memory = [await filled(owner, 2n * MiB, 1), await filled(owner, 4n * MiB, 2), await filled(owner, 2n * MiB, 3)];
+    for (const mapped of memory) owner.tags.group(tag).add(mapped);
+    const addresses = memory.map((mapped) => mapped.address);
+    const before = memory.map((mapped) => mapped.allocationId);
+    const report = await owner.sleep(tag, { mode: 'offload' });
+    expect(report).toEqual({ offloadedBytes: 8n * MiB, releasedBytes: 8n * MiB });
+    expect(owner.tags.isAsleep(tag)).toBe(true);
+    await expect(memory[0].read(0, 4)).rejects.toMatchObject({ code: 'ASLEEP' });
+    // The device memory went back; its bytes are host memory of the daemon's, the session's.
+    expect(await allocations()).toBe(3);
+    expect(await scrapeMetrics(metricsPort)).toMatch(new RegExp(`^vmmd_uid_location_bytes\\{uid="${process.getuid!()}",location="HOST_NUMA:0"\\} ${8n * MiB}$`, 'm'));
+    const woken = await owner.wake(tag, { deadlineMs: 5000 });
+    expect(woken.restoredBytes).toBe(8n * MiB);
+    expect(memory.map((mapped) => mapped.address)).toEqual(addresses);
+    expect(memory.map((mapped) => mapped.allocationId)).not.toEqual(before);
+    for (const [index, mapped] of memory.entries()) expect(Buffer.from(mapped.buffer).equals(Buffer.from(pattern(mapped.size, index + 1)))).toBe(true);
+    // The host copies went back: the daemon holds the three device allocations again.
+    expect(await allocations()).toBe(3);
+    expect(await scrapeMetrics(metricsPort)).not.toMatch(/location="HOST_NUMA:0"/);
+    await freeAll(owner, memory);
+  });
+
+  test('discard: nothing copied, nothing held while asleep, the same addresses writable after wake', async () => {
+    const owner = await client();
+    const tag = `cache-${nextTag++}`;
+    const memory = [await filled(owner, 4n * MiB, 9), await filled(owner, 2n * MiB, 8)];
+    for (const mapped of memory) owner.tags.group(tag).add(mapped);
+    const addresses = memory.map((mapped) => mapped.address);
+    expect(await owner.sleep(tag, { mode: 'discard' })).toEqual({ offloadedBytes: 0n, releasedBytes: 6n * MiB });
+    expect(await allocations()).toBe(0);
+    await owner.wake(tag);
+    expect(memory.map((mapped) => mapped.address)).toEqual(addresses);
+    new Uint8Array(memory[0].buffer).fill(5);
+    expect(new Uint8Array(memory[0].buffer)[4n * MiB > 0n ? 4096 : 0]).toBe(5);
+    expect(await allocations()).toBe(2);
+    await freeAll(owner, memory);
+  });
+
+  test('a read-only store\'s mapping is unmapped and mapped again at its address, nothing copied', async () => {
+    const owner = await client();
+    const tag = `model-${nextTag++}`;
+    const source = await filled(owner, 4n * MiB, 42);
+    const store = await owner.stores.createStore({ allocationId: source.allocationId, readOnly: true, name: `model-${tag}` });
+    const opened = await owner.stores.open(`model-${tag}`);
+    owner.tags.group(tag).addStore(opened);
+    const address = opened.memory.address;
+    expect(await owner.sleep(tag)).toEqual({ offloadedBytes: 0n, releasedBytes: 0n });
+    // Only the store's own allocation: no host copy, nothing else.
+    expect(await allocations()).toBe(1);
+    await expect(opened.memory.read(0, 4)).rejects.toMatchObject({ code: 'ASLEEP' });
+    await owner.wake(tag);
+    expect(opened.memory.address).toBe(address);
+    expect(Buffer.from(opened.memory.buffer).equals(Buffer.from(pattern(4n * MiB, 42)))).toBe(true);
+    expect((await owner.stores.list()).find((listed) => listed.id === store.id)?.opens).toBe(1);
+    await opened.close();
+    await owner.stores.detach({ id: store.id });
+    await freeAll(owner, [source]);
+  });
+
+  test('a wake that cannot get its memory fails OUT_OF_MEMORY and leaves the memory asleep and intact', async () => {
+    const owner = await client();
+    const hog = await client();
+    const tag = `weights-${nextTag++}`;
+    const memory = await filled(owner, 16n * MiB, 77);
+    owner.tags.group(tag).add(memory);
+    await owner.sleep(tag);
+    // 16 MiB of host copy + 48 MiB held by another: the device has no room for the wake.
+    const held: ImportedMemory[] = [];
+    for (let i = 0; i < 24; i++) held.push(await hog.vmm.allocate({ size: 2n * MiB }));
+    await expect(owner.wake(tag, { deadlineMs: 300 })).rejects.toMatchObject({ code: 'OUT_OF_MEMORY' });
+    expect(owner.tags.isAsleep(tag)).toBe(true);
+    expect(memory.isAsleep).toBe(true);
+    await freeAll(hog, held.splice(0, 8));
+    await owner.wake(tag, { deadlineMs: 5000 });
+    expect(Buffer.from(memory.buffer).equals(Buffer.from(pattern(16n * MiB, 77)))).toBe(true);
+    await freeAll(hog, held);
+    await freeAll(owner, [memory]);
+  });
+
+  test('a wake waits for another process\'s sleep to free its memory', async () => {
+    const first = await client();
+    const second = await client();
+    const [tagA, tagB] = [`engine-a-${nextTag}`, `engine-b-${nextTag++}`];
+    // The second engine sleeps; the first takes the device.
+    const b = await filled(second, 40n * MiB, 2);
+    second.tags.group(tagB).add(b);
+    await second.sleep(tagB, { mode: 'discard' });
+    const a = await filled(first, 40n * MiB, 1);
+    first.tags.group(tagA).add(a);
+    let woke = false;
+    const waking = second.wake(tagB, { deadlineMs: 20_000 }).then((report) => ((woke = true), report));
+    await sleep(300);
+    expect(woke).toBe(false);
+    await first.sleep(tagA, { mode: 'discard' });
+    const report = await waking;
+    expect(report.waitedMs).toBeGreaterThanOrEqual(100);
+    expect(b.isAsleep).toBe(false);
+    await freeAll(second, [b]);
+    await first.wake(tagA);
+    await freeAll(first, [a]);
+  }, 30_000);
+
+  test('an offload sleep does not queue behind a wake that waits for memory: host copies have their queue', async () => {
+    const first = await client();
+    const second = await client();
+    const [tagA, tagB] = [`engine-a-${nextTag}`, `engine-b-${nextTag++}`];
+    const b = await filled(second, 40n * MiB, 4);
+    second.tags.group(tagB).add(b);
+    await second.sleep(tagB, { mode: 'discard' });
+    const a = await filled(first, 28n * MiB, 3);
+    first.tags.group(tagA).add(a);
+    // 28 MiB in use: the 40 MiB wake waits; the 28 MiB offload fits at once and must not wait behind it.
+    let wakeEnded = false;
+    const waking = second.wake(tagB, { deadlineMs: 4000 }).then(
+      () => ((wakeEnded = true), 'woke'),
+      (error: { code?: string }) => ((wakeEnded = true), error.code),
+    );
+    await sleep(200);
+    await first.sleep(tagA, { mode: 'offload', deadlineMs: 3000 });
+    expect(wakeEnded).toBe(false);
+    expect(await waking).toBe('OUT_OF_MEMORY');
+    await first.wake(tagA, { deadlineMs: 5000 });
+    expect(Buffer.from(a.buffer).equals(Buffer.from(pattern(28n * MiB, 3)))).toBe(true);
+    await freeAll(first, [a]);
+  }, 30_000);
+
+  test('refuses what does not fit the state: sleep twice, wake awake, an unknown tag', async () => {
+    const owner = await client();
+    const tag = `x-${nextTag++}`;
+    const memory = await filled(owner, 2n * MiB, 3);
+    owner.tags.group(tag).add(memory);
+    await expect(owner.wake(tag)).resolves.toEqual({ restoredBytes: 0n, waitedMs: 0 });
+    await expect(owner.tags.group(tag).wake()).rejects.toMatchObject({ code: 'ASLEEP' });
+    await owner.sleep(tag);
+    await expect(owner.tags.group(tag).sleep()).rejects.toMatchObject({ code: 'ASLEEP' });
+    expect(() => owner.tags.group(tag).add(memory)).toThrow(expect.objectContaining({ code: 'ASLEEP' }));
+    await expect(owner.sleep('no such tag')).rejects.toMatchObject({ code: 'NOT_VMMD_MEMORY' });
+    await owner.wake(tag);
+    await freeAll(owner, [memory]);
+  });
+
+  test('a process killed while asleep leaves nothing in the daemon', async () => {
+    const peer = await Peer.start(daemon.dir);
+    const slept = await peer.do({ op: 'sleepTagged', size: String(8n * MiB), mode: 'offload' });
+    expect(slept.offloadedBytes).toBe(String(8n * MiB));
+    expect(await allocations()).toBe(1);
+    peer.process.kill('SIGKILL');
+    await peer.exited;
+    await eventually(async () => ((await allocations()) === 0 ? true : undefined), 10_000, 'the session to be reclaimed');
+  });
+
+  test('the NBEP 7 manager\'s pool sleeps by tag and wakes with the same pointers and bytes', async () => {
+    const owner = await client();
+    const tag = `pool-${nextTag++}`;
+    const manager = new VmmdMemoryManager({ device: 0, backend: 'host', client: owner, tag, pool: { chunkSize: 4n * MiB, largeThreshold: 2n * MiB } });
+    await manager.initialize();
+    const small = await manager.memalloc(4096);
+    const large = await manager.memalloc(6n * MiB);
+    await manager.write(small.devicePointer, Buffer.from('pooled block'));
+    await manager.write(large.devicePointer + 1000n, Buffer.from('large allocation'));
+    await owner.sleep(tag);
+    expect(manager.asleep).toBe(true);
+    await expect(manager.memalloc(4096)).rejects.toMatchObject({ code: 'ASLEEP' });
+    await owner.wake(tag);
+    expect((await manager.read(small.devicePointer, 12)).toString()).toBe('pooled block');
+    expect((await manager.read(large.devicePointer + 1000n, 16)).toString()).toBe('large allocation');
+    const after = await manager.memalloc(4096);
+    expect(after.devicePointer).not.toBe(small.devicePointer);
+    small.free();
+    large.free();
+    after.free();
+    await manager.reset();
+  });
+});

@@ -1,0 +1,137 @@
+/**
+ * The resume scenario, on either backend (test/reliability/resume.test.ts on
+ * host, test/gpu/resume-cuda.test.ts on cuda): under vmmd's keeper, 16
+ * clients (12 TypeScript, 4 Python processes) allocate, write, release and
+ * read one of 8 open stores while the serving daemon is SIGKILLed, and while
+ * it is restarted on purpose (SIGHUP to the keeper: the planned upgrade).
+ * Every client resumes its session by itself: no error reaches its code,
+ * what the daemon says each session owns is exactly what the client holds,
+ * its quota charge is their bytes, and their bytes and the stores' are intact.
+ */
+import { spawn } from 'node:child_process';
+import { createHash } from 'node:crypto';
+import * as fs from 'node:fs';
+import * as path from 'node:path';
+import { connect } from '../../client';
+import { eventually, MiB, packageRoot, sleep, TestDaemon } from '../e2e/harness';
+import { figure } from './figures';
+import { runReportingClient } from './report-client';
+
+const TS_CLIENTS = 12;
+const PY_CLIENTS = 4;
+const STORES = 8;
+const RUN_MS = 10_000;
+const WORKER = path.join(packageRoot(), 'dist', 'test', 'reliability', 'fixtures', 'resume-worker.js');
+const PY_WORKER = path.join(packageRoot(), 'test', 'reliability', 'fixtures', 'resume_worker.py');
+/** The Python client's interpreter: the venv's where there is one (npm test), else $PYTHON or python3 with the package's sources (the GPU bundle). */
+const VENV_PYTHON = path.join(packageRoot(), process.env.VMMD_PYTHON_VENV ?? '.venv', 'bin', 'python');
+const PYTHON = fs.existsSync(VENV_PYTHON) ? VENV_PYTHON : (process.env.PYTHON ?? 'python3');
+const PYTHON_PATH = path.join(packageRoot(), 'python', 'src');
+
+interface Report {
+  ops: number;
+  errors: Record<string, number>;
+  first?: string;
+  events: string[];
+  session: string;
+  ownedMatches: boolean;
+  owned: string[];
+  mine: string[];
+  chargeMatches: boolean;
+  intact: number;
+  held: number;
+}
+
+function runPython(args: string[], socketDir: string): Promise<Report> {
+  return new Promise((resolve, reject) => {
+    const pythonPath = [PYTHON_PATH, process.env.PYTHONPATH].filter(Boolean).join(':');
+    const child = spawn(PYTHON, [PY_WORKER, ...args], { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, VMMD_SOCKET_DIR: socketDir, PYTHONPATH: pythonPath } });
+    let out = '';
+    let err = '';
+    child.stdout!.on('data', (chunk) => (out += chunk));
+    child.stderr!.on('data', (chunk) => (err += chunk));
+    child.once('exit', (code) => (code === 0 ? resolve(JSON.parse(out) as Report) : reject(new Error(`python worker exited with ${code}: ${err}`))));
+  });
+}
+
+/** The serving daemon under a keeper: the keeper's only child. */
+function servingPid(keeper: number): number | undefined {
+  const children = fs.readFileSync(`/proc/${keeper}/task/${keeper}/children`, 'utf8').trim();
+  return children === '' ? undefined : Number(children.split(' ')[0]);
+}
+
+/** 8 stores with bytes of their own, handed to the daemon; their checksums. */
+async function makeStores(dir: string): Promise<string[]> {
+  const maker = await connect({ socketDir: dir });
+  const sums: string[] = [];
+  try {
+    for (let i = 0; i < STORES; i++) {
+      const allocation = await maker.vmm.create({ size: 4n * MiB });
+      const store = await maker.stores.createStore({ allocationId: allocation.id, name: `weights-${i}`, handOver: true });
+      const bytes = Buffer.alloc(Number(4n * MiB), `store ${i} `);
+      await maker.stores.write({ storeId: store.id, offset: 0n }, bytes);
+      sums.push(createHash('sha256').update(bytes).digest('hex'));
+    }
+  } finally {
+    maker.close();
+  }
+  return sums;
+}
+
+/** SIGKILL of the serving daemon; resolves once the next one serves. */
+async function killServing(daemon: TestDaemon): Promise<void> {
+  const before = servingPid(daemon.pid)!;
+  process.kill(before, 'SIGKILL');
+  await eventually(async () => (servingPid(daemon.pid) !== before && (await daemon.stats().then(() => true, () => undefined)) ? true : undefined), 30_000, 'the daemon to serve again');
+}
+
+/** SIGHUP to the keeper (a planned upgrade); resolves once the next daemon serves. */
+async function upgrade(daemon: TestDaemon): Promise<void> {
+  const before = servingPid(daemon.pid)!;
+  process.kill(daemon.pid, 'SIGHUP');
+  await eventually(async () => (servingPid(daemon.pid) !== undefined && servingPid(daemon.pid) !== before && (await daemon.stats().then(() => true, () => undefined)) ? true : undefined), 30_000, 'the new daemon to serve');
+}
+
+/** 16 clients at work while the daemon is SIGKILLed ('kill') or restarted on purpose ('upgrade'); checks and reports. */
+export async function resumeScenario(backend: 'host' | 'cuda', how: 'kill' | 'upgrade'): Promise<void> {
+  const name = `${how === 'kill' ? 'kill -9' : 'planned upgrade'} under load (${backend})`;
+  const restart = how === 'kill' ? killServing : upgrade;
+  const daemon = await TestDaemon.start(['--keeper', 'on', '--parked-grace-ms', '60000', ...(backend === 'host' ? ['--host-capacity', '512MiB'] : [])], backend);
+  try {
+    const sums = await makeStores(daemon.dir);
+    const store = (i: number) => [`weights-${i % STORES}`, sums[i % STORES]];
+    const running = [
+      ...Array.from({ length: TS_CLIENTS }, (_, i) => runReportingClient<Report>(WORKER, [String(i + 1), String(RUN_MS), ...store(i)], daemon.dir)),
+      ...Array.from({ length: PY_CLIENTS }, (_, i) => runPython([String(TS_CLIENTS + i + 1), String(RUN_MS), ...store(TS_CLIENTS + i)], daemon.dir)),
+    ];
+    // Once every client is at work (each has a session), the daemon goes.
+    await eventually(async () => ((await daemon.stats()).sessions >= TS_CLIENTS + PY_CLIENTS ? true : undefined), 30_000, 'the clients to connect');
+    await sleep(2_000);
+    const started = Date.now();
+    await restart(daemon);
+    const restartMs = Date.now() - started;
+    const reports = await Promise.all(running);
+    const errors = reports.reduce((total, report) => total + Object.values(report.errors).reduce((a, b) => a + b, 0), 0);
+    const firstErrors = reports.map((report) => report.first).filter((first) => first !== undefined && first !== null);
+    figure(`resume: ${name}`, {
+      clients: reports.length,
+      stores_open: STORES,
+      ops: reports.reduce((total, report) => total + report.ops, 0),
+      client_errors: errors,
+      sessions_owning_exactly_what_they_hold: reports.filter((report) => report.ownedMatches).length,
+      quota_charges_equal: reports.filter((report) => report.chargeMatches).length,
+      allocations_intact: reports.reduce((total, report) => total + report.intact, 0),
+      allocations_held: reports.reduce((total, report) => total + report.held, 0),
+      restart_ms: restartMs,
+    });
+    expect(firstErrors).toEqual([]);
+    expect(reports.filter((report) => !report.ownedMatches).map((report) => ({ session: report.session, owned: report.owned, mine: report.mine }))).toEqual([]);
+    expect(reports.every((report) => report.chargeMatches && report.intact === report.held && report.ops > 0)).toBe(true);
+    // Every session is gone with its client; nothing is left over.
+    await eventually(async () => ((await daemon.stats()).sessions === 0 ? true : undefined), 20_000, 'the sessions to close');
+    expect((await daemon.stats()).allocations).toBe(String(STORES));
+  } finally {
+    await daemon.stop();
+  }
+}
+
