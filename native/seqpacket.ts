@@ -136,6 +136,9 @@ export class SeqpacketConnection extends EventEmitter {
   private onReadable(status: number, events: number): void {
     if (this.closed) return;
     if (status < 0) {
+      // An error on the socket (the peer reset it): what it sent before is still queued and is read first.
+      this.readSome(MAX_MESSAGES_PER_READ, UV_DISCONNECT);
+      if (this.closed) return;
       this.closeReason = `poll failed with status ${status}`;
       this.close();
       return;
@@ -152,19 +155,11 @@ export class SeqpacketConnection extends EventEmitter {
   }
 
   private readSome(max: number, events: number): 'more' | 'drained' | 'closed' {
-    let reset = false;
     for (let read = 0; read < max; read++) {
       let received;
       try {
         received = addon.seqpacketRecv(this.fd, MAX_MESSAGE_BYTES);
       } catch (error) {
-        // A peer that closed with a message of ours unread makes the next read fail ECONNRESET once; what it sent
-        // before closing (a daemon's refusal of the session) is still queued behind that error and is read first.
-        if ((error as { code?: string }).code === 'ECONNRESET' && !reset) {
-          reset = true;
-          read--;
-          continue;
-        }
         this.closeReason = (error as Error).message;
         this.close();
         return 'closed';
@@ -193,6 +188,20 @@ export class SeqpacketConnection extends EventEmitter {
       if (this.closed) return 'closed';
     }
     return 'more';
+  }
+}
+
+/** The messages a connection has sent so far, read and dropped (at most MAX_MESSAGES_PER_READ; never throws). */
+function drain(fd: number): void {
+  for (let read = 0; read < MAX_MESSAGES_PER_READ; read++) {
+    let received;
+    try {
+      received = addon.seqpacketRecv(fd, MAX_MESSAGE_BYTES);
+    } catch {
+      return;
+    }
+    if (received === null || received.eof) return;
+    if (received.fd >= 0) addon.close(received.fd);
   }
 }
 
@@ -299,6 +308,9 @@ export class SeqpacketListener extends EventEmitter {
       accepted = undefined;
     }
     if (accepted !== null && accepted !== undefined) {
+      // What the client sent first (its hello) is read before the refusal goes: a socket closed with a message
+      // unread resets its peer, and a client that takes the reset for the end never reads the refusal.
+      drain(accepted.fd);
       try {
         if (this.refusal !== undefined) addon.seqpacketSend(accepted.fd, this.refusal, -1);
       } catch {

@@ -226,12 +226,23 @@ Napi::Value SeqpacketRecv(const Napi::CallbackInfo& info) {
   message.msg_control = control;
   message.msg_controllen = sizeof(control);
   ssize_t received;
-  do {
-    received = recvmsg(fd, &message, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-  } while (received < 0 && errno == EINTR);
+  bool reset = false;
+  for (;;) {
+    do {
+      received = recvmsg(fd, &message, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    } while (received < 0 && errno == EINTR);
+    // A peer that closed with a message of ours unread resets this side: the read reports it once, ahead of
+    // what the peer sent before it closed (a daemon's refusal of the session), which is still queued.
+    if (received < 0 && errno == ECONNRESET && !reset) {
+      reset = true;
+      message.msg_controllen = sizeof(control);
+      continue;
+    }
+    break;
+  }
   if (received < 0) {
-    if (errno == EAGAIN || errno == EWOULDBLOCK) return env.Null();
-    if (errno == ECONNRESET) {
+    if ((errno == EAGAIN || errno == EWOULDBLOCK) && !reset) return env.Null();
+    if (errno == ECONNRESET || reset) {
       Napi::Object eof = Napi::Object::New(env);
       eof.Set("eof", Napi::Boolean::New(env, true));
       return eof;

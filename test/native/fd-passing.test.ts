@@ -102,6 +102,43 @@ describe('SEQPACKET with descriptors', () => {
     expect(seen).toHaveLength(count);
   });
 
+  it('delivers what a peer sent before it closed with a message of ours unread (the read meets a reset first), then the close', async () => {
+    const rawPath = path.join(dir, 'raw.sock');
+    const listening = addon.seqpacketListen(rawPath, 4);
+    try {
+      const peer = SeqpacketConnection.connect(rawPath);
+      const accepted = addon.seqpacketAccept(listening)!;
+      peer.send(Buffer.from('hello'));
+      const seen: string[] = [];
+      peer.on('message', (message: SeqpacketMessage) => seen.push(message.data.toString()));
+      const closed = new Promise((resolve) => peer.once('close', resolve));
+      // The other end answers and closes without reading: the kernel resets this side, ahead of the answer still queued.
+      addon.seqpacketSend(accepted.fd, Buffer.from('refused'), -1);
+      addon.close(accepted.fd);
+      await closed;
+      expect(seen).toEqual(['refused']);
+    } finally {
+      addon.close(listening);
+    }
+  });
+
+  it('a listener out of descriptors reads what the connection it turns away sent before it refuses and closes: the refusal reaches the client', async () => {
+    const refusing = new SeqpacketListener(path.join(dir, 'refusing.sock'), 16, Buffer.from('out of descriptors'));
+    try {
+      const peer = SeqpacketConnection.connect(path.join(dir, 'refusing.sock'));
+      peer.send(Buffer.from('hello'));
+      const seen: string[] = [];
+      peer.on('message', (message: SeqpacketMessage) => seen.push(message.data.toString()));
+      const closed = new Promise((resolve) => peer.once('close', resolve));
+      // Turned away as when accept finds no descriptor: the spare is given up for this one connection.
+      (refusing as unknown as { turnAway(): string }).turnAway();
+      await closed;
+      expect(seen).toEqual(['out of descriptors']);
+    } finally {
+      refusing.close();
+    }
+  });
+
   it('emits close when the peer goes away', async () => {
     const closed = new Promise((resolve) => server.once('close', resolve));
     client.close();
