@@ -155,16 +155,11 @@ class VirtualMemoryApi:
         it leaves nothing: what the daemon made for it is released.
         Raises VmmdError from Create (OUT_OF_MEMORY, NOT_ALIGNED…), NO_CUDA, LOCAL_MAP_FAILED; VmmdTimeoutError past `timeout`."""
         seconds = self._service.seconds(timeout)
-        if not self._session.closed:
-            response, fd = self._session.allocate(size, location, seconds)
-            # Owned from here by `owner` (until the mapping takes it) and by the except below: no gap before the try.
-            owner = [fd]
-        else:
-            response = self.allocate_raw(size=size, location=location, timeout=seconds)
-            owner = [-1]
+        # A session that ended answers SESSION_LOST (saying why), as every session-socket call does.
+        response, fd = self._session.allocate(size, location, seconds)
+        # Owned from here by `owner` (until the mapping takes it) and by the except below: no gap before the try.
+        owner = [fd]
         try:
-            if owner[0] < 0:
-                owner[0] = self._session.take_transfer(response.transfer_id, seconds)
             return self._map_export(response, owner, False, host_access)
         except BaseException as error:
             close_fd(owner[0])

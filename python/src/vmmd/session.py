@@ -106,7 +106,7 @@ class ClientSession(AbandonedAnswers, BatchedReleases, Resumable):
     def _start_reading(self, sock: socket.socket) -> None:
         """The connection the session is served on, and its reader thread."""
         self._sock = sock
-        self._reading = SocketReading(sock, self._lock, self._dispatch, _ANSWERS, self._busy_poll_us, ("transfer",) + _WITH_DESCRIPTOR)
+        self._reading = SocketReading(sock, self._lock, self._dispatch, self._busy_poll_us, ("transfer",) + _WITH_DESCRIPTOR)
         self._reader = threading.Thread(target=self._read_loop, name=f"vmmd-session-{self.id}", daemon=True)
         self._reader.start()
 
