@@ -4,6 +4,7 @@ describe('session protocol frames', () => {
   it("round-trips an allocate request into the RPC's generated CreateRequest, with and without a location", () => {
     expect(decodeClientFrame(encodeClientFrame({ request: '3', allocate: { size: '2097152' } }))).toEqual({
       request: '3',
+      again: false,
       body: 'allocate',
       allocate: { size: '2097152', location: null, handleType: 'HANDLE_TYPE_UNSPECIFIED' },
     });
@@ -31,7 +32,7 @@ describe('session protocol frames', () => {
   });
 
   it('reads a body it does not know as a frame without one (the receiver refuses it by name)', () => {
-    expect(decodeClientFrame(Buffer.from([0x08, 0x07, 0x62, 0x00]))).toEqual({ request: '7' });
+    expect(decodeClientFrame(Buffer.from([0x08, 0x07, 0x62, 0x00]))).toEqual({ request: '7', again: false });
   });
 
   it("tells a client of protocol 1 in its own JSON which protocol it needs", () => {
