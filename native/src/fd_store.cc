@@ -64,29 +64,7 @@ Napi::Value UnixDgramSendFds(const Napi::CallbackInfo& info) {
     sock = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     if (sock < 0) ThrowErrno(env, "socket(AF_UNIX, SOCK_DGRAM)");
   }
-  iovec iov{data.Data(), data.Length()};
-  msghdr message;
-  std::memset(&message, 0, sizeof(message));
-  if (!connected) {
-    message.msg_name = &address;
-    message.msg_namelen = length;
-  }
-  message.msg_iov = &iov;
-  message.msg_iovlen = 1;
-  std::vector<char> control(CMSG_SPACE(sizeof(int) * (fds.empty() ? 1 : fds.size())));
-  if (!fds.empty()) {
-    message.msg_control = control.data();
-    message.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
-    cmsghdr* header = CMSG_FIRSTHDR(&message);
-    header->cmsg_level = SOL_SOCKET;
-    header->cmsg_type = SCM_RIGHTS;
-    header->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-    std::memcpy(CMSG_DATA(header), fds.data(), sizeof(int) * fds.size());
-  }
-  ssize_t sent;
-  do {
-    sent = sendmsg(sock, &message, MSG_NOSIGNAL);
-  } while (sent < 0 && errno == EINTR);
+  ssize_t sent = SendWithRights(sock, data.Data(), data.Length(), fds.data(), fds.size(), MSG_NOSIGNAL, connected ? nullptr : &address, length);
   int err = errno;
   if (!connected) close(sock);
   if (sent < 0) throw ErrnoError(env, err, connected ? "sendmsg" : "sendmsg(" + path + ")");
