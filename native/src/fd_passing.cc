@@ -270,17 +270,7 @@ Napi::Value UnixDgramSend(const Napi::CallbackInfo& info) {
 // unixDgramBind(path) -> fd: a datagram socket to receive on (tests stand in for systemd with it).
 Napi::Value UnixDgramBind(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  std::string path = info[0].As<Napi::String>().Utf8Value();
-  sockaddr_un address;
-  socklen_t length = DatagramAddress(env, path, &address);
-  int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) ThrowErrno(env, "socket(AF_UNIX, SOCK_DGRAM)");
-  if (bind(fd, reinterpret_cast<sockaddr*>(&address), length) != 0) {
-    int err = errno;
-    close(fd);
-    throw ErrnoError(env, err, "bind(" + path + ")");
-  }
-  return Napi::Number::New(env, fd);
+  return Napi::Number::New(env, DatagramSocket(env, info[0].As<Napi::String>().Utf8Value(), true, SOCK_NONBLOCK));
 }
 
 Napi::Value ShutdownSocket(const Napi::CallbackInfo& info) {
@@ -424,6 +414,20 @@ socklen_t DatagramAddress(Napi::Env env, const std::string& path, sockaddr_un* a
   std::memcpy(address->sun_path, path.c_str(), path.size());
   if (path[0] == '@') address->sun_path[0] = '\0';
   return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + path.size());
+}
+
+int DatagramSocket(Napi::Env env, const std::string& path, bool bound, int flags) {
+  sockaddr_un address;
+  socklen_t length = DatagramAddress(env, path, &address);
+  int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | flags, 0);
+  if (fd < 0) ThrowErrno(env, "socket(AF_UNIX, SOCK_DGRAM)");
+  sockaddr* to = reinterpret_cast<sockaddr*>(&address);
+  if ((bound ? bind(fd, to, length) : connect(fd, to, length)) != 0) {
+    int err = errno;
+    close(fd);
+    throw ErrnoError(env, err, std::string(bound ? "bind(" : "connect(") + path + ")");
+  }
+  return fd;
 }
 
 void InitFdPassing(Napi::Env env, Napi::Object exports) {

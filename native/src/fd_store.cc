@@ -26,17 +26,7 @@ constexpr size_t kMaxFdsPerDatagram = 253;
 // sending many notifications without a socket each.
 Napi::Value UnixDgramConnect(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  std::string path = info[0].As<Napi::String>().Utf8Value();
-  sockaddr_un address;
-  socklen_t length = DatagramAddress(env, path, &address);
-  int sock = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  if (sock < 0) ThrowErrno(env, "socket(AF_UNIX, SOCK_DGRAM)");
-  if (connect(sock, reinterpret_cast<sockaddr*>(&address), length) != 0) {
-    int err = errno;
-    close(sock);
-    throw ErrnoError(env, err, "connect(" + path + ")");
-  }
-  return Napi::Number::New(env, sock);
+  return Napi::Number::New(env, DatagramSocket(env, info[0].As<Napi::String>().Utf8Value(), false));
 }
 
 // unixDgramSendFds(target, data, fds): one datagram with up to 253
