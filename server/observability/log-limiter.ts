@@ -36,3 +36,8 @@ export class LogLimiter {
     return { suppressed };
   }
 }
+
+/** The field saying how many like lines went to debug since the last one, when any did. */
+export function heldBack(allowed: { suppressed: number } | undefined): { heldBack?: number } {
+  return allowed !== undefined && allowed.suppressed > 0 ? { heldBack: allowed.suppressed } : {};
+}

@@ -192,17 +192,10 @@ def wake(client: Any, segments: Sequence[Segment], timeout: Optional[float] = No
             segment.memory.resume(ids[index], fd)
             resumed.append(segment)
     except BaseException:
-        for segment in resumed:
-            segment.memory.suspend()
         for fd in fds:
             if fd >= 0:
                 os.close(fd)
-        for segment in reopened:
-            try:
-                client.stores.close(int(segment.store.store.id))
-            except VmmdError:
-                pass
-        _release(client, ids[: len(kept)])
+        _undo_wake(client, resumed, reopened, ids[: len(kept)])
         raise
     offloaded = [segment for segment in kept if segment.copy is not None]
     try:
@@ -211,14 +204,7 @@ def wake(client: Any, segments: Sequence[Segment], timeout: Optional[float] = No
             _copy(pairs, device >= 0, device)
     except BaseException:
         # The bytes did not come back: asleep again, the copies kept for another wake.
-        for segment in resumed:
-            segment.memory.suspend()
-        for segment in stores:
-            try:
-                client.stores.close(int(segment.store.store.id))
-            except VmmdError:
-                pass
-        _release(client, ids[: len(kept)])
+        _undo_wake(client, resumed, reopened, ids[: len(kept)])
         raise
     if retain:
         return
@@ -226,6 +212,20 @@ def wake(client: Any, segments: Sequence[Segment], timeout: Optional[float] = No
     for segment in kept:
         segment.copy = None
     _drop_copies(client, copies)
+
+
+def _undo_wake(client: Any, resumed: Sequence[Segment], reopened: Sequence[Segment], granted: List[int]) -> None:
+    """Puts a wake that failed part-way back to sleep: the memories resumed so
+    far suspended again, the stores reopened closed, the allocations granted
+    for the kept segments released. The copies stay, for another wake."""
+    for segment in resumed:
+        segment.memory.suspend()
+    for segment in reopened:
+        try:
+            client.stores.close(int(segment.store.store.id))
+        except VmmdError:
+            pass
+    _release(client, granted)
 
 
 def forget(client: Any, segments: Sequence[Segment]) -> None:

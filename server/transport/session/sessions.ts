@@ -3,22 +3,23 @@
  * each peer (SO_PEERCRED and the allow lists), frames messages, holds the
  * descriptors clients send until a call claims them, and hands every request
  * message to the dispatcher (server/transport/session/session-dispatcher.ts), whose answer it
- * sends back. The connection is the lease: when it closes, the session's
+ * sends back (session-answers.ts). The connection is the lease: when it closes, the session's
  * in-flight calls drain and the daemon reclaims everything it owns.
  */
 import { exitSignal, sessionEnding, stillRunning } from './peer-process';
 import type { Logger } from 'pino';
 import { status as Status } from '@grpc/grpc-js';
-import { traceClock, traceMark, traceSince, tracing } from '../../../common/trace';
-import { decodeMessage, encodeMessage, PROTOCOL_VERSION, readableRequestId, TRANSFER_ID_PATTERN } from '../../../common/protocol';
+import { traceClock, tracing } from '../../../common/trace';
+import { decodeMessage, encodeMessage, PROTOCOL_VERSION, readableRequestId } from '../../../common/protocol';
 import { addon, Credentials } from '../../../native';
 import { SeqpacketConnection, SeqpacketListener, SeqpacketMessage } from '../../../native/seqpacket';
-import { LogLimiter } from '../../observability/log-limiter';
-import { type ErrorCode, ERROR_CODE_KEY, failedPrecondition, RpcError, toServiceError, unauthenticated, unavailable } from '../../errors';
+import { heldBack, LogLimiter } from '../../observability/log-limiter';
+import { type ErrorCode, failedPrecondition, RpcError, unauthenticated, unavailable } from '../../errors';
 import { FairShare } from './fair-share';
 import { DEFAULT_SESSION_OPTIONS, refuseMessage, Session, SessionOptions } from './session';
 import { UnreadDescriptors } from './unread-descriptors';
-import type { Answer, ReclaimSummary, RequestMessage, SessionHooks, SessionServices } from './session-services';
+import type { ReclaimSummary, RequestMessage, SessionHooks, SessionServices } from './session-services';
+import { answerRequest, type Answering } from './session-answers';
 import { deferred, ParkedSession, recordOf, ResumeTable, SessionJournal } from './resume';
 
 export { refuseMessage, Session };
@@ -26,12 +27,6 @@ export { refuseMessage, Session };
 export { DEFAULT_SESSION_OPTIONS } from './session';
 export type { SessionOptions } from './session';
 export type { Answer, ReclaimSummary, ReclaimTarget, RequestMessage, SessionHooks, SessionServices } from './session-services';
-
-
-/** The field saying how many like lines went to debug since the last one, when any did. */
-function heldBack(allowed: { suppressed: number } | undefined): { heldBack?: number } {
-  return allowed !== undefined && allowed.suppressed > 0 ? { heldBack: allowed.suppressed } : {};
-}
 
 /**
  * What a session message's turn is called (GetStats, the long-turn log): its
@@ -49,6 +44,7 @@ export class SessionManager {
   // A parked session's grace can end before listen() (a restore with a short grace): its reclaim waits for the services.
   private readonly listening: { promise: Promise<SessionServices>; resolve(services: SessionServices): void } = deferred();
   private hooks: SessionHooks = {};
+  private answering?: Answering;
   // The daemon is stopping: the sessions it closes now are closed by it, not by their clients.
   private stopping = false;
   private nextId = 1n;
@@ -81,6 +77,12 @@ export class SessionManager {
     this.services = services;
     this.listening.resolve(services);
     this.hooks = hooks;
+    this.answering = {
+      services,
+      hooks,
+      logLimiter: this.logLimiter,
+      refuse: (session, fd, code, message, transfer, request) => this.refuse(session, fd, code, message, transfer, request),
+    };
     const refusal = encodeMessage({
       type: 'error',
       code: 'OUT_OF_DESCRIPTORS',
@@ -390,59 +392,8 @@ export class SessionManager {
       }
       return this.onTransfer(session, message.transfer, raw.fd);
     }
-    void this.answer(session, message as RequestMessage, raw.fd, received);
-  }
-
-  /** Hands a request to the dispatcher and sends its answer, or the refusal as gRPC would give it. */
-  private async answer(session: Session, message: RequestMessage, fd: number, received = 0n): Promise<void> {
-    const request = typeof message.request === 'string' ? message.request : undefined;
-    const started = process.hrtime.bigint();
-    const observe = (status: Status, code?: string) =>
-      this.hooks.observe?.(this.services!.methodOf?.(message.type) ?? 'unknown', Status[status] ?? 'UNKNOWN', code, Number(process.hrtime.bigint() - started) / 1e9);
-    // The request's failure as the RPC would answer it: status, code and message, naming the request.
-    const fail = (error: unknown) => {
-      const wire = toServiceError(error, session.log);
-      const code = String(wire.metadata?.get(ERROR_CODE_KEY)[0] ?? 'INTERNAL');
-      observe(wire.code ?? Status.UNKNOWN, code);
-      session.trySend({ type: 'error', ...(request === undefined ? {} : { request }), status: wire.code ?? Status.UNKNOWN, code, message: wire.details ?? String(error) });
-    };
-    let answer: Answer;
-    try {
-      // listen() set the services before the first connection.
-      answer = await session.track(async () => this.services!.answer(session, message, fd));
-    } catch (error) {
-      if ((error as { messageRefused?: boolean }).messageRefused) {
-        observe(Status.INVALID_ARGUMENT, (error as RpcError).code);
-        // A malformed message names its request only when the id itself was readable.
-        const readable = request !== undefined && TRANSFER_ID_PATTERN.test(request) && BigInt(request) < 1n << 64n ? request : undefined;
-        return this.refuse(session, fd, (error as RpcError).code, (error as RpcError).message, undefined, readable);
-      }
-      return fail(error);
-    }
-    let unsent: unknown;
-    traceMark(`mark:${message.type} answered`);
-    try {
-      session.send(answer.reply, answer.fd ?? -1);
-    } catch (error) {
-      unsent = error;
-    } finally {
-      // The kernel holds its own reference while the descriptor is in flight.
-      if (answer.fd !== undefined) addon.close(answer.fd);
-    }
-    if (unsent === undefined) {
-      traceSince(`session:${message.type}`, received);
-      return observe(Status.OK);
-    }
-    // The answer (and its descriptor) did not go: what the request made is undone where it can be (an
-    // allocation released, an open dropped), and the send's failure is the answer, which, smaller and
-    // without a descriptor, may still get through; if not, the client's wait for it times out.
-    if (answer.unsent !== undefined) {
-      await session.track(answer.unsent).catch((error: unknown) => {
-        const allowed = this.logLimiter.allow(`undo:${session.peer.uid}`);
-        session.log[allowed === undefined ? 'debug' : 'error']({ err: error, ...heldBack(allowed) }, `undoing ${message.type} request ${request} after its answer could not be sent failed`);
-      });
-    }
-    fail(unsent);
+    // listen() set the answering up before the first connection.
+    void answerRequest(this.answering!, session, message as RequestMessage, raw.fd, received);
   }
 
   private onTransfer(session: Session, transfer: string, fd: number): void {
