@@ -57,7 +57,7 @@ class Segment:
     While asleep with offload, `copy` holds its bytes; with retain or prepare, also after wake.
     `pending` is set while prepare() makes its copy; `prepare_error` says why the last one failed."""
 
-    __slots__ = ("memory", "location", "store", "mode", "copy", "pending", "prepare_error", "gone")
+    __slots__ = ("memory", "location", "store", "mode", "copy", "pending", "prepare_error", "gone", "prepared")
 
     def __init__(self, memory: ImportedMemory, location: Any = None, store: Any = None) -> None:
         self.memory = memory
@@ -69,6 +69,8 @@ class Segment:
         self.prepare_error: Optional[BaseException] = None
         # Forgotten (its memory released): a copy that arrives for it goes back at once.
         self.gone = False
+        # Its copy is made ahead (prepare()) and kept while awake.
+        self.prepared = False
 
 
 class _Preparer:
@@ -85,7 +87,10 @@ class _Preparer:
         with self._lock:
             queued = False
             for segment in segments:
-                if segment.store is not None or segment.copy is not None or segment.pending is not None or segment.gone:
+                if segment.store is not None or segment.gone:
+                    continue
+                segment.prepared = True
+                if segment.copy is not None or segment.pending is not None:
                     continue
                 segment.pending = threading.Event()
                 self._queue.put((client, segment))
@@ -246,9 +251,9 @@ def _drop_copies(client: Any, copies: List[ImportedMemory]) -> None:
     _release(client, ids)
 
 
-def wake(client: Any, segments: Sequence[Segment], timeout: Optional[float] = None, retain: bool = False, prepare_copies: bool = False) -> None:
+def wake(client: Any, segments: Sequence[Segment], timeout: Optional[float] = None, retain: bool = False) -> None:
     """Wakes every segment at its address (see the module's documentation);
-    `prepare_copies` keeps the copies (as `retain`) and makes those missing ahead again.
+    prepared segments keep their copies (as with `retain`) and those missing are made ahead again.
     Raises VmmdError OUT_OF_MEMORY (the daemon had no room by the deadline),
     STORE_DETACHED, LOCAL_MAP_FAILED: every segment is still asleep then."""
     if not segments:
@@ -302,14 +307,13 @@ def wake(client: Any, segments: Sequence[Segment], timeout: Optional[float] = No
                 pass
         _release(client, ids[: len(kept)])
         raise
-    if prepare_copies:
-        prepare(client, kept)
-        return
+    prepare(client, [segment for segment in kept if segment.prepared])
     if retain:
         return
-    copies = [segment.copy for segment in offloaded if segment.copy is not None]
+    copies = [segment.copy for segment in offloaded if segment.copy is not None and not segment.prepared]
     for segment in kept:
-        segment.copy = None
+        if not segment.prepared:
+            segment.copy = None
     _drop_copies(client, copies)
 
 

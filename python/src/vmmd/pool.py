@@ -462,7 +462,7 @@ class DevicePool:
         with self._lock:
             if self._sleeping is None:
                 return 0
-            _sleep.wake(self.client, self._sleeping, timeout, retain=self.retain_copies, prepare_copies=self.prepare_copies)
+            _sleep.wake(self.client, self._sleeping, timeout, retain=self.retain_copies)
             woken = sum(segment.memory.size for segment in self._sleeping)
             self._sleeping = None
             self.counters["wakes"] += 1
