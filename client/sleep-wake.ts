@@ -216,6 +216,9 @@ export class TaggedMemory implements Sleeper {
         const location = await hostMemoryNear(this.client, [member.memory.device]);
         // A plain allocation, never queued: it must not wait behind a wake that waits for memory.
         const host = await this.client.vmm.allocate({ size: member.memory.size, location }, { hostAccess: true });
+        // Host backend: the memfd's pages are made on first touch; touched now, the sleep's copy takes no fault
+        // (on cuda the driver made and pinned them with the allocation).
+        if (this.client.backend !== 'cuda') await native.hostPopulate(host.address, host.size).catch(() => undefined);
         // Forgotten meanwhile, or preparation turned off: the copy is nobody's.
         if (!this.members.includes(member) || !this.prepareOffload || member.offloaded !== undefined) await discardAll(this.client, [host]);
         else member.offloaded = host;

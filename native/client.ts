@@ -19,6 +19,7 @@ const CLIENT_CALLS = [
   'addressOf',
   'hostMemfdCreate',
   'hostCopyPieces',
+  'hostPopulate',
   'hostLock',
   'hostUnlock',
   'cudaLoad',

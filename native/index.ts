@@ -102,6 +102,8 @@ export interface Addon {
   hostCopyToAddress(address: bigint, data: Buffer): Promise<void>;
   /** Copies (target, source, length) triples of mapped memory by pointer on a worker thread, in order. */
   hostCopyPieces(pieces: BigUint64Array): Promise<void>;
+  /** Faults every page of mapped memory in, writable, on a worker thread (MADV_POPULATE_WRITE). */
+  hostPopulate(address: bigint, size: bigint): Promise<void>;
   hostArrayBuffer(address: bigint, size: number): ArrayBuffer;
   hostDetachArrayBuffer(buffer: ArrayBuffer): void;
   pageSize(): number;

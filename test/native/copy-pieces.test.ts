@@ -21,3 +21,31 @@ describe('hostCopyPieces', () => {
     expect(() => addon.hostCopyPieces([1n, 2n, 3n] as unknown as BigUint64Array)).toThrow(/BigUint64Array/);
   });
 });
+
+describe('hostPopulate', () => {
+  test('faults a memfd mapping in without changing a byte, and refuses an address that is not mapped', async () => {
+    const size = 4n << 20n;
+    const fd = addon.hostMemfdCreate('populate', size);
+    const address = addon.hostReserve(size, size, 0n);
+    try {
+      addon.hostMap(address, size, fd, 0n);
+      addon.hostProtect(address, size, 3);
+      const view = new Uint8Array(addon.hostArrayBuffer(address, Number(size)));
+      view[12345] = 7;
+      await addon.hostPopulate(address, size);
+      expect(view[12345]).toBe(7);
+      expect(view.reduce((sum, byte) => sum + byte, 0)).toBe(7);
+      addon.hostDetachArrayBuffer(view.buffer as ArrayBuffer);
+    } finally {
+      addon.hostUnmap(address, size);
+      addon.hostFreeAddress(address, size);
+      addon.close(fd);
+    }
+    const unmapped = addon.hostReserve(size, size, 0n);
+    try {
+      await expect(addon.hostPopulate(unmapped, size)).rejects.toThrow(/MADV_POPULATE_WRITE/);
+    } finally {
+      addon.hostFreeAddress(unmapped, size);
+    }
+  });
+});

@@ -73,6 +73,19 @@ class Segment:
         self.prepared = False
 
 
+# madvise(2)'s MADV_POPULATE_WRITE (Linux 5.14): every page faulted in, writable.
+MADV_POPULATE_WRITE = 23
+
+
+def _populate(address: int, size: int) -> None:
+    """Faults a host-backend copy's pages in now (a memfd's pages are made on first touch), so that
+    the sleep's copy takes no fault; on cuda the driver made and pinned them with the allocation.
+    Where the kernel has no MADV_POPULATE_WRITE the pages are left to the copy."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(size), MADV_POPULATE_WRITE)
+
+
 class _Preparer:
     """The thread that makes host copies ahead (prepare()), one at a time, in order.
     Invariant: a segment's `pending` is set from its queuing until its copy is in
@@ -108,6 +121,8 @@ class _Preparer:
                 if not segment.gone:
                     # A plain allocation, never queued: it must not wait behind a wake that waits for memory.
                     copy = client.vmm.allocate(segment.memory.size, location=_nearest_host_memory(client)(segment.location), host_access=True)
+                    if getattr(client.vmm, "backend", "") != "cuda":
+                        _populate(int(copy.address), int(copy.size))
             except Exception as failure:  # kept for the caller to read: the sleep makes the copy itself
                 error = failure
             unwanted: List[ImportedMemory] = []
