@@ -1,6 +1,8 @@
 """Sleep and wake on the cuda backend (scripts/gpu-python.sh's sleep-bench step):
   offload     DevicePool.sleep("offload") and wake() of GIB GiB of weights (1 GiB
-              blocks), a first cycle (host copies made) and a retained one (reused),
+              blocks): a first cycle with the host copies made at sleep, a next one
+              with them retained, and a first cycle of a pool with prepare_copies
+              (copies made ahead while awake; how long that took in the background),
               each direction against a pinned cuMemcpy of the same bytes
               (one 1 GiB pinned buffer per block, copied back to back) and against
               vLLM-style sleep (per allocation: a synchronous pinned copy, then
@@ -114,6 +116,32 @@ def main() -> None:
             "sleep_ratio": pinned["dtoh"] / sleep_seconds, "wake_ratio": pinned["htod"] / wake_seconds,
         }
     result["pinned"] = {"dtoh_s": pinned["dtoh"], "htod_s": pinned["htod"], "dtoh_gbps": nbytes / pinned["dtoh"] / 1e9, "htod_gbps": nbytes / pinned["htod"] / 1e9}
+    pool.close()
+
+    # The same weights in a pool that makes its host copies ahead, while the engine would run.
+    pool = DevicePool(client, chunk_size=GiB, large_threshold=GiB // 2, idle_seconds=0, tag="weights", prepare_copies=True)
+    start = time.perf_counter()
+    blocks = [pool.allocate(GiB) for _ in range(args.gib)]
+    for index, block in enumerate(blocks):
+        (code,) = cu.cuMemsetD8(block.address, index + 1, block.size)
+        _cuda.check(code, "cuMemsetD8")
+    while pool.stats()["prepare_pending"]:
+        time.sleep(0.005)
+    prepare_seconds = time.perf_counter() - start
+    if pool.prepare_error is not None:
+        raise pool.prepare_error
+    start = time.perf_counter()
+    pool.sleep("offload")
+    sleep_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    pool.wake()
+    wake_seconds = time.perf_counter() - start
+    intact = all(_cuda.copy_from_device(0, block.address + block.size - 4096, 4096) == bytes([index + 1]) * 4096 for index, block in enumerate(blocks))
+    result["offload_prepared_first"] = {
+        "prepare_s": prepare_seconds, "sleep_s": sleep_seconds, "wake_s": wake_seconds, "intact": intact,
+        "sleep_gbps": nbytes / sleep_seconds / 1e9, "wake_gbps": nbytes / wake_seconds / 1e9,
+        "sleep_ratio": pinned["dtoh"] / sleep_seconds, "wake_ratio": pinned["htod"] / wake_seconds,
+    }
     pool.close()
     result["vllm_style"] = _vllm_style(cu, client, args.gib)
 
