@@ -337,3 +337,37 @@ describe('offload with host copies prepared ahead', () => {
     await freeAll(owner, memory);
   });
 });
+
+describe('copies made ahead count against the session quota', () => {
+  let limited: TestDaemon;
+
+  beforeAll(async () => {
+    limited = await TestDaemon.start(['--host-capacity', '64MiB', '--quota-per-session', '24MiB']);
+  }, 90_000);
+
+  afterAll(async () => {
+    await stopWhenClean(limited, []);
+  });
+
+  test('a copy past the quota is refused QUOTA_EXCEEDED, the offload sleep then fails with the memory awake and intact, a discard still sleeps', async () => {
+    const owner = await connect({ socketDir: limited.dir });
+    try {
+      const memory = await owner.vmm.allocate({ size: 16n * MiB });
+      new Uint8Array(memory.buffer).set(pattern(16n * MiB, 31));
+      const group = owner.tags.group('quota', { prepareOffload: true });
+      group.add(memory);
+      await eventually(() => (group.prepared.pending === 0 ? true : undefined), 10_000, 'the preparation to end');
+      expect(group.prepared.lastError).toMatchObject({ code: 'QUOTA_EXCEEDED' });
+      await expect(owner.sleep('quota', { mode: 'offload', deadlineMs: 300 })).rejects.toMatchObject({ code: 'QUOTA_EXCEEDED' });
+      expect(memory.isAsleep).toBe(false);
+      expect(Buffer.from(memory.buffer).equals(Buffer.from(pattern(16n * MiB, 31)))).toBe(true);
+      await owner.sleep('quota', { mode: 'discard' });
+      await owner.wake('quota', { deadlineMs: 5000 });
+      expect(memory.isAsleep).toBe(false);
+      await group.forget(memory);
+      await freeAll(owner, [memory]);
+    } finally {
+      owner.close();
+    }
+  });
+});
