@@ -9,6 +9,8 @@
               unmap and release, one at a time), all in this run
   discard     sleep("discard") of DISCARD_GIB GiB and its wake
   store       wake of a GIB GiB read-only store attached to a pool (no copy)
+  host costs  where a first offload's time goes before its copy: the daemon making
+              GIB GiB of host memory, and that plus mapping it here
 Writes OUT.json; ratios are vmmd's bandwidth over the pinned copy's.
 
     python3 sleep_bench.py OUT.json [--gib 16] [--discard-gib 64]"""
@@ -84,6 +86,30 @@ def _vllm_style(cu: Any, client: Any, gib: int) -> Dict[str, float]:
     return {"sleep_s": sleep_seconds, "wake_s": wake_seconds}
 
 
+def _host_memory_costs(client: Any, gib: int) -> Dict[str, float]:
+    """Where a first offload's time goes before its copy: the daemon making GIB 1 GiB pieces of
+    host memory (cuMemCreate at the host node: the kernel allocating, zeroing and pinning pages;
+    exported, the descriptors received here), then this process mapping the same kind of memory
+    for the device and the CPU (allocate with host access: the daemon's part and the mapping)."""
+    import os
+
+    location = {"type": "LOCATION_TYPE_HOST_NUMA", "id": 0}
+    start = time.perf_counter()
+    made = client.vmm.allocate_for_wake([(GiB, location)] * gib, timeout=120)
+    create = time.perf_counter() - start
+    for allocation, fd in made:
+        os.close(fd)
+    client.vmm.release_many([allocation for allocation, _ in made])
+    start = time.perf_counter()
+    mapped = [client.vmm.allocate(GiB, location=location, host_access=True) for _ in range(gib)]
+    create_and_map = time.perf_counter() - start
+    for memory in mapped:
+        allocation = memory.allocation_id
+        memory.close()
+        client.vmm.release(allocation_id=allocation)
+    return {"daemon_create_s": create, "create_and_map_s": create_and_map, "map_s": max(0.0, create_and_map - create)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -144,6 +170,7 @@ def main() -> None:
     }
     pool.close()
     result["vllm_style"] = _vllm_style(cu, client, args.gib)
+    result["host_memory_costs"] = _host_memory_costs(client, args.gib)
 
     pool = DevicePool(client, chunk_size=4 * GiB, large_threshold=2 * GiB, idle_seconds=0, tag="kv_cache")
     blocks = [pool.allocate(4 * GiB) for _ in range(args.discard_gib // 4)]
