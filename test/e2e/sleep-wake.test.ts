@@ -371,3 +371,31 @@ describe('copies made ahead count against the session quota', () => {
     }
   });
 });
+
+describe('the NBEP 7 manager with copies made ahead', () => {
+  test('each chunk and large allocation gets its copy as it is leased; the first sleep needs no more memory; a freed one takes its copy along', async () => {
+    const owner = await client();
+    const hog = await client();
+    const tag = `pool-prepared-${nextTag++}`;
+    const manager = new VmmdMemoryManager({ device: 0, backend: 'host', client: owner, tag, prepareOffload: true, pool: { chunkSize: 4n * MiB, largeThreshold: 2n * MiB } });
+    await manager.initialize();
+    const small = await manager.memalloc(4096);
+    const large = await manager.memalloc(6n * MiB);
+    await manager.write(small.devicePointer, Buffer.from('pooled block'));
+    await manager.write(large.devicePointer + 1000n, Buffer.from('large allocation'));
+    await eventually(() => (manager.prepared?.pending === 0 && manager.prepared.preparedBytes === 10n * MiB ? true : undefined), 10_000, 'the copies made ahead');
+    const held: ImportedMemory[] = [];
+    for (let i = 0; i < 22; i++) held.push(await hog.vmm.allocate({ size: 2n * MiB }));
+    await owner.sleep(tag, { mode: 'offload', deadlineMs: 300 });
+    await owner.wake(tag, { deadlineMs: 5000 });
+    expect((await manager.read(small.devicePointer, 12)).toString()).toBe('pooled block');
+    expect((await manager.read(large.devicePointer + 1000n, 16)).toString()).toBe('large allocation');
+    await freeAll(hog, held);
+    large.free();
+    await manager.flush();
+    await eventually(() => (manager.prepared?.preparedBytes === 4n * MiB ? true : undefined), 10_000, 'the large allocation\'s copy to go');
+    small.free();
+    await manager.reset();
+    await eventually(async () => ((await allocations()) === 0 ? true : undefined), 10_000, 'everything given back');
+  });
+});
