@@ -2,7 +2,9 @@
 // recommended set, and no source file of the daemon, the client, the addon's loader or common code
 // over 500 lines (a file that grows past it holds more than one job: split it by concern). Tests and
 // CommonJS scripts may require() (compiled code under dist/, modules named at run time) and use `any`
-// for the shapes they attack with.
+// for the shapes they attack with. Layout is Prettier's (prettier.config.mjs): eslint-config-prettier,
+// last, turns off every rule that would disagree with it.
+import prettier from 'eslint-config-prettier/flat';
 import tseslint from 'typescript-eslint';
 
 export default tseslint.config(
@@ -24,4 +26,5 @@ export default tseslint.config(
     files: ['test/**', '**/*.js', '**/*.cjs'],
     rules: { '@typescript-eslint/no-require-imports': 'off', '@typescript-eslint/no-explicit-any': 'off' },
   },
+  prettier,
 );

@@ -30,7 +30,8 @@ import { VmmdError } from './errors';
 import { LazyServices } from './lazy-services';
 import { StoresApi } from './stores';
 import { VirtualMemoryApi } from './vmm';
-import { MemoryTags, SleepOptions, SleepReport, WakeOptions, WakeReport } from './sleep-wake';
+import { MemoryTags } from './memory-tags';
+import { SleepOptions, SleepReport, WakeOptions, WakeReport } from './sleep-wake';
 import { resumeWaitMs } from './resume';
 
 export interface ConnectOptions {

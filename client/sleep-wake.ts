@@ -10,6 +10,13 @@
  * address, and copies the offloaded bytes back. A read-only store's mapping
  * is unmapped and mapped again: nothing is copied, the store stays with the
  * daemon. A wake that fails leaves everything asleep as it was.
+ *
+ * With `prepareOffload`, the host memory for each member's copy is made
+ * ahead, in the background, as soon as the member joins, and kept while the
+ * memory is awake (charged to the session as host memory): a sleep then costs
+ * the copy only, the first one included, instead of the daemon making (and
+ * the driver pinning) the host memory first. Copies go by address
+ * (client/offload-copy.ts), so a member of any size sleeps.
  */
 import { status as Status } from '@grpc/grpc-js';
 import { native } from '../native/client';
@@ -18,6 +25,9 @@ import type { ImportedMemory } from './local-memory';
 import type { ClientSession } from './session';
 import type { OpenedStore, StoresApi } from './stores';
 import type { VirtualMemoryApi } from './vmm';
+import { copyBetween } from './offload-copy';
+
+export { SLEEP_COPIES_IN_FLIGHT, SLEEP_COPY_CHUNK_BYTES } from './offload-copy';
 
 /** What sleep and wake use of a client (client/connection.ts's VmmdClient). */
 export interface SleepClient {
@@ -37,6 +47,25 @@ export interface SleepOptions {
   mode?: SleepMode;
   /** How long the offload's host memory may be waited for (AllocateAll's deadline), ms; default 10 s. */
   deadlineMs?: number;
+}
+
+/** How a group of mappings offloads (TaggedMemory's options). */
+export interface TagOptions {
+  /**
+   * Make each member's host copy ahead, in the background, and keep it while awake (host memory equal to the
+   * members' bytes, charged to the session): every offload sleep, the first included, then costs the copy only.
+   */
+  prepareOffload?: boolean;
+}
+
+/** What a group holds for its offload while awake (prepareOffload). */
+export interface PreparedOffload {
+  /** Bytes of host memory made ahead and held for the next offload. */
+  preparedBytes: bigint;
+  /** Members whose host memory is being made now. */
+  pending: number;
+  /** Why the last preparation failed (the next sleep makes that member's copy itself), if it did. */
+  lastError?: Error;
 }
 
 export interface WakeOptions {
@@ -72,14 +101,12 @@ interface Member {
   readonly memory: ImportedMemory;
   /** The store it maps (read-only): mapped again on wake, nothing copied. */
   readonly storeId?: bigint;
-  /** Host memory of the daemon's holding its bytes while it sleeps (offload). */
+  /** Host memory of the daemon's holding its bytes while it sleeps (offload); awake, the copy made ahead (prepareOffload). */
   offloaded?: ImportedMemory;
+  /** The making of `offloaded` ahead, while it runs. */
+  preparing?: Promise<void>;
 }
 
-/** Bytes of one piece of a copy between device and host memory: large enough for the copy engine's full speed. */
-export const SLEEP_COPY_CHUNK_BYTES = 64 << 20;
-/** Pieces in flight at once (each on a driver thread with its own stream): the copy of one overlaps the next's setup. */
-export const SLEEP_COPIES_IN_FLIGHT = 4;
 const DEFAULT_SLEEP_DEADLINE_MS = 10_000;
 const DEFAULT_WAKE_DEADLINE_MS = 30_000;
 
@@ -94,33 +121,17 @@ async function hostMemoryNear(client: SleepClient, devices: number[]): Promise<{
   return { type: 'LOCATION_TYPE_HOST_NUMA', id: device !== undefined && device.hostNumaId >= 0 ? device.hostNumaId : 0 };
 }
 
-/** Runs `step` over [0, length) in pieces of `chunk` bytes, at most `inFlight` at once. */
-async function inPieces(length: bigint, chunk: number, inFlight: number, step: (offset: bigint, bytes: number) => Promise<unknown>): Promise<void> {
-  let next = 0n;
-  const lane = async () => {
-    while (next < length) {
-      const offset = next;
-      const bytes = Number(length - offset < BigInt(chunk) ? length - offset : BigInt(chunk));
-      next += BigInt(bytes);
-      await step(offset, bytes);
-    }
-  };
-  const lanes = Array.from({ length: inFlight }, lane);
-  const settled = await Promise.allSettled(lanes);
-  const failed = settled.find((outcome) => outcome.status === 'rejected');
-  if (failed !== undefined) throw (failed as PromiseRejectedResult).reason;
-}
-
-/** A host view of the memory's bytes [offset, +bytes): host memory mapped with CPU access has one. */
-const hostBytes = (memory: ImportedMemory, offset: bigint, bytes: number) => Buffer.from(memory.buffer, Number(offset), bytes);
-
-/** Copies `from`'s bytes into `host` (same size, with a CPU view): DMA pieces on cuda, one memcpy on the host backend. */
-function copyOut(from: ImportedMemory, host: ImportedMemory): Promise<void> {
-  return inPieces(from.size, SLEEP_COPY_CHUNK_BYTES, SLEEP_COPIES_IN_FLIGHT, (offset, bytes) => from.readInto(offset, hostBytes(host, offset, bytes)));
-}
-
-function copyIn(host: ImportedMemory, to: ImportedMemory): Promise<void> {
-  return inPieces(to.size, SLEEP_COPY_CHUNK_BYTES, SLEEP_COPIES_IN_FLIGHT, (offset, bytes) => to.write(offset, hostBytes(host, offset, bytes)));
+/** Copies each member's bytes to or from its host memory, device by device, by address; resolves once all have landed. */
+async function copyMembers(client: SleepClient, members: Member[], direction: 'out' | 'in'): Promise<void> {
+  for (const device of new Set(members.map((member) => member.memory.device))) {
+    const pairs = members
+      .filter((member) => member.memory.device === device)
+      .map((member) => {
+        const [memory, host] = [member.memory.address, member.offloaded!.address];
+        return direction === 'out' ? { target: host, source: memory, length: member.memory.size } : { target: memory, source: host, length: member.memory.size };
+      });
+    await copyBetween(client.backend === 'cuda' ? device : undefined, pairs);
+  }
 }
 
 /** Closes mappings and releases their allocations, failures ignored (the session reclaims what is left). */
@@ -137,24 +148,96 @@ async function discardAll(client: SleepClient, memory: ImportedMemory[]): Promis
  * Mappings that sleep and wake together.
  * Invariant: every member is awake while `asleep` is false; while it is true every member is suspended (its range
  * kept, nothing mapped), its allocation released unless it maps a store, and `offloaded` holds its bytes if it was offloaded.
+ * Awake, `offloaded` is host memory made ahead (prepareOffload) or absent; every one is an allocation of this session's.
  */
 export class TaggedMemory implements Sleeper {
   private readonly members: Member[] = [];
   private state: 'awake' | 'asleep' | 'busy' = 'awake';
+  private prepareOffload: boolean;
+  private lastPrepareError: Error | undefined;
 
   constructor(
     private readonly client: SleepClient,
     readonly tag: string,
-  ) {}
+    options: TagOptions = {},
+  ) {
+    this.prepareOffload = options.prepareOffload ?? false;
+  }
 
   get asleep(): boolean {
     return this.state === 'asleep';
   }
 
+  /** What the group holds ahead for its next offload (prepareOffload). */
+  get prepared(): PreparedOffload {
+    const ready = this.state === 'asleep' ? [] : this.members.filter((member) => member.offloaded !== undefined);
+    return {
+      preparedBytes: ready.reduce((sum, member) => sum + member.offloaded!.size, 0n),
+      pending: this.members.filter((member) => member.preparing !== undefined).length,
+      ...(this.lastPrepareError === undefined ? {} : { lastError: this.lastPrepareError }),
+    };
+  }
+
+  /**
+   * Turns on making the host copies ahead (TagOptions.prepareOffload): from now on for every member
+   * without one, in the background. Turning it off drops what is held ahead (awake only).
+   * @throws VmmdError FAILED_PRECONDITION ASLEEP while a sleep or wake runs
+   */
+  async setPrepareOffload(on: boolean): Promise<void> {
+    if (this.state === 'busy') this.checkAwake('change the offload preparation of');
+    this.prepareOffload = on;
+    if (on) {
+      if (this.state === 'awake') for (const member of this.members) this.prepare(member);
+      return;
+    }
+    await this.settlePreparation();
+    if (this.state !== 'awake') return;
+    const held = this.members.flatMap((member) => (member.offloaded === undefined ? [] : [member.offloaded]));
+    for (const member of this.members) member.offloaded = undefined;
+    await discardAll(this.client, held);
+  }
+
   /** Memory this process mapped from an allocation of its session's (allocate, allocateAll, a pool's lease). */
   add(memory: ImportedMemory): void {
     this.checkAwake('add memory to');
-    this.members.push({ memory });
+    const member: Member = { memory };
+    this.members.push(member);
+    this.prepare(member);
+  }
+
+  /**
+   * Starts making a member's host copy ahead, unless it has one, is being made one, maps a store, or
+   * preparation is off. A failure is kept in `prepared.lastError`: the next sleep makes the copy itself.
+   */
+  private prepare(member: Member): void {
+    if (!this.prepareOffload || member.storeId !== undefined || member.offloaded !== undefined || member.preparing !== undefined) return;
+    const run = async () => {
+      try {
+        const location = await hostMemoryNear(this.client, [member.memory.device]);
+        // A plain allocation, never queued: it must not wait behind a wake that waits for memory.
+        const host = await this.client.vmm.allocate({ size: member.memory.size, location }, { hostAccess: true });
+        // Host backend: the memfd's pages are made on first touch; touched now, the sleep's copy takes no fault
+        // (on cuda the driver made and pinned them with the allocation).
+        if (this.client.backend !== 'cuda') await native.hostPopulate(host.address, host.size).catch(() => undefined);
+        // Forgotten meanwhile, or preparation turned off: the copy is nobody's.
+        if (!this.members.includes(member) || !this.prepareOffload || member.offloaded !== undefined) await discardAll(this.client, [host]);
+        else member.offloaded = host;
+      } catch (error) {
+        this.lastPrepareError = error as Error;
+      } finally {
+        member.preparing = undefined;
+      }
+    };
+    member.preparing = run();
+  }
+
+  /** Waits until no member's host copy is being made. */
+  private async settlePreparation(): Promise<void> {
+    for (;;) {
+      const running = this.members.flatMap((member) => (member.preparing === undefined ? [] : [member.preparing]));
+      if (running.length === 0) return;
+      await Promise.all(running);
+    }
   }
 
   /** A store's mapping: on sleep unmapped, on wake mapped again from the store (nothing copied). */
@@ -174,6 +257,8 @@ export class TaggedMemory implements Sleeper {
     const index = this.members.findIndex((member) => member.memory === memory);
     if (index < 0) return false;
     const [member] = this.members.splice(index, 1);
+    // A copy still being made is dropped when it arrives (the member is gone); wait for it to go.
+    if (member.preparing !== undefined) await member.preparing;
     if (member.offloaded !== undefined) await discardAll(this.client, [member.offloaded]);
     member.offloaded = undefined;
     return this.state === 'asleep';
@@ -226,18 +311,31 @@ export class TaggedMemory implements Sleeper {
     if (this.client.backend === 'cuda') {
       for (const device of new Set(this.members.map((member) => member.memory.device))) await native.cudaSynchronize(device);
     }
+    // Copies made ahead are used, never raced: a preparation still running is waited for.
+    await this.settlePreparation();
     const copied = mode === 'offload' ? this.members.filter((member) => member.storeId === undefined) : [];
+    const made: ImportedMemory[] = [];
     let offloadedBytes = 0n;
     if (copied.length > 0) {
-      const location = await hostMemoryNear(this.client, copied.map((member) => member.memory.device));
-      const { memory: hosts } = await this.client.vmm.allocateAll({ sizes: copied.map((member) => member.memory.size), location, deadlineMs }, { hostAccess: true });
+      const missing = copied.filter((member) => member.offloaded === undefined || member.offloaded.size < member.memory.size);
+      if (missing.length > 0) {
+        const location = await hostMemoryNear(this.client, missing.map((member) => member.memory.device));
+        const { memory: hosts } = await this.client.vmm.allocateAll({ sizes: missing.map((member) => member.memory.size), location, deadlineMs }, { hostAccess: true });
+        made.push(...hosts);
+      }
+      // Members as they were before this sleep: a failure puts them back (copies made ahead kept, new ones dropped).
+      const before = copied.map((member) => member.offloaded);
+      const stale = missing.flatMap((member) => (member.offloaded === undefined ? [] : [member.offloaded]));
+      missing.forEach((member, index) => (member.offloaded = made[index]));
       try {
-        await Promise.all(copied.map((member, index) => copyOut(member.memory, hosts[index])));
+        await copyMembers(this.client, copied, 'out');
       } catch (error) {
-        await discardAll(this.client, hosts);
+        copied.forEach((member, index) => (member.offloaded = before[index]));
+        await discardAll(this.client, made);
         throw error;
       }
-      copied.forEach((member, index) => (member.offloaded = hosts[index]));
+      // Copies made ahead that a grown member outgrew.
+      await discardAll(this.client, stale);
       offloadedBytes = copied.reduce((sum, member) => sum + member.memory.size, 0n);
     }
     const suspended: Member[] = [];
@@ -249,10 +347,16 @@ export class TaggedMemory implements Sleeper {
     } catch (error) {
       // Mapped again from the allocations, still held: the memory is awake as it was.
       for (const member of suspended) await this.remap(member, member.memory.allocationId).catch(() => undefined);
-      const hosts = this.members.flatMap((member) => (member.offloaded === undefined ? [] : [member.offloaded]));
-      for (const member of this.members) member.offloaded = undefined;
-      await discardAll(this.client, hosts);
+      // The copies made for this sleep go; those made ahead stay for the next one.
+      for (const member of this.members) if (member.offloaded !== undefined && made.includes(member.offloaded)) member.offloaded = undefined;
+      await discardAll(this.client, made);
       throw error;
+    }
+    if (mode === 'discard') {
+      // Nothing is kept while asleep: host memory made ahead goes too (made again after wake).
+      const held = this.members.flatMap((member) => (member.offloaded === undefined ? [] : [member.offloaded]));
+      for (const member of this.members) member.offloaded = undefined;
+      await discardAll(this.client, held);
     }
     let releasedBytes = 0n;
     for (const member of this.members) {
@@ -311,16 +415,22 @@ export class TaggedMemory implements Sleeper {
         await this.remap(member, 0n);
         woken.push(member);
       }
-      await Promise.all(fresh.filter((member) => member.offloaded !== undefined).map((member) => copyIn(member.offloaded!, member.memory)));
+      await copyMembers(this.client, fresh.filter((member) => member.offloaded !== undefined), 'in');
     } catch (error) {
       for (const member of woken) await member.memory.suspend().catch(() => undefined);
       await this.undoWake(made);
       throw error;
     }
-    const hosts = fresh.flatMap((member) => (member.offloaded === undefined ? [] : [member.offloaded]));
-    const restoredBytes = hosts.reduce((sum, host) => sum + host.size, 0n);
-    for (const member of fresh) member.offloaded = undefined;
-    await discardAll(this.client, hosts);
+    const restored = fresh.filter((member) => member.offloaded !== undefined);
+    const restoredBytes = restored.reduce((sum, member) => sum + member.memory.size, 0n);
+    if (this.prepareOffload) {
+      // The copies stay for the next sleep; members that slept without one get theirs made again.
+      for (const member of fresh) this.prepare(member);
+    } else {
+      const hosts = restored.map((member) => member.offloaded!);
+      for (const member of fresh) member.offloaded = undefined;
+      await discardAll(this.client, hosts);
+    }
     return { restoredBytes, waitedMs };
   }
 
@@ -331,72 +441,5 @@ export class TaggedMemory implements Sleeper {
       entry.fd = undefined;
       await this.client.vmm.release({ allocationId: entry.allocationId }).catch(() => undefined);
     }
-  }
-}
-
-/**
- * Sleepers by tag, for one client: what `sleep(tag)` and `wake(tag)` act on.
- * Invariant: each tag names the sleepers registered under it, in order.
- */
-export class MemoryTags {
-  private readonly tags = new Map<string, Sleeper[]>();
-
-  constructor(private readonly client: SleepClient) {}
-
-  /** The tag's group of mappings (made on first use). */
-  group(tag: string): TaggedMemory {
-    const sleepers = this.tags.get(tag) ?? [];
-    let group = sleepers.find((sleeper): sleeper is TaggedMemory => sleeper instanceof TaggedMemory);
-    if (group === undefined) {
-      group = new TaggedMemory(this.client, tag);
-      this.tags.set(tag, [...sleepers, group]);
-    }
-    return group;
-  }
-
-  /** Registers a sleeper (a memory manager's pool) under a tag. */
-  register(tag: string, sleeper: Sleeper): void {
-    this.tags.set(tag, [...(this.tags.get(tag) ?? []), sleeper]);
-  }
-
-  isAsleep(tag: string): boolean {
-    const sleepers = this.tags.get(tag) ?? [];
-    return sleepers.length > 0 && sleepers.every((sleeper) => sleeper.asleep);
-  }
-
-  /**
-   * Puts every sleeper of the tag to sleep, in order.
-   * @throws VmmdError NOT_FOUND NOT_VMMD_MEMORY (no such tag); a sleeper's refusal (those before it sleep)
-   */
-  async sleep(tag: string, options: SleepOptions = {}): Promise<SleepReport> {
-    const total: SleepReport = { offloadedBytes: 0n, releasedBytes: 0n };
-    for (const sleeper of this.sleepers(tag)) {
-      if (sleeper.asleep) continue;
-      const report = await sleeper.sleep(options);
-      total.offloadedBytes += report.offloadedBytes;
-      total.releasedBytes += report.releasedBytes;
-    }
-    return total;
-  }
-
-  /**
-   * Wakes every sleeper of the tag, in order.
-   * @throws VmmdError NOT_FOUND NOT_VMMD_MEMORY (no such tag); a sleeper's refusal (it and those after it stay asleep)
-   */
-  async wake(tag: string, options: WakeOptions = {}): Promise<WakeReport> {
-    const total: WakeReport = { restoredBytes: 0n, waitedMs: 0 };
-    for (const sleeper of this.sleepers(tag)) {
-      if (!sleeper.asleep) continue;
-      const report = await sleeper.wake(options);
-      total.restoredBytes += report.restoredBytes;
-      total.waitedMs = Math.max(total.waitedMs, report.waitedMs);
-    }
-    return total;
-  }
-
-  private sleepers(tag: string): Sleeper[] {
-    const sleepers = this.tags.get(tag);
-    if (sleepers === undefined) throw new VmmdError('NOT_VMMD_MEMORY', Status.NOT_FOUND, `no memory is tagged "${tag}" in this client`);
-    return sleepers;
   }
 }

@@ -45,6 +45,8 @@ export const MAX_ID = 2 ** 32 - 2;
 export const LOG_LEVELS = ['trace', 'debug', 'info', 'warn', 'error', 'fatal', 'silent'] as const;
 
 /** Every setting, by its config-file key, in `--help` order. */
+// A table, laid out by hand: each setting's flag, variable, type and default on one row, its help and doc below.
+// prettier-ignore
 export const DAEMON_SETTINGS = {
   backend: {
     flag: 'backend', env: 'VMMD_BACKEND', placeholder: 'auto|host|cuda', type: 'choice', choices: ['auto', 'host', 'cuda'], default: 'auto',

@@ -100,6 +100,10 @@ export interface Addon {
   /** Copies out on a worker thread, into a new Buffer or into `into`. */
   hostCopyFromAddress(address: bigint, length: number, into?: Buffer): Promise<Buffer>;
   hostCopyToAddress(address: bigint, data: Buffer): Promise<void>;
+  /** Copies (target, source, length) triples of mapped memory by pointer on a worker thread, in order. */
+  hostCopyPieces(pieces: BigUint64Array): Promise<void>;
+  /** Faults every page of mapped memory in, writable, on a worker thread (MADV_POPULATE_WRITE). */
+  hostPopulate(address: bigint, size: bigint): Promise<void>;
   hostArrayBuffer(address: bigint, size: number): ArrayBuffer;
   hostDetachArrayBuffer(buffer: ArrayBuffer): void;
   pageSize(): number;
@@ -192,6 +196,11 @@ export interface Addon {
   /** Resolves once the bytes are in device memory (the DMA has landed), not when they are staged. */
   cudaCopyToDevice(device: number, address: bigint, data: Buffer): Promise<void>;
   cudaCopyFromDevice(device: number, address: bigint, length: bigint, into?: Buffer): Promise<Buffer>;
+  /**
+   * Copies (target, source, length) triples of addresses mapped for the device (device memory, host memory
+   * mapped with device access) on `lanes` streams of a driver thread; resolves once every byte has landed.
+   */
+  cudaCopyPieces(device: number, pieces: BigUint64Array, lanes: number): Promise<void>;
   cudaCanAccessPeer(device: number, peer: number): boolean;
   /** Page-locks client memory; returns its device pointer when mapped, else 0n. */
   cudaHostRegister(device: number, address: bigint, size: bigint, mapped: boolean): bigint;

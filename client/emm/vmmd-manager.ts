@@ -18,7 +18,7 @@ import { DEFAULT_DEFERRED_FREE, DeferredFreeSettings } from './deallocations';
 import { IpcHandle, ManagerContext, MappedMemory, MemoryInfo, MemoryPointer, PinnedMemory } from './memory';
 import { noteAllocation } from './plugin';
 import { Chunk, DEFAULT_POOL, Pool, PoolBlock, PoolSettings, sizeClassBytes } from './pool';
-import { Sleeper, SleepOptions, SleepReport, TaggedMemory, WakeOptions, WakeReport } from '../sleep-wake';
+import { PreparedOffload, Sleeper, SleepOptions, SleepReport, TaggedMemory, WakeOptions, WakeReport } from '../sleep-wake';
 
 export interface VmmdManagerContext extends ManagerContext {
   readonly client: VmmdClient;
@@ -32,6 +32,12 @@ export interface VmmdManagerContext extends ManagerContext {
   readonly checks?: boolean;
   /** Registers the pool under this tag with the client (client.sleep(tag), client.wake(tag)). */
   readonly tag?: string;
+  /**
+   * Makes each chunk's and large allocation's host copy for an offload sleep ahead, as it is leased, and keeps it
+   * while awake (client/sleep-wake.ts, TagOptions.prepareOffload): the first sleep costs the copy alone; host memory
+   * as large as the pool is held and charged meanwhile.
+   */
+  readonly prepareOffload?: boolean;
 }
 
 export interface ManagerStats {
@@ -70,6 +76,8 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager implements Sleeper 
   private mappedDevice?: number;
   // While the pool sleeps: the group its chunks and large allocations sleep in (their addresses kept); undefined awake.
   private sleeping?: TaggedMemory;
+  // With prepareOffload: the group every lease joins as it is made, holding its copy ahead; it is also the group that sleeps.
+  private preparedGroup?: TaggedMemory;
   readonly counters = { memalloc: 0, pooled: 0, large: 0, chunksLeased: 0, chunksReturned: 0, frees: 0, outOfMemoryRetries: 0 };
 
   constructor(override readonly context: VmmdManagerContext) {
@@ -82,6 +90,12 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager implements Sleeper 
     // for the device's work (as cuMemFree does for Numba's own manager) before blocks go back to the pool.
     this.deallocations.beforeBatch = () => (this.mappedDevice === undefined ? Promise.resolve() : native.cudaSynchronize(this.mappedDevice));
     if (context.tag !== undefined) context.client.tags.register(context.tag, this);
+    if (context.prepareOffload === true) this.preparedGroup = new TaggedMemory(this.client, context.tag ?? 'pool', { prepareOffload: true });
+  }
+
+  /** What the pool holds ahead for its next offload (prepareOffload), or undefined without it. */
+  get prepared(): PreparedOffload | undefined {
+    return this.preparedGroup?.prepared;
   }
 
   get asleep(): boolean {
@@ -98,8 +112,8 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager implements Sleeper 
     if (this.sleeping !== undefined) throw new VmmdError('ASLEEP', Status.FAILED_PRECONDITION, 'the pool sleeps already');
     await this.initialize();
     await this.makeRoom();
-    const group = new TaggedMemory(this.client, this.context.tag ?? 'pool');
-    for (const lease of this.sleepingLeases()) group.add(lease.memory);
+    const group = this.preparedGroup ?? new TaggedMemory(this.client, this.context.tag ?? 'pool');
+    if (this.preparedGroup === undefined) for (const lease of this.sleepingLeases()) group.add(lease.memory);
     this.sleeping = group;
     try {
       return await group.sleep(options);
@@ -129,7 +143,11 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager implements Sleeper 
   /** Gives a lease back; one that sleeps has no allocation left to release (its offloaded bytes go). */
   private giveBackLease(lease: Lease): void {
     const group = this.sleeping;
-    if (group === undefined) return this.leases.giveBack(lease);
+    if (group === undefined) {
+      // Its copy made ahead goes with it (one still being made goes when it arrives).
+      this.preparedGroup?.forget(lease.memory).catch(() => undefined);
+      return this.leases.giveBack(lease);
+    }
     void group.forget(lease.memory).then((asleep) => (asleep ? this.leases.unmapInBackground(lease.memory) : this.leases.giveBack(lease)));
   }
 
@@ -300,6 +318,10 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager implements Sleeper 
     for (const lease of leases) this.giveBackLease(lease);
     await this.leases.ahead.dropAll();
     await this.leases.settle();
+    // A group reset asleep stays asleep (its forgets finish on it): the leases to come join a new one.
+    if (this.preparedGroup !== undefined && this.sleeping === this.preparedGroup) {
+      this.preparedGroup = new TaggedMemory(this.client, this.context.tag ?? 'pool', { prepareOffload: true });
+    }
     this.sleeping = undefined;
   }
 
@@ -363,6 +385,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager implements Sleeper 
     if (sizeClassBytes(Number(bytes)) > this.largeThresholdBytes) {
       const lease = await this.leases.lease(this.roundToGranularity(bytes), this.location());
       if (lease.memory instanceof CudaImportedMemory) this.mappedDevice = lease.memory.device;
+      this.preparedGroup?.add(lease.memory);
       this.large.set(lease.memory.address, lease);
       this.counters.large++;
       const finalizer = () => {
@@ -378,6 +401,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager implements Sleeper 
           const lease = await this.leases.lease(this.roundToGranularity(this.settings.chunkSize), this.location());
           if (lease.memory instanceof CudaImportedMemory) this.mappedDevice = lease.memory.device;
           this.counters.chunksLeased++;
+          this.preparedGroup?.add(lease.memory);
           this.pool.add(new Chunk(lease, lease.memory.address, lease.memory.size));
         })().finally(() => {
           this.leasing = undefined;

@@ -103,6 +103,8 @@ struct Api {
   Result (*cuMemRetainAllocationHandle)(GenericHandle*, void*);
   Result (*cuMemcpyHtoDAsync_v2)(DevicePtr, const void*, size_t, Stream);
   Result (*cuMemcpyDtoHAsync_v2)(void*, DevicePtr, size_t, Stream);
+  // Unified addressing: either side may be device memory or host memory mapped for the device.
+  Result (*cuMemcpyAsync)(DevicePtr, DevicePtr, size_t, Stream);
   Result (*cuMemHostRegister_v2)(void*, size_t, unsigned int);
   Result (*cuMemHostUnregister)(void*);
   Result (*cuMemHostGetDevicePointer_v2)(DevicePtr*, void*, unsigned int);

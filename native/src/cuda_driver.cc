@@ -160,6 +160,7 @@ std::string LoadDriver() {
       {"cuMemRetainAllocationHandle", reinterpret_cast<void**>(&a.cuMemRetainAllocationHandle)},
       {"cuMemcpyHtoDAsync_v2", reinterpret_cast<void**>(&a.cuMemcpyHtoDAsync_v2)},
       {"cuMemcpyDtoHAsync_v2", reinterpret_cast<void**>(&a.cuMemcpyDtoHAsync_v2)},
+      {"cuMemcpyAsync", reinterpret_cast<void**>(&a.cuMemcpyAsync)},
       {"cuMemHostRegister_v2", reinterpret_cast<void**>(&a.cuMemHostRegister_v2)},
       {"cuMemHostUnregister", reinterpret_cast<void**>(&a.cuMemHostUnregister)},
       {"cuMemHostGetDevicePointer_v2", reinterpret_cast<void**>(&a.cuMemHostGetDevicePointer_v2)},
@@ -270,6 +271,39 @@ cu::Result CopyFromDevice(int device, void* target, cu::DevicePtr address, size_
   if (result == cu::SUCCESS) result = driver.api.cuMemcpyDtoHAsync_v2(target, address, length, stream);
   if (result == cu::SUCCESS) result = driver.api.cuStreamSynchronize(stream);
   return result;
+}
+
+// One piece of a bulk copy between device-visible addresses: target, source, bytes.
+struct CopyPiece {
+  uint64_t target;
+  uint64_t source;
+  uint64_t length;
+};
+
+// Copies every piece, piece i on stream i % lanes of this thread's own (non-blocking: they
+// never wait for the legacy default stream), and returns once every byte has landed: the
+// pieces of different streams overlap on the copy engines, as the Python client's copies do.
+cu::Result CopyPieces(int device, const std::vector<CopyPiece>& pieces, size_t lanes) {
+  thread_local std::vector<std::vector<cu::Stream>> streams;
+  if (streams.size() < driver.contexts.size()) streams.resize(driver.contexts.size());
+  std::vector<cu::Stream>& own = streams[device];
+  while (own.size() < lanes) {
+    cu::Stream stream = nullptr;
+    cu::Result result = driver.api.cuStreamCreate(&stream, 1);
+    if (result != cu::SUCCESS) return result;
+    own.push_back(stream);
+  }
+  cu::Result failed = cu::SUCCESS;
+  for (size_t index = 0; index < pieces.size() && failed == cu::SUCCESS; index++) {
+    const CopyPiece& piece = pieces[index];
+    failed = Injected("cuMemcpyAsync", [&] { return driver.api.cuMemcpyAsync(piece.target, piece.source, piece.length, own[index % lanes]); });
+  }
+  // Every stream is waited for, also after a failure: no copy may still run when the caller unmaps.
+  for (size_t lane = 0; lane < lanes; lane++) {
+    cu::Result result = driver.api.cuStreamSynchronize(own[lane]);
+    if (failed == cu::SUCCESS) failed = result;
+  }
+  return failed;
 }
 
 // A driver call on a worker thread with the device's context current there.
@@ -928,6 +962,32 @@ Napi::Value CudaCopyFromDevice(const Napi::CallbackInfo& info) {
       address);
 }
 
+// cudaCopyPieces(device, pieces, lanes) -> Promise<void>: `pieces` a BigUint64Array of
+// (target, source, length) triples of addresses this process mapped for the device (device
+// memory, host memory mapped with device access), copied on `lanes` streams; resolves once
+// every byte is in place. No Buffer holds the bytes: a copy may be of any size.
+Napi::Value CudaCopyPieces(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  RequireDriver(env);
+  int device = DeviceArg(info, 0);
+  if (!info[1].IsTypedArray() || info[1].As<Napi::TypedArray>().TypedArrayType() != napi_biguint64_array) {
+    ThrowArg(env, "pieces must be a BigUint64Array");
+  }
+  Napi::TypedArrayOf<uint64_t> flat = info[1].As<Napi::TypedArrayOf<uint64_t>>();
+  if (flat.ElementLength() % 3 != 0) ThrowArg(env, "pieces holds (target, source, length) triples");
+  uint32_t lanes = info[2].As<Napi::Number>().Uint32Value();
+  if (lanes == 0 || lanes > 16) ThrowArg(env, "lanes must be 1 to 16");
+  auto pieces = std::make_shared<std::vector<CopyPiece>>();
+  uint64_t total = 0;
+  for (size_t index = 0; index + 2 < flat.ElementLength(); index += 3) {
+    pieces->push_back({flat[index], flat[index + 1], flat[index + 2]});
+    total += flat[index + 2];
+  }
+  return CudaWorker::Queue(
+      env, device, Sized("cuMemcpyAsync", total), [device, pieces, lanes] { return CopyPieces(device, *pieces, lanes); }, nullptr,
+      pieces->empty() ? 0 : pieces->front().target);
+}
+
 // cudaCanAccessPeer(device, peer) -> boolean
 Napi::Value CudaCanAccessPeer(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
@@ -1031,6 +1091,7 @@ void InitCudaDriver(Napi::Env env, Napi::Object exports) {
   exports.Set("cudaRetainHandle", Napi::Function::New(env, CudaRetainHandle, "cudaRetainHandle"));
   exports.Set("cudaCopyToDevice", Napi::Function::New(env, CudaCopyToDevice, "cudaCopyToDevice"));
   exports.Set("cudaCopyFromDevice", Napi::Function::New(env, CudaCopyFromDevice, "cudaCopyFromDevice"));
+  exports.Set("cudaCopyPieces", Napi::Function::New(env, CudaCopyPieces, "cudaCopyPieces"));
   exports.Set("cudaCanAccessPeer", Napi::Function::New(env, CudaCanAccessPeer, "cudaCanAccessPeer"));
   exports.Set("cudaHostRegister", Napi::Function::New(env, CudaHostRegister, "cudaHostRegister"));
   exports.Set("cudaHostUnregister", Napi::Function::New(env, CudaHostUnregister, "cudaHostUnregister"));

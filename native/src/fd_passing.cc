@@ -173,26 +173,7 @@ Napi::Value SeqpacketSend(const Napi::CallbackInfo& info) {
   Napi::Buffer<uint8_t> data = info[1].As<Napi::Buffer<uint8_t>>();
   int passFd = info[2].As<Napi::Number>().Int32Value();
 
-  iovec iov{data.Data(), data.Length()};
-  msghdr message;
-  std::memset(&message, 0, sizeof(message));
-  message.msg_iov = &iov;
-  message.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
-  if (passFd >= 0) {
-    std::memset(control, 0, sizeof(control));
-    message.msg_control = control;
-    message.msg_controllen = sizeof(control);
-    cmsghdr* header = CMSG_FIRSTHDR(&message);
-    header->cmsg_level = SOL_SOCKET;
-    header->cmsg_type = SCM_RIGHTS;
-    header->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(header), &passFd, sizeof(int));
-  }
-  ssize_t sent;
-  do {
-    sent = faults::Inject("sendmsg") ? -1 : sendmsg(fd, &message, MSG_NOSIGNAL | MSG_DONTWAIT);
-  } while (sent < 0 && errno == EINTR);
+  ssize_t sent = SendWithRights(fd, data.Data(), data.Length(), &passFd, passFd >= 0 ? 1 : 0, MSG_NOSIGNAL | MSG_DONTWAIT, nullptr, 0, "sendmsg");
   if (sent < 0) {
     if (errno == EAGAIN || errno == EWOULDBLOCK) return Napi::Boolean::New(env, false);
     ThrowErrno(env, "sendmsg");
@@ -300,17 +281,7 @@ Napi::Value UnixDgramSend(const Napi::CallbackInfo& info) {
 // unixDgramBind(path) -> fd: a datagram socket to receive on (tests stand in for systemd with it).
 Napi::Value UnixDgramBind(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  std::string path = info[0].As<Napi::String>().Utf8Value();
-  sockaddr_un address;
-  socklen_t length = DatagramAddress(env, path, &address);
-  int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-  if (fd < 0) ThrowErrno(env, "socket(AF_UNIX, SOCK_DGRAM)");
-  if (bind(fd, reinterpret_cast<sockaddr*>(&address), length) != 0) {
-    int err = errno;
-    close(fd);
-    throw ErrnoError(env, err, "bind(" + path + ")");
-  }
-  return Napi::Number::New(env, fd);
+  return Napi::Number::New(env, DatagramSocket(env, info[0].As<Napi::String>().Utf8Value(), true, SOCK_NONBLOCK));
 }
 
 Napi::Value ShutdownSocket(const Napi::CallbackInfo& info) {
@@ -415,6 +386,36 @@ class Poller : public Napi::ObjectWrap<Poller> {
 
 }  // namespace
 
+ssize_t SendWithRights(int sock, const uint8_t* data, size_t length, const int* fds, size_t count, int flags, const sockaddr_un* to,
+                       socklen_t toLength, const char* fault) {
+  iovec iov{const_cast<uint8_t*>(data), length};
+  msghdr message;
+  std::memset(&message, 0, sizeof(message));
+  if (to != nullptr) {
+    message.msg_name = const_cast<sockaddr_un*>(to);
+    message.msg_namelen = toLength;
+  }
+  message.msg_iov = &iov;
+  message.msg_iovlen = 1;
+  // One descriptor (the session socket's every answer) needs no allocation.
+  alignas(cmsghdr) char one[CMSG_SPACE(sizeof(int))] = {};
+  std::vector<char> many(count > 1 ? CMSG_SPACE(sizeof(int) * count) : 0);
+  if (count > 0) {
+    message.msg_control = count > 1 ? many.data() : one;
+    message.msg_controllen = CMSG_SPACE(sizeof(int) * count);
+    cmsghdr* header = CMSG_FIRSTHDR(&message);
+    header->cmsg_level = SOL_SOCKET;
+    header->cmsg_type = SCM_RIGHTS;
+    header->cmsg_len = CMSG_LEN(sizeof(int) * count);
+    std::memcpy(CMSG_DATA(header), fds, sizeof(int) * count);
+  }
+  ssize_t sent;
+  do {
+    sent = fault != nullptr && faults::Inject(fault) ? -1 : sendmsg(sock, &message, flags);
+  } while (sent < 0 && errno == EINTR);
+  return sent;
+}
+
 socklen_t DatagramAddress(Napi::Env env, const std::string& path, sockaddr_un* address) {
   std::memset(address, 0, sizeof(*address));
   address->sun_family = AF_UNIX;
@@ -424,6 +425,20 @@ socklen_t DatagramAddress(Napi::Env env, const std::string& path, sockaddr_un* a
   std::memcpy(address->sun_path, path.c_str(), path.size());
   if (path[0] == '@') address->sun_path[0] = '\0';
   return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + path.size());
+}
+
+int DatagramSocket(Napi::Env env, const std::string& path, bool bound, int flags) {
+  sockaddr_un address;
+  socklen_t length = DatagramAddress(env, path, &address);
+  int fd = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC | flags, 0);
+  if (fd < 0) ThrowErrno(env, "socket(AF_UNIX, SOCK_DGRAM)");
+  sockaddr* to = reinterpret_cast<sockaddr*>(&address);
+  if ((bound ? bind(fd, to, length) : connect(fd, to, length)) != 0) {
+    int err = errno;
+    close(fd);
+    throw ErrnoError(env, err, std::string(bound ? "bind(" : "connect(") + path + ")");
+  }
+  return fd;
 }
 
 void InitFdPassing(Napi::Env env, Napi::Object exports) {

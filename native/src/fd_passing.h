@@ -16,4 +16,14 @@ void InitFdPassing(Napi::Env env, Napi::Object exports);
 // The address of a datagram socket: a path, or (leading '@') an abstract name,
 // as NOTIFY_SOCKET gives it; throws ENAMETOOLONG for one that does not fit.
 socklen_t DatagramAddress(Napi::Env env, const std::string& path, sockaddr_un* address);
+
+// A datagram socket (close-on-exec, `flags` added to its type: SOCK_NONBLOCK) bound to `path`, to receive on,
+// or connected to it, to send there alone; throws naming the call that failed.
+int DatagramSocket(Napi::Env env, const std::string& path, bool bound, int flags = 0);
+
+// One sendmsg(2) of `data` with `count` descriptors riding it as SCM_RIGHTS (none when 0), to `to` when
+// given (an unconnected datagram socket), retried on EINTR. Returns sendmsg's result; on -1 errno says why.
+// `fault` names the call for fault injection (faults.h), or is nullptr.
+ssize_t SendWithRights(int sock, const uint8_t* data, size_t length, const int* fds, size_t count, int flags, const sockaddr_un* to = nullptr,
+                       socklen_t toLength = 0, const char* fault = nullptr);
 }

@@ -26,17 +26,7 @@ constexpr size_t kMaxFdsPerDatagram = 253;
 // sending many notifications without a socket each.
 Napi::Value UnixDgramConnect(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
-  std::string path = info[0].As<Napi::String>().Utf8Value();
-  sockaddr_un address;
-  socklen_t length = DatagramAddress(env, path, &address);
-  int sock = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-  if (sock < 0) ThrowErrno(env, "socket(AF_UNIX, SOCK_DGRAM)");
-  if (connect(sock, reinterpret_cast<sockaddr*>(&address), length) != 0) {
-    int err = errno;
-    close(sock);
-    throw ErrnoError(env, err, "connect(" + path + ")");
-  }
-  return Napi::Number::New(env, sock);
+  return Napi::Number::New(env, DatagramSocket(env, info[0].As<Napi::String>().Utf8Value(), false));
 }
 
 // unixDgramSendFds(target, data, fds): one datagram with up to 253
@@ -64,29 +54,7 @@ Napi::Value UnixDgramSendFds(const Napi::CallbackInfo& info) {
     sock = socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     if (sock < 0) ThrowErrno(env, "socket(AF_UNIX, SOCK_DGRAM)");
   }
-  iovec iov{data.Data(), data.Length()};
-  msghdr message;
-  std::memset(&message, 0, sizeof(message));
-  if (!connected) {
-    message.msg_name = &address;
-    message.msg_namelen = length;
-  }
-  message.msg_iov = &iov;
-  message.msg_iovlen = 1;
-  std::vector<char> control(CMSG_SPACE(sizeof(int) * (fds.empty() ? 1 : fds.size())));
-  if (!fds.empty()) {
-    message.msg_control = control.data();
-    message.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
-    cmsghdr* header = CMSG_FIRSTHDR(&message);
-    header->cmsg_level = SOL_SOCKET;
-    header->cmsg_type = SCM_RIGHTS;
-    header->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
-    std::memcpy(CMSG_DATA(header), fds.data(), sizeof(int) * fds.size());
-  }
-  ssize_t sent;
-  do {
-    sent = sendmsg(sock, &message, MSG_NOSIGNAL);
-  } while (sent < 0 && errno == EINTR);
+  ssize_t sent = SendWithRights(sock, data.Data(), data.Length(), fds.data(), fds.size(), MSG_NOSIGNAL, connected ? nullptr : &address, length);
   int err = errno;
   if (!connected) close(sock);
   if (sent < 0) throw ErrnoError(env, err, connected ? "sendmsg" : "sendmsg(" + path + ")");

@@ -7,6 +7,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <vector>
 #include <string>
 
 #include "errors.h"
@@ -263,6 +264,85 @@ Napi::Value HostCopyToAddress(const Napi::CallbackInfo& info) {
   return promise;
 }
 
+// Copies (target, source, length) pieces of mapped memory on a worker thread, in order.
+class PiecesWorker : public Napi::AsyncWorker {
+ public:
+  PiecesWorker(Napi::Env env, std::vector<uint64_t> pieces)
+      : Napi::AsyncWorker(env, "vmmd:copy"), deferred_(Napi::Promise::Deferred::New(env)), pieces_(std::move(pieces)) {}
+
+  Napi::Promise Promise() { return deferred_.Promise(); }
+
+  void Execute() override {
+    for (size_t index = 0; index + 2 < pieces_.size(); index += 3) {
+      std::memmove(reinterpret_cast<void*>(static_cast<uintptr_t>(pieces_[index])),
+                   reinterpret_cast<const void*>(static_cast<uintptr_t>(pieces_[index + 1])), static_cast<size_t>(pieces_[index + 2]));
+    }
+  }
+
+  void OnOK() override { deferred_.Resolve(Env().Undefined()); }
+  void OnError(const Napi::Error& error) override { deferred_.Reject(error.Value()); }
+
+ private:
+  Napi::Promise::Deferred deferred_;
+  std::vector<uint64_t> pieces_;
+};
+
+// hostCopyPieces(pieces) -> Promise<void>: `pieces` a BigUint64Array of (target, source,
+// length) triples of memory this process mapped, copied by pointer on a worker thread: no
+// Buffer holds the bytes, so a copy may be of any size.
+Napi::Value HostCopyPieces(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  if (!info[0].IsTypedArray() || info[0].As<Napi::TypedArray>().TypedArrayType() != napi_biguint64_array) {
+    ThrowArg(env, "pieces must be a BigUint64Array");
+  }
+  Napi::TypedArrayOf<uint64_t> flat = info[0].As<Napi::TypedArrayOf<uint64_t>>();
+  if (flat.ElementLength() % 3 != 0) ThrowArg(env, "pieces holds (target, source, length) triples");
+  std::vector<uint64_t> pieces(flat.Data(), flat.Data() + flat.ElementLength());
+  auto* worker = new PiecesWorker(env, std::move(pieces));
+  Napi::Promise promise = worker->Promise();
+  worker->Queue();
+  return promise;
+}
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+// Faults every page of a shared mapping in, writable, on a worker thread (the copy that
+// follows then takes no page fault): MADV_POPULATE_WRITE. A kernel that predates it (EINVAL)
+// or a range not mapped writable is refused with the errno; nothing is ever written.
+class PopulateWorker : public Napi::AsyncWorker {
+ public:
+  PopulateWorker(Napi::Env env, uint8_t* address, size_t size)
+      : Napi::AsyncWorker(env, "vmmd:populate"), deferred_(Napi::Promise::Deferred::New(env)), address_(address), size_(size) {}
+
+  Napi::Promise Promise() { return deferred_.Promise(); }
+
+  void Execute() override {
+    if (madvise(address_, size_, MADV_POPULATE_WRITE) != 0) {
+      SetError(std::string(strerror(errno)) + ": madvise(MADV_POPULATE_WRITE, " + std::to_string(size_) + ")");
+    }
+  }
+
+  void OnOK() override { deferred_.Resolve(Env().Undefined()); }
+  void OnError(const Napi::Error& error) override { deferred_.Reject(error.Value()); }
+
+ private:
+  Napi::Promise::Deferred deferred_;
+  uint8_t* address_;
+  size_t size_;
+};
+
+// hostPopulate(address, size) -> Promise<void>: every page of mapped memory faulted in, writable.
+Napi::Value HostPopulate(const Napi::CallbackInfo& info) {
+  auto* address = static_cast<uint8_t*>(AddressArg(info, 0));
+  uint64_t size = U64Arg(info, 1, "size");
+  auto* worker = new PopulateWorker(info.Env(), address, static_cast<size_t>(size));
+  Napi::Promise promise = worker->Promise();
+  worker->Queue();
+  return promise;
+}
+
 // hostArrayBuffer(address, size) -> ArrayBuffer over mapped pages. The caller
 // must detach it (hostDetachArrayBuffer) before unmapping.
 Napi::Value HostArrayBuffer(const Napi::CallbackInfo& info) {
@@ -341,6 +421,8 @@ void InitHostMemory(Napi::Env env, Napi::Object exports) {
   exports.Set("hostProtect", Napi::Function::New(env, HostProtect, "hostProtect"));
   exports.Set("hostCopyFromAddress", Napi::Function::New(env, HostCopyFromAddress, "hostCopyFromAddress"));
   exports.Set("hostCopyToAddress", Napi::Function::New(env, HostCopyToAddress, "hostCopyToAddress"));
+  exports.Set("hostPopulate", Napi::Function::New(env, HostPopulate, "hostPopulate"));
+  exports.Set("hostCopyPieces", Napi::Function::New(env, HostCopyPieces, "hostCopyPieces"));
   exports.Set("hostArrayBuffer", Napi::Function::New(env, HostArrayBuffer, "hostArrayBuffer"));
   exports.Set("hostDetachArrayBuffer", Napi::Function::New(env, HostDetachArrayBuffer, "hostDetachArrayBuffer"));
   exports.Set("pageSize", Napi::Function::New(env, PageSize, "pageSize"));

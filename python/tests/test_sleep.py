@@ -218,3 +218,91 @@ def test_retained_copies_serve_the_next_sleep(daemon: Daemon, client: vmmd.VmmdC
     pool.wake()
     pool.close()
     assert daemon.stats().allocated_bytes == before
+
+
+def _hog(daemon: Daemon, leave: int) -> tuple:
+    """Another session holding all the room but `leave` bytes."""
+    other = daemon.connect()
+    free = int(other.devices.get_memory_info(device=0).free_bytes) - leave
+    return other, other.vmm.allocate(free - free % (2 * MiB))
+
+
+def _unhog(other: vmmd.VmmdClient, hog: object) -> None:
+    hog.close()  # type: ignore[attr-defined]
+    other.vmm.release(allocation_id=hog.allocation_id)  # type: ignore[attr-defined]
+    other.close()
+
+
+def test_prepared_copies_are_made_ahead_and_serve_the_first_sleep(daemon: Daemon, client: vmmd.VmmdClient) -> None:
+    eventually(lambda: daemon.stats().sessions == 1, what="the previous tests' sessions to close")
+    before = daemon.stats().allocated_bytes
+    pool = DevicePool(client, chunk_size=32 * MiB, idle_seconds=0, prepare_copies=True)
+    blocks = _fill(pool, [12 * MiB])
+    eventually(lambda: pool.stats()["prepared_bytes"] == 32 * MiB, what="the copy made ahead")
+    assert daemon.stats().allocated_bytes == before + 64 * MiB  # the chunk and its copy, charged while awake
+    # No room left anywhere: a sleep that had to make its copy now could not.
+    other, hog = _hog(daemon, 0)
+    for _ in range(2):
+        pool.sleep("offload")
+        assert pool.stats()["prepared_bytes"] == 0 and pool.asleep
+        pool.wake()
+        assert _intact(blocks)
+        assert pool.stats()["prepared_bytes"] == 32 * MiB
+    assert pool.prepare_error is None
+    _unhog(other, hog)
+    pool.close()
+    assert daemon.stats().allocated_bytes == before
+
+
+def test_a_sleep_that_meets_the_copy_being_made_waits_for_it(daemon: Daemon, client: vmmd.VmmdClient) -> None:
+    eventually(lambda: daemon.stats().sessions == 1, what="the previous tests' sessions to close")
+    before = daemon.stats().allocated_bytes
+    # Room for the chunks and one copy each: a second copy, by the sleep or by the preparation, is refused.
+    other, hog = _hog(daemon, 64 * MiB)
+    pool = DevicePool(client, chunk_size=4 * MiB, idle_seconds=0, prepare_copies=True)
+    # Copies are made one at a time: asleep at once, the last chunks' copies are still being made.
+    blocks = [pool.allocate(3 * MiB) for _ in range(8)]
+    pool.sleep("offload")
+    assert pool.prepare_error is None
+    assert daemon.stats().allocated_bytes == before + 32 * MiB + hog.size
+    pool.wake()
+    assert [b.chunk.memory.asleep for b in blocks] == [False] * 8
+    pool.close()
+    _unhog(other, hog)
+    assert daemon.stats().allocated_bytes == before
+
+
+def test_a_refused_preparation_leaves_the_copy_to_the_sleep(daemon: Daemon, client: vmmd.VmmdClient) -> None:
+    eventually(lambda: daemon.stats().sessions == 1, what="the previous tests' sessions to close")
+    other, hog = _hog(daemon, 32 * MiB)
+    pool = DevicePool(client, chunk_size=32 * MiB, idle_seconds=0, prepare_copies=True)
+    blocks = _fill(pool, [32 * MiB])
+    eventually(lambda: pool.stats()["prepare_pending"] == 0, what="the preparation to end")
+    error = pool.prepare_error
+    assert isinstance(error, vmmd.VmmdError) and error.out_of_memory
+    assert pool.stats()["prepared_bytes"] == 0
+    _unhog(other, hog)
+    pool.sleep("offload")
+    pool.wake()
+    assert _intact(blocks)
+    assert pool.stats()["prepared_bytes"] == 32 * MiB  # kept for the next sleep
+    pool.close()
+
+
+def test_a_chunk_given_back_takes_its_copy_with_it_even_while_being_made(daemon: Daemon, client: vmmd.VmmdClient) -> None:
+    eventually(lambda: daemon.stats().sessions == 1, what="the previous tests' sessions to close")
+    before = daemon.stats().allocated_bytes
+    pool = DevicePool(client, chunk_size=8 * MiB, idle_seconds=0, prepare_copies=True)
+    for _ in range(3):
+        block = pool.allocate(MiB)
+        pool.free(block)
+        assert pool.trim() == 8 * MiB
+    assert daemon.stats().allocated_bytes == before
+    blocks = _fill(pool, [MiB])
+    pool.sleep("discard")  # nothing kept while asleep: the copy goes too
+    assert daemon.stats().allocated_bytes == before
+    pool.wake()
+    eventually(lambda: pool.stats()["prepared_bytes"] == 8 * MiB, what="the copy made again after wake")
+    pool.free(blocks[0])
+    pool.close()
+    assert daemon.stats().allocated_bytes == before

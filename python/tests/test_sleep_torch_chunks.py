@@ -80,3 +80,37 @@ def test_a_tag_sleeps_and_wakes_at_its_addresses(library: Any, client: vmmd.Vmmd
     library.vmmd_set_tag(0)
     supply.stop()
     pool.close()
+
+
+def test_a_prepared_tags_copies_are_made_as_its_chunks_are_leased(library: Any, client: vmmd.VmmdClient, daemon: Any) -> None:  # noqa: F811
+    from conftest import eventually
+
+    pool = DevicePool(client, chunk_size=4 * MiB, idle_seconds=0)
+    supply = ChunkSupply(library, lambda device: pool, 4 * MiB, idle_seconds=0, refill_seconds=5)
+    before = daemon.stats().allocated_bytes
+    supply.prepare(WEIGHTS)
+    supply.add(0, 1, WEIGHTS)
+    supply.add(0, 1, CACHE)
+    copies = lambda: sum(int(s.copy.size) for s in supply._segments.values() if s.copy is not None)  # noqa: E731
+    # The weights' chunk has its copy ahead, the cache's none.
+    eventually(lambda: copies() == 4 * MiB, what="the weights' copy made ahead")
+    assert daemon.stats().allocated_bytes == before + 12 * MiB
+    library.vmmd_set_tag(WEIGHTS)
+    weights = library.vmmd_torch_malloc(3 * MiB, 0, STREAM_A)
+    ctypes.memset(weights, 0x3C, 3 * MiB)
+    cache_bytes = sum(chunk.size for _, chunk, tag in list(supply._chunks.values()) if tag == CACHE)
+    slept = supply.sleep(WEIGHTS, "offload")  # with the room the supply leased ahead meanwhile
+    assert daemon.stats().allocated_bytes == before + cache_bytes + slept  # the copies, no device memory, no other copy
+    supply.wake([WEIGHTS])
+    assert ctypes.string_at(weights, 3 * MiB) == b"\x3c" * (3 * MiB)
+    assert copies() == slept  # kept for the next pause
+    library.vmmd_set_tag(0)
+    held = daemon.stats().allocated_bytes
+    # Chunks given back take their copies with them.
+    assert supply.give_back(0) + supply.give_back(1) >= 0
+    from vmmd import _sleep
+
+    _sleep.forget(client, list(supply._segments.values()))
+    assert daemon.stats().allocated_bytes <= held - slept
+    supply.stop()
+    pool.close()

@@ -13,7 +13,7 @@ import { parseArgs } from 'node:util';
 import { defaultSocketDir } from '../../common/paths';
 import { DAEMON_SETTINGS, MAX_ID, type SettingDeclaration, type SettingKey, shownDefault } from '../../common/daemon-settings';
 import { type BackendChoice, defaultStock } from '../backends/select';
-import type { StockLevel } from '../backends/stock';
+import type { StockLevel } from '../backends/stock-shelves';
 
 export { defaultStock };
 export type { BackendChoice, StockLevel };

@@ -10,20 +10,22 @@
  * counts as its store (server/stores/stores.ts), not as an allocation.
  */
 import type { BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from '../backends/backend';
-import type { AllocationSource, HeldMemfd, RestoredMemory, SourcedAllocation } from './source';
+import { type AllocationSource, PassThroughSource, type RestoredMemory, type SourcedAllocation } from './source';
 import type { Charge, UidBudgets } from './uid-budgets';
 
-export class AllocationBudget implements AllocationSource {
+export class AllocationBudget extends PassThroughSource {
   // Invariant: the charge of every live handle created or adopted through this adaptor for an owner with a uid.
   private readonly charges = new Map<BackendHandle, Charge>();
 
   constructor(
     private readonly budgets: UidBudgets,
-    private readonly upstream: AllocationSource,
-  ) {}
+    upstream: AllocationSource,
+  ) {
+    super(upstream);
+  }
 
   /** @throws RESOURCE_EXHAUSTED BUDGET_EXCEEDED (nothing is created); the upstream's errors */
-  async create(owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
+  override async create(owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
     const charge = this.budgets.take(owner, { allocations: 1 });
     let handle: BackendHandle;
     try {
@@ -37,7 +39,7 @@ export class AllocationBudget implements AllocationSource {
   }
 
   /** @throws RESOURCE_EXHAUSTED BUDGET_EXCEEDED (the adopted memory is released again); the upstream's errors */
-  async adopt(owner: bigint, source: ImportSource, size: bigint): Promise<ImportedHandle> {
+  override async adopt(owner: bigint, source: ImportSource, size: bigint): Promise<ImportedHandle> {
     const imported = await this.upstream.adopt(owner, source, size);
     let charge: Charge | undefined;
     try {
@@ -51,22 +53,14 @@ export class AllocationBudget implements AllocationSource {
   }
 
   /** Counted against the uid it counted for before (none: the daemon's, not counted). */
-  async restore(memory: RestoredMemory): Promise<ImportedHandle> {
+  override async restore(memory: RestoredMemory): Promise<ImportedHandle> {
     const restored = await this.upstream.restore(memory);
     const charge = memory.charged === undefined ? undefined : this.budgets.restore(memory.charged.uid, { allocations: 1 });
     if (charge !== undefined) this.charges.set(restored.handle, charge);
     return restored;
   }
 
-  holdClientMemfd(owner: bigint, fd: number, size: bigint): Promise<HeldMemfd> {
-    return this.upstream.holdClientMemfd(owner, fd, size);
-  }
-
-  settle(): Promise<void> {
-    return this.upstream.settle();
-  }
-
-  async release(allocation: SourcedAllocation, awaited: boolean): Promise<void> {
+  override async release(allocation: SourcedAllocation, awaited: boolean): Promise<void> {
     // Taken out before the upstream frees the handle: a handle number reused at once (a memfd's) must not meet this charge.
     const charge = this.charges.get(allocation.handle);
     this.charges.delete(allocation.handle);

@@ -4,9 +4,8 @@
  * references by holder, export, share keys, and the free that happens once
  * nothing references or maps the memory any more.
  */
-import { randomBytes } from 'node:crypto';
 import type { Backend, BackendHandle, HandleKind, ImportSource, MemLocation } from '../backends/backend';
-import { failedPrecondition, invalidArgument, notFound, permissionDenied, unavailable } from '../errors';
+import { failedPrecondition, invalidArgument, notFound, unavailable } from '../errors';
 import type { DeviceTable } from './devices';
 import {
   AllocationRecord,
@@ -22,22 +21,16 @@ import {
   AllocationObserver,
   Released,
   ReleaseResult,
-  shareKeyMatches,
 } from './records';
+import { admitExport, newShareKey } from './export-rights';
+import { PendingCreates } from './pending-creates';
 import { RetainedReferences } from './retained-references';
 import type { AllocationSource } from './source';
-
-/** A create awaiting its memory; a reclaim of its owner abandons it. */
-interface PendingCreate {
-  abandoned: boolean;
-  settled: Promise<void>;
-}
 
 export class Allocations {
   // Invariant: every allocation not yet freed by the backend, by id.
   private readonly records = new Map<bigint, AllocationRecord>();
-  // Invariant: every create awaiting the source, by owner; no entry holds an empty set.
-  private readonly creating = new Map<bigint, Set<PendingCreate>>();
+  private readonly pending = new PendingCreates();
   // Invariant: one promise per free in flight (settled either way), removed once it settles.
   private readonly freeing = new Set<Promise<void>>();
   private readonly retained: RetainedReferences;
@@ -85,10 +78,7 @@ export class Allocations {
     // Descriptors always work; fabric comes on top where asked for.
     const handleTypes: HandleKind[] = args.handleType === 'FABRIC' ? ['POSIX_FD', 'FABRIC'] : ['POSIX_FD'];
     // The quota adaptor reserves its bytes before it awaits the backend: concurrent creates cannot overshoot.
-    let settle!: () => void;
-    const pending: PendingCreate = { abandoned: false, settled: new Promise((resolve) => (settle = resolve)) };
-    const waiting = this.creating.get(caller) ?? new Set<PendingCreate>();
-    this.creating.set(caller, waiting.add(pending));
+    const pending = this.pending.begin(caller);
     try {
       const handle = await this.createAfterFrees(caller, device, args.location, args.size, handleTypes);
       if (!pending.abandoned) return this.add(caller, handle, args.size, device, args.location, handleTypes, false, granularity, args.request);
@@ -104,9 +94,7 @@ export class Allocations {
       }
       throw unavailable('SESSION_CLOSED', `${ownerName(caller)} was reclaimed while its ${args.size}-byte allocation was being created; ${fate}`);
     } finally {
-      waiting.delete(pending);
-      if (waiting.size === 0 && this.creating.get(caller) === waiting) this.creating.delete(caller);
-      settle();
+      pending.settle();
     }
   }
 
@@ -115,10 +103,8 @@ export class Allocations {
    * arrives) and waits for them to settle: what a reclaim does first, so
    * that no memory made for the owner lands after it.
    */
-  async abandonCreates(owner: bigint): Promise<void> {
-    const waiting = [...(this.creating.get(owner) ?? [])];
-    for (const pending of waiting) pending.abandoned = true;
-    await Promise.all(waiting.map((pending) => pending.settled));
+  abandonCreates(owner: bigint): Promise<void> {
+    return this.pending.abandon(owner);
   }
 
   /**
@@ -358,7 +344,7 @@ export class Allocations {
   share(caller: bigint, allocationId: bigint): string {
     const allocation = this.live(allocationId);
     this.ownership.check(caller, allocation.owner, `allocation ${allocationId}`);
-    allocation.shareKey ??= randomBytes(24).toString('base64url');
+    allocation.shareKey ??= newShareKey();
     this.observer?.changed(allocation);
     return allocation.shareKey;
   }
@@ -371,20 +357,7 @@ export class Allocations {
    */
   async exportHandle(caller: bigint, args: ExportArgs): Promise<Exported> {
     const allocation = this.live(args.allocationId);
-    if (!this.ownership.mayAct(caller, allocation.owner) && !allocation.references.has(caller)) {
-      if (args.shareKey === '') {
-        throw permissionDenied('NOT_OWNER', `allocation ${allocation.id} belongs to ${ownerName(allocation.owner)}; its owner can Share it and hand you the key`);
-      }
-      if (!shareKeyMatches(allocation, args.shareKey)) {
-        throw permissionDenied('BAD_SHARE_KEY', `the share key does not open allocation ${allocation.id}`);
-      }
-      // The holder's descriptor is writable, and a writable descriptor can add seals: frozen first, no holder can seal
-      // the memory against its owner's writes (the owner cannot seal it read-only any more either).
-      if (args.handleType === 'POSIX_FD') this.backend.freezeSeals?.(allocation.handle);
-    }
-    if (!allocation.handleTypes.includes(args.handleType)) {
-      throw failedPrecondition('UNSUPPORTED_HANDLE_TYPE', `allocation ${allocation.id} was created for ${allocation.handleTypes.join(', ')} handles, not ${args.handleType}`);
-    }
+    admitExport(this.ownership, this.backend, caller, allocation, args);
     allocation.busy++;
     try {
       if (args.handleType === 'FABRIC') return { allocation, fabric: await this.backend.exportFabric(allocation.handle, allocation.device) };

@@ -23,7 +23,7 @@
 import type { BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from '../backends/backend';
 import { resourceExhausted } from '../errors';
 import { DAEMON_OWNER } from './records';
-import { once, type AllocationSource, type HeldMemfd, type RestoredMemory, type SourcedAllocation } from './source';
+import { once, PassThroughSource, type AllocationSource, type HeldMemfd, type RestoredMemory, type SourcedAllocation } from './source';
 
 export interface QuotaLimits {
   /** 0: no limit. */
@@ -203,17 +203,19 @@ export class Quotas {
   }
 }
 
-class QuotaAdaptor implements AllocationSource {
+class QuotaAdaptor extends PassThroughSource {
   // Invariant: the hold of every live handle created or adopted through this adaptor for a session.
   private readonly holds = new Map<BackendHandle, QuotaHold>();
 
   constructor(
     private readonly quotas: Quotas,
-    private readonly upstream: AllocationSource,
+    upstream: AllocationSource,
     private readonly identify: IdentifyMemory,
-  ) {}
+  ) {
+    super(upstream);
+  }
 
-  async create(owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
+  override async create(owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
     // Charged before the create's await: creates in flight at once are all counted, so none escapes the quota.
     // Over the quota, it waits first for the owner's frees in flight (still charged) and asks again.
     const hold = await this.quotas.holdAfterFrees(owner, undefined, size, this.settleUpstream);
@@ -231,7 +233,7 @@ class QuotaAdaptor implements AllocationSource {
     return handle;
   }
 
-  async adopt(owner: bigint, source: ImportSource, size: bigint): Promise<ImportedHandle> {
+  override async adopt(owner: bigint, source: ImportSource, size: bigint): Promise<ImportedHandle> {
     // Charged by the size the backend found (a memfd's after sealing), once it is known; refused, it goes again.
     const imported = await this.upstream.adopt(owner, source, size);
     let hold: QuotaHold | undefined;
@@ -245,7 +247,7 @@ class QuotaAdaptor implements AllocationSource {
     return imported;
   }
 
-  async restore(memory: RestoredMemory): Promise<ImportedHandle> {
+  override async restore(memory: RestoredMemory): Promise<ImportedHandle> {
     const restored = await this.upstream.restore(memory);
     if (memory.charged !== undefined) {
       this.holds.set(restored.handle, this.quotas.restore(memory.charged.session, memory.charged.uid, this.identify(restored.handle, restored.device), restored.size));
@@ -254,7 +256,7 @@ class QuotaAdaptor implements AllocationSource {
   }
 
   /** Charged by the memfd's size once the backend holds it, as an adoption is; refused, the backend's hold goes again. */
-  async holdClientMemfd(owner: bigint, fd: number, size: bigint): Promise<HeldMemfd> {
+  override async holdClientMemfd(owner: bigint, fd: number, size: bigint): Promise<HeldMemfd> {
     const held = await this.upstream.holdClientMemfd(owner, fd, size);
     let hold: QuotaHold | undefined;
     try {
@@ -272,13 +274,9 @@ class QuotaAdaptor implements AllocationSource {
     };
   }
 
-  settle(): Promise<void> {
-    return this.upstream.settle();
-  }
-
   private readonly settleUpstream = () => this.upstream.settle();
 
-  async release(allocation: SourcedAllocation, awaited: boolean): Promise<void> {
+  override async release(allocation: SourcedAllocation, awaited: boolean): Promise<void> {
     // Taken out before the upstream frees the handle: a handle number the
     // backend reuses at once (a memfd's) must not meet this hold.
     const hold = this.holds.get(allocation.handle);

@@ -4,7 +4,6 @@
  * plain data; the parts (allocations, address space, I/O, reclaim) own the
  * operations on them.
  */
-import { timingSafeEqual } from 'node:crypto';
 import type { Access, BackendHandle, HandleKind, MemLocation } from '../backends/backend';
 import { failedPrecondition, invalidArgument, permissionDenied } from '../errors';
 import type { SerialQueue } from '../serial-queue';
@@ -108,14 +107,6 @@ export interface ReleaseResult {
 export interface Released {
   result: ReleaseResult;
   freeing: Promise<void>;
-}
-
-/** Whether `key` is the allocation's share key (compared in constant time). */
-export function shareKeyMatches(allocation: AllocationRecord, key: string): boolean {
-  if (allocation.shareKey === undefined) return false;
-  const expected = Buffer.from(allocation.shareKey);
-  const given = Buffer.from(key);
-  return expected.length === given.length && timingSafeEqual(expected, given);
 }
 
 /** An export's result: the allocation and its descriptor (owned by the caller) or fabric bytes. */

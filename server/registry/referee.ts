@@ -12,14 +12,14 @@
 import { freemem, totalmem } from 'node:os';
 import { MAX_ALLOCATE_ALL_SIZES, MAX_ALLOCATE_ALL_WAIT_MS } from '../../common/client-constants';
 import { addon } from '../../native';
-import type { Backend, BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from '../backends/backend';
+import type { Backend, HandleKind, MemLocation } from '../backends/backend';
 import { describeLocation } from '../backends/backend';
 import { failedPrecondition, invalidArgument, outOfRange, resourceExhausted, RpcError, unavailable } from '../errors';
 import type { Allocations } from './allocations';
 import { Budget } from './budgets';
 import type { DeviceTable } from './devices';
 import { checkAligned, Exported, ownerName } from './records';
-import type { AllocationSource, HeldMemfd, RestoredMemory, SourcedAllocation } from './source';
+import { PassThroughSource, type SourcedAllocation } from './source';
 import type { UidBudgets } from './uid-budgets';
 
 /** How often a waiting request looks again at its device's free memory (memory freed outside the registry). */
@@ -82,33 +82,11 @@ const isOutOfMemory = (error: unknown) => {
  * An adaptor that tells the referee when memory was freed (any owner's,
  * through the registry), so that a waiting request tries at once.
  */
-export class FreedSignal implements AllocationSource {
+export class FreedSignal extends PassThroughSource {
   // Invariant: every function here is called after each free that succeeded, with the freed memory's device.
   readonly listeners = new Set<(device: number, location: MemLocation | undefined) => void>();
 
-  constructor(private readonly upstream: AllocationSource) {}
-
-  create(owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
-    return this.upstream.create(owner, device, location, size, handleTypes);
-  }
-
-  adopt(owner: bigint, source: ImportSource, size: bigint): Promise<ImportedHandle> {
-    return this.upstream.adopt(owner, source, size);
-  }
-
-  restore(memory: RestoredMemory): Promise<ImportedHandle> {
-    return this.upstream.restore(memory);
-  }
-
-  holdClientMemfd(owner: bigint, fd: number, size: bigint): Promise<HeldMemfd> {
-    return this.upstream.holdClientMemfd(owner, fd, size);
-  }
-
-  settle(): Promise<void> {
-    return this.upstream.settle();
-  }
-
-  async release(allocation: SourcedAllocation, awaited: boolean): Promise<void> {
+  override async release(allocation: SourcedAllocation, awaited: boolean): Promise<void> {
     await this.upstream.release(allocation, awaited);
     for (const listener of this.listeners) listener(allocation.device, allocation.location);
   }

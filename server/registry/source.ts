@@ -110,6 +110,39 @@ export class BackendSource implements AllocationSource {
   }
 }
 
+/**
+ * Where an adaptor starts: every call passed to the upstream unchanged. An
+ * adaptor overrides the calls it takes a step in (undoing that step when the
+ * upstream fails) and inherits the rest.
+ */
+export class PassThroughSource implements AllocationSource {
+  constructor(protected readonly upstream: AllocationSource) {}
+
+  create(owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
+    return this.upstream.create(owner, device, location, size, handleTypes);
+  }
+
+  adopt(owner: bigint, source: ImportSource, size: bigint): Promise<ImportedHandle> {
+    return this.upstream.adopt(owner, source, size);
+  }
+
+  holdClientMemfd(owner: bigint, fd: number, size: bigint): Promise<HeldMemfd> {
+    return this.upstream.holdClientMemfd(owner, fd, size);
+  }
+
+  release(allocation: SourcedAllocation, awaited: boolean): Promise<void> {
+    return this.upstream.release(allocation, awaited);
+  }
+
+  settle(): Promise<void> {
+    return this.upstream.settle();
+  }
+
+  restore(memory: RestoredMemory): Promise<ImportedHandle> {
+    return this.upstream.restore(memory);
+  }
+}
+
 /** `action`, run the first time the returned function is called only. */
 export function once(action: () => void): () => void {
   let done = false;

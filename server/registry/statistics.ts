@@ -5,7 +5,7 @@
  * the registry. A SYSMEM store's memfd is the store's, not an allocation: not counted here.
  */
 import type { BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from '../backends/backend';
-import type { AllocationSource, HeldMemfd, RestoredMemory, SourcedAllocation } from './source';
+import { PassThroughSource, type RestoredMemory, type SourcedAllocation } from './source';
 
 export interface AllocationTotals {
   allocations: number;
@@ -13,7 +13,7 @@ export interface AllocationTotals {
   importedBytes: bigint;
 }
 
-export class AllocationStatistics implements AllocationSource {
+export class AllocationStatistics extends PassThroughSource {
   // Invariant: counts exactly the allocations made by create()/adopt() whose release has not started (or failed).
   private readonly counted: AllocationTotals = { allocations: 0, createdBytes: 0n, importedBytes: 0n };
   // Invariant: bytes of created (not adopted) allocations by device; no entry holds 0.
@@ -21,22 +21,20 @@ export class AllocationStatistics implements AllocationSource {
   // Invariant: the largest createdBytes + importedBytes held at once since start.
   private peak = 0n;
 
-  constructor(private readonly upstream: AllocationSource) {}
-
-  async create(owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
+  override async create(owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
     // Counted once the memory exists: a create in flight is not an allocation yet.
     const handle = await this.upstream.create(owner, device, location, size, handleTypes);
     this.count(device, size, false, 1);
     return handle;
   }
 
-  async adopt(owner: bigint, source: ImportSource, size: bigint): Promise<ImportedHandle> {
+  override async adopt(owner: bigint, source: ImportSource, size: bigint): Promise<ImportedHandle> {
     const imported = await this.upstream.adopt(owner, source, size);
     this.count(imported.device, imported.size, true, 1);
     return imported;
   }
 
-  async restore(memory: RestoredMemory): Promise<ImportedHandle> {
+  override async restore(memory: RestoredMemory): Promise<ImportedHandle> {
     const restored = await this.upstream.restore(memory);
     this.count(restored.device, restored.size, memory.imported, 1);
     return restored;
@@ -49,15 +47,7 @@ export class AllocationStatistics implements AllocationSource {
    * The device's own free bytes (GetMemoryInfo) and the quotas still see
    * the memory until it is freed.
    */
-  holdClientMemfd(owner: bigint, fd: number, size: bigint): Promise<HeldMemfd> {
-    return this.upstream.holdClientMemfd(owner, fd, size);
-  }
-
-  settle(): Promise<void> {
-    return this.upstream.settle();
-  }
-
-  async release(allocation: SourcedAllocation, awaited: boolean): Promise<void> {
+  override async release(allocation: SourcedAllocation, awaited: boolean): Promise<void> {
     this.count(allocation.device, allocation.size, allocation.imported, -1);
     try {
       await this.upstream.release(allocation, awaited);

@@ -16,50 +16,16 @@ import { addon } from '../../native';
 import { failedPrecondition, invalidArgument, notFound, outOfRange, permissionDenied } from '../errors';
 import type { Charge } from '../registry/uid-budgets';
 import { AllocationRecord, DAEMON_OWNER, Registry } from '../registry';
-import { LoggedEvent, StoreEventKind, StoreEventLog } from './store-events';
-import { ChargedStore, closeOpens, moveCharge, storeCosts } from './store-charges';
+import { StoreEventKind, StoreEventLog } from './store-events';
+import { closeOpens, moveCharge, storeCosts } from './store-charges';
 import { AllocationMemory, StoreMemory } from './store-memory';
 import { checkNotMappedWritable } from './store-admission';
 import { attachClientMemfd } from './sysmem-attachment';
 import { StoreNames } from './store-names';
+import { STORE_HOLDER_BASE, StoreEvent, StoreRecord, StoreTarget } from './store-record';
 
-export type StoreTarget = 'SYSMEM' | 'ZCMEM' | 'FBMEM';
-export type StoreState = 'LIVE' | 'DETACHING' | 'DETACHED';
-export type { StoreEventKind } from './store-events';
-
-/** Store holders in the registry: far above any session id. */
-const STORE_HOLDER_BASE = 1n << 62n;
-
-/** Whether a registry caller is a store's holder (the daemon acting for the store), not a session. */
-export function isStoreHolder(caller: bigint): boolean {
-  return caller >= STORE_HOLDER_BASE;
-}
-
-/** A store; what it is charged and to whom: ChargedStore. */
-export interface StoreRecord extends ChargedStore {
-  readonly id: bigint;
-  name: string;
-  readonly owner: bigint;
-  readonly target: StoreTarget;
-  readonly device: number;
-  readonly size: bigint;
-  readonly readOnly: boolean;
-  readonly attached: boolean;
-  readonly hasDeleter: boolean;
-  readonly memory: StoreMemory;
-  /** The uid that made it (attributed by its connection); who besides admins may detach it once it is the daemon's. */
-  creatorUid?: number;
-  state: StoreState;
-  // Invariant: daemon operations on the store that started and have not settled.
-  inFlight: number;
-  drainWaiters: Array<() => void>;
-  /** Its memory is being freed, or was. */
-  releasing: boolean;
-  /** Why freeing its memory failed last (a driver or OS error); the next Detach, close or session end tries again. */
-  releaseFailure?: string;
-}
-
-export type StoreEvent = LoggedEvent<StoreRecord>;
+export { isStoreHolder } from './store-record';
+export type { StoreEvent, StoreEventKind, StoreRecord, StoreState, StoreTarget } from './store-record';
 
 export class StoreRegistry extends EventEmitter {
   private nextId = 1n;

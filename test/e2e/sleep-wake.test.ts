@@ -5,9 +5,12 @@
  * wakes at the same addresses with the same contents (offload); a store's
  * mapping comes back without a copy; a wake that cannot get its memory
  * leaves the memory asleep and intact; a wake waits for another process's
- * sleep; a process killed while asleep leaves nothing in the daemon.
+ * sleep; a process killed while asleep leaves nothing in the daemon. With
+ * prepareOffload the host copies are made ahead, charged while awake, used by
+ * the first sleep, waited for by a sleep that meets them still being made,
+ * and made by the sleep itself when preparing them was refused.
  */
-import { connect, ImportedMemory, VmmdClient, VmmdMemoryManager } from '../../client';
+import { connect, ImportedMemory, TaggedMemory, VmmdClient, VmmdMemoryManager } from '../../client';
 import { eventually, freePort, MiB, Peer, scrapeMetrics, sleep, stopWhenClean, TestDaemon } from './harness';
 
 let daemon: TestDaemon;
@@ -230,5 +233,169 @@ describe('sleep and wake of tagged memory', () => {
     large.free();
     after.free();
     await manager.reset();
+  });
+});
+
+describe('offload with host copies prepared ahead', () => {
+  const hostBytes = async () => {
+    const line = (await scrapeMetrics(metricsPort)).match(new RegExp(`^vmmd_uid_location_bytes\\{uid="${process.getuid!()}",location="HOST_NUMA:0"\\} (\\d+)$`, 'm'));
+    return line === null ? 0n : BigInt(line[1]);
+  };
+  const ready = (group: TaggedMemory, bytes: bigint) =>
+    eventually(() => (group.prepared.pending === 0 && group.prepared.preparedBytes === bytes ? true : undefined), 10_000, `${bytes} bytes prepared`);
+  const take = async (hog: VmmdClient, count: number) => {
+    const held: ImportedMemory[] = [];
+    for (let i = 0; i < count; i++) held.push(await hog.vmm.allocate({ size: 2n * MiB }));
+    return held;
+  };
+
+  test('the copy is made ahead and charged while awake; the first sleep needs no memory beyond it; wake keeps it; forget releases it', async () => {
+    const owner = await client();
+    const hog = await client();
+    const tag = `prepared-${nextTag++}`;
+    const memory = await filled(owner, 16n * MiB, 21);
+    const group = owner.tags.group(tag, { prepareOffload: true });
+    group.add(memory);
+    await ready(group, 16n * MiB);
+    expect(await allocations()).toBe(2);
+    expect(await hostBytes()).toBe(16n * MiB);
+    // The rest of the capacity goes elsewhere: a sleep that made its copy now would find no room.
+    const held = await take(hog, 16);
+    for (let cycle = 0; cycle < 2; cycle++) {
+      expect(await owner.sleep(tag, { mode: 'offload', deadlineMs: 300 })).toEqual({ offloadedBytes: 16n * MiB, releasedBytes: 16n * MiB });
+      expect(await allocations()).toBe(1 + held.length);
+      await owner.wake(tag, { deadlineMs: 5000 });
+      expect(Buffer.from(memory.buffer).equals(Buffer.from(pattern(16n * MiB, 21)))).toBe(true);
+      expect(group.prepared.preparedBytes).toBe(16n * MiB);
+      expect(await allocations()).toBe(2 + held.length);
+    }
+    expect(group.prepared.lastError).toBeUndefined();
+    await freeAll(hog, held);
+    expect(await group.forget(memory)).toBe(false);
+    expect(await allocations()).toBe(1);
+    expect(await hostBytes()).toBe(0n);
+    await freeAll(owner, [memory]);
+  });
+
+  test('a sleep that meets the copy still being made waits for it and makes no second one', async () => {
+    const owner = await client();
+    const hog = await client();
+    const tag = `prepared-${nextTag++}`;
+    const memory = await filled(owner, 16n * MiB, 22);
+    // Room for exactly one copy: a second one, made by the sleep or by the preparation, would be refused.
+    const held = await take(hog, 16);
+    const group = owner.tags.group(tag, { prepareOffload: true });
+    group.add(memory);
+    expect(group.prepared.pending).toBe(1);
+    await owner.sleep(tag, { mode: 'offload', deadlineMs: 300 });
+    expect(await allocations()).toBe(1 + held.length);
+    await owner.wake(tag, { deadlineMs: 5000 });
+    expect(Buffer.from(memory.buffer).equals(Buffer.from(pattern(16n * MiB, 22)))).toBe(true);
+    expect(group.prepared).toEqual({ preparedBytes: 16n * MiB, pending: 0 });
+    await freeAll(hog, held);
+    await group.forget(memory);
+    await freeAll(owner, [memory]);
+    expect(await allocations()).toBe(0);
+  });
+
+  test('a preparation refused for room says why; the sleep then makes the copy itself and keeps it after wake', async () => {
+    const owner = await client();
+    const hog = await client();
+    const tag = `prepared-${nextTag++}`;
+    const memory = await filled(owner, 16n * MiB, 23);
+    const held = await take(hog, 24);
+    const group = owner.tags.group(tag, { prepareOffload: true });
+    group.add(memory);
+    await eventually(() => (group.prepared.pending === 0 ? true : undefined), 10_000, 'the preparation to end');
+    expect(group.prepared.preparedBytes).toBe(0n);
+    expect(group.prepared.lastError).toMatchObject({ code: 'OUT_OF_MEMORY' });
+    await freeAll(hog, held.splice(0, 8));
+    await owner.sleep(tag, { mode: 'offload', deadlineMs: 3000 });
+    await owner.wake(tag, { deadlineMs: 5000 });
+    expect(Buffer.from(memory.buffer).equals(Buffer.from(pattern(16n * MiB, 23)))).toBe(true);
+    expect(group.prepared.preparedBytes).toBe(16n * MiB);
+    await freeAll(hog, held);
+    await group.forget(memory);
+    await freeAll(owner, [memory]);
+  });
+
+  test('a discard sleep holds nothing while asleep; wake makes the copies again; turning preparation off drops them', async () => {
+    const owner = await client();
+    const tag = `prepared-${nextTag++}`;
+    const memory = [await filled(owner, 4n * MiB, 24), await filled(owner, 2n * MiB, 25)];
+    const group = owner.tags.group(tag, { prepareOffload: true });
+    for (const mapped of memory) group.add(mapped);
+    await ready(group, 6n * MiB);
+    await owner.sleep(tag, { mode: 'discard' });
+    expect(await allocations()).toBe(0);
+    await owner.wake(tag);
+    await ready(group, 6n * MiB);
+    expect(await allocations()).toBe(4);
+    await group.setPrepareOffload(false);
+    expect(group.prepared.preparedBytes).toBe(0n);
+    expect(await allocations()).toBe(2);
+    await freeAll(owner, memory);
+  });
+});
+
+describe('copies made ahead count against the session quota', () => {
+  let limited: TestDaemon;
+
+  beforeAll(async () => {
+    limited = await TestDaemon.start(['--host-capacity', '64MiB', '--quota-per-session', '24MiB']);
+  }, 90_000);
+
+  afterAll(async () => {
+    await stopWhenClean(limited, []);
+  });
+
+  test('a copy past the quota is refused QUOTA_EXCEEDED, the offload sleep then fails with the memory awake and intact, a discard still sleeps', async () => {
+    const owner = await connect({ socketDir: limited.dir });
+    try {
+      const memory = await owner.vmm.allocate({ size: 16n * MiB });
+      new Uint8Array(memory.buffer).set(pattern(16n * MiB, 31));
+      const group = owner.tags.group('quota', { prepareOffload: true });
+      group.add(memory);
+      await eventually(() => (group.prepared.pending === 0 ? true : undefined), 10_000, 'the preparation to end');
+      expect(group.prepared.lastError).toMatchObject({ code: 'QUOTA_EXCEEDED' });
+      await expect(owner.sleep('quota', { mode: 'offload', deadlineMs: 300 })).rejects.toMatchObject({ code: 'QUOTA_EXCEEDED' });
+      expect(memory.isAsleep).toBe(false);
+      expect(Buffer.from(memory.buffer).equals(Buffer.from(pattern(16n * MiB, 31)))).toBe(true);
+      await owner.sleep('quota', { mode: 'discard' });
+      await owner.wake('quota', { deadlineMs: 5000 });
+      expect(memory.isAsleep).toBe(false);
+      await group.forget(memory);
+      await freeAll(owner, [memory]);
+    } finally {
+      owner.close();
+    }
+  });
+});
+
+describe('the NBEP 7 manager with copies made ahead', () => {
+  test('each chunk and large allocation gets its copy as it is leased; the first sleep needs no more memory; a freed one takes its copy along', async () => {
+    const owner = await client();
+    const hog = await client();
+    const tag = `pool-prepared-${nextTag++}`;
+    const manager = new VmmdMemoryManager({ device: 0, backend: 'host', client: owner, tag, prepareOffload: true, pool: { chunkSize: 4n * MiB, largeThreshold: 2n * MiB } });
+    await manager.initialize();
+    const small = await manager.memalloc(4096);
+    const large = await manager.memalloc(6n * MiB);
+    await manager.write(small.devicePointer, Buffer.from('pooled block'));
+    await manager.write(large.devicePointer + 1000n, Buffer.from('large allocation'));
+    await eventually(() => (manager.prepared?.pending === 0 && manager.prepared.preparedBytes === 10n * MiB ? true : undefined), 10_000, 'the copies made ahead');
+    const held: ImportedMemory[] = [];
+    for (let i = 0; i < 22; i++) held.push(await hog.vmm.allocate({ size: 2n * MiB }));
+    await owner.sleep(tag, { mode: 'offload', deadlineMs: 300 });
+    await owner.wake(tag, { deadlineMs: 5000 });
+    expect((await manager.read(small.devicePointer, 12)).toString()).toBe('pooled block');
+    expect((await manager.read(large.devicePointer + 1000n, 16)).toString()).toBe('large allocation');
+    await freeAll(hog, held);
+    large.free();
+    await manager.flush();
+    await eventually(() => (manager.prepared?.preparedBytes === 4n * MiB ? true : undefined), 10_000, 'the large allocation\'s copy to go');
+    small.free();
+    await manager.reset();
+    await eventually(async () => ((await allocations()) === 0 ? true : undefined), 10_000, 'everything given back');
   });
 });

@@ -69,6 +69,40 @@ describeGpu('sleep and wake (cuda)', () => {
     await freeAll(owner, memory);
   });
 
+  test('a member of 8 GiB sleeps with offload and wakes: copied by address, bytes past 4 GiB intact', async () => {
+    const owner = await client();
+    const size = 8n << 30n;
+    const mapped = await owner.vmm.allocate({ size });
+    const marks = [0n, (4n << 30n) + 12345n, size - 4096n];
+    for (const [index, offset] of marks.entries()) await mapped.write(offset, pattern(4096, 70 + index));
+    owner.tags.group('large').add(mapped);
+    const pointer = mapped.address;
+    expect((await owner.sleep('large', { mode: 'offload', deadlineMs: 120_000 })).offloadedBytes).toBe(size);
+    await owner.wake('large', { deadlineMs: 120_000 });
+    expect(mapped.address).toBe(pointer);
+    for (const [index, offset] of marks.entries()) expect((await mapped.read(offset, 4096)).equals(pattern(4096, 70 + index))).toBe(true);
+    await freeAll(owner, [mapped]);
+  }, 300_000);
+
+  test('prepareOffload: the host copy is made ahead while awake and the first sleep copies into it', async () => {
+    const owner = await client();
+    const group = owner.tags.group('prepared', { prepareOffload: true });
+    const mapped = await owner.vmm.allocate({ size: 256n * MiB });
+    await mapped.write(0, pattern(Number(256n * MiB), 5));
+    group.add(mapped);
+    const deadline = Date.now() + 60_000;
+    while (group.prepared.preparedBytes < 256n * MiB && Date.now() < deadline) await new Promise((resolve) => setTimeout(resolve, 20));
+    expect(group.prepared).toEqual({ preparedBytes: 256n * MiB, pending: 0 });
+    expect(JSON.stringify(await owner.admin.listObjects({}))).toContain('HOST_NUMA');
+    const before = await digest(mapped);
+    await owner.sleep('prepared');
+    await owner.wake('prepared', { deadlineMs: 30_000 });
+    expect(await digest(mapped)).toBe(before);
+    expect(group.prepared.preparedBytes).toBe(256n * MiB);
+    await group.forget(mapped);
+    await freeAll(owner, [mapped]);
+  }, 120_000);
+
   test('discard gives the same pointers back, writable', async () => {
     const owner = await client();
     const mapped = await owner.vmm.allocate({ size: 64n * MiB });

@@ -146,3 +146,40 @@ describe('SEQPACKET with descriptors', () => {
     expect(server.isClosed).toBe(true);
   });
 });
+
+describe('datagram sockets with descriptors (the fd store)', () => {
+  test('a socket bound to a path receives what a connected one sends, data and descriptors, and one sent to the path alike', () => {
+    const at = path.join(dir, 'd.sock');
+    const bound = addon.unixDgramBind(at);
+    const connected = addon.unixDgramConnect(at);
+    const fds = [fs.openSync(__filename, 'r'), fs.openSync(__filename, 'r')];
+    try {
+      addon.unixDgramSendFds(connected, Buffer.from('FDSTORE=1'), fds);
+      const first = addon.unixDgramRecvFds(bound, 64)!;
+      expect(first.data.toString()).toBe('FDSTORE=1');
+      expect(first.fds).toHaveLength(2);
+      for (const fd of first.fds) expect(fs.fstatSync(fd).ino).toBe(fs.statSync(__filename).ino);
+      first.fds.forEach((fd) => fs.closeSync(fd));
+      addon.unixDgramSendFds(at, Buffer.from('READY=1'), []);
+      const second = addon.unixDgramRecvFds(bound, 64)!;
+      expect([second.data.toString(), second.fds]).toEqual(['READY=1', []]);
+      expect(addon.unixDgramRecvFds(bound, 64)).toBeNull();
+    } finally {
+      fds.forEach((fd) => fs.closeSync(fd));
+      addon.close(connected);
+      addon.close(bound);
+    }
+  });
+
+  test('binding a path in use and connecting to a path without a socket fail naming the call and the path', () => {
+    const at = path.join(dir, 'd.sock');
+    const bound = addon.unixDgramBind(at);
+    try {
+      expect(() => addon.unixDgramBind(at)).toThrow(expect.objectContaining({ code: 'EADDRINUSE', message: expect.stringContaining(`bind(${at})`) }));
+      const missing = path.join(dir, 'none.sock');
+      expect(() => addon.unixDgramConnect(missing)).toThrow(expect.objectContaining({ code: 'ENOENT', message: expect.stringContaining(`connect(${missing})`) }));
+    } finally {
+      addon.close(bound);
+    }
+  });
+});

@@ -17,12 +17,21 @@ range asleep and every offloaded copy where it was.
 With `retain`, wake keeps the host copies (charged to the session while the
 memory is awake) and the next offload writes into them: a cycle then costs
 the copies only, not making and pinning host memory each time (as
-torch_memory_saver's retain_cpu_backup)."""
+torch_memory_saver's retain_cpu_backup).
+
+With prepare(), the host copies are made ahead, on a thread of this
+module's, as soon as the memory exists, and kept while it is awake: the first
+offload then costs the copy alone, not the daemon making (and the driver
+pinning) host memory as large as the memory first. A sleep that meets a copy
+still being made waits for it; a copy refused (no room, a quota) is made by
+the sleep itself, as without preparation."""
 from __future__ import annotations
 
 import ctypes
 import os
-from typing import Any, Dict, List, Optional, Sequence
+import queue
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .errors import STATUS, VmmdError
 from .memory import ImportedMemory
@@ -45,9 +54,10 @@ def check_mode(mode: str) -> str:
 class Segment:
     """One range that sleeps and wakes: `memory` mapped here; new memory for it
     comes from `location`, or it maps the opened `store` (never copied).
-    While asleep with offload, `copy` holds its bytes; with retain, also after wake."""
+    While asleep with offload, `copy` holds its bytes; with retain or prepare, also after wake.
+    `pending` is set while prepare() makes its copy; `prepare_error` says why the last one failed."""
 
-    __slots__ = ("memory", "location", "store", "mode", "copy")
+    __slots__ = ("memory", "location", "store", "mode", "copy", "pending", "prepare_error", "gone", "prepared")
 
     def __init__(self, memory: ImportedMemory, location: Any = None, store: Any = None) -> None:
         self.memory = memory
@@ -55,6 +65,95 @@ class Segment:
         self.store = store
         self.mode = DISCARD
         self.copy: Optional[ImportedMemory] = None
+        self.pending: Optional[threading.Event] = None
+        self.prepare_error: Optional[BaseException] = None
+        # Forgotten (its memory released): a copy that arrives for it goes back at once.
+        self.gone = False
+        # Its copy is made ahead (prepare()) and kept while awake.
+        self.prepared = False
+
+
+# madvise(2)'s MADV_POPULATE_WRITE (Linux 5.14): every page faulted in, writable.
+MADV_POPULATE_WRITE = 23
+
+
+def _populate(address: int, size: int) -> None:
+    """Faults a host-backend copy's pages in now (a memfd's pages are made on first touch), so that
+    the sleep's copy takes no fault; on cuda the driver made and pinned them with the allocation.
+    Where the kernel has no MADV_POPULATE_WRITE the pages are left to the copy."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(size), MADV_POPULATE_WRITE)
+
+
+class _Preparer:
+    """The thread that makes host copies ahead (prepare()), one at a time, in order.
+    Invariant: a segment's `pending` is set from its queuing until its copy is in
+    `copy` (or refused), and a prepared copy is written to `copy` only under `_lock`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: "queue.SimpleQueue[Tuple[Any, Segment]]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+
+    def prepare(self, client: Any, segments: Sequence[Segment]) -> None:
+        with self._lock:
+            queued = False
+            for segment in segments:
+                if segment.store is not None or segment.gone:
+                    continue
+                segment.prepared = True
+                if segment.copy is not None or segment.pending is not None:
+                    continue
+                segment.pending = threading.Event()
+                self._queue.put((client, segment))
+                queued = True
+            if queued and (self._thread is None or not self._thread.is_alive()):
+                self._thread = threading.Thread(target=self._run, name="vmmd-offload-prepare", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            client, segment = self._queue.get()
+            copy: Optional[ImportedMemory] = None
+            error: Optional[BaseException] = None
+            try:
+                if not segment.gone:
+                    # A plain allocation, never queued: it must not wait behind a wake that waits for memory.
+                    copy = client.vmm.allocate(segment.memory.size, location=_nearest_host_memory(client)(segment.location), host_access=True)
+                    if getattr(client.vmm, "backend", "") != "cuda":
+                        _populate(int(copy.address), int(copy.size))
+            except Exception as failure:  # kept for the caller to read: the sleep makes the copy itself
+                error = failure
+            unwanted: List[ImportedMemory] = []
+            with self._lock:
+                if copy is not None and (segment.gone or segment.copy is not None):
+                    unwanted.append(copy)
+                elif copy is not None:
+                    segment.copy = copy
+                segment.prepare_error = error
+                event, segment.pending = segment.pending, None
+            _drop_copies(client, unwanted)
+            if event is not None:
+                event.set()
+
+
+_PREPARER = _Preparer()
+
+
+def prepare(client: Any, segments: Sequence[Segment]) -> None:
+    """Queues the making of each segment's host copy (those without one and
+    not mapping a store) on the preparing thread; returns at once. The copies
+    are allocations of this session's, charged while the memory is awake."""
+    _PREPARER.prepare(client, segments)
+
+
+def settle(segments: Sequence[Segment]) -> None:
+    """Waits until no segment's copy is being made."""
+    for segment in segments:
+        event = segment.pending
+        if event is not None:
+            event.wait()
 
 
 def _copy(pairs: List[Any], device_memory: bool, device: int) -> None:
@@ -105,6 +204,8 @@ def sleep(client: Any, segments: Sequence[Segment], mode: str) -> None:
     check_mode(mode)
     for segment in segments:
         segment.memory._check_open()
+    # A copy still being made ahead is used, never raced.
+    settle(segments)
     devices = sorted({segment.memory.device for segment in segments if segment.memory.is_device_memory})
     if devices:
         from . import _cuda
@@ -166,7 +267,8 @@ def _drop_copies(client: Any, copies: List[ImportedMemory]) -> None:
 
 
 def wake(client: Any, segments: Sequence[Segment], timeout: Optional[float] = None, retain: bool = False) -> None:
-    """Wakes every segment at its address (see the module's documentation).
+    """Wakes every segment at its address (see the module's documentation);
+    prepared segments keep their copies (as with `retain`) and those missing are made ahead again.
     Raises VmmdError OUT_OF_MEMORY (the daemon had no room by the deadline),
     STORE_DETACHED, LOCAL_MAP_FAILED: every segment is still asleep then."""
     if not segments:
@@ -192,17 +294,10 @@ def wake(client: Any, segments: Sequence[Segment], timeout: Optional[float] = No
             segment.memory.resume(ids[index], fd)
             resumed.append(segment)
     except BaseException:
-        for segment in resumed:
-            segment.memory.suspend()
         for fd in fds:
             if fd >= 0:
                 os.close(fd)
-        for segment in reopened:
-            try:
-                client.stores.close(int(segment.store.store.id))
-            except VmmdError:
-                pass
-        _release(client, ids[: len(kept)])
+        _undo_wake(client, resumed, reopened, ids[: len(kept)])
         raise
     offloaded = [segment for segment in kept if segment.copy is not None]
     try:
@@ -211,26 +306,38 @@ def wake(client: Any, segments: Sequence[Segment], timeout: Optional[float] = No
             _copy(pairs, device >= 0, device)
     except BaseException:
         # The bytes did not come back: asleep again, the copies kept for another wake.
-        for segment in resumed:
-            segment.memory.suspend()
-        for segment in stores:
-            try:
-                client.stores.close(int(segment.store.store.id))
-            except VmmdError:
-                pass
-        _release(client, ids[: len(kept)])
+        _undo_wake(client, resumed, reopened, ids[: len(kept)])
         raise
+    prepare(client, [segment for segment in kept if segment.prepared])
     if retain:
         return
-    copies = [segment.copy for segment in offloaded if segment.copy is not None]
+    copies = [segment.copy for segment in offloaded if segment.copy is not None and not segment.prepared]
     for segment in kept:
-        segment.copy = None
+        if not segment.prepared:
+            segment.copy = None
     _drop_copies(client, copies)
+
+
+def _undo_wake(client: Any, resumed: Sequence[Segment], reopened: Sequence[Segment], granted: List[int]) -> None:
+    """Puts a wake that failed part-way back to sleep: the memories resumed so
+    far suspended again, the stores reopened closed, the allocations granted
+    for the kept segments released. The copies stay, for another wake."""
+    for segment in resumed:
+        segment.memory.suspend()
+    for segment in reopened:
+        try:
+            client.stores.close(int(segment.store.store.id))
+        except VmmdError:
+            pass
+    _release(client, granted)
 
 
 def forget(client: Any, segments: Sequence[Segment]) -> None:
     """Drops what segments keep in the daemon (their offloaded or retained
-    copies); the caller closes or releases the memories."""
+    copies, those still being made ahead included); the caller closes or releases the memories."""
+    for segment in segments:
+        segment.gone = True
+    settle(segments)
     copies = [segment.copy for segment in segments if segment.copy is not None]
     for segment in segments:
         segment.copy = None

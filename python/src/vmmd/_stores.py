@@ -9,7 +9,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 from . import _proto
 from ._rpc import STREAM_CHUNK_BYTES, Message, Request, _Service, sealed_memfd
 from .errors import STATUS, VmmdError
-from .memory import CudaImportedMemory, HostImportedMemory, ImportedMemory
+from .memory import ArrayView, CudaImportedMemory, HostImportedMemory, ImportedMemory
 from .session import ClientSession
 
 StoreName = Union[str, int, Mapping[str, Any]]
@@ -43,7 +43,7 @@ class OpenedStore:
         """The store's length (the mapping may be longer: the whole allocation)."""
         return int(self.store.size)
 
-    def view(self, dtype: Any = "|u1", shape: Optional[Tuple[int, ...]] = None, offset: int = 0) -> Any:
+    def view(self, dtype: Any = "|u1", shape: Optional[Tuple[int, ...]] = None, offset: int = 0) -> ArrayView:
         """A typed view of the store (see ImportedMemory.view); the default shape covers the store's length."""
         from .memory import _typestr
 

@@ -55,6 +55,8 @@ class ChunkSupply:
         # The sleep record of every chunk that has slept, by base; with `retain`, its host copy stays after wake.
         self._segments: Dict[int, Segment] = {}
         self.retain = False
+        # Tag numbers whose chunks get their host copies made ahead as they are leased (_sleep.prepare).
+        self.prepared_tags: set = set()
         self._lock = threading.Lock()
         self.errors: List[BaseException] = []
         # Room ahead (half a chunk, the largest malloc and a quarter of what is held): most mallocs never wait for this thread.
@@ -78,6 +80,11 @@ class ChunkSupply:
                 del self._chunks[chunk.base]
             pool._release([chunk])
             raise VmmdError("NO_MEMORY", STATUS["RESOURCE_EXHAUSTED"], "the allocation library could not record a chunk (out of host memory)")
+        if tag in self.prepared_tags:
+            segment = Segment(chunk.memory, pool.location)
+            with self._lock:
+                self._segments[chunk.base] = segment
+            _sleep.prepare(pool.client, [segment])
         return chunk
 
     def give_back(self, mode: int) -> int:
@@ -116,6 +123,16 @@ class ChunkSupply:
             held = sum(chunk.size for _, chunk, _ in self._chunks.values())
             asleep = sum(segment.memory.size for _, segments in self._asleep.values() for segment in segments)
         return {**dict(zip(COUNTERS, (int(v) for v in values))), "chunks": len(self._chunks), "bytes": held, "asleep_bytes": asleep}
+
+    def prepare(self, tag: int) -> None:
+        """Makes the host copies of `tag`'s chunks ahead from now on: those held now and every one leased later."""
+        with self._lock:
+            self.prepared_tags.add(tag)
+            if tag in self._asleep:
+                return  # its copies are made at wake
+            held = [(pool, self._segments.setdefault(chunk.base, Segment(chunk.memory, pool.location))) for pool, chunk, chunk_tag in self._chunks.values() if chunk_tag == tag]
+        for pool, segment in held:
+            _sleep.prepare(pool.client, [segment])
 
     def asleep(self, tag: int) -> bool:
         return tag in self._asleep

@@ -43,6 +43,9 @@ class TorchMemorySaver:
         # Invariant: every (tag, backup) pair ever used has one number in 1..MAX_TAG_NUMBERS, never reused.
         self._numbers: Dict[Tuple[str, bool], int] = {}
         self._pools: Dict[Tuple[int, int, bool], Any] = {}
+        # Regions with enable_cpu_backup get their host copies made ahead, while the engine runs, and kept
+        # while awake (host memory as large as the region): the first pause then costs the copy alone.
+        self.prepare_cpu_backup = True
 
     @property
     def allocator(self) -> Any:
@@ -73,7 +76,12 @@ class TorchMemorySaver:
                 if len(self._numbers) >= MAX_TAG_NUMBERS:
                     raise VmmdError("BAD_TAG", STATUS["INVALID_ARGUMENT"], f"tag {tag!r}: at most {MAX_TAG_NUMBERS} (tag, enable_cpu_backup) pairs per process, and {sorted(self._numbers)} are taken")
                 number = self._numbers[(tag, backup)] = len(self._numbers) + 1
-            return number
+                prepare = backup and self.prepare_cpu_backup
+            else:
+                prepare = False
+        if prepare:
+            self.allocator.supply.prepare(number)
+        return number
 
     def _mem_pool(self, number: int, device: int, graph: bool = False) -> Any:
         """The MemPool of a tag number on a device; graphs capture into one of their own (a pool that

@@ -9,7 +9,7 @@ import mmap
 import os
 import threading
 import weakref
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import grpc
 
@@ -58,8 +58,8 @@ class AdminApi:
     def get_stats(self, request: Request = None, timeout: Optional[float] = None, **fields: Any) -> Message:
         return self._service.unary("GetStats", request, timeout=timeout, **fields)
 
-    def get_report(self, timeout: Optional[float] = None) -> Any:
-        """The daemon's report, parsed from its JSON."""
+    def get_report(self, timeout: Optional[float] = None) -> Dict[str, object]:
+        """The daemon's report (the Admin service's GetReport), parsed from its JSON: an object, as TypeScript's getReport gives it."""
         import json
 
         return json.loads(self._service.unary("GetReport", timeout=timeout).json)

@@ -148,11 +148,14 @@ class DevicePool:
     blocks; chunks come from client.vmm.allocate() and go back to the daemon on
     trim(), close(), or with the session when the process ends."""
 
-    def __init__(self, client: Any, device: int = 0, chunk_size: int = 32 << 20, large_threshold: int = 16 << 20, location: Optional[Dict[str, Any]] = None, idle_seconds: Optional[float] = None, tag: str = DEFAULT_TAG, retain_copies: bool = False) -> None:
+    def __init__(self, client: Any, device: int = 0, chunk_size: int = 32 << 20, large_threshold: int = 16 << 20, location: Optional[Dict[str, Any]] = None, idle_seconds: Optional[float] = None, tag: str = DEFAULT_TAG, retain_copies: bool = False, prepare_copies: bool = False) -> None:
         self.client = client
         self.tag = check_tag(tag)
         # Keep the host copies of offloaded memory after wake, for the next sleep (_sleep.py).
         self.retain_copies = retain_copies
+        # Make each chunk's host copy ahead, as it is leased, and keep it while awake (_sleep.prepare): the
+        # first offload costs the copy alone. Host memory as large as the pool is held meanwhile.
+        self.prepare_copies = prepare_copies
         # The sleep record of each chunk (by base) and attached store (by address) that has slept.
         self._segments: Dict[int, Segment] = {}
         # Invariant: None while awake; asleep, one segment per chunk of _chunks and _large, nothing else held.
@@ -221,6 +224,11 @@ class DevicePool:
         # No room: lease (outside the lock: a daemon round trip).
         memory = self._lease(lease)
         chunk = Chunk(memory, int(memory.address), int(memory.size))
+        if self.prepare_copies:
+            segment = Segment(memory, self.location)
+            with self._lock:
+                self._segments[chunk.base] = segment
+            _sleep.prepare(self.client, [segment])
         with self._lock:
             if large:
                 chunk.take(chunk.size)
@@ -475,7 +483,16 @@ class DevicePool:
                 "idle_large_bytes": sum(c.size for c in self._idle_large),
                 "pending_frees": len(self._returned),
                 "stream_held_bytes": self._order.bytes,
+                # Host copies made ahead and held for the next offload (prepare_copies), and those being made.
+                "prepared_bytes": 0 if self._sleeping is not None else sum(int(s.copy.size) for s in self._segments.values() if s.copy is not None),
+                "prepare_pending": sum(1 for s in self._segments.values() if s.pending is not None),
             }
+
+    @property
+    def prepare_error(self) -> Optional[BaseException]:
+        """Why making a chunk's host copy ahead failed (its next offload makes the copy itself), if it did."""
+        with self._lock:
+            return next((s.prepare_error for s in self._segments.values() if s.prepare_error is not None), None)
 
     def trim_if_idle(self) -> int:
         """trim() when nothing was allocated or freed for `idle_seconds` and

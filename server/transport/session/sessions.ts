@@ -3,23 +3,24 @@
  * each peer (SO_PEERCRED and the allow lists), frames messages, holds the
  * descriptors clients send until a call claims them, and hands every request
  * message to the dispatcher (server/transport/session/session-dispatcher.ts), whose answer it
- * sends back. The connection is the lease: when it closes, the session's
+ * sends back (session-answers.ts). The connection is the lease: when it closes, the session's
  * in-flight calls drain and the daemon reclaims everything it owns.
  */
 import { exitSignal, sessionEnding, stillRunning } from './peer-process';
 import type { Logger } from 'pino';
 import { status as Status } from '@grpc/grpc-js';
-import { traceClock, traceMark, traceSince, tracing } from '../../../common/trace';
-import { type ClientFrame__Output, decodeClientFrame, encodeDaemonFrame, isProtocol1, PROTOCOL_VERSION } from '../../../common/protocol';
+import { traceClock, tracing } from '../../../common/trace';
+import { decodeClientFrame, encodeDaemonFrame, isProtocol1, PROTOCOL_VERSION, type ClientFrame__Output } from '../../../common/protocol';
 import { addon, Credentials } from '../../../native';
 import { SeqpacketConnection, SeqpacketListener, SeqpacketMessage } from '../../../native/seqpacket';
 import { heldBack, LogLimiter } from '../../observability/log-limiter';
-import { type ErrorCode, ERROR_CODE_KEY, failedPrecondition, RpcError, toServiceError, unauthenticated, unavailable } from '../../errors';
+import { type ErrorCode, failedPrecondition, RpcError, unauthenticated, unavailable } from '../../errors';
 import { ERROR_CODES } from '../../../common/error-codes';
 import { FairShare } from './fair-share';
 import { DEFAULT_SESSION_OPTIONS, refuseMessage, Session, SessionOptions } from './session';
 import { UnreadDescriptors } from './unread-descriptors';
-import type { Answer, ReclaimSummary, SessionHooks, SessionServices } from './session-services';
+import type { ReclaimSummary, SessionHooks, SessionServices } from './session-services';
+import { answerRequest, type Answering } from './session-answers';
 import { HELLO_WAIT_MS, helloFrame, refuseProtocol1, turnAway } from './hello';
 import { deferred, ParkedSession, recordOf, ResumeTable, SessionJournal } from './resume';
 
@@ -46,6 +47,7 @@ export class SessionManager {
   // A parked session's grace can end before listen() (a restore with a short grace): its reclaim waits for the services.
   private readonly listening: { promise: Promise<SessionServices>; resolve(services: SessionServices): void } = deferred();
   private hooks: SessionHooks = {};
+  private answering?: Answering;
   // The daemon is stopping: the sessions it closes now are closed by it, not by their clients.
   private stopping = false;
   private nextId = 1n;
@@ -78,6 +80,12 @@ export class SessionManager {
     this.services = services;
     this.listening.resolve(services);
     this.hooks = hooks;
+    this.answering = {
+      services,
+      hooks,
+      logLimiter: this.logLimiter,
+      refuse: (session, fd, code, message, transfer, request) => this.refuse(session, fd, code, message, transfer, request),
+    };
     const refusal = encodeDaemonFrame({
       error: {
         code: 'OUT_OF_DESCRIPTORS',
@@ -393,58 +401,8 @@ export class SessionManager {
       }
       return this.onTransfer(session, transfer, raw.fd);
     }
-    void this.answer(session, frame, raw.fd, received);
-  }
-
-  /** Hands a request to the dispatcher and sends its answer, or the refusal as gRPC would give it. */
-  private async answer(session: Session, frame: ClientFrame__Output, fd: number, received = 0n): Promise<void> {
-    const request = frame.request === '0' ? undefined : frame.request;
-    const what = frame.body ?? 'unknown';
-    const started = process.hrtime.bigint();
-    const observe = (status: Status, code?: string) =>
-      this.hooks.observe?.(this.services!.methodOf?.(frame.body) ?? 'unknown', Status[status] ?? 'UNKNOWN', code, Number(process.hrtime.bigint() - started) / 1e9);
-    // The request's failure as the RPC would answer it: status, code and message, naming the request.
-    const fail = (error: unknown) => {
-      const wire = toServiceError(error, session.log);
-      const code = String(wire.metadata?.get(ERROR_CODE_KEY)[0] ?? 'INTERNAL');
-      observe(wire.code ?? Status.UNKNOWN, code);
-      session.trySend({ request: frame.request, error: { status: wire.code ?? Status.UNKNOWN, code, message: wire.details ?? String(error) } });
-    };
-    let answer: Answer;
-    try {
-      // listen() set the services before the first connection.
-      answer = await session.track(async () => this.services!.answer(session, frame, fd));
-    } catch (error) {
-      if ((error as { messageRefused?: boolean }).messageRefused) {
-        observe(Status.INVALID_ARGUMENT, (error as RpcError).code);
-        return this.refuse(session, fd, (error as RpcError).code, (error as RpcError).message, undefined, request);
-      }
-      return fail(error);
-    }
-    let unsent: unknown;
-    traceMark(`mark:${what} answered`);
-    try {
-      session.send(answer.reply, answer.fd ?? -1);
-    } catch (error) {
-      unsent = error;
-    } finally {
-      // The kernel holds its own reference while the descriptor is in flight.
-      if (answer.fd !== undefined) addon.close(answer.fd);
-    }
-    if (unsent === undefined) {
-      traceSince(`session:${what}`, received);
-      return observe(Status.OK);
-    }
-    // The answer (and its descriptor) did not go: what the request made is undone where it can be (an
-    // allocation released, an open dropped), and the send's failure is the answer, which, smaller and
-    // without a descriptor, may still get through; if not, the client's wait for it times out.
-    if (answer.unsent !== undefined) {
-      await session.track(answer.unsent).catch((error: unknown) => {
-        const allowed = this.logLimiter.allow(`undo:${session.peer.uid}`);
-        session.log[allowed === undefined ? 'debug' : 'error']({ err: error, ...heldBack(allowed) }, `undoing ${what} request ${request} after its answer could not be sent failed`);
-      });
-    }
-    fail(unsent);
+    // listen() set the answering up before the first connection.
+    void answerRequest(this.answering!, session, frame, raw.fd, received);
   }
 
   private onTransfer(session: Session, transfer: string, fd: number): void {

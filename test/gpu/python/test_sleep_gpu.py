@@ -50,6 +50,29 @@ def test_torch_tensors_keep_addresses_and_backed_up_contents() -> None:
     assert answer["freed"] >= 700 << 20, f"pause gave back {answer['freed']} bytes"
 
 
+def test_a_backed_up_regions_copies_are_made_ahead_and_serve_the_first_pause() -> None:
+    pytest.importorskip("torch")
+    answer = run_python("""
+        import json, torch
+        from vmmd import _sleep
+        from vmmd.torch import torch_memory_saver as saver, allocator
+        with saver.region(tag="weights", enable_cpu_backup=True):
+            w = torch.randn(256 << 20, device="cuda")          # 1 GiB
+        torch.cuda.synchronize()
+        supply = allocator().supply
+        _sleep.settle(list(supply._segments.values()))
+        held = sum(int(s.copy.size) for s in supply._segments.values() if s.copy is not None)
+        errors = [repr(s.prepare_error) for s in supply._segments.values() if s.prepare_error is not None]
+        checksum = float(w.double().sum())
+        saver.pause("weights")
+        saver.resume("weights")
+        kept = sum(int(s.copy.size) for s in supply._segments.values() if s.copy is not None)
+        print(json.dumps({"held": held, "errors": errors, "equal": float(w.double().sum()) == checksum, "kept": kept}))
+    """)
+    assert answer["errors"] == [] and answer["held"] >= 1 << 30, answer
+    assert answer["equal"] and answer["kept"] == answer["held"]
+
+
 def test_a_plain_mem_pool_sleeps_and_wakes() -> None:
     pytest.importorskip("torch")
     answer = run_python("""
