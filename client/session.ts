@@ -338,7 +338,8 @@ export class ClientSession extends EventEmitter {
       const refused = frame.error;
       // A release sent again after a resume, of an allocation the daemon no longer knows: the first one freed it before the daemon went.
       if (pending.resent && pending.answer === 'released' && refused?.code === 'UNKNOWN_ALLOCATION') {
-        pending.resolve({ message: { allocationId: pending.frame.release!.allocationId, freed: true, handleReferences: 0, mappingCount: 0 }, fd: -1 });
+        const freed: ReleaseResponse__Output = { freed: true, handleReferences: 0, mappingCount: 0 };
+        pending.resolve({ message: freed, fd: -1 });
         return;
       }
       pending.reject(

@@ -9,7 +9,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, List
+from typing import Any, List, cast
 
 import pytest
 
@@ -115,3 +115,12 @@ def test_resume_wait_is_checked() -> None:
     assert raised.value.code == "BAD_OPTION"
     started = time.monotonic()
     assert time.monotonic() - started < 1
+
+
+def test_a_release_sent_again_of_an_allocation_gone_answers_a_release_response_freed() -> None:
+    """The answer a resent release gets when the daemon freed the allocation before it went: the Release RPC's
+    own ReleaseResponse (a field it does not have made the resent release fail in the client)."""
+    from vmmd._resuming import Resumable
+
+    response, fd = Resumable._released_before(cast(Any, None)).take()
+    assert (response.freed, response.handle_references, response.mapping_count, fd) == (True, 0, 0, -1)

@@ -157,11 +157,11 @@ class Resumable:
                     return
                 self._lock.wait(left)
 
-    def _released_before(self, request: Any) -> Any:
+    def _released_before(self) -> Any:
         """A release sent again after a resume, of an allocation the daemon no longer knows: the first one freed
         it before the daemon went (the allocation was this session's, and nobody else releases it)."""
         pending = Pending([])
-        pending.message = _proto.message("DaemonFrame")(released={"allocation_id": request.allocation_id, "freed": True})
+        pending.message = _proto.message("DaemonFrame")(released={"freed": True})
         pending.event.set()
         return pending
 

@@ -239,7 +239,7 @@ class ClientSession(AbandonedAnswers, BatchedReleases, Resumable):
                 return self._request_once(what, body, left_until(deadline), timeout, ids, again)
             except VmmdError as error:
                 if ids and what == "release" and error.code == "UNKNOWN_ALLOCATION" and again is not None:
-                    return self._released_before(body)
+                    return self._released_before()
                 if error.code != "SESSION_RESUMING" or not self._wait_resumed(generation, deadline):
                     raise (self._lost() if self._closed else error) from None
                 again = ids[-1] if ids and what == "allocate" else ""
