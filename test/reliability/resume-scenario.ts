@@ -92,11 +92,14 @@ async function upgrade(daemon: TestDaemon): Promise<void> {
   await eventually(async () => (servingPid(daemon.pid) !== undefined && servingPid(daemon.pid) !== before && (await daemon.stats().then(() => true, () => undefined)) ? true : undefined), 30_000, 'the new daemon to serve');
 }
 
-/** 16 clients at work while the daemon is SIGKILLed ('kill') or restarted on purpose ('upgrade'); checks and reports. */
-export async function resumeScenario(backend: 'host' | 'cuda', how: 'kill' | 'upgrade'): Promise<void> {
-  const name = `${how === 'kill' ? 'kill -9' : 'planned upgrade'} under load (${backend})`;
+/**
+ * 16 clients at work while the daemon is SIGKILLed ('kill') or restarted on purpose ('upgrade'); checks and reports.
+ * @param extraArgs more daemon arguments (a stock on host: the cuda backend's allocation path)
+ */
+export async function resumeScenario(backend: 'host' | 'cuda', how: 'kill' | 'upgrade', extraArgs: string[] = []): Promise<void> {
+  const name = `${how === 'kill' ? 'kill -9' : 'planned upgrade'} under load (${backend}${extraArgs.length > 0 ? ` ${extraArgs.join(' ')}` : ''})`;
   const restart = how === 'kill' ? killServing : upgrade;
-  const daemon = await TestDaemon.start(['--keeper', 'on', '--parked-grace-ms', '60000', ...(backend === 'host' ? ['--host-capacity', '512MiB'] : [])], backend);
+  const daemon = await TestDaemon.start(['--keeper', 'on', '--parked-grace-ms', '60000', ...(backend === 'host' ? ['--host-capacity', '512MiB'] : []), ...extraArgs], backend);
   try {
     const sums = await makeStores(daemon.dir);
     const store = (i: number) => [`weights-${i % STORES}`, sums[i % STORES]];
