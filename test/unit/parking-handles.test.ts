@@ -23,7 +23,7 @@ const OWNER = 5n;
 class MemoryFdStore {
   readonly held = new Map<string, number>();
   store(name: string, fd: number): void {
-    this.held.get(name) ?? this.held.set(name, addon.dup(fd));
+    if (!this.held.has(name)) this.held.set(name, addon.dup(fd));
   }
   remove(name: string): void {
     const fd = this.held.get(name);
