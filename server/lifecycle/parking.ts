@@ -245,11 +245,14 @@ export class Parking implements AllocationObserver {
 
   /** A session opened: its record is parked before its hello goes, so that its client can resume it even if it owns nothing yet. */
   sessionOpened(id: bigint): void {
+    if (this.frozen) return;
     this.noteSession(id);
   }
 
   /** A session ended and was reclaimed: its record goes (the next compaction would drop it anyway). */
   sessionEnded(id: bigint): void {
+    // Frozen, its reclaim's frees were not recorded: its record stays, so the next start reclaims what it owned after the grace.
+    if (this.frozen) return;
     if (this.state.sessions.has(String(id))) this.write({ t: 'P', id: String(id) });
   }
 

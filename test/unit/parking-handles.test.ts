@@ -129,3 +129,20 @@ describe('parking, when a freed handle value names new memory', () => {
     }
   });
 });
+
+describe('parking, once frozen (the daemon stops)', () => {
+  it("keeps the record of a session that ends after the freeze: its frees were not recorded, so the next start must reclaim what it owned", () => {
+    const fdStore = new MemoryFdStore();
+    const backend = { devices: () => [{ uuid: '' }] } as unknown as Backend;
+    const parking = Parking.start({ client: fdStore as unknown as FdStoreClient, backend, peers: { peerOf: () => ({ uid: 1, gid: 1 }), tokensOf: () => ({ token: 't', resumeToken: 'r' }) }, log: pino({ level: 'silent' }), nextId: () => 1n }, emptyState(), [], []);
+    try {
+      parking.sessionOpened(3n);
+      parking.freeze();
+      parking.sessionEnded(3n);
+      parking.sessionOpened(4n);
+      expect([...Journal.read(fdStore.held.get('j1')!).sessions.keys()]).toEqual(['3']);
+    } finally {
+      fdStore.closeAll();
+    }
+  });
+});
