@@ -13,7 +13,7 @@ import { createHash } from 'node:crypto';
 import * as fs from 'node:fs';
 import * as path from 'node:path';
 import { connect } from '../../client';
-import { eventually, MiB, packageRoot, sleep, TestDaemon } from '../e2e/harness';
+import { call, eventually, MiB, packageRoot, sleep, TestDaemon } from '../e2e/harness';
 import { figure } from './figures';
 import { runReportingClient } from './report-client';
 
@@ -92,11 +92,14 @@ async function upgrade(daemon: TestDaemon): Promise<void> {
   await eventually(async () => (servingPid(daemon.pid) !== undefined && servingPid(daemon.pid) !== before && (await daemon.stats().then(() => true, () => undefined)) ? true : undefined), 30_000, 'the new daemon to serve');
 }
 
-/** 16 clients at work while the daemon is SIGKILLed ('kill') or restarted on purpose ('upgrade'); checks and reports. */
-export async function resumeScenario(backend: 'host' | 'cuda', how: 'kill' | 'upgrade'): Promise<void> {
-  const name = `${how === 'kill' ? 'kill -9' : 'planned upgrade'} under load (${backend})`;
+/**
+ * 16 clients at work while the daemon is SIGKILLed ('kill') or restarted on purpose ('upgrade'); checks and reports.
+ * @param extraArgs more daemon arguments (a stock on host: the cuda backend's allocation path)
+ */
+export async function resumeScenario(backend: 'host' | 'cuda', how: 'kill' | 'upgrade', extraArgs: string[] = []): Promise<void> {
+  const name = `${how === 'kill' ? 'kill -9' : 'planned upgrade'} under load (${backend}${extraArgs.length > 0 ? ` ${extraArgs.join(' ')}` : ''})`;
   const restart = how === 'kill' ? killServing : upgrade;
-  const daemon = await TestDaemon.start(['--keeper', 'on', '--parked-grace-ms', '60000', ...(backend === 'host' ? ['--host-capacity', '512MiB'] : [])], backend);
+  const daemon = await TestDaemon.start(['--keeper', 'on', '--parked-grace-ms', '60000', ...(backend === 'host' ? ['--host-capacity', '512MiB'] : []), ...extraArgs], backend);
   try {
     const sums = await makeStores(daemon.dir);
     const store = (i: number) => [`weights-${i % STORES}`, sums[i % STORES]];
@@ -129,6 +132,9 @@ export async function resumeScenario(backend: 'host' | 'cuda', how: 'kill' | 'up
     expect(reports.every((report) => report.chargeMatches && report.intact === report.held && report.ops > 0)).toBe(true);
     // Every session is gone with its client; nothing is left over.
     await eventually(async () => ((await daemon.stats()).sessions === 0 ? true : undefined), 20_000, 'the sessions to close');
+    const stores = new Set((await call(daemon.raw.stores, 'List', {})).stores.map((store: { allocationId: string }) => String(store.allocationId)));
+    const left = (await call(daemon.raw.admin, 'ListObjects', {})).objects.filter((o: { kind: string; id: string }) => o.kind === 'allocation' && !stores.has(String(o.id)));
+    expect(left).toEqual([]);
     expect((await daemon.stats()).allocations).toBe(String(STORES));
   } finally {
     await daemon.stop();
