@@ -1,4 +1,4 @@
-/** `vmmd`: parses the command line, starts the daemon, stops it on SIGTERM or SIGINT. */
+/** `vmmd`: parses the command line, starts the daemon, stops it on SIGTERM or SIGINT or once a successor took it over. */
 import * as os from 'node:os';
 import pino from 'pino';
 import { addon } from '../native';
@@ -67,6 +67,11 @@ export async function main(argv: string[]): Promise<number> {
       );
     };
     if (signalled !== undefined) onSignal(signalled);
+    // Taken over by a new daemon (`vmmd --take-over`): everything is its now.
+    void daemon.handedOver.then(() => {
+      log.flush();
+      resolve(0);
+    });
   });
 }
 

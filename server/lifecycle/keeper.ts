@@ -42,17 +42,22 @@ export class DescriptorStore {
       if (equals > 0) fields.set(line.slice(0, equals), line.slice(equals + 1));
     }
     const name = fields.get('FDNAME') ?? 'stored';
-    if (fields.get('FDSTORE') === '1' && isValidFdName(name)) {
-      const list = this.held.get(name) ?? [];
-      list.push(...fds);
-      if (list.length > 0) this.held.set(name, list);
-      return;
-    }
+    if (fields.get('FDSTORE') === '1' && isValidFdName(name)) return this.put(name, fds);
     for (const fd of fds) addon.close(fd);
-    if (fields.get('FDSTOREREMOVE') === '1' && fields.has('FDNAME')) {
-      for (const fd of this.held.get(name) ?? []) addon.close(fd);
-      this.held.delete(name);
-    }
+    if (fields.get('FDSTOREREMOVE') === '1' && fields.has('FDNAME')) this.drop(name);
+  }
+
+  /** Holds `fds` (now the store's) under `name`, after those it holds already. */
+  put(name: string, fds: number[]): void {
+    const list = this.held.get(name) ?? [];
+    list.push(...fds);
+    if (list.length > 0) this.held.set(name, list);
+  }
+
+  /** Closes and forgets every descriptor held under `name`. */
+  drop(name: string): void {
+    for (const fd of this.held.get(name) ?? []) addon.close(fd);
+    this.held.delete(name);
   }
 
   /** The descriptors and their names, in LISTEN_FDS order. */
