@@ -189,25 +189,28 @@ export class HandOverListener {
   private async serve(peer: { fd: number; pid: number; uid: number }): Promise<void> {
     const channel = new Channel(peer.fd);
     const own = process.getuid!();
-    const refuse = async (why: string) => {
-      this.log.warn({ peerPid: peer.pid, peerUid: peer.uid }, `take-over refused: ${why}`);
-      await channel.send({ refused: why }).catch(() => undefined);
-      channel.close();
-    };
-    if (peer.uid !== own && peer.uid !== 0) return refuse(`uid ${peer.uid} may not take over this daemon (uid ${own}): only its own uid or root may`);
-    if (this.underWay !== undefined) return refuse(`a take-over by pid ${this.underWay} is under way`);
-    const refusal = this.side.refusal();
-    if (refusal !== undefined) return refuse(refusal);
-    this.underWay = peer.pid;
+    // Judged at connect: the first peer allowed holds the hand-over from then on.
+    let refusal: string | undefined;
+    if (peer.uid !== own && peer.uid !== 0) refusal = `uid ${peer.uid} may not take over this daemon (uid ${own}): only its own uid or root may`;
+    else if (this.underWay !== undefined) refusal = `a take-over by pid ${this.underWay} is under way`;
+    else refusal = this.side.refusal();
+    if (refusal === undefined) this.underWay = peer.pid;
     try {
-      const asked = await channel.next(this.graceMs, 'take-over request');
-      if (asked?.message.take === undefined) {
-        for (const fd of asked?.fds ?? []) addon.close(fd);
-        return refuse('the first message must ask to take over');
+      // The request is read before any answer: a socket closed with a message unread resets its peer's, refusal and all.
+      const asked = await channel.next(this.graceMs, 'take-over request').catch(() => null);
+      for (const fd of asked?.fds ?? []) addon.close(fd);
+      if (asked === null) return;
+      if (refusal === undefined && asked.message.take === undefined) refusal = 'the first message must ask to take over ({"take": …})';
+      if (refusal !== undefined) {
+        this.log.warn({ peerPid: peer.pid, peerUid: peer.uid }, `take-over refused: ${refusal}`);
+        await channel.send({ refused: refusal }).catch(() => undefined);
+        return;
       }
       this.log.info({ successor: asked.message.take }, 'handing over to a new daemon: no new sessions, finishing the calls in flight');
       this.quiesced ??= this.side.quiesce();
       await this.quiesced;
+      // Nothing else keeps the process alive once it has stopped serving: what it holds must outlive a failed hand-over.
+      this.poller.ref();
       const { fds, names } = this.side.held();
       for (let at = 0; at < fds.length; at += FDS_PER_MESSAGE) {
         await channel.send({ names: names.slice(at, at + FDS_PER_MESSAGE) }, fds.slice(at, at + FDS_PER_MESSAGE));
@@ -228,7 +231,7 @@ export class HandOverListener {
     } catch (error) {
       this.log.error({ err: error, successor: peer.pid }, 'the hand-over failed: this daemon keeps what it holds');
     } finally {
-      this.underWay = undefined;
+      if (this.underWay === peer.pid) this.underWay = undefined;
       channel.close();
     }
   }
@@ -275,7 +278,8 @@ export async function takeOver(dir: string, version: string, waitMs: number, log
     descriptors.clear();
   };
   try {
-    await channel.send({ take: { pid: process.pid, version } });
+    // A refusal comes as a message even where this send finds the socket closed.
+    await channel.send({ take: { pid: process.pid, version } }).catch(() => undefined);
     let count = 0;
     for (;;) {
       const next = await channel.next(waitMs, `hand-over from the running vmmd (pid ${from})`);
