@@ -180,6 +180,9 @@ export class Daemon {
     if (previousMode !== undefined) {
       log.warn({ socketDir: config.socketDir, was: previousMode.toString(8), now: config.socketGroup === undefined ? '700' : '750' }, 'socket directory mode corrected');
     }
+    // The protos and their reflection are read before a take-over, not in the gap while no daemon serves.
+    const { proto } = loadProtos();
+    const reflection = new ReflectionService(reflectedDefinition());
     // Taking over: the running daemon stops serving and hands everything over; its sockets are gone once it has.
     const takeOverStarted = process.hrtime.bigint();
     const taken = config.takeOver ? await takeOver(config.socketDir, VERSION, config.shutdownGraceMs + TAKE_OVER_SLACK_MS, log) : undefined;
@@ -238,9 +241,8 @@ export class Daemon {
       // Only the health service, plaintext: what Kubernetes' gRPC probes speak (they have no Unix sockets).
       const healthServer = new grpc.Server();
       undo.push(() => server.forceShutdown(), () => healthServer.forceShutdown());
-      const { proto } = loadProtos();
       // grpcurl's view: reflection (v1 and v1alpha) over the vmmd protos and health.
-      new ReflectionService(reflectedDefinition()).addToServer(server);
+      reflection.addToServer(server);
       const health = new HealthImplementation(Object.fromEntries(HEALTH_SERVICES.map((name) => [name, 'NOT_SERVING'])));
       health.addToServer(server);
       health.addToServer(healthServer);
