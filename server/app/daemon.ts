@@ -370,6 +370,10 @@ export class Daemon {
     this.server.forceShutdown();
     this.healthServer.forceShutdown();
     this.metrics.close();
+    // Where memory is parked, the sessions are too: their calls in flight finish, are recorded and answered, and
+    // each waits for its client in the next daemon or the successor; else they end and are reclaimed. Recording
+    // stops only after that drain: an allocation answered after the freeze would be one its client holds and the
+    // next daemon does not know.
     await parked;
     // The parked memory stays for the next start or the successor: a reclaim from here on frees only this process's hold of it.
     this.lifecycle.freeze();

@@ -99,10 +99,11 @@ const NAMES = { kill: 'kill -9', upgrade: 'planned upgrade', 'take-over': 'take-
  * 16 clients at work while the daemon is SIGKILLed ('kill'), restarted on
  * purpose under the keeper ('upgrade'), or taken over by a second daemon
  * process started with --take-over ('take-over', no keeper); checks and reports.
+ * @param extraArgs more daemon arguments (a stock on host: the cuda backend's allocation path)
  */
-export async function resumeScenario(backend: 'host' | 'cuda', how: 'kill' | 'upgrade' | 'take-over'): Promise<void> {
-  const name = `${NAMES[how]} under load (${backend})`;
-  const settings = ['--parked-grace-ms', '60000', ...(backend === 'host' ? ['--host-capacity', '512MiB'] : [])];
+export async function resumeScenario(backend: 'host' | 'cuda', how: 'kill' | 'upgrade' | 'take-over', extraArgs: string[] = []): Promise<void> {
+  const name = `${NAMES[how]} under load (${backend}${extraArgs.length > 0 ? ` ${extraArgs.join(' ')}` : ''})`;
+  const settings = ['--parked-grace-ms', '60000', ...(backend === 'host' ? ['--host-capacity', '512MiB'] : []), ...extraArgs];
   let daemon = await TestDaemon.start([...(how === 'take-over' ? ['--park', 'held'] : ['--keeper', 'on']), ...settings], backend);
   // The hand-over proper, as the new daemon measures it: from its request to serving.
   let handOverMs: number | undefined;
