@@ -28,7 +28,7 @@ export async function main(argv: string[]): Promise<number> {
     return 0;
   }
   const log = pino({ level: command.config.logLevel, base: { pid: process.pid } });
-  if (command.config.keeper) return runKeeper(argv, __filename, log);
+  if (command.config.keeper) return runKeeper(argv, __filename, log, { socketDir: command.config.socketDir, graceMs: command.config.shutdownGraceMs });
   if (process.env.npm_lifecycle_event !== undefined) endWithParent();
   // Handlers go in before the sockets exist: a SIGTERM that arrives while the
   // daemon starts stops it cleanly once it has started.

@@ -322,7 +322,8 @@ export class Daemon {
       await taken.done();
       log.info({ from: taken.from, ms: Number(process.hrtime.bigint() - takeOverStarted) / 1e6 }, 'took over: serving in place of the daemon before');
     }
-    started.listenForHandOver();
+    // Under a service manager's store (systemd, vmmd's keeper) the memory is the store's: the keeper answers take-overs, systemd restarts.
+    if (!lifecycle.outlivesProcess) started.listenForHandOver();
     return started;
   }
 

@@ -17,6 +17,7 @@
 import * as fs from 'node:fs';
 import * as path from 'node:path';
 import type { Logger } from 'pino';
+import { SESSION_SOCKET_NAME } from '../../common/paths';
 import { addon, isNativeError, Poller } from '../../native';
 
 export const HAND_OVER_SOCKET_NAME = 'vmmd.handover.sock';
@@ -38,6 +39,8 @@ export interface HandOverSide {
   held(): { fds: number[]; names: string[] };
   /** The successor serves: what is left goes, and the process exits. */
   handedOver(): void;
+  /** The successor went away after the quiesce: serve again with everything (absent: hold it for the next take-over). */
+  resumeServing?(): void;
 }
 
 type Message = { take?: { pid: number; version: string }; refused?: string; names?: string[]; end?: { descriptors: number; pid: number }; done?: boolean };
@@ -141,6 +144,7 @@ export class HandOverListener {
   // Invariant: set while a take-over runs; others are refused meanwhile.
   private underWay?: number;
   private quiesced?: Promise<void>;
+  private closed = false;
 
   private constructor(
     private readonly fd: number,
@@ -167,9 +171,19 @@ export class HandOverListener {
   }
 
   close(): void {
+    if (this.closed) return;
+    this.closed = true;
     this.poller.close();
     addon.close(this.fd);
     fs.rmSync(this.path, { force: true });
+  }
+
+  /** After the quiesce, a hand-over that did not end in "done": serve again where the side can, else hold on. */
+  private failed(): void {
+    if (this.quiesced === undefined || this.side.resumeServing === undefined) return;
+    this.quiesced = undefined;
+    this.poller.unref();
+    this.side.resumeServing();
   }
 
   private accept(): void {
@@ -220,8 +234,11 @@ export class HandOverListener {
       if (answer?.message.done !== true) {
         this.log.error(
           { successor: peer.pid },
-          'the new daemon went away before it served: this daemon serves no more but holds every descriptor and record as they were; start `vmmd --take-over` again to take them',
+          this.side.resumeServing === undefined
+            ? 'the new daemon went away before it served: this daemon serves no more but holds every descriptor and record as they were; start `vmmd --take-over` again to take them'
+            : 'the new daemon went away before it served: serving again with every descriptor and record as they were',
         );
+        this.failed();
         return;
       }
       this.log.info({ successor: peer.pid, descriptors: fds.length }, 'handed over; exiting');
@@ -230,6 +247,7 @@ export class HandOverListener {
       this.side.handedOver();
     } catch (error) {
       this.log.error({ err: error, successor: peer.pid }, 'the hand-over failed: this daemon keeps what it holds');
+      this.failed();
     } finally {
       if (this.underWay === peer.pid) this.underWay = undefined;
       channel.close();
@@ -266,6 +284,11 @@ export async function takeOver(dir: string, version: string, waitMs: number, log
     fd = addon.seqpacketConnect(socketPath);
   } catch (error) {
     if (isNativeError(error, 'ENOENT') || isNativeError(error, 'ECONNREFUSED')) {
+      if (answers(path.join(dir, SESSION_SOCKET_NAME))) {
+        throw new TakeOverError(
+          `the vmmd serving ${dir} takes no hand-over: it runs under systemd, whose file-descriptor store keeps its memory across \`systemctl restart vmmd\` (the upgrade there), or it is a version without --take-over`,
+        );
+      }
       throw new TakeOverError(`no vmmd is running on ${dir} (nothing answers on ${HAND_OVER_SOCKET_NAME}): there is nothing to take over; start vmmd without --take-over`);
     }
     throw new TakeOverError(`cannot reach the running vmmd's hand-over socket ${socketPath}: ${(error as Error).message}`);
@@ -325,4 +348,14 @@ export async function takeOver(dir: string, version: string, waitMs: number, log
       channel.close();
     },
   };
+}
+
+/** Whether a daemon answers on the session socket `socketPath`. */
+function answers(socketPath: string): boolean {
+  try {
+    addon.close(addon.seqpacketConnect(socketPath));
+    return true;
+  } catch {
+    return false;
+  }
 }

@@ -54,9 +54,6 @@ export class Lifecycle {
   /** Why this daemon cannot be taken over; undefined when it can (its parked state is its own). */
   handOverRefusal(): string | undefined {
     if (this.store instanceof HeldDescriptors) return undefined;
-    if (this.store !== undefined) {
-      return "this daemon's memory is parked in its service manager's file-descriptor store (systemd, or vmmd's keeper): upgrade it with `systemctl restart vmmd` or SIGHUP to the keeper";
-    }
     return 'this daemon holds no parked state to hand over (it was started without --park held): its memory cannot leave its process';
   }
 

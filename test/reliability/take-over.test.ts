@@ -265,18 +265,58 @@ describe('vmmd --take-over', () => {
     expect(await observed(old)).toEqual(before);
   }, 240_000);
 
-  it('a daemon whose memory is not its own to give refuses, saying how to upgrade it', async () => {
+  it('a daemon whose memory is not its own to give refuses, and one under systemd is named: nothing changes', async () => {
     const plain = await TestDaemon.start([]);
     daemons.push(plain);
     const refused = await takeOverRun(plain.dir);
     expect(refused.code).toBe(1);
-    expect(refused.output).toContain('started without --park held');
+    expect(refused.output).toContain('refused the take-over: this daemon holds no parked state to hand over (it was started without --park held)');
     expect(await call(plain.raw.devices, 'ListDevices', {})).toBeDefined();
-    const kept = await TestDaemon.start(['--keeper', 'on']);
-    daemons.push(kept);
-    const underKeeper = await takeOverRun(kept.dir);
-    expect(underKeeper.code).toBe(1);
-    expect(underKeeper.output).toContain('SIGHUP to the keeper');
-    expect(await call(kept.raw.devices, 'ListDevices', {})).toBeDefined();
+    // Under a service manager's store (here a stand-in of systemd's notify socket) the upgrade is its restart.
+    const manager = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-notify-'));
+    const notify = addon.unixDgramBind(path.join(manager, 'notify'));
+    try {
+      const managed = await TestDaemon.start([], 'host', { NOTIFY_SOCKET: path.join(manager, 'notify') });
+      daemons.push(managed);
+      const underSystemd = await takeOverRun(managed.dir);
+      expect(underSystemd.code).toBe(1);
+      expect(underSystemd.output).toContain('takes no hand-over: it runs under systemd');
+      expect(await call(managed.raw.devices, 'ListDevices', {})).toBeDefined();
+      await managed.stop();
+    } finally {
+      addon.close(notify);
+      fs.rmSync(manager, { recursive: true, force: true });
+    }
+  }, 240_000);
+
+  it("takes over from vmmd's keeper (another binary): the keeper stops its daemon, hands everything over and exits 0", async () => {
+    const keeper = await TestDaemon.start(['--keeper', 'on', '--quota-per-uid', '64MiB', '--parked-grace-ms', '600000']);
+    daemons.push(keeper);
+    const made = await populate(keeper, peers);
+    const sums = await checksums(keeper.dir);
+    const before = await observed(keeper);
+    const next = await TestDaemon.takeOver(keeper, held);
+    daemons.push(next);
+    expect(await keeper.exitStatus).toBe(0);
+    await expectIntact(next, before, sums, made);
+  }, 240_000);
+
+  it("a new daemon that goes away in the middle of a take-over from the keeper: the keeper serves again with everything", async () => {
+    const keeper = await TestDaemon.start(['--keeper', 'on', '--quota-per-uid', '64MiB', '--parked-grace-ms', '600000']);
+    daemons.push(keeper);
+    const made = await populate(keeper, peers);
+    const sums = await checksums(keeper.dir);
+    const before = await observed(keeper);
+    const dying = RawEnd.connect(keeper.dir);
+    dying.send({ take: { pid: process.pid, version: 'test' } });
+    for (;;) {
+      const next = await dying.next();
+      if (next === null || next.message.end !== undefined) break;
+      for (const fd of next.fds) addon.close(fd);
+    }
+    dying.close();
+    await eventually(async () => (await call(keeper.raw.devices, 'ListDevices', {}).then(() => true, () => undefined)), 60_000, 'the keeper to serve again');
+    expect(keeper.process.exitCode).toBeNull();
+    await expectIntact(keeper, before, sums, made);
   }, 240_000);
 });
