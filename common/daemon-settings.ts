@@ -228,8 +228,8 @@ export const DAEMON_SETTINGS = {
   },
   takeOver: {
     flag: 'take-over', env: 'VMMD_TAKE_OVER', placeholder: 'on|off', type: 'switch', default: false, shown: 'off',
-    help: 'start by taking over from the daemon serving the same --socket-dir (started with --park held): every descriptor and session handed over a Unix socket, then the old one exits',
-    doc: "starts by taking over from the daemon that serves the same `--socket-dir` (one started with `--park held`, outside systemd and the keeper): over `vmmd.handover.sock` (0600, the same uid or root only) the old daemon stops accepting, finishes its calls in flight, hands over every descriptor and its journal, and exits once this one serves; clients resume their sessions by themselves. The new daemon holds what it took (`--park held`) and can be taken over in turn ([OPERATIONS.md](OPERATIONS.md#upgrades-without-a-keeper---take-over))",
+    help: 'start by taking over from the daemon serving the same --socket-dir (one started with --park held, or vmmd\'s keeper): every descriptor and session handed over a Unix socket, then the old one exits',
+    doc: "starts by taking over from the daemon that serves the same `--socket-dir` (one started with `--park held`, or vmmd's keeper, which stops its daemon first): over `vmmd.handover.sock` (0600, the same uid or root only) the old daemon stops accepting, finishes its calls in flight, hands over every descriptor and its journal, and exits once this one serves; clients resume their sessions by themselves. The new daemon holds what it took (`--park held`) and can be taken over in turn ([OPERATIONS.md](OPERATIONS.md#upgrades-without-a-keeper---take-over))",
   },
   keeper: {
     flag: 'keeper', env: 'VMMD_KEEPER', placeholder: 'on|off', type: 'switch', default: false, shown: 'off',

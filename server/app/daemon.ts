@@ -363,19 +363,18 @@ export class Daemon {
     this.activity.stop();
     busyPollAlways(0);
     for (const name of HEALTH_SERVICES) this.health.setStatus(name, 'NOT_SERVING');
-    this.unix.close();
     const drained = new Promise<void>((resolve) => this.server.tryShutdown(() => resolve()));
-    const parked = park ? this.sessions.park() : undefined;
     const timeout = new Promise<void>((resolve) => setTimeout(resolve, graceMs).unref());
     await Promise.race([drained, timeout]);
     this.server.forceShutdown();
+    this.unix.close();
     this.healthServer.forceShutdown();
     this.metrics.close();
     // Where memory is parked, the sessions are too: their calls in flight finish, are recorded and answered, and
     // each waits for its client in the next daemon or the successor; else they end and are reclaimed. Recording
     // stops only after that drain: an allocation answered after the freeze would be one its client holds and the
     // next daemon does not know.
-    await parked;
+    if (park) await this.sessions.park();
     // The parked memory stays for the next start or the successor: a reclaim from here on frees only this process's hold of it.
     this.lifecycle.freeze();
     if (!park) await this.sessions.close();

@@ -122,7 +122,8 @@ export async function resumeScenario(backend: 'host' | 'cuda', how: 'kill' | 'up
       ...Array.from({ length: PY_CLIENTS }, (_, i) => runPython([String(TS_CLIENTS + i + 1), String(RUN_MS), ...store(TS_CLIENTS + i)], daemon.dir)),
     ];
     // Once every client is at work (each has a session), the daemon goes.
-    await eventually(async () => ((await daemon.stats()).sessions >= TS_CLIENTS + PY_CLIENTS ? true : undefined), 30_000, 'the clients to connect');
+    // A limit on waiting, not a speed check: 16 processes starting on a loaded 2-core machine have taken over 30 s.
+    await eventually(async () => ((await daemon.stats()).sessions >= TS_CLIENTS + PY_CLIENTS ? true : undefined), 60_000, 'the clients to connect');
     await sleep(2_000);
     const started = Date.now();
     await restart();
