@@ -14,7 +14,7 @@ import { createHash } from 'node:crypto';
 import * as fs from 'node:fs';
 import * as path from 'node:path';
 import { connect } from '../../client';
-import { eventually, MiB, packageRoot, sleep, TestDaemon } from '../e2e/harness';
+import { call, eventually, MiB, packageRoot, sleep, TestDaemon } from '../e2e/harness';
 import { figure } from './figures';
 import { runReportingClient } from './report-client';
 
@@ -148,6 +148,9 @@ export async function resumeScenario(backend: 'host' | 'cuda', how: 'kill' | 'up
     expect(reports.every((report) => report.chargeMatches && report.intact === report.held && report.ops > 0)).toBe(true);
     // Every session is gone with its client; nothing is left over.
     await eventually(async () => ((await daemon.stats()).sessions === 0 ? true : undefined), 20_000, 'the sessions to close');
+    const stores = new Set((await call(daemon.raw.stores, 'List', {})).stores.map((store: { allocationId: string }) => String(store.allocationId)));
+    const left = (await call(daemon.raw.admin, 'ListObjects', {})).objects.filter((o: { kind: string; id: string }) => o.kind === 'allocation' && !stores.has(String(o.id)));
+    expect(left).toEqual([]);
     expect((await daemon.stats()).allocations).toBe(String(STORES));
   } finally {
     await daemon.stop();
