@@ -14,7 +14,7 @@ import type { Backend, BackendHandle, HandleKind, ImportedHandle, ImportSource, 
 import type { AllocationObserver, AllocationRecord, AllocationSource, RestoredMemory } from '../registry';
 import type { HeldMemfd, SourcedAllocation } from '../registry/source';
 import { isStoreHolder, StoreEvent, StoreRecord } from '../stores/stores';
-import type { FdStoreClient } from './fd-store';
+import type { DescriptorParking } from './fd-store';
 import { Journal } from './journal';
 import { apply, emptyState, JournalLine, ParkedAllocation, ParkedState, ParkedStore } from './parked-records';
 
@@ -54,7 +54,7 @@ export class Parking implements AllocationObserver {
   private readonly uuids: string[];
 
   private constructor(
-    private readonly client: FdStoreClient,
+    private readonly client: DescriptorParking,
     private readonly backend: Backend,
     private readonly peers: SessionPeers,
     private readonly log: Logger,
@@ -76,7 +76,7 @@ export class Parking implements AllocationObserver {
    * @throws the fd store's error (nothing can be parked)
    */
   static start(
-    deps: { client: FdStoreClient; backend: Backend; peers: SessionPeers; log: Logger; nextId: () => bigint },
+    deps: { client: DescriptorParking; backend: Backend; peers: SessionPeers; log: Logger; nextId: () => bigint },
     state: ParkedState,
     previous: number[],
     usedNames: Iterable<string>,

@@ -13,7 +13,7 @@ import { addon } from '../../native';
 import type { Backend } from '../backends/backend';
 import type { AllocationRecord, Registry } from '../registry';
 import type { StoreRegistry } from '../stores/stores';
-import type { FdStoreClient } from './fd-store';
+import type { DescriptorParking } from './fd-store';
 import { Journal } from './journal';
 import { emptyState, ParkedSessionRecord, ParkedState } from './parked-records';
 import { JOURNAL_NAME, Parking, ParkingSlot, SessionPeers } from './parking';
@@ -22,7 +22,7 @@ export interface RestoreDeps {
   registry: Registry;
   stores: StoreRegistry;
   backend: Backend;
-  client: FdStoreClient;
+  client: DescriptorParking;
   peers: SessionPeers;
   log: Logger;
 }
