@@ -39,8 +39,8 @@ export interface CallSettings {
 }
 
 /**
- * The RPCs sent again when they failed UNAVAILABLE because the daemon went
- * away under them: they change nothing, or change it to the same end however
+ * The RPCs sent again when the daemon's going away cut them off (UNAVAILABLE
+ * or CANCELLED): they change nothing, or change it to the same end however
  * often they run. The rest (Create, Release, Map, Open…) fail to their caller,
  * who knows whether doing it twice is right.
  */
@@ -49,7 +49,13 @@ const SAFE_AGAIN = new Set([
   'List', 'Read', 'GetAccess', 'GetProperties', 'Share', 'Export', 'SetAccess', 'Fill',
 ]);
 
-/** How often a call of SAFE_AGAIN goes again after UNAVAILABLE (each after the session serves again). */
+/**
+ * How a daemon going away reaches a call in flight: UNAVAILABLE (no channel), or CANCELLED (its stream reset
+ * by a daemon that stopped with the call in flight; this client never cancels a unary call itself).
+ */
+const CUT_OFF = new Set<grpc.status>([grpc.status.UNAVAILABLE, grpc.status.CANCELLED]);
+
+/** How often a call of SAFE_AGAIN goes again after being cut off (each after the session serves again). */
 const SAFE_ATTEMPTS = 3;
 
 /** The method's name, from its path (/vmmd.v1.Devices/ListDevices). */
@@ -62,7 +68,7 @@ function methodName(method: UnaryMethod<unknown, unknown>): string {
  * One unary call. Under a daemon that parks its sessions the call waits while
  * the session resumes (up to its deadline), and a call the daemon's restart
  * refused (SESSION_RESUMING, which the daemon answers having done nothing, or
- * UNAVAILABLE for a method of SAFE_AGAIN) goes again once the session is back.
+ * cut off, UNAVAILABLE or CANCELLED, for a method of SAFE_AGAIN) goes again once the session is back.
  */
 export async function unaryCall<Req, Res>(
   client: grpc.Client,
@@ -90,7 +96,7 @@ export async function unaryCall<Req, Res>(
       return await once();
     } catch (error) {
       const failed = error as VmmdError;
-      const again = failed.code === 'SESSION_RESUMING' || (failed.status === grpc.status.UNAVAILABLE && attempt < SAFE_ATTEMPTS && SAFE_AGAIN.has(methodName(method as UnaryMethod<unknown, unknown>)));
+      const again = failed.code === 'SESSION_RESUMING' || (CUT_OFF.has(failed.status) && attempt < SAFE_ATTEMPTS && SAFE_AGAIN.has(methodName(method as UnaryMethod<unknown, unknown>)));
       if (!again || session.closed || Date.now() >= deadline) throw failed;
       // The session socket may notice the restart a moment after the call did.
       await new Promise((resolve) => setTimeout(resolve, 20));

@@ -224,9 +224,14 @@ export const DAEMON_SETTINGS = {
     doc: 'before its event loop sleeps the daemon spins this long for the next message, so that a client\'s request finds it awake; at most that much CPU per wake, none when idle; `0` turns it off ([OPERATIONS.md](OPERATIONS.md#busy-polling---busy-poll-us))',
   },
   park: {
-    flag: 'park', env: 'VMMD_PARK', placeholder: 'auto|off', type: 'choice', choices: ['auto', 'off'], default: 'auto',
-    help: "keep every allocation's and store's memory and records in the file-descriptor store (systemd's, or vmmd's keeper) so that a restart or a crash loses nothing; auto: wherever NOTIFY_SOCKET names one",
-    doc: "`auto` parks every allocation's descriptor, every store and a journal of their records in the service manager's file-descriptor store whenever `NOTIFY_SOCKET` is set (systemd with `FileDescriptorStoreMax=`, or `vmmd --keeper`), and takes them back at start from `LISTEN_FDS`; `off` parks nothing ([OPERATIONS.md](OPERATIONS.md#restarts-without-loss))",
+    flag: 'park', env: 'VMMD_PARK', placeholder: 'auto|held|off', type: 'choice', choices: ['auto', 'held', 'off'], default: 'auto',
+    help: "keep every allocation's and store's memory and records in the file-descriptor store (systemd's, or vmmd's keeper) so that a restart or a crash loses nothing; auto: wherever NOTIFY_SOCKET names one; held: elsewhere the daemon holds them itself, for a new daemon to take over (--take-over)",
+    doc: "`auto` parks every allocation's descriptor, every store and a journal of their records in the service manager's file-descriptor store whenever `NOTIFY_SOCKET` is set (systemd with `FileDescriptorStoreMax=`, or `vmmd --keeper`), and takes them back at start from `LISTEN_FDS`; `held` does the same where `NOTIFY_SOCKET` is set, and elsewhere keeps them in the daemon's own process, where a crash loses them but a new daemon started with `--take-over` takes them over (an upgrade without a keeper); `off` parks nothing ([OPERATIONS.md](OPERATIONS.md#restarts-without-loss))",
+  },
+  takeOver: {
+    flag: 'take-over', env: 'VMMD_TAKE_OVER', placeholder: 'on|off', type: 'switch', default: false, shown: 'off',
+    help: 'start by taking over from the daemon serving the same --socket-dir (one started with --park held, or vmmd\'s keeper): every descriptor and session handed over a Unix socket, then the old one exits',
+    doc: "starts by taking over from the daemon that serves the same `--socket-dir` (one started with `--park held`, or vmmd's keeper, which stops its daemon first): over `vmmd.handover.sock` (0600, the same uid or root only) the old daemon stops accepting, finishes its calls in flight, hands over every descriptor and its journal, and exits once this one serves; clients resume their sessions by themselves. The new daemon holds what it took (`--park held`) and can be taken over in turn ([OPERATIONS.md](OPERATIONS.md#upgrades-without-a-keeper---take-over))",
   },
   keeper: {
     flag: 'keeper', env: 'VMMD_KEEPER', placeholder: 'on|off', type: 'switch', default: false, shown: 'off',

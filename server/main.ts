@@ -1,4 +1,4 @@
-/** `vmmd`: parses the command line, starts the daemon, stops it on SIGTERM or SIGINT. */
+/** `vmmd`: parses the command line, starts the daemon, stops it on SIGTERM or SIGINT or once a successor took it over. */
 import * as os from 'node:os';
 import pino from 'pino';
 import { addon } from '../native';
@@ -28,7 +28,7 @@ export async function main(argv: string[]): Promise<number> {
     return 0;
   }
   const log = pino({ level: command.config.logLevel, base: { pid: process.pid } });
-  if (command.config.keeper) return runKeeper(argv, __filename, log);
+  if (command.config.keeper) return runKeeper(argv, __filename, log, { socketDir: command.config.socketDir, graceMs: command.config.shutdownGraceMs });
   if (process.env.npm_lifecycle_event !== undefined) endWithParent();
   // Handlers go in before the sockets exist: a SIGTERM that arrives while the
   // daemon starts stops it cleanly once it has started.
@@ -67,6 +67,11 @@ export async function main(argv: string[]): Promise<number> {
       );
     };
     if (signalled !== undefined) onSignal(signalled);
+    // Taken over by a new daemon (`vmmd --take-over`): everything is its now.
+    void daemon.handedOver.then(() => {
+      log.flush();
+      resolve(0);
+    });
   });
 }
 

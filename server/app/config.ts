@@ -89,8 +89,10 @@ export interface DaemonConfig {
   busyPollMicros: number;
   /** Whether each turn is measured by the event-loop thread's CPU time too (two CLOCK_THREAD_CPUTIME_ID reads a turn), not only by wall clock. */
   turnCpu: boolean;
-  /** Park memory and records in the file-descriptor store named by NOTIFY_SOCKET ('off': never). */
-  park: 'auto' | 'off';
+  /** Park memory and records in the file-descriptor store named by NOTIFY_SOCKET ('held': else in the daemon itself; 'off': never). */
+  park: 'auto' | 'held' | 'off';
+  /** Start by taking over from the daemon serving the same socket directory (server/lifecycle/hand-over.ts). */
+  takeOver: boolean;
   /** Run as the keeper in front of the serving daemon (server/lifecycle/keeper.ts). */
   keeper: boolean;
   /** After a restart, how long a parked session's objects wait for it. */
@@ -339,6 +341,10 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
   const [stockKey] = pick('stock');
   const stock = parseStock(stockKey, text('stock') as string);
 
+  const [takeOverKey] = pick('takeOver');
+  if (read('takeOver') === true && text('park') === 'off') throw new ConfigError(`${takeOverKey}: a daemon that takes over holds what it takes; --park off holds nothing`);
+  if (read('takeOver') === true && read('keeper') === true) throw new ConfigError(`${takeOverKey}: the keeper takes over nothing; under it an upgrade is SIGHUP to the keeper`);
+
   return {
     kind: 'run',
     config: {
@@ -380,7 +386,9 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
       shutdownGraceMs: integer('shutdownGraceMs'),
       busyPollMicros: integer('busyPollMicros'),
       turnCpu: read('turnCpu') as boolean,
-      park: text('park') as 'auto' | 'off',
+      // A daemon that took over holds what it took: it can be taken over in turn.
+      park: read('takeOver') === true && text('park') === 'auto' ? 'held' : (text('park') as 'auto' | 'held' | 'off'),
+      takeOver: read('takeOver') as boolean,
       keeper: read('keeper') as boolean,
       parkedGraceMs: integer('parkedGraceMs'),
     },

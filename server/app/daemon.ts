@@ -38,10 +38,12 @@ import { busyPollAlways } from '../../native/busy-poll';
 import { ClientActivity } from './activity';
 import { makeSocketDir } from './socket-dir';
 import { DEFAULT_SESSION_OPTIONS, SessionManager, SessionOptions } from '../transport/session/sessions';
+import { deferred } from '../transport/session/resume';
 import { StagingBuffers } from '../stores/staging';
 import { CUDA_STAGING_PINNING } from '../backends/cuda';
 import { isStoreHolder, StoreRegistry } from '../stores/stores';
 import { Lifecycle } from '../lifecycle/lifecycle';
+import { HandOverListener, HandOverSide, takeOver } from '../lifecycle/hand-over';
 
 // eslint-disable-next-line @typescript-eslint/no-require-imports -- package.json lies outside the compiled tree
 export const VERSION: string = require('../../../package.json').version;
@@ -118,6 +120,11 @@ export class Daemon {
     private readonly lifecycle: Lifecycle,
   ) {}
 
+  private handOverListener?: HandOverListener;
+  private readonly handOver = deferred<void>();
+  // The stop's first part, once begun (a hand-over's, or SIGTERM's): done once.
+  private stopped?: Promise<void>;
+
   /** @throws DaemonStartError, BackendUnavailableError, or the socket's error */
   static async start(config: DaemonConfig, log: Logger, sessionOptions: SessionOptions = DEFAULT_SESSION_OPTIONS): Promise<Daemon> {
     const descriptors = raiseDescriptorLimit(log);
@@ -174,7 +181,19 @@ export class Daemon {
     if (previousMode !== undefined) {
       log.warn({ socketDir: config.socketDir, was: previousMode.toString(8), now: config.socketGroup === undefined ? '700' : '750' }, 'socket directory mode corrected');
     }
-    clearStaleSockets(paths);
+    // The protos and their reflection are read before a take-over, not in the gap while no daemon serves.
+    const { proto } = loadProtos();
+    const reflection = new ReflectionService(reflectedDefinition());
+    // Taking over: the running daemon stops serving and hands everything over; its sockets are gone once it has.
+    const takeOverStarted = process.hrtime.bigint();
+    const taken = config.takeOver ? await takeOver(config.socketDir, VERSION, config.shutdownGraceMs + TAKE_OVER_SLACK_MS, log) : undefined;
+    try {
+      if (taken !== undefined) lifecycle.takeOver(taken.descriptors);
+      clearStaleSockets(paths);
+    } catch (error) {
+      taken?.abandon();
+      throw error;
+    }
 
     const stores = new StoreRegistry(registry, log);
     // On cuda the staging buffers are page-locked: staged Read and Write are DMAs of the copy engine, not CPU copies.
@@ -232,9 +251,8 @@ export class Daemon {
       // Only the health service, plaintext: what Kubernetes' gRPC probes speak (they have no Unix sockets).
       const healthServer = new grpc.Server();
       undo.push(() => server.forceShutdown(), () => healthServer.forceShutdown());
-      const { proto } = loadProtos();
       // grpcurl's view: reflection (v1 and v1alpha) over the vmmd protos and health.
-      new ReflectionService(reflectedDefinition()).addToServer(server);
+      reflection.addToServer(server);
       const health = new HealthImplementation(Object.fromEntries(HEALTH_SERVICES.map((name) => [name, 'NOT_SERVING'])));
       health.addToServer(server);
       health.addToServer(healthServer);
@@ -302,18 +320,56 @@ export class Daemon {
       started = new Daemon(config, backend, registry, sessions, server, unix, log, paths, admin, health, metrics, healthServer, activity, lifecycle);
     } finally {
       if (started === undefined) {
+        // The daemon taken over keeps everything: it is told by the closed connection.
+        taken?.abandon();
         for (const step of undo) step();
         await sessions.close().catch(() => undefined);
         for (const path of [paths.grpc, paths.session]) fs.rmSync(path, { force: true });
         await backend.close();
       }
     }
+    if (taken !== undefined) {
+      await taken.done();
+      log.info({ from: taken.from, ms: Number(process.hrtime.bigint() - takeOverStarted) / 1e6 }, 'took over: serving in place of the daemon before');
+    }
+    // Under a service manager's store (systemd, vmmd's keeper) the memory is the store's: the keeper answers take-overs, systemd restarts.
+    if (!lifecycle.outlivesProcess) started.listenForHandOver();
     return started;
   }
 
-  /** Stops serving: refuses new calls, lets in-flight ones finish, reclaims every session. */
+  /** Resolves once this daemon has handed everything to a successor (`vmmd --take-over`): it has stopped and should exit. */
+  get handedOver(): Promise<void> {
+    return this.handOver.promise;
+  }
+
+  private listenForHandOver(): void {
+    const side: HandOverSide = {
+      refusal: () => this.lifecycle.handOverRefusal(),
+      quiesce: () => (this.stopped ??= this.quiesce(true)),
+      held: () => this.lifecycle.held(),
+      handedOver: () => void this.finish().then(() => this.handOver.resolve()),
+    };
+    this.handOverListener = HandOverListener.listen(this.config.socketDir, side, this.log, this.config.shutdownGraceMs);
+  }
+
+  /** Stops serving: refuses new calls, lets in-flight ones finish, reclaims every session (parks them where memory outlives the process). */
   async stop(graceMs = this.config.shutdownGraceMs): Promise<void> {
     this.log.info('vmmd stopping');
+    this.handOverListener?.close();
+    this.stopped ??= this.quiesce(this.lifecycle.outlivesProcess, graceMs);
+    await this.stopped;
+    await this.finish();
+  }
+
+  /**
+   * Stops accepting and lets the calls in flight finish (gRPC within
+   * `graceMs`); then either parks every session (their calls answered, their
+   * records parked, each waiting for its client in the next daemon) or closes
+   * and reclaims them; then freezes the parked state: what this process does
+   * from here on changes nothing parked. Parking comes before the freeze, so
+   * that what a call in flight made is parked with it.
+   */
+  private async quiesce(park: boolean, graceMs = this.config.shutdownGraceMs): Promise<void> {
     this.activity.stop();
     busyPollAlways(0);
     for (const name of HEALTH_SERVICES) this.health.setStatus(name, 'NOT_SERVING');
@@ -323,19 +379,29 @@ export class Daemon {
     this.server.forceShutdown();
     this.unix.close();
     this.healthServer.forceShutdown();
-    // The parked memory stays for the next start: the sessions' reclaim below frees only this process's hold of it.
+    this.metrics.close();
+    // Where memory is parked, the sessions are too: their calls in flight finish, are recorded and answered, and
+    // each waits for its client in the next daemon or the successor; else they end and are reclaimed. Recording
+    // stops only after that drain: an allocation answered after the freeze would be one its client holds and the
+    // next daemon does not know.
+    if (park) await this.sessions.park();
+    // The parked memory stays for the next start or the successor: a reclaim from here on frees only this process's hold of it.
     this.lifecycle.freeze();
-    // Where memory is parked, the sessions are too: their calls in flight finish and are answered, and each
-    // waits for its client in the next daemon (a planned restart, an upgrade); else they end and are reclaimed.
-    if (this.lifecycle.parks) await this.sessions.park();
-    else await this.sessions.close();
+    if (!park) await this.sessions.close();
     for (const path of [this.paths.grpc, this.paths.session]) fs.rmSync(path, { force: true });
+  }
+
+  /** What is left once stopped: the backend, the admin's samplers, the descriptors held in this process. */
+  private async finish(): Promise<void> {
     await this.backend.close();
     this.admin.close();
-    this.metrics.close();
+    this.lifecycle.releaseHeld();
     this.log.info('vmmd stopped');
   }
 }
+
+/** Beyond the shutdown grace, how long a take-over waits for the running daemon to send everything. */
+const TAKE_OVER_SLACK_MS = 30_000;
 
 /** What the kernel allows the daemon's process: read once at start (the budgets' defaults derive from it). */
 function systemLimits(log: Logger): SystemLimits {

@@ -19,7 +19,19 @@ export function isValidFdName(name: string): boolean {
   return name.length > 0 && name.length <= FDNAME_MAX && /^[\x21-\x39\x3b-\x7e]+$/.test(name);
 }
 
-export class FdStoreClient {
+/**
+ * Where parked descriptors go, by name: a service manager's file-descriptor
+ * store (FdStoreClient), or the daemon's own hold (HeldDescriptors) where
+ * none runs and a successor takes them over.
+ */
+export interface DescriptorParking {
+  /** Keeps a copy of `fd` under `name` (the caller keeps fd). @throws the store's error: nothing is kept */
+  store(name: string, fd: number): void;
+  /** Drops every descriptor kept under `name`. @throws the store's error */
+  remove(name: string): void;
+}
+
+export class FdStoreClient implements DescriptorParking {
   // One socket connected to the store for the process's life: a notification is one sendmsg, not three system calls.
   private connected?: number;
 

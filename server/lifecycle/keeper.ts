@@ -11,7 +11,9 @@
  * bytes (docs/ARCHITECTURE.md). SIGHUP is a planned restart (an upgrade:
  * the daemon's files replaced on disk): the daemon stops as on SIGTERM,
  * finishing the calls in flight and leaving everything parked, and the keeper
- * starts it again from the files now there. SIGTERM or SIGINT stop the daemon
+ * starts it again from the files now there. A new daemon of another version
+ * or path takes over from the keeper (`vmmd --take-over`, hand-over.ts): the
+ * keeper stops its daemon, hands every descriptor over, and exits. SIGTERM or SIGINT stop the daemon
  * and then the keeper: its descriptors close, and the memory goes with them.
  */
 import { ChildProcess, spawn } from 'node:child_process';
@@ -21,6 +23,7 @@ import * as path from 'node:path';
 import type { Logger } from 'pino';
 import { addon } from '../../native';
 import { isValidFdName } from './fd-store';
+import { HandOverListener, HandOverSide } from './hand-over';
 
 /** The longest notification the keeper reads: systemd's own bound on a notify message. */
 const NOTIFY_MAX_BYTES = 4096;
@@ -42,17 +45,22 @@ export class DescriptorStore {
       if (equals > 0) fields.set(line.slice(0, equals), line.slice(equals + 1));
     }
     const name = fields.get('FDNAME') ?? 'stored';
-    if (fields.get('FDSTORE') === '1' && isValidFdName(name)) {
-      const list = this.held.get(name) ?? [];
-      list.push(...fds);
-      if (list.length > 0) this.held.set(name, list);
-      return;
-    }
+    if (fields.get('FDSTORE') === '1' && isValidFdName(name)) return this.put(name, fds);
     for (const fd of fds) addon.close(fd);
-    if (fields.get('FDSTOREREMOVE') === '1' && fields.has('FDNAME')) {
-      for (const fd of this.held.get(name) ?? []) addon.close(fd);
-      this.held.delete(name);
-    }
+    if (fields.get('FDSTOREREMOVE') === '1' && fields.has('FDNAME')) this.drop(name);
+  }
+
+  /** Holds `fds` (now the store's) under `name`, after those it holds already. */
+  put(name: string, fds: number[]): void {
+    const list = this.held.get(name) ?? [];
+    list.push(...fds);
+    if (list.length > 0) this.held.set(name, list);
+  }
+
+  /** Closes and forgets every descriptor held under `name`. */
+  drop(name: string): void {
+    for (const fd of this.held.get(name) ?? []) addon.close(fd);
+    this.held.delete(name);
   }
 
   /** The descriptors and their names, in LISTEN_FDS order. */
@@ -96,10 +104,16 @@ export function daemonArguments(argv: string[]): string[] {
 }
 
 /**
- * Runs the keeper until SIGTERM or SIGINT: resolves with the daemon's last exit status.
+ * Runs the keeper until SIGTERM or SIGINT, or until a new daemon took
+ * everything over (`vmmd --take-over` on the same socket directory: the
+ * keeper stops its daemon, which parks everything, and hands the store over;
+ * a successor that goes away before it serves gets the daemon started again
+ * with everything). Resolves with the daemon's last exit status (0 after a
+ * hand-over).
  * @param entry the daemon's main script (server/main.js)
+ * @param handOver the socket directory the hand-over socket goes in, and how long a take-over's peer is waited for
  */
-export async function runKeeper(argv: string[], entry: string, log: Logger): Promise<number> {
+export async function runKeeper(argv: string[], entry: string, log: Logger, handOver?: { socketDir: string; graceMs: number }): Promise<number> {
   const limit = addon.descriptorLimit();
   if (limit.soft < limit.hard) addon.descriptorLimit(limit.hard);
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-keeper-'));
@@ -131,8 +145,27 @@ export async function runKeeper(argv: string[], entry: string, log: Logger): Pro
   process.on('SIGTERM', onSignal);
   process.on('SIGINT', onSignal);
   process.on('SIGHUP', () => {
+    if (handingOver !== undefined) return;
     log.info('keeper: restarting the daemon (SIGHUP)');
     child?.kill('SIGTERM');
+  });
+
+  // A take-over under way: the daemon's exit is the hand-over's, and what follows is the successor's answer.
+  let handingOver: { outcome: Promise<'done' | 'failed'>; settle(outcome: 'done' | 'failed'): void } | undefined;
+  let childExit: Promise<unknown> = Promise.resolve();
+  const listener = handOver === undefined ? undefined : listenForTakeOver(handOver, log, {
+    refusal: () => undefined,
+    quiesce: async () => {
+      let settle!: (outcome: 'done' | 'failed') => void;
+      handingOver = { outcome: new Promise((resolve) => (settle = resolve)), settle: (outcome) => settle(outcome) };
+      // The daemon stops as on SIGTERM under a store: calls finished, sessions parked, everything left here.
+      child?.kill('SIGTERM');
+      await childExit;
+      drain();
+    },
+    held: () => store.listing(),
+    handedOver: () => handingOver?.settle('done'),
+    resumeServing: () => handingOver?.settle('failed'),
   });
 
   const args = daemonArguments(argv);
@@ -155,19 +188,44 @@ export async function runKeeper(argv: string[], entry: string, log: Logger): Pro
         stdio: ['inherit', 'inherit', 'inherit', ...fds],
       });
       log.info({ pid: child.pid, descriptors: fds.length }, 'keeper: daemon started');
-      const [code, signal] = await new Promise<[number | null, NodeJS.Signals | null]>((resolve) => child!.once('exit', (c, s) => resolve([c, s])));
+      const exit = new Promise<[number | null, NodeJS.Signals | null]>((resolve) => child!.once('exit', (c, s) => resolve([c, s])));
+      childExit = exit;
+      const [code, signal] = await exit;
       lastCode = code ?? 1;
       child = undefined;
       if (stopping) break;
+      if (handingOver !== undefined) {
+        const outcome = await handingOver.outcome;
+        handingOver = undefined;
+        if (outcome === 'done') {
+          log.info({ descriptors: store.size }, 'keeper: a new daemon took everything over; exiting');
+          lastCode = 0;
+          break;
+        }
+        log.warn({ descriptors: store.size }, 'keeper: the new daemon went away before it served; starting the daemon again with everything parked');
+        continue;
+      }
       log.warn({ code, signal, descriptors: store.size }, 'keeper: the daemon ended; starting it again with everything parked');
       backoff = Date.now() - startedAt < RAPID_EXIT_MS ? Math.min(backoff * 2, MAX_BACKOFF_MS) : FIRST_BACKOFF_MS;
       await new Promise((resolve) => setTimeout(resolve, backoff));
     }
   } finally {
+    listener?.close();
     poller.close();
     addon.close(socket);
     store.closeAll();
     fs.rmSync(dir, { recursive: true, force: true });
   }
   return lastCode;
+}
+
+/** The keeper's hand-over socket in the daemon's socket directory (made owner-only when the keeper comes first). */
+function listenForTakeOver(handOver: { socketDir: string; graceMs: number }, log: Logger, side: HandOverSide): HandOverListener | undefined {
+  try {
+    fs.mkdirSync(handOver.socketDir, { recursive: true, mode: 0o700 });
+    return HandOverListener.listen(handOver.socketDir, side, log, handOver.graceMs);
+  } catch (error) {
+    log.warn({ err: error, socketDir: handOver.socketDir }, 'keeper: no hand-over socket: a new daemon cannot take over from this one');
+    return undefined;
+  }
 }

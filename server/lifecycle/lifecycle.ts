@@ -1,41 +1,82 @@
 /**
  * The daemon's lifecycle across its own restarts, composed for
  * server/app/daemon.ts: whether memory is parked (a file-descriptor store
- * named by NOTIFY_SOCKET, and `--park auto`), the descriptors handed back at
- * start, the restore, the parked sessions' grace, and the freeze at stop that
- * leaves the parked state for the next start.
+ * named by NOTIFY_SOCKET, and `--park auto`; else the daemon's own hold with
+ * `--park held`), the descriptors handed back at start or taken over from a
+ * running daemon, the restore, the parked sessions' grace, and the freeze at
+ * stop that leaves the parked state for the next start or the successor.
  */
 import type { Logger } from 'pino';
 import type { Backend } from '../backends/backend';
 import type { AllocationSource, Registry } from '../registry';
 import type { StoreRegistry } from '../stores/stores';
 import type { SessionManager } from '../transport/session/sessions';
-import { FdStoreClient, inheritedDescriptors } from './fd-store';
+import { DescriptorParking, FdStoreClient, inheritedDescriptors } from './fd-store';
+import { HeldDescriptors } from './held-descriptors';
 import { Parking, ParkingSlot, SessionPeers } from './parking';
 import { restoreParked, Restored } from './restore';
 
 export class Lifecycle {
   private readonly slot: ParkingSlot = {};
   private grace?: NodeJS.Timeout;
-  // Invariant: the descriptors handed back at start, until restore() takes them.
+  // Invariant: the descriptors handed back at start (or taken over), until restore() takes them.
   private inherited: Map<string, number[]>;
 
-  /** @param socket the store's NOTIFY_SOCKET; undefined: nothing is parked */
+  /** @param store where descriptors are parked; undefined: nothing is parked */
   private constructor(
-    private readonly socket: string | undefined,
+    private readonly store: DescriptorParking | undefined,
+    inherited: Map<string, number[]>,
     private readonly log: Logger,
   ) {
-    this.inherited = socket === undefined ? new Map() : inheritedDescriptors(process.env);
+    this.inherited = inherited;
   }
 
-  /** Reads LISTEN_FDS at once (before the daemon opens anything else): parking is on when `park` is auto and a store is there. */
-  static fromEnvironment(park: 'auto' | 'off', env: NodeJS.ProcessEnv, log: Logger): Lifecycle {
-    return new Lifecycle(park === 'auto' && env.NOTIFY_SOCKET ? env.NOTIFY_SOCKET : undefined, log);
+  /**
+   * Reads LISTEN_FDS at once (before the daemon opens anything else): parking
+   * goes to the store when `park` is not off and a store is there, else to
+   * the daemon's own hold when `park` is held.
+   */
+  static fromEnvironment(park: 'auto' | 'held' | 'off', env: NodeJS.ProcessEnv, log: Logger): Lifecycle {
+    if (park !== 'off' && env.NOTIFY_SOCKET) return new Lifecycle(new FdStoreClient(env.NOTIFY_SOCKET), inheritedDescriptors(env), log);
+    return new Lifecycle(park === 'held' ? new HeldDescriptors() : undefined, new Map(), log);
   }
 
-  /** Whether memory is parked: sessions can then be resumed after a restart. */
+  /** Whether memory is parked: sessions can then be resumed after a restart or by a successor. */
   get parks(): boolean {
-    return this.socket !== undefined;
+    return this.store !== undefined;
+  }
+
+  /** Whether the parked state outlives this process (a service manager's store): a stop then leaves it for the next start. */
+  get outlivesProcess(): boolean {
+    return this.store instanceof FdStoreClient;
+  }
+
+  /** Why this daemon cannot be taken over; undefined when it can (its parked state is its own). */
+  handOverRefusal(): string | undefined {
+    if (this.store instanceof HeldDescriptors) return undefined;
+    return 'this daemon holds no parked state to hand over (it was started without --park held): its memory cannot leave its process';
+  }
+
+  /** The descriptors held in this process and their names, for a successor. */
+  held(): { fds: number[]; names: string[] } {
+    return this.store instanceof HeldDescriptors ? this.store.listing() : { fds: [], names: [] };
+  }
+
+  /** Closes what this process holds (after a hand-over: the successor has its own copies). */
+  releaseHeld(): void {
+    if (this.store instanceof HeldDescriptors) this.store.closeAll();
+  }
+
+  /**
+   * The descriptors taken over from a running daemon: parked here (a copy
+   * each), then restored as LISTEN_FDS would be.
+   * @throws Error when the service manager handed back parked memory too (two states would mix)
+   */
+  takeOver(received: Map<string, number[]>): void {
+    if (this.store === undefined) throw new Error('taking over needs parking (--park held)');
+    if (this.inherited.size > 0) throw new Error('the service manager handed back parked memory (LISTEN_FDS): a take-over would mix two parked states');
+    for (const [name, fds] of received) for (const fd of fds) this.store.store(name, fd);
+    this.inherited = received;
   }
 
   get parking(): Parking | undefined {
@@ -44,7 +85,7 @@ export class Lifecycle {
 
   /** The registry's allocation source with the parking adaptor outermost (each memory's descriptor parked before it is recorded). */
   adapt(upstream: AllocationSource): AllocationSource {
-    return this.socket === undefined ? upstream : Parking.adaptor(this.slot, upstream);
+    return this.store === undefined ? upstream : Parking.adaptor(this.slot, upstream);
   }
 
   /**
@@ -53,10 +94,12 @@ export class Lifecycle {
    * @throws the fd store's error when nothing can be parked
    */
   async restore(deps: { registry: Registry; stores: StoreRegistry; backend: Backend; sessions: SessionManager }, graceMs: number): Promise<Restored | undefined> {
-    if (this.socket === undefined) return undefined;
+    if (this.store === undefined) return undefined;
     const started = process.hrtime.bigint();
+    // And its CPU time: what the restore costs, whatever else the machine runs meanwhile.
+    const cpu = process.cpuUsage();
     const restored = await restoreParked(
-      { ...deps, client: new FdStoreClient(this.socket), peers: sessionPeers(deps.sessions), log: this.log },
+      { ...deps, client: this.store, peers: sessionPeers(deps.sessions), log: this.log },
       this.inherited,
       this.slot,
     );
@@ -64,7 +107,7 @@ export class Lifecycle {
     const last = restored.sessions.reduce((max, session) => (BigInt(session.id) > max ? BigInt(session.id) : max), 0n);
     deps.sessions.skipIdsThrough(last);
     this.log.info(
-      { allocations: restored.allocations, stores: restored.stores, sessions: restored.sessions.length, dropped: restored.dropped, ms: Number(process.hrtime.bigint() - started) / 1e6 },
+      { allocations: restored.allocations, stores: restored.stores, sessions: restored.sessions.length, dropped: restored.dropped, ms: Number(process.hrtime.bigint() - started) / 1e6, cpuMs: cpuMs(process.cpuUsage(cpu)) },
       restored.allocations + restored.stores > 0 ? 'parked memory taken back' : 'parking memory in the file-descriptor store',
     );
     // Each session is parked as it opens, and its record dropped once it has ended.
@@ -113,3 +156,5 @@ function sessionPeers(sessions: SessionManager): SessionPeers {
     },
   };
 }
+
+const cpuMs = (usage: NodeJS.CpuUsage) => (usage.user + usage.system) / 1000;

@@ -14,7 +14,7 @@ import type { Backend, BackendHandle, HandleKind, ImportedHandle, ImportSource, 
 import type { AllocationObserver, AllocationRecord, AllocationSource, RestoredMemory } from '../registry';
 import type { HeldMemfd, SourcedAllocation } from '../registry/source';
 import { isStoreHolder, StoreEvent, StoreRecord } from '../stores/stores';
-import type { FdStoreClient } from './fd-store';
+import type { DescriptorParking } from './fd-store';
 import { Journal } from './journal';
 import { apply, emptyState, JournalLine, ParkedAllocation, ParkedState, ParkedStore } from './parked-records';
 
@@ -24,6 +24,8 @@ export const JOURNAL_NAME = /^j(\d+)$/;
 
 /** Lines a journal may hold before it is compacted, beyond four per live object. */
 const COMPACT_SLACK = 4096;
+/** A journal that went on after a restart is compacted this long after the start (once the daemon serves) when it holds more than one line per live object beyond the slack. */
+export const COMPACT_AFTER_START_MS = 1000;
 
 /** Where the daemon's Parking is, once it has started. */
 export interface ParkingSlot {
@@ -52,7 +54,7 @@ export class Parking implements AllocationObserver {
   private readonly uuids: string[];
 
   private constructor(
-    private readonly client: FdStoreClient,
+    private readonly client: DescriptorParking,
     private readonly backend: Backend,
     private readonly peers: SessionPeers,
     private readonly log: Logger,
@@ -68,19 +70,29 @@ export class Parking implements AllocationObserver {
 
   /**
    * Starts the parked state from `state` (restored, or empty): a new journal
-   * holding its snapshot is parked, then the previous one dropped.
+   * holding its snapshot is parked, then the previous ones dropped; or, with
+   * `resumed`, the parked journal that `state` was read from goes on (it is
+   * in the store already), and the older ones are dropped.
    * @throws the fd store's error (nothing can be parked)
    */
-  static start(deps: { client: FdStoreClient; backend: Backend; peers: SessionPeers; log: Logger; nextId: () => bigint }, state: ParkedState, previous: number[], usedNames: Iterable<string>): Parking {
-    const generation = previous.length === 0 ? 1 : Math.max(...previous) + 1;
-    const journal = Journal.create(state);
-    try {
-      deps.client.store(journalName(generation), journal.fd);
-    } catch (error) {
-      journal.close();
-      throw error;
+  static start(
+    deps: { client: DescriptorParking; backend: Backend; peers: SessionPeers; log: Logger; nextId: () => bigint },
+    state: ParkedState,
+    previous: number[],
+    usedNames: Iterable<string>,
+    resumed?: { journal: Journal; generation: number },
+  ): Parking {
+    const generation = resumed?.generation ?? (previous.length === 0 ? 1 : Math.max(...previous) + 1);
+    const journal = resumed?.journal ?? Journal.create(state);
+    if (resumed === undefined) {
+      try {
+        deps.client.store(journalName(generation), journal.fd);
+      } catch (error) {
+        journal.close();
+        throw error;
+      }
     }
-    for (const old of previous) deps.client.remove(journalName(old));
+    for (const old of previous) if (old !== generation) deps.client.remove(journalName(old));
     const parking = new Parking(deps.client, deps.backend, deps.peers, deps.log, journal, generation, state, deps.nextId);
     for (const name of usedNames) parking.nextName = Math.max(parking.nextName, parseInt(name.slice(1), 36) + 1 || 1);
     return parking;
@@ -95,7 +107,27 @@ export class Parking implements AllocationObserver {
     return new ParkingAdaptor(slot, upstream);
   }
 
-  /** Memory taken back at start: its descriptor is parked already, under `name`. */
+  /**
+   * A journal that went on after a restart is written anew a moment after
+   * the start, off the path to the first answer, when it is long: the next
+   * restart then reads one line per object, not the lines of every change.
+   */
+  compactAfterStart(): void {
+    const live = this.state.allocations.size + this.state.stores.size + this.state.sessions.size;
+    if (this.journal.lines <= COMPACT_SLACK / 4 + live) return;
+    const timer = setTimeout(() => {
+      if (!this.frozen) this.compact();
+    }, COMPACT_AFTER_START_MS);
+    timer.unref();
+  }
+
+  /** Objects a resumed journal names that did not come back at the restore (no descriptor, another device): recorded as gone. */
+  forgetDropped(allocations: Iterable<string>, stores: Iterable<string>): void {
+    for (const id of allocations) this.write({ t: 'A', id });
+    for (const id of stores) this.write({ t: 'S', id });
+  }
+
+  /** Memory whose descriptor is parked already, under `name`: taken back at start, or whose free failed after detach(). */
   adopted(handle: BackendHandle, name: string): void {
     this.names.set(handle, name);
   }
@@ -117,14 +149,28 @@ export class Parking implements AllocationObserver {
   }
 
   /**
+   * Memory about to be freed: the name its descriptor is parked under leaves
+   * the handle now, while the handle still names this memory. Once the
+   * backend has freed it, the same handle value can name new memory (a host
+   * memfd's number, a driver's handle), parked under a name of its own before
+   * this free's continuation runs: looked up then, the handle would give the
+   * new memory's name.
+   * @returns the name, for unpark() once freed (or adopted() again when the free fails)
+   */
+  detach(handle: BackendHandle): string | undefined {
+    const name = this.names.get(handle);
+    this.names.delete(handle);
+    return name;
+  }
+
+  /**
    * Memory freed: its descriptor leaves the store, after the answer (the
    * journal already says it is gone: a crash before the removal leaves a
    * descriptor no record names, which the next start closes).
+   * @param name what detach() gave for its handle
    */
-  unpark(handle: BackendHandle): void {
-    const name = this.names.get(handle);
-    this.names.delete(handle);
-    if (name === undefined || this.frozen) return;
+  unpark(name: string): void {
+    if (this.frozen) return;
     if (this.removals.push(name) === 1) setImmediate(() => this.removeParked());
   }
 
@@ -231,11 +277,14 @@ export class Parking implements AllocationObserver {
 
   /** A session opened: its record is parked before its hello goes, so that its client can resume it even if it owns nothing yet. */
   sessionOpened(id: bigint): void {
+    if (this.frozen) return;
     this.noteSession(id);
   }
 
   /** A session ended and was reclaimed: its record goes (the next compaction would drop it anyway). */
   sessionEnded(id: bigint): void {
+    // Frozen, its reclaim's frees were not recorded: its record stays, so the next start reclaims what it owned after the grace.
+    if (this.frozen) return;
     if (this.state.sessions.has(String(id))) this.write({ t: 'P', id: String(id) });
   }
 
@@ -322,8 +371,17 @@ class ParkingAdaptor implements AllocationSource {
   }
 
   async release(allocation: SourcedAllocation, awaited: boolean): Promise<void> {
-    await this.upstream.release(allocation, awaited);
-    this.slot.parking?.unpark(allocation.handle);
+    const parking = this.slot.parking;
+    // Taken before the free: after it, the handle value may already name other memory, parked meanwhile.
+    const name = parking?.detach(allocation.handle);
+    try {
+      await this.upstream.release(allocation, awaited);
+    } catch (error) {
+      // Not freed: the memory lives on under its parked name.
+      if (name !== undefined) parking!.adopted(allocation.handle, name);
+      throw error;
+    }
+    if (name !== undefined) parking!.unpark(name);
   }
 
   settle(): Promise<void> {

@@ -163,6 +163,40 @@ export class TestDaemon {
     return daemon;
   }
 
+  /**
+   * A second daemon on `old`'s directory, started with `--take-over on`:
+   * resolves once the old one has exited and this one serves. `old` is done
+   * with then (its directory is the new one's: do not stop it).
+   * @throws when the new daemon exits first (its logs in the message)
+   */
+  static async takeOver(old: TestDaemon, extraArgs: string[] = [], backend: 'host' | 'cuda' = 'host', env: NodeJS.ProcessEnv = {}): Promise<TestDaemon> {
+    const child = spawn(
+      process.execPath,
+      [DAEMON, '--backend', backend, '--socket-dir', old.dir, '--host-capacity', '256MiB', '--log-level', 'info', '--take-over', 'on', ...extraArgs],
+      { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, ...env } },
+    );
+    const daemon = new TestDaemon(child, old.dir);
+    for (const stream of [child.stdout!, child.stderr!]) {
+      readline.createInterface({ input: stream }).on('line', (line) => daemon.logs.push(line));
+    }
+    await eventually(
+      async () => {
+        if (child.exitCode !== null) throw new Error(`vmmd --take-over exited with ${child.exitCode}: ${daemon.logs.join('\n')}`);
+        if (old.process.exitCode === null && old.process.signalCode === null) return undefined;
+        return (await call(daemon.raw.devices, 'ListDevices', {}).then(() => true, () => undefined)) ? true : undefined;
+      },
+      60_000,
+      'the new daemon to take over',
+    );
+    old.raw.close();
+    return daemon;
+  }
+
+  /** The old daemon's exit status, once it has exited. */
+  get exitStatus(): Promise<number | null> {
+    return this.exited;
+  }
+
   get pid(): number {
     return this.process.pid!;
   }

@@ -187,3 +187,17 @@ describe('--socket-group', () => {
     expect(() => run(['--socket-group', 'no-such-group-here'])).toThrow(/^--socket-group: "no-such-group-here" is neither a gid nor a group in \/etc\/group/);
   });
 });
+
+describe('--take-over and --park held', () => {
+  it('are off and auto by default; a take-over holds what it takes', () => {
+    expect(run([])).toMatchObject({ takeOver: false, park: 'auto' });
+    expect(run(['--take-over', 'on'])).toMatchObject({ takeOver: true, park: 'held' });
+    expect(run([], { VMMD_TAKE_OVER: 'on', VMMD_PARK: 'held' })).toMatchObject({ takeOver: true, park: 'held' });
+    expect(run(['--park', 'held'])).toMatchObject({ takeOver: false, park: 'held' });
+  });
+  it('refuses a take-over that would hold nothing, or the keeper taking over', () => {
+    expect(() => run(['--take-over', 'on', '--park', 'off'])).toThrow(/^--take-over: a daemon that takes over holds what it takes; --park off holds nothing$/);
+    expect(() => run(['--take-over', 'on', '--keeper', 'on'])).toThrow(/^--take-over: the keeper takes over nothing; under it an upgrade is SIGHUP to the keeper$/);
+    expect(() => run(['--park', 'kept'])).toThrow(/--park/);
+  });
+});

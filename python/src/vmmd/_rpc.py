@@ -15,8 +15,10 @@ from ._values import timeout_seconds
 from .errors import STATUS, VmmdError
 
 from ._declared import SESSION_METADATA_KEY  # noqa: F401  (re-exported: shared with the daemon, generated)
-# The RPCs sent again when the daemon's restart cut them off (UNAVAILABLE): they change nothing, or change it
+# The RPCs sent again when the daemon's going away cut them off (UNAVAILABLE, or CANCELLED: the stream reset by a
+# daemon that stopped with the call in flight; this client never cancels a unary call itself): they change nothing, or change it
 # to the same end however often they run. The rest fail to their caller (client/rpc.ts has the same list).
+CUT_OFF = frozenset((STATUS["UNAVAILABLE"], STATUS["CANCELLED"]))
 SAFE_AGAIN = frozenset((
     "GetStats", "GetReport", "ListSessions", "ListObjects", "GetVersion", "ListDevices", "GetMemoryInfo", "GetGranularity",
     "List", "Read", "GetAccess", "GetProperties", "Share", "Export", "SetAccess", "Fill",
@@ -89,7 +91,7 @@ class _Service:
                 return self._calls[method](message, metadata=self._metadata(), timeout=max(0.001, deadline - time.monotonic()), wait_for_ready=not session.closed)
             except grpc.RpcError as error:
                 failed = VmmdError.from_rpc(error)
-                again = failed.code == "SESSION_RESUMING" or (failed.status == STATUS["UNAVAILABLE"] and attempt < 3 and method in SAFE_AGAIN)
+                again = failed.code == "SESSION_RESUMING" or (failed.status in CUT_OFF and attempt < 3 and method in SAFE_AGAIN)
                 if not again or session.closed or time.monotonic() >= deadline:
                     raise failed from None
                 time.sleep(0.02)
