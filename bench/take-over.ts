@@ -64,7 +64,7 @@ async function main(): Promise<void> {
     const allocated = await client.session.allocate(granularity);
     addon.close(allocated.fd);
     if (made % 10 === 9 && made + 1 < objects) {
-      await client.stores.createStore({ allocationId: allocated.message.allocation, name: `bench-${made}`, handOver: true });
+      await client.stores.createStore({ allocationId: allocated.message.allocationId, name: `bench-${made}`, handOver: true });
       made++;
     }
   }
