@@ -2,11 +2,14 @@
  * The resume scenario, on either backend (test/reliability/resume.test.ts on
  * host, test/gpu/resume-cuda.test.ts on cuda): under vmmd's keeper, 16
  * clients (12 TypeScript, 4 Python processes) allocate, write, release and
- * read one of 8 open stores while the serving daemon is SIGKILLed, and while
+ * read one of 8 open stores (4 MiB each, or the size given: 512 MiB for the
+ * 4 GiB of the full run) while the serving daemon is SIGKILLed, and while
  * it is restarted on purpose (SIGHUP to the keeper: the planned upgrade).
  * Every client resumes its session by itself: no error reaches its code,
  * what the daemon says each session owns is exactly what the client holds,
- * its quota charge is their bytes, and their bytes and the stores' are intact.
+ * its quota charge is their bytes, and their bytes and the stores' are intact:
+ * every store read whole after, and the stores' records and quota charges
+ * equal to what they were before the clients came.
  */
 import { spawn } from 'node:child_process';
 import { createHash } from 'node:crypto';
@@ -16,6 +19,7 @@ import { connect } from '../../client';
 import { eventually, MiB, packageRoot, sleep, TestDaemon } from '../e2e/harness';
 import { figure } from './figures';
 import { runReportingClient } from './report-client';
+import { servingPid, settledState } from './restart-scenario';
 
 const TS_CLIENTS = 12;
 const PY_CLIENTS = 4;
@@ -54,26 +58,55 @@ function runPython(args: string[], socketDir: string): Promise<Report> {
   });
 }
 
-/** The serving daemon under a keeper: the keeper's only child. */
-function servingPid(keeper: number): number | undefined {
-  const children = fs.readFileSync(`/proc/${keeper}/task/${keeper}/children`, 'utf8').trim();
-  return children === '' ? undefined : Number(children.split(' ')[0]);
-}
+/** How much of a store each client reads while it works (all of a smaller one): a large store is checked whole after, by `storeSums`. */
+const CHECKED_BYTES = 4n * MiB;
+/** The piece a store is written and hashed in: a large store is never one buffer. */
+const PIECE_BYTES = 16n * MiB;
 
-/** 8 stores with bytes of their own, handed to the daemon; their checksums. */
-async function makeStores(dir: string): Promise<string[]> {
+/** Store `i`'s bytes from `offset` (a multiple of PIECE_BYTES): each piece its own, so a piece misplaced is seen. */
+const storePiece = (i: number, offset: bigint, length: bigint) => Buffer.alloc(Number(length), `store ${i} piece ${offset / PIECE_BYTES} `);
+
+/** 8 stores of `storeBytes` each with bytes of their own, handed to the daemon; each one's checksum, whole and of its first CHECKED_BYTES. */
+async function makeStores(dir: string, storeBytes: bigint): Promise<Array<{ whole: string; checked: string }>> {
   const maker = await connect({ socketDir: dir });
-  const sums: string[] = [];
+  const sums: Array<{ whole: string; checked: string }> = [];
   try {
     for (let i = 0; i < STORES; i++) {
-      const allocation = await maker.vmm.create({ size: 4n * MiB });
-      const store = await maker.stores.createStore({ allocationId: allocation.id, name: `weights-${i}`, handOver: true });
-      const bytes = Buffer.alloc(Number(4n * MiB), `store ${i} `);
-      await maker.stores.write({ storeId: store.id, offset: 0n }, bytes);
-      sums.push(createHash('sha256').update(bytes).digest('hex'));
+      // Written through the maker's own mapping of the memory, then handed over: a store's load as a loader does it.
+      const memory = await maker.vmm.allocate({ size: storeBytes });
+      const whole = createHash('sha256');
+      const checked = createHash('sha256');
+      for (let offset = 0n; offset < storeBytes; offset += PIECE_BYTES) {
+        const piece = storePiece(i, offset, storeBytes - offset < PIECE_BYTES ? storeBytes - offset : PIECE_BYTES);
+        await memory.write(offset, piece);
+        whole.update(piece);
+        if (offset < CHECKED_BYTES) checked.update(piece.subarray(0, Number(CHECKED_BYTES - offset)));
+      }
+      await maker.stores.createStore({ allocationId: memory.allocationId, name: `weights-${i}`, handOver: true });
+      await memory.close();
+      sums.push({ whole: whole.digest('hex'), checked: checked.digest('hex') });
     }
   } finally {
     maker.close();
+  }
+  return sums;
+}
+
+/** Each store opened and read whole, piece by piece: its sha256 by name. */
+async function storeSums(dir: string): Promise<Record<string, string>> {
+  const reader = await connect({ socketDir: dir });
+  const sums: Record<string, string> = {};
+  try {
+    for (const listed of await reader.stores.list()) {
+      const opened = await reader.stores.open({ name: listed.name });
+      const hash = createHash('sha256');
+      const size = BigInt(listed.size);
+      for (let offset = 0n; offset < size; offset += PIECE_BYTES) hash.update(await opened.memory.read(offset, size - offset < PIECE_BYTES ? size - offset : PIECE_BYTES));
+      await opened.close();
+      sums[listed.name] = hash.digest('hex');
+    }
+  } finally {
+    reader.close();
   }
   return sums;
 }
@@ -92,14 +125,21 @@ async function upgrade(daemon: TestDaemon): Promise<void> {
   await eventually(async () => (servingPid(daemon.pid) !== undefined && servingPid(daemon.pid) !== before && (await daemon.stats().then(() => true, () => undefined)) ? true : undefined), 30_000, 'the new daemon to serve');
 }
 
-/** 16 clients at work while the daemon is SIGKILLed ('kill') or restarted on purpose ('upgrade'); checks and reports. */
-export async function resumeScenario(backend: 'host' | 'cuda', how: 'kill' | 'upgrade'): Promise<void> {
-  const name = `${how === 'kill' ? 'kill -9' : 'planned upgrade'} under load (${backend})`;
+/**
+ * 16 clients at work while the daemon is SIGKILLed ('kill') or restarted on
+ * purpose ('upgrade'), with 8 stores of `storeBytes` each open; checks and reports.
+ */
+export async function resumeScenario(backend: 'host' | 'cuda', how: 'kill' | 'upgrade', storeBytes = 4n * MiB): Promise<void> {
+  const name = `${how === 'kill' ? 'kill -9' : 'planned upgrade'} under load, 8 stores of ${storeBytes / MiB} MiB (${backend})`;
   const restart = how === 'kill' ? killServing : upgrade;
-  const daemon = await TestDaemon.start(['--keeper', 'on', '--parked-grace-ms', '60000', ...(backend === 'host' ? ['--host-capacity', '512MiB'] : [])], backend);
+  // Room for the stores and for every client's allocations beside them.
+  const capacity = `${BigInt(STORES) * storeBytes + 512n * MiB}`;
+  const daemon = await TestDaemon.start(['--keeper', 'on', '--parked-grace-ms', '60000', ...(backend === 'host' ? ['--host-capacity', capacity] : [])], backend);
   try {
-    const sums = await makeStores(daemon.dir);
-    const store = (i: number) => [`weights-${i % STORES}`, sums[i % STORES]];
+    const sums = await makeStores(daemon.dir, storeBytes);
+    const store = (i: number) => [`weights-${i % STORES}`, sums[i % STORES].checked, String(CHECKED_BYTES < storeBytes ? CHECKED_BYTES : storeBytes)];
+    // What the stores are before the clients come and the daemon goes: their records, their allocations, the quota charges.
+    const before = await settledState(daemon);
     const running = [
       ...Array.from({ length: TS_CLIENTS }, (_, i) => runReportingClient<Report>(WORKER, [String(i + 1), String(RUN_MS), ...store(i)], daemon.dir)),
       ...Array.from({ length: PY_CLIENTS }, (_, i) => runPython([String(TS_CLIENTS + i + 1), String(RUN_MS), ...store(TS_CLIENTS + i)], daemon.dir)),
@@ -111,11 +151,15 @@ export async function resumeScenario(backend: 'host' | 'cuda', how: 'kill' | 'up
     await restart(daemon);
     const restartMs = Date.now() - started;
     const reports = await Promise.all(running);
+    // Every store listed, opened and read whole: the bytes of each are what was written.
+    const sumsAfter = await storeSums(daemon.dir);
     const errors = reports.reduce((total, report) => total + Object.values(report.errors).reduce((a, b) => a + b, 0), 0);
     const firstErrors = reports.map((report) => report.first).filter((first) => first !== undefined && first !== null);
     figure(`resume: ${name}`, {
       clients: reports.length,
       stores_open: STORES,
+      store_bytes_total: String(BigInt(STORES) * storeBytes),
+      stores_byte_identical: Object.entries(sumsAfter).filter(([storeName, sum]) => sums[Number(storeName.split('-')[1])]?.whole === sum).length,
       ops: reports.reduce((total, report) => total + report.ops, 0),
       client_errors: errors,
       sessions_owning_exactly_what_they_hold: reports.filter((report) => report.ownedMatches).length,
@@ -129,7 +173,11 @@ export async function resumeScenario(backend: 'host' | 'cuda', how: 'kill' | 'up
     expect(reports.every((report) => report.chargeMatches && report.intact === report.held && report.ops > 0)).toBe(true);
     // Every session is gone with its client; nothing is left over.
     await eventually(async () => ((await daemon.stats()).sessions === 0 ? true : undefined), 20_000, 'the sessions to close');
-    expect((await daemon.stats()).allocations).toBe(String(STORES));
+    // A closed session's objects are reclaimed just after it leaves the count: only the stores' allocations stay.
+    await eventually(async () => ((await daemon.stats()).allocations === String(STORES) ? true : undefined), 20_000, "the sessions' allocations to be reclaimed");
+    expect(sumsAfter).toEqual(Object.fromEntries(sums.map((sum, i) => [`weights-${i}`, sum.whole])));
+    // The stores, their allocations and every quota charge are what they were before the clients came: 0 bytes lost, none left over.
+    expect(await settledState(daemon)).toEqual(before);
   } finally {
     await daemon.stop();
   }
