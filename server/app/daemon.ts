@@ -313,12 +313,14 @@ export class Daemon {
     this.server.forceShutdown();
     this.unix.close();
     this.healthServer.forceShutdown();
-    // The parked memory stays for the next start: the sessions' reclaim below frees only this process's hold of it.
-    this.lifecycle.freeze();
-    // Where memory is parked, the sessions are too: their calls in flight finish and are answered, and each
-    // waits for its client in the next daemon (a planned restart, an upgrade); else they end and are reclaimed.
+    // Where memory is parked, the sessions are too: their calls in flight finish, are recorded and answered, and
+    // each waits for its client in the next daemon (a planned restart, an upgrade); else they end and are reclaimed.
+    // Recording stops only after that drain: an allocation answered after the freeze would be one its client holds
+    // and the next daemon does not know.
     if (this.lifecycle.parks) await this.sessions.park();
-    else await this.sessions.close();
+    // The parked memory stays for the next start: what this process frees from here on is only its own hold of it.
+    this.lifecycle.freeze();
+    if (!this.lifecycle.parks) await this.sessions.close();
     for (const path of [this.paths.grpc, this.paths.session]) fs.rmSync(path, { force: true });
     await this.backend.close();
     this.admin.close();

@@ -95,7 +95,7 @@ export class Parking implements AllocationObserver {
     return new ParkingAdaptor(slot, upstream);
   }
 
-  /** Memory taken back at start: its descriptor is parked already, under `name`. */
+  /** Memory whose descriptor is parked already, under `name`: taken back at start, or whose free failed after detach(). */
   adopted(handle: BackendHandle, name: string): void {
     this.names.set(handle, name);
   }
@@ -117,14 +117,28 @@ export class Parking implements AllocationObserver {
   }
 
   /**
+   * Memory about to be freed: the name its descriptor is parked under leaves
+   * the handle now, while the handle still names this memory. Once the
+   * backend has freed it, the same handle value can name new memory (a host
+   * memfd's number, a driver's handle), parked under a name of its own before
+   * this free's continuation runs: looked up then, the handle would give the
+   * new memory's name.
+   * @returns the name, for unpark() once freed (or adopted() again when the free fails)
+   */
+  detach(handle: BackendHandle): string | undefined {
+    const name = this.names.get(handle);
+    this.names.delete(handle);
+    return name;
+  }
+
+  /**
    * Memory freed: its descriptor leaves the store, after the answer (the
    * journal already says it is gone: a crash before the removal leaves a
    * descriptor no record names, which the next start closes).
+   * @param name what detach() gave for its handle
    */
-  unpark(handle: BackendHandle): void {
-    const name = this.names.get(handle);
-    this.names.delete(handle);
-    if (name === undefined || this.frozen) return;
+  unpark(name: string): void {
+    if (this.frozen) return;
     if (this.removals.push(name) === 1) setImmediate(() => this.removeParked());
   }
 
@@ -231,11 +245,14 @@ export class Parking implements AllocationObserver {
 
   /** A session opened: its record is parked before its hello goes, so that its client can resume it even if it owns nothing yet. */
   sessionOpened(id: bigint): void {
+    if (this.frozen) return;
     this.noteSession(id);
   }
 
   /** A session ended and was reclaimed: its record goes (the next compaction would drop it anyway). */
   sessionEnded(id: bigint): void {
+    // Frozen, its reclaim's frees were not recorded: its record stays, so the next start reclaims what it owned after the grace.
+    if (this.frozen) return;
     if (this.state.sessions.has(String(id))) this.write({ t: 'P', id: String(id) });
   }
 
@@ -322,8 +339,17 @@ class ParkingAdaptor implements AllocationSource {
   }
 
   async release(allocation: SourcedAllocation, awaited: boolean): Promise<void> {
-    await this.upstream.release(allocation, awaited);
-    this.slot.parking?.unpark(allocation.handle);
+    const parking = this.slot.parking;
+    // Taken before the free: after it, the handle value may already name other memory, parked meanwhile.
+    const name = parking?.detach(allocation.handle);
+    try {
+      await this.upstream.release(allocation, awaited);
+    } catch (error) {
+      // Not freed: the memory lives on under its parked name.
+      if (name !== undefined) parking!.adopted(allocation.handle, name);
+      throw error;
+    }
+    if (name !== undefined) parking!.unpark(name);
   }
 
   settle(): Promise<void> {
