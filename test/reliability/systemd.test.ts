@@ -90,7 +90,7 @@ class NamespacedSystemd {
   /** systemctl inside the namespace; its output (a non-zero exit is not an error: is-active and is-system-running use it). */
   systemctl(...args: string[]): string {
     try {
-      return execFileSync('nsenter', ['-t', String(this.pid), '-m', '-p', 'systemctl', ...args], { encoding: 'utf8', timeout: 120_000 });
+      return execFileSync('nsenter', ['-t', String(this.pid), '-m', '-p', 'systemctl', ...args], { encoding: 'utf8', timeout: 120_000, stdio: ['ignore', 'pipe', 'ignore'] });
     } catch (error) {
       return String((error as { stdout?: string }).stdout ?? '');
     }
