@@ -235,15 +235,27 @@ export class CudaBackend implements Backend {
     return addon.cudaExportFabric(device, BigInt(handle));
   }
 
-  /** The parked descriptor is an export of this memory: imported again, it names the same physical memory. */
+  /**
+   * The parked descriptor is an export of this memory: imported again, it
+   * names the same physical memory. Imported on the calling thread: a
+   * restore runs at start, before the daemon serves, where a hop to a driver
+   * thread per object would be most of the restart. Its size is the one its
+   * record says, written by the daemon that exported it: no trial map checks
+   * it (a client's descriptor is checked, below).
+   */
   restoreHandle(fd: number, size: bigint): Promise<ImportedHandle> {
-    return this.importHandle({ fd }, size);
+    return this.importDescriptor({ fd }, size, true);
   }
 
-  async importHandle(source: ImportSource, size: bigint): Promise<ImportedHandle> {
+  importHandle(source: ImportSource, size: bigint): Promise<ImportedHandle> {
+    return this.importDescriptor(source, size, false);
+  }
+
+  /** @param parked a descriptor this daemon parked (restoreHandle), else a client's */
+  private async importDescriptor(source: ImportSource, size: bigint, parked: boolean): Promise<ImportedHandle> {
     let handle: bigint;
     try {
-      handle = 'fd' in source ? await addon.cudaImportFd(source.fd) : await addon.cudaImportFabric(source.fabric);
+      handle = 'fd' in source ? await addon.cudaImportFd(source.fd, parked) : await addon.cudaImportFabric(source.fabric);
     } catch (error) {
       if ('fd' in source) addon.close(source.fd);
       if (isNativeError(error, 'CUDA_ERROR_OUT_OF_MEMORY')) throw error;
@@ -262,6 +274,7 @@ export class CudaBackend implements Backend {
       await this.release(handle, size, true, device);
       throw codedError('BAD_DESCRIPTOR', `importing CUDA memory needs its size, a positive multiple of ${granularity}; got ${size}`);
     }
+    if (parked) return { handle, size, device, location };
     // The size is what the import is charged by, so it must be the memory's own: a client
     // importing 1 GiB as "2 MiB" would keep 1 GiB alive on a 2 MiB charge.
     const exact = await addon.cudaHandleHasSize(device, handle, size).catch(async (error: unknown) => {

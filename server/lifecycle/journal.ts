@@ -8,6 +8,21 @@ import * as fs from 'node:fs';
 import { addon } from '../../native';
 import { JournalLine, ParkedState, replay, snapshotLines } from './parked-records';
 
+const NEWLINE = 0x0a;
+
+/** The whole file behind `fd`, read from its start. */
+function readAll(fd: number): Buffer {
+  const size = fs.fstatSync(fd).size;
+  const buffer = Buffer.alloc(size);
+  let done = 0;
+  while (done < size) {
+    const n = fs.readSync(fd, buffer, done, size - done, done);
+    if (n === 0) break;
+    done += n;
+  }
+  return buffer.subarray(0, done);
+}
+
 export class Journal {
   // Invariant: `length` is the memfd's size: every line written ends there.
   private constructor(
@@ -34,15 +49,25 @@ export class Journal {
 
   /** Reads a parked journal (the descriptor stays the caller's). */
   static read(fd: number): ParkedState {
-    const size = fs.fstatSync(fd).size;
-    const buffer = Buffer.alloc(size);
-    let done = 0;
-    while (done < size) {
-      const n = fs.readSync(fd, buffer, done, size - done, done);
-      if (n === 0) break;
-      done += n;
-    }
-    return replay(buffer.subarray(0, done).toString('utf8'));
+    return replay(readAll(fd).toString('utf8'));
+  }
+
+  /**
+   * Goes on with a parked journal: reads the state it describes, and appends
+   * after it from then on (the descriptor becomes the journal's). A restart
+   * then writes nothing before it serves, where a fresh journal would write
+   * every object's line again. A last line a crash cut short stays a line of
+   * its own, skipped by every replay.
+   */
+  static resume(fd: number): { journal: Journal; state: ParkedState } {
+    const bytes = readAll(fd);
+    const text = bytes.toString('utf8');
+    const state = replay(text);
+    let lines = 0;
+    for (let at = bytes.indexOf(NEWLINE); at >= 0; at = bytes.indexOf(NEWLINE, at + 1)) lines++;
+    const journal = new Journal(fd, bytes.length, lines);
+    if (bytes.length > 0 && bytes[bytes.length - 1] !== NEWLINE) journal.write('\n');
+    return { journal, state };
   }
 
   /**

@@ -116,6 +116,9 @@ export function* snapshotLines(state: ParkedState): IterableIterator<JournalLine
  * (the process died inside the write) is not an object's state and is skipped.
  */
 export function replay(text: string, state: ParkedState = emptyState()): ParkedState {
+  // The next ids as the decimal text the lines carry, the larger kept: one BigInt each at the end, not one a line.
+  let nextId = '0';
+  let nextStoreId = '0';
   for (const raw of text.split('\n')) {
     if (raw === '') continue;
     let line: JournalLine;
@@ -124,7 +127,20 @@ export function replay(text: string, state: ParkedState = emptyState()): ParkedS
     } catch {
       continue;
     }
-    apply(state, line);
+    if (line.t === 'a') {
+      state.allocations.set(line.a.id, line.a);
+      nextId = largerDecimal(nextId, line.next);
+    } else if (line.t === 's') {
+      state.stores.set(line.s.id, line.s);
+      nextStoreId = largerDecimal(nextStoreId, line.next);
+    } else {
+      apply(state, line);
+    }
   }
+  state.nextId = maxOf(state.nextId, BigInt(nextId));
+  state.nextStoreId = maxOf(state.nextStoreId, BigInt(nextStoreId));
   return state;
 }
+
+/** The larger of two non-negative integers written in decimal without leading zeros (as String(bigint) writes them). */
+const largerDecimal = (a: string, b: string) => (b.length > a.length || (b.length === a.length && b > a) ? b : a);

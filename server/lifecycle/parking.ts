@@ -24,6 +24,8 @@ export const JOURNAL_NAME = /^j(\d+)$/;
 
 /** Lines a journal may hold before it is compacted, beyond four per live object. */
 const COMPACT_SLACK = 4096;
+/** A journal that went on after a restart is compacted this long after the start (once the daemon serves) when it holds more than one line per live object beyond the slack. */
+export const COMPACT_AFTER_START_MS = 1000;
 
 /** Where the daemon's Parking is, once it has started. */
 export interface ParkingSlot {
@@ -68,19 +70,29 @@ export class Parking implements AllocationObserver {
 
   /**
    * Starts the parked state from `state` (restored, or empty): a new journal
-   * holding its snapshot is parked, then the previous one dropped.
+   * holding its snapshot is parked, then the previous ones dropped; or, with
+   * `resumed`, the parked journal that `state` was read from goes on (it is
+   * in the store already), and the older ones are dropped.
    * @throws the fd store's error (nothing can be parked)
    */
-  static start(deps: { client: FdStoreClient; backend: Backend; peers: SessionPeers; log: Logger; nextId: () => bigint }, state: ParkedState, previous: number[], usedNames: Iterable<string>): Parking {
-    const generation = previous.length === 0 ? 1 : Math.max(...previous) + 1;
-    const journal = Journal.create(state);
-    try {
-      deps.client.store(journalName(generation), journal.fd);
-    } catch (error) {
-      journal.close();
-      throw error;
+  static start(
+    deps: { client: FdStoreClient; backend: Backend; peers: SessionPeers; log: Logger; nextId: () => bigint },
+    state: ParkedState,
+    previous: number[],
+    usedNames: Iterable<string>,
+    resumed?: { journal: Journal; generation: number },
+  ): Parking {
+    const generation = resumed?.generation ?? (previous.length === 0 ? 1 : Math.max(...previous) + 1);
+    const journal = resumed?.journal ?? Journal.create(state);
+    if (resumed === undefined) {
+      try {
+        deps.client.store(journalName(generation), journal.fd);
+      } catch (error) {
+        journal.close();
+        throw error;
+      }
     }
-    for (const old of previous) deps.client.remove(journalName(old));
+    for (const old of previous) if (old !== generation) deps.client.remove(journalName(old));
     const parking = new Parking(deps.client, deps.backend, deps.peers, deps.log, journal, generation, state, deps.nextId);
     for (const name of usedNames) parking.nextName = Math.max(parking.nextName, parseInt(name.slice(1), 36) + 1 || 1);
     return parking;
@@ -93,6 +105,26 @@ export class Parking implements AllocationObserver {
    */
   static adaptor(slot: ParkingSlot, upstream: AllocationSource): AllocationSource {
     return new ParkingAdaptor(slot, upstream);
+  }
+
+  /**
+   * A journal that went on after a restart is written anew a moment after
+   * the start, off the path to the first answer, when it is long: the next
+   * restart then reads one line per object, not the lines of every change.
+   */
+  compactAfterStart(): void {
+    const live = this.state.allocations.size + this.state.stores.size + this.state.sessions.size;
+    if (this.journal.lines <= COMPACT_SLACK / 4 + live) return;
+    const timer = setTimeout(() => {
+      if (!this.frozen) this.compact();
+    }, COMPACT_AFTER_START_MS);
+    timer.unref();
+  }
+
+  /** Objects a resumed journal names that did not come back at the restore (no descriptor, another device): recorded as gone. */
+  forgetDropped(allocations: Iterable<string>, stores: Iterable<string>): void {
+    for (const id of allocations) this.write({ t: 'A', id });
+    for (const id of stores) this.write({ t: 'S', id });
   }
 
   /** Memory whose descriptor is parked already, under `name`: taken back at start, or whose free failed after detach(). */

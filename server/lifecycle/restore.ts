@@ -46,7 +46,15 @@ export async function restoreParked(deps: RestoreDeps, inherited: Map<string, nu
   const generations = [...inherited.keys()].map((name) => JOURNAL_NAME.exec(name)).filter((m) => m !== null).map((m) => Number(m![1]));
   generations.sort((a, b) => b - a);
   let state: ParkedState = emptyState();
-  if (generations.length > 0) state = Journal.read(inherited.get(`j${generations[0]}`)![0]);
+  // The newest journal goes on (the parked state is written before the answers, not rewritten at start); the older
+  // ones (a compaction cut short) and extra copies are closed.
+  let resumed: { journal: Journal; generation: number } | undefined;
+  if (generations.length > 0) {
+    const newest = inherited.get(`j${generations[0]}`)!;
+    const read = Journal.resume(newest.shift()!);
+    state = read.state;
+    resumed = { journal: read.journal, generation: generations[0] };
+  }
   for (const generation of generations) for (const fd of inherited.get(`j${generation}`)!) addon.close(fd);
   for (const generation of generations) inherited.delete(`j${generation}`);
 
@@ -54,10 +62,14 @@ export async function restoreParked(deps: RestoreDeps, inherited: Map<string, nu
   const kept: ParkedState = { ...emptyState(), sessions: state.sessions, nextId: state.nextId, nextStoreId: state.nextStoreId };
   const handles: Array<[AllocationRecord, string]> = [];
   let dropped = 0;
+  // Records that do not come back: recorded as gone in the journal that goes on.
+  const droppedAllocations: string[] = [];
+  const droppedStores: string[] = [];
   for (const parked of state.allocations.values()) {
     const fds = inherited.get(parked.fd);
     inherited.delete(parked.fd);
     if (fds === undefined) {
+      droppedAllocations.push(parked.id);
       dropped++;
       continue;
     }
@@ -67,6 +79,7 @@ export async function restoreParked(deps: RestoreDeps, inherited: Map<string, nu
       log.error({ allocation: parked.id, device: parked.device, parkedOn: parked.deviceUuid, here: uuid ?? 'none' }, 'a parked allocation is of a device this daemon does not have: dropped');
       addon.close(fds[0]);
       deps.client.remove(parked.fd);
+      droppedAllocations.push(parked.id);
       dropped++;
       continue;
     }
@@ -91,12 +104,14 @@ export async function restoreParked(deps: RestoreDeps, inherited: Map<string, nu
     } catch (error) {
       log.error({ err: error, allocation: parked.id }, 'a parked allocation could not be taken back: dropped');
       deps.client.remove(parked.fd);
+      droppedAllocations.push(parked.id);
       dropped++;
     }
   }
   for (const parked of state.stores.values()) {
     const allocation = kept.allocations.has(parked.allocationId) ? registry.allocation(BigInt(parked.allocationId)) : undefined;
     if (allocation === undefined) {
+      droppedStores.push(parked.id);
       dropped++;
       continue;
     }
@@ -118,6 +133,7 @@ export async function restoreParked(deps: RestoreDeps, inherited: Map<string, nu
       kept.stores.set(parked.id, parked);
     } catch (error) {
       log.error({ err: error, store: parked.id, name: parked.name }, 'a parked store could not be mapped again: dropped');
+      droppedStores.push(parked.id);
       dropped++;
     }
   }
@@ -128,7 +144,9 @@ export async function restoreParked(deps: RestoreDeps, inherited: Map<string, nu
     dropped++;
   }
 
-  const parking = Parking.start({ ...deps, nextId: () => registry.ids.peek() }, kept, generations, handles.map(([, name]) => name));
+  const parking = Parking.start({ ...deps, nextId: () => registry.ids.peek() }, kept, generations, handles.map(([, name]) => name), resumed);
+  parking.forgetDropped(droppedAllocations, droppedStores);
+  parking.compactAfterStart();
   for (const [record, name] of handles) parking.adopted(record.handle, name);
   slot.parking = parking;
   registry.allocations.observer = parking;

@@ -38,6 +38,30 @@ describe('the journal', () => {
   });
 });
 
+describe('a journal that goes on after a restart', () => {
+  it('reads the state, then appends after it; a last line a crash cut short stays apart and is skipped', () => {
+    const fd = addon.stateMemfdCreate('t');
+    const whole = `${JSON.stringify(allocation('1'))}\n${JSON.stringify(allocation('2'))}\n`;
+    fs.writeSync(fd, `${whole}${JSON.stringify(allocation('3')).slice(0, 30)}`, 0);
+    const { journal, state } = Journal.resume(fd);
+    try {
+      expect([...state.allocations.keys()]).toEqual(['1', '2']);
+      expect(journal.lines).toBe(2);
+      journal.append({ t: 'A', id: '1' });
+      journal.append(allocation('4'));
+      const back = Journal.read(fd);
+      expect([...back.allocations.keys()]).toEqual(['2', '4']);
+      expect(back.nextId).toBe(5n);
+      // Gone on again, from a journal that ends whole: nothing is inserted between.
+      const again = Journal.resume(fd);
+      again.journal.append({ t: 'A', id: '2' });
+      expect([...Journal.read(fd).allocations.keys()]).toEqual(['4']);
+    } finally {
+      journal.close();
+    }
+  });
+});
+
 describe("the keeper's descriptor store", () => {
   it('keeps descriptors under their FDNAME, drops a name on FDSTOREREMOVE, and closes what came with anything else', () => {
     const store = new DescriptorStore();
