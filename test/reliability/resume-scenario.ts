@@ -2,12 +2,15 @@
  * The resume scenario, on either backend (test/reliability/resume.test.ts on
  * host, test/gpu/resume-cuda.test.ts on cuda): under vmmd's keeper, 16
  * clients (12 TypeScript, 4 Python processes) allocate, write, release and
- * read one of 8 open stores while the serving daemon is SIGKILLed, while
- * it is restarted on purpose (SIGHUP to the keeper: the planned upgrade), and
- * while a second daemon process takes over from it (`--take-over`, no keeper).
+ * read one of 8 open stores (4 MiB each, or the size given: 512 MiB for the
+ * 4 GiB of the full run) while the serving daemon is SIGKILLed, while it is
+ * restarted on purpose (SIGHUP to the keeper: the planned upgrade), and while
+ * a second daemon process takes over from it (`--take-over`, no keeper).
  * Every client resumes its session by itself: no error reaches its code,
  * what the daemon says each session owns is exactly what the client holds,
- * its quota charge is their bytes, and their bytes and the stores' are intact.
+ * its quota charge is their bytes, and their bytes and the stores' are intact:
+ * every store read whole after, and the stores' records and quota charges
+ * equal to what they were before the clients came.
  */
 import { spawn } from 'node:child_process';
 import { createHash } from 'node:crypto';
@@ -17,6 +20,7 @@ import { connect } from '../../client';
 import { call, eventually, MiB, packageRoot, sleep, TestDaemon } from '../e2e/harness';
 import { figure } from './figures';
 import { runReportingClient } from './report-client';
+import { servingPid, settledState } from './restart-scenario';
 
 const TS_CLIENTS = 12;
 const PY_CLIENTS = 4;
@@ -57,26 +61,55 @@ function runPython(args: string[], socketDir: string): Promise<Report> {
   });
 }
 
-/** The serving daemon under a keeper: the keeper's only child. */
-function servingPid(keeper: number): number | undefined {
-  const children = fs.readFileSync(`/proc/${keeper}/task/${keeper}/children`, 'utf8').trim();
-  return children === '' ? undefined : Number(children.split(' ')[0]);
-}
+/** How much of a store each client reads while it works (all of a smaller one): a large store is checked whole after, by `storeSums`. */
+const CHECKED_BYTES = 4n * MiB;
+/** The piece a store is written and hashed in: a large store is never one buffer. */
+const PIECE_BYTES = 16n * MiB;
 
-/** 8 stores with bytes of their own, handed to the daemon; their checksums. */
-async function makeStores(dir: string): Promise<string[]> {
+/** Store `i`'s bytes from `offset` (a multiple of PIECE_BYTES): each piece its own, so a piece misplaced is seen. */
+const storePiece = (i: number, offset: bigint, length: bigint) => Buffer.alloc(Number(length), `store ${i} piece ${offset / PIECE_BYTES} `);
+
+/** 8 stores of `storeBytes` each with bytes of their own, handed to the daemon; each one's checksum, whole and of its first CHECKED_BYTES. */
+async function makeStores(dir: string, storeBytes: bigint): Promise<Array<{ whole: string; checked: string }>> {
   const maker = await connect({ socketDir: dir });
-  const sums: string[] = [];
+  const sums: Array<{ whole: string; checked: string }> = [];
   try {
     for (let i = 0; i < STORES; i++) {
-      const allocation = await maker.vmm.create({ size: 4n * MiB });
-      const store = await maker.stores.createStore({ allocationId: allocation.id, name: `weights-${i}`, handOver: true });
-      const bytes = Buffer.alloc(Number(4n * MiB), `store ${i} `);
-      await maker.stores.write({ storeId: store.id, offset: 0n }, bytes);
-      sums.push(createHash('sha256').update(bytes).digest('hex'));
+      // Written through the maker's own mapping of the memory, then handed over: a store's load as a loader does it.
+      const memory = await maker.vmm.allocate({ size: storeBytes });
+      const whole = createHash('sha256');
+      const checked = createHash('sha256');
+      for (let offset = 0n; offset < storeBytes; offset += PIECE_BYTES) {
+        const piece = storePiece(i, offset, storeBytes - offset < PIECE_BYTES ? storeBytes - offset : PIECE_BYTES);
+        await memory.write(offset, piece);
+        whole.update(piece);
+        if (offset < CHECKED_BYTES) checked.update(piece.subarray(0, Number(CHECKED_BYTES - offset)));
+      }
+      await maker.stores.createStore({ allocationId: memory.allocationId, name: `weights-${i}`, handOver: true });
+      await memory.close();
+      sums.push({ whole: whole.digest('hex'), checked: checked.digest('hex') });
     }
   } finally {
     maker.close();
+  }
+  return sums;
+}
+
+/** Each store opened and read whole, piece by piece: its sha256 by name. */
+async function storeSums(dir: string): Promise<Record<string, string>> {
+  const reader = await connect({ socketDir: dir });
+  const sums: Record<string, string> = {};
+  try {
+    for (const listed of await reader.stores.list()) {
+      const opened = await reader.stores.open({ name: listed.name });
+      const hash = createHash('sha256');
+      const size = BigInt(listed.size);
+      for (let offset = 0n; offset < size; offset += PIECE_BYTES) hash.update(await opened.memory.read(offset, size - offset < PIECE_BYTES ? size - offset : PIECE_BYTES));
+      await opened.close();
+      sums[listed.name] = hash.digest('hex');
+    }
+  } finally {
+    reader.close();
   }
   return sums;
 }
@@ -100,12 +133,21 @@ const NAMES = { kill: 'kill -9', upgrade: 'planned upgrade', 'take-over': 'take-
 /**
  * 16 clients at work while the daemon is SIGKILLed ('kill'), restarted on
  * purpose under the keeper ('upgrade'), or taken over by a second daemon
- * process started with --take-over ('take-over', no keeper); checks and reports.
- * @param extraArgs more daemon arguments (a stock on host: the cuda backend's allocation path)
+ * process started with --take-over ('take-over', no keeper), with 8 stores of
+ * `storeBytes` each open (4 MiB unless given); checks and reports.
+ * @param options.extraArgs more daemon arguments (a stock on host: the cuda backend's allocation path)
  */
-export async function resumeScenario(backend: 'host' | 'cuda', how: 'kill' | 'upgrade' | 'take-over', extraArgs: string[] = []): Promise<void> {
-  const name = `${NAMES[how]} under load (${backend}${extraArgs.length > 0 ? ` ${extraArgs.join(' ')}` : ''})`;
-  const settings = ['--parked-grace-ms', '60000', ...(backend === 'host' ? ['--host-capacity', '512MiB'] : []), ...extraArgs];
+export async function resumeScenario(
+  backend: 'host' | 'cuda',
+  how: 'kill' | 'upgrade' | 'take-over',
+  options: { storeBytes?: bigint; extraArgs?: string[] } = {},
+): Promise<void> {
+  const storeBytes = options.storeBytes ?? 4n * MiB;
+  const extraArgs = options.extraArgs ?? [];
+  const name = `${NAMES[how]} under load, 8 stores of ${storeBytes / MiB} MiB (${backend}${extraArgs.length > 0 ? ` ${extraArgs.join(' ')}` : ''})`;
+  // Room for the stores and for every client's allocations beside them.
+  const capacity = `${BigInt(STORES) * storeBytes + 512n * MiB}`;
+  const settings = ['--parked-grace-ms', '60000', ...(backend === 'host' ? ['--host-capacity', capacity] : []), ...extraArgs];
   let daemon = await TestDaemon.start([...(how === 'take-over' ? ['--park', 'held'] : ['--keeper', 'on']), ...settings], backend);
   // The hand-over proper, as the new daemon measures it: from its request to serving.
   let handOverMs: number | undefined;
@@ -117,8 +159,10 @@ export async function resumeScenario(backend: 'host' | 'cuda', how: 'kill' | 'up
     handOverMs = line === undefined ? undefined : Math.round(JSON.parse(line).ms);
   };
   try {
-    const sums = await makeStores(daemon.dir);
-    const store = (i: number) => [`weights-${i % STORES}`, sums[i % STORES]];
+    const sums = await makeStores(daemon.dir, storeBytes);
+    const store = (i: number) => [`weights-${i % STORES}`, sums[i % STORES].checked, String(CHECKED_BYTES < storeBytes ? CHECKED_BYTES : storeBytes)];
+    // What the stores are before the clients come and the daemon goes: their records, their allocations, the quota charges.
+    const before = await settledState(daemon);
     const running = [
       ...Array.from({ length: TS_CLIENTS }, (_, i) => runReportingClient<Report>(WORKER, [String(i + 1), String(RUN_MS), ...store(i)], daemon.dir)),
       ...Array.from({ length: PY_CLIENTS }, (_, i) => runPython([String(TS_CLIENTS + i + 1), String(RUN_MS), ...store(TS_CLIENTS + i)], daemon.dir)),
@@ -131,11 +175,15 @@ export async function resumeScenario(backend: 'host' | 'cuda', how: 'kill' | 'up
     await restart();
     const restartMs = Date.now() - started;
     const reports = await Promise.all(running);
+    // Every store listed, opened and read whole: the bytes of each are what was written.
+    const sumsAfter = await storeSums(daemon.dir);
     const errors = reports.reduce((total, report) => total + Object.values(report.errors).reduce((a, b) => a + b, 0), 0);
     const firstErrors = reports.map((report) => report.first).filter((first) => first !== undefined && first !== null);
     figure(`resume: ${name}`, {
       clients: reports.length,
       stores_open: STORES,
+      store_bytes_total: String(BigInt(STORES) * storeBytes),
+      stores_byte_identical: Object.entries(sumsAfter).filter(([storeName, sum]) => sums[Number(storeName.split('-')[1])]?.whole === sum).length,
       ops: reports.reduce((total, report) => total + report.ops, 0),
       client_errors: errors,
       sessions_owning_exactly_what_they_hold: reports.filter((report) => report.ownedMatches).length,
@@ -151,10 +199,15 @@ export async function resumeScenario(backend: 'host' | 'cuda', how: 'kill' | 'up
     expect(unsound.map((report) => ({ session: report.session, charged: report.charged, held: report.held, intact: report.intact, ops: report.ops }))).toEqual([]);
     // Every session is gone with its client; nothing is left over.
     await eventually(async () => ((await daemon.stats()).sessions === 0 ? true : undefined), 20_000, 'the sessions to close');
+    // A closed session's objects are reclaimed just after it leaves the count: only the stores' allocations stay; a leftover is named (id, owner).
+    await eventually(async () => ((await daemon.stats()).allocations === String(STORES) ? true : undefined), 20_000, "the sessions' allocations to be reclaimed").catch(() => undefined);
     const stores = new Set((await call(daemon.raw.stores, 'List', {})).stores.map((store: { allocationId: string }) => String(store.allocationId)));
     const left = (await call(daemon.raw.admin, 'ListObjects', {})).objects.filter((o: { kind: string; id: string }) => o.kind === 'allocation' && !stores.has(String(o.id)));
     expect(left).toEqual([]);
     expect((await daemon.stats()).allocations).toBe(String(STORES));
+    expect(sumsAfter).toEqual(Object.fromEntries(sums.map((sum, i) => [`weights-${i}`, sum.whole])));
+    // The stores, their allocations and every quota charge are what they were before the clients came: 0 bytes lost, none left over.
+    expect(await settledState(daemon)).toEqual(before);
   } finally {
     await daemon.stop();
   }
