@@ -37,8 +37,16 @@ module.exports = {
     layer('stores-not-up', '^server/stores/', '^server/(main\\.ts|app/|lifecycle/|transport/)'),
     layer('registry-not-up', '^server/registry/', '^server/(main\\.ts|app/|lifecycle/|transport/|stores/)'),
     layer('backends-not-up', '^server/backends/', '^server/(main\\.ts|app/|lifecycle/|transport/|stores/|registry/)'),
-    layer('observability-not-up', '^server/observability/(turns|gc-pauses|log-limiter)\\.ts$', '^server/(main\\.ts|app/|transport/|stores/|registry/|backends/)'),
-    layer('server-roots-not-up', '^(server/(errors|serial-queue)\\.ts)$', '^server/(?!errors\\.ts$|serial-queue\\.ts$|observability/(turns|gc-pauses|log-limiter)\\.ts$)'),
+    layer(
+      'observability-not-up',
+      '^server/observability/(turns|gc-pauses|log-limiter)\\.ts$',
+      '^server/(main\\.ts|app/|transport/|stores/|registry/|backends/)',
+    ),
+    layer(
+      'server-roots-not-up',
+      '^(server/(errors|serial-queue)\\.ts)$',
+      '^server/(?!errors\\.ts$|serial-queue\\.ts$|observability/(turns|gc-pauses|log-limiter)\\.ts$)',
+    ),
     layer('native-not-up', '^native/', '^(server|client)/'),
     layer('common-not-up', '^common/', '^(server|client|native)/'),
     {

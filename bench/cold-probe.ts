@@ -50,9 +50,22 @@ async function main(): Promise<void> {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-probe-sock-'));
   const daemonErr = fs.openSync(path.join(out, 'daemon-trace.txt'), 'w');
   const profile = process.argv.includes('--profile') ? option('profile', '') : '';
-  const child = spawn(process.execPath, [...(profile ? ['--cpu-prof', `--cpu-prof-dir=${profile}`] : []), path.join(packageRoot, 'bin', 'vmmd.js'), '--backend', backend, '--socket-dir', dir, '--log-level', 'warn'], {
-    stdio: ['ignore', 'inherit', daemonErr],
-  });
+  const child = spawn(
+    process.execPath,
+    [
+      ...(profile ? ['--cpu-prof', `--cpu-prof-dir=${profile}`] : []),
+      path.join(packageRoot, 'bin', 'vmmd.js'),
+      '--backend',
+      backend,
+      '--socket-dir',
+      dir,
+      '--log-level',
+      'warn',
+    ],
+    {
+      stdio: ['ignore', 'inherit', daemonErr],
+    },
+  );
   const client = await connectWhenReady(dir, child);
   const emm = await manager(client, true);
   // The CPU at work first, as in the benchmark (the cold section runs after the pooled one).
@@ -67,17 +80,26 @@ async function main(): Promise<void> {
   const schedules: Array<[string, (size: bigint) => Promise<void>]> = [
     ['back-to-back', async () => undefined],
     ['overlapped', async () => undefined],
-    ['settled', async () => {
-      await emm.flush();
-      spin(500);
-    }],
-    ['apart', async () => {
-      await sleep(2);
-    }],
-    ['settled-apart', async () => {
-      await emm.flush();
-      await sleep(2);
-    }],
+    [
+      'settled',
+      async () => {
+        await emm.flush();
+        spin(500);
+      },
+    ],
+    [
+      'apart',
+      async () => {
+        await sleep(2);
+      },
+    ],
+    [
+      'settled-apart',
+      async () => {
+        await emm.flush();
+        await sleep(2);
+      },
+    ],
   ];
   try {
     for (const size of [2n * MiB, 64n * MiB]) {

@@ -11,7 +11,15 @@ const path = require('node:path');
 
 const identity = (x) => x;
 const service = {
-  Pull: { path: '/floor.Floor/Pull', requestStream: false, responseStream: true, requestSerialize: identity, requestDeserialize: identity, responseSerialize: identity, responseDeserialize: identity },
+  Pull: {
+    path: '/floor.Floor/Pull',
+    requestStream: false,
+    responseStream: true,
+    requestSerialize: identity,
+    requestDeserialize: identity,
+    responseSerialize: identity,
+    responseDeserialize: identity,
+  },
 };
 const CHUNK = Buffer.alloc(1 << 20, 7);
 const CHUNKS = 256;

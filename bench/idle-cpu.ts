@@ -36,9 +36,13 @@ const sleep = (ms: number) => new Promise((resolve) => setTimeout(resolve, ms));
 async function main(): Promise<void> {
   const seconds = Number(option('seconds', '60'));
   const backend = option('backend', 'host');
-  const extra = option('daemon-args', '').split(' ').filter((arg) => arg !== '');
+  const extra = option('daemon-args', '')
+    .split(' ')
+    .filter((arg) => arg !== '');
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-idle-bench-'));
-  const daemon = spawn(process.execPath, [DAEMON, '--backend', backend, '--socket-dir', dir, '--log-level', 'info', ...extra], { stdio: ['ignore', 'pipe', 'inherit'] });
+  const daemon = spawn(process.execPath, [DAEMON, '--backend', backend, '--socket-dir', dir, '--log-level', 'info', ...extra], {
+    stdio: ['ignore', 'pipe', 'inherit'],
+  });
   let output = '';
   daemon.stdout!.on('data', (chunk) => (output += chunk));
   try {

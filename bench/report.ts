@@ -39,7 +39,10 @@ function render(name: string, report: Report, targetsOnly: boolean): string {
   ];
   const targets = report.sections.flatMap((section) => section.targets ?? []);
   if (targets.length > 0) {
-    lines.push(markdownTable(targets.map((target) => ({ target: target.target, measured: target.measured, limit: target.limit, met: target.met ? 'yes' : '**no**' }))), '');
+    lines.push(
+      markdownTable(targets.map((target) => ({ target: target.target, measured: target.measured, limit: target.limit, met: target.met ? 'yes' : '**no**' }))),
+      '',
+    );
   }
   for (const section of targetsOnly ? [] : report.sections) {
     lines.push(`#### ${section.title}`, '', markdownTable(section.rows), '');
@@ -55,7 +58,13 @@ function main() {
   const file = args[0] ?? path.join(packageRoot, 'BENCHMARKS.md');
   const dir = path.join(packageRoot, 'bench', 'results');
   const picked = args.slice(1).map((name) => `${name}.json`);
-  const names = picked.length > 0 ? picked : fs.readdirSync(dir).filter((entry) => entry.endsWith('.json')).sort();
+  const names =
+    picked.length > 0
+      ? picked
+      : fs
+          .readdirSync(dir)
+          .filter((entry) => entry.endsWith('.json'))
+          .sort();
   const reports = names
     .map((entry) => ({ name: entry.replace(/\.json$/, ''), report: JSON.parse(fs.readFileSync(path.join(dir, entry), 'utf8')) as Report }))
     .filter(({ report }) => Array.isArray(report.sections)); // the Python benches' results have a form of their own

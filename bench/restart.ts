@@ -34,9 +34,32 @@ async function main(): Promise<void> {
   const size = 64n << 10n;
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-restart-bench-'));
   const hostArgs = backend === 'host' ? ['--host-granularity', '64KiB', '--host-capacity', String(BigInt(objects + 64) * size)] : [];
-  const keeper = spawn(process.execPath, [path.join(packageRoot, 'bin', 'vmmd.js'), '--keeper', 'on', '--backend', backend, '--socket-dir', dir, '--log-level', 'info', '--stock', 'none', '--parked-grace-ms', '3600000', '--max-allocations-per-uid', String(objects * 2), '--max-stores-per-uid', String(objects), ...hostArgs], {
-    stdio: ['ignore', 'pipe', 'inherit'],
-  });
+  const keeper = spawn(
+    process.execPath,
+    [
+      path.join(packageRoot, 'bin', 'vmmd.js'),
+      '--keeper',
+      'on',
+      '--backend',
+      backend,
+      '--socket-dir',
+      dir,
+      '--log-level',
+      'info',
+      '--stock',
+      'none',
+      '--parked-grace-ms',
+      '3600000',
+      '--max-allocations-per-uid',
+      String(objects * 2),
+      '--max-stores-per-uid',
+      String(objects),
+      ...hostArgs,
+    ],
+    {
+      stdio: ['ignore', 'pipe', 'inherit'],
+    },
+  );
   // The daemon's own account of each restore (objects taken back, its milliseconds).
   const restores: Array<{ allocations: number; stores: number; ms: number }> = [];
   let pending = '';

@@ -76,7 +76,8 @@ const SECTIONS: Record<string, (daemon: BenchDaemon, args: SectionArgs) => Promi
   handoff: (daemon, args) => handoff(daemon.client, count(args, 200, 500, 1000)),
   streaming: (daemon, args) => streaming(daemon.client, 256, count(args, 3, 5, 5)),
   // 8 GiB from the page cache on a GPU host (the issue's target), 256 MiB on the host backend and with --quick.
-  'store-load': (daemon, args) => storeLoad(daemon, args.backend, args.backend === 'cuda' && !args.quick ? 8 * 1024 ** 3 : 256 * 1024 ** 2, count(args, 1, 3, 3)),
+  'store-load': (daemon, args) =>
+    storeLoad(daemon, args.backend, args.backend === 'cuda' && !args.quick ? 8 * 1024 ** 3 : 256 * 1024 ** 2, count(args, 1, 3, 3)),
   // A 4 GiB store on a GPU host (the issue's target), 256 MiB on the host backend and with --quick.
   'new-worker': (daemon, args) => newWorker(daemon, args.backend, args.backend === 'cuda' && !args.quick ? 4n << 30n : 256n << 20n, count(args, 2, 5, 5)),
   scale: (daemon, args) => scale(daemon, scaleLevels(args.backend, args.quick), count(args, 200, 200, 300)),
@@ -130,7 +131,8 @@ async function main() {
       sections.push(section);
       console.log(`\n## ${section.title} (${((Date.now() - sectionStart) / 1000).toFixed(1)} s)\n`);
       console.log(markdownTable(section.rows));
-      for (const target of section.targets ?? []) console.log(`target ${target.met ? 'MET' : 'MISSED'}: ${target.target}: ${target.measured} (limit ${target.limit})`);
+      for (const target of section.targets ?? [])
+        console.log(`target ${target.met ? 'MET' : 'MISSED'}: ${target.target}: ${target.measured} (limit ${target.limit})`);
     }
   } finally {
     await daemon.stop();

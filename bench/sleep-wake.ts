@@ -142,8 +142,23 @@ async function main(): Promise<void> {
       return { sleep, wake, waitedMs: woken.waitedMs };
     };
     const offloadRows = (what: string, timing: { sleep: number; wake: number; waitedMs: number }, vllmColumn: boolean): Row[] => [
-      { what: `${what}: sleep`, seconds: round(timing.sleep), 'GB/s': round(gbps(timing.sleep)), 'pinned copy GB/s': round(reference.dtoh), ratio: round(gbps(timing.sleep) / reference.dtoh), ...(vllmColumn ? { 'vLLM-style s': round(vllm.sleep) } : {}) },
-      { what: `${what}: wake`, seconds: round(timing.wake), 'GB/s': round(gbps(timing.wake)), 'pinned copy GB/s': round(reference.htod), ratio: round(gbps(timing.wake) / reference.htod), ...(vllmColumn ? { 'vLLM-style s': round(vllm.wake) } : {}), 'waited ms': timing.waitedMs },
+      {
+        what: `${what}: sleep`,
+        seconds: round(timing.sleep),
+        'GB/s': round(gbps(timing.sleep)),
+        'pinned copy GB/s': round(reference.dtoh),
+        ratio: round(gbps(timing.sleep) / reference.dtoh),
+        ...(vllmColumn ? { 'vLLM-style s': round(vllm.sleep) } : {}),
+      },
+      {
+        what: `${what}: wake`,
+        seconds: round(timing.wake),
+        'GB/s': round(gbps(timing.wake)),
+        'pinned copy GB/s': round(reference.htod),
+        ratio: round(gbps(timing.wake) / reference.htod),
+        ...(vllmColumn ? { 'vLLM-style s': round(vllm.wake) } : {}),
+        'waited ms': timing.waitedMs,
+      },
     ];
     // First cycle, host memory made by the sleep (the daemon creates it, the driver pins it, then the copy).
     const plain = client.tags.group('weights');
@@ -166,8 +181,18 @@ async function main(): Promise<void> {
       ...offloadRows('offload, next cycle, copies kept', second, false),
     );
     targets.push(
-      { target: 'first offload sleep (copies made ahead) ≥ 80% of the pinned copy (device → host)', measured: `${round(gbps(first.sleep))} GB/s`, limit: `${round(0.8 * reference.dtoh)} GB/s`, met: gbps(first.sleep) >= 0.8 * reference.dtoh },
-      { target: 'first wake ≥ 80% of the pinned copy (host → device)', measured: `${round(gbps(first.wake))} GB/s`, limit: `${round(0.8 * reference.htod)} GB/s`, met: gbps(first.wake) >= 0.8 * reference.htod },
+      {
+        target: 'first offload sleep (copies made ahead) ≥ 80% of the pinned copy (device → host)',
+        measured: `${round(gbps(first.sleep))} GB/s`,
+        limit: `${round(0.8 * reference.dtoh)} GB/s`,
+        met: gbps(first.sleep) >= 0.8 * reference.dtoh,
+      },
+      {
+        target: 'first wake ≥ 80% of the pinned copy (host → device)',
+        measured: `${round(gbps(first.wake))} GB/s`,
+        limit: `${round(0.8 * reference.htod)} GB/s`,
+        met: gbps(first.wake) >= 0.8 * reference.htod,
+      },
     );
     for (const mapped of memory) await prepared.forget(mapped);
     await freeAll(client, memory);
@@ -179,7 +204,8 @@ async function main(): Promise<void> {
       const fits = ((free * 9n) / 10n / granularity) * granularity;
       return wanted < fits ? wanted : fits;
     })();
-    if (discardBytes < wanted) notes.push(`discard sleep of ${discardBytes / MiB} MiB: what fits on this device (${total / MiB} MiB) of the ${wanted / MiB} MiB asked`);
+    if (discardBytes < wanted)
+      notes.push(`discard sleep of ${discardBytes / MiB} MiB: what fits on this device (${total / MiB} MiB) of the ${wanted / MiB} MiB asked`);
     const cache = await model(client, discardBytes, granularity);
     cache.forEach((mapped) => client.tags.group('kv').add(mapped));
     start = performance.now();
@@ -188,7 +214,10 @@ async function main(): Promise<void> {
     start = performance.now();
     await client.wake('kv', { deadlineMs: 60_000 });
     const discardWakeMs = seconds(start) * 1000;
-    rows.push({ what: `discard sleep, ${discardBytes / MiB} MiB in ${cache.length}`, seconds: round(discardMs / 1000, 4) }, { what: 'wake after discard', seconds: round(discardWakeMs / 1000, 4) });
+    rows.push(
+      { what: `discard sleep, ${discardBytes / MiB} MiB in ${cache.length}`, seconds: round(discardMs / 1000, 4) },
+      { what: 'wake after discard', seconds: round(discardWakeMs / 1000, 4) },
+    );
     targets.push({ target: `discard sleep of ${discardBytes / MiB} MiB ≤ 50 ms`, measured: `${round(discardMs)} ms`, limit: '50 ms', met: discardMs <= 50 });
     await freeAll(client, cache);
 
@@ -202,7 +231,12 @@ async function main(): Promise<void> {
     await client.wake('model');
     const storeWakeMs = seconds(start) * 1000;
     rows.push({ what: `wake of a ${storeBytes / MiB} MiB store-backed model`, seconds: round(storeWakeMs / 1000, 4) });
-    targets.push({ target: `store-backed wake of ${storeBytes / MiB} MiB ≤ 50 ms`, measured: `${round(storeWakeMs)} ms`, limit: '50 ms', met: storeWakeMs <= 50 });
+    targets.push({
+      target: `store-backed wake of ${storeBytes / MiB} MiB ≤ 50 ms`,
+      measured: `${round(storeWakeMs)} ms`,
+      limit: '50 ms',
+      met: storeWakeMs <= 50,
+    });
     await opened.close();
     await client.stores.detach({ id: store.id });
     await freeAll(client, [backing]);

@@ -44,7 +44,25 @@ async function main(): Promise<void> {
   const size = 64n << 10n;
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-take-over-bench-'));
   const hostArgs = backend === 'host' ? ['--host-granularity', '64KiB', '--host-capacity', String(BigInt(objects + 64) * size)] : [];
-  const args = ['--park', 'held', '--backend', backend, '--socket-dir', dir, '--log-level', 'info', '--stock', 'none', '--parked-grace-ms', '3600000', '--max-allocations-per-uid', String(objects * 2), '--max-stores-per-uid', String(objects), ...hostArgs];
+  const args = [
+    '--park',
+    'held',
+    '--backend',
+    backend,
+    '--socket-dir',
+    dir,
+    '--log-level',
+    'info',
+    '--stock',
+    'none',
+    '--parked-grace-ms',
+    '3600000',
+    '--max-allocations-per-uid',
+    String(objects * 2),
+    '--max-stores-per-uid',
+    String(objects),
+    ...hostArgs,
+  ];
   let daemon = startDaemon(args);
   const ready = async () => {
     for (;;) {
@@ -83,13 +101,23 @@ async function main(): Promise<void> {
     handOverMs.push(await daemon.handOverMs);
     const stores = (await again.stores.list()).length;
     again.close();
-    process.stderr.write(`round ${round + 1}: hand-over ${handOverMs[round].toFixed(0)} ms, spawn to served ${spawnToServedMs[round].toFixed(0)} ms; ${stores} stores listed\n`);
+    process.stderr.write(
+      `round ${round + 1}: hand-over ${handOverMs[round].toFixed(0)} ms, spawn to served ${spawnToServedMs[round].toFixed(0)} ms; ${stores} stores listed\n`,
+    );
   }
   daemon.child.kill('SIGTERM');
   await new Promise((resolve) => daemon.child.once('exit', resolve));
   fs.rmSync(dir, { recursive: true, force: true });
   const median = (values: number[]) => [...values].sort((a, b) => a - b)[Math.floor(values.length / 2)];
-  const summary = { backend, objects, rounds, handOverMs, spawnToServedMs, medianHandOverMs: median(handOverMs), medianSpawnToServedMs: median(spawnToServedMs) };
+  const summary = {
+    backend,
+    objects,
+    rounds,
+    handOverMs,
+    spawnToServedMs,
+    medianHandOverMs: median(handOverMs),
+    medianSpawnToServedMs: median(spawnToServedMs),
+  };
   process.stdout.write(`${JSON.stringify(summary, null, 2)}\n`);
   const out = process.argv.indexOf('--json');
   if (out > 0) fs.writeFileSync(process.argv[out + 1], JSON.stringify(summary, null, 2));

@@ -213,7 +213,12 @@ export class VmmdClient extends EventEmitter {
  * @throws VmmdError INVALID_ARGUMENT BAD_OPTION naming the value and the rule
  */
 export function busyPollBudget(option: number | undefined, env = process.env.VMMD_CLIENT_BUSY_POLL_US): number {
-  const [value, from] = option !== undefined ? [option, 'busyPollMicros'] : env !== undefined && env !== '' ? [Number(env), 'VMMD_CLIENT_BUSY_POLL_US'] : [DEFAULT_BUSY_POLL_MICROS, ''];
+  const [value, from] =
+    option !== undefined
+      ? [option, 'busyPollMicros']
+      : env !== undefined && env !== ''
+        ? [Number(env), 'VMMD_CLIENT_BUSY_POLL_US']
+        : [DEFAULT_BUSY_POLL_MICROS, ''];
   if (!Number.isInteger(value) || value < 0 || value > 10_000) {
     throw new VmmdError('BAD_OPTION', grpc.status.INVALID_ARGUMENT, `${from} must be a whole number of microseconds from 0 to 10000, got ${option ?? env}`);
   }
@@ -231,7 +236,12 @@ export async function connect(options: ConnectOptions = {}): Promise<VmmdClient>
   }
   const socketDir = options.socketDir ?? defaultSocketDir();
   const paths = socketPaths(socketDir);
-  const session = await ClientSession.open(paths.session, options.connectTimeoutMs ?? 5_000, busyPollBudget(options.busyPollMicros), resumeWaitMs(options.resumeWaitMs));
+  const session = await ClientSession.open(
+    paths.session,
+    options.connectTimeoutMs ?? 5_000,
+    busyPollBudget(options.busyPollMicros),
+    resumeWaitMs(options.resumeWaitMs),
+  );
   // The gRPC clients are made on first use: the session socket serves a worker's hot requests.
   const services = new LazyServices(`unix://${paths.grpc}`);
   const settings: CallSettings = {
@@ -252,7 +262,11 @@ export async function connect(options: ConnectOptions = {}): Promise<VmmdClient>
   else {
     session.close();
     services.close();
-    throw new VmmdError('UNKNOWN_BACKEND', grpc.status.UNIMPLEMENTED, `the daemon's descriptors are of no kind this client maps (its capabilities: ${[...session.capabilities].join(', ') || 'none'}); this client maps memfds and CUDA handles`);
+    throw new VmmdError(
+      'UNKNOWN_BACKEND',
+      grpc.status.UNIMPLEMENTED,
+      `the daemon's descriptors are of no kind this client maps (its capabilities: ${[...session.capabilities].join(', ') || 'none'}); this client maps memfds and CUDA handles`,
+    );
   }
   const vmm = new VirtualMemoryApi(services.client('vmm'), settings, session, backend, stagingBytes);
   const stores = new StoresApi(services.client('stores'), settings, session, backend);

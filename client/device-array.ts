@@ -17,16 +17,7 @@ export interface ArrayContext {
 }
 
 export type TypedArray =
-  | Int8Array
-  | Uint8Array
-  | Int16Array
-  | Uint16Array
-  | Int32Array
-  | Uint32Array
-  | Float32Array
-  | Float64Array
-  | BigInt64Array
-  | BigUint64Array;
+  Int8Array | Uint8Array | Int16Array | Uint16Array | Int32Array | Uint32Array | Float32Array | Float64Array | BigInt64Array | BigUint64Array;
 
 export interface TypedArrayClass<T extends TypedArray> {
   new (buffer: ArrayBuffer, byteOffset?: number, length?: number): T;
@@ -84,9 +75,7 @@ export class DeviceArray<T extends TypedArray> {
     for (let dimension = 0; dimension < indices.length; dimension++) {
       const index = indices[dimension];
       if (!Number.isInteger(index) || index < 0 || index >= this.shape[dimension]) {
-        throw this.fail(
-          new VmmdError('BAD_INDEX', Status.OUT_OF_RANGE, `index ${index} is outside dimension ${dimension} of extent ${this.shape[dimension]}`),
-        );
+        throw this.fail(new VmmdError('BAD_INDEX', Status.OUT_OF_RANGE, `index ${index} is outside dimension ${dimension} of extent ${this.shape[dimension]}`));
       }
       flat = flat * this.shape[dimension] + index;
     }

@@ -38,9 +38,7 @@ export class VmmdError extends Error {
 
   /** OUT_OF_MEMORY (3) for memory and quota exhaustion, PROGRAM_ERROR (2) for everything else. */
   get errorCode(): ErrorCode {
-    return this.status === Status.RESOURCE_EXHAUSTED || /OUT_OF_MEMORY/.test(this.code)
-      ? ErrorCode.OUT_OF_MEMORY
-      : ErrorCode.PROGRAM_ERROR;
+    return this.status === Status.RESOURCE_EXHAUSTED || /OUT_OF_MEMORY/.test(this.code) ? ErrorCode.OUT_OF_MEMORY : ErrorCode.PROGRAM_ERROR;
   }
 
   /** Wraps any error as a VmmdError (PROGRAM_ERROR unless it already is one). */

@@ -20,7 +20,8 @@ export interface ExternalOptions {
 }
 
 /** What a deleter failure is reported to (default: a process warning). */
-let deleterErrors: (error: unknown) => void = (error) => process.emitWarning(`vmmd: an external allocation's deleter failed: ${(error as Error)?.message ?? error}`);
+let deleterErrors: (error: unknown) => void = (error) =>
+  process.emitWarning(`vmmd: an external allocation's deleter failed: ${(error as Error)?.message ?? error}`);
 
 export function onDeleterError(handler: (error: unknown) => void): void {
   deleterErrors = handler;
@@ -92,7 +93,11 @@ export class ExternalAllocation {
    */
   async attach(client: VmmdClient, options: { name?: string } = {}): Promise<AttachedStore> {
     if (this.kind !== 'SYSMEM' && !client.session.capabilities.has('CAPABILITY_ATTACH_DEVICE_MEMORY')) {
-      throw new VmmdError('NO_CUDA_BACKEND', Status.FAILED_PRECONDITION, `${this.kind} needs a daemon that attaches device memory (the cuda backend); this one has ${client.backend} descriptors`);
+      throw new VmmdError(
+        'NO_CUDA_BACKEND',
+        Status.FAILED_PRECONDITION,
+        `${this.kind} needs a daemon that attaches device memory (the cuda backend); this one has ${client.backend} descriptors`,
+      );
     }
     const { devices } = await client.devices.listDevices();
     if (this.device >= devices.length) {

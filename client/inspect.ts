@@ -65,7 +65,9 @@ function reachable(socket: string): Promise<void> {
     });
     probe.once('error', (error) => {
       probe.destroy();
-      reject(new VmmdError('DAEMON_UNREACHABLE', grpc.status.UNAVAILABLE, `cannot reach vmmd at ${socket}: ${error.message}; ${whereElse(path.dirname(socket))}`));
+      reject(
+        new VmmdError('DAEMON_UNREACHABLE', grpc.status.UNAVAILABLE, `cannot reach vmmd at ${socket}: ${error.message}; ${whereElse(path.dirname(socket))}`),
+      );
     });
   });
 }

@@ -82,7 +82,9 @@ export class LazyServices {
         const real = this.clients()[service] as unknown as Record<PropertyKey, unknown>;
         const value = real[property];
         // The bound method keeps its path: a resumed call knows which method it is (client/rpc.ts).
-        return typeof value === 'function' ? Object.assign((value as (...args: unknown[]) => unknown).bind(real), { path: (value as { path?: string }).path }) : value;
+        return typeof value === 'function'
+          ? Object.assign((value as (...args: unknown[]) => unknown).bind(real), { path: (value as { path?: string }).path })
+          : value;
       },
     });
   }

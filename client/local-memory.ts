@@ -20,9 +20,14 @@ function localMapFailed(error: unknown, readOnly: boolean): VmmdError {
   const code = String((error as { code?: unknown })?.code ?? '');
   const message = `cannot map the exported memory here: ${(error as Error).message}`;
   if (!readOnly && (code === 'EPERM' || code === 'EACCES')) {
-    return new VmmdError('LOCAL_MAP_FAILED', Status.PERMISSION_DENIED, `${message} (the memory is sealed read-only: it backs a read-only store; import it with readOnly)`);
+    return new VmmdError(
+      'LOCAL_MAP_FAILED',
+      Status.PERMISSION_DENIED,
+      `${message} (the memory is sealed read-only: it backs a read-only store; import it with readOnly)`,
+    );
   }
-  if (code === 'ENOMEM' || code === 'EMFILE' || code === 'CUDA_ERROR_OUT_OF_MEMORY') return new VmmdError('LOCAL_MAP_FAILED', Status.RESOURCE_EXHAUSTED, message);
+  if (code === 'ENOMEM' || code === 'EMFILE' || code === 'CUDA_ERROR_OUT_OF_MEMORY')
+    return new VmmdError('LOCAL_MAP_FAILED', Status.RESOURCE_EXHAUSTED, message);
   return new VmmdError('LOCAL_MAP_FAILED', Status.INTERNAL, message);
 }
 
@@ -101,12 +106,16 @@ export abstract class ImportedMemory implements AsyncDisposable {
 
   /** Unmaps, keeping the range; memory that cannot sleep refuses. */
   protected suspendHere(): Promise<void> {
-    return Promise.reject(new VmmdError('ASLEEP', Status.FAILED_PRECONDITION, `allocation ${this.allocationId} cannot sleep: it is not a mapping of this process`));
+    return Promise.reject(
+      new VmmdError('ASLEEP', Status.FAILED_PRECONDITION, `allocation ${this.allocationId} cannot sleep: it is not a mapping of this process`),
+    );
   }
 
   /** Maps the descriptor at the kept range (the caller closes fd). */
   protected resumeHere(_fd: number): Promise<void> {
-    return Promise.reject(new VmmdError('ASLEEP', Status.FAILED_PRECONDITION, `allocation ${this.allocationId} cannot wake: it is not a mapping of this process`));
+    return Promise.reject(
+      new VmmdError('ASLEEP', Status.FAILED_PRECONDITION, `allocation ${this.allocationId} cannot wake: it is not a mapping of this process`),
+    );
   }
 
   /**
@@ -140,7 +149,9 @@ export abstract class ImportedMemory implements AsyncDisposable {
    */
   async readInto(offset: number | bigint, into: Uint8Array): Promise<Buffer> {
     this.checkRange(BigInt(offset), BigInt(into.byteLength));
-    return this.copies.ordered('read', BigInt(offset), BigInt(into.byteLength), () => this.copyOut(BigInt(offset), BigInt(into.byteLength), Buffer.from(into.buffer, into.byteOffset, into.byteLength)));
+    return this.copies.ordered('read', BigInt(offset), BigInt(into.byteLength), () =>
+      this.copyOut(BigInt(offset), BigInt(into.byteLength), Buffer.from(into.buffer, into.byteOffset, into.byteLength)),
+    );
   }
 
   /**
@@ -151,7 +162,9 @@ export abstract class ImportedMemory implements AsyncDisposable {
   async write(offset: number | bigint, data: Uint8Array): Promise<void> {
     this.checkRange(BigInt(offset), BigInt(data.byteLength));
     if (this.readOnly) throw new VmmdError('READ_ONLY', Status.FAILED_PRECONDITION, `allocation ${this.allocationId} is mapped read-only here`);
-    return this.copies.ordered('write', BigInt(offset), BigInt(data.byteLength), () => this.copyIn(BigInt(offset), Buffer.from(data.buffer, data.byteOffset, data.byteLength)));
+    return this.copies.ordered('write', BigInt(offset), BigInt(data.byteLength), () =>
+      this.copyIn(BigInt(offset), Buffer.from(data.buffer, data.byteOffset, data.byteLength)),
+    );
   }
 
   /**

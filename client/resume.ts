@@ -21,14 +21,24 @@ const RESUME_BACKOFF_MS = 25;
 const RESUME_BACKOFF_MAX_MS = 500;
 
 /** The daemon's refusals that end the attempts: the session cannot come back. */
-const FINAL_REFUSALS = new Set(['RESUME_UNKNOWN', 'SESSION_RECLAIMED', 'RESUME_OF_ANOTHER_UID', 'RESUME_DUPLICATE', 'BAD_MESSAGE', 'NOT_ALLOWED', 'PERMISSION_DENIED', 'PROTOCOL_VERSION']);
+const FINAL_REFUSALS = new Set([
+  'RESUME_UNKNOWN',
+  'SESSION_RECLAIMED',
+  'RESUME_OF_ANOTHER_UID',
+  'RESUME_DUPLICATE',
+  'BAD_MESSAGE',
+  'NOT_ALLOWED',
+  'PERMISSION_DENIED',
+  'PROTOCOL_VERSION',
+]);
 
 /**
  * The resume wait: the option, else VMMD_RESUME_WAIT_MS, else the default.
  * @throws VmmdError INVALID_ARGUMENT BAD_OPTION naming the value and the rule
  */
 export function resumeWaitMs(option: number | undefined, env = process.env.VMMD_RESUME_WAIT_MS): number {
-  const [value, from] = option !== undefined ? [option, 'resumeWaitMs'] : env !== undefined && env !== '' ? [Number(env), 'VMMD_RESUME_WAIT_MS'] : [DEFAULT_RESUME_WAIT_MS, ''];
+  const [value, from] =
+    option !== undefined ? [option, 'resumeWaitMs'] : env !== undefined && env !== '' ? [Number(env), 'VMMD_RESUME_WAIT_MS'] : [DEFAULT_RESUME_WAIT_MS, ''];
   if (!Number.isInteger(value) || value < 0 || value > 3_600_000) {
     throw new VmmdError('BAD_OPTION', Status.INVALID_ARGUMENT, `${from} must be a whole number of milliseconds from 0 to 3600000, got ${option ?? env}`);
   }
@@ -60,7 +70,13 @@ function nextFrame(connection: SeqpacketConnection, path: string, timeoutMs: num
       if (message.fd >= 0) native.close(message.fd);
       // A daemon of protocol 1 speaks first, in JSON.
       if (isProtocol1(message.data)) {
-        reject(new VmmdError('PROTOCOL_VERSION', Status.FAILED_PRECONDITION, `vmmd at ${path} speaks session protocol 1; this client speaks ${PROTOCOL_VERSION}: upgrade the daemon`));
+        reject(
+          new VmmdError(
+            'PROTOCOL_VERSION',
+            Status.FAILED_PRECONDITION,
+            `vmmd at ${path} speaks session protocol 1; this client speaks ${PROTOCOL_VERSION}: upgrade the daemon`,
+          ),
+        );
         return;
       }
       resolve(decodeDaemonFrame(message.data));
@@ -74,7 +90,13 @@ function nextFrame(connection: SeqpacketConnection, path: string, timeoutMs: num
  * either way.
  * @throws VmmdError the daemon's refusal (its code), NO_GREETING, DAEMON_UNREACHABLE, BAD_GREETING, PROTOCOL_VERSION
  */
-export async function greeting(connection: SeqpacketConnection, path: string, timeoutMs: number, resumeToken = '', what = 'the session'): Promise<HelloResponse__Output> {
+export async function greeting(
+  connection: SeqpacketConnection,
+  path: string,
+  timeoutMs: number,
+  resumeToken = '',
+  what = 'the session',
+): Promise<HelloResponse__Output> {
   const answer = nextFrame(connection, path, timeoutMs);
   try {
     connection.send(encodeClientFrame({ hello: { protocol: PROTOCOL_VERSION, resumeToken } }));
@@ -84,7 +106,11 @@ export async function greeting(connection: SeqpacketConnection, path: string, ti
   const frame = await answer;
   if (typeof frame !== 'string' && frame.error != null) {
     const refused = frame.error;
-    throw new VmmdError(refused.code as DeclaredCode, refused.status === 0 ? Status.PERMISSION_DENIED : (refused.status as Status), `vmmd refused ${what}: ${refused.message}`);
+    throw new VmmdError(
+      refused.code as DeclaredCode,
+      refused.status === 0 ? Status.PERMISSION_DENIED : (refused.status as Status),
+      `vmmd refused ${what}: ${refused.message}`,
+    );
   }
   if (typeof frame === 'string' || frame.hello == null || frame.hello.protocol !== PROTOCOL_VERSION) {
     throw new VmmdError('BAD_GREETING', Status.UNAVAILABLE, `vmmd at ${path} greeted with an unexpected frame`);
@@ -109,12 +135,19 @@ export async function resumeConnection(path: string, session: string, resumeToke
       connection = SeqpacketConnection.connect(path);
       const resumed = await greeting(connection, path, Math.max(1, deadline - Date.now()), resumeToken, `to resume session ${session}`);
       if (!resumed.resumed || resumed.session !== session) {
-        throw new VmmdError('BAD_GREETING', Status.UNAVAILABLE, `vmmd at ${path} answered the resume of session ${session} with session ${resumed.session}, not resumed`);
+        throw new VmmdError(
+          'BAD_GREETING',
+          Status.UNAVAILABLE,
+          `vmmd at ${path} answered the resume of session ${session} with session ${resumed.session}, not resumed`,
+        );
       }
       return connection;
     } catch (error) {
       connection?.close();
-      last = error instanceof VmmdError ? error : new VmmdError('DAEMON_UNREACHABLE', Status.UNAVAILABLE, `cannot reach vmmd at ${path}: ${(error as Error).message}`);
+      last =
+        error instanceof VmmdError
+          ? error
+          : new VmmdError('DAEMON_UNREACHABLE', Status.UNAVAILABLE, `cannot reach vmmd at ${path}: ${(error as Error).message}`);
       if (FINAL_REFUSALS.has(last.code)) throw last;
     }
     await new Promise((resolve) => setTimeout(resolve, Math.min(backoff, Math.max(0, deadline - Date.now()))));

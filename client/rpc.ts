@@ -5,12 +5,7 @@ import { VmmdError } from './errors';
 /** A request type whose uint64 fields also take bigint (sent as decimal strings). */
 export type Input<T> = { [K in keyof T]?: T[K] | bigint | (NonNullable<T[K]> extends ReadonlyArray<infer E> ? Array<E | bigint> : never) };
 
-type UnaryMethod<Req, Res> = (
-  request: Req,
-  metadata: grpc.Metadata,
-  options: grpc.CallOptions,
-  callback: grpc.requestCallback<Res>,
-) => grpc.ClientUnaryCall;
+type UnaryMethod<Req, Res> = (request: Req, metadata: grpc.Metadata, options: grpc.CallOptions, callback: grpc.requestCallback<Res>) => grpc.ClientUnaryCall;
 
 /** bigint fields become decimal strings, at any depth. */
 export function toWire<T>(value: T): T {
@@ -45,8 +40,22 @@ export interface CallSettings {
  * who knows whether doing it twice is right.
  */
 const SAFE_AGAIN = new Set([
-  'GetStats', 'GetReport', 'ListSessions', 'ListObjects', 'GetVersion', 'ListDevices', 'GetMemoryInfo', 'GetGranularity',
-  'List', 'Read', 'GetAccess', 'GetProperties', 'Share', 'Export', 'SetAccess', 'Fill',
+  'GetStats',
+  'GetReport',
+  'ListSessions',
+  'ListObjects',
+  'GetVersion',
+  'ListDevices',
+  'GetMemoryInfo',
+  'GetGranularity',
+  'List',
+  'Read',
+  'GetAccess',
+  'GetProperties',
+  'Share',
+  'Export',
+  'SetAccess',
+  'Fill',
 ]);
 
 /**
@@ -70,12 +79,7 @@ function methodName(method: UnaryMethod<unknown, unknown>): string {
  * refused (SESSION_RESUMING, which the daemon answers having done nothing, or
  * cut off, UNAVAILABLE or CANCELLED, for a method of SAFE_AGAIN) goes again once the session is back.
  */
-export async function unaryCall<Req, Res>(
-  client: grpc.Client,
-  method: UnaryMethod<Req, Res>,
-  request: Input<Req>,
-  settings: CallSettings,
-): Promise<Res> {
+export async function unaryCall<Req, Res>(client: grpc.Client, method: UnaryMethod<Req, Res>, request: Input<Req>, settings: CallSettings): Promise<Res> {
   const deadline = Date.now() + settings.deadlineMs;
   const session = settings.session;
   const resumable = session !== undefined && session.resumeToken !== undefined;
@@ -96,7 +100,9 @@ export async function unaryCall<Req, Res>(
       return await once();
     } catch (error) {
       const failed = error as VmmdError;
-      const again = failed.code === 'SESSION_RESUMING' || (CUT_OFF.has(failed.status) && attempt < SAFE_ATTEMPTS && SAFE_AGAIN.has(methodName(method as UnaryMethod<unknown, unknown>)));
+      const again =
+        failed.code === 'SESSION_RESUMING' ||
+        (CUT_OFF.has(failed.status) && attempt < SAFE_ATTEMPTS && SAFE_AGAIN.has(methodName(method as UnaryMethod<unknown, unknown>)));
       if (!again || session.closed || Date.now() >= deadline) throw failed;
       // The session socket may notice the restart a moment after the call did.
       await new Promise((resolve) => setTimeout(resolve, 20));
@@ -112,10 +118,7 @@ export const STREAM_CHUNK_BYTES = 1 << 20;
  * Collects a server stream of `{ data }` messages into one Buffer; `onChunk`
  * sees each chunk as it arrives (and may slow the stream down).
  */
-export async function collectStream(
-  call: AsyncIterable<{ data: Buffer }>,
-  onChunk?: (chunk: Buffer) => void | Promise<void>,
-): Promise<Buffer> {
+export async function collectStream(call: AsyncIterable<{ data: Buffer }>, onChunk?: (chunk: Buffer) => void | Promise<void>): Promise<Buffer> {
   const chunks: Buffer[] = [];
   try {
     for await (const message of call) {

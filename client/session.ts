@@ -81,14 +81,15 @@ export class ClientSession extends EventEmitter {
   private inbox = this.newInbox();
   private newInbox(): TransferInbox {
     return new TransferInbox({
-    keepMs: UNCLAIMED_TRANSFER_MS,
-    increasing: false,
-    close: (fd) => native.close(fd),
-    errors: {
-      notReceived: (transfer, waitMs) => new VmmdError('TRANSFER_NOT_RECEIVED', Status.DEADLINE_EXCEEDED, `descriptor ${transfer} did not arrive within ${waitMs} ms`),
-      used: (transfer) => new VmmdError('TRANSFER_USED', Status.FAILED_PRECONDITION, `descriptor ${transfer} is already being claimed`),
-      closed: () => this.lost(),
-    },
+      keepMs: UNCLAIMED_TRANSFER_MS,
+      increasing: false,
+      close: (fd) => native.close(fd),
+      errors: {
+        notReceived: (transfer, waitMs) =>
+          new VmmdError('TRANSFER_NOT_RECEIVED', Status.DEADLINE_EXCEEDED, `descriptor ${transfer} did not arrive within ${waitMs} ms`),
+        used: (transfer) => new VmmdError('TRANSFER_USED', Status.FAILED_PRECONDITION, `descriptor ${transfer} is already being claimed`),
+        closed: () => this.lost(),
+      },
     });
   }
   private nextTransfer = 1n;
@@ -164,7 +165,9 @@ export class ClientSession extends EventEmitter {
   async ready(deadline = Infinity): Promise<void> {
     if (this.resuming === undefined) return;
     let timer: NodeJS.Timeout | undefined;
-    const late = Number.isFinite(deadline) ? new Promise<void>((resolve) => (timer = setTimeout(resolve, Math.max(0, deadline - Date.now())))) : new Promise<void>(() => undefined);
+    const late = Number.isFinite(deadline)
+      ? new Promise<void>((resolve) => (timer = setTimeout(resolve, Math.max(0, deadline - Date.now()))))
+      : new Promise<void>(() => undefined);
     await Promise.race([this.resuming, late]);
     clearTimeout(timer);
   }
@@ -251,10 +254,12 @@ export class ClientSession extends EventEmitter {
         answer,
         frame,
         resent: false,
-        resolve: (tracing ? (value) => {
-          traceSince(`session:${what}`, sent);
-          resolve(value as never);
-        } : resolve) as PendingRequest['resolve'],
+        resolve: (tracing
+          ? (value) => {
+              traceSince(`session:${what}`, sent);
+              resolve(value as never);
+            }
+          : resolve) as PendingRequest['resolve'],
         reject,
         timer,
         spun,
@@ -296,7 +301,11 @@ export class ClientSession extends EventEmitter {
   private send(frame: ClientFrame, fd = -1): void {
     if (this.closed) throw this.lost();
     if (this.resuming !== undefined) {
-      throw new VmmdError('SESSION_RESUMING', Status.UNAVAILABLE, `session ${this.id} is resuming after the daemon restarted; call again once it has (await session.ready())`);
+      throw new VmmdError(
+        'SESSION_RESUMING',
+        Status.UNAVAILABLE,
+        `session ${this.id} is resuming after the daemon restarted; call again once it has (await session.ready())`,
+      );
     }
     let sent: boolean;
     try {
@@ -331,7 +340,7 @@ export class ClientSession extends EventEmitter {
       clearTimeout(pending.timer);
       pending.spun();
       this.requests.delete(frame.request);
-      if (frame.body === pending.answer && (raw.fd >= 0) === WITH_DESCRIPTOR.has(frame.body)) {
+      if (frame.body === pending.answer && raw.fd >= 0 === WITH_DESCRIPTOR.has(frame.body)) {
         pending.resolve({ message: frame[frame.body], fd: raw.fd });
         return;
       }
@@ -358,7 +367,8 @@ export class ClientSession extends EventEmitter {
     if (raw.fd >= 0) native.close(raw.fd);
     if (frame.error != null) {
       // Nobody listening: a warning, so that what the daemon says (a free that failed after its answer) is not lost.
-      if (!this.emit('daemon-error', frame.error satisfies SessionError__Output)) process.emitWarning(`vmmd: the daemon says ${frame.error.code}: ${frame.error.message}`);
+      if (!this.emit('daemon-error', frame.error satisfies SessionError__Output))
+        process.emitWarning(`vmmd: the daemon says ${frame.error.code}: ${frame.error.message}`);
     }
   }
 

@@ -92,7 +92,12 @@ export class LocalDeviceMemory {
     const rounded = roundUp(size, granularity);
     const handle = await native.cudaCreate(device, type, id, rounded, CU_HANDLE.POSIX_FD, true);
     try {
-      return new LocalDeviceMemory(device, handle, rounded, await DeviceMapping.map(device, handle, rounded, granularity, { readOnly: false, synchronizeUnmap: true, inline: true }));
+      return new LocalDeviceMemory(
+        device,
+        handle,
+        rounded,
+        await DeviceMapping.map(device, handle, rounded, granularity, { readOnly: false, synchronizeUnmap: true, inline: true }),
+      );
     } catch (error) {
       await native.cudaRelease(device, handle).catch(() => undefined);
       throw error;

@@ -128,7 +128,9 @@ async function copyMembers(client: SleepClient, members: Member[], direction: 'o
       .filter((member) => member.memory.device === device)
       .map((member) => {
         const [memory, host] = [member.memory.address, member.offloaded!.address];
-        return direction === 'out' ? { target: host, source: memory, length: member.memory.size } : { target: memory, source: host, length: member.memory.size };
+        return direction === 'out'
+          ? { target: host, source: memory, length: member.memory.size }
+          : { target: memory, source: host, length: member.memory.size };
       });
     await copyBetween(client.backend === 'cuda' ? device : undefined, pairs);
   }
@@ -303,7 +305,12 @@ export class TaggedMemory implements Sleeper {
   }
 
   private checkAwake(what: string): void {
-    if (this.state !== 'awake') throw new VmmdError('ASLEEP', Status.FAILED_PRECONDITION, `cannot ${what} tag "${this.tag}": it is ${this.state === 'busy' ? 'going to sleep or waking' : 'asleep'}`);
+    if (this.state !== 'awake')
+      throw new VmmdError(
+        'ASLEEP',
+        Status.FAILED_PRECONDITION,
+        `cannot ${what} tag "${this.tag}": it is ${this.state === 'busy' ? 'going to sleep or waking' : 'asleep'}`,
+      );
   }
 
   private async sleepNow(mode: SleepMode, deadlineMs: number): Promise<SleepReport> {
@@ -319,8 +326,14 @@ export class TaggedMemory implements Sleeper {
     if (copied.length > 0) {
       const missing = copied.filter((member) => member.offloaded === undefined || member.offloaded.size < member.memory.size);
       if (missing.length > 0) {
-        const location = await hostMemoryNear(this.client, missing.map((member) => member.memory.device));
-        const { memory: hosts } = await this.client.vmm.allocateAll({ sizes: missing.map((member) => member.memory.size), location, deadlineMs }, { hostAccess: true });
+        const location = await hostMemoryNear(
+          this.client,
+          missing.map((member) => member.memory.device),
+        );
+        const { memory: hosts } = await this.client.vmm.allocateAll(
+          { sizes: missing.map((member) => member.memory.size), location, deadlineMs },
+          { hostAccess: true },
+        );
         made.push(...hosts);
       }
       // Members as they were before this sleep: a failure puts them back (copies made ahead kept, new ones dropped).
@@ -394,7 +407,11 @@ export class TaggedMemory implements Sleeper {
       try {
         const response = await this.client.vmm.allocateAllRaw({ sizes: members.map((member) => member.memory.size), location, deadlineMs });
         waitedMs = Math.max(waitedMs, response.waitedMs);
-        const entries = response.allocations.map((answer, index) => ({ member: members[index], allocationId: BigInt(answer.allocationId), fd: undefined as number | undefined }));
+        const entries = response.allocations.map((answer, index) => ({
+          member: members[index],
+          allocationId: BigInt(answer.allocationId),
+          fd: undefined as number | undefined,
+        }));
         made.push(...entries);
         for (const [index, answer] of response.allocations.entries()) entries[index].fd = await this.client.session.takeTransfer(answer.transferId);
       } catch (error) {
@@ -415,7 +432,11 @@ export class TaggedMemory implements Sleeper {
         await this.remap(member, 0n);
         woken.push(member);
       }
-      await copyMembers(this.client, fresh.filter((member) => member.offloaded !== undefined), 'in');
+      await copyMembers(
+        this.client,
+        fresh.filter((member) => member.offloaded !== undefined),
+        'in',
+      );
     } catch (error) {
       for (const member of woken) await member.memory.suspend().catch(() => undefined);
       await this.undoWake(made);

@@ -77,7 +77,15 @@ export class StoresApi {
     return unaryCall(
       this.client,
       this.client.Attach,
-      { transferId, target: args.target, device: args.device, size: args.size, readOnly: args.readOnly, name: args.name ?? '', hasDeleter: args.hasDeleter ?? false },
+      {
+        transferId,
+        target: args.target,
+        device: args.device,
+        size: args.size,
+        readOnly: args.readOnly,
+        name: args.name ?? '',
+        hasDeleter: args.hasDeleter ?? false,
+      },
       this.settings,
     );
   }

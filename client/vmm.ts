@@ -83,10 +83,8 @@ export class VirtualMemoryApi {
         open: async (fd) => {
           await unaryCall(this.client, this.client.OpenStaging, { transferId: this.session.sendDescriptor(fd) }, this.settings);
         },
-        read: (address, length, offset) =>
-          unaryCall(this.client, this.client.ReadStaged, { address, length, stagingOffset: offset }, this.settings),
-        write: (address, length, offset) =>
-          unaryCall(this.client, this.client.WriteStaged, { address, length, stagingOffset: offset }, this.settings),
+        read: (address, length, offset) => unaryCall(this.client, this.client.ReadStaged, { address, length, stagingOffset: offset }, this.settings),
+        write: (address, length, offset) => unaryCall(this.client, this.client.WriteStaged, { address, length, stagingOffset: offset }, this.settings),
       });
     }
   }
@@ -203,7 +201,10 @@ export class VirtualMemoryApi {
   async allocate(request: Input<CreateRequest>, options: { hostAccess?: boolean } = {}): Promise<ImportedMemory> {
     // The session socket for a descriptor (the default handle type); fabric handles through the RPC.
     if ((request.handleType === undefined || request.handleType === 'HANDLE_TYPE_POSIX_FD') && request.size !== undefined) {
-      return this.mapAllocated(await this.session.allocate(BigInt(request.size as bigint | string | number), request.location as CreateRequest['location']), options.hostAccess ?? false);
+      return this.mapAllocated(
+        await this.session.allocate(BigInt(request.size as bigint | string | number), request.location as CreateRequest['location']),
+        options.hostAccess ?? false,
+      );
     }
     const response = await this.allocateRaw(request);
     const fd = await this.session.takeTransfer(response.transferId);

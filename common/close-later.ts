@@ -8,7 +8,10 @@
  */
 import { close } from 'node:fs';
 
-export function closeLater(fd: number, failed: (error: Error) => void = (error) => process.emitWarning(`vmmd: closing descriptor ${fd} failed: ${error.message}`)): Promise<void> {
+export function closeLater(
+  fd: number,
+  failed: (error: Error) => void = (error) => process.emitWarning(`vmmd: closing descriptor ${fd} failed: ${error.message}`),
+): Promise<void> {
   return new Promise((resolve) =>
     setImmediate(() =>
       close(fd, (error) => {

@@ -44,7 +44,12 @@ export function socketPaths(dir: string): { grpc: string; session: string } {
 export function whereElse(tried: string, env: NodeJS.ProcessEnv = process.env): string {
   const candidates = ['/run/vmmd', ...(env.XDG_RUNTIME_DIR ? [path.join(env.XDG_RUNTIME_DIR, 'vmmd')] : [])];
   try {
-    candidates.push(...fs.readdirSync(os.tmpdir()).filter((name) => /^vmmd-\d+$/.test(name)).map((name) => path.join(os.tmpdir(), name)));
+    candidates.push(
+      ...fs
+        .readdirSync(os.tmpdir())
+        .filter((name) => /^vmmd-\d+$/.test(name))
+        .map((name) => path.join(os.tmpdir(), name)),
+    );
   } catch {
     // no temporary directory to list
   }

@@ -93,5 +93,8 @@ export function isProtocol1(data: Buffer): boolean {
  */
 export function protocol1Refusal(why: string): Buffer {
   const message = `vmmd speaks session protocol ${PROTOCOL_VERSION} (proto/vmmd/v1/session.proto, docs/PROTOCOL.md) and ${why}: upgrade this client to one of protocol ${PROTOCOL_VERSION}`;
-  return Buffer.from(JSON.stringify({ type: 'error', code: 'PROTOCOL_VERSION', status: Status.FAILED_PRECONDITION, protocol: PROTOCOL_VERSION, message }), 'utf8');
+  return Buffer.from(
+    JSON.stringify({ type: 'error', code: 'PROTOCOL_VERSION', status: Status.FAILED_PRECONDITION, protocol: PROTOCOL_VERSION, message }),
+    'utf8',
+  );
 }

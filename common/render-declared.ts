@@ -48,7 +48,9 @@ export function renderCodeTable(): string {
   const entries = Object.entries(ERROR_CODES) as Array<[string, ErrorCodeDeclaration]>;
   return (Object.keys(SOURCE_TITLES) as CodeSource[])
     .map((source) => {
-      const rows = entries.filter(([, declared]) => declared.by === source).map(([code, declared]) => `| \`${code}\` | ${declared.status} | ${cell(declared.meaning)} |`);
+      const rows = entries
+        .filter(([, declared]) => declared.by === source)
+        .map(([code, declared]) => `| \`${code}\` | ${declared.status} | ${cell(declared.meaning)} |`);
       return `**${SOURCE_TITLES[source]}**\n\n| code | status | meaning |\n| --- | --- | --- |\n${rows.join('\n')}\n`;
     })
     .join('\n');
@@ -84,7 +86,9 @@ const python = (value: string | number) => (typeof value === 'number' ? String(v
 
 /** python/src/vmmd/_declared.py: the shared constants and every error code. */
 export function renderPythonModule(): string {
-  const constants = Object.entries(CLIENT_CONSTANTS).map(([name, { value, meaning }]) => `# ${meaning[0].toUpperCase()}${meaning.slice(1)}.\n${name} = ${python(value)}`);
+  const constants = Object.entries(CLIENT_CONSTANTS).map(
+    ([name, { value, meaning }]) => `# ${meaning[0].toUpperCase()}${meaning.slice(1)}.\n${name} = ${python(value)}`,
+  );
   const codes = (Object.entries(ERROR_CODES) as Array<[string, ErrorCodeDeclaration]>).map(
     ([code, declared]) => `    ${python(code)}: (${python(declared.status)}, ${python(declared.by)}, ${python(declared.meaning)}),`,
   );

@@ -65,7 +65,11 @@ export class TransferInbox {
       const id = BigInt(transfer);
       if (id <= this.highest) {
         this.options.close(fd);
-        return { kind: 'refused', code: 'TRANSFER_USED', message: `transfer ids must increase: ${transfer} is not above ${this.highest}, already used in this session` };
+        return {
+          kind: 'refused',
+          code: 'TRANSFER_USED',
+          message: `transfer ids must increase: ${transfer} is not above ${this.highest}, already used in this session`,
+        };
       }
       this.highest = id;
     }

@@ -36,9 +36,7 @@ export interface Credentials {
   groups?: number[];
 }
 
-export type Received =
-  | { eof: true }
-  | { eof?: undefined; data: Buffer; fd: number; extraFds: number; truncated: boolean; controlTruncated: boolean };
+export type Received = { eof: true } | { eof?: undefined; data: Buffer; fd: number; extraFds: number; truncated: boolean; controlTruncated: boolean };
 
 export interface Poller {
   start(): void;

@@ -185,10 +185,12 @@ export class HostMapping {
       return new HostMapping(address, size, own);
     } catch (error) {
       // The range goes back only once nothing is mapped in it: a failed unmap keeps it out of the arena.
-      return rollBackNow(error, [() => {
-        if (mapped) addon.hostUnmap(address, size);
-        space.give(address);
-      }]);
+      return rollBackNow(error, [
+        () => {
+          if (mapped) addon.hostUnmap(address, size);
+          space.give(address);
+        },
+      ]);
     }
   }
 
@@ -304,10 +306,12 @@ export class DeviceMapping {
     } catch (error) {
       // Nothing ran on the range yet: no synchronization needed.
       // The range goes back only once the unmap has completed: a failed unmap keeps it out of the arena.
-      return rollBack(error, [async () => {
-        if (mapped) await addon.cudaUnmap(device, address, size, false);
-        space.give(address);
-      }]);
+      return rollBack(error, [
+        async () => {
+          if (mapped) await addon.cudaUnmap(device, address, size, false);
+          space.give(address);
+        },
+      ]);
     }
   }
 
@@ -330,14 +334,19 @@ export class DeviceMapping {
       // The call undid its own steps: the range is free again. Unless even its unmap failed: the range stays
       // mapped, and is never handed out again (a later map there would fail, or meet this memory).
       if ((error as { stillMapped?: boolean }).stillMapped === true) {
-        process.emitWarning(`vmmd: a failed import left ${size} bytes mapped at 0x${address.toString(16)} (${(error as { unmapError?: string }).unmapError}); that range is not used again`);
+        process.emitWarning(
+          `vmmd: a failed import left ${size} bytes mapped at 0x${address.toString(16)} (${(error as { unmapError?: string }).unmapError}); that range is not used again`,
+        );
       } else {
         space.give(address);
       }
       throw error;
     }
     // The mapping works; only the imported handle's reference is lost (as with separate calls, a warning, not a failure).
-    if (releaseFailed !== undefined) process.emitWarning(`vmmd: releasing the imported handle of the mapping at 0x${address.toString(16)} failed (${releaseFailed}); the mapping works, the handle's reference lasts until this process ends`);
+    if (releaseFailed !== undefined)
+      process.emitWarning(
+        `vmmd: releasing the imported handle of the mapping at 0x${address.toString(16)} failed (${releaseFailed}); the mapping works, the handle's reference lasts until this process ends`,
+      );
     return new DeviceMapping(device, address, size, access.synchronizeUnmap ?? false);
   }
 
@@ -370,9 +379,18 @@ export class DeviceMapping {
    */
   async resume(fd: number, access: DeviceAccess): Promise<void> {
     if (this.mapped || !this.reserved) throw new Error(`device mapping at 0x${this.address.toString(16)} is not suspended`);
-    const releaseFailed = await addon.cudaImportMap(fd, this.address, this.size, this.device, access.readOnly ? 1 : 3, access.hostNuma ?? -1, peersOf(this.device));
+    const releaseFailed = await addon.cudaImportMap(
+      fd,
+      this.address,
+      this.size,
+      this.device,
+      access.readOnly ? 1 : 3,
+      access.hostNuma ?? -1,
+      peersOf(this.device),
+    );
     this.mapped = true;
-    if (releaseFailed !== undefined) process.emitWarning(`vmmd: releasing the imported handle of the mapping at 0x${this.address.toString(16)} failed (${releaseFailed})`);
+    if (releaseFailed !== undefined)
+      process.emitWarning(`vmmd: releasing the imported handle of the mapping at 0x${this.address.toString(16)} failed (${releaseFailed})`);
   }
 
   /**

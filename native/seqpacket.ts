@@ -45,7 +45,10 @@ export class SeqpacketConnection extends EventEmitter {
   private readonly poller: Poller;
   private closed = false;
 
-  constructor(fd: number, readonly peer?: Credentials) {
+  constructor(
+    fd: number,
+    readonly peer?: Credentials,
+  ) {
     super();
     this.fd = fd;
     this.poller = new addon.Poller(fd, (status, events) => this.onReadable(status, events));
@@ -226,7 +229,11 @@ export class SeqpacketListener extends EventEmitter {
   /**
    * @param refusal what a connection turned away for lack of descriptors is sent before it is closed
    */
-  constructor(readonly path: string, backlog = 128, private readonly refusal?: Buffer) {
+  constructor(
+    readonly path: string,
+    backlog = 128,
+    private readonly refusal?: Buffer,
+  ) {
     super();
     this.fd = addon.seqpacketListen(path, backlog);
     this.spare = this.openSpare();

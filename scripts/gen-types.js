@@ -10,7 +10,10 @@ const path = require('node:path');
 const root = path.resolve(__dirname, '..');
 const options = require(path.join(root, 'proto', 'loader-options.json'));
 const protoDir = path.join(root, 'proto', 'vmmd', 'v1');
-const files = fs.readdirSync(protoDir).filter((f) => f.endsWith('.proto')).map((f) => `vmmd/v1/${f}`);
+const files = fs
+  .readdirSync(protoDir)
+  .filter((f) => f.endsWith('.proto'))
+  .map((f) => `vmmd/v1/${f}`);
 const outDir = path.join(root, 'generated');
 fs.rmSync(outDir, { recursive: true, force: true });
 
@@ -33,7 +36,9 @@ execFileSync(process.execPath, args, { stdio: 'inherit', cwd: root });
 // What `Admin.GetVersion` reports as the build: the commit this tree was built from.
 let commit = 'unknown';
 try {
-  commit = execFileSync('git', ['rev-parse', '--short', 'HEAD'], { cwd: root, stdio: ['ignore', 'pipe', 'ignore'] }).toString().trim();
+  commit = execFileSync('git', ['rev-parse', '--short', 'HEAD'], { cwd: root, stdio: ['ignore', 'pipe', 'ignore'] })
+    .toString()
+    .trim();
 } catch {
   // not a git checkout (a bundle, a container build): 'unknown'
 }

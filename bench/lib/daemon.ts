@@ -30,7 +30,7 @@ export async function connectWhenReady(socketDir: string, child?: ChildProcess):
     try {
       return await connect({ socketDir });
     } catch (error) {
-      if (attempt > 200 || child?.exitCode !== null && child?.exitCode !== undefined) throw error;
+      if (attempt > 200 || (child?.exitCode !== null && child?.exitCode !== undefined)) throw error;
       await new Promise((resolve) => setTimeout(resolve, 50));
     }
   }
@@ -41,12 +41,30 @@ export async function connectWhenReady(socketDir: string, child?: ChildProcess):
  * @param nodeArgs Node's own options for the daemon's process (--trace-gc: its collections, on this process's stdout)
  * @param cpus the CPUs the daemon runs on (taskset -c LIST; all its threads), else wherever the bench runs
  */
-export async function startDaemon(backend: string, extraArgs: string[] = [], profileDir?: string, nodeArgs: string[] = [], cpus?: string): Promise<BenchDaemon> {
+export async function startDaemon(
+  backend: string,
+  extraArgs: string[] = [],
+  profileDir?: string,
+  nodeArgs: string[] = [],
+  cpus?: string,
+): Promise<BenchDaemon> {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-bench-'));
   const pinned = cpus === undefined ? [] : ['-c', cpus, process.execPath];
   const child = spawn(
     cpus === undefined ? process.execPath : 'taskset',
-    [...pinned, ...nodeArgs, ...(profileDir ? ['--cpu-prof', `--cpu-prof-dir=${profileDir}`] : []), path.join(packageRoot, 'bin', 'vmmd.js'), '--backend', backend, '--socket-dir', dir, '--log-level', 'warn', ...extraArgs],
+    [
+      ...pinned,
+      ...nodeArgs,
+      ...(profileDir ? ['--cpu-prof', `--cpu-prof-dir=${profileDir}`] : []),
+      path.join(packageRoot, 'bin', 'vmmd.js'),
+      '--backend',
+      backend,
+      '--socket-dir',
+      dir,
+      '--log-level',
+      'warn',
+      ...extraArgs,
+    ],
     { stdio: ['ignore', 'inherit', 'inherit'] },
   );
   const client = await connectWhenReady(dir, child);

@@ -72,9 +72,10 @@ function pythonReferences(iterations: number, numba: boolean, cpu: number | unde
   const script = path.join(packageRoot, 'bench', 'reference', 'cupy_numba.py');
   const args = [script, POOLED_SIZES.join(','), String(iterations), numba ? 'all' : 'cupy'];
   try {
-    const output = cpu === undefined
-      ? execFileSync('python3', args, { encoding: 'utf8', timeout: 300_000, stdio: ['ignore', 'pipe', 'inherit'] })
-      : execFileSync('taskset', ['-c', String(cpu), 'python3', ...args], { encoding: 'utf8', timeout: 300_000, stdio: ['ignore', 'pipe', 'inherit'] });
+    const output =
+      cpu === undefined
+        ? execFileSync('python3', args, { encoding: 'utf8', timeout: 300_000, stdio: ['ignore', 'pipe', 'inherit'] })
+        : execFileSync('taskset', ['-c', String(cpu), 'python3', ...args], { encoding: 'utf8', timeout: 300_000, stdio: ['ignore', 'pipe', 'inherit'] });
     const parsed = JSON.parse(output) as { rows: Row[]; errors: string[] };
     return { rows: parsed.rows.map((row) => ({ ...row, size: sizeName(BigInt(row.size as number)) })), errors: parsed.errors };
   } catch (error) {
@@ -92,10 +93,14 @@ async function pooledRound(emm: VmmdMemoryManager, iterations: number, warmup: n
   const rows: Row[] = [];
   for (const size of POOLED_SIZES) {
     let pointer: MemoryPointer;
-    const samples = await sample(iterations, async () => {
-      pointer = await emm.memalloc(size);
-      await pointer.free();
-    }, { warmup });
+    const samples = await sample(
+      iterations,
+      async () => {
+        pointer = await emm.memalloc(size);
+        await pointer.free();
+      },
+      { warmup },
+    );
     rows.push({ allocator: 'vmmd NBEP 7 manager (pooled)', size: sizeName(size), ...summarize(samples) });
   }
   return rows;
@@ -125,7 +130,9 @@ export async function pooled(client: VmmdClient, iterations: number): Promise<Se
   }
   await emm.reset();
   const roundsOf = (table: Row[][], allocator: string, size: bigint) =>
-    table.map((rows) => rows.find((row) => row.size === sizeName(size) && String(row.allocator).startsWith(allocator))).filter((row): row is Row => row !== undefined);
+    table
+      .map((rows) => rows.find((row) => row.size === sizeName(size) && String(row.allocator).startsWith(allocator)))
+      .filter((row): row is Row => row !== undefined);
   const rows: Row[] = [];
   for (const size of POOLED_SIZES) rows.push(rounds > 1 ? medianRound(roundsOf(ours, 'vmmd', size)) : ours[0].find((row) => row.size === sizeName(size))!);
   for (const size of POOLED_SIZES) {
@@ -223,12 +230,24 @@ function coldRatioTargets(size: bigint, across: number, local: number): Target[]
   const times = ratio(across, local);
   if (size === 2n * MiB) {
     return [
-      { target: 'cold 2 MiB across processes p50 ≤ the same steps in one process', measured: `${across} vs ${local} µs (×${times})`, limit: '×1', met: across <= local },
+      {
+        target: 'cold 2 MiB across processes p50 ≤ the same steps in one process',
+        measured: `${across} vs ${local} µs (×${times})`,
+        limit: '×1',
+        met: across <= local,
+      },
       { target: 'cold 2 MiB across processes p50 ≤ 250 µs', measured: `${across} µs`, limit: '250 µs', met: across <= 250 },
     ];
   }
   if (size === 64n * MiB) {
-    return [{ target: 'cold 64 MiB across processes p50 ≤ 1.2 × the same steps in one process', measured: `${across} vs ${local} µs (×${times})`, limit: '×1.2', met: across <= 1.2 * local }];
+    return [
+      {
+        target: 'cold 64 MiB across processes p50 ≤ 1.2 × the same steps in one process',
+        measured: `${across} vs ${local} µs (×${times})`,
+        limit: '×1.2',
+        met: across <= 1.2 * local,
+      },
+    ];
   }
   return [];
 }
@@ -274,18 +293,38 @@ export async function cold(client: VmmdClient, iterations: number): Promise<Sect
     const daemonWaiting = summarize(acrossWaiting);
     const local = summarize(inOne);
     rows.push({ path: 'vmmd memalloc across processes', size: sizeName(size), ...daemon, p50_vs_in_process: ratio(daemon.p50_us, local.p50_us) });
-    rows.push({ path: 'vmmd memalloc across processes, nothing ahead', size: sizeName(size), ...daemonWaiting, p50_vs_in_process: ratio(daemonWaiting.p50_us, local.p50_us) });
+    rows.push({
+      path: 'vmmd memalloc across processes, nothing ahead',
+      size: sizeName(size),
+      ...daemonWaiting,
+      p50_vs_in_process: ratio(daemonWaiting.p50_us, local.p50_us),
+    });
     rows.push({ path: 'same steps in one process', size: sizeName(size), ...local, p50_vs_in_process: 1 });
     if (client.backend === 'cuda') {
       targets.push(...coldRatioTargets(size, daemon.p50_us, local.p50_us));
-      const memAlloc = summarize(sampleSync(count, () => addon.cudaMemAlloc(0, size), (pointer) => addon.cudaMemFree(0, pointer), 5));
+      const memAlloc = summarize(
+        sampleSync(
+          count,
+          () => addon.cudaMemAlloc(0, size),
+          (pointer) => addon.cudaMemFree(0, pointer),
+          5,
+        ),
+      );
       rows.push({ path: 'cuMemAlloc in one process', size: sizeName(size), ...memAlloc, p50_vs_in_process: ratio(memAlloc.p50_us, local.p50_us) });
     }
     if (size === 2n * MiB) {
       // The same, 2 ms apart: what the previous allocation's free and the stock's refill (driver threads, both
       // processes) cost the next one when they overlap it.
       const pause = () => new Promise((resolve) => setTimeout(resolve, 2));
-      const spaced = summarize(await sample(count, () => emm.memalloc(size), { warmup: 5, after: async (pointer) => { await pointer.free(); await pause(); } }));
+      const spaced = summarize(
+        await sample(count, () => emm.memalloc(size), {
+          warmup: 5,
+          after: async (pointer) => {
+            await pointer.free();
+            await pause();
+          },
+        }),
+      );
       rows.push({ path: 'vmmd memalloc across processes, 2 ms apart', size: sizeName(size), ...spaced, p50_vs_in_process: ratio(spaced.p50_us, local.p50_us) });
       rows.push(...(await stepBreakdown(client.backend, size, count)));
       targets.push({

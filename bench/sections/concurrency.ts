@@ -121,7 +121,9 @@ export async function concurrency(daemon: BenchDaemon, counts: number[], phaseMs
       // like the event-loop delay.
       target: `the daemon's longest synchronous turn ≤ 2 ms with ${most} clients allocating cold (its own measure: the thread's CPU time in a turn${byCpu ? '' : '; by wall clock here, the daemon runs with --turn-cpu off'})`,
       measured:
-        (byCpu ? `max ${coldAtMost.turn_cpu_max_ms} ms (at a ${coldAtMost.turn_cpu_max_at} turn, of which a GC pause ${coldAtMost.turn_cpu_max_gc_ms} ms), p99 ${coldAtMost.turn_cpu_p99_ms} ms over ${coldAtMost.turns} turns;` : `not measured by CPU time over ${coldAtMost.turns} turns;`) +
+        (byCpu
+          ? `max ${coldAtMost.turn_cpu_max_ms} ms (at a ${coldAtMost.turn_cpu_max_at} turn, of which a GC pause ${coldAtMost.turn_cpu_max_gc_ms} ms), p99 ${coldAtMost.turn_cpu_p99_ms} ms over ${coldAtMost.turns} turns;`
+          : `not measured by CPU time over ${coldAtMost.turns} turns;`) +
         ` by wall clock max ${coldAtMost.turn_max_ms} ms, p99 ${coldAtMost.turn_p99_ms} ms` +
         ` (monitorEventLoopDelay max ${coldAtMost.loop_delay_max_ms} ms, GC pauses up to ${coldAtMost.gc_max_ms} ms; idle floor: turn ${rows[0].turn_max_ms} ms, delay ${rows[0].loop_delay_max_ms} ms)`,
       limit: '2 ms',
@@ -129,7 +131,10 @@ export async function concurrency(daemon: BenchDaemon, counts: number[], phaseMs
     },
     {
       target: `the daemon's event loop never stalls more than 5 ms with ${most} clients`,
-      measured: `max ${worst.toFixed(2)} ms at default priority` + (reniced ? `, ${reniced.loop_delay_max_ms} ms at nice -10` : '') + ` (idle floor ${rows[0].loop_delay_max_ms} ms)`,
+      measured:
+        `max ${worst.toFixed(2)} ms at default priority` +
+        (reniced ? `, ${reniced.loop_delay_max_ms} ms at nice -10` : '') +
+        ` (idle floor ${rows[0].loop_delay_max_ms} ms)`,
       limit: '5 ms',
       met: Math.min(worst, (reniced?.loop_delay_max_ms as number | undefined) ?? Infinity) <= 5,
     },

@@ -53,10 +53,25 @@ export async function newWorker(daemon: BenchDaemon, backend: string, storeBytes
   }
   const us = (reports: NewWorkerReport[], key: 'connectMs' | 'openMs' | 'totalMs') => reports.map((report) => report[key] * 1000);
   const rows: Row[] = [];
-  for (const [label, reports] of [[`${workers} at once`, together], ['alone', alone]] as const) {
-    for (const [step, key] of [['connect()', 'connectMs'], ['open (socket Open, import, map, access)', 'openMs'], ['connect + open', 'totalMs']] as const) {
+  for (const [label, reports] of [
+    [`${workers} at once`, together],
+    ['alone', alone],
+  ] as const) {
+    for (const [step, key] of [
+      ['connect()', 'connectMs'],
+      ['open (socket Open, import, map, access)', 'openMs'],
+      ['connect + open', 'totalMs'],
+    ] as const) {
       const summary = summarize(us(reports, key));
-      rows.push({ workers: label, step, store: sizeName(storeBytes), n: summary.n, p50_ms: +(summary.p50_us / 1000).toFixed(2), p99_ms: +(summary.p99_us / 1000).toFixed(2), max_ms: +(Math.max(...us(reports, key)) / 1000).toFixed(2) });
+      rows.push({
+        workers: label,
+        step,
+        store: sizeName(storeBytes),
+        n: summary.n,
+        p50_ms: +(summary.p50_us / 1000).toFixed(2),
+        p99_ms: +(summary.p99_us / 1000).toFixed(2),
+        max_ms: +(Math.max(...us(reports, key)) / 1000).toFixed(2),
+      });
     }
   }
   const p50 = summarize(us(together, 'totalMs')).p50_us / 1000;

@@ -19,7 +19,8 @@ export async function rpcCosts(client: VmmdClient, iterations: number): Promise<
   const metadata = new grpc.Metadata();
   metadata.set(SESSION_METADATA_KEY, client.session.token);
   const raw = (vmm as unknown as { client: { Release(request: object, metadata: grpc.Metadata, callback: (error: Error | null) => void): void } }).client;
-  const releaseRpc = (allocationId: string) => new Promise<void>((resolve, reject) => raw.Release({ allocationId }, metadata, (error) => (error ? reject(error) : resolve())));
+  const releaseRpc = (allocationId: string) =>
+    new Promise<void>((resolve, reject) => raw.Release({ allocationId }, metadata, (error) => (error ? reject(error) : resolve())));
   const rows: Row[] = [];
   const add = (call: string, samples: number[]) => rows.push({ call, ...summarize(samples) });
   add('GetGranularity', await sample(iterations, () => client.devices.getGranularity()));
@@ -30,7 +31,18 @@ export async function rpcCosts(client: VmmdClient, iterations: number): Promise<
     addon.cudaMemFree(0, pointer);
     add('GetGranularity, once this process has a CUDA context', await sample(iterations, () => client.devices.getGranularity()));
   }
-  const times = { reserve: [] as number[], free: [] as number[], create: [] as number[], create4: [] as number[], map: [] as number[], access: [] as number[], unmap: [] as number[], release: [] as number[], exportCall: [] as number[], allocate: [] as number[] };
+  const times = {
+    reserve: [] as number[],
+    free: [] as number[],
+    create: [] as number[],
+    create4: [] as number[],
+    map: [] as number[],
+    access: [] as number[],
+    unmap: [] as number[],
+    release: [] as number[],
+    exportCall: [] as number[],
+    allocate: [] as number[],
+  };
   const at = () => performance.now() * 1000;
   for (let i = 0; i < iterations + 20; i++) {
     const keep = i >= 20;

@@ -17,7 +17,10 @@ const liveObjects = (stats: Stats__Output) => Number(stats.reservations) + Numbe
 /** This process's soft limit on open files (the daemon it started inherits it). */
 function openFileLimit(): number {
   try {
-    const line = fs.readFileSync('/proc/self/limits', 'utf8').split('\n').find((text) => text.startsWith('Max open files'));
+    const line = fs
+      .readFileSync('/proc/self/limits', 'utf8')
+      .split('\n')
+      .find((text) => text.startsWith('Max open files'));
     const soft = Number(line?.split(/\s{2,}/)[1]);
     return Number.isFinite(soft) ? soft : 1024;
   } catch {

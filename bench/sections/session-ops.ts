@@ -42,19 +42,7 @@ export async function sessionOps(client: VmmdClient, iterations: number): Promis
     addon.close(made.fd);
     toRelease.push(made.message.allocationId);
   };
-  const names = [
-    'ping',
-    'allocate',
-    'release',
-    'share',
-    'export',
-    'open',
-    'Allocate RPC',
-    'Release RPC',
-    'Share RPC',
-    'Export RPC',
-    'Open RPC',
-  ] as const;
+  const names = ['ping', 'allocate', 'release', 'share', 'export', 'open', 'Allocate RPC', 'Release RPC', 'Share RPC', 'Export RPC', 'Open RPC'] as const;
   type Name = (typeof names)[number];
   const bodies: Record<Name, { run: () => Promise<unknown>; before?: () => Promise<unknown>; after?: (value: unknown) => Promise<unknown> | unknown }> = {
     ping: { run: () => session.ping() },
@@ -136,7 +124,12 @@ export async function sessionOps(client: VmmdClient, iterations: number): Promis
   };
   const rows: Row[] = names.map((name) => {
     const summary = summarize(samples[name]);
-    return { operation: describe[name], transport: name.endsWith('RPC') ? 'gRPC' : 'session socket', ...summary, p50_vs_ping: ratio(summary.p50_us, ping.p50_us) };
+    return {
+      operation: describe[name],
+      transport: name.endsWith('RPC') ? 'gRPC' : 'session socket',
+      ...summary,
+      p50_vs_ping: ratio(summary.p50_us, ping.p50_us),
+    };
   });
   const targets: Target[] = (['allocate', 'release', 'share', 'open', 'export'] as const).map((name) => {
     const p50 = summarize(samples[name]).p50_us;
@@ -151,7 +144,9 @@ export async function sessionOps(client: VmmdClient, iterations: number): Promis
   if (stockBefore && stockAfter && stockBefore.levels.length > 0) {
     const hits = stockAfter.hits - stockBefore.hits;
     const misses = stockAfter.misses - stockBefore.misses;
-    notes.push(`The stock served ${hits} of the ${hits + misses} allocations of this section (allocate rows, the RPC's and those made for the release rows); the rest were created on the spot.`);
+    notes.push(
+      `The stock served ${hits} of the ${hits + misses} allocations of this section (allocate rows, the RPC's and those made for the release rows); the rest were created on the spot.`,
+    );
   } else {
     notes.push('This daemon keeps no stock (the host backend by default): allocate creates each allocation on the spot (a memfd on host).');
   }

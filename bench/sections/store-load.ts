@@ -25,7 +25,7 @@ function makeFile(file: string, bytes: number): void {
   const block = randomBytes(64 * MiB);
   const fd = fs.openSync(file, 'w');
   try {
-    for (let done = 0; done < bytes; ) {
+    for (let done = 0; done < bytes;) {
       const length = Math.min(block.length, bytes - done);
       block[0] = (done / block.length) & 0xff; // no two blocks alike
       done += fs.writeSync(fd, block, 0, length, done);
@@ -35,7 +35,7 @@ function makeFile(file: string, bytes: number): void {
   }
   const read = fs.openSync(file, 'r');
   try {
-    for (let done = 0; done < bytes; ) done += fs.readSync(read, block, 0, Math.min(block.length, bytes - done), done);
+    for (let done = 0; done < bytes;) done += fs.readSync(read, block, 0, Math.min(block.length, bytes - done), done);
   } finally {
     fs.closeSync(read);
   }
@@ -85,7 +85,10 @@ function torchReference(file: string, bytes: number): { seconds?: number; cudaSe
     const output = execFileSync('python3', [script, file, String(bytes)], { encoding: 'utf8', timeout: 600_000, stdio: ['ignore', 'pipe', 'pipe'] });
     return JSON.parse(output.trim().split('\n').pop()!);
   } catch (error) {
-    const stderr = String((error as { stderr?: unknown }).stderr ?? '').trim().split('\n').pop();
+    const stderr = String((error as { stderr?: unknown }).stderr ?? '')
+      .trim()
+      .split('\n')
+      .pop();
     return { error: `python3 ${script}: ${stderr || (error as Error).message.split('\n')[0]}` };
   }
 }
@@ -112,18 +115,53 @@ export async function storeLoad(daemon: BenchDaemon, backend: string, bytes: num
       dumps.push(vmmctl(daemon, ['store', 'dump', name, '/dev/null']).json.seconds!);
       vmmctl(daemon, ['store', 'rm', name]);
     }
-    rows.push({ operation: `vmmctl store load (${size}, page cache)`, GB_s: rate(bytes, median(loads)), best_GB_s: rate(bytes, Math.min(...loads)), seconds: +median(loads).toFixed(3) });
-    rows.push({ operation: '  the same, whole command (node start, connect, CUDA context)', GB_s: rate(bytes, median(walls)), best_GB_s: rate(bytes, Math.min(...walls)), seconds: +median(walls).toFixed(3) });
-    rows.push({ operation: `vmmctl store dump (${size}, to /dev/null)`, GB_s: rate(bytes, median(dumps)), best_GB_s: rate(bytes, Math.min(...dumps)), seconds: +median(dumps).toFixed(3) });
+    rows.push({
+      operation: `vmmctl store load (${size}, page cache)`,
+      GB_s: rate(bytes, median(loads)),
+      best_GB_s: rate(bytes, Math.min(...loads)),
+      seconds: +median(loads).toFixed(3),
+    });
+    rows.push({
+      operation: '  the same, whole command (node start, connect, CUDA context)',
+      GB_s: rate(bytes, median(walls)),
+      best_GB_s: rate(bytes, Math.min(...walls)),
+      seconds: +median(walls).toFixed(3),
+    });
+    rows.push({
+      operation: `vmmctl store dump (${size}, to /dev/null)`,
+      GB_s: rate(bytes, median(dumps)),
+      best_GB_s: rate(bytes, Math.min(...dumps)),
+      seconds: +median(dumps).toFixed(3),
+    });
     if (backend === 'cuda') {
       const pinned = await pinnedReference(bytes);
-      rows.push({ operation: 'pinned cuMemcpyHtoDAsync in one process (256 MiB at a time)', GB_s: +pinned.htod.toFixed(2), best_GB_s: null, seconds: +(bytes / pinned.htod / GB).toFixed(3) });
-      rows.push({ operation: 'pinned cuMemcpyDtoHAsync in one process (256 MiB at a time)', GB_s: +pinned.dtoh.toFixed(2), best_GB_s: null, seconds: +(bytes / pinned.dtoh / GB).toFixed(3) });
+      rows.push({
+        operation: 'pinned cuMemcpyHtoDAsync in one process (256 MiB at a time)',
+        GB_s: +pinned.htod.toFixed(2),
+        best_GB_s: null,
+        seconds: +(bytes / pinned.htod / GB).toFixed(3),
+      });
+      rows.push({
+        operation: 'pinned cuMemcpyDtoHAsync in one process (256 MiB at a time)',
+        GB_s: +pinned.dtoh.toFixed(2),
+        best_GB_s: null,
+        seconds: +(bytes / pinned.dtoh / GB).toFixed(3),
+      });
       const torch = torchReference(file, bytes);
       if (torch.error !== undefined) notes.push(torch.error);
       else {
-        rows.push({ operation: `torch.from_file(...).cuda() in one process (${size})`, GB_s: rate(bytes, torch.seconds!), best_GB_s: null, seconds: +torch.seconds!.toFixed(3) });
-        rows.push({ operation: '  of which .cuda() (pageable → device)', GB_s: rate(bytes, torch.cudaSeconds!), best_GB_s: null, seconds: +torch.cudaSeconds!.toFixed(3) });
+        rows.push({
+          operation: `torch.from_file(...).cuda() in one process (${size})`,
+          GB_s: rate(bytes, torch.seconds!),
+          best_GB_s: null,
+          seconds: +torch.seconds!.toFixed(3),
+        });
+        rows.push({
+          operation: '  of which .cuda() (pageable → device)',
+          GB_s: rate(bytes, torch.cudaSeconds!),
+          best_GB_s: null,
+          seconds: +torch.cudaSeconds!.toFixed(3),
+        });
       }
       const load = rate(bytes, median(loads));
       const dump = rate(bytes, median(dumps));

@@ -88,7 +88,12 @@ export async function streaming(client: VmmdClient, megabytes: number, repeats: 
     rows: [
       { operation: 'vmmd Write', GB_s: write, best_GB_s: Math.max(...writes), vs_memcpy: +(write / memcpy).toFixed(3) },
       { operation: 'vmmd Read (readInto a warm buffer)', GB_s: read, best_GB_s: Math.max(...reads), vs_memcpy: +(read / memcpy).toFixed(3) },
-      { operation: 'vmmd Read (read: a new buffer each time)', GB_s: median(freshReads), best_GB_s: Math.max(...freshReads), vs_memcpy: +(median(freshReads) / memcpy).toFixed(3) },
+      {
+        operation: 'vmmd Read (read: a new buffer each time)',
+        GB_s: median(freshReads),
+        best_GB_s: Math.max(...freshReads),
+        vs_memcpy: +(median(freshReads) / memcpy).toFixed(3),
+      },
       { operation: 'memcpy in one process (reference)', GB_s: memcpy, best_GB_s: Math.max(...copies), vs_memcpy: 1 },
       ...(await streamedOnly(client, data)),
     ],

@@ -39,7 +39,9 @@ export class Progress {
     if (process.stderr.isTTY) {
       const width = 30;
       const filled = Math.round(fraction * width);
-      process.stderr.write(`\r${this.label} [${'#'.repeat(filled)}${' '.repeat(width - filled)}] ${(fraction * 100).toFixed(0).padStart(3)}% ${humanBytes(done)}/${humanBytes(this.total)}`);
+      process.stderr.write(
+        `\r${this.label} [${'#'.repeat(filled)}${' '.repeat(width - filled)}] ${(fraction * 100).toFixed(0).padStart(3)}% ${humanBytes(done)}/${humanBytes(this.total)}`,
+      );
     } else if (Math.floor(fraction * 10) > this.lastTenth) {
       this.lastTenth = Math.floor(fraction * 10);
       process.stderr.write(`${this.label}: ${(fraction * 100).toFixed(0)}% (${humanBytes(done)} of ${humanBytes(this.total)})\n`);
@@ -75,7 +77,7 @@ export function openSource(file: string): { size: number; chunks: (buffer: Buffe
       size,
       regular: { fd },
       chunks: function* (buffer) {
-        for (let done = 0; done < size; ) {
+        for (let done = 0; done < size;) {
           const read = fs.readSync(fd, buffer, 0, Math.min(buffer.length, size - done), done);
           if (read === 0) throw new VmmdError('FILE_CHANGED', Status.ABORTED, `${file} shrank while it was read`);
           yield buffer.subarray(0, read);
@@ -152,4 +154,3 @@ export class PartialFile {
     fs.rmSync(this.path, { force: true });
   }
 }
-

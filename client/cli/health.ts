@@ -14,7 +14,8 @@ const HEALTH_DEADLINE_MS = 5_000;
 /** The status the daemon's health service gives ("SERVING", "NOT_SERVING"), or the call's error message. */
 export function checkHealth(socketDir: string): Promise<{ serving: boolean; status: string }> {
   const definition = protoLoader.loadSync(HEALTH_PROTO, { keepCase: true, enums: String });
-  const Health = (grpc.loadPackageDefinition(definition) as unknown as { grpc: { health: { v1: { Health: grpc.ServiceClientConstructor } } } }).grpc.health.v1.Health;
+  const Health = (grpc.loadPackageDefinition(definition) as unknown as { grpc: { health: { v1: { Health: grpc.ServiceClientConstructor } } } }).grpc.health.v1
+    .Health;
   const client = new Health(`unix://${socketPaths(socketDir).grpc}`, grpc.credentials.createInsecure());
   return new Promise((resolve) =>
     client.Check({ service: '' }, { deadline: Date.now() + HEALTH_DEADLINE_MS }, (error: grpc.ServiceError | null, response?: { status: string }) => {

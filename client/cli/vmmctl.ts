@@ -117,7 +117,8 @@ interface Result {
 async function load(client: VmmdClient, name: string, file: string, options: { mutable: boolean; host: boolean }): Promise<Result> {
   // The name first: a taken name is refused before a byte moves.
   const taken = (await client.stores.list()).find((store) => store.name === name && store.state !== 'STORE_STATE_DETACHED');
-  if (taken !== undefined) throw new VmmdError('NAME_TAKEN', Status.ALREADY_EXISTS, `a store named ${JSON.stringify(name)} exists (store ${taken.id}); vmmctl store rm ${name} first`);
+  if (taken !== undefined)
+    throw new VmmdError('NAME_TAKEN', Status.ALREADY_EXISTS, `a store named ${JSON.stringify(name)} exists (store ${taken.id}); vmmctl store rm ${name} first`);
   // From here: a pipe is read whole before the upload, and its reading is part of the load's time.
   const started = performance.now();
   const source = openSource(file);
@@ -125,7 +126,9 @@ async function load(client: VmmdClient, name: string, file: string, options: { m
   try {
     if (source.size === 0) throw new VmmdError('ZERO_SIZE', Status.INVALID_ARGUMENT, `${shown} is empty: a store holds at least one byte`);
     const location =
-      options.host && client.session.capabilities.has('CAPABILITY_HOST_NUMA') ? { type: 'LOCATION_TYPE_HOST_NUMA' as const, id: 0 } : { type: 'LOCATION_TYPE_DEVICE' as const, id: 0 };
+      options.host && client.session.capabilities.has('CAPABILITY_HOST_NUMA')
+        ? { type: 'LOCATION_TYPE_HOST_NUMA' as const, id: 0 }
+        : { type: 'LOCATION_TYPE_DEVICE' as const, id: 0 };
     const granularity = BigInt((await client.devices.getGranularity({ location })).minimum);
     const allocationSize = ((BigInt(source.size) + granularity - 1n) / granularity) * granularity;
     const allocation = await client.vmm.create({ size: allocationSize, location });
@@ -148,7 +151,13 @@ async function load(client: VmmdClient, name: string, file: string, options: { m
         await memory.close();
       }
       // The store holds its own reference and belongs to the daemon: it outlives this command.
-      const store = await client.stores.createStore({ allocationId: allocation.id, name, readOnly: !options.mutable, handOver: true, size: BigInt(source.size) });
+      const store = await client.stores.createStore({
+        allocationId: allocation.id,
+        name,
+        readOnly: !options.mutable,
+        handOver: true,
+        size: BigInt(source.size),
+      });
       const { seconds, line } = progress.finish('loaded');
       return {
         text: `${line} into store ${store.id} "${name}"${options.mutable ? '' : ', read-only'}`,
@@ -171,7 +180,7 @@ async function dump(client: VmmdClient, store: StoreName, file: string): Promise
     const partial = file === '-' ? undefined : new PartialFile(file);
     const fd = partial === undefined ? 1 : partial.fd;
     const write = async (bytes: Buffer) => {
-      for (let written = 0; written < bytes.length; ) {
+      for (let written = 0; written < bytes.length;) {
         try {
           written += fs.writeSync(fd, bytes, written);
         } catch (error) {
@@ -186,7 +195,7 @@ async function dump(client: VmmdClient, store: StoreName, file: string): Promise
         // Page-locked buffers: device copies of later chunks run while earlier ones are written, not one after the other.
         await copyMemoryToWriter(opened.memory, size, write, (done) => progress.update(done));
       } else {
-        for (let done = 0; done < size; ) {
+        for (let done = 0; done < size;) {
           const length = Math.min(CHUNK, size - done);
           await write(await opened.memory.read(done, length));
           done += length;
@@ -213,7 +222,11 @@ function table(rows: Array<Record<string, unknown>>): string {
   if (rows.length === 0) return '(none)';
   const columns = Object.keys(rows[0]);
   const widths = columns.map((column) => Math.max(column.length, ...rows.map((row) => String(row[column]).length)));
-  const line = (values: string[]) => values.map((value, i) => value.padEnd(widths[i])).join('  ').trimEnd();
+  const line = (values: string[]) =>
+    values
+      .map((value, i) => value.padEnd(widths[i]))
+      .join('  ')
+      .trimEnd();
   return [line(columns), ...rows.map((row) => line(columns.map((column) => String(row[column]))))].join('\n');
 }
 
@@ -272,12 +285,21 @@ export async function main(argv: string[]): Promise<number> {
   let inspector: VmmdInspector | undefined;
   try {
     // Listings go without a session: nothing opened in the daemon, nothing logged there (a health check's vmmctl runs every 30 s).
-    const view = INSPECTIONS.has(command.kind) ? (inspector = await inspect({ socketDir: values['socket-dir'] })) : (client = await connect({ socketDir: values['socket-dir'] }));
+    const view = INSPECTIONS.has(command.kind)
+      ? (inspector = await inspect({ socketDir: values['socket-dir'] }))
+      : (client = await connect({ socketDir: values['socket-dir'] }));
     switch (command.kind) {
       case 'devices': {
         const { devices } = await view.devices.listDevices();
         rows(
-          devices.map((d) => ({ index: d.index, name: d.name, uuid: d.uuid, total: size(d.totalBytes), free: size(d.freeBytes), granularity: size(d.granularityMinimum) })),
+          devices.map((d) => ({
+            index: d.index,
+            name: d.name,
+            uuid: d.uuid,
+            total: size(d.totalBytes),
+            free: size(d.freeBytes),
+            granularity: size(d.granularityMinimum),
+          })),
           devices,
         );
         break;
@@ -380,7 +402,9 @@ export async function main(argv: string[]): Promise<number> {
     const failure = VmmdError.from(error);
     // Node's own messages start with their code already ("ENOENT: no such file …").
     const message = failure.message.startsWith(`${failure.code}:`) ? failure.message : `${failure.code}: ${failure.message}`;
-    process.stderr.write(json ? `${JSON.stringify({ error: { code: failure.code, status: failure.statusName, message: failure.message } })}\n` : `vmmctl: ${message}\n`);
+    process.stderr.write(
+      json ? `${JSON.stringify({ error: { code: failure.code, status: failure.statusName, message: failure.message } })}\n` : `vmmctl: ${message}\n`,
+    );
     return failure.errorCode;
   } finally {
     client?.close();

@@ -36,7 +36,8 @@ export const MAX_AHEAD_DEPTH = 8;
  */
 export function checkAhead(settings: AheadSettings): AheadSettings {
   const bad = (message: string) => new VmmdError('BAD_CONFIG', Status.INVALID_ARGUMENT, message);
-  if (typeof settings.maxBytes !== 'bigint' || settings.maxBytes < 0n) throw bad(`allocations ahead: maxBytes ${String(settings.maxBytes)} must be a bigint >= 0`);
+  if (typeof settings.maxBytes !== 'bigint' || settings.maxBytes < 0n)
+    throw bad(`allocations ahead: maxBytes ${String(settings.maxBytes)} must be a bigint >= 0`);
   if (!Number.isInteger(settings.idleMs) || settings.idleMs < 1 || settings.idleMs > MAX_TIMER_MS) {
     throw bad(`allocations ahead: idleMs ${settings.idleMs} must be an integer from 1 to ${MAX_TIMER_MS}`);
   }

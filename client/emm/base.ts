@@ -101,13 +101,9 @@ export abstract class HostOnlyMemoryManager extends BaseMemoryManager {
     const base = native.addressOf(owner);
     const length = BigInt(owner.byteLength);
     if (bytes <= 0n || pointer < base || pointer + bytes > base + length) {
-      throw new VmmdError(
-        'BEYOND_ALLOCATION',
-        Status.OUT_OF_RANGE,
-        `mempin of [${pointer}, +${bytes}) is not inside its owner's ${length} bytes at ${base}`,
-      );
+      throw new VmmdError('BEYOND_ALLOCATION', Status.OUT_OF_RANGE, `mempin of [${pointer}, +${bytes}) is not inside its owner's ${length} bytes at ${base}`);
     }
-    const buffer = owner instanceof ArrayBuffer ? owner : owner.buffer as ArrayBuffer;
+    const buffer = owner instanceof ArrayBuffer ? owner : (owner.buffer as ArrayBuffer);
     return this.pin(pointer, bytes, options.mapped ?? false, owner, buffer, () => undefined);
   }
 

@@ -81,7 +81,9 @@ export class DaemonLeases {
 
   /** Closes `memory` here without waiting: reads and writes on it are refused from now, the unmap follows. */
   unmapInBackground(memory: ImportedMemory): void {
-    this.unmaps.track(memory.close({ gather: true })).catch((error: Error) => process.emitWarning(`vmmd: unmapping allocation ${memory.allocationId} failed: ${error.message}`));
+    this.unmaps
+      .track(memory.close({ gather: true }))
+      .catch((error: Error) => process.emitWarning(`vmmd: unmapping allocation ${memory.allocationId} failed: ${error.message}`));
   }
 
   /** Resolves once every unmap started is done (those gathered for later go to the driver now) and every release sent is answered. */

@@ -32,10 +32,7 @@ export function setMemoryManager(cls: MemoryManagerClass<any>): void {
     throw new VmmdError('MANAGER_IN_USE', Status.FAILED_PRECONDITION, 'the memory manager cannot change once memory was allocated');
   }
   if (process.env[MEMORY_MANAGER_VARIABLE]) {
-    process.emitWarning(
-      `setMemoryManager() overrides ${MEMORY_MANAGER_VARIABLE}=${process.env[MEMORY_MANAGER_VARIABLE]}`,
-      'VmmdMemoryManagerWarning',
-    );
+    process.emitWarning(`setMemoryManager() overrides ${MEMORY_MANAGER_VARIABLE}=${process.env[MEMORY_MANAGER_VARIABLE]}`, 'VmmdMemoryManagerWarning');
   }
   chosen = cls;
 }

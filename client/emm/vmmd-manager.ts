@@ -365,7 +365,12 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager implements Sleeper 
       large: { allocations: this.large.size, bytes: String(largeBytes) },
       host: { allocations: this.hostLeases.size },
       pending: { frees: this.deallocations.pendingCount, bytes: String(this.deallocations.pendingBytes) },
-      ahead: { allocations: this.leases.ahead.held, bytes: String(this.leases.ahead.heldBytes), arriving: this.leases.ahead.arriving, ...this.leases.ahead.counters },
+      ahead: {
+        allocations: this.leases.ahead.held,
+        bytes: String(this.leases.ahead.heldBytes),
+        arriving: this.leases.ahead.arriving,
+        ...this.leases.ahead.counters,
+      },
       counters: { ...this.counters },
     };
   }

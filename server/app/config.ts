@@ -18,7 +18,6 @@ import type { StockLevel } from '../backends/stock-shelves';
 export { defaultStock };
 export type { BackendChoice, StockLevel };
 
-
 export interface TlsConfig {
   cert: string;
   key: string;
@@ -99,7 +98,6 @@ export interface DaemonConfig {
   parkedGraceMs: number;
 }
 
-
 /** "2MiB:4,32MiB:2" → levels; "none" → []; "auto" stays. @throws ConfigError naming the key */
 export function parseStock(key: string, text: string): StockLevel[] | 'auto' {
   const trimmed = text.trim();
@@ -171,7 +169,10 @@ function parseGroup(key: string, text: string): number {
   } catch {
     // no /etc/group: no names to resolve
   }
-  const entry = groups.split('\n').map((line) => line.split(':')).find((fields) => fields[0] === text.trim() && fields.length >= 3);
+  const entry = groups
+    .split('\n')
+    .map((line) => line.split(':'))
+    .find((fields) => fields[0] === text.trim() && fields.length >= 3);
   if (entry === undefined) throw new ConfigError(`${key}: "${text}" is neither a gid nor a group in /etc/group`);
   return Number(entry[2]);
 }
@@ -325,7 +326,11 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
     if (cert === undefined || key === undefined) {
       throw new ConfigError(`${tcpKey}: the TCP listener is TLS only: set --tls-cert and --tls-key too`);
     }
-    for (const [name, path] of [[certKey, cert], [keyKey, key], [caKey, ca]] as const) {
+    for (const [name, path] of [
+      [certKey, cert],
+      [keyKey, key],
+      [caKey, ca],
+    ] as const) {
       if (path !== undefined && !fs.existsSync(path)) throw new ConfigError(`${name}: ${path} does not exist`);
     }
     tls = { cert, key, ...(ca === undefined ? {} : { ca }) };
@@ -342,8 +347,10 @@ export function parseCommandLine(argv: string[], env: NodeJS.ProcessEnv, pageSiz
   const stock = parseStock(stockKey, text('stock') as string);
 
   const [takeOverKey] = pick('takeOver');
-  if (read('takeOver') === true && text('park') === 'off') throw new ConfigError(`${takeOverKey}: a daemon that takes over holds what it takes; --park off holds nothing`);
-  if (read('takeOver') === true && read('keeper') === true) throw new ConfigError(`${takeOverKey}: the keeper takes over nothing; under it an upgrade is SIGHUP to the keeper`);
+  if (read('takeOver') === true && text('park') === 'off')
+    throw new ConfigError(`${takeOverKey}: a daemon that takes over holds what it takes; --park off holds nothing`);
+  if (read('takeOver') === true && read('keeper') === true)
+    throw new ConfigError(`${takeOverKey}: the keeper takes over nothing; under it an upgrade is SIGHUP to the keeper`);
 
   return {
     kind: 'run',

@@ -179,7 +179,10 @@ export class Daemon {
     const paths = socketPaths(config.socketDir);
     const previousMode = prepareSocketDir(config);
     if (previousMode !== undefined) {
-      log.warn({ socketDir: config.socketDir, was: previousMode.toString(8), now: config.socketGroup === undefined ? '700' : '750' }, 'socket directory mode corrected');
+      log.warn(
+        { socketDir: config.socketDir, was: previousMode.toString(8), now: config.socketGroup === undefined ? '700' : '750' },
+        'socket directory mode corrected',
+      );
     }
     // The protos and their reflection are read before a take-over, not in the gap while no daemon serves.
     const { proto } = loadProtos();
@@ -239,7 +242,11 @@ export class Daemon {
           check: (session, method) => access.checkSession(method, session),
           who: (session) => access.sessionCaller(session),
         }),
-        { observe: (method, status, code, seconds) => metrics.observe('vmmd.session', method, status, code, seconds), turns, connected: () => activity.enter() },
+        {
+          observe: (method, status, code, seconds) => metrics.observe('vmmd.session', method, status, code, seconds),
+          turns,
+          connected: () => activity.enter(),
+        },
       );
 
       // grpc-js's own log goes through pino, at the daemon's level.
@@ -250,7 +257,10 @@ export class Daemon {
       const server = new grpc.Server({ 'grpc.max_receive_message_length': Number(config.maxMessageBytes) });
       // Only the health service, plaintext: what Kubernetes' gRPC probes speak (they have no Unix sockets).
       const healthServer = new grpc.Server();
-      undo.push(() => server.forceShutdown(), () => healthServer.forceShutdown());
+      undo.push(
+        () => server.forceShutdown(),
+        () => healthServer.forceShutdown(),
+      );
       // grpcurl's view: reflection (v1 and v1alpha) over the vmmd protos and health.
       reflection.addToServer(server);
       const health = new HealthImplementation(Object.fromEntries(HEALTH_SERVICES.map((name) => [name, 'NOT_SERVING'])));
@@ -290,15 +300,15 @@ export class Daemon {
           [{ cert_chain: fs.readFileSync(tls.cert), private_key: fs.readFileSync(tls.key) }],
           tls.ca !== undefined,
         );
-        await new Promise<void>((resolve, reject) =>
-          server.bindAsync(config.tcpListen, credentials, (error) => (error ? reject(error) : resolve())),
-        );
+        await new Promise<void>((resolve, reject) => server.bindAsync(config.tcpListen, credentials, (error) => (error ? reject(error) : resolve())));
         log.info({ address: config.tcpListen, mutualTls: tls.ca !== undefined }, 'serving gRPC over TCP with TLS (no sessions, no descriptors)');
       }
       if (config.metricsPort > 0) await metrics.serve(config.metricsPort, config.metricsAddress, log);
       if (config.healthPort > 0) {
         const address = `${config.metricsAddress.includes(':') ? `[${config.metricsAddress}]` : config.metricsAddress}:${config.healthPort}`;
-        await new Promise<void>((resolve, reject) => healthServer.bindAsync(address, grpc.ServerCredentials.createInsecure(), (error) => (error ? reject(error) : resolve())));
+        await new Promise<void>((resolve, reject) =>
+          healthServer.bindAsync(address, grpc.ServerCredentials.createInsecure(), (error) => (error ? reject(error) : resolve())),
+        );
         log.info({ address }, 'health service (grpc.health.v1 only, plaintext) on %s', address);
       }
       for (const name of HEALTH_SERVICES) health.setStatus(name, 'SERVING');
@@ -311,12 +321,13 @@ export class Daemon {
       const longTurns = new LogLimiter();
       turns.onLong = (turn) => {
         const allowed = longTurns.allow('long turn');
-        if (allowed !== undefined) log.warn({ turn, heldBack: allowed.suppressed }, `a turn of the event loop ran ${(turn.cpuMs ?? turn.wallMs).toFixed(2)} ms${turn.cpuMs === undefined ? '' : ' of CPU'}: ${turn.kind} ${turn.what ?? ''}`.trimEnd());
+        if (allowed !== undefined)
+          log.warn(
+            { turn, heldBack: allowed.suppressed },
+            `a turn of the event loop ran ${(turn.cpuMs ?? turn.wallMs).toFixed(2)} ms${turn.cpuMs === undefined ? '' : ' of CPU'}: ${turn.kind} ${turn.what ?? ''}`.trimEnd(),
+          );
       };
-      log.info(
-        { backend: backend.name, socketDir: config.socketDir, devices: registry.devices.length, version: VERSION },
-        'vmmd serving',
-      );
+      log.info({ backend: backend.name, socketDir: config.socketDir, devices: registry.devices.length, version: VERSION }, 'vmmd serving');
       started = new Daemon(config, backend, registry, sessions, server, unix, log, paths, admin, health, metrics, healthServer, activity, lifecycle);
     } finally {
       if (started === undefined) {

@@ -7,7 +7,10 @@ import * as path from 'node:path';
 
 /** The socket directory cannot be made: its message names the directory and the reason. */
 export class SocketDirError extends Error {
-  constructor(message: string, readonly code?: string) {
+  constructor(
+    message: string,
+    readonly code?: string,
+  ) {
     super(message);
     this.name = 'SocketDirError';
   }

@@ -78,12 +78,18 @@ export function admitClientMemfd(fd: number, use: ClientMemfdUse): FdInfo {
     );
   }
   if (use.sealReadOnly && info.accessMode !== ACCESS_MODE.O_RDWR) {
-    throw badDescriptor(use.what, 'read-only use seals the memfd F_SEAL_FUTURE_WRITE, which the kernel allows only through a descriptor open O_RDWR (this one is O_RDONLY)');
+    throw badDescriptor(
+      use.what,
+      'read-only use seals the memfd F_SEAL_FUTURE_WRITE, which the kernel allows only through a descriptor open O_RDWR (this one is O_RDONLY)',
+    );
   }
   const missing = RESIZE_SEALS & ~info.seals;
   if (missing !== 0) {
     if (info.accessMode !== ACCESS_MODE.O_RDWR) {
-      throw badDescriptor(use.what, `the memfd must be sealed ${sealNames(missing)}, and a descriptor open O_RDONLY cannot add the seal: seal it before sending, or send it O_RDWR`);
+      throw badDescriptor(
+        use.what,
+        `the memfd must be sealed ${sealNames(missing)}, and a descriptor open O_RDONLY cannot add the seal: seal it before sending, or send it O_RDWR`,
+      );
     }
     if (!sealable) {
       throw badDescriptor(

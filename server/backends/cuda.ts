@@ -5,22 +5,10 @@
  */
 import type { Logger } from 'pino';
 import { addon, CU_HANDLE, CU_LOCATION, CudaDeviceInfo, isNativeError } from '../../native';
-import {
-  AccessGrant,
-  Backend,
-  BackendHandle,
-  codedError,
-  DeviceInfo,
-  HandleKind,
-  ImportedHandle,
-  ImportSource,
-  MemLocation,
-  MemoryInfo,
-} from './backend';
+import { AccessGrant, Backend, BackendHandle, codedError, DeviceInfo, HandleKind, ImportedHandle, ImportSource, MemLocation, MemoryInfo } from './backend';
 import { memfdIdentity } from './client-memfd';
 import { closeLater } from '../../common/close-later';
 import { defaultExportCacheLimit, ExportedDescriptors } from './exported-descriptors';
-
 
 const locationType = (location: MemLocation) => CU_LOCATION[location.type];
 
@@ -65,8 +53,7 @@ export class CudaBackend implements Backend {
           `device ${device.index} (${device.name}) lacks ${device.vmm ? 'POSIX descriptor handles' : 'virtual memory management'}; vmmd needs both`,
         );
       }
-      const granularity = (recommended: boolean) =>
-        addon.cudaGranularity(CU_LOCATION.DEVICE, device.index, CU_HANDLE.POSIX_FD, recommended);
+      const granularity = (recommended: boolean) => addon.cudaGranularity(CU_LOCATION.DEVICE, device.index, CU_HANDLE.POSIX_FD, recommended);
       const minimum = granularity(false);
       const fabric = await CudaBackend.probeFabric(device, minimum);
       log.info({ device: device.index, name: device.name, fabric: fabric.status }, 'cuda device');
@@ -147,10 +134,7 @@ export class CudaBackend implements Backend {
       if (isNativeError(error, 'CUDA_ERROR_OUT_OF_MEMORY')) {
         const free = location.type === 'DEVICE' ? addon.cudaMemGetInfo(device).free : undefined;
         throw Object.assign(
-          new Error(
-            `CUDA_ERROR_OUT_OF_MEMORY: cuMemCreate: requested ${size} bytes` +
-              (free === undefined ? '' : `, ${free} bytes free on device ${device}`),
-          ),
+          new Error(`CUDA_ERROR_OUT_OF_MEMORY: cuMemCreate: requested ${size} bytes` + (free === undefined ? '' : `, ${free} bytes free on device ${device}`)),
           { code: 'CUDA_ERROR_OUT_OF_MEMORY', result: error.result, requested: size, free },
         );
       }
@@ -283,7 +267,10 @@ export class CudaBackend implements Backend {
     });
     if (!exact) {
       await this.release(handle, size, true, device);
-      throw codedError('BAD_DESCRIPTOR', `the imported CUDA memory is not ${size} bytes: an import must state the allocation's own size (the driver maps it only whole, and the import is charged by it)`);
+      throw codedError(
+        'BAD_DESCRIPTOR',
+        `the imported CUDA memory is not ${size} bytes: an import must state the allocation's own size (the driver maps it only whole, and the import is charged by it)`,
+      );
     }
     return { handle, size, device, location };
   }

@@ -4,17 +4,7 @@
  * daemon's policy runs unchanged on it, and clients map the same pages.
  */
 import { addon, HOST_ACCESS, isNativeError, MEMFD_SEALS } from '../../native';
-import {
-  AccessGrant,
-  Backend,
-  BackendHandle,
-  codedError,
-  DeviceInfo,
-  ImportedHandle,
-  ImportSource,
-  MemLocation,
-  MemoryInfo,
-} from './backend';
+import { AccessGrant, Backend, BackendHandle, codedError, DeviceInfo, ImportedHandle, ImportSource, MemLocation, MemoryInfo } from './backend';
 import { admitClientMemfd, memfdIdentity } from './client-memfd';
 
 export interface HostBackendOptions {
@@ -23,7 +13,6 @@ export interface HostBackendOptions {
   /** Allocation granularity: a power of two, a multiple of the page size. */
   granularity: bigint;
 }
-
 
 export class HostBackend implements Backend {
   readonly name = 'host' as const;
@@ -221,10 +210,7 @@ export class HostBackend implements Backend {
       // Mapped writable later (SetAccess READWRITE), copied from by the daemon: the rules of client memfds.
       const info = admitClientMemfd(fd, { what: 'an imported descriptor', writable: true, handedOut: true });
       if (info.size === 0n || info.size % this.options.granularity !== 0n) {
-        throw codedError(
-          'BAD_DESCRIPTOR',
-          `the descriptor's size ${info.size} is not a positive multiple of the granularity ${this.options.granularity}`,
-        );
+        throw codedError('BAD_DESCRIPTOR', `the descriptor's size ${info.size} is not a positive multiple of the granularity ${this.options.granularity}`);
       }
       if (size !== 0n && size !== info.size) {
         throw codedError('BAD_DESCRIPTOR', `the descriptor holds ${info.size} bytes, not the ${size} the request says`);

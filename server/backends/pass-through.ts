@@ -3,17 +3,7 @@
  * base of a backend that adds a policy to a few calls (the stock,
  * server/backends/stock.ts) and overrides those.
  */
-import type {
-  AccessGrant,
-  Backend,
-  BackendHandle,
-  DeviceInfo,
-  HandleKind,
-  ImportedHandle,
-  ImportSource,
-  MemLocation,
-  MemoryInfo,
-} from './backend';
+import type { AccessGrant, Backend, BackendHandle, DeviceInfo, HandleKind, ImportedHandle, ImportSource, MemLocation, MemoryInfo } from './backend';
 
 export class PassThroughBackend implements Backend {
   constructor(protected readonly inner: Backend) {}

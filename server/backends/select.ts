@@ -15,7 +15,6 @@ export class BackendUnavailableError extends Error {
   }
 }
 
-
 export type BackendChoice = 'auto' | 'host' | 'cuda';
 
 /** What choosing a backend needs of the daemon's configuration. */

@@ -33,13 +33,33 @@ import { HeldReleases } from './held-releases';
 import { PassThroughBackend } from './pass-through';
 import { BURST_IDLE_MS, DEMAND_MAX_SHELVES, DEMAND_MIN_COUNT, DEMAND_SHARE, StockDemand } from './stock-demand';
 import type { Backend, BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from './backend';
-import { CLOSE_WAIT_MS, FREE_BYTES_TTL_MS, MAX_REFILL_DELAY_MS, newShelf, QUIET_MS, REFILL_AT_FRACTION, REFILL_HEADROOM, REFILL_PARALLEL, shelfKey } from './stock-shelves';
+import {
+  CLOSE_WAIT_MS,
+  FREE_BYTES_TTL_MS,
+  MAX_REFILL_DELAY_MS,
+  newShelf,
+  QUIET_MS,
+  REFILL_AT_FRACTION,
+  REFILL_HEADROOM,
+  REFILL_PARALLEL,
+  shelfKey,
+} from './stock-shelves';
 import type { Item, Shelf, StockLevel, StockStats } from './stock-shelves';
 
 export type { StockLevel, StockStats } from './stock-shelves';
 export { CLOSE_WAIT_MS, MAX_REFILL_DELAY_MS, QUIET_MS, REFILL_AT_FRACTION, REFILL_PARALLEL } from './stock-shelves';
 export { RELEASE_HOLD_MAX, RELEASE_HOLD_MIN_BYTES, RELEASE_START_BATCH } from './held-releases';
-export { BURST_HEADROOM, BURST_IDLE_MS, BURST_MAX_DEPTH, BURST_MEMORY, DEMAND_MAX_DEPTH, DEMAND_MAX_SHELVES, DEMAND_MIN_COUNT, DEMAND_SHARE, DEMAND_WINDOW } from './stock-demand';
+export {
+  BURST_HEADROOM,
+  BURST_IDLE_MS,
+  BURST_MAX_DEPTH,
+  BURST_MEMORY,
+  DEMAND_MAX_DEPTH,
+  DEMAND_MAX_SHELVES,
+  DEMAND_MIN_COUNT,
+  DEMAND_SHARE,
+  DEMAND_WINDOW,
+} from './stock-demand';
 
 const isOutOfMemory = (error: unknown) => {
   const code = (error as { code?: unknown })?.code;
@@ -312,7 +332,11 @@ export class StockedBackend extends PassThroughBackend {
 
   private discard(shelf: Shelf, item: Item): Promise<unknown> {
     const closed = this.closeDescriptor(item.fd);
-    const released = this.track(this.inner.release(item.handle, shelf.size, false, shelf.device).catch((error) => this.log.error({ err: error }, 'stock: releasing stocked memory failed')));
+    const released = this.track(
+      this.inner
+        .release(item.handle, shelf.size, false, shelf.device)
+        .catch((error) => this.log.error({ err: error }, 'stock: releasing stocked memory failed')),
+    );
     return Promise.all([closed, released]);
   }
 
@@ -385,7 +409,12 @@ export class StockedBackend extends PassThroughBackend {
   private followDemand(): void {
     for (const device of this.inner.devices()) {
       const ours = [...this.shelves.entries()].filter(([, shelf]) => shelf.device === device.index);
-      const depths = this.demand.plan(device.index, device.totalBytes, device.granularityMinimum, ours.map(([, shelf]) => shelf));
+      const depths = this.demand.plan(
+        device.index,
+        device.totalBytes,
+        device.granularityMinimum,
+        ours.map(([, shelf]) => shelf),
+      );
       for (const [key, shelf] of ours) {
         shelf.depth = depths.get(shelf.size) ?? 0;
         while (shelf.items.length > shelf.depth) this.discard(shelf, shelf.items.pop()!);
@@ -436,7 +465,10 @@ export class StockedBackend extends PassThroughBackend {
       const failed = (await Promise.allSettled(Array.from({ length: REFILL_PARALLEL }, creating))).find((outcome) => outcome.status === 'rejected');
       if (failed !== undefined) {
         this.counters.refillFailures++;
-        this.log.warn({ err: (failed as PromiseRejectedResult).reason, device: shelf.device, size: String(shelf.size) }, 'stock: a refill failed; the shelf stays short');
+        this.log.warn(
+          { err: (failed as PromiseRejectedResult).reason, device: shelf.device, size: String(shelf.size) },
+          'stock: a refill failed; the shelf stays short',
+        );
       }
     } finally {
       shelf.refilling = false;

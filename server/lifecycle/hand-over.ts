@@ -289,7 +289,9 @@ export async function takeOver(dir: string, version: string, waitMs: number, log
           `the vmmd serving ${dir} takes no hand-over: it runs under systemd, whose file-descriptor store keeps its memory across \`systemctl restart vmmd\` (the upgrade there), or it is a version without --take-over`,
         );
       }
-      throw new TakeOverError(`no vmmd is running on ${dir} (nothing answers on ${HAND_OVER_SOCKET_NAME}): there is nothing to take over; start vmmd without --take-over`);
+      throw new TakeOverError(
+        `no vmmd is running on ${dir} (nothing answers on ${HAND_OVER_SOCKET_NAME}): there is nothing to take over; start vmmd without --take-over`,
+      );
     }
     throw new TakeOverError(`cannot reach the running vmmd's hand-over socket ${socketPath}: ${(error as Error).message}`);
   }
@@ -307,7 +309,9 @@ export async function takeOver(dir: string, version: string, waitMs: number, log
     for (;;) {
       const next = await channel.next(waitMs, `hand-over from the running vmmd (pid ${from})`);
       if (next === null) {
-        throw new TakeOverError(`the running vmmd (pid ${from}) went away in the middle of the hand-over: nothing was taken over (${count} descriptors received and closed)`);
+        throw new TakeOverError(
+          `the running vmmd (pid ${from}) went away in the middle of the hand-over: nothing was taken over (${count} descriptors received and closed)`,
+        );
       }
       const { message, fds } = next;
       if (message.refused !== undefined) throw new TakeOverError(`the running vmmd (pid ${from}) refused the take-over: ${message.refused}`);

@@ -153,20 +153,23 @@ export async function runKeeper(argv: string[], entry: string, log: Logger, hand
   // A take-over under way: the daemon's exit is the hand-over's, and what follows is the successor's answer.
   let handingOver: { outcome: Promise<'done' | 'failed'>; settle(outcome: 'done' | 'failed'): void } | undefined;
   let childExit: Promise<unknown> = Promise.resolve();
-  const listener = handOver === undefined ? undefined : listenForTakeOver(handOver, log, {
-    refusal: () => undefined,
-    quiesce: async () => {
-      let settle!: (outcome: 'done' | 'failed') => void;
-      handingOver = { outcome: new Promise((resolve) => (settle = resolve)), settle: (outcome) => settle(outcome) };
-      // The daemon stops as on SIGTERM under a store: calls finished, sessions parked, everything left here.
-      child?.kill('SIGTERM');
-      await childExit;
-      drain();
-    },
-    held: () => store.listing(),
-    handedOver: () => handingOver?.settle('done'),
-    resumeServing: () => handingOver?.settle('failed'),
-  });
+  const listener =
+    handOver === undefined
+      ? undefined
+      : listenForTakeOver(handOver, log, {
+          refusal: () => undefined,
+          quiesce: async () => {
+            let settle!: (outcome: 'done' | 'failed') => void;
+            handingOver = { outcome: new Promise((resolve) => (settle = resolve)), settle: (outcome) => settle(outcome) };
+            // The daemon stops as on SIGTERM under a store: calls finished, sessions parked, everything left here.
+            child?.kill('SIGTERM');
+            await childExit;
+            drain();
+          },
+          held: () => store.listing(),
+          handedOver: () => handingOver?.settle('done'),
+          resumeServing: () => handingOver?.settle('failed'),
+        });
 
   const args = daemonArguments(argv);
   try {

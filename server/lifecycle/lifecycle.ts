@@ -93,21 +93,27 @@ export class Lifecycle {
    * objects stay theirs for `graceMs`, then are reclaimed as if they had closed.
    * @throws the fd store's error when nothing can be parked
    */
-  async restore(deps: { registry: Registry; stores: StoreRegistry; backend: Backend; sessions: SessionManager }, graceMs: number): Promise<Restored | undefined> {
+  async restore(
+    deps: { registry: Registry; stores: StoreRegistry; backend: Backend; sessions: SessionManager },
+    graceMs: number,
+  ): Promise<Restored | undefined> {
     if (this.store === undefined) return undefined;
     const started = process.hrtime.bigint();
     // And its CPU time: what the restore costs, whatever else the machine runs meanwhile.
     const cpu = process.cpuUsage();
-    const restored = await restoreParked(
-      { ...deps, client: this.store, peers: sessionPeers(deps.sessions), log: this.log },
-      this.inherited,
-      this.slot,
-    );
+    const restored = await restoreParked({ ...deps, client: this.store, peers: sessionPeers(deps.sessions), log: this.log }, this.inherited, this.slot);
     this.inherited = new Map();
     const last = restored.sessions.reduce((max, session) => (BigInt(session.id) > max ? BigInt(session.id) : max), 0n);
     deps.sessions.skipIdsThrough(last);
     this.log.info(
-      { allocations: restored.allocations, stores: restored.stores, sessions: restored.sessions.length, dropped: restored.dropped, ms: Number(process.hrtime.bigint() - started) / 1e6, cpuMs: cpuMs(process.cpuUsage(cpu)) },
+      {
+        allocations: restored.allocations,
+        stores: restored.stores,
+        sessions: restored.sessions.length,
+        dropped: restored.dropped,
+        ms: Number(process.hrtime.bigint() - started) / 1e6,
+        cpuMs: cpuMs(process.cpuUsage(cpu)),
+      },
       restored.allocations + restored.stores > 0 ? 'parked memory taken back' : 'parking memory in the file-descriptor store',
     );
     // Each session is parked as it opens, and its record dropped once it has ended.

@@ -43,7 +43,10 @@ export interface Restored {
  */
 export async function restoreParked(deps: RestoreDeps, inherited: Map<string, number[]>, slot: ParkingSlot): Promise<Restored> {
   const { registry, stores, log } = deps;
-  const generations = [...inherited.keys()].map((name) => JOURNAL_NAME.exec(name)).filter((m) => m !== null).map((m) => Number(m![1]));
+  const generations = [...inherited.keys()]
+    .map((name) => JOURNAL_NAME.exec(name))
+    .filter((m) => m !== null)
+    .map((m) => Number(m![1]));
   generations.sort((a, b) => b - a);
   let state: ParkedState = emptyState();
   // The newest journal goes on (the parked state is written before the answers, not rewritten at start); the older
@@ -76,7 +79,10 @@ export async function restoreParked(deps: RestoreDeps, inherited: Map<string, nu
     for (const extra of fds.slice(1)) addon.close(extra);
     const uuid = registry.devices[parked.device]?.uuid;
     if (uuid !== parked.deviceUuid) {
-      log.error({ allocation: parked.id, device: parked.device, parkedOn: parked.deviceUuid, here: uuid ?? 'none' }, 'a parked allocation is of a device this daemon does not have: dropped');
+      log.error(
+        { allocation: parked.id, device: parked.device, parkedOn: parked.deviceUuid, here: uuid ?? 'none' },
+        'a parked allocation is of a device this daemon does not have: dropped',
+      );
       addon.close(fds[0]);
       deps.client.remove(parked.fd);
       droppedAllocations.push(parked.id);
@@ -144,7 +150,13 @@ export async function restoreParked(deps: RestoreDeps, inherited: Map<string, nu
     dropped++;
   }
 
-  const parking = Parking.start({ ...deps, nextId: () => registry.ids.peek() }, kept, generations, handles.map(([, name]) => name), resumed);
+  const parking = Parking.start(
+    { ...deps, nextId: () => registry.ids.peek() },
+    kept,
+    generations,
+    handles.map(([, name]) => name),
+    resumed,
+  );
   parking.forgetDropped(droppedAllocations, droppedStores);
   parking.compactAfterStart();
   for (const [record, name] of handles) parking.adopted(record.handle, name);

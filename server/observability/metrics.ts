@@ -39,13 +39,21 @@ export class Metrics {
   private server?: http.Server;
 
   /** @param budgets every budget the daemon keeps (server/registry/budgets.ts), each holder's use shown */
-  constructor(registry: Registry, sessions: () => SessionManager, stores: StoreRegistry, info: MetricsInfo, turns?: TurnMeter, budgets: () => Iterable<Budget> = () => []) {
+  constructor(
+    registry: Registry,
+    sessions: () => SessionManager,
+    stores: StoreRegistry,
+    info: MetricsInfo,
+    turns?: TurnMeter,
+    budgets: () => Iterable<Budget> = () => [],
+  ) {
     // prom-client samples the loop's delay on a timer of its own for vmmd_nodejs_eventloop_lag_*: at its default
     // (every 10 ms) that timer alone wakes an idle daemon 100 times a second. GetStats has the fine-grained delay.
     collectDefaultMetrics({ register: this.registry, prefix: 'vmmd_', eventLoopMonitoringPrecision: EVENT_LOOP_LAG_SAMPLE_MS });
     // NOTE: prom-client names two gauges *_total (nodejs_active_{handles,requests,resources}_total), which
     // Prometheus reserves for counters; the same numbers are the sums of vmmd_nodejs_active_{handles,requests,resources}.
-    for (const name of ['vmmd_nodejs_active_handles_total', 'vmmd_nodejs_active_requests_total', 'vmmd_nodejs_active_resources_total']) this.registry.removeSingleMetric(name);
+    for (const name of ['vmmd_nodejs_active_handles_total', 'vmmd_nodejs_active_requests_total', 'vmmd_nodejs_active_resources_total'])
+      this.registry.removeSingleMetric(name);
     new Gauge({
       name: 'vmmd_build_info',
       help: 'Always 1; the labels say which vmmd runs: version, Node.js version and backend.',
@@ -63,7 +71,11 @@ export class Metrics {
           this.inc(value(busyPollStats()));
         },
       });
-    spinning('vmmd_busy_poll_seconds_total', 'CPU time the event loop spent spinning for the next message before sleeping (--busy-poll-us).', (stats) => stats.spunMicroseconds / 1e6);
+    spinning(
+      'vmmd_busy_poll_seconds_total',
+      'CPU time the event loop spent spinning for the next message before sleeping (--busy-poll-us).',
+      (stats) => stats.spunMicroseconds / 1e6,
+    );
     spinning('vmmd_busy_poll_spins_total', 'Times the event loop spun before sleeping.', (stats) => stats.spins);
     spinning('vmmd_busy_poll_caught_total', 'Spins that met a message or a completion ready, the sleep and wake-up skipped.', (stats) => stats.caught);
     const labelNames = ['service', 'method'] as const;
@@ -104,7 +116,7 @@ export class Metrics {
     }
     new Gauge({
       name: 'vmmd_budget_used',
-      help: "What each holder uses of each budget now (docs/OPERATIONS.md, Budgets): uid is the uid, or a holder of the budget's own (\"all uids\" for the daemon's totals); a holder that uses nothing is absent.",
+      help: 'What each holder uses of each budget now (docs/OPERATIONS.md, Budgets): uid is the uid, or a holder of the budget\'s own ("all uids" for the daemon\'s totals); a holder that uses nothing is absent.',
       labelNames: ['budget', 'uid'],
       registers: [this.registry],
       collect() {
@@ -159,13 +171,20 @@ export class Metrics {
           this.reset();
           for (const device of registry.devices) {
             const memory = registry.backend.memoryInfo(device.index);
-            this.set({ device: String(device.index), uuid: device.uuid, name: device.name }, Number(value({ totalBytes: BigInt(memory.totalBytes), freeBytes: BigInt(memory.freeBytes) })));
+            this.set(
+              { device: String(device.index), uuid: device.uuid, name: device.name },
+              Number(value({ totalBytes: BigInt(memory.totalBytes), freeBytes: BigInt(memory.freeBytes) })),
+            );
           }
         },
       });
     deviceGauge('vmmd_device_memory_total_bytes', 'Memory of each device (host backend: its capacity), by index, UUID and name.', (m) => m.totalBytes);
     deviceGauge('vmmd_device_memory_free_bytes', 'Free memory of each device, as the driver (or the host backend) reports it.', (m) => m.freeBytes);
-    deviceGauge('vmmd_device_memory_used_bytes', 'Used memory of each device: total minus free, by every process of the host.', (m) => m.totalBytes - m.freeBytes);
+    deviceGauge(
+      'vmmd_device_memory_used_bytes',
+      'Used memory of each device: total minus free, by every process of the host.',
+      (m) => m.totalBytes - m.freeBytes,
+    );
     new Gauge({
       name: 'vmmd_memory_bytes',
       help: 'Bytes of live allocations, by device, owner kind and whether the daemon created or imported them.',
@@ -176,7 +195,11 @@ export class Metrics {
         for (const allocation of registry.snapshot().allocations) {
           const record = registry.allocation(BigInt(allocation.id));
           this.inc(
-            { device: String(record.device), owner_kind: allocation.owner === '0' ? 'daemon' : 'session', origin: allocation.imported ? 'imported' : 'created' },
+            {
+              device: String(record.device),
+              owner_kind: allocation.owner === '0' ? 'daemon' : 'session',
+              origin: allocation.imported ? 'imported' : 'created',
+            },
             Number(allocation.size),
           );
         }
@@ -220,7 +243,11 @@ export class Metrics {
       registers: [this.registry],
       collect() {
         this.reset();
-        const uids = new Map(sessions().list().map((session) => [session.id, session.peer.uid]));
+        const uids = new Map(
+          sessions()
+            .list()
+            .map((session) => [session.id, session.peer.uid]),
+        );
         for (const allocation of registry.allocations.all()) {
           const uid = uids.get(allocation.owner);
           if (uid !== undefined) this.inc({ uid: String(uid), location: `${allocation.location.type}:${allocation.location.id}` }, Number(allocation.size));
@@ -254,7 +281,12 @@ export class Metrics {
       registers: [this.registry],
       collect() {
         this.reset();
-        for (const store of stores.list()) this.inc({ target: String(store.target).toLowerCase(), state: String(store.state).toLowerCase(), owner_kind: store.owner === 0n ? 'daemon' : 'session' });
+        for (const store of stores.list())
+          this.inc({
+            target: String(store.target).toLowerCase(),
+            state: String(store.state).toLowerCase(),
+            owner_kind: store.owner === 0n ? 'daemon' : 'session',
+          });
       },
     });
     new Gauge({
@@ -264,7 +296,8 @@ export class Metrics {
       registers: [this.registry],
       collect() {
         this.reset();
-        for (const store of stores.list()) this.inc({ target: String(store.target).toLowerCase(), state: String(store.state).toLowerCase() }, Number(store.size));
+        for (const store of stores.list())
+          this.inc({ target: String(store.target).toLowerCase(), state: String(store.state).toLowerCase() }, Number(store.size));
       },
     });
     new Gauge({

@@ -3,14 +3,7 @@
  * access. Every change of a reservation runs in its serial queue, so the
  * checks and the backend call that follows them see the same state.
  */
-import {
-  Access,
-  ACCESS_READWRITE,
-  AccessGrant,
-  Backend,
-  describeLocation,
-  MemLocation,
-} from '../backends/backend';
+import { Access, ACCESS_READWRITE, AccessGrant, Backend, describeLocation, MemLocation } from '../backends/backend';
 import { type CodeWithStatus, failedPrecondition, invalidArgument, notFound, outOfRange } from '../errors';
 import { SerialQueue } from '../serial-queue';
 import type { Allocations } from './allocations';

@@ -71,7 +71,10 @@ export class Allocations {
     const info = this.devices.list[device];
     if (args.size === 0n) throw invalidArgument('ZERO_SIZE', 'allocation size must be greater than 0');
     if (!info.handleTypes.includes(args.handleType)) {
-      throw failedPrecondition('UNSUPPORTED_HANDLE_TYPE', `device ${device} cannot export ${args.handleType} handles (supported: ${info.handleTypes.join(', ')})`);
+      throw failedPrecondition(
+        'UNSUPPORTED_HANDLE_TYPE',
+        `device ${device} cannot export ${args.handleType} handles (supported: ${info.handleTypes.join(', ')})`,
+      );
     }
     const granularity = this.backend.granularity(args.location).minimum;
     checkAligned('allocation size', args.size, granularity);
@@ -173,7 +176,10 @@ export class Allocations {
       return { result: { freed: freeing !== undefined, handleReferences: 0, mappingCount: 0 }, freeing: freeing ?? Promise.resolve() };
     }
     if (total === 0) {
-      throw failedPrecondition('ALREADY_RELEASED', `allocation ${allocationId} was already released; its memory lives until its ${allocation.mappingCount} mapping(s) are unmapped`);
+      throw failedPrecondition(
+        'ALREADY_RELEASED',
+        `allocation ${allocationId} was already released; its memory lives until its ${allocation.mappingCount} mapping(s) are unmapped`,
+      );
     }
     let holder: bigint;
     if (allocation.references.has(caller)) {
@@ -431,7 +437,10 @@ export class Allocations {
       }
       this.records.delete(allocation.id);
     })();
-    const settled = freeing.then(() => undefined, () => undefined);
+    const settled = freeing.then(
+      () => undefined,
+      () => undefined,
+    );
     this.freeing.add(settled);
     void settled.then(() => this.freeing.delete(settled));
     return freeing;

@@ -13,10 +13,7 @@ export class DeviceTable {
 
   constructor(private readonly backend: Backend) {
     this.list = backend.devices();
-    this.reservationGranularity = this.list.reduce(
-      (coarsest, device) => (device.granularityMinimum > coarsest ? device.granularityMinimum : coarsest),
-      1n,
-    );
+    this.reservationGranularity = this.list.reduce((coarsest, device) => (device.granularityMinimum > coarsest ? device.granularityMinimum : coarsest), 1n);
   }
 
   /**

@@ -40,6 +40,9 @@ export function admitExport(ownership: Ownership, backend: Pick<Backend, 'freeze
     if (args.handleType === 'POSIX_FD') backend.freezeSeals?.(allocation.handle);
   }
   if (!allocation.handleTypes.includes(args.handleType)) {
-    throw failedPrecondition('UNSUPPORTED_HANDLE_TYPE', `allocation ${allocation.id} was created for ${allocation.handleTypes.join(', ')} handles, not ${args.handleType}`);
+    throw failedPrecondition(
+      'UNSUPPORTED_HANDLE_TYPE',
+      `allocation ${allocation.id} was created for ${allocation.handleTypes.join(', ')} handles, not ${args.handleType}`,
+    );
   }
 }

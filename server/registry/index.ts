@@ -52,7 +52,11 @@ export interface ComposedSource {
  * tools): statistics over the backend, `adapt`'s adaptors (quotas) above
  * them, and the per-uid allocation count on top when `budgets` are given.
  */
-export function composeSource(backend: Backend, adapt: (upstream: AllocationSource) => AllocationSource = (upstream) => upstream, budgets?: UidBudgets): ComposedSource {
+export function composeSource(
+  backend: Backend,
+  adapt: (upstream: AllocationSource) => AllocationSource = (upstream) => upstream,
+  budgets?: UidBudgets,
+): ComposedSource {
   const statistics = new AllocationStatistics(new BackendSource(backend));
   const adapted = adapt(statistics);
   return { source: budgets === undefined ? adapted : new AllocationBudget(budgets, adapted), statistics };

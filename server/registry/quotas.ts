@@ -89,7 +89,13 @@ export class Quotas {
    * @param settle tells the source someone waits for its frees (AllocationSource.settle); only the holder's own are awaited here
    * @throws RESOURCE_EXHAUSTED QUOTA_EXCEEDED when it is over with no free of its own left in flight
    */
-  async holdAfterFrees(owner: bigint, identity: string | undefined, size: bigint, settle: () => Promise<void>, what = 'requested'): Promise<QuotaHold | undefined> {
+  async holdAfterFrees(
+    owner: bigint,
+    identity: string | undefined,
+    size: bigint,
+    settle: () => Promise<void>,
+    what = 'requested',
+  ): Promise<QuotaHold | undefined> {
     for (;;) {
       const refusal = this.refusal(owner, identity, size, what);
       if (refusal === undefined) return this.take(owner, identity, size);
@@ -137,7 +143,9 @@ export class Quotas {
     const session = this.bySession.get(owner) ?? 0n;
     const user = uid === undefined ? 0n : (this.byUid.get(uid) ?? 0n);
     if (newForSession && this.limits.perSession > 0n && session + size > this.limits.perSession) {
-      return { error: resourceExhausted('QUOTA_EXCEEDED', `session ${owner} quota: ${what} ${size} bytes, ${session} of ${this.limits.perSession} bytes in use`) };
+      return {
+        error: resourceExhausted('QUOTA_EXCEEDED', `session ${owner} quota: ${what} ${size} bytes, ${session} of ${this.limits.perSession} bytes in use`),
+      };
     }
     if (newForUid && this.limits.perUid > 0n && user + size > this.limits.perUid) {
       return { error: resourceExhausted('QUOTA_EXCEEDED', `uid ${uid} quota: ${what} ${size} bytes, ${user} of ${this.limits.perUid} bytes in use`), uid };
@@ -250,7 +258,10 @@ class QuotaAdaptor extends PassThroughSource {
   override async restore(memory: RestoredMemory): Promise<ImportedHandle> {
     const restored = await this.upstream.restore(memory);
     if (memory.charged !== undefined) {
-      this.holds.set(restored.handle, this.quotas.restore(memory.charged.session, memory.charged.uid, this.identify(restored.handle, restored.device), restored.size));
+      this.holds.set(
+        restored.handle,
+        this.quotas.restore(memory.charged.session, memory.charged.uid, this.identify(restored.handle, restored.device), restored.size),
+      );
     }
     return restored;
   }

@@ -76,7 +76,10 @@ export class Inspection {
       await attempt(() => this.allocations.reclaimFrom(owner, allocation));
     }
     if (failures.length > 0) {
-      throw new AggregateError(failures, `reclaiming owner ${owner}: ${failures.length} object(s) could not be freed (first: ${(failures[0] as Error)?.message})`);
+      throw new AggregateError(
+        failures,
+        `reclaiming owner ${owner}: ${failures.length} object(s) could not be freed (first: ${(failures[0] as Error)?.message})`,
+      );
     }
   }
 
@@ -101,18 +104,20 @@ export class Inspection {
 
   snapshot(): RegistrySnapshot {
     return {
-      reservations: [...this.space.all()].sort((a, b) => (a.id < b.id ? -1 : 1)).map((reservation) => ({
-        id: String(reservation.id),
-        owner: String(reservation.owner),
-        address: hex(reservation.address),
-        size: String(reservation.size),
-        mappings: reservation.mappings.map((mapping) => ({
-          address: hex(mapping.address),
-          size: String(mapping.size),
-          allocation: String(mapping.allocation.id),
-          access: Object.fromEntries(mapping.access),
+      reservations: [...this.space.all()]
+        .sort((a, b) => (a.id < b.id ? -1 : 1))
+        .map((reservation) => ({
+          id: String(reservation.id),
+          owner: String(reservation.owner),
+          address: hex(reservation.address),
+          size: String(reservation.size),
+          mappings: reservation.mappings.map((mapping) => ({
+            address: hex(mapping.address),
+            size: String(mapping.size),
+            allocation: String(mapping.allocation.id),
+            access: Object.fromEntries(mapping.access),
+          })),
         })),
-      })),
       allocations: [...this.allocations.all()].map((allocation) => ({
         id: String(allocation.id),
         owner: String(allocation.owner),

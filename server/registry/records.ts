@@ -189,10 +189,7 @@ export class Ownership {
 /** @throws INVALID_ARGUMENT NOT_ALIGNED */
 export function checkAligned(what: string, value: bigint, granularity: bigint): void {
   if (value % granularity !== 0n) {
-    throw invalidArgument(
-      'NOT_ALIGNED',
-      `${what} ${value >= 1n << 20n ? hex(value) : value} is not a multiple of the granularity ${granularity}`,
-    );
+    throw invalidArgument('NOT_ALIGNED', `${what} ${value >= 1n << 20n ? hex(value) : value} is not a multiple of the granularity ${granularity}`);
   }
 }
 

@@ -111,7 +111,9 @@ export class Referee {
     private readonly budgets?: UidBudgets,
   ) {
     // On the host backend every location is one memory: a free may serve any queue.
-    freedSignal.listeners.add((device, location) => this.freed(location === undefined || !this.backend.capabilities.gpuMemory ? undefined : this.queueOf(location, device)));
+    freedSignal.listeners.add((device, location) =>
+      this.freed(location === undefined || !this.backend.capabilities.gpuMemory ? undefined : this.queueOf(location, device)),
+    );
   }
 
   /**
@@ -337,7 +339,7 @@ export class Referee {
   }
 
   private outOfMemory(request: Waiting): RpcError {
-    const ahead = Math.max(0, (this.queues.get(request.queue)?.indexOf(request) ?? 0));
+    const ahead = Math.max(0, this.queues.get(request.queue)?.indexOf(request) ?? 0);
     const free = this.freeOf(request.queue, request.device);
     const what = ahead > 0 ? `its turn (${ahead} request(s) ahead of it) and for` : 'releases to free';
     return resourceExhausted(
@@ -347,7 +349,10 @@ export class Referee {
   }
 
   private sessionClosed(caller: bigint, count: number, total: bigint, queue: string): RpcError {
-    return unavailable('SESSION_CLOSED', `${ownerName(caller)} closed, or the call was cancelled, while its AllocateAll of ${total} bytes in ${count} allocation(s) on ${queue} waited; nothing was allocated`);
+    return unavailable(
+      'SESSION_CLOSED',
+      `${ownerName(caller)} closed, or the call was cancelled, while its AllocateAll of ${total} bytes in ${count} allocation(s) on ${queue} waited; nothing was allocated`,
+    );
   }
 }
 

@@ -95,8 +95,12 @@ export class StagingBuffers {
       uncharge();
       // Admitted, the descriptor allows the mapping: only seals added since (EPERM, EACCES) are the client's doing.
       const code = (error as { code?: unknown }).code;
-      if (code === 'EPERM' || code === 'EACCES') throw invalidArgument('BAD_DESCRIPTOR', `the staging descriptor cannot be mapped: ${(error as Error).message}`);
-      throw resourceExhausted('DAEMON_MAP_FAILED', `the daemon could not map a staging buffer of ${size} bytes (${(error as Error).message}): it is short of address space or mappings; try again later`);
+      if (code === 'EPERM' || code === 'EACCES')
+        throw invalidArgument('BAD_DESCRIPTOR', `the staging descriptor cannot be mapped: ${(error as Error).message}`);
+      throw resourceExhausted(
+        'DAEMON_MAP_FAILED',
+        `the daemon could not map a staging buffer of ${size} bytes (${(error as Error).message}): it is short of address space or mappings; try again later`,
+      );
     }
     let pinned = false;
     if (this.pinning !== undefined && size <= MAX_PINNED_STAGING_BYTES) {

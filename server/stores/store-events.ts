@@ -52,7 +52,15 @@ export class StoreEventLog<S extends TrailedStore> {
   add(kind: StoreEventKind, store: S, session: bigint, opens: number): LoggedEvent<S> {
     if (kind === 'CREATED' || kind === 'DETACHED' || kind === 'RELEASED') {
       const allowed = this.trail.allow(`${kind}:${store.creatorUid ?? 'daemon'}`);
-      const fields = { store: String(store.id), name: store.name, target: store.target, size: String(store.size), readOnly: store.readOnly, by: session === DAEMON_OWNER ? 'daemon' : `session ${session}`, ...(allowed !== undefined && allowed.suppressed > 0 ? { heldBack: allowed.suppressed } : {}) };
+      const fields = {
+        store: String(store.id),
+        name: store.name,
+        target: store.target,
+        size: String(store.size),
+        readOnly: store.readOnly,
+        by: session === DAEMON_OWNER ? 'daemon' : `session ${session}`,
+        ...(allowed !== undefined && allowed.suppressed > 0 ? { heldBack: allowed.suppressed } : {}),
+      };
       const level = allowed === undefined ? 'debug' : 'info';
       if (kind === 'CREATED') this.log?.[level](fields, 'store created');
       else if (kind === 'DETACHED') this.log?.[level]({ ...fields, opens }, 'store detached');

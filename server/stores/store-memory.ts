@@ -118,9 +118,7 @@ export class AllocationMemory implements StoreMemory {
     const reservation = registry.reserve(DAEMON_OWNER, { size, alignment: 0n, address: 0n });
     try {
       await registry.map(holder, { address: reservation.address, size, offset: 0n, allocationId: allocation.id });
-      await registry.setAccess(holder, reservation.address, size, [
-        { location: { type: 'DEVICE', id: allocation.device }, access: readOnly ? 1 : 3 },
-      ]);
+      await registry.setAccess(holder, reservation.address, size, [{ location: { type: 'DEVICE', id: allocation.device }, access: readOnly ? 1 : 3 }]);
     } catch (error) {
       await registry.unmap(holder, reservation.address, size).catch(() => undefined);
       await registry.freeAddress(holder, reservation.address, size).catch(() => undefined);

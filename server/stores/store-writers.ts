@@ -25,7 +25,10 @@ export function checkWriter(store: StoreRecord, who: StoreCaller | undefined): v
   if (mayWrite(store, who)) return;
   const uid = who?.peer?.uid;
   const writers = store.creatorUid === undefined ? 'admins' : `uid ${store.creatorUid}, which made it, and admins`;
-  throw permissionDenied('NOT_STORE_WRITER', `store ${store.id} is written only by ${writers}; ${uid === undefined ? 'this caller' : `uid ${uid}`} may read it and open it read-only`);
+  throw permissionDenied(
+    'NOT_STORE_WRITER',
+    `store ${store.id} is written only by ${writers}; ${uid === undefined ? 'this caller' : `uid ${uid}`} may read it and open it read-only`,
+  );
 }
 
 /**

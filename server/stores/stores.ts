@@ -75,7 +75,10 @@ export class StoreRegistry extends EventEmitter {
     }
   }
 
-  private async createClaimed(caller: bigint, args: { allocationId: bigint; name: string; readOnly: boolean; handOver: boolean; size: bigint; creatorUid?: number }): Promise<StoreRecord> {
+  private async createClaimed(
+    caller: bigint,
+    args: { allocationId: bigint; name: string; readOnly: boolean; handOver: boolean; size: bigint; creatorUid?: number },
+  ): Promise<StoreRecord> {
     const allocationSize = this.registry.allocation(args.allocationId).size;
     if (args.size > allocationSize) {
       throw outOfRange('BEYOND_ALLOCATION', `store size ${args.size} exceeds allocation ${args.allocationId} of ${allocationSize} bytes`);
@@ -92,7 +95,12 @@ export class StoreRegistry extends EventEmitter {
       charge?.give();
       throw error;
     }
-    const target: StoreTarget = allocation.location.type === 'DEVICE' && this.registry.backend.capabilities.gpuMemory ? 'FBMEM' : allocation.location.type === 'DEVICE' ? 'SYSMEM' : 'ZCMEM';
+    const target: StoreTarget =
+      allocation.location.type === 'DEVICE' && this.registry.backend.capabilities.gpuMemory
+        ? 'FBMEM'
+        : allocation.location.type === 'DEVICE'
+          ? 'SYSMEM'
+          : 'ZCMEM';
     return this.add(caller, {
       charge,
       chargedBytes: allocationSize,
@@ -204,7 +212,10 @@ export class StoreRegistry extends EventEmitter {
    * (restored, server/lifecycle/): held and mapped again under its own id.
    * @throws as mapHeld (the store is not made)
    */
-  async restore(fields: Pick<StoreRecord, 'id' | 'name' | 'owner' | 'target' | 'device' | 'size' | 'readOnly' | 'attached' | 'creatorUid' | 'charge'>, allocation: AllocationRecord): Promise<StoreRecord> {
+  async restore(
+    fields: Pick<StoreRecord, 'id' | 'name' | 'owner' | 'target' | 'device' | 'size' | 'readOnly' | 'attached' | 'creatorUid' | 'charge'>,
+    allocation: AllocationRecord,
+  ): Promise<StoreRecord> {
     const holder = STORE_HOLDER_BASE + fields.id;
     allocation.references.set(holder, (allocation.references.get(holder) ?? 0) + 1);
     const memory = await this.mapHeld(allocation, holder, fields.id, fields.readOnly);
@@ -303,7 +314,10 @@ export class StoreRegistry extends EventEmitter {
       }
     }
     if (failures.length > 0) {
-      throw new AggregateError(failures, `reclaiming the stores of session ${session}: ${failures.length} could not be freed (first: ${(failures[0] as Error).message})`);
+      throw new AggregateError(
+        failures,
+        `reclaiming the stores of session ${session}: ${failures.length} could not be freed (first: ${(failures[0] as Error).message})`,
+      );
     }
   }
 
@@ -381,7 +395,16 @@ export class StoreRegistry extends EventEmitter {
     caller: bigint,
     fields: Omit<StoreRecord, 'state' | 'opens' | 'inFlight' | 'drainWaiters' | 'releasing' | 'releaseFailure' | 'chargeMoved' | 'openerCharges'>,
   ): StoreRecord {
-    const store: StoreRecord = { ...fields, state: 'LIVE', opens: new Map(), inFlight: 0, drainWaiters: [], releasing: false, chargeMoved: false, openerCharges: new Map() };
+    const store: StoreRecord = {
+      ...fields,
+      state: 'LIVE',
+      opens: new Map(),
+      inFlight: 0,
+      drainWaiters: [],
+      releasing: false,
+      chargeMoved: false,
+      openerCharges: new Map(),
+    };
     this.stores.set(store.id, store);
     this.names.bind(store.name, store);
     this.record('CREATED', store, caller);

@@ -54,7 +54,10 @@ export class TransportBudgets {
   /** Staging buffers' bytes per uid: pages the daemon's staged copies fault are the daemon's memory. */
   readonly stagingBytes: Budget;
 
-  constructor(readonly limits: TransportLimits = DEFAULT_TRANSPORT_LIMITS, descriptorLimit = Number.POSITIVE_INFINITY) {
+  constructor(
+    readonly limits: TransportLimits = DEFAULT_TRANSPORT_LIMITS,
+    descriptorLimit = Number.POSITIVE_INFINITY,
+  ) {
     this.serverStreams = new Budget('server streams per uid', limits.serverStreamsPerUid);
     this.clientStreams = new Budget('client streams per uid', limits.clientStreamsPerUid);
     this.connections = new Budget('gRPC connections per uid', limits.connectionsPerUid);
@@ -69,7 +72,16 @@ export class TransportBudgets {
 
   /** Every budget, for metrics. */
   all(): Budget[] {
-    return [this.serverStreams, this.clientStreams, this.connections, this.allConnections, this.unreadDescriptorsOfSession, this.unreadDescriptorsOfUid, this.allUnreadDescriptors, this.stagingBytes];
+    return [
+      this.serverStreams,
+      this.clientStreams,
+      this.connections,
+      this.allConnections,
+      this.unreadDescriptorsOfSession,
+      this.unreadDescriptorsOfUid,
+      this.allUnreadDescriptors,
+      this.stagingBytes,
+    ];
   }
 }
 

@@ -82,7 +82,8 @@ export function aheadContract(backend: 'host' | 'cuda'): void {
     // One taken, and the next one asked for as it was.
     expect(mm.stats().ahead).toMatchObject({ taken: 1, requested: 3, allocations: 2 });
     for (const [i, pointer] of [first, second, third, other].entries()) await mm.write(pointer.pointer + pointer.size - 8n, Buffer.from(`piece ${i}!`));
-    for (const [i, pointer] of [first, second, third, other].entries()) expect((await mm.read(pointer.pointer + pointer.size - 8n, 8)).toString()).toBe(`piece ${i}!`);
+    for (const [i, pointer] of [first, second, third, other].entries())
+      expect((await mm.read(pointer.pointer + pointer.size - 8n, 8)).toString()).toBe(`piece ${i}!`);
     expect(new Set([first, second, third].map((pointer) => pointer.pointer)).size).toBe(3);
     await settled(mm);
     expect(await charged(client)).toBe(3n * 2n * MiB + 4n * MiB + 2n * 2n * MiB);
@@ -187,8 +188,16 @@ export function aheadContract(backend: 'host' | 'cuda'): void {
   });
 
   it('takes its settings from Config through a Context', async () => {
-    const config = () => new Config().setSocketDir(daemon.dir).setPool({ chunkSize: 2n * MiB, largeThreshold: 1n * MiB }).setDeferredFree({ count: 0 });
-    for (const [made, requested] of [[config().setAhead({ maxBytes: 0n }), 0], [config().setAhead({ depth: 1 }), 2], [config(), 3]] as const) {
+    const config = () =>
+      new Config()
+        .setSocketDir(daemon.dir)
+        .setPool({ chunkSize: 2n * MiB, largeThreshold: 1n * MiB })
+        .setDeferredFree({ count: 0 });
+    for (const [made, requested] of [
+      [config().setAhead({ maxBytes: 0n }), 0],
+      [config().setAhead({ depth: 1 }), 2],
+      [config(), 3],
+    ] as const) {
       const context = await Context.create(made);
       try {
         for (let i = 0; i < 3; i++) await context.free(await context.memalloc(4n * MiB));

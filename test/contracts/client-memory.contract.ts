@@ -24,7 +24,10 @@ const access = (flags: AccessDescriptor['flags']): AccessDescriptor[] => [{ loca
 const checksum = (data: Buffer) => createHash('sha256').update(data).digest('hex');
 
 /** A memfd as a client may make one: sealable or not, then reopened or sealed as `how` says. Returns the fds to close. */
-function clientMemfd(how: 'plain' | 'unsealable' | 'O_RDONLY' | 'O_WRONLY' | 'F_SEAL_WRITE' | 'F_SEAL_FUTURE_WRITE' | 'F_SEAL_SEAL'): { fd: number; close(): void } {
+function clientMemfd(how: 'plain' | 'unsealable' | 'O_RDONLY' | 'O_WRONLY' | 'F_SEAL_WRITE' | 'F_SEAL_FUTURE_WRITE' | 'F_SEAL_SEAL'): {
+  fd: number;
+  close(): void;
+} {
   const base = addon._memfdCreate(`attack-${how}`, SIZE, how !== 'unsealable');
   let fd = base;
   if (how === 'O_RDONLY') fd = fs.openSync(`/proc/self/fd/${base}`, fs.constants.O_RDONLY);
@@ -135,11 +138,12 @@ export function clientMemoryContract(backend: Backend, options: { full: boolean 
         // A memfd that cannot take the seal (no MFD_ALLOW_SEALING): refused when handed over, naming the seal.
         const unsealable = clientMemfd('unsealable');
         tried++;
-        const refusal = await (way === 'staging'
-          ? call(daemon.raw.vmm, 'OpenStaging', { transferId: attacker.session.sendDescriptor(unsealable.fd) }, withToken(attacker))
-          : way === 'attach'
-            ? attacker.stores.attachDescriptor(unsealable.fd, { target: 'STORE_TARGET_SYSMEM', device: 0, size: SIZE, readOnly: false })
-            : attacker.vmm.importTransfer({ transferId: attacker.session.sendDescriptor(unsealable.fd), size: SIZE })
+        const refusal = await (
+          way === 'staging'
+            ? call(daemon.raw.vmm, 'OpenStaging', { transferId: attacker.session.sendDescriptor(unsealable.fd) }, withToken(attacker))
+            : way === 'attach'
+              ? attacker.stores.attachDescriptor(unsealable.fd, { target: 'STORE_TARGET_SYSMEM', device: 0, size: SIZE, readOnly: false })
+              : attacker.vmm.importTransfer({ transferId: attacker.session.sendDescriptor(unsealable.fd), size: SIZE })
         ).then(
           () => new Error(`${way} of an unsealable memfd succeeded`),
           (error: { code?: unknown; status?: number; message: string; metadata?: grpc.Metadata }) => error,
@@ -208,7 +212,10 @@ export function clientMemoryContract(backend: Backend, options: { full: boolean 
     const sealed = clientMemfd('plain');
     addon.hostMemfdAddSeals(sealed.fd, MEMFD_SEALS.SHRINK | MEMFD_SEALS.FUTURE_WRITE);
     const readable = fs.openSync(`/proc/self/fd/${sealed.fd}`, fs.constants.O_RDONLY);
-    const imported = backend === 'host' ? await attacker.vmm.importTransfer({ transferId: attacker.session.sendDescriptor(readable), size: SIZE }).catch((error) => error) : undefined;
+    const imported =
+      backend === 'host'
+        ? await attacker.vmm.importTransfer({ transferId: attacker.session.sendDescriptor(readable), size: SIZE }).catch((error) => error)
+        : undefined;
     if (imported !== undefined) expect(imported).toMatchObject({ code: 'BAD_DESCRIPTOR' });
     fs.closeSync(readable);
     sealed.close();

@@ -409,7 +409,12 @@ export function emmContract(backend: 'host' | 'cuda'): void {
     it('reports allocations, pool occupancy and per-operation profiles; clears caches; closes to nothing', async () => {
       const before = await daemon.stats();
       const lines: string[] = [];
-      const context = await Context.create(config().setProfiling(true).setLogging(true).setLogger((line) => lines.push(line)));
+      const context = await Context.create(
+        config()
+          .setProfiling(true)
+          .setLogging(true)
+          .setLogger((line) => lines.push(line)),
+      );
       const a = await context.memalloc(1000);
       await context.memalloc(2000);
       await context.free(a);
@@ -445,7 +450,11 @@ export function emmContract(backend: 'host' | 'cuda'): void {
   describe('device arrays', () => {
     let context: Context;
     beforeEach(async () => {
-      context = await Context.create(config().setDebugging(true).setLogger(() => undefined));
+      context = await Context.create(
+        config()
+          .setDebugging(true)
+          .setLogger(() => undefined),
+      );
     });
     afterEach(async () => {
       await context.close();

@@ -67,7 +67,9 @@ async function attach(client: VmmdClient, backend: Backend): Promise<unknown> {
 function releaseRpc(client: VmmdClient, allocationId: string): Promise<unknown> {
   const metadata = new grpc.Metadata();
   metadata.set(SESSION_METADATA_KEY, client.session.token);
-  const raw = (client.vmm as unknown as { client: { Release(request: object, metadata: grpc.Metadata, done: (error: Error | null, value?: unknown) => void): void } }).client;
+  const raw = (
+    client.vmm as unknown as { client: { Release(request: object, metadata: grpc.Metadata, done: (error: Error | null, value?: unknown) => void): void } }
+  ).client;
   return new Promise((resolve, reject) =>
     raw.Release({ allocationId }, metadata, (error, value) => (error ? reject(VmmdError.fromServiceError(error as grpc.ServiceError)) : resolve(value))),
   );
@@ -145,23 +147,19 @@ function cases(backend: Backend): Case[] {
       operation: (c, { address }) => c.vmm.setAccess({ address, size: SIZE, descriptors: RW }),
       status: EXHAUSTED,
     },
-    ...(['reserve', 'map', 'access'] as const).map(
-      (step): Case => ({
-        plan: fail(step),
-        what: `CreateStore, when its ${step} step fails`,
-        prepare: prepareAllocation,
-        operation: (c, { allocation }) => c.stores.createStore({ allocationId: allocation }),
-        status: EXHAUSTED,
-      }),
-    ),
-    ...(backend === 'host' ? (['reserve', 'map', 'access'] as const) : (['import', 'reserve', 'map', 'access'] as const)).map(
-      (step): Case => ({
-        plan: step === 'import' ? `cuMemImportFromShareableHandle:1:${exhausted(backend)}` : fail(step),
-        what: `Attach of a descriptor, when its ${step} step fails`,
-        operation: (c) => attach(c, backend),
-        status: EXHAUSTED,
-      }),
-    ),
+    ...(['reserve', 'map', 'access'] as const).map((step): Case => ({
+      plan: fail(step),
+      what: `CreateStore, when its ${step} step fails`,
+      prepare: prepareAllocation,
+      operation: (c, { allocation }) => c.stores.createStore({ allocationId: allocation }),
+      status: EXHAUSTED,
+    })),
+    ...(backend === 'host' ? (['reserve', 'map', 'access'] as const) : (['import', 'reserve', 'map', 'access'] as const)).map((step): Case => ({
+      plan: step === 'import' ? `cuMemImportFromShareableHandle:1:${exhausted(backend)}` : fail(step),
+      what: `Attach of a descriptor, when its ${step} step fails`,
+      operation: (c) => attach(c, backend),
+      status: EXHAUSTED,
+    })),
     {
       plan: fail('unmap'),
       what: 'Unmap, when the unmapping fails',

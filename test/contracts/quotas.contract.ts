@@ -138,36 +138,39 @@ export function quotaContract(backend: Backend, _options: { full: boolean }): vo
     };
   });
 
-  (backend === 'cuda' ? it : it.skip)('refuses a CUDA import whose stated size is not the memory\'s own (the attack: import 4 MiB as 2 MiB, then release the original)', async () => {
-    daemon = await start(QUOTA_FLAGS);
-    const a = await client();
-    const before = objectsOf(await daemon.stats());
-    const created = await a.vmm.create({ size: 4n * MiB });
-    const exported = await a.vmm.export({ allocationId: created.id });
-    const fd = await a.session.takeTransfer(exported.transferId);
-    const withOriginal = objectsOf(await daemon.stats());
-    let refused = 0;
-    try {
-      for (const claimed of [2n * MiB, 6n * MiB]) {
-        await expect(a.vmm.importDescriptor(fd, { size: claimed })).rejects.toMatchObject({
-          code: 'BAD_DESCRIPTOR',
-          message: expect.stringContaining(`is not ${claimed} bytes`),
-        });
-        refused++;
-        expect(objectsOf(await daemon.stats())).toEqual(withOriginal); // the trial import was released again
+  (backend === 'cuda' ? it : it.skip)(
+    "refuses a CUDA import whose stated size is not the memory's own (the attack: import 4 MiB as 2 MiB, then release the original)",
+    async () => {
+      daemon = await start(QUOTA_FLAGS);
+      const a = await client();
+      const before = objectsOf(await daemon.stats());
+      const created = await a.vmm.create({ size: 4n * MiB });
+      const exported = await a.vmm.export({ allocationId: created.id });
+      const fd = await a.session.takeTransfer(exported.transferId);
+      const withOriginal = objectsOf(await daemon.stats());
+      let refused = 0;
+      try {
+        for (const claimed of [2n * MiB, 6n * MiB]) {
+          await expect(a.vmm.importDescriptor(fd, { size: claimed })).rejects.toMatchObject({
+            code: 'BAD_DESCRIPTOR',
+            message: expect.stringContaining(`is not ${claimed} bytes`),
+          });
+          refused++;
+          expect(objectsOf(await daemon.stats())).toEqual(withOriginal); // the trial import was released again
+        }
+        // Its own size is accepted (and charged: 4 + 4 MiB fill the session's 8 MiB).
+        const imported = await a.vmm.importDescriptor(fd, { size: 4n * MiB });
+        await withinQuotas();
+        await a.vmm.release({ allocationId: imported.id });
+      } finally {
+        addon.close(fd);
       }
-      // Its own size is accepted (and charged: 4 + 4 MiB fill the session's 8 MiB).
-      const imported = await a.vmm.importDescriptor(fd, { size: 4n * MiB });
-      await withinQuotas();
-      await a.vmm.release({ allocationId: imported.id });
-    } finally {
-      addon.close(fd);
-    }
-    await a.vmm.release({ allocationId: created.id });
-    expect(objectsOf(await daemon.stats())).toEqual(before);
-    expect(await charged()).toEqual({ byUid: {}, bySession: {} });
-    figures['cuda-import-size'] = { tried: 2, refused, leaked: 0 };
-  });
+      await a.vmm.release({ allocationId: created.id });
+      expect(objectsOf(await daemon.stats())).toEqual(before);
+      expect(await charged()).toEqual({ byUid: {}, bySession: {} });
+      figures['cuda-import-size'] = { tried: 2, refused, leaked: 0 };
+    },
+  );
 
   it('refuses a 32 TiB sparse memfd at Import and at Attach (charged by its size), naming the sizes and the limit', async () => {
     // The address-space budget would refuse the 32 TiB store first (test/e2e/budgets.test.ts): off here, the quotas are under test.

@@ -117,7 +117,10 @@ export class RecordingBackend implements Backend {
     // One more than was retained would be the creator's own reference: the driver would free the memory under its holders.
     const retains = this.liveRetains.get(args[0]) ?? 0;
     const inFlight = this.retainDrops.get(args[0]) ?? 0;
-    if (retains - inFlight <= 0) throw new Error(`releaseReference of handle ${args[0]}, which holds no retained reference not already being dropped: the memory would be freed under its holders`);
+    if (retains - inFlight <= 0)
+      throw new Error(
+        `releaseReference of handle ${args[0]}, which holds no retained reference not already being dropped: the memory would be freed under its holders`,
+      );
     this.retainDrops.set(args[0], inFlight + 1);
     try {
       if (this.releaseReferenceGate) await this.releaseReferenceGate;

@@ -129,7 +129,7 @@ export function releaseEarlyContract(makeBackend: () => Backend | Promise<Backen
     expect(backend.maxLiveHandles).toBe(1);
   });
 
-  it("a create at the quota while a reclaim drops the last references, retained ones among them, waits for the driver and the free", async () => {
+  it('a create at the quota while a reclaim drops the last references, retained ones among them, waits for the driver and the free', async () => {
     await setUp({ perSession: 1n });
     const reservation = registry.reserve(DAEMON_OWNER, { size: GRANULARITY, alignment: 0n, address: 0n });
     const first = await create(A);

@@ -168,7 +168,10 @@ export function securityContract(backend: Backend, options: { full: boolean }): 
     const near = BigInt(orphan);
     for (let i = 0; i < guesses; i++) {
       const transferId = i % 2 === 0 ? String(near + BigInt(i / 2 + 1)) : BigInt.asUintN(64, BigInt(`0x${randomBytes(8).toString('hex')}`)).toString();
-      await tally.refused(() => (i % 4 < 2 ? a : b).vmm.importTransfer({ transferId }), [grpc.status.DEADLINE_EXCEEDED, grpc.status.FAILED_PRECONDITION, grpc.status.INVALID_ARGUMENT]);
+      await tally.refused(
+        () => (i % 4 < 2 ? a : b).vmm.importTransfer({ transferId }),
+        [grpc.status.DEADLINE_EXCEEDED, grpc.status.FAILED_PRECONDITION, grpc.status.INVALID_ARGUMENT],
+      );
     }
     addon.close(fd);
     await a.vmm.release({ allocationId: imported.id });
@@ -222,12 +225,20 @@ export function securityContract(backend: Backend, options: { full: boolean }): 
         const opened = await call(daemon.raw.stores, 'Open', { store: { id: target.id }, writable: false }, metadata);
         const raw = await b.session.takeTransfer(opened.transferId);
         try {
-          await tally.refused(deniedBy(() => fs.writeSync(raw, Buffer.from('x'), 0, 1, 0)), [grpc.status.PERMISSION_DENIED], 'EPERM');
+          await tally.refused(
+            deniedBy(() => fs.writeSync(raw, Buffer.from('x'), 0, 1, 0)),
+            [grpc.status.PERMISSION_DENIED],
+            'EPERM',
+          );
           const page = BigInt(addon.pageSize());
           const at = addon.hostReserve(SIZE, page, 0n);
           try {
             addon.hostMap(at, SIZE, raw, 0n);
-            await tally.refused(deniedBy(() => addon.hostProtect(at, SIZE, HOST_ACCESS.READWRITE)), [grpc.status.PERMISSION_DENIED], /EPERM|EACCES/);
+            await tally.refused(
+              deniedBy(() => addon.hostProtect(at, SIZE, HOST_ACCESS.READWRITE)),
+              [grpc.status.PERMISSION_DENIED],
+              /EPERM|EACCES/,
+            );
           } finally {
             addon.hostUnmap(at, SIZE);
             addon.hostFreeAddress(at, SIZE);

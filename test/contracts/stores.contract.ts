@@ -214,7 +214,11 @@ export function storesContract(backend: 'host' | 'cuda'): void {
         return detached;
       });
       // Open takes the session socket, Detach gRPC: two transports, not ordered with each other.
-      await eventually(async () => ((await owner.stores.list()).find((listed) => listed.id === store.id)?.state !== 'STORE_STATE_LIVE' ? true : undefined), 5_000, 'the detach to begin');
+      await eventually(
+        async () => ((await owner.stores.list()).find((listed) => listed.id === store.id)?.state !== 'STORE_STATE_LIVE' ? true : undefined),
+        5_000,
+        'the detach to begin',
+      );
       await expect(owner.stores.open(BigInt(store.id))).rejects.toMatchObject({ code: 'STORE_DETACHED' });
       await expect(owner.stores.fill({ storeId: store.id }, 1, 0)).rejects.toMatchObject({ code: 'STORE_DETACHED' });
       expect((await reading).length).toBe(Number(64n * MiB));
@@ -258,10 +262,17 @@ export function storesContract(backend: 'host' | 'cuda'): void {
       const allocation = await owner.vmm.create({ size: 2n * MiB });
       const reservation = await owner.vmm.reserve({ size: 2n * MiB });
       await owner.vmm.map({ address: reservation.address, size: 2n * MiB, allocationId: allocation.id });
-      await owner.vmm.setAccess({ address: reservation.address, size: 2n * MiB, descriptors: [{ location: { type: 'LOCATION_TYPE_DEVICE', id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' }] });
+      await owner.vmm.setAccess({
+        address: reservation.address,
+        size: 2n * MiB,
+        descriptors: [{ location: { type: 'LOCATION_TYPE_DEVICE', id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' }],
+      });
       await owner.stores.copy({ storeId: b.id, offset: 104n }, { address: reservation.address }, 9);
       expect((await owner.vmm.read(reservation.address, 9)).toString()).toBe('tail of a');
-      await expect(owner.stores.read({ storeId: a.id, offset: 4n * MiB - 1n }, 2)).rejects.toMatchObject({ code: 'BEYOND_STORE', status: grpc.status.OUT_OF_RANGE });
+      await expect(owner.stores.read({ storeId: a.id, offset: 4n * MiB - 1n }, 2)).rejects.toMatchObject({
+        code: 'BEYOND_STORE',
+        status: grpc.status.OUT_OF_RANGE,
+      });
       await expect(owner.stores.fill({ storeId: a.id }, 0, 1)).rejects.toMatchObject({ code: 'ZERO_SIZE' });
       await expect(owner.stores.fill({ storeId: a.id }, 1, 256)).rejects.toMatchObject({ code: 'BAD_VALUE' });
     });
@@ -337,7 +348,10 @@ export function storesContract(backend: 'host' | 'cuda'): void {
 
     it('refuses sessionless opens, and reports events in order', async () => {
       await expect(call(daemon.raw.admin, 'GetStats', {})).resolves.toBeDefined();
-      const storesRaw = new (require('../../common/proto').loadProtos().proto.vmmd.v1.Stores)(`unix://${daemon.dir}/vmmd.sock`, grpc.credentials.createInsecure());
+      const storesRaw = new (require('../../common/proto').loadProtos().proto.vmmd.v1.Stores)(
+        `unix://${daemon.dir}/vmmd.sock`,
+        grpc.credentials.createInsecure(),
+      );
       await expect(call(storesRaw, 'Open', { store: { name: 'anything' } })).rejects.toMatchObject({ code: grpc.status.FAILED_PRECONDITION });
       grpc.Client.prototype.close.call(storesRaw); // the service's own Close RPC shadows close()
       const owner = await client();
@@ -351,30 +365,50 @@ export function storesContract(backend: 'host' | 'cuda'): void {
   });
 
   describe('a named read-only store shared by processes', () => {
-    const cases: Array<[string, string[]]> = backend === 'cuda' ? [['device-located', []], ['host-located', ['--host']]] : [['', []]];
-    it.each(cases)('%s: a loader fills 256 MiB from a file and exits; four readers verify it; the memory goes at rm and the last close', async (_label, flags) => {
-      const file = path.join(os.tmpdir(), `vmmd-store-${process.pid}.bin`);
-      const data = Buffer.alloc(256 * 1024 * 1024);
-      randomFillSync(data);
-      fs.writeFileSync(file, data);
-      const expected = createHash('sha256').update(data).digest('hex');
-      const before = await daemon.stats();
-      const loaded = await vmmctl(daemon.dir, ['store', 'load', 'weights', file, ...flags]);
-      expect(loaded.stderr).toMatch(/load weights: 100%/);
-      expect(loaded).toMatchObject({ code: 0, stdout: expect.stringMatching(/^loaded 256\.0 MiB in [\d.]+ s \([\d.]+ [KMG]iB\/s\) into store \d+ "weights", read-only/) });
-      const readers = await Promise.all([1, 2, 3, 4].map(() => Peer.start(daemon.dir)));
-      try {
-        const handles = await Promise.all(readers.map((reader) => reader.do({ op: 'storeOpen', name: 'weights' })));
-        const sums = await Promise.all(readers.map((reader, i) => reader.do({ op: 'storeChecksum', handle: handles[i].handle })));
-        expect(sums.map((sum) => sum.sha256)).toEqual([expected, expected, expected, expected]);
-        expect(await vmmctl(daemon.dir, ['store', 'rm', 'weights'])).toMatchObject({ code: 0, stdout: expect.stringMatching(/freed when its 4 open\(s\) close/) });
-        expect(BigInt((await daemon.stats()).allocatedBytes)).toBeGreaterThanOrEqual(256n * MiB);
-        for (const [i, reader] of readers.entries()) await reader.do({ op: 'storeClose', handle: handles[i].handle });
-        await eventually(async () => ((await daemon.stats()).allocatedBytes === before.allocatedBytes ? true : undefined), 10_000, 'the store memory to be freed');
-      } finally {
-        for (const reader of readers) await reader.stop();
-        fs.rmSync(file, { force: true });
-      }
-    }, 120_000);
+    const cases: Array<[string, string[]]> =
+      backend === 'cuda'
+        ? [
+            ['device-located', []],
+            ['host-located', ['--host']],
+          ]
+        : [['', []]];
+    it.each(cases)(
+      '%s: a loader fills 256 MiB from a file and exits; four readers verify it; the memory goes at rm and the last close',
+      async (_label, flags) => {
+        const file = path.join(os.tmpdir(), `vmmd-store-${process.pid}.bin`);
+        const data = Buffer.alloc(256 * 1024 * 1024);
+        randomFillSync(data);
+        fs.writeFileSync(file, data);
+        const expected = createHash('sha256').update(data).digest('hex');
+        const before = await daemon.stats();
+        const loaded = await vmmctl(daemon.dir, ['store', 'load', 'weights', file, ...flags]);
+        expect(loaded.stderr).toMatch(/load weights: 100%/);
+        expect(loaded).toMatchObject({
+          code: 0,
+          stdout: expect.stringMatching(/^loaded 256\.0 MiB in [\d.]+ s \([\d.]+ [KMG]iB\/s\) into store \d+ "weights", read-only/),
+        });
+        const readers = await Promise.all([1, 2, 3, 4].map(() => Peer.start(daemon.dir)));
+        try {
+          const handles = await Promise.all(readers.map((reader) => reader.do({ op: 'storeOpen', name: 'weights' })));
+          const sums = await Promise.all(readers.map((reader, i) => reader.do({ op: 'storeChecksum', handle: handles[i].handle })));
+          expect(sums.map((sum) => sum.sha256)).toEqual([expected, expected, expected, expected]);
+          expect(await vmmctl(daemon.dir, ['store', 'rm', 'weights'])).toMatchObject({
+            code: 0,
+            stdout: expect.stringMatching(/freed when its 4 open\(s\) close/),
+          });
+          expect(BigInt((await daemon.stats()).allocatedBytes)).toBeGreaterThanOrEqual(256n * MiB);
+          for (const [i, reader] of readers.entries()) await reader.do({ op: 'storeClose', handle: handles[i].handle });
+          await eventually(
+            async () => ((await daemon.stats()).allocatedBytes === before.allocatedBytes ? true : undefined),
+            10_000,
+            'the store memory to be freed',
+          );
+        } finally {
+          for (const reader of readers) await reader.stop();
+          fs.rmSync(file, { force: true });
+        }
+      },
+      120_000,
+    );
   });
 }

@@ -21,7 +21,6 @@ import * as path from 'node:path';
 import { protoPath as HEALTH_PROTO } from 'grpc-health-check';
 import { freePort } from '../e2e/harness';
 
- 
 const yaml = require('js-yaml') as { loadAll(text: string): any[] };
 
 const ROOT = path.resolve(__dirname, '../..');
@@ -38,7 +37,10 @@ interface Dockerfile {
 }
 
 function parseDockerfile(text: string): Dockerfile {
-  const lines = text.replace(/\\\n/g, ' ').split('\n').filter((line) => line.trim() !== '' && !line.trimStart().startsWith('#'));
+  const lines = text
+    .replace(/\\\n/g, ' ')
+    .split('\n')
+    .filter((line) => line.trim() !== '' && !line.trimStart().startsWith('#'));
   const stages: Array<Array<{ instruction: string; args: string }>> = [];
   for (const line of lines) {
     const [, instruction, args] = /^\s*([A-Z]+)\s+(.*)$/.exec(line) ?? [];
@@ -108,7 +110,7 @@ describe('systemd unit', () => {
     expect(exec).toContain('--socket-group "$(id -g)"');
   });
 
-  test('serves GPU memory or fails: --backend cuda, never auto\'s silent fall back to host memory', () => {
+  test("serves GPU memory or fails: --backend cuda, never auto's silent fall back to host memory", () => {
     expect(service.get('ExecStart')![0]).toMatch(/--backend cuda\b/);
   });
 
@@ -121,7 +123,10 @@ describe('systemd unit', () => {
 describe('Dockerfile (Docker is not available here: parsed, and its commands run as the image runs them)', () => {
   test('the running image has a dedicated non-root user that owns the socket directory', () => {
     expect(dockerfile.user).toBe('10001:2000');
-    const run = dockerfile.final.filter((entry) => entry.instruction === 'RUN').map((entry) => entry.args).join(' ');
+    const run = dockerfile.final
+      .filter((entry) => entry.instruction === 'RUN')
+      .map((entry) => entry.args)
+      .join(' ');
     expect(run).toMatch(/groupadd --system --gid 2000 vmmd/);
     expect(run).toMatch(/useradd --system --uid 10001 --gid 2000 .*vmmd/);
     expect(run).toMatch(/install -d -o 10001 -g 2000 -m 0750 \/run\/vmmd/);
@@ -156,7 +161,7 @@ describe('Kubernetes manifests', () => {
     expect(added).toEqual([]);
   });
 
-  test('the init container hands the hostPath to the daemon\'s user with CAP_CHOWN only', () => {
+  test("the init container hands the hostPath to the daemon's user with CAP_CHOWN only", () => {
     expect(initContainer.securityContext.capabilities).toEqual({ drop: ['ALL'], add: ['CHOWN'] });
     expect(initContainer.command.join(' ')).toContain(`chown ${podSpec.securityContext.runAsUser}:${podSpec.securityContext.runAsGroup} /run/vmmd`);
     expect(initContainer.volumeMounts).toEqual(container.volumeMounts);
@@ -197,11 +202,15 @@ describe('Kubernetes manifests', () => {
 
 /** Runs `command` as uid:gid with no supplementary groups and no capabilities at all, as the pod does. */
 function dropped(uid: number, gid: number, command: string[], env: NodeJS.ProcessEnv, cwd: string): ChildProcess {
-  return spawn('setpriv', [`--reuid=${uid}`, `--regid=${gid}`, '--clear-groups', '--inh-caps=-all', '--bounding-set=-all', '--no-new-privs', '--', ...command], {
-    cwd,
-    env,
-    stdio: ['ignore', 'pipe', 'pipe'],
-  });
+  return spawn(
+    'setpriv',
+    [`--reuid=${uid}`, `--regid=${gid}`, '--clear-groups', '--inh-caps=-all', '--bounding-set=-all', '--no-new-privs', '--', ...command],
+    {
+      cwd,
+      env,
+      stdio: ['ignore', 'pipe', 'pipe'],
+    },
+  );
 }
 
 function healthCheck(port: number, service = ''): Promise<string> {
@@ -218,11 +227,13 @@ function healthCheck(port: number, service = ''): Promise<string> {
 
 function scrape(port: number): Promise<string> {
   return new Promise((resolve, reject) =>
-    http.get({ host: '127.0.0.1', port, path: '/metrics' }, (response) => {
-      let body = '';
-      response.on('data', (chunk) => (body += chunk));
-      response.on('end', () => resolve(body));
-    }).on('error', reject),
+    http
+      .get({ host: '127.0.0.1', port, path: '/metrics' }, (response) => {
+        let body = '';
+        response.on('data', (chunk) => (body += chunk));
+        response.on('end', () => resolve(body));
+      })
+      .on('error', reject),
   );
 }
 
@@ -276,17 +287,32 @@ describeAsRoot('the daemon started exactly as the DaemonSet starts it', () => {
   }
 
   function environment(): NodeJS.ProcessEnv {
-    return { PATH: process.env.PATH, ...Object.fromEntries(container.env.map((e: { name: string; value: string }) => [e.name, e.value])), NODE_ENV: 'production' };
+    return {
+      PATH: process.env.PATH,
+      ...Object.fromEntries(container.env.map((e: { name: string; value: string }) => [e.name, e.value])),
+      NODE_ENV: 'production',
+    };
   }
 
   /** The init container's command on the hostPath, as the runtime runs it: root with CAP_CHOWN only, no privilege escalation. */
   function runInit(): { status: number | null; stderr: string } {
     const added = initContainer.securityContext.capabilities.add.map((cap: string) => `+${cap.toLowerCase()}`).join(',');
-    const init = spawnSync('setpriv', ['--inh-caps=-all', '--ambient-caps=-all', `--bounding-set=-all,${added}`, '--no-new-privs', '--', ...initContainer.command.map((arg: string) => arg.replaceAll('/run/vmmd', hostPath))], { encoding: 'utf8' });
+    const init = spawnSync(
+      'setpriv',
+      [
+        '--inh-caps=-all',
+        '--ambient-caps=-all',
+        `--bounding-set=-all,${added}`,
+        '--no-new-privs',
+        '--',
+        ...initContainer.command.map((arg: string) => arg.replaceAll('/run/vmmd', hostPath)),
+      ],
+      { encoding: 'utf8' },
+    );
     return { status: init.status, stderr: init.stderr };
   }
 
-  test('the init container\'s command succeeds again on the directory it already handed over (a pod restarted on its node), 10 times of 10', () => {
+  test("the init container's command succeeds again on the directory it already handed over (a pod restarted on its node), 10 times of 10", () => {
     const results = [];
     for (let i = 0; i < 10; i++) {
       fs.rmSync(hostPath, { recursive: true, force: true });
@@ -299,7 +325,7 @@ describeAsRoot('the daemon started exactly as the DaemonSet starts it', () => {
     expect({ uid: dir.uid, gid: dir.gid, mode: (dir.mode & 0o777).toString(8) }).toEqual({ uid: 10001, gid: 2000, mode: '750' });
   });
 
-  test('the init container repairs a directory the daemon\'s user owns with a wrong mode and group', () => {
+  test("the init container repairs a directory the daemon's user owns with a wrong mode and group", () => {
     fs.chownSync(hostPath, 10001, 10001);
     fs.chmodSync(hostPath, 0o777);
     expect(runInit()).toEqual({ status: 0, stderr: '' });
@@ -314,7 +340,14 @@ describeAsRoot('the daemon started exactly as the DaemonSet starts it', () => {
     const started = dropped(uid, gid, asHere(containerCommand, ports), environment(), ROOT);
     started.stdout!.on('data', (chunk) => (output += chunk));
     started.stderr!.on('data', (chunk) => (output += chunk));
-    expect(await waitFor('health SERVING', () => healthCheck(ports['--health-port']), started, () => output)).toBe('SERVING');
+    expect(
+      await waitFor(
+        'health SERVING',
+        () => healthCheck(ports['--health-port']),
+        started,
+        () => output,
+      ),
+    ).toBe('SERVING');
     return started;
   }
 
@@ -341,7 +374,14 @@ describeAsRoot('the daemon started exactly as the DaemonSet starts it', () => {
     child.stdout!.on('data', (chunk) => (output += chunk));
     child.stderr!.on('data', (chunk) => (output += chunk));
     // What the kubelet's grpc probe asks: grpc.health.v1.Health/Check with service "".
-    expect(await waitFor('health SERVING', () => healthCheck(ports['--health-port']), child, () => output)).toBe('SERVING');
+    expect(
+      await waitFor(
+        'health SERVING',
+        () => healthCheck(ports['--health-port']),
+        child,
+        () => output,
+      ),
+    ).toBe('SERVING');
     expect(await healthCheck(ports['--health-port'], 'vmmd.v1.VirtualMemory')).toBe('SERVING');
     expect(await scrape(ports['--metrics-port'])).toContain('vmmd_build_info');
     // The process really has no capability and is the pod's user.
@@ -355,14 +395,18 @@ describeAsRoot('the daemon started exactly as the DaemonSet starts it', () => {
     expect({ uid: dir.uid, gid: dir.gid, mode: (dir.mode & 0o777).toString(8) }).toEqual({ uid, gid, mode: '750' });
     for (const name of ['vmmd.sock', 'vmmd.session.sock']) {
       const socket = fs.statSync(path.join(hostPath, name));
-      expect({ name, gid: socket.gid, mode: (socket.mode & 0o777).toString(8) }).toEqual({ name, gid: Number(flag(containerCommand, '--socket-group')), mode: '660' });
+      expect({ name, gid: socket.gid, mode: (socket.mode & 0o777).toString(8) }).toEqual({
+        name,
+        gid: Number(flag(containerCommand, '--socket-group')),
+        mode: '660',
+      });
     }
     const exited = new Promise<number | null>((resolve) => child!.once('exit', resolve));
     child.kill('SIGTERM');
     expect(await exited).toBe(0);
   }, 60_000);
 
-  test('the old DaemonSet\'s failure, kept as a check: a socket group not the process\'s own, without CAP_CHOWN, stops the start', async () => {
+  test("the old DaemonSet's failure, kept as a check: a socket group not the process's own, without CAP_CHOWN, stops the start", async () => {
     fs.chownSync(hostPath, 10001, 10001);
     child = dropped(10001, 10001, ['node', 'bin/vmmd.js', '--backend', 'host', '--socket-dir', hostPath, '--socket-group', '2000'], environment(), ROOT);
     child.stdout!.on('data', (chunk) => (output += chunk));
@@ -372,7 +416,7 @@ describeAsRoot('the daemon started exactly as the DaemonSet starts it', () => {
     expect(output).toMatch(/vmmd cannot start: EPERM: operation not permitted, chown/);
   }, 30_000);
 
-  test('the Dockerfile\'s ENTRYPOINT as its USER, and its HEALTHCHECK command', async () => {
+  test("the Dockerfile's ENTRYPOINT as its USER, and its HEALTHCHECK command", async () => {
     const [uid, gid] = dockerfile.user.split(':').map(Number);
     // The image's /run/vmmd: install -d -o 10001 -g 2000 -m 0750.
     fs.chownSync(hostPath, uid, gid);
@@ -384,7 +428,11 @@ describeAsRoot('the daemon started exactly as the DaemonSet starts it', () => {
     await waitFor(
       'the HEALTHCHECK to pass',
       async () => {
-        const check = execFileSync('setpriv', [`--reuid=${uid}`, `--regid=${gid}`, '--clear-groups', '--bounding-set=-all', '--', ...replaced(dockerfile.healthcheck)], { cwd: ROOT, encoding: 'utf8', stdio: ['ignore', 'pipe', 'pipe'] });
+        const check = execFileSync(
+          'setpriv',
+          [`--reuid=${uid}`, `--regid=${gid}`, '--clear-groups', '--bounding-set=-all', '--', ...replaced(dockerfile.healthcheck)],
+          { cwd: ROOT, encoding: 'utf8', stdio: ['ignore', 'pipe', 'pipe'] },
+        );
         return check;
       },
       child,

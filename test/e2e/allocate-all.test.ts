@@ -57,7 +57,7 @@ async function releaseIds(owner: VmmdClient, ids: string[]): Promise<void> {
 }
 
 describe('AllocateAll', () => {
-  test('makes every allocation, each mapped here and the session\'s, in the order of the sizes', async () => {
+  test("makes every allocation, each mapped here and the session's, in the order of the sizes", async () => {
     const waker = await client();
     const { memory, waitedMs } = await waker.vmm.allocateAll({ sizes: [2n * MiB, 4n * MiB, 2n * MiB], location: DEVICE0, deadlineMs: 1000 });
     expect(memory.map((mapped) => mapped.size)).toEqual([2n * MiB, 4n * MiB, 2n * MiB]);
@@ -71,17 +71,33 @@ describe('AllocateAll', () => {
 
   test('refuses bad requests with their rule, and makes nothing', async () => {
     const waker = await client();
-    const refused = (request: object) => waker.vmm.allocateAllRaw(request).then(() => 'served', (error) => ({ code: error.code, message: error.message }));
+    const refused = (request: object) =>
+      waker.vmm.allocateAllRaw(request).then(
+        () => 'served',
+        (error) => ({ code: error.code, message: error.message }),
+      );
     expect(await refused({ sizes: [], deadlineMs: 0 })).toMatchObject({ code: 'ZERO_SIZE', message: expect.stringContaining('at least one size') });
     expect(await refused({ sizes: [2n * MiB, 0n] })).toMatchObject({ code: 'ZERO_SIZE', message: expect.stringContaining('sizes[1] is 0') });
     expect(await refused({ sizes: [MiB] })).toMatchObject({ code: 'NOT_ALIGNED', message: expect.stringContaining('sizes[0]') });
-    expect(await refused({ sizes: Array(MAX_ALLOCATE_ALL_SIZES + 1).fill(2n * MiB) })).toMatchObject({ code: 'TOO_MANY_SIZES', message: expect.stringContaining(`at most ${MAX_ALLOCATE_ALL_SIZES}`) });
-    expect(await refused({ sizes: [CAPACITY, 2n * MiB] })).toMatchObject({ code: 'BEYOND_DEVICE', message: expect.stringContaining(`${CAPACITY} bytes in all`) });
+    expect(await refused({ sizes: Array(MAX_ALLOCATE_ALL_SIZES + 1).fill(2n * MiB) })).toMatchObject({
+      code: 'TOO_MANY_SIZES',
+      message: expect.stringContaining(`at most ${MAX_ALLOCATE_ALL_SIZES}`),
+    });
+    expect(await refused({ sizes: [CAPACITY, 2n * MiB] })).toMatchObject({
+      code: 'BEYOND_DEVICE',
+      message: expect.stringContaining(`${CAPACITY} bytes in all`),
+    });
     expect(await refused({ sizes: [2n * MiB], location: { type: 'LOCATION_TYPE_DEVICE', id: 5 } })).toMatchObject({ code: 'UNKNOWN_DEVICE' });
-    expect(await refused({ sizes: [2n * MiB], deadlineMs: MAX_ALLOCATE_ALL_WAIT_MS + 1 })).toMatchObject({ code: 'BAD_DEADLINE', message: expect.stringContaining(String(MAX_ALLOCATE_ALL_WAIT_MS)) });
+    expect(await refused({ sizes: [2n * MiB], deadlineMs: MAX_ALLOCATE_ALL_WAIT_MS + 1 })).toMatchObject({
+      code: 'BAD_DEADLINE',
+      message: expect.stringContaining(String(MAX_ALLOCATE_ALL_WAIT_MS)),
+    });
     expect(await refused({ sizes: [2n * MiB], handleType: 'HANDLE_TYPE_FABRIC' })).toMatchObject({ code: 'UNSUPPORTED_HANDLE_TYPE' });
     // Without a session there is nowhere to send the descriptors.
-    await expect(call(daemon.raw.vmm, 'AllocateAll', { sizes: [String(2n * MiB)] })).rejects.toMatchObject({ code: 9, message: expect.stringContaining('AllocateAll') });
+    await expect(call(daemon.raw.vmm, 'AllocateAll', { sizes: [String(2n * MiB)] })).rejects.toMatchObject({
+      code: 9,
+      message: expect.stringContaining('AllocateAll'),
+    });
     expect(await allocations()).toBe(0);
     expect(daemon.process.exitCode).toBeNull();
   });
@@ -163,7 +179,11 @@ describe('AllocateAll', () => {
     const held = await hold(sleeper, 48n * MiB);
     const peer = await Peer.start(daemon.dir);
     void peer.do({ op: 'call', api: 'vmm', method: 'allocateAllRaw', args: { sizes: [String(32n * MiB)], deadlineMs: 60_000 } }).catch(() => undefined);
-    await eventually(async () => ((await scrapeMetrics(metricsPort)).match(/^vmmd_allocate_all_waiting\{queue="device 0"\} 1$/m) ? true : undefined), 10_000, 'the request to wait');
+    await eventually(
+      async () => ((await scrapeMetrics(metricsPort)).match(/^vmmd_allocate_all_waiting\{queue="device 0"\} 1$/m) ? true : undefined),
+      10_000,
+      'the request to wait',
+    );
     const waiter = await client();
     const queued = waiter.vmm.allocateAll({ sizes: [2n * MiB], deadlineMs: 20_000 });
     peer.process.kill('SIGKILL');
@@ -186,7 +206,12 @@ describe('AllocateAll', () => {
     const metadata = new grpc.Metadata();
     metadata.set(SESSION_METADATA_KEY, waker.session.token);
     const cancelled = await new Promise((resolve) =>
-      daemon.raw.vmm.AllocateAll({ sizes: [String(32n * MiB)], deadlineMs: 60_000 }, metadata, { deadline: Date.now() + 300 }, (error: grpc.ServiceError | null) => resolve(error?.code)),
+      daemon.raw.vmm.AllocateAll(
+        { sizes: [String(32n * MiB)], deadlineMs: 60_000 },
+        metadata,
+        { deadline: Date.now() + 300 },
+        (error: grpc.ServiceError | null) => resolve(error?.code),
+      ),
     );
     expect(cancelled).toBe(4); // DEADLINE_EXCEEDED, on the client's side
     await eventually(async () => ((await scrapeMetrics(metricsPort)).match(/^vmmd_allocate_all_waiting\{/m) ? undefined : true), 5_000, 'the queue to empty');
@@ -200,7 +225,11 @@ describe('AllocateAll', () => {
     const held = await hold(sleeper, 64n * MiB);
     const waker = await client();
     const waits = Array.from({ length: 64 }, () => waker.vmm.allocateAllRaw({ sizes: [2n * MiB], deadlineMs: 2_000 }).catch((error) => error.code));
-    await eventually(async () => ((await scrapeMetrics(metricsPort)).match(/^vmmd_allocate_all_waiting\{queue="device 0"\} 64$/m) ? true : undefined), 10_000, '64 requests to wait');
+    await eventually(
+      async () => ((await scrapeMetrics(metricsPort)).match(/^vmmd_allocate_all_waiting\{queue="device 0"\} 64$/m) ? true : undefined),
+      10_000,
+      '64 requests to wait',
+    );
     await expect(waker.vmm.allocateAllRaw({ sizes: [2n * MiB], deadlineMs: 2_000 })).rejects.toMatchObject({
       code: 'BUDGET_EXCEEDED',
       message: expect.stringContaining('AllocateAll requests waiting per uid'),

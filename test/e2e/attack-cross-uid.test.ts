@@ -60,7 +60,9 @@ describe("another uid against a victim's budgets and memory (host, run as root)"
     expect((await budgetsOf(VICTIM.uid))['stores per uid']).toBe(1);
     // The opens are the attacker's to pay for: a store each of its uid, until it closes them.
     expect((await budgetsOf(NOBODY))['stores per uid']).toBe(STORES);
-    await expect(call(attacker, 'stores', 'createStore', { allocationId: (await call(attacker, 'vmm', 'create', { size: String(SIZE) })).id, name: 'attacker' })).rejects.toMatchObject({ code: 'BUDGET_EXCEEDED' });
+    await expect(
+      call(attacker, 'stores', 'createStore', { allocationId: (await call(attacker, 'vmm', 'create', { size: String(SIZE) })).id, name: 'attacker' }),
+    ).rejects.toMatchObject({ code: 'BUDGET_EXCEEDED' });
     for (const open of opens) await attacker.do({ op: 'storeClose', handle: open.handle });
     expect((await budgetsOf(NOBODY))['stores per uid']).toBeUndefined();
   });

@@ -61,7 +61,9 @@ describe('staging buffers and the daemon memory', () => {
     expect(refused).toMatchObject({ code: grpc.status.RESOURCE_EXHAUSTED, details: expect.stringContaining('staging bytes per uid') });
     if (opened) {
       for (let offset = 0n; offset < STAGING; offset += SIZE) {
-        await call(daemon.raw.vmm, 'ReadStaged', { address: String(address), length: String(SIZE), stagingOffset: String(offset) }, metadata).catch(() => undefined);
+        await call(daemon.raw.vmm, 'ReadStaged', { address: String(address), length: String(SIZE), stagingOffset: String(offset) }, metadata).catch(
+          () => undefined,
+        );
       }
     }
     const grown = residentShared(daemon.pid) - before;

@@ -61,10 +61,14 @@ describe('staging buffers against a hostile session', () => {
     attacker.close();
     clients.splice(0);
     await eventually(async () => ((await daemon!.stats()).sessions === 0 ? true : undefined), 10_000, 'the session to close');
-    await eventually(() => {
-      const held = stagingHeld(daemon!.pid);
-      return held.descriptors === 0 && held.mappings === 0 ? true : undefined;
-    }, 5_000, 'the daemon to let go of every staging buffer').catch(() => undefined);
+    await eventually(
+      () => {
+        const held = stagingHeld(daemon!.pid);
+        return held.descriptors === 0 && held.mappings === 0 ? true : undefined;
+      },
+      5_000,
+      'the daemon to let go of every staging buffer',
+    ).catch(() => undefined);
     expect(stagingHeld(daemon.pid)).toEqual({ descriptors: 0, mappings: 0 });
   });
 });

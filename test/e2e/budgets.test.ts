@@ -74,13 +74,24 @@ async function closedToZero(peer: Peer): Promise<void> {
   beforeAll(async () => {
     metricsPort = await freePort();
     daemon = await TestDaemon.start([
-      '--socket-group', String(NOBODY), '--allow-gids', String(NOBODY), '--allow-uids', '0',
-      '--metrics-port', String(metricsPort),
-      '--max-mappings-per-uid', String(LIMITS.mappings),
-      '--max-reservations-per-uid', String(LIMITS.reservations),
-      '--max-address-space-per-uid', String(LIMITS.addressSpace),
-      '--max-stores-per-uid', String(LIMITS.stores),
-      '--max-allocations-per-uid', String(LIMITS.allocations),
+      '--socket-group',
+      String(NOBODY),
+      '--allow-gids',
+      String(NOBODY),
+      '--allow-uids',
+      '0',
+      '--metrics-port',
+      String(metricsPort),
+      '--max-mappings-per-uid',
+      String(LIMITS.mappings),
+      '--max-reservations-per-uid',
+      String(LIMITS.reservations),
+      '--max-address-space-per-uid',
+      String(LIMITS.addressSpace),
+      '--max-stores-per-uid',
+      String(LIMITS.stores),
+      '--max-allocations-per-uid',
+      String(LIMITS.allocations),
     ]);
     victim = await connect({ socketDir: daemon.dir });
     clients.push(victim);
@@ -119,7 +130,9 @@ async function closedToZero(peer: Peer): Promise<void> {
     const peer = await attacker();
     const addresses: string[] = [];
     for (let i = 0; i < LIMITS.reservations; i++) addresses.push((await call(peer, 'vmm', 'reserve', { size: String(SIZE) })).address);
-    await expect(call(peer, 'vmm', 'reserve', { size: String(SIZE) })).rejects.toMatchObject(refusal('reservations per uid', LIMITS.reservations, LIMITS.reservations));
+    await expect(call(peer, 'vmm', 'reserve', { size: String(SIZE) })).rejects.toMatchObject(
+      refusal('reservations per uid', LIMITS.reservations, LIMITS.reservations),
+    );
     await victimServed();
     await call(peer, 'vmm', 'freeAddress', { address: addresses[0], size: String(SIZE) });
     await call(peer, 'vmm', 'reserve', { size: String(SIZE) });
@@ -150,7 +163,11 @@ async function closedToZero(peer: Peer): Promise<void> {
       refusal('stores per uid', LIMITS.stores, LIMITS.stores),
     );
     // Each store is one daemon mapping of its maker's uid too, and the address space the daemon maps it in.
-    expect(await usedBy(NOBODY)).toMatchObject({ 'stores per uid': LIMITS.stores, 'mappings per uid': LIMITS.stores, 'address space per uid': LIMITS.stores * Number(SIZE) });
+    expect(await usedBy(NOBODY)).toMatchObject({
+      'stores per uid': LIMITS.stores,
+      'mappings per uid': LIMITS.stores,
+      'address space per uid': LIMITS.stores * Number(SIZE),
+    });
     await victimServed();
     await call(peer, 'stores', 'detach', { id: stores[0].id });
     await eventually(async () => ((await usedBy(NOBODY))['stores per uid'] === LIMITS.stores - 1 ? true : undefined));
@@ -162,7 +179,9 @@ async function closedToZero(peer: Peer): Promise<void> {
     const peer = await attacker();
     const allocations: Array<{ id: string }> = [];
     for (let i = 0; i < LIMITS.allocations; i++) allocations.push(await call(peer, 'vmm', 'create', { size: String(SIZE) }));
-    await expect(call(peer, 'vmm', 'create', { size: String(SIZE) })).rejects.toMatchObject(refusal('allocations per uid', LIMITS.allocations, LIMITS.allocations));
+    await expect(call(peer, 'vmm', 'create', { size: String(SIZE) })).rejects.toMatchObject(
+      refusal('allocations per uid', LIMITS.allocations, LIMITS.allocations),
+    );
     await victimServed();
     await call(peer, 'vmm', 'release', { allocationId: allocations[0].id });
     await call(peer, 'vmm', 'create', { size: String(SIZE) });

@@ -54,12 +54,18 @@ describe('VmmdMemoryManager and openIpcHandle', () => {
   async function coldManager(): Promise<{ client: VmmdClient; mm: VmmdMemoryManager }> {
     const client = await connect({ socketDir: daemon.dir });
     clients.push(client);
-    const mm = new VmmdMemoryManager({ client, device: 0, backend: client.backend, pool: { chunkSize: 2n * MiB, largeThreshold: 0n }, deferred: { count: 0, ratio: 1 } });
+    const mm = new VmmdMemoryManager({
+      client,
+      device: 0,
+      backend: client.backend,
+      pool: { chunkSize: 2n * MiB, largeThreshold: 0n },
+      deferred: { count: 0, ratio: 1 },
+    });
     await mm.initialize();
     return { client, mm };
   }
 
-  test("a cold free returns before the daemon answers its release; flush() waits for the release", async () => {
+  test('a cold free returns before the daemon answers its release; flush() waits for the release', async () => {
     const { client, mm } = await coldManager();
     // The release is held back until the test lets it go.
     const release = client.vmm.release.bind(client.vmm);
@@ -90,7 +96,9 @@ describe('VmmdMemoryManager and openIpcHandle', () => {
       const pointer = await mm.memalloc(2n * MiB);
       await expect(pointer.free()).resolves.toBeUndefined();
       await mm.flush();
-      expect(warned.mock.calls.map(([message]) => String(message))).toContainEqual(expect.stringMatching(/releasing allocation \d+ failed: refused for the test/));
+      expect(warned.mock.calls.map(([message]) => String(message))).toContainEqual(
+        expect.stringMatching(/releasing allocation \d+ failed: refused for the test/),
+      );
     } finally {
       warned.mockRestore();
       client.vmm.release = release;

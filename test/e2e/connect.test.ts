@@ -110,7 +110,11 @@ function fakeSessionSocket(dir: string, capabilities: () => Capability[]): Seqpa
   const listener = new SeqpacketListener(socketPaths(dir).session);
   listener.on('connection', (connection: SeqpacketConnection) => {
     connection.once('message', () => {
-      connection.send(encodeDaemonFrame({ hello: { protocol: PROTOCOL_VERSION, session: '1', token: 'f'.repeat(64), pid: process.pid, uid: 0, gid: 0, capabilities: capabilities() } }));
+      connection.send(
+        encodeDaemonFrame({
+          hello: { protocol: PROTOCOL_VERSION, session: '1', token: 'f'.repeat(64), pid: process.pid, uid: 0, gid: 0, capabilities: capabilities() },
+        }),
+      );
     });
   });
   return listener;
@@ -167,7 +171,11 @@ describe('connect() to a daemon by what its hello says it can do', () => {
 
   it('refuses a daemon whose descriptors it cannot map, and closes what it opened', async () => {
     capabilities = [];
-    await expect(connect({ socketDir: dir })).rejects.toMatchObject({ code: 'UNKNOWN_BACKEND', status: grpc.status.UNIMPLEMENTED, message: expect.stringContaining('capabilities: none') });
+    await expect(connect({ socketDir: dir })).rejects.toMatchObject({
+      code: 'UNKNOWN_BACKEND',
+      status: grpc.status.UNIMPLEMENTED,
+      message: expect.stringContaining('capabilities: none'),
+    });
   });
 });
 
@@ -180,7 +188,9 @@ describe('connect() to a daemon of session protocol 1', () => {
     listener = new SeqpacketListener(socketPaths(dir).session);
     // A daemon of protocol 1 spoke first: its JSON hello.
     listener.on('connection', (connection: SeqpacketConnection) => {
-      connection.send(Buffer.from(JSON.stringify({ type: 'hello', protocol: 1, session: '1', token: 'f'.repeat(64), pid: process.pid, uid: 0, gid: 0, backend: 'host' })));
+      connection.send(
+        Buffer.from(JSON.stringify({ type: 'hello', protocol: 1, session: '1', token: 'f'.repeat(64), pid: process.pid, uid: 0, gid: 0, backend: 'host' })),
+      );
     });
   });
 

@@ -91,7 +91,7 @@ describe('uid quota 16 MiB (two processes of one user)', () => {
     // The two callers' total: 12 MiB of 16, but 8 MiB are held ahead by the first.
     const refused = await second.memalloc(12n * MiB).catch((error: Error) => error);
     expect(refused).toMatchObject({ status: 8 });
-    await eventually(() => (first.stats().ahead.expired === 2 ? true : undefined), 5_000, 'the first session\'s allocations ahead to expire');
+    await eventually(() => (first.stats().ahead.expired === 2 ? true : undefined), 5_000, "the first session's allocations ahead to expire");
     const pointer = await eventually(async () => second.memalloc(12n * MiB).catch(() => undefined), 5_000, 'room for the second session');
     expect(pointer.size).toBe(12n * MiB);
   });

@@ -128,7 +128,13 @@ describe('with a stock of 2 MiB allocations', () => {
     const report = (await c.admin.getReport()) as { stock: { levels: Array<{ held: number }> } };
     expect(report.stock.levels[0].held).toBe(0);
     const { message, fd } = await c.session.allocate(2n * MiB);
-    expect(message).toMatchObject({ transferId: '0', size: String(2n * MiB), granularity: String(2n * MiB), device: 0, location: { type: 'LOCATION_TYPE_DEVICE', id: 0 } });
+    expect(message).toMatchObject({
+      transferId: '0',
+      size: String(2n * MiB),
+      granularity: String(2n * MiB),
+      device: 0,
+      location: { type: 'LOCATION_TYPE_DEVICE', id: 0 },
+    });
     expect(addon.hostFdInfo(fd)).toMatchObject({ memfd: true, size: 2n * MiB });
     addon.close(fd);
     expect((await c.vmm.getProperties({ allocationId: message.allocationId })).ownerSession).toBe(c.session.id);
@@ -139,11 +145,15 @@ describe('with a stock of 2 MiB allocations', () => {
     const c = await client();
     // A Create of the stocked size starts a refill (the shelf may be empty after an earlier test's out-of-memory).
     await c.vmm.release({ allocationId: (await c.vmm.create({ size: 2n * MiB })).id });
-    await eventually(async () => {
-      // Full: as deep as configured, or as its bursts made it.
-      const report = (await c.admin.getReport()) as { stock: { levels: Array<{ held: number; depth: number }> } };
-      return report.stock.levels[0].held === report.stock.levels[0].depth ? true : undefined;
-    }, 10_000, 'the stock to refill');
+    await eventually(
+      async () => {
+        // Full: as deep as configured, or as its bursts made it.
+        const report = (await c.admin.getReport()) as { stock: { levels: Array<{ held: number; depth: number }> } };
+        return report.stock.levels[0].held === report.stock.levels[0].depth ? true : undefined;
+      },
+      10_000,
+      'the stock to refill',
+    );
     const fds = daemon.openFds();
     const created = await c.vmm.create({ size: 2n * MiB });
     await c.vmm.release({ allocationId: created.id });
@@ -157,10 +167,14 @@ describe('with a stock of 2 MiB allocations', () => {
     await c.vmm.allocate({ size: 2n * MiB });
     await c.vmm.allocate({ size: 2n * MiB });
     c.close();
-    await eventually(async () => {
-      const now = objectsOf(await daemon.stats());
-      return JSON.stringify(now) === JSON.stringify(before) ? true : undefined;
-    }, 10_000, 'objects back to the baseline');
+    await eventually(
+      async () => {
+        const now = objectsOf(await daemon.stats());
+        return JSON.stringify(now) === JSON.stringify(before) ? true : undefined;
+      },
+      10_000,
+      'objects back to the baseline',
+    );
   });
 });
 

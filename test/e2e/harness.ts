@@ -116,7 +116,10 @@ export class TestDaemon {
   private exited: Promise<number | null>;
   readonly logs: string[] = [];
 
-  private constructor(readonly process: ChildProcess, dir: string) {
+  private constructor(
+    readonly process: ChildProcess,
+    dir: string,
+  ) {
     this.dir = dir;
     this.raw = rawClients(dir);
     this.exited = new Promise((resolve) => process.once('exit', (code) => resolve(code)));
@@ -139,7 +142,20 @@ export class TestDaemon {
     const limited = options.descriptorLimit === undefined ? [] : ['/bin/sh', '-c', `ulimit -n ${options.descriptorLimit} && exec "$0" "$@"`];
     const child = spawn(
       limited[0] ?? process.execPath,
-      [...limited.slice(1), ...(limited.length > 0 ? [process.execPath] : []), DAEMON, '--backend', backend, '--socket-dir', dir, '--host-capacity', '256MiB', '--log-level', 'warn', ...extraArgs.filter((_, i) => named < 0 || (i !== named && i !== named + 1))],
+      [
+        ...limited.slice(1),
+        ...(limited.length > 0 ? [process.execPath] : []),
+        DAEMON,
+        '--backend',
+        backend,
+        '--socket-dir',
+        dir,
+        '--host-capacity',
+        '256MiB',
+        '--log-level',
+        'warn',
+        ...extraArgs.filter((_, i) => named < 0 || (i !== named && i !== named + 1)),
+      ],
       { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, ...env }, ...(options.as ?? {}) },
     );
     const daemon = new TestDaemon(child, dir);
@@ -183,7 +199,12 @@ export class TestDaemon {
       async () => {
         if (child.exitCode !== null) throw new Error(`vmmd --take-over exited with ${child.exitCode}: ${daemon.logs.join('\n')}`);
         if (old.process.exitCode === null && old.process.signalCode === null) return undefined;
-        return (await call(daemon.raw.devices, 'ListDevices', {}).then(() => true, () => undefined)) ? true : undefined;
+        return (await call(daemon.raw.devices, 'ListDevices', {}).then(
+          () => true,
+          () => undefined,
+        ))
+          ? true
+          : undefined;
       },
       60_000,
       'the new daemon to take over',
@@ -252,7 +273,10 @@ export class Peer {
     const child =
       groups === undefined
         ? spawn(process.execPath, [PEER], { stdio: ['pipe', 'pipe', 'pipe'], env, ...ids })
-        : spawn('setpriv', [`--reuid=${ids.uid}`, `--regid=${ids.gid}`, `--groups=${groups.join(',')}`, '--', process.execPath, PEER], { stdio: ['pipe', 'pipe', 'pipe'], env });
+        : spawn('setpriv', [`--reuid=${ids.uid}`, `--regid=${ids.gid}`, `--groups=${groups.join(',')}`, '--', process.execPath, PEER], {
+            stdio: ['pipe', 'pipe', 'pipe'],
+            env,
+          });
     const peer = new Peer(child);
     try {
       await peer.do({ op: 'connect' });

@@ -55,7 +55,9 @@ afterEach(async () => {
 /** Starts a daemon on a fresh directory and waits for it to serve, without connecting to it. */
 async function startUnwatched(extra: string[] = []): Promise<ChildProcess> {
   dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-idle-'));
-  const started = spawn(process.execPath, [DAEMON, '--backend', 'host', '--socket-dir', dir, '--host-capacity', '64MiB', '--log-level', 'info', ...extra], { stdio: ['ignore', 'pipe', 'pipe'] });
+  const started = spawn(process.execPath, [DAEMON, '--backend', 'host', '--socket-dir', dir, '--host-capacity', '64MiB', '--log-level', 'info', ...extra], {
+    stdio: ['ignore', 'pipe', 'pipe'],
+  });
   let output = '';
   started.stdout!.on('data', (chunk) => (output += chunk));
   started.stderr!.on('data', (chunk) => (output += chunk));

@@ -77,7 +77,11 @@ describe('the daemon log', () => {
       const found = lines(daemon, 'session ').filter((e) => e.session === session && e.end !== undefined);
       return found.length > 0 ? found : undefined;
     });
-    expect(entry).toMatchObject({ level: 30, end: 'process-gone', msg: expect.stringMatching(/^session ended without closing: the client process ended without close\(\); reclaimed 0 allocation/) });
+    expect(entry).toMatchObject({
+      level: 30,
+      end: 'process-gone',
+      msg: expect.stringMatching(/^session ended without closing: the client process ended without close\(\); reclaimed 0 allocation/),
+    });
   });
 
   test('sessions the daemon closes as it stops are logged as closed by the daemon', async () => {
@@ -107,7 +111,12 @@ describe('the daemon log', () => {
     const client = await connect({ socketDir: daemon.dir });
     const { sessions } = await client.admin.listSessions();
     const own = sessions.find((s) => s.id === String(client.session.id))!;
-    const expectedCgroup = fs.readFileSync(`/proc/${process.pid}/cgroup`, 'utf8').split('\n').find((line) => line.startsWith('0::'))?.slice(3) ?? '';
+    const expectedCgroup =
+      fs
+        .readFileSync(`/proc/${process.pid}/cgroup`, 'utf8')
+        .split('\n')
+        .find((line) => line.startsWith('0::'))
+        ?.slice(3) ?? '';
     expect(own).toMatchObject({ pid: process.pid, command: fs.readFileSync(`/proc/${process.pid}/comm`, 'utf8').trim(), cgroup: expectedCgroup });
     expect(own.command).not.toBe('');
     // The line is written when the session opens, and reaches the test's reader a moment later.

@@ -187,7 +187,9 @@ describe('memory a client sealed through a descriptor the daemon exported', () =
     const frozen = await sealed(MEMFD_SEALS.FUTURE_WRITE);
     const { address } = await owner.vmm.reserve({ size: SIZE });
     await owner.vmm.map({ address, size: SIZE, allocationId: frozen.id });
-    await expect(owner.vmm.setAccess({ address, size: SIZE, descriptors: [{ location: { type: 'LOCATION_TYPE_DEVICE', id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' }] })).rejects.toMatchObject(refused);
+    await expect(
+      owner.vmm.setAccess({ address, size: SIZE, descriptors: [{ location: { type: 'LOCATION_TYPE_DEVICE', id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' }] }),
+    ).rejects.toMatchObject(refused);
     await owner.vmm.unmap({ address, size: SIZE });
     await owner.vmm.freeAddress({ address, size: SIZE });
     await expect(owner.stores.createStore({ allocationId: frozen.id, name: 'frozen-rw' })).rejects.toMatchObject(refused);
@@ -205,30 +207,41 @@ describe('memory a client sealed through a descriptor the daemon exported', () =
 describe('with the daemon as deployed (its own uid, no capabilities)', () => {
   const MAKER_GROUP = { uid: 4242, gid: NOBODY };
 
-  (isRoot ? it : it.skip)("takes only the client memfds it can hand other uids read-only, and says why a store it cannot reopen read-only is not opened", async () => {
-    daemon = await TestDaemon.start(['--socket-group', String(NOBODY)], 'host', {}, { as: { uid: NOBODY, gid: NOBODY } });
-    const owner = await client();
-    const attach = (fd: number) => owner.stores.attachDescriptor(fd, { target: 'STORE_TARGET_SYSMEM', device: 0, size: SIZE, readOnly: false });
-    // Owner-only (0600, another uid's): the daemon could not reopen it read-only for other uids' opens.
-    const ownerOnly = addon.hostMemfdCreate('owner-only', SIZE, 0o600);
-    await expect(attach(ownerOnly)).rejects.toMatchObject({ status: grpc.status.INVALID_ARGUMENT, code: 'BAD_DESCRIPTOR', message: expect.stringMatching(/fchmod it 0644/) });
-    // Writable by all (0777, as memfd_create makes it): the daemon cannot take the others' write permission away.
-    const everyones = addon._memfdCreate('everyones', SIZE, true);
-    await expect(attach(everyones)).rejects.toMatchObject({ status: grpc.status.INVALID_ARGUMENT, code: 'BAD_DESCRIPTOR', message: expect.stringMatching(/cannot narrow it/) });
-    // 0644, as the vmmd libraries make it: attached, and another uid's read-only open cannot write it.
-    const shared = addon.hostMemfdCreate('shared', SIZE, 0o644);
-    const store = await attach(shared);
-    const own = await owner.stores.createStore({ allocationId: (await owner.vmm.create({ size: SIZE })).id, name: 'daemon-memory' });
-    const reader = await Peer.start(daemon.dir, MAKER_GROUP);
-    peers.push(reader);
-    for (const id of [store.id, own.id]) expect(await reader.do({ op: 'writableViews', storeId: id, size: String(SIZE) })).toEqual(READ_ONLY_DESCRIPTOR);
-    // An owner-only memfd imported (nothing reopens an import) and made a store: another uid's open is refused, naming why.
-    const imported = await owner.vmm.importDescriptor(ownerOnly, { size: SIZE });
-    const importedStore = await owner.stores.createStore({ allocationId: imported.id, name: 'imported' });
-    await expect(reader.do({ op: 'storeOpen', name: 'imported' })).rejects.toMatchObject({ code: 'NOT_REOPENABLE' });
-    await owner.stores.detach(BigInt(importedStore.id));
-    await owner.stores.detach(BigInt(store.id));
-    await owner.stores.detach(BigInt(own.id));
-    for (const fd of [ownerOnly, everyones, shared]) addon.close(fd);
-  });
+  (isRoot ? it : it.skip)(
+    'takes only the client memfds it can hand other uids read-only, and says why a store it cannot reopen read-only is not opened',
+    async () => {
+      daemon = await TestDaemon.start(['--socket-group', String(NOBODY)], 'host', {}, { as: { uid: NOBODY, gid: NOBODY } });
+      const owner = await client();
+      const attach = (fd: number) => owner.stores.attachDescriptor(fd, { target: 'STORE_TARGET_SYSMEM', device: 0, size: SIZE, readOnly: false });
+      // Owner-only (0600, another uid's): the daemon could not reopen it read-only for other uids' opens.
+      const ownerOnly = addon.hostMemfdCreate('owner-only', SIZE, 0o600);
+      await expect(attach(ownerOnly)).rejects.toMatchObject({
+        status: grpc.status.INVALID_ARGUMENT,
+        code: 'BAD_DESCRIPTOR',
+        message: expect.stringMatching(/fchmod it 0644/),
+      });
+      // Writable by all (0777, as memfd_create makes it): the daemon cannot take the others' write permission away.
+      const everyones = addon._memfdCreate('everyones', SIZE, true);
+      await expect(attach(everyones)).rejects.toMatchObject({
+        status: grpc.status.INVALID_ARGUMENT,
+        code: 'BAD_DESCRIPTOR',
+        message: expect.stringMatching(/cannot narrow it/),
+      });
+      // 0644, as the vmmd libraries make it: attached, and another uid's read-only open cannot write it.
+      const shared = addon.hostMemfdCreate('shared', SIZE, 0o644);
+      const store = await attach(shared);
+      const own = await owner.stores.createStore({ allocationId: (await owner.vmm.create({ size: SIZE })).id, name: 'daemon-memory' });
+      const reader = await Peer.start(daemon.dir, MAKER_GROUP);
+      peers.push(reader);
+      for (const id of [store.id, own.id]) expect(await reader.do({ op: 'writableViews', storeId: id, size: String(SIZE) })).toEqual(READ_ONLY_DESCRIPTOR);
+      // An owner-only memfd imported (nothing reopens an import) and made a store: another uid's open is refused, naming why.
+      const imported = await owner.vmm.importDescriptor(ownerOnly, { size: SIZE });
+      const importedStore = await owner.stores.createStore({ allocationId: imported.id, name: 'imported' });
+      await expect(reader.do({ op: 'storeOpen', name: 'imported' })).rejects.toMatchObject({ code: 'NOT_REOPENABLE' });
+      await owner.stores.detach(BigInt(importedStore.id));
+      await owner.stores.detach(BigInt(store.id));
+      await owner.stores.detach(BigInt(own.id));
+      for (const fd of [ownerOnly, everyones, shared]) addon.close(fd);
+    },
+  );
 });

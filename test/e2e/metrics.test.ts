@@ -179,10 +179,12 @@ describe('metrics', () => {
       watch.cancel();
       await watching;
     }
-    await eventually(async () => (value(parse(await scrape('127.0.0.1', port)), 'vmmd_rpc_streams_active', { service: 'vmmd.v1.Stores', method: 'Watch' }) === 0 ? true : undefined));
+    await eventually(async () =>
+      value(parse(await scrape('127.0.0.1', port)), 'vmmd_rpc_streams_active', { service: 'vmmd.v1.Stores', method: 'Watch' }) === 0 ? true : undefined,
+    );
   });
 
-  test('--metrics-address 0.0.0.0 answers on the host\'s other addresses too', async () => {
+  test("--metrics-address 0.0.0.0 answers on the host's other addresses too", async () => {
     const external = Object.values(os.networkInterfaces())
       .flat()
       .find((address) => address !== undefined && address.family === 'IPv4' && !address.internal);
@@ -213,7 +215,11 @@ describe('a start that fails on the metrics port', () => {
   });
 
   test('exits 1 naming the port, and removes the socket files it made', async () => {
-    const child = spawn(process.execPath, [path.join(packageRoot(), 'bin', 'vmmd.js'), '--backend', 'host', '--socket-dir', dir, '--metrics-port', String(port)], { stdio: ['ignore', 'pipe', 'pipe'] });
+    const child = spawn(
+      process.execPath,
+      [path.join(packageRoot(), 'bin', 'vmmd.js'), '--backend', 'host', '--socket-dir', dir, '--metrics-port', String(port)],
+      { stdio: ['ignore', 'pipe', 'pipe'] },
+    );
     let output = '';
     child.stdout!.on('data', (chunk) => (output += chunk));
     child.stderr!.on('data', (chunk) => (output += chunk));

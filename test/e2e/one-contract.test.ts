@@ -42,7 +42,11 @@ describe('the session socket and gRPC', () => {
     addon.close(socket.fd);
     const viaRpc = await rpc<{ transferId: string; allocationId: string }>(client.vmm, 'Allocate', { size: String(2n * MiB) });
     expect(await claim(viaRpc.transferId)).not.toBe('0');
-    expect({ ...socket.message, allocationId: 'the new one', transferId: 'where the descriptor goes' }).toEqual({ ...viaRpc, allocationId: 'the new one', transferId: 'where the descriptor goes' });
+    expect({ ...socket.message, allocationId: 'the new one', transferId: 'where the descriptor goes' }).toEqual({
+      ...viaRpc,
+      allocationId: 'the new one',
+      transferId: 'where the descriptor goes',
+    });
     expect(socket.message.transferId).toBe('0');
     // Release: the same ReleaseResponse for each.
     const released = await client.session.release(socket.message.allocationId);
@@ -70,7 +74,11 @@ describe('the session socket and gRPC', () => {
     const viaRpc = await rpc<{ transferId: string; store: { opens: number } }>(client.stores, 'Open', { store: { name: 'one-contract' } });
     await claim(viaRpc.transferId);
     expect(viaRpc.store.opens).toBe(socket.message.store!.opens + 1);
-    expect({ ...socket.message, transferId: '', store: { ...socket.message.store, opens: 0 } }).toEqual({ ...viaRpc, transferId: '', store: { ...viaRpc.store, opens: 0 } });
+    expect({ ...socket.message, transferId: '', store: { ...socket.message.store, opens: 0 } }).toEqual({
+      ...viaRpc,
+      transferId: '',
+      store: { ...viaRpc.store, opens: 0 },
+    });
     expect(socket.message.store).toMatchObject({ id: store.id, readOnly: true });
     await client.stores.detach('one-contract');
     await client.session.release(made.id);
@@ -81,15 +89,29 @@ describe('the session socket and gRPC', () => {
     ['release of an allocation nobody made', () => client.session.release('424242'), () => rpc(client.vmm, 'Release', { allocationId: '424242' })],
     ['share of an allocation nobody made', () => client.session.share('424242'), () => rpc(client.vmm, 'Share', { allocationId: '424242' })],
     ['export of an allocation nobody made', () => client.session.export('424242'), () => rpc(client.vmm, 'Export', { allocationId: '424242' })],
-    ['open of a store nobody made', () => client.session.open({ name: 'nothing-by-this-name' }, false), () => rpc(client.stores, 'Open', { store: { name: 'nothing-by-this-name' } })],
+    [
+      'open of a store nobody made',
+      () => client.session.open({ name: 'nothing-by-this-name' }, false),
+      () => rpc(client.stores, 'Open', { store: { name: 'nothing-by-this-name' } }),
+    ],
   ])('refuse %s with the same code, status and message', async (_what, socket, viaRpc) => {
     const refusal = (error: { code?: unknown; status?: number; message?: string; details?: string; metadata?: grpc.Metadata }) => ({
       code: error.metadata === undefined ? error.code : error.metadata.get('vmmd-error-code')[0],
       status: error.metadata === undefined ? error.status : error.code,
       message: error.details ?? error.message,
     });
-    const fromSocket = refusal(await socket().then(() => ({}), (error) => error));
-    const fromRpc = refusal(await viaRpc().then(() => ({}), (error) => error));
+    const fromSocket = refusal(
+      await socket().then(
+        () => ({}),
+        (error) => error,
+      ),
+    );
+    const fromRpc = refusal(
+      await viaRpc().then(
+        () => ({}),
+        (error) => error,
+      ),
+    );
     expect(fromSocket.code).toEqual(expect.any(String));
     expect(fromSocket).toEqual(fromRpc);
   });

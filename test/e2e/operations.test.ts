@@ -47,15 +47,7 @@ describe('reflection, as grpcurl uses it', () => {
     const reflection = reflectionClient(daemon.dir, 'v1');
     const listed = await ask(reflection, { list_services: '' });
     const services: string[] = listed.list_services_response.service.map((s: { name: string }) => s.name);
-    expect(services).toEqual(
-      expect.arrayContaining([
-        'vmmd.v1.Devices',
-        'vmmd.v1.VirtualMemory',
-        'vmmd.v1.Stores',
-        'vmmd.v1.Admin',
-        'grpc.health.v1.Health',
-      ]),
-    );
+    expect(services).toEqual(expect.arrayContaining(['vmmd.v1.Devices', 'vmmd.v1.VirtualMemory', 'vmmd.v1.Stores', 'vmmd.v1.Admin', 'grpc.health.v1.Health']));
 
     // Resolve every vmmd service's file, then every dependency by file name, until nothing is missing.
     const files = new Map<string, any>();
@@ -134,7 +126,11 @@ describe('health and shutdown', () => {
     const allocation = await client.vmm.create({ size: 32n * MiB });
     const reservation = await client.vmm.reserve({ size: 32n * MiB });
     await client.vmm.map({ address: reservation.address, size: 32n * MiB, allocationId: allocation.id });
-    await client.vmm.setAccess({ address: reservation.address, size: 32n * MiB, descriptors: [{ location: { type: 'LOCATION_TYPE_DEVICE', id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' }] });
+    await client.vmm.setAccess({
+      address: reservation.address,
+      size: 32n * MiB,
+      descriptors: [{ location: { type: 'LOCATION_TYPE_DEVICE', id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' }],
+    });
     let received = 0;
     const reading = client.stores.read({ address: reservation.address }, 32n * MiB, async (chunk) => {
       received += chunk.length;
@@ -161,7 +157,14 @@ describe('Admin and metrics', () => {
     await client.vmm.map({ address: reservation.address, size: 2n * MiB, allocationId: allocation.id });
     const sessions = await call(daemon.raw.admin, 'ListSessions', {});
     expect(sessions.sessions).toEqual([
-      expect.objectContaining({ id: client.session.id, pid: process.pid, uid: process.getuid!(), allocations: '1', allocatedBytes: String(2n * MiB), reservations: '1' }),
+      expect.objectContaining({
+        id: client.session.id,
+        pid: process.pid,
+        uid: process.getuid!(),
+        allocations: '1',
+        allocatedBytes: String(2n * MiB),
+        reservations: '1',
+      }),
     ]);
     const objects = (await call(daemon.raw.admin, 'ListObjects', { ownerSession: client.session.id })).objects;
     expect(objects.map((o: { kind: string }) => o.kind).sort()).toEqual(['allocation', 'mapping', 'reservation']);
@@ -189,11 +192,13 @@ describe('Admin and metrics', () => {
     await expect(client.vmm.create({ size: 2n * MiB })).rejects.toMatchObject({ code: 'QUOTA_EXCEEDED' });
     await client.vmm.import(allocation.id).then((memory) => memory.close());
     const text = await new Promise<string>((resolve, reject) =>
-      http.get(`http://127.0.0.1:${port}/metrics`, (response) => {
-        let body = '';
-        response.on('data', (chunk) => (body += chunk));
-        response.on('end', () => resolve(body));
-      }).on('error', reject),
+      http
+        .get(`http://127.0.0.1:${port}/metrics`, (response) => {
+          let body = '';
+          response.on('data', (chunk) => (body += chunk));
+          response.on('end', () => resolve(body));
+        })
+        .on('error', reject),
     );
     expect(text).toMatch(/vmmd_rpc_duration_seconds_count\{service="vmmd.v1.VirtualMemory",method="Create",status="OK"\} 1/);
     expect(text).toMatch(/vmmd_rpc_duration_seconds_count\{service="vmmd.v1.VirtualMemory",method="Create",status="RESOURCE_EXHAUSTED"\} 1/);

@@ -103,7 +103,11 @@ describe('docs/PROTOCOL.md: refusals per RPC', () => {
 
   test('every code declared in common/error-codes.ts is in the generated table of codes, with its status', () => {
     const documented = documentedCodes();
-    expect(Object.entries(ERROR_CODES).filter(([code, { status }]) => documented.get(code) !== status).map(([code]) => code)).toEqual([]);
+    expect(
+      Object.entries(ERROR_CODES)
+        .filter(([code, { status }]) => documented.get(code) !== status)
+        .map(([code]) => code),
+    ).toEqual([]);
     expect([...documented.keys()].filter((code) => !(code in ERROR_CODES))).toEqual([]);
   });
 
@@ -189,7 +193,9 @@ describe('docs/PROTOCOL.md: refusals per RPC', () => {
       expect(await refused('vmm', 'Create', { size: String(granule), handleType: 'HANDLE_TYPE_FABRIC' })).toMatchObject({ status: 'FAILED_PRECONDITION' });
       expect(await refused('vmm', 'Release', { allocationId: released.id })).toMatchObject({ status: 'NOT_FOUND' });
       expect(await refused('vmm', 'Map', { address: unmapped, size: String(granule), allocationId: '999999' })).toMatchObject({ code: 'UNKNOWN_ALLOCATION' });
-      expect(await refused('vmm', 'Map', { address: reservation.address, size: String(granule), allocationId: allocation.id })).toMatchObject({ status: 'FAILED_PRECONDITION' });
+      expect(await refused('vmm', 'Map', { address: reservation.address, size: String(granule), allocationId: allocation.id })).toMatchObject({
+        status: 'FAILED_PRECONDITION',
+      });
       expect(await refused('vmm', 'Unmap', { address: reservation.address, size: String(granule) })).toMatchObject({ code: 'PARTIAL_UNMAP' });
       // SetAccess over half a mapping: it covers whole mappings only.
       await refused('vmm', 'SetAccess', { address: reservation.address, size: String(granule), descriptors: RW });

@@ -56,7 +56,9 @@ describe('sockets and peers', () => {
 
   (isRoot ? it : it.skip)('refuses a uid none of whose groups is allowed, naming the groups it saw', async () => {
     daemon = await TestDaemon.start(['--socket-group', '2000', '--allow-uids', '0', '--allow-gids', '4000']);
-    await expect(Peer.start(daemon.dir, { uid: 1000, gid: 1000, groups: [2000, 3000] })).rejects.toThrow(/uid 1000 \(gid 1000, groups 2000, 3000\) is not allowed: allowed uids \[0\], gids \[4000\]/);
+    await expect(Peer.start(daemon.dir, { uid: 1000, gid: 1000, groups: [2000, 3000] })).rejects.toThrow(
+      /uid 1000 \(gid 1000, groups 2000, 3000\) is not allowed: allowed uids \[0\], gids \[4000\]/,
+    );
   });
 
   (isRoot ? it : it.skip)('makes an admin of a uid whose supplementary group is in --admin-gids', async () => {
@@ -96,9 +98,36 @@ describe('the TCP listener', () => {
     const run = (...args: string[]) => execFileSync('openssl', args, { stdio: 'ignore' });
     run('req', '-x509', '-newkey', 'rsa:2048', '-nodes', '-days', '1', '-subj', '/CN=vmmd test CA', '-keyout', file('ca.key'), '-out', file('ca.pem'));
     for (const name of ['server', 'client']) {
-      run('req', '-newkey', 'rsa:2048', '-nodes', '-subj', `/CN=${name === 'server' ? 'localhost' : 'vmmd client'}`, '-keyout', file(`${name}.key`), '-out', file(`${name}.csr`));
+      run(
+        'req',
+        '-newkey',
+        'rsa:2048',
+        '-nodes',
+        '-subj',
+        `/CN=${name === 'server' ? 'localhost' : 'vmmd client'}`,
+        '-keyout',
+        file(`${name}.key`),
+        '-out',
+        file(`${name}.csr`),
+      );
       fs.writeFileSync(file(`${name}.ext`), name === 'server' ? 'subjectAltName=DNS:localhost,IP:127.0.0.1\n' : 'extendedKeyUsage=clientAuth\n');
-      run('x509', '-req', '-in', file(`${name}.csr`), '-CA', file('ca.pem'), '-CAkey', file('ca.key'), '-CAcreateserial', '-days', '1', '-extfile', file(`${name}.ext`), '-out', file(`${name}.pem`));
+      run(
+        'x509',
+        '-req',
+        '-in',
+        file(`${name}.csr`),
+        '-CA',
+        file('ca.pem'),
+        '-CAkey',
+        file('ca.key'),
+        '-CAcreateserial',
+        '-days',
+        '1',
+        '-extfile',
+        file(`${name}.ext`),
+        '-out',
+        file(`${name}.pem`),
+      );
     }
   });
   afterAll(() => fs.rmSync(certs, { recursive: true, force: true }));
@@ -115,13 +144,23 @@ describe('the TCP listener', () => {
   it('serves TLS only, refuses session tokens and, with a CA, clients without a certificate', async () => {
     const port = 20000 + Math.floor(Math.random() * 20000);
     daemon = await TestDaemon.start([
-      '--tcp-listen', `127.0.0.1:${port}`, '--tls-cert', file('server.pem'), '--tls-key', file('server.key'), '--tls-ca', file('ca.pem'),
+      '--tcp-listen',
+      `127.0.0.1:${port}`,
+      '--tls-cert',
+      file('server.pem'),
+      '--tls-key',
+      file('server.key'),
+      '--tls-ca',
+      file('ca.pem'),
     ]);
     const trusted = tcpClient(port, true);
     expect((await call(trusted, 'ListDevices', {})).backend).toBe('host');
     const metadata = new grpc.Metadata();
     metadata.set('vmmd-session-token', 'a'.repeat(64));
-    await expect(call(trusted, 'ListDevices', {}, metadata)).rejects.toMatchObject({ code: grpc.status.UNAUTHENTICATED, details: expect.stringMatching(/only over the Unix socket/) });
+    await expect(call(trusted, 'ListDevices', {}, metadata)).rejects.toMatchObject({
+      code: grpc.status.UNAUTHENTICATED,
+      details: expect.stringMatching(/only over the Unix socket/),
+    });
     trusted.close();
     const anonymous = tcpClient(port, false);
     await expect(call(anonymous, 'ListDevices', {})).rejects.toMatchObject({ code: grpc.status.UNAVAILABLE });

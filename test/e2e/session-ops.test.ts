@@ -150,7 +150,13 @@ describe('share and export on the session socket', () => {
     made.bytes().fill(0x5a);
     // Own allocation: the descriptor comes with the answer.
     const own = await owner.session.export(made.allocationId);
-    expect(own.message).toMatchObject({ transferId: '0', allocationId: String(made.allocationId), size: String(2n * MiB), granularity: String(2n * MiB), device: 0 });
+    expect(own.message).toMatchObject({
+      transferId: '0',
+      allocationId: String(made.allocationId),
+      size: String(2n * MiB),
+      granularity: String(2n * MiB),
+      device: 0,
+    });
     expect(addon.hostFdInfo(own.fd)).toMatchObject({ memfd: true, size: 2n * MiB });
     addon.close(own.fd);
     // The daemon closes its copy of an answer's descriptor right after sendmsg, which can be after the answer
@@ -159,7 +165,10 @@ describe('share and export on the session socket', () => {
     const fds = daemon.openFds();
     // Another session's: refused without the key, or with a wrong one; nothing is sent.
     await expect(other.session.export(made.allocationId)).rejects.toMatchObject({ code: 'NOT_OWNER', status: grpc.status.PERMISSION_DENIED });
-    await expect(other.session.export(made.allocationId, 'not-the-key')).rejects.toMatchObject({ code: 'BAD_SHARE_KEY', status: grpc.status.PERMISSION_DENIED });
+    await expect(other.session.export(made.allocationId, 'not-the-key')).rejects.toMatchObject({
+      code: 'BAD_SHARE_KEY',
+      status: grpc.status.PERMISSION_DENIED,
+    });
     await expect(other.session.share(made.allocationId)).rejects.toMatchObject({ code: 'NOT_OWNER', status: grpc.status.PERMISSION_DENIED });
     await expect(owner.session.share(123_456n)).rejects.toMatchObject({ code: 'UNKNOWN_ALLOCATION', status: grpc.status.NOT_FOUND });
     expect(daemon.openFds()).toBe(fds);
@@ -175,7 +184,7 @@ describe('share and export on the session socket', () => {
     await expect(owner.session.export(made.allocationId)).rejects.toMatchObject({ code: 'UNKNOWN_ALLOCATION', status: grpc.status.NOT_FOUND });
   });
 
-  it("reclaims with the session what was exported on the socket", async () => {
+  it('reclaims with the session what was exported on the socket', async () => {
     const before = objectsOf(await daemon.stats());
     const fds = daemon.openFds();
     const c = await client();
@@ -184,7 +193,11 @@ describe('share and export on the session socket', () => {
     const exported = await c.session.export(message.allocationId);
     addon.close(exported.fd);
     c.close();
-    await eventually(async () => (JSON.stringify(objectsOf(await daemon.stats())) === JSON.stringify(before) ? true : undefined), 10_000, 'objects back to the baseline');
+    await eventually(
+      async () => (JSON.stringify(objectsOf(await daemon.stats())) === JSON.stringify(before) ? true : undefined),
+      10_000,
+      'objects back to the baseline',
+    );
     await eventually(() => (daemon.openFds() === fds ? true : undefined), 10_000, `daemon fds back to ${fds}`);
   });
 });
@@ -198,7 +211,15 @@ describe('open on the session socket', () => {
     const byName = await owner.session.open({ name: 'socket-open' }, false);
     expect(byName.message).toMatchObject({
       transferId: '0',
-      store: { id: store.id, name: 'socket-open', readOnly: true, state: 'STORE_STATE_LIVE', opens: 1, allocationId: allocation.id, target: 'STORE_TARGET_SYSMEM' },
+      store: {
+        id: store.id,
+        name: 'socket-open',
+        readOnly: true,
+        state: 'STORE_STATE_LIVE',
+        opens: 1,
+        allocationId: allocation.id,
+        target: 'STORE_TARGET_SYSMEM',
+      },
       granularity: expect.any(String),
       mappedSize: String(2n * MiB),
     });
@@ -248,7 +269,12 @@ describe('malformed requests on the session socket', () => {
   it('refuses a request without an id, one with a descriptor attached, and a body only the daemon sends, naming the request', async () => {
     const fds = daemon.openFds();
     session.send({ release: { allocationId: '1' } });
-    expect(await next()).toMatchObject({ type: 'error', code: 'BAD_MESSAGE', request: '0', message: expect.stringMatching(/release: the frame's request id must be set/) });
+    expect(await next()).toMatchObject({
+      type: 'error',
+      code: 'BAD_MESSAGE',
+      request: '0',
+      message: expect.stringMatching(/release: the frame's request id must be set/),
+    });
     const fd = addon.hostMemfdCreate('stray', 2n * MiB);
     session.send({ request: '21', release: { allocationId: '1' } }, fd);
     expect(await next()).toMatchObject({ type: 'error', code: 'UNEXPECTED_DESCRIPTOR', request: '21' });
@@ -300,17 +326,21 @@ describe('the daemon counts socket requests and its own turns', () => {
         expect(Number(stats.eventLoopTurnCpuMaxUs)).toBeLessThanOrEqual(Number(stats.eventLoopTurnMaxUs) * 1.1 + 100);
         expect(['session', 'grpc', 'completion']).toContain(stats.eventLoopTurnCpuMaxKind);
         // What it was: a session message's type, a gRPC method or a backend call, after the kind.
-        expect(stats.eventLoopTurnCpuMaxWhat).toMatch(/^(session (hello|allocate|share|release|ping)|grpc \w+|completion \w+)( \(\+\d+ entr(y|ies) inside it\))?$/);
+        expect(stats.eventLoopTurnCpuMaxWhat).toMatch(
+          /^(session (hello|allocate|share|release|ping)|grpc \w+|completion \w+)( \(\+\d+ entr(y|ies) inside it\))?$/,
+        );
         expect(stats.eventLoopTurnCpuMaxWhat.startsWith(stats.eventLoopTurnCpuMaxKind)).toBe(true);
       } else {
         expect(stats).toMatchObject({ eventLoopTurnCpuMaxUs: '0', eventLoopTurnCpuP99Us: '0', eventLoopTurnCpuMaxKind: '', eventLoopTurnCpuMaxWhat: '' });
       }
       const text = await new Promise<string>((resolve, reject) =>
-        http.get({ host: '127.0.0.1', port, path: '/metrics' }, (response) => {
-          let body = '';
-          response.on('data', (chunk) => (body += chunk));
-          response.on('end', () => resolve(body));
-        }).on('error', reject),
+        http
+          .get({ host: '127.0.0.1', port, path: '/metrics' }, (response) => {
+            let body = '';
+            response.on('data', (chunk) => (body += chunk));
+            response.on('end', () => resolve(body));
+          })
+          .on('error', reject),
       );
       expect(text).toMatch(/vmmd_rpc_duration_seconds_count\{service="vmmd.session",method="Allocate",status="OK"\} 1/);
       expect(text).toMatch(/vmmd_rpc_duration_seconds_count\{service="vmmd.session",method="Release",status="OK"\} 1/);

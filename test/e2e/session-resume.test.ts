@@ -20,10 +20,14 @@ function servingPid(keeper: number): number | undefined {
 async function killServing(daemon: TestDaemon): Promise<void> {
   const before = servingPid(daemon.pid)!;
   process.kill(before, 'SIGKILL');
-  await eventually(() => {
-    const pid = servingPid(daemon.pid);
-    return pid !== undefined && pid !== before ? pid : undefined;
-  }, 30_000, 'the keeper to start the daemon again');
+  await eventually(
+    () => {
+      const pid = servingPid(daemon.pid);
+      return pid !== undefined && pid !== before ? pid : undefined;
+    },
+    30_000,
+    'the keeper to start the daemon again',
+  );
 }
 
 const allocationsOf = async (daemon: TestDaemon) =>
@@ -80,7 +84,9 @@ describe('session resume', () => {
     const bytes = Buffer.alloc(Number(memory.size));
     for (let i = 0; i < bytes.length; i += 4096) bytes[i] = (i >> 12) & 0xff;
     await memory.write(0, bytes);
-    const sum = createHash('sha256').update(await memory.read(0, memory.size)).digest('hex');
+    const sum = createHash('sha256')
+      .update(await memory.read(0, memory.size))
+      .digest('hex');
     const { shareKey } = await client.vmm.share({ allocationId: memory.allocationId });
     const before = await allocationsOf(daemon);
     const quotaBefore = JSON.parse((await call(daemon.raw.admin, 'GetReport', {})).json).quotas;
@@ -88,9 +94,17 @@ describe('session resume', () => {
     await killServing(daemon);
     await eventually(() => (events.includes('resuming') ? true : undefined), 10_000, 'the client to notice');
     // Made while the session is away: they wait for it, then go.
-    const during = Promise.all([client.vmm.allocate({ size: 2n * MiB }), client.devices.getGranularity(), client.vmm.share({ allocationId: memory.allocationId })]);
+    const during = Promise.all([
+      client.vmm.allocate({ size: 2n * MiB }),
+      client.devices.getGranularity(),
+      client.vmm.share({ allocationId: memory.allocationId }),
+    ]);
     // The memory mapped here is untouched by the daemon's death.
-    expect(createHash('sha256').update(await memory.read(0, memory.size)).digest('hex')).toBe(sum);
+    expect(
+      createHash('sha256')
+        .update(await memory.read(0, memory.size))
+        .digest('hex'),
+    ).toBe(sum);
     const [second, granularity, shared] = await during;
     expect(events).toEqual(['resuming', 'resumed']);
     expect(client.lost).toBe(false);
@@ -100,7 +114,11 @@ describe('session resume', () => {
     const after = await allocationsOf(daemon);
     expect(after.filter((a: any) => a.id !== String(second.allocationId))).toEqual(before);
     expect(after.find((a: any) => a.id === String(second.allocationId)).owner).toBe(client.session.id);
-    expect(createHash('sha256').update(await memory.read(0, memory.size)).digest('hex')).toBe(sum);
+    expect(
+      createHash('sha256')
+        .update(await memory.read(0, memory.size))
+        .digest('hex'),
+    ).toBe(sum);
     await second.close();
     await client.vmm.release({ allocationId: second.allocationId });
     // Its charges as before, the new allocation released.

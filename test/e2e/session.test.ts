@@ -28,11 +28,15 @@ afterEach(async () => {
   for (const client of clients.splice(0)) client.close();
   // The next test counts the daemon's descriptors: the closed clients' sockets must be gone from it first.
   await eventually(async () => ((await daemon.stats()).sessions === 0 ? true : undefined), 10_000, 'the sessions to close');
-  await eventually(async () => {
-    const now = daemon.openFds();
-    await sleep(50);
-    return daemon.openFds() === now ? true : undefined;
-  }, 10_000, "the daemon's descriptors to settle");
+  await eventually(
+    async () => {
+      const now = daemon.openFds();
+      await sleep(50);
+      return daemon.openFds() === now ? true : undefined;
+    },
+    10_000,
+    "the daemon's descriptors to settle",
+  );
 });
 
 async function client(): Promise<VmmdClient> {
@@ -188,7 +192,13 @@ describe('the session socket protocol', () => {
   beforeEach(async () => {
     session = new RawSession(daemon.dir);
     raw = session.connection;
-    expect(await next()).toMatchObject({ type: 'hello', protocol: 2, pid: process.pid, uid: process.getuid!(), capabilities: ['CAPABILITY_MEMFD_DESCRIPTORS', 'CAPABILITY_READ_ONLY_DESCRIPTORS'] });
+    expect(await next()).toMatchObject({
+      type: 'hello',
+      protocol: 2,
+      pid: process.pid,
+      uid: process.getuid!(),
+      capabilities: ['CAPABILITY_MEMFD_DESCRIPTORS', 'CAPABILITY_READ_ONLY_DESCRIPTORS'],
+    });
   });
 
   afterEach(() => session.close());
@@ -293,10 +303,15 @@ describe('a client of session protocol 1', () => {
     await closed(old);
   });
 
-  it('whose hello names another version gets PROTOCOL_VERSION naming the daemon\'s', async () => {
+  it("whose hello names another version gets PROTOCOL_VERSION naming the daemon's", async () => {
     const old = new RawSession(daemon.dir, false);
     old.send({ hello: { protocol: 1 } });
-    expect(await old.next()).toMatchObject({ type: 'error', code: 'PROTOCOL_VERSION', protocol: 2, message: expect.stringContaining('speaks session protocol 2, not 1') });
+    expect(await old.next()).toMatchObject({
+      type: 'error',
+      code: 'PROTOCOL_VERSION',
+      protocol: 2,
+      message: expect.stringContaining('speaks session protocol 2, not 1'),
+    });
     await closed(old);
   });
 });

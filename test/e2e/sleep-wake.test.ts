@@ -71,7 +71,9 @@ describe('sleep and wake of tagged memory', () => {
     await expect(memory[0].read(0, 4)).rejects.toMatchObject({ code: 'ASLEEP' });
     // The device memory went back; its bytes are host memory of the daemon's, the session's.
     expect(await allocations()).toBe(3);
-    expect(await scrapeMetrics(metricsPort)).toMatch(new RegExp(`^vmmd_uid_location_bytes\\{uid="${process.getuid!()}",location="HOST_NUMA:0"\\} ${8n * MiB}$`, 'm'));
+    expect(await scrapeMetrics(metricsPort)).toMatch(
+      new RegExp(`^vmmd_uid_location_bytes\\{uid="${process.getuid!()}",location="HOST_NUMA:0"\\} ${8n * MiB}$`, 'm'),
+    );
     const woken = await owner.wake(tag, { deadlineMs: 5000 });
     expect(woken.restoredBytes).toBe(8n * MiB);
     expect(memory.map((mapped) => mapped.address)).toEqual(addresses);
@@ -99,7 +101,7 @@ describe('sleep and wake of tagged memory', () => {
     await freeAll(owner, memory);
   });
 
-  test('a read-only store\'s mapping is unmapped and mapped again at its address, nothing copied', async () => {
+  test("a read-only store's mapping is unmapped and mapped again at its address, nothing copied", async () => {
     const owner = await client();
     const tag = `model-${nextTag++}`;
     const source = await filled(owner, 4n * MiB, 42);
@@ -140,7 +142,7 @@ describe('sleep and wake of tagged memory', () => {
     await freeAll(owner, [memory]);
   });
 
-  test('a wake waits for another process\'s sleep to free its memory', async () => {
+  test("a wake waits for another process's sleep to free its memory", async () => {
     const first = await client();
     const second = await client();
     const [tagA, tagB] = [`engine-a-${nextTag}`, `engine-b-${nextTag++}`];
@@ -212,7 +214,7 @@ describe('sleep and wake of tagged memory', () => {
     await eventually(async () => ((await allocations()) === 0 ? true : undefined), 10_000, 'the session to be reclaimed');
   });
 
-  test('the NBEP 7 manager\'s pool sleeps by tag and wakes with the same pointers and bytes', async () => {
+  test("the NBEP 7 manager's pool sleeps by tag and wakes with the same pointers and bytes", async () => {
     const owner = await client();
     const tag = `pool-${nextTag++}`;
     const manager = new VmmdMemoryManager({ device: 0, backend: 'host', client: owner, tag, pool: { chunkSize: 4n * MiB, largeThreshold: 2n * MiB } });
@@ -238,7 +240,9 @@ describe('sleep and wake of tagged memory', () => {
 
 describe('offload with host copies prepared ahead', () => {
   const hostBytes = async () => {
-    const line = (await scrapeMetrics(metricsPort)).match(new RegExp(`^vmmd_uid_location_bytes\\{uid="${process.getuid!()}",location="HOST_NUMA:0"\\} (\\d+)$`, 'm'));
+    const line = (await scrapeMetrics(metricsPort)).match(
+      new RegExp(`^vmmd_uid_location_bytes\\{uid="${process.getuid!()}",location="HOST_NUMA:0"\\} (\\d+)$`, 'm'),
+    );
     return line === null ? 0n : BigInt(line[1]);
   };
   const ready = (group: TaggedMemory, bytes: bigint) =>
@@ -377,13 +381,24 @@ describe('the NBEP 7 manager with copies made ahead', () => {
     const owner = await client();
     const hog = await client();
     const tag = `pool-prepared-${nextTag++}`;
-    const manager = new VmmdMemoryManager({ device: 0, backend: 'host', client: owner, tag, prepareOffload: true, pool: { chunkSize: 4n * MiB, largeThreshold: 2n * MiB } });
+    const manager = new VmmdMemoryManager({
+      device: 0,
+      backend: 'host',
+      client: owner,
+      tag,
+      prepareOffload: true,
+      pool: { chunkSize: 4n * MiB, largeThreshold: 2n * MiB },
+    });
     await manager.initialize();
     const small = await manager.memalloc(4096);
     const large = await manager.memalloc(6n * MiB);
     await manager.write(small.devicePointer, Buffer.from('pooled block'));
     await manager.write(large.devicePointer + 1000n, Buffer.from('large allocation'));
-    await eventually(() => (manager.prepared?.pending === 0 && manager.prepared.preparedBytes === 10n * MiB ? true : undefined), 10_000, 'the copies made ahead');
+    await eventually(
+      () => (manager.prepared?.pending === 0 && manager.prepared.preparedBytes === 10n * MiB ? true : undefined),
+      10_000,
+      'the copies made ahead',
+    );
     const held: ImportedMemory[] = [];
     for (let i = 0; i < 22; i++) held.push(await hog.vmm.allocate({ size: 2n * MiB }));
     await owner.sleep(tag, { mode: 'offload', deadlineMs: 300 });
@@ -393,7 +408,7 @@ describe('the NBEP 7 manager with copies made ahead', () => {
     await freeAll(hog, held);
     large.free();
     await manager.flush();
-    await eventually(() => (manager.prepared?.preparedBytes === 4n * MiB ? true : undefined), 10_000, 'the large allocation\'s copy to go');
+    await eventually(() => (manager.prepared?.preparedBytes === 4n * MiB ? true : undefined), 10_000, "the large allocation's copy to go");
     small.free();
     await manager.reset();
     await eventually(async () => ((await allocations()) === 0 ? true : undefined), 10_000, 'everything given back');

@@ -47,7 +47,9 @@ function openStaging(session: { client: VmmdClient; metadata: grpc.Metadata }, s
 
 const refusal = (used: bigint, amount: bigint) => ({
   code: grpc.status.RESOURCE_EXHAUSTED,
-  details: expect.stringContaining(`staging bytes per uid: uid ${process.getuid!()} holds ${used} bytes of at most ${BUDGET} bytes; this request needs ${amount} bytes more`),
+  details: expect.stringContaining(
+    `staging bytes per uid: uid ${process.getuid!()} holds ${used} bytes of at most ${BUDGET} bytes; this request needs ${amount} bytes more`,
+  ),
   metadata: expect.anything(),
 });
 

@@ -96,31 +96,35 @@ describe('started through npm', () => {
     ['npm start', 'npm', ['start', '--', '--backend', 'host'], () => ROOT],
     ['npx vmmd', 'npx', ['--no-install', 'vmmd', '--backend', 'host'], project],
   ];
-  it.each(ways)('SIGTERM to `%s`, the root of the process tree, stops the daemon and frees its socket', async (_what, tool, args, cwd) => {
-    const sockets = path.join(dir, 'sockets');
-    const started = spawn(tool, args, { cwd: cwd(), env: { ...process.env, VMMD_SOCKET_DIR: sockets }, stdio: ['ignore', 'pipe', 'pipe'] });
-    let output = '';
-    started.stdout.on('data', (chunk) => (output += chunk));
-    started.stderr.on('data', (chunk) => (output += chunk));
-    let daemonPid = 0;
-    try {
-      for (let waited = 0; !/"msg":"vmmd serving"/.test(output); waited += 100) {
-        if (started.exitCode !== null || waited > 60_000) throw new Error(`${tool} ${args.join(' ')} did not serve: ${output}`);
-        await new Promise((resolve) => setTimeout(resolve, 100));
+  it.each(ways)(
+    'SIGTERM to `%s`, the root of the process tree, stops the daemon and frees its socket',
+    async (_what, tool, args, cwd) => {
+      const sockets = path.join(dir, 'sockets');
+      const started = spawn(tool, args, { cwd: cwd(), env: { ...process.env, VMMD_SOCKET_DIR: sockets }, stdio: ['ignore', 'pipe', 'pipe'] });
+      let output = '';
+      started.stdout.on('data', (chunk) => (output += chunk));
+      started.stderr.on('data', (chunk) => (output += chunk));
+      let daemonPid = 0;
+      try {
+        for (let waited = 0; !/"msg":"vmmd serving"/.test(output); waited += 100) {
+          if (started.exitCode !== null || waited > 60_000) throw new Error(`${tool} ${args.join(' ')} did not serve: ${output}`);
+          await new Promise((resolve) => setTimeout(resolve, 100));
+        }
+        daemonPid = Number(/"pid":(\d+)/.exec(output)![1]);
+        expect(daemonPid).not.toBe(started.pid);
+        started.kill('SIGTERM');
+        const deadline = Date.now() + 20_000;
+        while (running(daemonPid) && Date.now() < deadline) await new Promise((resolve) => setTimeout(resolve, 100));
+        expect({ daemonRunning: running(daemonPid) }).toEqual({ daemonRunning: false });
+        const again = await runDaemon(['--backend', 'host', '--socket-dir', sockets], /vmmd serving/);
+        expect({ code: again.code, refused: /another vmmd is serving/.test(again.output) }).toEqual({ code: 0, refused: false });
+      } finally {
+        if (daemonPid > 0 && running(daemonPid)) process.kill(daemonPid, 'SIGKILL');
+        if (started.exitCode === null) started.kill('SIGKILL');
       }
-      daemonPid = Number(/"pid":(\d+)/.exec(output)![1]);
-      expect(daemonPid).not.toBe(started.pid);
-      started.kill('SIGTERM');
-      const deadline = Date.now() + 20_000;
-      while (running(daemonPid) && Date.now() < deadline) await new Promise((resolve) => setTimeout(resolve, 100));
-      expect({ daemonRunning: running(daemonPid) }).toEqual({ daemonRunning: false });
-      const again = await runDaemon(['--backend', 'host', '--socket-dir', sockets], /vmmd serving/);
-      expect({ code: again.code, refused: /another vmmd is serving/.test(again.output) }).toEqual({ code: 0, refused: false });
-    } finally {
-      if (daemonPid > 0 && running(daemonPid)) process.kill(daemonPid, 'SIGKILL');
-      if (started.exitCode === null) started.kill('SIGKILL');
-    }
-  }, 120_000);
+    },
+    120_000,
+  );
 });
 
 describe('start errors a person reads', () => {
@@ -145,13 +149,21 @@ describe('start errors a person reads', () => {
     expect(stderr).not.toMatch(/\n\s+at /);
   }, 30_000);
 
-  (process.getuid?.() === 0 ? it : it.skip)('the image\'s user facing a root-owned socket directory is told the command that fixes it', async () => {
-    fs.chmodSync(dir, 0o755);
-    const child = spawn('setpriv', ['--reuid=10001', '--regid=2000', '--clear-groups', '--', process.execPath, DAEMON, '--backend', 'host', '--socket-dir', dir, '--socket-group', '2000'], { stdio: ['ignore', 'pipe', 'pipe'] });
-    let stderr = '';
-    child.stderr.on('data', (chunk) => (stderr += chunk));
-    expect(await new Promise((resolve) => child.once('exit', resolve))).toBe(1);
-    expect(stderr).toContain(`vmmd cannot start: `);
-    expect(stderr).toContain(`install -d -o 10001 -g 2000 -m 0750 ${dir}`);
-  }, 30_000);
+  (process.getuid?.() === 0 ? it : it.skip)(
+    "the image's user facing a root-owned socket directory is told the command that fixes it",
+    async () => {
+      fs.chmodSync(dir, 0o755);
+      const child = spawn(
+        'setpriv',
+        ['--reuid=10001', '--regid=2000', '--clear-groups', '--', process.execPath, DAEMON, '--backend', 'host', '--socket-dir', dir, '--socket-group', '2000'],
+        { stdio: ['ignore', 'pipe', 'pipe'] },
+      );
+      let stderr = '';
+      child.stderr.on('data', (chunk) => (stderr += chunk));
+      expect(await new Promise((resolve) => child.once('exit', resolve))).toBe(1);
+      expect(stderr).toContain(`vmmd cannot start: `);
+      expect(stderr).toContain(`install -d -o 10001 -g 2000 -m 0750 ${dir}`);
+    },
+    30_000,
+  );
 });

@@ -27,11 +27,15 @@ async function client(): Promise<VmmdClient> {
 
 /** Waits until the stock's one shelf is full again (8 of 2 MiB: 16 MiB of the 64). */
 async function stockFull(c: VmmdClient): Promise<void> {
-  await eventually(async () => {
-    const report = (await c.admin.getReport()) as { stock: { levels: Array<{ held: number; depth: number }> } };
-    const [level] = report.stock.levels;
-    return level !== undefined && level.held === level.depth ? true : undefined;
-  }, 10_000, 'the stock to refill');
+  await eventually(
+    async () => {
+      const report = (await c.admin.getReport()) as { stock: { levels: Array<{ held: number; depth: number }> } };
+      const [level] = report.stock.levels;
+      return level !== undefined && level.held === level.depth ? true : undefined;
+    },
+    10_000,
+    'the stock to refill',
+  );
 }
 
 describe('the stock and the held frees yield memory', () => {

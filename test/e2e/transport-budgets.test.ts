@@ -25,7 +25,12 @@ type Outcome = { ok: true; response: any } | { ok: false; status: grpc.status; c
 /** Calls made from a process of uid nobody. */
 function asNobody(dir: string, calls: Array<{ service: string; method: string; request: object }>): Promise<Outcome[]> {
   return new Promise((resolve, reject) => {
-    const child = spawn(process.execPath, [CALLER], { stdio: ['pipe', 'pipe', 'pipe'], env: { ...process.env, VMMD_SOCKET_DIR: dir }, uid: NOBODY, gid: NOBODY });
+    const child = spawn(process.execPath, [CALLER], {
+      stdio: ['pipe', 'pipe', 'pipe'],
+      env: { ...process.env, VMMD_SOCKET_DIR: dir },
+      uid: NOBODY,
+      gid: NOBODY,
+    });
     let out = '';
     let err = '';
     child.stdout.on('data', (chunk) => (out += chunk));
@@ -65,14 +70,18 @@ describe('gRPC transport budgets per uid', () => {
     const fifth = daemon.raw.stores.Watch({ since: '0' }) as grpc.ClientReadableStream<unknown>;
     expect(await firstOf(fifth)).toMatch(/^RESOURCE_EXHAUSTED BUDGET_EXCEEDED: server streams per uid: uid 0 holds 4 of at most 4/);
     watches[0].cancel();
-    await eventually(async () => {
-      const again = daemon!.raw.stores.Watch({ since: '0' }) as grpc.ClientReadableStream<unknown>;
-      again.on('error', () => undefined);
-      const first = await firstOf(again);
-      if (first !== 'data') return undefined;
-      watches.push(again);
-      return first;
-    }, 10_000, 'a cancelled stream given back');
+    await eventually(
+      async () => {
+        const again = daemon!.raw.stores.Watch({ since: '0' }) as grpc.ClientReadableStream<unknown>;
+        again.on('error', () => undefined);
+        const first = await firstOf(again);
+        if (first !== 'data') return undefined;
+        watches.push(again);
+        return first;
+      },
+      10_000,
+      'a cancelled stream given back',
+    );
     if (isRoot) {
       const [other] = await asNobody(daemon.dir, [{ service: 'Stores', method: 'Watch', request: { since: '0' } }]);
       expect(other.ok).toBe(true);
@@ -83,7 +92,10 @@ describe('gRPC transport budgets per uid', () => {
   it('refuses a uid its client streams past --max-client-streams-per-uid', async () => {
     daemon = await TestDaemon.start(['--max-client-streams-per-uid', '2']);
     const outcomes: string[] = [];
-    const writes = Array.from({ length: 3 }, () => daemon!.raw.stores.Write((error: grpc.ServiceError | null) => outcomes.push(outcomeOf(error))) as grpc.ClientWritableStream<unknown>);
+    const writes = Array.from(
+      { length: 3 },
+      () => daemon!.raw.stores.Write((error: grpc.ServiceError | null) => outcomes.push(outcomeOf(error))) as grpc.ClientWritableStream<unknown>,
+    );
     await eventually(() => (outcomes.length >= 1 ? true : undefined), 10_000, 'the third Write refused');
     expect(outcomes).toEqual(['RESOURCE_EXHAUSTED BUDGET_EXCEEDED']);
     for (const write of writes) write.end();

@@ -92,6 +92,10 @@ describeAsRoot('descriptors in flight', () => {
     const opened = answers.filter((answer) => answer.type === 'opened').length;
     const refused = answers.filter((answer) => answer.type === 'error' && answer.code === 'BUDGET_EXCEEDED').length;
     for (const { connection } of silent) connection.close();
-    expect({ victimOutcomes, opened, refusedRest: refused === asked - opened }).toEqual({ victimOutcomes: ['ok', 'ok', 'ok', 'ok'], opened: PER_UID, refusedRest: true });
+    expect({ victimOutcomes, opened, refusedRest: refused === asked - opened }).toEqual({
+      victimOutcomes: ['ok', 'ok', 'ok', 'ok'],
+      opened: PER_UID,
+      refusedRest: true,
+    });
   });
 });

@@ -52,13 +52,26 @@ describe('vmmctl without a daemon', () => {
   });
 
   test('wrong arguments are usage errors, found before connecting', async () => {
-    for (const args of [['store'], ['store', 'load', 'x'], ['store', 'load', '12', 'file'], ['objects', 'abc'], ['objects', '-1'], ['stats', 'extra'], ['devices', '--mutable']]) {
+    for (const args of [
+      ['store'],
+      ['store', 'load', 'x'],
+      ['store', 'load', '12', 'file'],
+      ['objects', 'abc'],
+      ['objects', '-1'],
+      ['stats', 'extra'],
+      ['devices', '--mutable'],
+    ]) {
       const ran = await vmmctl(['--socket-dir', nowhere, ...args]);
-      expect({ args, code: ran.code, unreachable: ran.stderr.includes('DAEMON_UNREACHABLE'), usage: ran.stderr.includes('Usage: vmmctl') }).toEqual({ args, code: 2, unreachable: false, usage: true });
+      expect({ args, code: ran.code, unreachable: ran.stderr.includes('DAEMON_UNREACHABLE'), usage: ran.stderr.includes('Usage: vmmctl') }).toEqual({
+        args,
+        code: 2,
+        unreachable: false,
+        usage: true,
+      });
     }
   });
 
-  test('--version is vmmctl\'s own and needs no daemon; --json too', async () => {
+  test("--version is vmmctl's own and needs no daemon; --json too", async () => {
     expect(await vmmctl(['--socket-dir', nowhere, '--version'])).toMatchObject({ code: 0, text: `vmmctl ${VERSION}\n` });
     expect(JSON.parse((await vmmctl(['--json', '--version'])).text)).toEqual({ vmmctl: VERSION });
   });
@@ -133,7 +146,10 @@ describe('vmmctl against a daemon', () => {
     const data = randomBytes(1 << 20);
     fs.writeFileSync(file, data);
     // A shell pipe, as operators write it (Node's own 'pipe' would be a socket, which /dev/stdin cannot reopen).
-    const piped = await vmmctl(['-c', `cat '${file}' | '${process.execPath}' '${path.join(ROOT, 'bin', 'vmmctl.js')}' --socket-dir '${daemon.dir}' store load devstdin /dev/stdin`], { shell: true });
+    const piped = await vmmctl(
+      ['-c', `cat '${file}' | '${process.execPath}' '${path.join(ROOT, 'bin', 'vmmctl.js')}' --socket-dir '${daemon.dir}' store load devstdin /dev/stdin`],
+      { shell: true },
+    );
     expect({ code: piped.code, stderr: piped.stderr }).toEqual({ code: 0, stderr: 'load devstdin: 100% (1.0 MiB of 1.0 MiB)\n' });
     expect((await ctl(['store', 'load', 'redirected', '-'], { stdinFile: file })).code).toBe(0);
     for (const name of ['devstdin', 'redirected']) {
@@ -148,7 +164,9 @@ describe('vmmctl against a daemon', () => {
     const data = randomBytes(64 << 20);
     expect((await ctl(['store', 'load', 'big', '-'], { input: data })).code).toBe(0);
     const target = path.join(dir, 'interrupted.bin');
-    const child = spawn(process.execPath, [path.join(ROOT, 'bin', 'vmmctl.js'), '--socket-dir', daemon.dir, 'store', 'dump', 'big', target], { stdio: ['ignore', 'pipe', 'pipe'] });
+    const child = spawn(process.execPath, [path.join(ROOT, 'bin', 'vmmctl.js'), '--socket-dir', daemon.dir, 'store', 'dump', 'big', target], {
+      stdio: ['ignore', 'pipe', 'pipe'],
+    });
     let stderr = '';
     let interrupted = false;
     child.stderr.on('data', (chunk) => {
@@ -176,7 +194,10 @@ describe('vmmctl against a daemon', () => {
   test('the throughput of a load from a pipe counts the time spent reading the pipe', async () => {
     const file = path.join(dir, 'slow.bin');
     fs.writeFileSync(file, randomBytes(1 << 20));
-    const slow = await vmmctl(['-c', `(sleep 3; cat '${file}') | '${process.execPath}' '${path.join(ROOT, 'bin', 'vmmctl.js')}' --socket-dir '${daemon.dir}' --json store load slow -`], { shell: true });
+    const slow = await vmmctl(
+      ['-c', `(sleep 3; cat '${file}') | '${process.execPath}' '${path.join(ROOT, 'bin', 'vmmctl.js')}' --socket-dir '${daemon.dir}' --json store load slow -`],
+      { shell: true },
+    );
     expect(slow.code).toBe(0);
     expect(JSON.parse(slow.text).seconds).toBeGreaterThanOrEqual(1);
     expect((await ctl(['store', 'rm', 'slow'])).code).toBe(0);
@@ -195,7 +216,10 @@ describe('vmmctl against a daemon', () => {
   });
 
   test('objects of an unknown session is an error; of a known one, its objects', async () => {
-    expect(await ctl(['objects', '999'])).toMatchObject({ code: 2, stderr: 'vmmctl: UNKNOWN_SESSION: no open session has id 999 (vmmctl sessions lists them)\n' });
+    expect(await ctl(['objects', '999'])).toMatchObject({
+      code: 2,
+      stderr: 'vmmctl: UNKNOWN_SESSION: no open session has id 999 (vmmctl sessions lists them)\n',
+    });
     const all = await ctl(['--json', 'objects']);
     expect(all.code).toBe(0);
     expect(Array.isArray(JSON.parse(all.text))).toBe(true);
@@ -229,7 +253,18 @@ describe('vmmctl against a daemon', () => {
     const load = JSON.parse((await ctl(['--json', 'store', 'load', 'json', file])).text);
     expect(load).toMatchObject({ loaded: String(1 << 20), store: { name: 'json', readOnly: true } });
     const parsed: Record<string, unknown> = {};
-    for (const args of [['devices'], ['stats'], ['sessions'], ['objects'], ['report'], ['clear-caches'], ['version'], ['store', 'ls'], ['store', 'dump', 'json', path.join(dir, 'out.bin')], ['store', 'rm', 'json']]) {
+    for (const args of [
+      ['devices'],
+      ['stats'],
+      ['sessions'],
+      ['objects'],
+      ['report'],
+      ['clear-caches'],
+      ['version'],
+      ['store', 'ls'],
+      ['store', 'dump', 'json', path.join(dir, 'out.bin')],
+      ['store', 'rm', 'json'],
+    ]) {
       const ran = await ctl(['--json', ...args]);
       expect({ args, code: ran.code }).toEqual({ args, code: 0 });
       parsed[args.join(' ')] = JSON.parse(ran.text);

@@ -149,7 +149,13 @@ describeGpu('the address arena on the cuda backend', () => {
   });
 
   it("the NBEP 7 manager's cold frees return before the unmap; allocations reuse the ranges, no new reservation each", async () => {
-    const mm = new VmmdMemoryManager({ client, device: 0, backend: 'cuda', pool: { chunkSize: 2n * MiB, largeThreshold: 0n }, deferred: { count: 0, ratio: 1 } });
+    const mm = new VmmdMemoryManager({
+      client,
+      device: 0,
+      backend: 'cuda',
+      pool: { chunkSize: 2n * MiB, largeThreshold: 0n },
+      deferred: { count: 0, ratio: 1 },
+    });
     await mm.initialize();
     const neighbour = await mm.memalloc(SIZE);
     const before = addressArenaStats()['cuda:0'].reservations;

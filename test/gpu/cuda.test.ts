@@ -61,13 +61,13 @@ describeGpu('the cuda backend', () => {
   it('answers out of memory with RESOURCE_EXHAUSTED, the requested and the free bytes, and the CUresult name', async () => {
     const { devices } = await client.devices.listDevices();
     const granularity = BigInt(devices[0].granularityMinimum);
-    const tooMuch = ((BigInt(devices[0].totalBytes) / granularity) + 1n) * granularity;
+    const tooMuch = (BigInt(devices[0].totalBytes) / granularity + 1n) * granularity;
     const error = await client.vmm.create({ size: tooMuch }).catch((e) => e);
     expect(error).toMatchObject({ code: 'CUDA_ERROR_OUT_OF_MEMORY', status: grpc.status.RESOURCE_EXHAUSTED });
     expect(error.message).toMatch(new RegExp(`requested ${tooMuch} bytes, \\d+ bytes free on device 0`));
   });
 
-  it('refuses a plain HOST location with the driver\'s INVALID_VALUE as INVALID_ARGUMENT', async () => {
+  it("refuses a plain HOST location with the driver's INVALID_VALUE as INVALID_ARGUMENT", async () => {
     const error = await client.vmm.create({ size: 2n * MiB, location: { type: 'LOCATION_TYPE_HOST', id: 0 } }).catch((e) => e);
     expect(error).toMatchObject({ code: 'CUDA_ERROR_INVALID_VALUE', status: grpc.status.INVALID_ARGUMENT });
   });

@@ -28,7 +28,9 @@ describeGpu('fast paths on the cuda backend', () => {
 
   it('stocks 2 MiB and 32 MiB allocations by default, and Allocate takes them', async () => {
     const report = (await client.admin.getReport()) as { stock: { levels: Array<{ size: string; held: number }>; hits: number } };
-    expect(report.stock.levels.filter((level) => level.size === String(2n * MiB))[0].held).toBe(defaultStock('cuda').find((level) => level.size === 2n * MiB)!.depth);
+    expect(report.stock.levels.filter((level) => level.size === String(2n * MiB))[0].held).toBe(
+      defaultStock('cuda').find((level) => level.size === 2n * MiB)!.depth,
+    );
     const memory = await client.vmm.allocate({ size: 2n * MiB });
     const bytes = Buffer.alloc(1 << 20, 0x5c);
     await memory.write(4096, bytes);
@@ -39,10 +41,14 @@ describeGpu('fast paths on the cuda backend', () => {
     expect(after.stock.hits).toBe(report.stock.hits + 1);
     await memory.close();
     await client.vmm.release({ allocationId: memory.allocationId });
-    await eventually(async () => {
-      const now = (await client.admin.getReport()) as { stock: { levels: Array<{ size: string; held: number }> } };
-      return now.stock.levels.every((level) => level.held > 0) ? true : undefined;
-    }, 10_000, 'the stock to refill');
+    await eventually(
+      async () => {
+        const now = (await client.admin.getReport()) as { stock: { levels: Array<{ size: string; held: number }> } };
+        return now.stock.levels.every((level) => level.held > 0) ? true : undefined;
+      },
+      10_000,
+      'the stock to refill',
+    );
   });
 
   it('reads and writes device memory through the staging buffer, in slices', async () => {

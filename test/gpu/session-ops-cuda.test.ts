@@ -81,7 +81,7 @@ describeGpu('session socket operations on the cuda backend', () => {
     await owner.vmm.release({ allocationId: next.allocationId });
   });
 
-  it("exports a stocked allocation as copies of the descriptor its allocate handed out (the stock keeps one), closed when the memory is freed", async () => {
+  it('exports a stocked allocation as copies of the descriptor its allocate handed out (the stock keeps one), closed when the memory is freed', async () => {
     const owner = await client();
     const stock = async () => ((await owner.admin.getReport()) as { stock: { hits: number } }).stock;
     const settle = () => new Promise((resolve) => setTimeout(resolve, 300));
@@ -161,7 +161,11 @@ describeGpu('session socket operations on the cuda backend', () => {
     addon.close(raw.fd);
     expect((await owner.stores.list()).find((listed) => listed.id === store.id)?.opens).toBe(1);
     reader.close();
-    await eventually(async () => ((await owner.stores.list()).find((listed) => listed.id === store.id)?.opens === 0 ? true : undefined), 10_000, 'the open to go with the session');
+    await eventually(
+      async () => ((await owner.stores.list()).find((listed) => listed.id === store.id)?.opens === 0 ? true : undefined),
+      10_000,
+      'the open to go with the session',
+    );
     await owner.stores.detach('cuda-socket-open');
     await memory.close();
     await owner.vmm.release({ allocationId: memory.allocationId });

@@ -29,7 +29,10 @@ function pattern(size: number, seed: number): Buffer {
   return bytes;
 }
 
-const digest = async (memory: ImportedMemory) => createHash('sha256').update(await memory.read(0, memory.size)).digest('hex');
+const digest = async (memory: ImportedMemory) =>
+  createHash('sha256')
+    .update(await memory.read(0, memory.size))
+    .digest('hex');
 
 async function freeAll(owner: VmmdClient, memory: ImportedMemory[]): Promise<void> {
   for (const mapped of memory) {
@@ -47,7 +50,7 @@ describeGpu('sleep and wake (cuda)', () => {
     await stopWhenClean(daemon, clients);
   });
 
-  test('offload keeps device pointers and contents; the bytes sleep in the daemon\'s host memory', async () => {
+  test("offload keeps device pointers and contents; the bytes sleep in the daemon's host memory", async () => {
     const owner = await client();
     const sizes = [2n * MiB, 64n * MiB, 130n * MiB];
     const memory: ImportedMemory[] = [];
@@ -116,7 +119,7 @@ describeGpu('sleep and wake (cuda)', () => {
     await freeAll(owner, [mapped]);
   });
 
-  test('a read-only store\'s mapping comes back at its pointer with the same bytes', async () => {
+  test("a read-only store's mapping comes back at its pointer with the same bytes", async () => {
     const owner = await client();
     const source = await owner.vmm.allocate({ size: 64n * MiB });
     await source.write(0, pattern(Number(64n * MiB), 42));
@@ -138,7 +141,7 @@ describeGpu('sleep and wake (cuda)', () => {
     const probe = await client();
     const total = BigInt((await probe.devices.getMemoryInfo({ device: 0 })).totalBytes);
     const granularity = BigInt((await probe.devices.listDevices()).devices[0].granularityMinimum);
-    const share = (((total * 6n) / 10n) / granularity) * granularity;
+    const share = ((total * 6n) / 10n / granularity) * granularity;
     const weights = 256n * MiB;
     const engines = await Promise.all([client(), client()]);
     const held = await Promise.all(
@@ -155,7 +158,13 @@ describeGpu('sleep and wake (cuda)', () => {
     ).catch((error) => {
       throw new Error(`setting up the two engines failed: ${error.message}`);
     });
-    const expected = await Promise.all(engines.map((_, index) => createHash('sha256').update(pattern(Number(weights), 10 + index)).digest('hex')));
+    const expected = await Promise.all(
+      engines.map((_, index) =>
+        createHash('sha256')
+          .update(pattern(Number(weights), 10 + index))
+          .digest('hex'),
+      ),
+    );
     for (let cycle = 0; cycle < 10; cycle++) {
       for (const [index, engine] of engines.entries()) {
         await engine.wake('weights', { deadlineMs: 60_000 });

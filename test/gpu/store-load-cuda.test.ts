@@ -19,7 +19,10 @@ describeGpu('pinned copies on the cuda backend', () => {
   let client: VmmdClient;
   let dir: string;
   const ctl = (args: string[]) =>
-    execFileSync(process.execPath, [path.join(packageRoot(), 'bin', 'vmmctl.js'), '--socket-dir', daemon.dir, ...args], { encoding: 'utf8', stdio: ['ignore', 'pipe', 'pipe'] });
+    execFileSync(process.execPath, [path.join(packageRoot(), 'bin', 'vmmctl.js'), '--socket-dir', daemon.dir, ...args], {
+      encoding: 'utf8',
+      stdio: ['ignore', 'pipe', 'pipe'],
+    });
 
   beforeAll(async () => {
     daemon = await TestDaemon.start([], 'cuda');
@@ -43,10 +46,14 @@ describeGpu('pinned copies on the cuda backend', () => {
       expect(ctl(['store', 'dump', `pinned-${size}`, out])).toMatch(/^dumped /);
       expect(fs.readFileSync(out).equals(data)).toBe(true);
       // Standard output too: the dump writes in order.
-      const piped = execFileSync(process.execPath, [path.join(packageRoot(), 'bin', 'vmmctl.js'), '--socket-dir', daemon.dir, 'store', 'dump', `pinned-${size}`, '-'], {
-        maxBuffer: size + 1024,
-        stdio: ['ignore', 'pipe', 'pipe'],
-      });
+      const piped = execFileSync(
+        process.execPath,
+        [path.join(packageRoot(), 'bin', 'vmmctl.js'), '--socket-dir', daemon.dir, 'store', 'dump', `pinned-${size}`, '-'],
+        {
+          maxBuffer: size + 1024,
+          stdio: ['ignore', 'pipe', 'pipe'],
+        },
+      );
       expect(piped.equals(data)).toBe(true);
       ctl(['store', 'rm', `pinned-${size}`]);
     }
@@ -57,7 +64,11 @@ describeGpu('pinned copies on the cuda backend', () => {
     const reservation = await client.vmm.reserve({ size });
     const allocation = await client.vmm.create({ size });
     await client.vmm.map({ address: reservation.address, size, allocationId: allocation.id });
-    await client.vmm.setAccess({ address: reservation.address, size, descriptors: [{ location: { type: 'LOCATION_TYPE_DEVICE', id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' }] });
+    await client.vmm.setAccess({
+      address: reservation.address,
+      size,
+      descriptors: [{ location: { type: 'LOCATION_TYPE_DEVICE', id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' }],
+    });
     try {
       const data = randomBytes(Number(size));
       await client.vmm.write(reservation.address, data);
@@ -83,7 +94,11 @@ describeGpu('pinned copies on the cuda backend', () => {
       const allocation = await big.vmm.create({ size });
       const reservation = await big.vmm.reserve({ size });
       await big.vmm.map({ address: reservation.address, size, allocationId: allocation.id });
-      await big.vmm.setAccess({ address: reservation.address, size, descriptors: [{ location: { type: 'LOCATION_TYPE_DEVICE', id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' }] });
+      await big.vmm.setAccess({
+        address: reservation.address,
+        size,
+        descriptors: [{ location: { type: 'LOCATION_TYPE_DEVICE', id: 0 }, flags: 'ACCESS_FLAGS_READWRITE' }],
+      });
       const data = randomBytes(Number(size));
       await big.vmm.write(reservation.address, data);
       expect((await big.vmm.read(reservation.address, size)).equals(data)).toBe(true);

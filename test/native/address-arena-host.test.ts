@@ -17,7 +17,10 @@ function mappedAt(address: bigint): boolean {
     .split('\n')
     .filter(Boolean)
     .some((line) => {
-      const [start, end] = line.split(' ')[0].split('-').map((hex) => BigInt(`0x${hex}`));
+      const [start, end] = line
+        .split(' ')[0]
+        .split('-')
+        .map((hex) => BigInt(`0x${hex}`));
       return address >= start && address < end;
     });
 }

@@ -60,7 +60,9 @@ describe('the allocation chain, composed outside the registry (host)', () => {
   beforeEach(() => {
     stock = new StockedBackend(new HostBackend({ capacity: 64n * MiB, granularity: 2n * MiB }), [], pino({ level: 'silent' }));
     quotas = new Quotas({ perUid: 0n, perSession: 4n * MiB }, (session) => (session === SESSION ? UID : undefined));
-    const composed = composeSource(stock, (upstream) => quotas.around((recorder = new Recorder(upstream)), (handle, device) => stock.memoryIdentity(handle, device)));
+    const composed = composeSource(stock, (upstream) =>
+      quotas.around((recorder = new Recorder(upstream)), (handle, device) => stock.memoryIdentity(handle, device)),
+    );
     registry = new Registry(stock, composed);
   });
   afterEach(async () => {

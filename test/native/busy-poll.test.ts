@@ -117,14 +117,18 @@ describe('busy polling', () => {
 });
 
 describe("the client's budget (connect's busyPollMicros)", () => {
-   
   const { busyPollBudget } = require('../../client/connection') as typeof import('../../client/connection');
   it('is the option, else VMMD_CLIENT_BUSY_POLL_US, else 200', () => {
     expect(busyPollBudget(undefined, undefined)).toBe(200);
     expect(busyPollBudget(undefined, '0')).toBe(0);
     expect(busyPollBudget(75, '0')).toBe(75);
   });
-  it.each([[-1, undefined], [1.5, undefined], [20_000, undefined], [undefined, 'soon']])('refuses %j / %j with INVALID_ARGUMENT naming the value', (option, env) => {
+  it.each([
+    [-1, undefined],
+    [1.5, undefined],
+    [20_000, undefined],
+    [undefined, 'soon'],
+  ])('refuses %j / %j with INVALID_ARGUMENT naming the value', (option, env) => {
     expect(() => busyPollBudget(option, env)).toThrow(/must be a whole number of microseconds from 0 to 10000/);
   });
 });

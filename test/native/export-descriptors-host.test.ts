@@ -63,7 +63,7 @@ describe('exported descriptors kept on the host backend', () => {
     expect(stock.keptDescriptors).toBe(0);
   });
 
-  it('attack: export A, release A, create B with the same handle number, export B: B is its own memory, not A\'s', async () => {
+  it("attack: export A, release A, create B with the same handle number, export B: B is its own memory, not A's", async () => {
     const a = await create();
     // Every free number below A's taken, for the attack's precondition: the next descriptor made after A's
     // release is A's number (the kernel hands out the lowest free one).
@@ -124,7 +124,7 @@ describe('exported descriptors kept on the host backend', () => {
       for (let open = store.opens.get(A) ?? 0; open > 0; open--) await stores.close(A, store);
     }
 
-    it('a store of an allocation: non-writers get read-only descriptors (one kept, dup\'ed), writers writable ones', async () => {
+    it("a store of an allocation: non-writers get read-only descriptors (one kept, dup'ed), writers writable ones", async () => {
       const made = await create();
       const store = await stores.create(A, { allocationId: made.id, name: 'weights', readOnly: false, handOver: false, size: 0n });
       // A non-writer first: the kept read-only descriptor is made by its open.

@@ -177,7 +177,9 @@ describe('datagram sockets with descriptors (the fd store)', () => {
     try {
       expect(() => addon.unixDgramBind(at)).toThrow(expect.objectContaining({ code: 'EADDRINUSE', message: expect.stringContaining(`bind(${at})`) }));
       const missing = path.join(dir, 'none.sock');
-      expect(() => addon.unixDgramConnect(missing)).toThrow(expect.objectContaining({ code: 'ENOENT', message: expect.stringContaining(`connect(${missing})`) }));
+      expect(() => addon.unixDgramConnect(missing)).toThrow(
+        expect.objectContaining({ code: 'ENOENT', message: expect.stringContaining(`connect(${missing})`) }),
+      );
     } finally {
       addon.close(bound);
     }

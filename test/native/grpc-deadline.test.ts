@@ -187,7 +187,9 @@ describe('a gRPC call whose deadline passed while it waited', () => {
     const client = new proto.vmmd.v1.Stores(`unix://${socket}`, grpc.credentials.createInsecure());
     const createStore = (name: string, deadline?: number) =>
       new Promise<grpc.ServiceError | null>((resolve) =>
-        client.CreateStore({ allocationId: String(allocation.id), name }, deadline === undefined ? {} : { deadline }, (error: grpc.ServiceError | null) => resolve(error)),
+        client.CreateStore({ allocationId: String(allocation.id), name }, deadline === undefined ? {} : { deadline }, (error: grpc.ServiceError | null) =>
+          resolve(error),
+        ),
       );
     try {
       expect((await createStore('late', Date.now() + DEADLINE_MS))?.code).toBe(grpc.status.DEADLINE_EXCEEDED);

@@ -18,7 +18,11 @@ describe('a staging buffer the daemon cannot map', () => {
     const fd = addon.hostMemfdCreate('staging', 1n << 20n);
     const copy = addon.dup(fd);
     addon.faultsSet(`${call}:1:ENOMEM`);
-    await expect(staging.open(SESSION, fd)).rejects.toMatchObject({ status: Status.RESOURCE_EXHAUSTED, code: 'DAEMON_MAP_FAILED', message: expect.stringMatching(/ENOMEM/) });
+    await expect(staging.open(SESSION, fd)).rejects.toMatchObject({
+      status: Status.RESOURCE_EXHAUSTED,
+      code: 'DAEMON_MAP_FAILED',
+      message: expect.stringMatching(/ENOMEM/),
+    });
     addon.faultsSet('');
     // Taken over and closed: its number may be reused, but it no longer names the staging memfd.
     expect(() => addon.hostFdInfo(fd)).toThrow();

@@ -72,7 +72,9 @@ describe('page-locked staging buffers', () => {
     const warnings: string[] = [];
     const staging = new StagingBuffers(pinning, (message) => warnings.push(message));
     await staging.open(SESSION, addon.hostMemfdCreate('staging', 32n * MiB));
-    expect(warnings).toEqual([expect.stringMatching(/^a staging buffer of 33554432 bytes could not be page-locked \(CUDA_ERROR_OUT_OF_MEMORY: cuMemHostRegister/)]);
+    expect(warnings).toEqual([
+      expect.stringMatching(/^a staging buffer of 33554432 bytes could not be page-locked \(CUDA_ERROR_OUT_OF_MEMORY: cuMemHostRegister/),
+    ]);
     expect(staging.isPinned(SESSION)).toBe(false);
     expect(await staging.use(SESSION, 0n, 16n, async (view) => view.length)).toBe(16);
     await staging.close(SESSION);

@@ -70,8 +70,14 @@ function writeConsumer(dir: string, tgz: string): void {
     // The repository's lockfile omits registry URLs; with one and the integrity npm needs no metadata.
     packages[where] = { resolved: `https://registry.npmjs.org/${name}/-/${name.split('/').pop()}-${entry.version}.tgz`, ...entry };
   }
-  fs.writeFileSync(path.join(dir, 'package.json'), JSON.stringify({ name: 'consumer', version: '1.0.0', private: true, dependencies: { vmmd: spec } }, null, 2));
-  fs.writeFileSync(path.join(dir, 'package-lock.json'), JSON.stringify({ name: 'consumer', version: '1.0.0', lockfileVersion: 3, requires: true, packages }, null, 2));
+  fs.writeFileSync(
+    path.join(dir, 'package.json'),
+    JSON.stringify({ name: 'consumer', version: '1.0.0', private: true, dependencies: { vmmd: spec } }, null, 2),
+  );
+  fs.writeFileSync(
+    path.join(dir, 'package-lock.json'),
+    JSON.stringify({ name: 'consumer', version: '1.0.0', lockfileVersion: 3, requires: true, packages }, null, 2),
+  );
 }
 
 beforeAll(() => {
@@ -83,7 +89,9 @@ beforeAll(() => {
   // Packed from a copy of the source tree (what git holds, as a clone has it), so that
   // the rebuilds of pack do not touch the dist/ and build/ that other tests run from.
   source = path.join(work, 'source');
-  const tracked = execFileSync('git', ['ls-files', '-z', '--cached', '--others', '--exclude-standard'], { cwd: REPO, encoding: 'utf8' }).split('\0').filter(Boolean);
+  const tracked = execFileSync('git', ['ls-files', '-z', '--cached', '--others', '--exclude-standard'], { cwd: REPO, encoding: 'utf8' })
+    .split('\0')
+    .filter(Boolean);
   for (const file of tracked) {
     if (!fs.existsSync(path.join(REPO, file))) continue; // deleted, not yet committed
     fs.mkdirSync(path.dirname(path.join(source, file)), { recursive: true });
@@ -161,12 +169,17 @@ describe('the checkout that was packed', () => {
     // prebuildify moves build/Release's addon into prebuilds/, which postpack removes.
     expect(fs.existsSync(path.join(source, 'prebuilds'))).toBe(false);
     const loaded = ok(
-      run('node', ['-e', "require('./dist/native'); process.stdout.write(Object.keys(require.cache).filter((f) => f.endsWith('.node')).join('\\n'))"], { cwd: source }),
-      'loading the checkout\'s addon',
+      run('node', ['-e', "require('./dist/native'); process.stdout.write(Object.keys(require.cache).filter((f) => f.endsWith('.node')).join('\\n'))"], {
+        cwd: source,
+      }),
+      "loading the checkout's addon",
     );
     expect(loaded).toBe(path.join(fs.realpathSync(source), 'build', 'Release', 'vmmd_native.node'));
     const sockets = path.join(work, 'packed-checkout-sockets');
-    const daemon = spawn('node', ['bin/vmmd.js', '--backend', 'host', '--socket-dir', sockets, '--log-level', 'warn'], { cwd: source, stdio: ['ignore', 'ignore', 'pipe'] });
+    const daemon = spawn('node', ['bin/vmmd.js', '--backend', 'host', '--socket-dir', sockets, '--log-level', 'warn'], {
+      cwd: source,
+      stdio: ['ignore', 'ignore', 'pipe'],
+    });
     let stderr = '';
     daemon.stderr!.on('data', (chunk) => (stderr += chunk));
     const exited = new Promise((resolve) => daemon.once('exit', resolve));
@@ -185,7 +198,10 @@ describe('the checkout that was packed', () => {
 
 describe('installed offline with no compiler', () => {
   test('the PATH used has no compiler, and the addon loads from the shipped prebuild', () => {
-    const probe = run('sh', ['-c', 'command -v g++ || command -v c++ || command -v cc || command -v make || echo none'], { cwd: consumer, env: { PATH: noCompilerPath } });
+    const probe = run('sh', ['-c', 'command -v g++ || command -v c++ || command -v cc || command -v make || echo none'], {
+      cwd: consumer,
+      env: { PATH: noCompilerPath },
+    });
     expect(probe.stdout.trim()).toBe('none');
     // Nothing was compiled in the installed package: no build/ directory.
     expect(fs.existsSync(path.join(installedRoot(), 'build'))).toBe(false);
@@ -237,7 +253,16 @@ export async function use(): Promise<number> {
     fs.writeFileSync(
       path.join(dir, 'tsconfig.json'),
       JSON.stringify({
-        compilerOptions: { strict: true, noEmit: true, target: 'ES2022', module: 'commonjs', moduleResolution: 'node', lib: ['ES2022', 'ESNext.Disposable'], types: ['node'], typeRoots: [path.join(REPO, 'node_modules', '@types')] },
+        compilerOptions: {
+          strict: true,
+          noEmit: true,
+          target: 'ES2022',
+          module: 'commonjs',
+          moduleResolution: 'node',
+          lib: ['ES2022', 'ESNext.Disposable'],
+          types: ['node'],
+          typeRoots: [path.join(REPO, 'node_modules', '@types')],
+        },
         files: ['consumer.ts'],
       }),
     );
@@ -279,7 +304,12 @@ describe('the examples of the README and docs/CLIENT.md, as written, against the
     readme = `${fs.readFileSync(path.join(installedRoot(), 'README.md'), 'utf8')}\n${fs.readFileSync(path.join(REPO, 'docs', 'CLIENT.md'), 'utf8')}`;
     // The daemon as README users start it: npx vmmd, from the installed package.
     // Its own process group: npx runs vmmd as a child, and the group is stopped whole.
-    daemon = spawn('npx', ['--offline', 'vmmd', '--backend', 'host', '--log-level', 'warn'], { cwd: consumer, env, stdio: ['ignore', 'ignore', 'inherit'], detached: true });
+    daemon = spawn('npx', ['--offline', 'vmmd', '--backend', 'host', '--log-level', 'warn'], {
+      cwd: consumer,
+      env,
+      stdio: ['ignore', 'ignore', 'inherit'],
+      detached: true,
+    });
     const deadline = Date.now() + 60_000;
     while (!fs.existsSync(path.join(socketDir, 'vmmd.session.sock'))) {
       if (Date.now() > deadline || daemon.exitCode !== null) throw new Error('the installed daemon did not start');
@@ -307,14 +337,24 @@ describe('the examples of the README and docs/CLIENT.md, as written, against the
     fs.writeFileSync(
       path.join(dir, 'tsconfig.json'),
       JSON.stringify({
-        compilerOptions: { strict: true, target: 'ES2022', module: 'nodenext', moduleResolution: 'nodenext', lib: ['ES2022', 'ESNext.Disposable'], types: ['node'], typeRoots: [path.join(REPO, 'node_modules', '@types')], outDir: '.' },
+        compilerOptions: {
+          strict: true,
+          target: 'ES2022',
+          module: 'nodenext',
+          moduleResolution: 'nodenext',
+          lib: ['ES2022', 'ESNext.Disposable'],
+          types: ['node'],
+          typeRoots: [path.join(REPO, 'node_modules', '@types')],
+          outDir: '.',
+        },
         files,
       }),
     );
     ok(run('node', [TSC, '-p', dir], { cwd: dir }), 'tsc on the README examples');
     for (const file of files) {
       const result = run('node', [file.replace(/\.mts$/, '.mjs')], { cwd: dir, env, timeout: 60_000 });
-      if (result.status !== 0) throw new Error(`README example ${file} failed:\n${fs.readFileSync(path.join(dir, file), 'utf8')}\n${result.stdout}\n${result.stderr}`);
+      if (result.status !== 0)
+        throw new Error(`README example ${file} failed:\n${fs.readFileSync(path.join(dir, file), 'utf8')}\n${result.stdout}\n${result.stderr}`);
     }
   }, 180_000);
 
@@ -354,7 +394,9 @@ describe('without a prebuild for this platform', () => {
     ok(run('npm', ['rebuild', 'vmmd', '--offline', '--foreground-scripts'], { cwd: consumer, timeout: 300_000 }), 'npm rebuild vmmd');
     expect(fs.existsSync(path.join(root, 'build', 'Release', 'vmmd_native.node'))).toBe(true);
     const loaded = ok(
-      run('node', ['-e', "require('vmmd'); process.stdout.write(Object.keys(require.cache).filter((f) => f.endsWith('.node')).join('\\n'))"], { cwd: consumer }),
+      run('node', ['-e', "require('vmmd'); process.stdout.write(Object.keys(require.cache).filter((f) => f.endsWith('.node')).join('\\n'))"], {
+        cwd: consumer,
+      }),
       'loading vmmd',
     );
     expect(loaded).toBe(path.join(fs.realpathSync(root), 'build', 'Release', 'vmmd_native.node'));

@@ -37,7 +37,17 @@ afterEach(async () => {
 
 async function start(extra: string[] = []): Promise<{ victim: VmmdClient; attacker: Peer }> {
   metricsPort = await freePort();
-  daemon = await TestDaemon.start(['--socket-group', String(NOBODY), '--allow-gids', String(NOBODY), '--allow-uids', '0', '--metrics-port', String(metricsPort), ...extra]);
+  daemon = await TestDaemon.start([
+    '--socket-group',
+    String(NOBODY),
+    '--allow-gids',
+    String(NOBODY),
+    '--allow-uids',
+    '0',
+    '--metrics-port',
+    String(metricsPort),
+    ...extra,
+  ]);
   const victim = await connect({ socketDir: daemon.dir });
   clients.push(victim);
   const attacker = await Peer.start(daemon.dir, { uid: NOBODY, gid: NOBODY });
@@ -104,7 +114,11 @@ async function attack(
   expect(result.firstRefusal).toMatch(new RegExp(`^${budget}: uid ${NOBODY} holds`));
   const victimMs = await victimServed(victim, size);
   await attacker.stop();
-  await eventually(async () => (/^vmmd_budget_used\{[^}]*uid="65534"\}/m.test(await scrape()) ? undefined : true), 30_000, "the attacker's budgets to be given back");
+  await eventually(
+    async () => (/^vmmd_budget_used\{[^}]*uid="65534"\}/m.test(await scrape()) ? undefined : true),
+    30_000,
+    "the attacker's budgets to be given back",
+  );
   const after = sample();
   figure(`budgets-${name}-host`, {
     budget,
@@ -138,7 +152,11 @@ const call = <T = any>(peer: Peer, api: string, method: string, args: object) =>
     const tries = FULL ? 40_000 : budget + 500;
     const allocation = await call(attacker, 'vmm', 'create', { size: String(size) });
     const { address } = await call(attacker, 'vmm', 'reserve', { size: String(BigInt(tries) * size) });
-    const args = Array.from({ length: tries }, (_, i) => ({ address: String(BigInt(address) + BigInt(i) * size), size: String(size), allocationId: allocation.id }));
+    const args = Array.from({ length: tries }, (_, i) => ({
+      address: String(BigInt(address) + BigInt(i) * size),
+      size: String(size),
+      allocationId: allocation.id,
+    }));
     await attack('mappings', victim, attacker, 'mappings per uid', budget, () => attacker.do({ op: 'many', api: 'vmm', method: 'map', args, parallel: 128 }));
   });
 
@@ -168,6 +186,14 @@ const call = <T = any>(peer: Peer, api: string, method: string, args: object) =>
     const budget = await limit('allocations per uid');
     const tries = FULL ? 20_000 : budget + 500;
     const args = Array.from({ length: tries }, () => ({ size: String(size) }));
-    await attack('allocations', victim, attacker, 'allocations per uid', budget, () => attacker.do({ op: 'many', api: 'vmm', method: 'create', args, parallel: 128 }), size);
+    await attack(
+      'allocations',
+      victim,
+      attacker,
+      'allocations per uid',
+      budget,
+      () => attacker.do({ op: 'many', api: 'vmm', method: 'create', args, parallel: 128 }),
+      size,
+    );
   });
 });

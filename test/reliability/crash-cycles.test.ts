@@ -112,7 +112,9 @@ class Worker {
   }
 
   static start(index: number, seed: number, socketDir: string): Worker {
-    return new Worker(spawn(process.execPath, [WORKER, String(index), String(seed)], { stdio: ['pipe', 'pipe', 'pipe'], env: { ...process.env, VMMD_SOCKET_DIR: socketDir } }));
+    return new Worker(
+      spawn(process.execPath, [WORKER, String(index), String(seed)], { stdio: ['pipe', 'pipe', 'pipe'], env: { ...process.env, VMMD_SOCKET_DIR: socketDir } }),
+    );
   }
 
   /** Ends the work: the worker checks, gives everything back and reports. */
@@ -137,7 +139,10 @@ async function checkStores(daemon: TestDaemon): Promise<number> {
     let checked = 0;
     for (const listed of stores) {
       if (!allocations.has(String(listed.allocationId))) {
-        expect({ store: listed.name, listedWithoutItsAllocation: await stillListed(listed.name) }).toEqual({ store: listed.name, listedWithoutItsAllocation: false });
+        expect({ store: listed.name, listedWithoutItsAllocation: await stillListed(listed.name) }).toEqual({
+          store: listed.name,
+          listedWithoutItsAllocation: false,
+        });
         continue;
       }
       expect(listed.readOnly).toBe(true);
@@ -163,111 +168,153 @@ async function checkStores(daemon: TestDaemon): Promise<number> {
 }
 
 describe('crash-restart cycles at random moments under load', () => {
-  it(`${CYCLES} SIGKILLs of the serving daemon: 0 lost, 0 leaked, 0 half-made objects`, async () => {
-    let seed = SEED;
-    const random = () => (seed = (seed * 1103515245 + 12345) % 2 ** 31) / 2 ** 31;
-    const daemon = await TestDaemon.start(['--keeper', 'on', '--parked-grace-ms', String(PARKED_GRACE_MS)]);
-    const workers: Worker[] = [];
-    try {
-      const socket = path.join(daemon.dir, 'vmmd.sock');
-      const keeperBefore = inventory(daemon.pid);
-      const daemonBefore = inventory(servingPid(daemon.pid)!);
-      for (let index = 0; index < WORKERS; index++) workers.push(Worker.start(index + 1, SEED + index + 1, daemon.dir));
-      await Promise.all(workers.map((worker) => worker.ready));
+  it(
+    `${CYCLES} SIGKILLs of the serving daemon: 0 lost, 0 leaked, 0 half-made objects`,
+    async () => {
+      let seed = SEED;
+      const random = () => (seed = (seed * 1103515245 + 12345) % 2 ** 31) / 2 ** 31;
+      const daemon = await TestDaemon.start(['--keeper', 'on', '--parked-grace-ms', String(PARKED_GRACE_MS)]);
+      const workers: Worker[] = [];
+      try {
+        const socket = path.join(daemon.dir, 'vmmd.sock');
+        const keeperBefore = inventory(daemon.pid);
+        const daemonBefore = inventory(servingPid(daemon.pid)!);
+        for (let index = 0; index < WORKERS; index++) workers.push(Worker.start(index + 1, SEED + index + 1, daemon.dir));
+        await Promise.all(workers.map((worker) => worker.ready));
 
-      let killedAtStart = 0;
-      let killedBeforeServing = 0;
-      let storesChecked = 0;
-      const servedAgainMs: number[] = [];
-      let killedAt = 0;
-      for (let cycle = 0; cycle < CYCLES; cycle++) {
-        const victim = servingPid(daemon.pid)!;
-        if (cycle % 3 === 1) {
-          // While it starts: from the keeper's spawn through its restore, before (or just after) it serves.
-          killedAtStart++;
-          await sleep(random() * AT_START_MS);
-        } else {
-          // Under load: once it serves, every listed store is checked whole, then it dies at a random moment of the clients' work.
-          await eventually(() => call(daemon.raw.devices, 'ListDevices', {}).then(() => true, () => undefined), 60_000, 'the daemon to serve again');
-          if (cycle > 0) servedAgainMs.push(Date.now() - killedAt);
-          storesChecked += await checkStores(daemon);
-          await sleep(random() * UNDER_LOAD_MS);
+        let killedAtStart = 0;
+        let killedBeforeServing = 0;
+        let storesChecked = 0;
+        const servedAgainMs: number[] = [];
+        let killedAt = 0;
+        for (let cycle = 0; cycle < CYCLES; cycle++) {
+          const victim = servingPid(daemon.pid)!;
+          if (cycle % 3 === 1) {
+            // While it starts: from the keeper's spawn through its restore, before (or just after) it serves.
+            killedAtStart++;
+            await sleep(random() * AT_START_MS);
+          } else {
+            // Under load: once it serves, every listed store is checked whole, then it dies at a random moment of the clients' work.
+            await eventually(
+              () =>
+                call(daemon.raw.devices, 'ListDevices', {}).then(
+                  () => true,
+                  () => undefined,
+                ),
+              60_000,
+              'the daemon to serve again',
+            );
+            if (cycle > 0) servedAgainMs.push(Date.now() - killedAt);
+            storesChecked += await checkStores(daemon);
+            await sleep(random() * UNDER_LOAD_MS);
+          }
+          if (!(await accepts(socket))) killedBeforeServing++;
+          killedAt = Date.now();
+          process.kill(victim, 'SIGKILL');
+          await eventually(
+            () => {
+              const pid = servingPid(daemon.pid);
+              return pid !== undefined && pid !== victim ? true : undefined;
+            },
+            30_000,
+            'the keeper to start the daemon again',
+          );
         }
-        if (!(await accepts(socket))) killedBeforeServing++;
-        killedAt = Date.now();
-        process.kill(victim, 'SIGKILL');
-        await eventually(() => {
-          const pid = servingPid(daemon.pid);
-          return pid !== undefined && pid !== victim ? true : undefined;
-        }, 30_000, 'the keeper to start the daemon again');
-      }
-      await eventually(() => call(daemon.raw.devices, 'ListDevices', {}).then(() => true, () => undefined), 60_000, 'the daemon to serve again');
-      servedAgainMs.push(Date.now() - killedAt);
-      storesChecked += await checkStores(daemon);
-      const reports = await Promise.all(workers.map((worker) => worker.stop()));
-      workers.splice(0);
-      // What a client saw that it did not handle: none (a cut-off CreateStore or Detach is asked about and settled).
-      expect(reports.map((report) => report.first).filter((first) => first !== undefined)).toEqual([]);
-      storesChecked += await checkStores(daemon);
+        await eventually(
+          () =>
+            call(daemon.raw.devices, 'ListDevices', {}).then(
+              () => true,
+              () => undefined,
+            ),
+          60_000,
+          'the daemon to serve again',
+        );
+        servedAgainMs.push(Date.now() - killedAt);
+        storesChecked += await checkStores(daemon);
+        const reports = await Promise.all(workers.map((worker) => worker.stop()));
+        workers.splice(0);
+        // What a client saw that it did not handle: none (a cut-off CreateStore or Detach is asked about and settled).
+        expect(reports.map((report) => report.first).filter((first) => first !== undefined)).toEqual([]);
+        storesChecked += await checkStores(daemon);
 
-      // Everything was given back: nothing stays in the daemon, nothing parked in the keeper but its journal. A session
-      // whose close a crash cut off waits for its client (the grace) and is then reclaimed: the wait covers the grace.
-      const givingBack = Date.now();
-      const objectsLeft = async () => ({
-        stats: await daemon.stats(),
-        stores: (await call(daemon.raw.stores, 'List', {})).stores.map((s: any) => ({ name: s.name, allocation: s.allocationId, owner: s.ownerSession })),
-        allocations: (await call(daemon.raw.admin, 'ListObjects', {})).objects.filter((o: any) => o.kind === 'allocation').map((o: any) => ({ id: o.id, owner: o.ownerSession })),
-      });
-      await eventually(async () => {
-        const left = await objectsLeft();
-        return left.stats.sessions === 0 && left.allocations.length === 0 && left.stores.length === 0 ? true : undefined;
-      }, PARKED_GRACE_MS + 30_000, 'every object to be given back').catch(async (error) => {
-        const left = await objectsLeft();
-        throw new Error(`${(error as Error).message}: sessions ${left.stats.sessions}, stores ${JSON.stringify(left.stores)}, allocations ${JSON.stringify(left.allocations)}`);
-      });
-      const givenBackMs = Date.now() - givingBack;
-      const keeperAfter = await eventually(() => {
-        const now = inventory(daemon.pid);
-        return now.memfds === keeperBefore.memfds && now.descriptors === keeperBefore.descriptors ? now : undefined;
-      }, 10_000, "the keeper's descriptors to be what they were").catch(() => inventory(daemon.pid));
-      const daemonAfter = await eventually(() => {
-        const now = inventory(servingPid(daemon.pid)!);
-        return now.memfds === daemonBefore.memfds && now.descriptors === daemonBefore.descriptors ? now : undefined;
-      }, 10_000, "the daemon's descriptors to be what they were").catch(() => inventory(servingPid(daemon.pid)!));
-      const errors = reports.reduce((total, report) => total + Object.values(report.errors).reduce((a, b) => a + b, 0), 0);
-      servedAgainMs.sort((a, b) => a - b);
-      figure('crash-restart cycles under load (host)', {
-        cycles: CYCLES,
-        seed: SEED,
-        clients: WORKERS,
-        killed_while_starting: killedAtStart,
-        killed_before_serving: killedBeforeServing,
-        client_ops: reports.reduce((total, report) => total + report.ops, 0),
-        store_loads: reports.reduce((total, report) => total + report.loads, 0),
-        store_loads_cut_by_a_crash: reports.reduce((total, report) => total + report.loadsCut, 0),
-        of_which_made: reports.reduce((total, report) => total + report.loadsCutMade, 0),
-        detaches_cut_by_a_crash: reports.reduce((total, report) => total + report.detachesCut, 0),
-        stores_read_back_whole: storesChecked,
-        client_errors: errors,
-        sessions_owning_exactly_what_they_hold: reports.filter((report) => report.ownedMatches).length,
-        allocations_intact: reports.reduce((total, report) => total + report.intact, 0),
-        allocations_held: reports.reduce((total, report) => total + report.held, 0),
-        keeper_descriptors_before_after: `${keeperBefore.descriptors} / ${keeperAfter.descriptors}`,
-        keeper_memfds_after: keeperAfter.memfds,
-        keeper_memfd_bytes_after: keeperAfter.memfdBytes,
-        keeper_journals_after: keeperAfter.journals,
-        daemon_descriptors_before_after: `${daemonBefore.descriptors} / ${daemonAfter.descriptors}`,
-        daemon_memfds_before_after: `${daemonBefore.memfds} / ${daemonAfter.memfds}`,
-        everything_given_back_ms: givenBackMs,
-        sigkill_to_serving_ms_p50_max: `${servedAgainMs[Math.floor(servedAgainMs.length / 2)]} / ${servedAgainMs[servedAgainMs.length - 1]}`,
-      });
-      expect(reports.filter((report) => !report.ownedMatches).map((report) => ({ session: report.session, owned: report.owned, mine: report.mine }))).toEqual([]);
-      expect(reports.every((report) => report.intact === report.held && report.storesListed === report.stores && report.ops > 0)).toBe(true);
-      expect(keeperAfter).toEqual(keeperBefore);
-      expect(daemonAfter).toEqual(daemonBefore);
-    } finally {
-      for (const worker of workers) worker.kill();
-      await daemon.stop();
-    }
-  }, FULL ? 3_600_000 : 240_000);
+        // Everything was given back: nothing stays in the daemon, nothing parked in the keeper but its journal. A session
+        // whose close a crash cut off waits for its client (the grace) and is then reclaimed: the wait covers the grace.
+        const givingBack = Date.now();
+        const objectsLeft = async () => ({
+          stats: await daemon.stats(),
+          stores: (await call(daemon.raw.stores, 'List', {})).stores.map((s: any) => ({ name: s.name, allocation: s.allocationId, owner: s.ownerSession })),
+          allocations: (await call(daemon.raw.admin, 'ListObjects', {})).objects
+            .filter((o: any) => o.kind === 'allocation')
+            .map((o: any) => ({ id: o.id, owner: o.ownerSession })),
+        });
+        await eventually(
+          async () => {
+            const left = await objectsLeft();
+            return left.stats.sessions === 0 && left.allocations.length === 0 && left.stores.length === 0 ? true : undefined;
+          },
+          PARKED_GRACE_MS + 30_000,
+          'every object to be given back',
+        ).catch(async (error) => {
+          const left = await objectsLeft();
+          throw new Error(
+            `${(error as Error).message}: sessions ${left.stats.sessions}, stores ${JSON.stringify(left.stores)}, allocations ${JSON.stringify(left.allocations)}`,
+          );
+        });
+        const givenBackMs = Date.now() - givingBack;
+        const keeperAfter = await eventually(
+          () => {
+            const now = inventory(daemon.pid);
+            return now.memfds === keeperBefore.memfds && now.descriptors === keeperBefore.descriptors ? now : undefined;
+          },
+          10_000,
+          "the keeper's descriptors to be what they were",
+        ).catch(() => inventory(daemon.pid));
+        const daemonAfter = await eventually(
+          () => {
+            const now = inventory(servingPid(daemon.pid)!);
+            return now.memfds === daemonBefore.memfds && now.descriptors === daemonBefore.descriptors ? now : undefined;
+          },
+          10_000,
+          "the daemon's descriptors to be what they were",
+        ).catch(() => inventory(servingPid(daemon.pid)!));
+        const errors = reports.reduce((total, report) => total + Object.values(report.errors).reduce((a, b) => a + b, 0), 0);
+        servedAgainMs.sort((a, b) => a - b);
+        figure('crash-restart cycles under load (host)', {
+          cycles: CYCLES,
+          seed: SEED,
+          clients: WORKERS,
+          killed_while_starting: killedAtStart,
+          killed_before_serving: killedBeforeServing,
+          client_ops: reports.reduce((total, report) => total + report.ops, 0),
+          store_loads: reports.reduce((total, report) => total + report.loads, 0),
+          store_loads_cut_by_a_crash: reports.reduce((total, report) => total + report.loadsCut, 0),
+          of_which_made: reports.reduce((total, report) => total + report.loadsCutMade, 0),
+          detaches_cut_by_a_crash: reports.reduce((total, report) => total + report.detachesCut, 0),
+          stores_read_back_whole: storesChecked,
+          client_errors: errors,
+          sessions_owning_exactly_what_they_hold: reports.filter((report) => report.ownedMatches).length,
+          allocations_intact: reports.reduce((total, report) => total + report.intact, 0),
+          allocations_held: reports.reduce((total, report) => total + report.held, 0),
+          keeper_descriptors_before_after: `${keeperBefore.descriptors} / ${keeperAfter.descriptors}`,
+          keeper_memfds_after: keeperAfter.memfds,
+          keeper_memfd_bytes_after: keeperAfter.memfdBytes,
+          keeper_journals_after: keeperAfter.journals,
+          daemon_descriptors_before_after: `${daemonBefore.descriptors} / ${daemonAfter.descriptors}`,
+          daemon_memfds_before_after: `${daemonBefore.memfds} / ${daemonAfter.memfds}`,
+          everything_given_back_ms: givenBackMs,
+          sigkill_to_serving_ms_p50_max: `${servedAgainMs[Math.floor(servedAgainMs.length / 2)]} / ${servedAgainMs[servedAgainMs.length - 1]}`,
+        });
+        expect(reports.filter((report) => !report.ownedMatches).map((report) => ({ session: report.session, owned: report.owned, mine: report.mine }))).toEqual(
+          [],
+        );
+        expect(reports.every((report) => report.intact === report.held && report.storesListed === report.stores && report.ops > 0)).toBe(true);
+        expect(keeperAfter).toEqual(keeperBefore);
+        expect(daemonAfter).toEqual(daemonBefore);
+      } finally {
+        for (const worker of workers) worker.kill();
+        await daemon.stop();
+      }
+    },
+    FULL ? 3_600_000 : 240_000,
+  );
 });

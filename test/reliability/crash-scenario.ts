@@ -47,7 +47,10 @@ export async function crashScenario(backend: 'host' | 'cuda', CLIENTS: number): 
     for (let i = 0; i < bytes.length; i++) bytes[i] = (i * 131) & 0xff;
     await memory.write(0, bytes);
     // Read back through this process's own mapping (device memory on cuda): the daemon is not asked.
-    const checksum = async () => createHash('sha256').update(await memory.read(0, memory.size)).digest('hex');
+    const checksum = async () =>
+      createHash('sha256')
+        .update(await memory.read(0, memory.size))
+        .digest('hex');
     const expected = await checksum();
     // A stock (cuda's default) refills after each take: the baseline is a full stock.
     const stockFull = async () => {

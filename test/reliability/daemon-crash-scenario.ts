@@ -22,7 +22,10 @@ export async function daemonCrashScenario(backend: 'host' | 'cuda'): Promise<voi
   const sums: string[] = [];
   const lost: VmmdError[] = [];
   let second: TestDaemon | undefined;
-  const checksum = async (memory: ImportedMemory) => createHash('sha256').update(await memory.read(0, memory.size)).digest('hex');
+  const checksum = async (memory: ImportedMemory) =>
+    createHash('sha256')
+      .update(await memory.read(0, memory.size))
+      .digest('hex');
   try {
     for (let i = 0; i < CLIENTS; i++) {
       const client = await connect({ socketDir: first.dir });

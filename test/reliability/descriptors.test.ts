@@ -88,8 +88,16 @@ describe('descriptor pressure (host)', () => {
     const sessionsPerUid = FULL ? 256 : 32;
     const transfersPerUid = FULL ? 1024 : 128;
     daemon = await TestDaemon.start([
-      '--socket-group', String(NOBODY), '--allow-gids', String(NOBODY), '--allow-uids', '0',
-      '--max-sessions-per-uid', String(sessionsPerUid), '--max-transfers-per-uid', String(transfersPerUid),
+      '--socket-group',
+      String(NOBODY),
+      '--allow-gids',
+      String(NOBODY),
+      '--allow-uids',
+      '0',
+      '--max-sessions-per-uid',
+      String(sessionsPerUid),
+      '--max-transfers-per-uid',
+      String(transfersPerUid),
     ]);
     const fdsBefore = daemon.openFds();
     const logsBefore = daemon.logs.length;
@@ -170,14 +178,24 @@ describe('descriptor pressure (host)', () => {
       const lines = daemon.logs.length - logsBefore;
       expect(lines).toBeLessThanOrEqual(100);
       expect(daemon.process.exitCode).toBeNull();
-      figure('descriptors-exhausted-host', { descriptorLimit: limit, descriptorsSent: sent, sessionsRefusedWhileOut: refused + outOfDescriptors, logLinesForTheEpisode: lines, crashes: 0 });
+      figure('descriptors-exhausted-host', {
+        descriptorLimit: limit,
+        descriptorsSent: sent,
+        sessionsRefusedWhileOut: refused + outOfDescriptors,
+        logLinesForTheEpisode: lines,
+        crashes: 0,
+      });
       // The pressure goes: its sessions are reclaimed and a new session is served again (the test above measures how soon).
       for (const connection of held.splice(0)) connection.close();
-      await eventually(async () => {
-        const session = await rawSession(daemon!.dir);
-        session.connection.close();
-        return session.hello.type === 'hello' ? true : undefined;
-      }, 10_000, 'a new session to be served');
+      await eventually(
+        async () => {
+          const session = await rawSession(daemon!.dir);
+          session.connection.close();
+          return session.hello.type === 'hello' ? true : undefined;
+        },
+        10_000,
+        'a new session to be served',
+      );
       await eventually(async () => ((await daemon!.stats()).pendingTransfers === 0 ? true : undefined), 10_000, 'the unclaimed descriptors to go');
     } finally {
       for (const connection of held) connection.close();
@@ -189,7 +207,18 @@ describe('descriptor pressure (host)', () => {
     async () => {
       const limit = FULL ? 1024 : 192;
       daemon = await TestDaemon.start(
-        ['--socket-group', String(NOBODY), '--allow-gids', String(NOBODY), '--allow-uids', '0', '--max-sessions-per-uid', '100000', '--max-transfers-per-uid', '1000000'],
+        [
+          '--socket-group',
+          String(NOBODY),
+          '--allow-gids',
+          String(NOBODY),
+          '--allow-uids',
+          '0',
+          '--max-sessions-per-uid',
+          '100000',
+          '--max-transfers-per-uid',
+          '1000000',
+        ],
         'host',
         {},
         { descriptorLimit: limit },
@@ -200,12 +229,14 @@ describe('descriptor pressure (host)', () => {
       const logsBefore = daemon.logs.length;
       // The attacker (uid nobody): raw sessions, some with allocations, all with unclaimed descriptors, until the daemon is out.
       const attacker = await Peer.start(daemon.dir, { uid: NOBODY, gid: NOBODY });
-      const report = await attacker.do<{ sessions: number; allocations: number; sent: number; refusedWith?: string; transferRefusals: Record<string, number> }>({
-        op: 'exhaustDescriptors',
-        perSession: 32,
-        allocatingSessions: 4,
-        maxSessions: limit,
-      });
+      const report = await attacker.do<{ sessions: number; allocations: number; sent: number; refusedWith?: string; transferRefusals: Record<string, number> }>(
+        {
+          op: 'exhaustDescriptors',
+          perSession: 32,
+          allocatingSessions: 4,
+          maxSessions: limit,
+        },
+      );
       expect(report.refusedWith).toBe('OUT_OF_DESCRIPTORS');
       expect(report.allocations).toBe(4);
       // A descriptor the kernel dropped because the daemon had no room for it is refused as such, not as "no descriptor".
@@ -240,12 +271,20 @@ describe('descriptor pressure (host)', () => {
       await victim.vmm.release({ allocationId: allocation.id });
       victim.close();
       // Everything the attacker made the daemon hold is gone: objects, bytes, unclaimed descriptors, descriptors.
-      await eventually(async () => (JSON.stringify(objectsOf(await daemon!.stats())) === JSON.stringify(before) ? true : undefined), 10_000, 'the objects to go');
+      await eventually(
+        async () => (JSON.stringify(objectsOf(await daemon!.stats())) === JSON.stringify(before) ? true : undefined),
+        10_000,
+        'the objects to go',
+      );
       expect(objectsOf(await daemon.stats())).toEqual(before);
-      const fdsAfter = await eventually(() => {
-        const open = daemon!.openFds();
-        return open <= fdsBefore ? open : undefined;
-      }, 10_000, `the descriptors to go back to ${fdsBefore}`);
+      const fdsAfter = await eventually(
+        () => {
+          const open = daemon!.openFds();
+          return open <= fdsBefore ? open : undefined;
+        },
+        10_000,
+        `the descriptors to go back to ${fdsBefore}`,
+      );
       expect((await daemon.stats()).sessions).toBe(0);
       // It idles: CPU time over a second (a reliability figure; the bound is generous, a spinning daemon uses a whole core).
       const cpuStart = cpuSeconds(daemon.pid);

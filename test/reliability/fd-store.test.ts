@@ -58,12 +58,39 @@ class ServiceManagerStandIn {
       env.LISTEN_FDNAMES = this.held.map((entry) => entry.name).join(':');
     }
     const daemon = path.join(packageRoot(), 'bin', 'vmmd.js');
-    this.daemon = spawn('/bin/sh', ['-c', 'LISTEN_PID=$$ exec "$0" "$@"', process.execPath, daemon, '--backend', 'host', '--socket-dir', this.dir, '--host-capacity', '256MiB', '--log-level', 'warn', '--parked-grace-ms', '600000'], {
-      env,
-      stdio: ['ignore', 'inherit', 'inherit', ...this.held.map((entry) => entry.fd)],
-    });
+    this.daemon = spawn(
+      '/bin/sh',
+      [
+        '-c',
+        'LISTEN_PID=$$ exec "$0" "$@"',
+        process.execPath,
+        daemon,
+        '--backend',
+        'host',
+        '--socket-dir',
+        this.dir,
+        '--host-capacity',
+        '256MiB',
+        '--log-level',
+        'warn',
+        '--parked-grace-ms',
+        '600000',
+      ],
+      {
+        env,
+        stdio: ['ignore', 'inherit', 'inherit', ...this.held.map((entry) => entry.fd)],
+      },
+    );
     this.raw = rawClients(this.dir);
-    await eventually(() => call(this.raw!.devices, 'ListDevices', {}).then(() => true, () => undefined), 60_000, 'the daemon to serve');
+    await eventually(
+      () =>
+        call(this.raw!.devices, 'ListDevices', {}).then(
+          () => true,
+          () => undefined,
+        ),
+      60_000,
+      'the daemon to serve',
+    );
   }
 
   async kill(signal: NodeJS.Signals = 'SIGKILL'): Promise<void> {
@@ -152,7 +179,9 @@ describe("systemd's file-descriptor store (a stand-in of the protocol)", () => {
     const size = String(2n * MiB);
     for (let round = 0; round < 20; round++) {
       expect((await peer.do({ op: 'many', api: 'vmm', method: 'create', args: Array.from({ length: 120 }, () => ({ size })), parallel: 8 })).done).toBe(120);
-      const ids = (await call(manager.raw!.admin, 'ListObjects', {})).objects.filter((o: any) => o.kind === 'allocation' && o.id !== kept.id).map((o: any) => ({ allocationId: o.id }));
+      const ids = (await call(manager.raw!.admin, 'ListObjects', {})).objects
+        .filter((o: any) => o.kind === 'allocation' && o.id !== kept.id)
+        .map((o: any) => ({ allocationId: o.id }));
       expect((await peer.do({ op: 'many', api: 'vmm', method: 'release', args: ids, parallel: 8 })).done).toBe(ids.length);
     }
     const journals = manager.names().filter((name) => /^j\d+$/.test(name));

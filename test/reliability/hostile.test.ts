@@ -37,7 +37,10 @@ const u64 = fc.oneof(
   fc.nat({ max: 64 }).map((n) => String(BigInt(n) * 2097152n)),
 );
 const u32 = fc.oneof(fc.constantFrom(0, 1, 7, 255, 4294967295), fc.nat());
-const text = fc.oneof(fc.string({ maxLength: 80 }), fc.constantFrom('', 'GPU-00000000-0000-0000-0000-000000000000', '../../etc/passwd', '\u0000', 'x'.repeat(5000)));
+const text = fc.oneof(
+  fc.string({ maxLength: 80 }),
+  fc.constantFrom('', 'GPU-00000000-0000-0000-0000-000000000000', '../../etc/passwd', '\u0000', 'x'.repeat(5000)),
+);
 
 /** A random request for a message type, from its field list; nested messages to depth 2. */
 function message(ns: Namespace, fields: Field[], depth: number): fc.Arbitrary<Record<string, unknown>> {
@@ -81,7 +84,13 @@ function message(ns: Namespace, fields: Field[], depth: number): fc.Arbitrary<Re
 }
 
 /** Calls a method with a request; resolves with the gRPC status code (0 for OK), or 'unsent' when the client cannot encode it. */
-function invoke(client: grpc.Client & Record<string, any>, name: string, info: MethodInfo, request: unknown, metadata: grpc.Metadata): Promise<number | 'unsent'> {
+function invoke(
+  client: grpc.Client & Record<string, any>,
+  name: string,
+  info: MethodInfo,
+  request: unknown,
+  metadata: grpc.Metadata,
+): Promise<number | 'unsent'> {
   return new Promise((resolve) => {
     const options = { deadline: Date.now() + 10_000 };
     try {
@@ -127,11 +136,9 @@ it(`answers ${RPCS} hostile RPCs and ${SOCKET_MESSAGES} hostile session messages
     const bad: string[] = [];
     let sent = 0;
     let unsent = 0;
-    const arbitrary = fc.tuple(
-      fc.constantFrom(...methods),
-      fc.constantFrom(...tokens),
-      fc.integer({ min: 0, max: 2 ** 31 - 1 }),
-    ).chain(([method, token, seed]) => message(ns, method.info.requestType.type.field, 2).map((request) => ({ method, token, request, seed })));
+    const arbitrary = fc
+      .tuple(fc.constantFrom(...methods), fc.constantFrom(...tokens), fc.integer({ min: 0, max: 2 ** 31 - 1 }))
+      .chain(([method, token, seed]) => message(ns, method.info.requestType.type.field, 2).map((request) => ({ method, token, request, seed })));
     const samples = fc.sample(arbitrary, { numRuns: RPCS, seed: 20261122 });
     // Eight in flight at a time: concurrency is part of hostility.
     for (let index = 0; index < samples.length; index += 8) {
@@ -147,7 +154,9 @@ it(`answers ${RPCS} hostile RPCs and ${SOCKET_MESSAGES} hostile session messages
           sent++;
           statuses.set(code, (statuses.get(code) ?? 0) + 1);
           if (code === grpc.status.INTERNAL || code === grpc.status.UNKNOWN) {
-            bad.push(`${method.service}.${method.name} ${JSON.stringify(request, (_k, v) => (typeof v === 'bigint' ? String(v) : v)).slice(0, 300)} → ${grpc.status[code]}`);
+            bad.push(
+              `${method.service}.${method.name} ${JSON.stringify(request, (_k, v) => (typeof v === 'bigint' ? String(v) : v)).slice(0, 300)} → ${grpc.status[code]}`,
+            );
           }
         }),
       );
@@ -170,7 +179,18 @@ it(`answers ${RPCS} hostile RPCs and ${SOCKET_MESSAGES} hostile session messages
       fc.oneof(
         fc.uint8Array({ maxLength: 200 }).map((bytes) => Buffer.from(bytes)),
         // Truncated and mistyped frames, a JSON frame of protocol 1, a second hello, a daemon's error and an unknown body.
-        fc.constantFrom([0x12, 0x05, 0x01], [0x08, 0xff], [0x2a], [0x7b, 0x22], [0x12, 0x02, 0x08, 0x02], [0x7a, 0x00], [0x62, 0x00], [0x0a, 0x03, 0x01, 0x02, 0x03]).map((bytes) => Buffer.from(bytes)),
+        fc
+          .constantFrom(
+            [0x12, 0x05, 0x01],
+            [0x08, 0xff],
+            [0x2a],
+            [0x7b, 0x22],
+            [0x12, 0x02, 0x08, 0x02],
+            [0x7a, 0x00],
+            [0x62, 0x00],
+            [0x0a, 0x03, 0x01, 0x02, 0x03],
+          )
+          .map((bytes) => Buffer.from(bytes)),
         // Well-formed frames with hostile values: every request, ids of 0 and 2^64-1, unknown enum values, long strings.
         fc
           .record({
@@ -184,7 +204,8 @@ it(`answers ${RPCS} hostile RPCs and ${SOCKET_MESSAGES} hostile session messages
             encodeClientFrame({
               request,
               transfer: body === 'transfer' ? { id } : undefined,
-              allocate: body === 'allocate' ? { size: id, location: { type: kind as never, id: kind, deviceUuid: name }, handleType: kind as never } : undefined,
+              allocate:
+                body === 'allocate' ? { size: id, location: { type: kind as never, id: kind, deviceUuid: name }, handleType: kind as never } : undefined,
               release: body === 'release' ? { allocationId: id } : undefined,
               share: body === 'share' ? { allocationId: id } : undefined,
               export: body === 'export' ? { allocationId: id, shareKey: name, handleType: kind as never } : undefined,
@@ -239,9 +260,11 @@ it(`answers ${RPCS} hostile RPCs and ${SOCKET_MESSAGES} hostile session messages
     await eventually(async () => ((await daemon.stats()).sessions === 0 ? true : undefined), 20_000, 'the sessions to close');
     // What remains was made without a session (the daemon's, as grpcurl's would be) and is all accounted for.
     const stats = await daemon.stats();
-    const daemonOwned = (await new Promise<any>((resolve, reject) =>
-      daemon.raw.admin.ListObjects({ ownerSession: '0' }, (error: Error | null, value: unknown) => (error ? reject(error) : resolve(value))),
-    )).objects as Array<{ kind: string }>;
+    const daemonOwned = (
+      await new Promise<any>((resolve, reject) =>
+        daemon.raw.admin.ListObjects({ ownerSession: '0' }, (error: Error | null, value: unknown) => (error ? reject(error) : resolve(value))),
+      )
+    ).objects as Array<{ kind: string }>;
     const remaining = Number(stats.reservations) + Number(stats.allocations) + Number(stats.mappings);
     expect(daemonOwned.length).toBeGreaterThanOrEqual(remaining);
     // Descriptors: the daemon's own allocations keep theirs (host backend: one memfd each); nothing else stays open.
@@ -249,7 +272,10 @@ it(`answers ${RPCS} hostile RPCs and ${SOCKET_MESSAGES} hostile session messages
     figure('hostile input', {
       rpcs_sent: sent,
       rpcs_unencodable_by_the_client: unsent,
-      statuses: [...statuses.entries()].sort((a, b) => a[0] - b[0]).map(([code, count]) => `${grpc.status[code]} ${count}`).join(', '),
+      statuses: [...statuses.entries()]
+        .sort((a, b) => a[0] - b[0])
+        .map(([code, count]) => `${grpc.status[code]} ${count}`)
+        .join(', '),
       internal_or_unknown: bad.length,
       session_frames: SOCKET_MESSAGES,
       session_frames_with_descriptors: withDescriptors,

@@ -82,7 +82,9 @@ export async function loadScenario(backend: 'host' | 'cuda', CLIENTS: number, SE
       daemon_old_space_cap_MiB: HEAP_LIMIT_MIB,
     });
     if (growthMiB >= GROWTH_LIMIT_MIB) {
-      throw new Error(`the daemon's RSS grew ${growthMiB.toFixed(0)} MiB (limit ${GROWTH_LIMIT_MIB}) over ${ops} operations; every 5 s: ${rssSeries.join(', ')} MiB`);
+      throw new Error(
+        `the daemon's RSS grew ${growthMiB.toFixed(0)} MiB (limit ${GROWTH_LIMIT_MIB}) over ${ops} operations; every 5 s: ${rssSeries.join(', ')} MiB`,
+      );
     }
   } catch (error) {
     failed = true;

@@ -8,4 +8,8 @@ const FULL = process.env.VMMD_RELIABILITY === 'full';
 const CLIENTS = FULL ? 32 : 8;
 const SECONDS = FULL ? 60 : 10;
 
-it(`serves ${CLIENTS} clients of mixed load for ${SECONDS} s with no unexpected error, exact accounting and bounded memory`, () => loadScenario('host', CLIENTS, SECONDS), 300_000);
+it(
+  `serves ${CLIENTS} clients of mixed load for ${SECONDS} s with no unexpected error, exact accounting and bounded memory`,
+  () => loadScenario('host', CLIENTS, SECONDS),
+  300_000,
+);

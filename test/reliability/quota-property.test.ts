@@ -124,7 +124,11 @@ class World {
     const allocations = own.length > 0 ? own : all;
     switch (step.op) {
       case 'create': {
-        const record = await this.registry.create(caller, { size: BigInt(step.units) * GRANULARITY, location: { type: 'DEVICE', id: 0 }, handleType: 'POSIX_FD' });
+        const record = await this.registry.create(caller, {
+          size: BigInt(step.units) * GRANULARITY,
+          location: { type: 'DEVICE', id: 0 },
+          handleType: 'POSIX_FD',
+        });
         this.holderOf.set(record.id, caller);
         return;
       }
@@ -157,7 +161,14 @@ class World {
         const fd = of(this.clientFds, step.pick);
         if (fd === undefined) return;
         const info = addon.hostFdInfo(fd);
-        const store = await this.stores.attach(caller, addon.dup(fd), { target: 'SYSMEM', device: 0, size: GRANULARITY, readOnly: false, name: '', hasDeleter: false });
+        const store = await this.stores.attach(caller, addon.dup(fd), {
+          target: 'SYSMEM',
+          device: 0,
+          size: GRANULARITY,
+          readOnly: false,
+          name: '',
+          hasDeleter: false,
+        });
         this.attached.set(store.id, { identity: memfdIdentity(info), size: info.size, session: caller });
         return;
       }
@@ -189,7 +200,10 @@ class World {
         return;
       }
       case 'detach': {
-        const store = of(this.liveStores().filter((candidate) => candidate.state === 'LIVE'), step.pick);
+        const store = of(
+          this.liveStores().filter((candidate) => candidate.state === 'LIVE'),
+          step.pick,
+        );
         if (store === undefined) return;
         await this.stores.detach(caller, store);
         return;
@@ -291,7 +305,14 @@ describe('quotas by physical memory, as a property (host backend)', () => {
       { numRuns: RUNS },
     );
     if (FULL) expect(steps).toBeGreaterThanOrEqual(10_000);
-    figure('quotas-property-host', { runs: RUNS, steps, peakAliveMiB: Number(peakAlive / MiB), capacityMiB: Number(CAPACITY / MiB), ...Object.fromEntries(Object.entries(refusals).map(([code, count]) => [`refused${code}`, count])), violations: 0 });
+    figure('quotas-property-host', {
+      runs: RUNS,
+      steps,
+      peakAliveMiB: Number(peakAlive / MiB),
+      capacityMiB: Number(CAPACITY / MiB),
+      ...Object.fromEntries(Object.entries(refusals).map(([code, count]) => [`refused${code}`, count])),
+      violations: 0,
+    });
   }, 600_000);
 });
 
@@ -308,14 +329,19 @@ describe('host capacity by physical memory, without quotas', () => {
         () => registry.importHandle(1n, { fd: addon.dup(sparse) }, 0n),
         () => stores.attach(1n, addon.dup(sparse), { target: 'SYSMEM', device: 0, size: GRANULARITY, readOnly: false, name: '', hasDeleter: false }),
       ]) {
-        await expect(attempt()).rejects.toMatchObject({ code: 'OUT_OF_MEMORY', message: expect.stringContaining(`${32n << 40n} bytes, 0 of ${CAPACITY} bytes in use (host capacity)`) });
+        await expect(attempt()).rejects.toMatchObject({
+          code: 'OUT_OF_MEMORY',
+          message: expect.stringContaining(`${32n << 40n} bytes, 0 of ${CAPACITY} bytes in use (host capacity)`),
+        });
       }
       const imported = await registry.importHandle(1n, { fd: addon.dup(half) }, 0n);
       const again = await registry.importHandle(2n, { fd: addon.dup(half) }, 0n);
       const store = await stores.attach(3n, addon.dup(half), { target: 'SYSMEM', device: 0, size: GRANULARITY, readOnly: false, name: '', hasDeleter: false });
       expect(backend.memoryInfo().freeBytes).toBe(CAPACITY / 2n);
       // A Create of more than is left is refused: the imports count.
-      await expect((async () => registry.create(1n, { size: CAPACITY / 2n + GRANULARITY, location: { type: 'DEVICE', id: 0 }, handleType: 'POSIX_FD' }))()).rejects.toThrow(/host capacity/);
+      await expect(
+        (async () => registry.create(1n, { size: CAPACITY / 2n + GRANULARITY, location: { type: 'DEVICE', id: 0 }, handleType: 'POSIX_FD' }))(),
+      ).rejects.toThrow(/host capacity/);
       await registry.release(1n, imported.id);
       await registry.release(2n, again.id);
       expect(backend.memoryInfo().freeBytes).toBe(CAPACITY / 2n);

@@ -15,6 +15,8 @@ export function runReportingClient<T>(script: string, args: string[], socketDir:
     let err = '';
     child.stdout!.on('data', (chunk) => (out += chunk));
     child.stderr!.on('data', (chunk) => (err += chunk));
-    child.once('exit', (code) => (code === 0 ? resolve(JSON.parse(out) as T) : reject(new Error(`client ${script} ${args.join(' ')} exited with ${code}: ${err}`))));
+    child.once('exit', (code) =>
+      code === 0 ? resolve(JSON.parse(out) as T) : reject(new Error(`client ${script} ${args.join(' ')} exited with ${code}: ${err}`)),
+    );
   });
 }

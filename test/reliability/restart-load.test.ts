@@ -32,10 +32,16 @@ it('keeps every answered allocation of 16 clients allocating through a SIGKILL o
     await killServing(daemon);
     // The clients carry on: each is answered again after the restart.
     const atRestart = answered.map((ids) => ids.length);
-    await eventually(() => (answered.every((ids, index) => ids.length > atRestart[index] + 1) ? true : undefined), 120_000, `every client to allocate again (refused: ${refused.join(',')})`);
+    await eventually(
+      () => (answered.every((ids, index) => ids.length > atRestart[index] + 1) ? true : undefined),
+      120_000,
+      `every client to allocate again (refused: ${refused.join(',')})`,
+    );
     stop = true;
     await Promise.all(loops);
-    const objects: Array<{ id: string; ownerSession: string }> = (await call(daemon.raw.admin, 'ListObjects', {})).objects.filter((o: any) => o.kind === 'allocation');
+    const objects: Array<{ id: string; ownerSession: string }> = (await call(daemon.raw.admin, 'ListObjects', {})).objects.filter(
+      (o: any) => o.kind === 'allocation',
+    );
     const ownerOf = new Map(objects.map((o) => [o.id, o.ownerSession]));
     const owners = new Set<string>();
     for (const ids of answered) {

@@ -42,11 +42,23 @@ export async function settledState(daemon: TestDaemon) {
 export async function killServing(daemon: TestDaemon): Promise<{ before: number; after: number }> {
   const before = servingPid(daemon.pid)!;
   process.kill(before, 'SIGKILL');
-  const after = await eventually(() => {
-    const pid = servingPid(daemon.pid);
-    return pid !== undefined && pid !== before ? pid : undefined;
-  }, 30_000, 'the keeper to start the daemon again');
-  await eventually(async () => (await call(daemon.raw.devices, 'ListDevices', {}).then(() => true, () => undefined)), 120_000, 'the daemon to serve again');
+  const after = await eventually(
+    () => {
+      const pid = servingPid(daemon.pid);
+      return pid !== undefined && pid !== before ? pid : undefined;
+    },
+    30_000,
+    'the keeper to start the daemon again',
+  );
+  await eventually(
+    async () =>
+      await call(daemon.raw.devices, 'ListDevices', {}).then(
+        () => true,
+        () => undefined,
+      ),
+    120_000,
+    'the daemon to serve again',
+  );
   return { before, after };
 }
 
@@ -60,7 +72,12 @@ export async function restartScenario(backend: 'host' | 'cuda'): Promise<void> {
     const texts = ['weights of model a', 'weights of model b', 'tokenizer c'];
     for (const [index, text] of texts.entries()) {
       const allocation = await maker.do({ op: 'call', api: 'vmm', method: 'create', args: { size: String(2n * MiB) } });
-      const store = await maker.do({ op: 'call', api: 'stores', method: 'createStore', args: { allocationId: allocation.id, name: `model-${index}`, handOver: true } });
+      const store = await maker.do({
+        op: 'call',
+        api: 'stores',
+        method: 'createStore',
+        args: { allocationId: allocation.id, name: `model-${index}`, handOver: true },
+      });
       await maker.do({ op: 'storeWrite', id: store.id, text });
     }
     const readOnly = await maker.do({ op: 'call', api: 'vmm', method: 'create', args: { size: String(2n * MiB) } });

@@ -28,10 +28,14 @@ describe('the keeper', () => {
     await killServing(daemon);
     await maker.kill();
     peers.splice(0);
-    const after = await eventually(async () => {
-      const now = await observed(daemon!);
-      return now.objects.some((o: any) => o.id === own.id) ? undefined : now;
-    }, 20_000, 'the grace to end');
+    const after = await eventually(
+      async () => {
+        const now = await observed(daemon!);
+        return now.objects.some((o: any) => o.id === own.id) ? undefined : now;
+      },
+      20_000,
+      'the grace to end',
+    );
     expect(after.stores.map((s: any) => s.name)).toEqual(['kept']);
     // The reclaimed allocation is no longer charged; the store's memory stays charged to whoever made it, as after any close.
     expect(Object.values(after.quotas.bySession)).toEqual([String(2n * MiB)]);
@@ -51,11 +55,23 @@ describe('the keeper', () => {
     const before = await observed(daemon);
     const old = servingPid(daemon.pid)!;
     process.kill(daemon.pid, 'SIGHUP');
-    await eventually(() => {
-      const pid = servingPid(daemon!.pid);
-      return pid !== undefined && pid !== old ? true : undefined;
-    }, 30_000, 'the new daemon');
-    await eventually(async () => (await call(daemon!.raw.devices, 'ListDevices', {}).then(() => true, () => undefined)), 60_000, 'the daemon to serve again');
+    await eventually(
+      () => {
+        const pid = servingPid(daemon!.pid);
+        return pid !== undefined && pid !== old ? true : undefined;
+      },
+      30_000,
+      'the new daemon',
+    );
+    await eventually(
+      async () =>
+        await call(daemon!.raw.devices, 'ListDevices', {}).then(
+          () => true,
+          () => undefined,
+        ),
+      60_000,
+      'the daemon to serve again',
+    );
     // The maker's session waits for it or is resumed by its client: the same either way (its end would reclaim).
     expect(await observed(daemon)).toEqual(before);
   }, 180_000);
@@ -71,11 +87,23 @@ describe('the keeper', () => {
     process.kill(daemon.pid, 'SIGHUP');
     await sleep(20);
     if (servingPid(daemon.pid) === old) process.kill(old, 'SIGKILL');
-    await eventually(() => {
-      const pid = servingPid(daemon!.pid);
-      return pid !== undefined && pid !== old ? true : undefined;
-    }, 30_000, 'the new daemon');
-    await eventually(async () => (await call(daemon!.raw.devices, 'ListDevices', {}).then(() => true, () => undefined)), 60_000, 'the daemon to serve again');
+    await eventually(
+      () => {
+        const pid = servingPid(daemon!.pid);
+        return pid !== undefined && pid !== old ? true : undefined;
+      },
+      30_000,
+      'the new daemon',
+    );
+    await eventually(
+      async () =>
+        await call(daemon!.raw.devices, 'ListDevices', {}).then(
+          () => true,
+          () => undefined,
+        ),
+      60_000,
+      'the daemon to serve again',
+    );
     expect(await observed(daemon)).toEqual(before);
   }, 180_000);
 
@@ -86,7 +114,12 @@ describe('the keeper', () => {
     // Loads race the kill: each is an allocation, a store of it and its bytes; some finish, some do not.
     const loads = Array.from({ length: 12 }, async (_, index) => {
       const allocation = await loader.do({ op: 'call', api: 'vmm', method: 'create', args: { size: String(2n * MiB) } });
-      const store = await loader.do({ op: 'call', api: 'stores', method: 'createStore', args: { allocationId: allocation.id, name: `load-${index}`, handOver: true } });
+      const store = await loader.do({
+        op: 'call',
+        api: 'stores',
+        method: 'createStore',
+        args: { allocationId: allocation.id, name: `load-${index}`, handOver: true },
+      });
       await loader.do({ op: 'storeWrite', id: store.id, text: `load ${index}` });
       return index;
     });

@@ -52,7 +52,10 @@ interface Report {
 function runPython(args: string[], socketDir: string): Promise<Report> {
   return new Promise((resolve, reject) => {
     const pythonPath = [PYTHON_PATH, process.env.PYTHONPATH].filter(Boolean).join(':');
-    const child = spawn(PYTHON, [PY_WORKER, ...args], { stdio: ['ignore', 'pipe', 'pipe'], env: { ...process.env, VMMD_SOCKET_DIR: socketDir, PYTHONPATH: pythonPath } });
+    const child = spawn(PYTHON, [PY_WORKER, ...args], {
+      stdio: ['ignore', 'pipe', 'pipe'],
+      env: { ...process.env, VMMD_SOCKET_DIR: socketDir, PYTHONPATH: pythonPath },
+    });
     let out = '';
     let err = '';
     child.stdout!.on('data', (chunk) => (out += chunk));
@@ -104,7 +107,8 @@ async function storeSums(dir: string): Promise<Record<string, string>> {
       const opened = await reader.stores.open({ name: listed.name });
       const hash = createHash('sha256');
       const size = BigInt(listed.size);
-      for (let offset = 0n; offset < size; offset += PIECE_BYTES) hash.update(await opened.memory.read(offset, size - offset < PIECE_BYTES ? size - offset : PIECE_BYTES));
+      for (let offset = 0n; offset < size; offset += PIECE_BYTES)
+        hash.update(await opened.memory.read(offset, size - offset < PIECE_BYTES ? size - offset : PIECE_BYTES));
       await opened.close();
       sums[listed.name] = hash.digest('hex');
     }
@@ -118,14 +122,37 @@ async function storeSums(dir: string): Promise<Record<string, string>> {
 async function killServing(daemon: TestDaemon): Promise<void> {
   const before = servingPid(daemon.pid)!;
   process.kill(before, 'SIGKILL');
-  await eventually(async () => (servingPid(daemon.pid) !== before && (await daemon.stats().then(() => true, () => undefined)) ? true : undefined), 30_000, 'the daemon to serve again');
+  await eventually(
+    async () =>
+      servingPid(daemon.pid) !== before &&
+      (await daemon.stats().then(
+        () => true,
+        () => undefined,
+      ))
+        ? true
+        : undefined,
+    30_000,
+    'the daemon to serve again',
+  );
 }
 
 /** SIGHUP to the keeper (a planned upgrade); resolves once the next daemon serves. */
 async function upgrade(daemon: TestDaemon): Promise<void> {
   const before = servingPid(daemon.pid)!;
   process.kill(daemon.pid, 'SIGHUP');
-  await eventually(async () => (servingPid(daemon.pid) !== undefined && servingPid(daemon.pid) !== before && (await daemon.stats().then(() => true, () => undefined)) ? true : undefined), 30_000, 'the new daemon to serve');
+  await eventually(
+    async () =>
+      servingPid(daemon.pid) !== undefined &&
+      servingPid(daemon.pid) !== before &&
+      (await daemon.stats().then(
+        () => true,
+        () => undefined,
+      ))
+        ? true
+        : undefined,
+    30_000,
+    'the new daemon to serve',
+  );
 }
 
 const NAMES = { kill: 'kill -9', upgrade: 'planned upgrade', 'take-over': 'take-over by a new daemon' } as const;
@@ -196,13 +223,21 @@ export async function resumeScenario(
     expect(firstErrors).toEqual([]);
     expect(reports.filter((report) => !report.ownedMatches).map((report) => ({ session: report.session, owned: report.owned, mine: report.mine }))).toEqual([]);
     const unsound = reports.filter((report) => !report.chargeMatches || report.intact !== report.held || report.ops === 0);
-    expect(unsound.map((report) => ({ session: report.session, charged: report.charged, held: report.held, intact: report.intact, ops: report.ops }))).toEqual([]);
+    expect(unsound.map((report) => ({ session: report.session, charged: report.charged, held: report.held, intact: report.intact, ops: report.ops }))).toEqual(
+      [],
+    );
     // Every session is gone with its client; nothing is left over.
     await eventually(async () => ((await daemon.stats()).sessions === 0 ? true : undefined), 20_000, 'the sessions to close');
     // A closed session's objects are reclaimed just after it leaves the count: only the stores' allocations stay; a leftover is named (id, owner).
-    await eventually(async () => ((await daemon.stats()).allocations === String(STORES) ? true : undefined), 20_000, "the sessions' allocations to be reclaimed").catch(() => undefined);
+    await eventually(
+      async () => ((await daemon.stats()).allocations === String(STORES) ? true : undefined),
+      20_000,
+      "the sessions' allocations to be reclaimed",
+    ).catch(() => undefined);
     const stores = new Set((await call(daemon.raw.stores, 'List', {})).stores.map((store: { allocationId: string }) => String(store.allocationId)));
-    const left = (await call(daemon.raw.admin, 'ListObjects', {})).objects.filter((o: { kind: string; id: string }) => o.kind === 'allocation' && !stores.has(String(o.id)));
+    const left = (await call(daemon.raw.admin, 'ListObjects', {})).objects.filter(
+      (o: { kind: string; id: string }) => o.kind === 'allocation' && !stores.has(String(o.id)),
+    );
     expect(left).toEqual([]);
     expect((await daemon.stats()).allocations).toBe(String(STORES));
     expect(sumsAfter).toEqual(Object.fromEntries(sums.map((sum, i) => [`weights-${i}`, sum.whole])));
@@ -212,4 +247,3 @@ export async function resumeScenario(
     await daemon.stop();
   }
 }
-

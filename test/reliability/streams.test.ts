@@ -106,7 +106,16 @@ describe('server streams whose readers stop (host)', () => {
     // garbage V8 has not collected yet: uncapped, the full size grew 94 MiB; capped at 48 MiB, 17 MiB.
     // Every watcher here is root's: its uid's budgets of server streams and connections are raised to hold them all.
     daemon = await TestDaemon.start(
-      ['--host-capacity', '64MiB', '--stream-stall-ms', '600000', '--max-server-streams-per-uid', String(WATCHERS + 2), '--max-connections-per-uid', String(WATCHERS + 8)],
+      [
+        '--host-capacity',
+        '64MiB',
+        '--stream-stall-ms',
+        '600000',
+        '--max-server-streams-per-uid',
+        String(WATCHERS + 2),
+        '--max-connections-per-uid',
+        String(WATCHERS + 8),
+      ],
       'host',
       { NODE_OPTIONS: '--max-old-space-size=64' },
     );
@@ -180,7 +189,9 @@ describe('server streams whose readers stop (host)', () => {
     const baseline = objectsOf(await daemon.stats());
     const before = await rss();
     // Many readers of the whole range, none reading.
-    const streams = Array.from({ length: READERS }, () => stalledStream(daemon!.dir, 'VirtualMemory', 'Read', { address: String(address), length: String(size) }, owner.session.token));
+    const streams = Array.from({ length: READERS }, () =>
+      stalledStream(daemon!.dir, 'VirtualMemory', 'Read', { address: String(address), length: String(size) }, owner.session.token),
+    );
     await sleep(1_500);
     const during = await rss();
     let stalled = 0;
@@ -197,6 +208,13 @@ describe('server streams whose readers stop (host)', () => {
     await eventually(async () => ((await daemon!.stats()).sessions === 0 ? true : undefined), 5_000, 'the session to close');
     expect(objectsOf(await daemon.stats())).toMatchObject({ reservations: '0', allocations: '0', mappings: '0' });
     const growthMiB = (during - before) / 2 ** 20;
-    figure('streams-read-host', { readers: READERS, rangeMiB: Number(size / MiB), tried: READERS, refused: stalled, rssGrowthWhileStalledMiB: Math.round(growthMiB * 10) / 10, leaked: 0 });
+    figure('streams-read-host', {
+      readers: READERS,
+      rangeMiB: Number(size / MiB),
+      tried: READERS,
+      refused: stalled,
+      rssGrowthWhileStalledMiB: Math.round(growthMiB * 10) / 10,
+      leaked: 0,
+    });
   });
 });

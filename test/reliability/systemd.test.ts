@@ -59,7 +59,9 @@ function adaptedUnit(unit: string, socketDir: string): string {
   for (const line of unit.split('\n')) {
     if (/^(User|Group|After|Wants)=/.test(line)) continue;
     if (line.startsWith('ExecStart=')) {
-      out.push(`ExecStart=/bin/sh -c 'exec ${process.execPath} ${path.join(packageRoot(), 'bin', 'vmmd.js')} --socket-dir ${socketDir} --backend host --host-capacity 256MiB --parked-grace-ms 600000'`);
+      out.push(
+        `ExecStart=/bin/sh -c 'exec ${process.execPath} ${path.join(packageRoot(), 'bin', 'vmmd.js')} --socket-dir ${socketDir} --backend host --host-capacity 256MiB --parked-grace-ms 600000'`,
+      );
       continue;
     }
     out.push(line);
@@ -78,19 +80,31 @@ class NamespacedSystemd {
 
   static async boot(units: string): Promise<NamespacedSystemd> {
     const unshare = spawn('unshare', ['--pid', '--fork', '--mount', '/bin/sh', '-c', BOOT, units], { stdio: 'ignore' });
-    const pid = await eventually(() => {
-      const children = fs.readFileSync(`/proc/${unshare.pid}/task/${unshare.pid}/children`, 'utf8').trim();
-      return children === '' ? undefined : Number(children.split(' ')[0]);
-    }, 10_000, 'unshare to start systemd');
+    const pid = await eventually(
+      () => {
+        const children = fs.readFileSync(`/proc/${unshare.pid}/task/${unshare.pid}/children`, 'utf8').trim();
+        return children === '' ? undefined : Number(children.split(' ')[0]);
+      },
+      10_000,
+      'unshare to start systemd',
+    );
     const systemd = new NamespacedSystemd(unshare, pid);
-    await eventually(() => (/^(running|degraded|starting)$/.test(systemd.systemctl('is-system-running').trim()) ? true : undefined), 30_000, 'systemd to answer');
+    await eventually(
+      () => (/^(running|degraded|starting)$/.test(systemd.systemctl('is-system-running').trim()) ? true : undefined),
+      30_000,
+      'systemd to answer',
+    );
     return systemd;
   }
 
   /** systemctl inside the namespace; its output (a non-zero exit is not an error: is-active and is-system-running use it). */
   systemctl(...args: string[]): string {
     try {
-      return execFileSync('nsenter', ['-t', String(this.pid), '-m', '-p', 'systemctl', ...args], { encoding: 'utf8', timeout: 120_000, stdio: ['ignore', 'pipe', 'ignore'] });
+      return execFileSync('nsenter', ['-t', String(this.pid), '-m', '-p', 'systemctl', ...args], {
+        encoding: 'utf8',
+        timeout: 120_000,
+        stdio: ['ignore', 'pipe', 'ignore'],
+      });
     } catch (error) {
       return String((error as { stdout?: string }).stdout ?? '');
     }
@@ -98,7 +112,12 @@ class NamespacedSystemd {
 
   show(unit: string): Record<string, string> {
     const text = this.systemctl('show', unit, '-p', 'MainPID,NFileDescriptorStore,NRestarts,SubState,ActiveState');
-    return Object.fromEntries(text.trim().split('\n').map((line) => [line.slice(0, line.indexOf('=')), line.slice(line.indexOf('=') + 1)]));
+    return Object.fromEntries(
+      text
+        .trim()
+        .split('\n')
+        .map((line) => [line.slice(0, line.indexOf('=')), line.slice(line.indexOf('=') + 1)]),
+    );
   }
 
   /** PID 1 killed: the kernel kills every process of the namespace with it. */
@@ -112,77 +131,95 @@ const why = cannotBoot();
 if (why !== undefined) console.log(`systemd test skipped: ${why}`);
 
 describe("a real systemd's file-descriptor store", () => {
-  (why === undefined ? it : it.skip)('keeps the stores and allocations through SIGKILL of the daemon and systemctl restart', async () => {
-    const units = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-systemd-'));
-    // In /dev/shm: the namespace's /tmp is its own.
-    const socketDir = fs.mkdtempSync('/dev/shm/vmmd-systemd-');
-    fs.writeFileSync(path.join(units, 'vmmd.service'), adaptedUnit(fs.readFileSync(UNIT, 'utf8'), socketDir));
-    fs.writeFileSync(path.join(units, 'vmmd-test.target'), '[Unit]\nDescription=vmmd under a real systemd\n');
-    let systemd: NamespacedSystemd | undefined;
-    let client: Awaited<ReturnType<typeof connect>> | undefined;
-    try {
+  (why === undefined ? it : it.skip)(
+    'keeps the stores and allocations through SIGKILL of the daemon and systemctl restart',
+    async () => {
+      const units = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-systemd-'));
+      // In /dev/shm: the namespace's /tmp is its own.
+      const socketDir = fs.mkdtempSync('/dev/shm/vmmd-systemd-');
+      fs.writeFileSync(path.join(units, 'vmmd.service'), adaptedUnit(fs.readFileSync(UNIT, 'utf8'), socketDir));
+      fs.writeFileSync(path.join(units, 'vmmd-test.target'), '[Unit]\nDescription=vmmd under a real systemd\n');
+      let systemd: NamespacedSystemd | undefined;
+      let client: Awaited<ReturnType<typeof connect>> | undefined;
       try {
-        systemd = await NamespacedSystemd.boot(units);
-      } catch (error) {
-        if (process.env.VMMD_SYSTEMD === 'required') throw error;
-        console.log(`systemd test skipped: systemd did not boot in a PID namespace: ${(error as Error).message}`);
-        return;
+        try {
+          systemd = await NamespacedSystemd.boot(units);
+        } catch (error) {
+          if (process.env.VMMD_SYSTEMD === 'required') throw error;
+          console.log(`systemd test skipped: systemd did not boot in a PID namespace: ${(error as Error).message}`);
+          return;
+        }
+        systemd.systemctl('start', 'vmmd.service');
+        expect(systemd.show('vmmd.service')).toMatchObject({ ActiveState: 'active', SubState: 'running', NFileDescriptorStore: '1' });
+
+        client = await connect({ socketDir });
+        const storeBytes = Buffer.alloc(Number(4n * MiB), 'weights kept by systemd ');
+        const loaded = await client.vmm.allocate({ size: 4n * MiB });
+        await loaded.write(0, storeBytes);
+        await loaded.close();
+        await client.stores.createStore({ allocationId: loaded.allocationId, name: 'sd-weights', readOnly: true, handOver: true });
+        await client.vmm.release({ allocationId: loaded.allocationId });
+        const own = await client.vmm.allocate({ size: 2n * MiB });
+        const ownBytes = Buffer.alloc(4096, 'the session keeps this ');
+        await own.write(0, ownBytes);
+        // The journal and the two memfds.
+        expect(systemd.show('vmmd.service').NFileDescriptorStore).toBe('3');
+
+        const check = async () => {
+          const stores = await client!.stores.list();
+          const opened = await client!.stores.open({ name: 'sd-weights' });
+          const sum = createHash('sha256')
+            .update(await opened.memory.read(0, 4n * MiB))
+            .digest('hex');
+          await opened.close();
+          const owned = (await client!.admin.listObjects({})).objects
+            .filter((o) => o.kind === 'allocation' && o.ownerSession === client!.session.id)
+            .map((o) => String(o.id))
+            .sort();
+          return {
+            stores: stores.map((s) => s.name),
+            storeSame: sum === createHash('sha256').update(storeBytes).digest('hex'),
+            owned,
+            ownBytesSame: (await own.read(0, 4096)).equals(ownBytes),
+          };
+        };
+        // The store's memory stays its maker's (released, held by the store), as without a restart.
+        const expected = { stores: ['sd-weights'], storeSame: true, owned: [String(loaded.allocationId), String(own.allocationId)].sort(), ownBytesSame: true };
+        expect(await check()).toEqual(expected);
+
+        const before = systemd.show('vmmd.service');
+        const killed = Date.now();
+        systemd.systemctl('kill', '--kill-whom=main', '-s', 'SIGKILL', 'vmmd.service');
+        const afterKill = await eventually(
+          () => {
+            const now = systemd!.show('vmmd.service');
+            return now.MainPID !== before.MainPID && now.MainPID !== '0' && now.SubState === 'running' ? now : undefined;
+          },
+          60_000,
+          'systemd to start the daemon again',
+        );
+        const servedMs = Date.now() - killed;
+        expect(afterKill).toMatchObject({ NRestarts: '1', NFileDescriptorStore: '3' });
+        expect(await check()).toEqual(expected);
+
+        systemd.systemctl('restart', 'vmmd.service');
+        const afterRestart = systemd.show('vmmd.service');
+        expect(afterRestart).toMatchObject({ SubState: 'running', NFileDescriptorStore: '3' });
+        expect(afterRestart.MainPID).not.toBe(afterKill.MainPID);
+        expect(await check()).toEqual(expected);
+        figure('a real systemd (252, PID 1 of a PID namespace): deploy/vmmd.service', {
+          fd_store_descriptors: Number(afterRestart.NFileDescriptorStore),
+          sigkill_restarts: Number(afterKill.NRestarts),
+          sigkill_to_running_ms: servedMs,
+          store_and_allocation_kept_through_sigkill_and_restart: true,
+        });
+      } finally {
+        client?.close();
+        systemd?.kill();
+        fs.rmSync(units, { recursive: true, force: true });
+        fs.rmSync(socketDir, { recursive: true, force: true });
       }
-      systemd.systemctl('start', 'vmmd.service');
-      expect(systemd.show('vmmd.service')).toMatchObject({ ActiveState: 'active', SubState: 'running', NFileDescriptorStore: '1' });
-
-      client = await connect({ socketDir });
-      const storeBytes = Buffer.alloc(Number(4n * MiB), 'weights kept by systemd ');
-      const loaded = await client.vmm.allocate({ size: 4n * MiB });
-      await loaded.write(0, storeBytes);
-      await loaded.close();
-      await client.stores.createStore({ allocationId: loaded.allocationId, name: 'sd-weights', readOnly: true, handOver: true });
-      await client.vmm.release({ allocationId: loaded.allocationId });
-      const own = await client.vmm.allocate({ size: 2n * MiB });
-      const ownBytes = Buffer.alloc(4096, 'the session keeps this ');
-      await own.write(0, ownBytes);
-      // The journal and the two memfds.
-      expect(systemd.show('vmmd.service').NFileDescriptorStore).toBe('3');
-
-      const check = async () => {
-        const stores = await client!.stores.list();
-        const opened = await client!.stores.open({ name: 'sd-weights' });
-        const sum = createHash('sha256').update(await opened.memory.read(0, 4n * MiB)).digest('hex');
-        await opened.close();
-        const owned = (await client!.admin.listObjects({})).objects.filter((o) => o.kind === 'allocation' && o.ownerSession === client!.session.id).map((o) => String(o.id)).sort();
-        return { stores: stores.map((s) => s.name), storeSame: sum === createHash('sha256').update(storeBytes).digest('hex'), owned, ownBytesSame: (await own.read(0, 4096)).equals(ownBytes) };
-      };
-      // The store's memory stays its maker's (released, held by the store), as without a restart.
-      const expected = { stores: ['sd-weights'], storeSame: true, owned: [String(loaded.allocationId), String(own.allocationId)].sort(), ownBytesSame: true };
-      expect(await check()).toEqual(expected);
-
-      const before = systemd.show('vmmd.service');
-      const killed = Date.now();
-      systemd.systemctl('kill', '--kill-whom=main', '-s', 'SIGKILL', 'vmmd.service');
-      const afterKill = await eventually(() => {
-        const now = systemd!.show('vmmd.service');
-        return now.MainPID !== before.MainPID && now.MainPID !== '0' && now.SubState === 'running' ? now : undefined;
-      }, 60_000, 'systemd to start the daemon again');
-      const servedMs = Date.now() - killed;
-      expect(afterKill).toMatchObject({ NRestarts: '1', NFileDescriptorStore: '3' });
-      expect(await check()).toEqual(expected);
-
-      systemd.systemctl('restart', 'vmmd.service');
-      const afterRestart = systemd.show('vmmd.service');
-      expect(afterRestart).toMatchObject({ SubState: 'running', NFileDescriptorStore: '3' });
-      expect(afterRestart.MainPID).not.toBe(afterKill.MainPID);
-      expect(await check()).toEqual(expected);
-      figure('a real systemd (252, PID 1 of a PID namespace): deploy/vmmd.service', {
-        fd_store_descriptors: Number(afterRestart.NFileDescriptorStore),
-        sigkill_restarts: Number(afterKill.NRestarts),
-        sigkill_to_running_ms: servedMs,
-        store_and_allocation_kept_through_sigkill_and_restart: true,
-      });
-    } finally {
-      client?.close();
-      systemd?.kill();
-      fs.rmSync(units, { recursive: true, force: true });
-      fs.rmSync(socketDir, { recursive: true, force: true });
-    }
-  }, 180_000);
+    },
+    180_000,
+  );
 });

@@ -18,7 +18,9 @@ const HAND_OVER = 'vmmd.handover.sock';
 
 /** `vmmd --take-over` on `dir`: the process, and its exit status and what it said once it ends. */
 function startTakeOver(dir: string, extra: string[] = []): { child: ChildProcess; result: Promise<{ code: number | null; output: string }> } {
-  const child = spawn(process.execPath, [DAEMON, '--backend', 'host', '--socket-dir', dir, '--take-over', 'on', '--log-level', 'warn', ...extra], { stdio: ['ignore', 'pipe', 'pipe'] });
+  const child = spawn(process.execPath, [DAEMON, '--backend', 'host', '--socket-dir', dir, '--take-over', 'on', '--log-level', 'warn', ...extra], {
+    stdio: ['ignore', 'pipe', 'pipe'],
+  });
   let output = '';
   child.stdout!.on('data', (chunk) => (output += chunk));
   child.stderr!.on('data', (chunk) => (output += chunk));
@@ -68,7 +70,12 @@ async function populate(daemon: TestDaemon, peers: Peer[]) {
   peers.push(maker);
   for (const [index, text] of ['weights of model a', 'weights of model b'].entries()) {
     const allocation = await maker.do({ op: 'call', api: 'vmm', method: 'create', args: { size: String(2n * MiB) } });
-    const store = await maker.do({ op: 'call', api: 'stores', method: 'createStore', args: { allocationId: allocation.id, name: `model-${index}`, handOver: true } });
+    const store = await maker.do({
+      op: 'call',
+      api: 'stores',
+      method: 'createStore',
+      args: { allocationId: allocation.id, name: `model-${index}`, handOver: true },
+    });
     await maker.do({ op: 'storeWrite', id: store.id, text });
   }
   const frozen = await maker.do({ op: 'call', api: 'vmm', method: 'create', args: { size: String(2n * MiB) } });
@@ -99,7 +106,12 @@ async function checksums(dir: string): Promise<Record<string, string>> {
 }
 
 /** Everything is as before on `daemon`: stores, bytes, allocations, owners, quota charges, the share key's bytes; the maker's session carries on. */
-async function expectIntact(daemon: TestDaemon, before: Awaited<ReturnType<typeof observed>>, sums: Record<string, string>, made: Awaited<ReturnType<typeof populate>>) {
+async function expectIntact(
+  daemon: TestDaemon,
+  before: Awaited<ReturnType<typeof observed>>,
+  sums: Record<string, string>,
+  made: Awaited<ReturnType<typeof populate>>,
+) {
   expect(await observed(daemon)).toEqual(before);
   expect(await checksums(daemon.dir)).toEqual(sums);
   const reader = await Peer.start(daemon.dir);
@@ -166,7 +178,11 @@ describe('vmmd --take-over', () => {
     expect(received).toBeGreaterThan(0);
     dying.close();
     // The old one stopped serving (it had stopped accepting) but lives on, holding everything.
-    await eventually(() => (old.logs.some((line) => line.includes('went away before it served')) ? true : undefined), 30_000, 'the old daemon to see the successor gone');
+    await eventually(
+      () => (old.logs.some((line) => line.includes('went away before it served')) ? true : undefined),
+      30_000,
+      'the old daemon to see the successor gone',
+    );
     expect(old.process.exitCode).toBeNull();
     expect(fs.existsSync(path.join(old.dir, 'vmmd.sock'))).toBe(false);
     const next = await TestDaemon.takeOver(old, held);
@@ -253,7 +269,9 @@ describe('vmmd --take-over', () => {
       const poll = () => { const got = addon.unixDgramRecvFds(fd, 65536); if (got === null) return setTimeout(poll, 5); process.stdout.write(got.data.toString()); };
       poll();`;
     const reply = await new Promise<string>((resolve, reject) => {
-      const child = spawn('setpriv', ['--reuid=65534', '--regid=65534', '--clear-groups', '--', process.execPath, '-e', script], { stdio: ['ignore', 'pipe', 'pipe'] });
+      const child = spawn('setpriv', ['--reuid=65534', '--regid=65534', '--clear-groups', '--', process.execPath, '-e', script], {
+        stdio: ['ignore', 'pipe', 'pipe'],
+      });
       let out = '';
       let err = '';
       child.stdout!.on('data', (chunk) => (out += chunk));
@@ -301,7 +319,7 @@ describe('vmmd --take-over', () => {
     await expectIntact(next, before, sums, made);
   }, 240_000);
 
-  it("a new daemon that goes away in the middle of a take-over from the keeper: the keeper serves again with everything", async () => {
+  it('a new daemon that goes away in the middle of a take-over from the keeper: the keeper serves again with everything', async () => {
     const keeper = await TestDaemon.start(['--keeper', 'on', '--quota-per-uid', '64MiB', '--parked-grace-ms', '600000']);
     daemons.push(keeper);
     const made = await populate(keeper, peers);
@@ -315,7 +333,15 @@ describe('vmmd --take-over', () => {
       for (const fd of next.fds) addon.close(fd);
     }
     dying.close();
-    await eventually(async () => (await call(keeper.raw.devices, 'ListDevices', {}).then(() => true, () => undefined)), 60_000, 'the keeper to serve again');
+    await eventually(
+      async () =>
+        await call(keeper.raw.devices, 'ListDevices', {}).then(
+          () => true,
+          () => undefined,
+        ),
+      60_000,
+      'the keeper to serve again',
+    );
     expect(keeper.process.exitCode).toBeNull();
     await expectIntact(keeper, before, sums, made);
   }, 240_000);

@@ -37,11 +37,21 @@ async function victim(dir: string): Promise<string> {
   if (!isRoot) return 'not run (not root)';
   const started = Date.now();
   const outcomes: Array<{ ok: boolean; code?: string }> = await new Promise((resolve, reject) => {
-    const child = spawn(process.execPath, [CALLER], { stdio: ['pipe', 'pipe', 'pipe'], env: { ...process.env, VMMD_SOCKET_DIR: dir }, uid: NOBODY, gid: NOBODY });
+    const child = spawn(process.execPath, [CALLER], {
+      stdio: ['pipe', 'pipe', 'pipe'],
+      env: { ...process.env, VMMD_SOCKET_DIR: dir },
+      uid: NOBODY,
+      gid: NOBODY,
+    });
     let out = '';
     child.stdout.on('data', (chunk) => (out += chunk));
     child.on('exit', (code) => (code === 0 ? resolve(JSON.parse(out)) : reject(new Error(`raw-caller exited ${code}`))));
-    child.stdin.end(JSON.stringify([{ service: 'Devices', method: 'ListDevices', request: {} }, { service: 'Admin', method: 'GetStats', request: {} }]));
+    child.stdin.end(
+      JSON.stringify([
+        { service: 'Devices', method: 'ListDevices', request: {} },
+        { service: 'Admin', method: 'GetStats', request: {} },
+      ]),
+    );
   });
   return `${outcomes.map((outcome) => (outcome.ok ? 'OK' : outcome.code)).join('+')} in ${Date.now() - started} ms`;
 }
@@ -92,7 +102,19 @@ describe('transport attacks at default settings (host)', () => {
     for (const reader of readers) reader.close();
     await sleep(2_000);
     const after = usage(daemon);
-    figure('transport-read-streams', { streams: READERS, open, refused, connectionsClosed: cut, rssBeforeMB: before.rssMB, rssDuringMB: during.rssMB, rssAfterMB: after.rssMB, fdsBefore: before.fds, fdsDuring: during.fds, fdsAfter: after.fds, victim: seen });
+    figure('transport-read-streams', {
+      streams: READERS,
+      open,
+      refused,
+      connectionsClosed: cut,
+      rssBeforeMB: before.rssMB,
+      rssDuringMB: during.rssMB,
+      rssAfterMB: after.rssMB,
+      fdsBefore: before.fds,
+      fdsDuring: during.fds,
+      fdsAfter: after.fds,
+      victim: seen,
+    });
     expect(open).toBe(16);
     expect(during.rssMB - before.rssMB).toBeLessThan(100);
   });
@@ -111,7 +133,14 @@ describe('transport attacks at default settings (host)', () => {
       if (now.rssMB > peak.rssMB) peak = now;
     }, 50);
     // Each on its own connection, as separate clients would.
-    const clients = Array.from({ length: WRITERS }, () => new (loadProtos().proto.vmmd.v1 as any).Stores(`unix://${socketPaths(daemon!.dir).grpc}`, grpc.credentials.createInsecure(), { 'grpc.max_send_message_length': 64 << 20, 'grpc.use_local_subchannel_pool': 1 }));
+    const clients = Array.from(
+      { length: WRITERS },
+      () =>
+        new (loadProtos().proto.vmmd.v1 as any).Stores(`unix://${socketPaths(daemon!.dir).grpc}`, grpc.credentials.createInsecure(), {
+          'grpc.max_send_message_length': 64 << 20,
+          'grpc.use_local_subchannel_pool': 1,
+        }),
+    );
     await Promise.all(
       clients.map(
         (client) =>
@@ -132,7 +161,17 @@ describe('transport attacks at default settings (host)', () => {
     await sleep(2_000);
     const after = usage(daemon);
     const counts = outcomes.reduce<Record<string, number>>((all, outcome) => ({ ...all, [outcome]: (all[outcome] ?? 0) + 1 }), {});
-    figure('transport-write-streams', { streams: WRITERS, outcomes: JSON.stringify(counts), rssBeforeMB: before.rssMB, rssPeakMB: peak.rssMB, rssAfterMB: after.rssMB, fdsBefore: before.fds, fdsPeak: peak.fds, fdsAfter: after.fds, victim: seen });
+    figure('transport-write-streams', {
+      streams: WRITERS,
+      outcomes: JSON.stringify(counts),
+      rssBeforeMB: before.rssMB,
+      rssPeakMB: peak.rssMB,
+      rssAfterMB: after.rssMB,
+      fdsBefore: before.fds,
+      fdsPeak: peak.fds,
+      fdsAfter: after.fds,
+      victim: seen,
+    });
     expect(peak.rssMB - before.rssMB).toBeLessThan(200);
 
     // Within the message limit: the same 32 streams, each 64 MiB in messages just under 2 MiB.
@@ -144,7 +183,13 @@ describe('transport attacks at default settings (host)', () => {
       if (now.rssMB > fittingPeak.rssMB) fittingPeak = now;
     }, 50);
     const fittingOutcomes: string[] = [];
-    const more = Array.from({ length: WRITERS }, () => new (loadProtos().proto.vmmd.v1 as any).Stores(`unix://${socketPaths(daemon!.dir).grpc}`, grpc.credentials.createInsecure(), { 'grpc.use_local_subchannel_pool': 1 }));
+    const more = Array.from(
+      { length: WRITERS },
+      () =>
+        new (loadProtos().proto.vmmd.v1 as any).Stores(`unix://${socketPaths(daemon!.dir).grpc}`, grpc.credentials.createInsecure(), {
+          'grpc.use_local_subchannel_pool': 1,
+        }),
+    );
     await Promise.all(
       more.map(
         (client) =>
@@ -161,7 +206,12 @@ describe('transport attacks at default settings (host)', () => {
     clearInterval(fittingSampler);
     for (const client of more) grpc.Client.prototype.close.call(client);
     const fittingCounts = fittingOutcomes.reduce<Record<string, number>>((all, outcome) => ({ ...all, [outcome]: (all[outcome] ?? 0) + 1 }), {});
-    figure('transport-write-streams-within-limit', { streams: WRITERS, outcomes: JSON.stringify(fittingCounts), rssBeforeMB: base.rssMB, rssPeakMB: fittingPeak.rssMB });
+    figure('transport-write-streams-within-limit', {
+      streams: WRITERS,
+      outcomes: JSON.stringify(fittingCounts),
+      rssBeforeMB: base.rssMB,
+      rssPeakMB: fittingPeak.rssMB,
+    });
   });
 
   it("closes idle connections past a uid's budget at accept; another uid is served", async () => {
@@ -195,7 +245,18 @@ describe('transport attacks at default settings (host)', () => {
     for (const socket of sockets) socket.destroy();
     await sleep(2_000);
     const after = usage(daemon);
-    figure('transport-connections', { connections: CONNECTIONS, closedByDaemon, refusedAtConnect: stillRefused, rssBeforeMB: before.rssMB, rssDuringMB: during.rssMB, rssAfterMB: after.rssMB, fdsBefore: before.fds, fdsDuring: during.fds, fdsAfter: after.fds, victim: seen });
+    figure('transport-connections', {
+      connections: CONNECTIONS,
+      closedByDaemon,
+      refusedAtConnect: stillRefused,
+      rssBeforeMB: before.rssMB,
+      rssDuringMB: during.rssMB,
+      rssAfterMB: after.rssMB,
+      fdsBefore: before.fds,
+      fdsDuring: during.fds,
+      fdsAfter: after.fds,
+      victim: seen,
+    });
     expect(closedByDaemon).toBeGreaterThan(CONNECTIONS - 64);
     if (isRoot) expect(seen).toMatch(/^OK\+OK/);
   });

@@ -65,7 +65,8 @@ jest.mock('../../native/index', () => {
     },
     cudaMap: async (address: bigint, size: bigint, _offset: bigint, handle: bigint) => {
       for (const [base, mapping] of driver.mappings) {
-        if (address < base + mapping.size && base < address + size) throw Object.assign(new Error('CUDA_ERROR_INVALID_VALUE: cuMemMap'), { code: 'CUDA_ERROR_INVALID_VALUE' });
+        if (address < base + mapping.size && base < address + size)
+          throw Object.assign(new Error('CUDA_ERROR_INVALID_VALUE: cuMemMap'), { code: 'CUDA_ERROR_INVALID_VALUE' });
       }
       driver.mappings.set(address, { size, handle });
     },

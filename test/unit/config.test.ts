@@ -106,9 +106,7 @@ describe('--busy-poll-us', () => {
     expect(run([], { VMMD_BUSY_POLL_US: '350' }).busyPollMicros).toBe(350);
     expect(run(['--busy-poll-us', '50'], { VMMD_BUSY_POLL_US: '350' }).busyPollMicros).toBe(50);
   });
-  it.each(['-1', '10001', '2.5', 'fast'])('refuses %j naming the flag', (text) =>
-    expect(() => run(['--busy-poll-us', text])).toThrow(/--busy-poll-us/),
-  );
+  it.each(['-1', '10001', '2.5', 'fast'])('refuses %j naming the flag', (text) => expect(() => run(['--busy-poll-us', text])).toThrow(/--busy-poll-us/));
 });
 
 describe('the per-uid budgets', () => {
@@ -122,7 +120,20 @@ describe('the per-uid budgets', () => {
     });
   });
   it('are read from flags, else the environment, else the config file; 0 is no limit', () => {
-    expect(run(['--max-mappings-per-uid', '64', '--max-reservations-per-uid', '0', '--max-address-space-per-uid', '1TiB', '--max-stores-per-uid', '8', '--max-allocations-per-uid', '16'])).toMatchObject({
+    expect(
+      run([
+        '--max-mappings-per-uid',
+        '64',
+        '--max-reservations-per-uid',
+        '0',
+        '--max-address-space-per-uid',
+        '1TiB',
+        '--max-stores-per-uid',
+        '8',
+        '--max-allocations-per-uid',
+        '16',
+      ]),
+    ).toMatchObject({
       maxMappingsPerUid: 64,
       maxReservationsPerUid: 0,
       maxAddressSpacePerUid: 1n << 40n,
@@ -197,7 +208,9 @@ describe('--take-over and --park held', () => {
   });
   it('refuses a take-over that would hold nothing, or the keeper taking over', () => {
     expect(() => run(['--take-over', 'on', '--park', 'off'])).toThrow(/^--take-over: a daemon that takes over holds what it takes; --park off holds nothing$/);
-    expect(() => run(['--take-over', 'on', '--keeper', 'on'])).toThrow(/^--take-over: the keeper takes over nothing; under it an upgrade is SIGHUP to the keeper$/);
+    expect(() => run(['--take-over', 'on', '--keeper', 'on'])).toThrow(
+      /^--take-over: the keeper takes over nothing; under it an upgrade is SIGHUP to the keeper$/,
+    );
     expect(() => run(['--park', 'kept'])).toThrow(/--park/);
   });
 });

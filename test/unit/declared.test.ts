@@ -37,7 +37,10 @@ function compileErrors(source: string): string[] {
   });
   const errors = ts.getPreEmitDiagnostics(program).filter((diagnostic) => diagnostic.file?.fileName === file);
   fs.rmSync(dir, { recursive: true, force: true });
-  return errors.map((diagnostic) => `${diagnostic.file!.getLineAndCharacterOfPosition(diagnostic.start!).line + 1}: ${ts.flattenDiagnosticMessageText(diagnostic.messageText, ' ')}`);
+  return errors.map(
+    (diagnostic) =>
+      `${diagnostic.file!.getLineAndCharacterOfPosition(diagnostic.start!).line + 1}: ${ts.flattenDiagnosticMessageText(diagnostic.messageText, ' ')}`,
+  );
 }
 
 describe('error codes', () => {

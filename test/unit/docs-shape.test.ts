@@ -18,7 +18,9 @@ const lineCount = (text: string) => text.split('\n').length - (text.endsWith('\n
 /** Tracked files, or undefined outside a git checkout (the GPU bundle has none). */
 function tracked(...paths: string[]): string[] | undefined {
   try {
-    return execFileSync('git', ['ls-files', '-z', '--', ...paths], { cwd: root, encoding: 'utf8' }).split('\0').filter(Boolean);
+    return execFileSync('git', ['ls-files', '-z', '--', ...paths], { cwd: root, encoding: 'utf8' })
+      .split('\0')
+      .filter(Boolean);
   } catch {
     return undefined;
   }

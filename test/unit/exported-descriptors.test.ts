@@ -142,10 +142,11 @@ describe('the close of a descriptor taken out for a release', () => {
     const cache = new ExportedDescriptors(4, {
       dup: (fd) => fd + 100,
       close: () => undefined,
-      closeAwaited: (fd) => new Promise<void>((resolve) => {
-        closing.push(fd);
-        finish = resolve;
-      }),
+      closeAwaited: (fd) =>
+        new Promise<void>((resolve) => {
+          closing.push(fd);
+          finish = resolve;
+        }),
     });
     cache.keep(1n, 7);
     const taken = cache.remove(1n)!;

@@ -190,7 +190,7 @@ export class FakeBackend implements Backend {
   async setAccess(address: bigint, size: bigint, grants: AccessGrant[]): Promise<void> {
     this.calls.push('setAccess');
     const access = grants.reduce((widest, grant) => Math.max(widest, grant.access), 0);
-    for (let cursor = address; cursor < address + size; ) {
+    for (let cursor = address; cursor < address + size;) {
       const mapping = this.mappings.find((m) => m.address <= cursor && cursor < m.address + m.size);
       if (mapping === undefined) fail('EINVAL', 'setAccess on unmapped memory');
       mapping.access = access;
@@ -213,7 +213,7 @@ export class FakeBackend implements Backend {
 
   private bytesAt(address: bigint, length: number, needed: number): Array<{ buffer: Buffer; start: number; count: number }> {
     const pieces = [];
-    for (let cursor = address; cursor < address + BigInt(length); ) {
+    for (let cursor = address; cursor < address + BigInt(length);) {
       const mapping = this.mappings.find((m) => m.address <= cursor && cursor < m.address + m.size);
       if (mapping === undefined || (mapping.access & needed) !== needed) fail('SIGSEGV', `access to ${cursor} would fault`);
       const end = address + BigInt(length) < mapping.address + mapping.size ? address + BigInt(length) : mapping.address + mapping.size;

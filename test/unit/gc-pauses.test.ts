@@ -64,5 +64,4 @@ describe('GC pauses', () => {
       pauses.stop();
     }
   });
-
 });

@@ -24,10 +24,14 @@ function tree(files: Record<string, string>): string {
 }
 
 function violations(dir: string): string[] {
-  const result = spawnSync(bin('depcruise'), ['server', 'client', 'native', 'common', '--config', path.join(root, '.dependency-cruiser.cjs'), '--output-type', 'json'], {
-    cwd: dir,
-    encoding: 'utf8',
-  });
+  const result = spawnSync(
+    bin('depcruise'),
+    ['server', 'client', 'native', 'common', '--config', path.join(root, '.dependency-cruiser.cjs'), '--output-type', 'json'],
+    {
+      cwd: dir,
+      encoding: 'utf8',
+    },
+  );
   const report = JSON.parse(result.stdout) as { summary: { violations: Array<{ from: string; to: string; rule: { name: string } }> } };
   return report.summary.violations.map((v) => `${v.rule.name}: ${v.from} -> ${v.to}`).sort();
 }
@@ -59,7 +63,10 @@ describe('lint rules', () => {
   });
 
   it('refuse a source file over 500 lines', () => {
-    const dir = tree({ 'server/long.ts': `/** A file too long. */\n${'export const x0 = 0;\n'.repeat(500)}`, 'server/short.ts': '/** A short file. */\nexport const y = 1;\n' });
+    const dir = tree({
+      'server/long.ts': `/** A file too long. */\n${'export const x0 = 0;\n'.repeat(500)}`,
+      'server/short.ts': '/** A short file. */\nexport const y = 1;\n',
+    });
     try {
       fs.copyFileSync(path.join(root, 'eslint.config.mjs'), path.join(dir, 'eslint.config.mjs'));
       fs.symlinkSync(path.join(root, 'node_modules'), path.join(dir, 'node_modules'));

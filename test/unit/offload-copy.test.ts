@@ -20,7 +20,7 @@ describe('copy pieces', () => {
     const source = 0x2000_0000_0000n;
     const length = 8n * GiB + 1n;
     const pieces = triples(copyPieces([{ target, source, length }]));
-    expect(pieces.length).toBe(Number(8n * GiB / CHUNK) + 1);
+    expect(pieces.length).toBe(Number((8n * GiB) / CHUNK) + 1);
     let offset = 0n;
     for (const [to, from, bytes] of pieces) {
       expect(to).toBe(target + offset);
@@ -34,8 +34,23 @@ describe('copy pieces', () => {
   });
 
   test('each pair is cut on its own; an empty pair gives none; an exact multiple has no short piece', () => {
-    const pieces = triples(copyPieces([{ target: 100n, source: 200n, length: 10n }, { target: 1000n, source: 2000n, length: 0n }, { target: 5000n, source: 6000n, length: 8n }], 4n));
-    expect(pieces).toEqual([[100n, 200n, 4n], [104n, 204n, 4n], [108n, 208n, 2n], [5000n, 6000n, 4n], [5004n, 6004n, 4n]]);
+    const pieces = triples(
+      copyPieces(
+        [
+          { target: 100n, source: 200n, length: 10n },
+          { target: 1000n, source: 2000n, length: 0n },
+          { target: 5000n, source: 6000n, length: 8n },
+        ],
+        4n,
+      ),
+    );
+    expect(pieces).toEqual([
+      [100n, 200n, 4n],
+      [104n, 204n, 4n],
+      [108n, 208n, 2n],
+      [5000n, 6000n, 4n],
+      [5004n, 6004n, 4n],
+    ]);
     expect(copyPieces([])).toHaveLength(0);
     expect(() => copyPieces([{ target: 0n, source: 0n, length: 1n }], 0n)).toThrow(RangeError);
   });
@@ -44,8 +59,15 @@ describe('copy pieces', () => {
     const pieces = copyPieces([{ target: 0n, source: 1000n, length: 5n }], 1n);
     const lanes = dealPieces(pieces, 2).map(triples);
     expect(lanes).toEqual([
-      [[0n, 1000n, 1n], [2n, 1002n, 1n], [4n, 1004n, 1n]],
-      [[1n, 1001n, 1n], [3n, 1003n, 1n]],
+      [
+        [0n, 1000n, 1n],
+        [2n, 1002n, 1n],
+        [4n, 1004n, 1n],
+      ],
+      [
+        [1n, 1001n, 1n],
+        [3n, 1003n, 1n],
+      ],
     ]);
     expect(dealPieces(copyPieces([{ target: 0n, source: 9n, length: 1n }]), 4)).toHaveLength(1);
   });

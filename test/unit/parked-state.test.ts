@@ -7,7 +7,22 @@ import { daemonArguments, DescriptorStore } from '../../server/lifecycle/keeper'
 import { emptyState, JournalLine, replay } from '../../server/lifecycle/parked-records';
 
 const allocation = (id: string, owner = '5') =>
-  ({ t: 'a', a: { id, fd: `m${id}`, owner, device: 0, deviceUuid: '', location: { type: 'DEVICE', id: 0 }, size: '2097152', handleTypes: ['POSIX_FD'], imported: false, references: [[owner, 1]] }, next: String(Number(id) + 1) }) as JournalLine;
+  ({
+    t: 'a',
+    a: {
+      id,
+      fd: `m${id}`,
+      owner,
+      device: 0,
+      deviceUuid: '',
+      location: { type: 'DEVICE', id: 0 },
+      size: '2097152',
+      handleTypes: ['POSIX_FD'],
+      imported: false,
+      references: [[owner, 1]],
+    },
+    next: String(Number(id) + 1),
+  }) as JournalLine;
 
 describe('the journal', () => {
   it('keeps the last line of each object, and skips a last line cut short by a crash', () => {
@@ -21,7 +36,9 @@ describe('the journal', () => {
   });
 
   it('writes a snapshot into a memfd that reads back as the same state, and appends after it', () => {
-    const state = replay(`${JSON.stringify(allocation('7'))}\n${JSON.stringify({ t: 's', s: { id: '1', name: 'w', owner: '0', target: 'SYSMEM', device: 0, size: '1', readOnly: true, attached: false, allocationId: '7' }, next: '2' })}\n`);
+    const state = replay(
+      `${JSON.stringify(allocation('7'))}\n${JSON.stringify({ t: 's', s: { id: '1', name: 'w', owner: '0', target: 'SYSMEM', device: 0, size: '1', readOnly: true, attached: false, allocationId: '7' }, next: '2' })}\n`,
+    );
     const journal = Journal.create(state);
     try {
       journal.append({ t: 'A', id: '7' });

@@ -66,7 +66,12 @@ describe('parking, when a freed handle value names new memory', () => {
     let next = 1n;
     const slot: ParkingSlot = {};
     const peers = { peerOf: () => ({ uid: 1000, gid: 1000 }) };
-    slot.parking = Parking.start({ client: fdStore as unknown as FdStoreClient, backend, peers, log: pino({ level: 'silent' }), nextId: () => next }, emptyState(), [], []);
+    slot.parking = Parking.start(
+      { client: fdStore as unknown as FdStoreClient, backend, peers, log: pino({ level: 'silent' }), nextId: () => next },
+      emptyState(),
+      [],
+      [],
+    );
     const adaptor = Parking.adaptor(slot, upstream);
     try {
       const first = record(next++, await adaptor.create(OWNER, 0, LOCATION, SIZE, ['POSIX_FD']));
@@ -110,7 +115,12 @@ describe('parking, when a freed handle value names new memory', () => {
       },
     } as unknown as AllocationSource;
     const slot: ParkingSlot = {};
-    slot.parking = Parking.start({ client: fdStore as unknown as FdStoreClient, backend, peers: { peerOf: () => ({ uid: 1, gid: 1 }) }, log: pino({ level: 'silent' }), nextId: () => 2n }, emptyState(), [], []);
+    slot.parking = Parking.start(
+      { client: fdStore as unknown as FdStoreClient, backend, peers: { peerOf: () => ({ uid: 1, gid: 1 }) }, log: pino({ level: 'silent' }), nextId: () => 2n },
+      emptyState(),
+      [],
+      [],
+    );
     const adaptor = Parking.adaptor(slot, upstream);
     try {
       const allocation = record(1n, await adaptor.create(OWNER, 0, LOCATION, SIZE, ['POSIX_FD']));
@@ -131,10 +141,21 @@ describe('parking, when a freed handle value names new memory', () => {
 });
 
 describe('parking, once frozen (the daemon stops)', () => {
-  it("keeps the record of a session that ends after the freeze: its frees were not recorded, so the next start must reclaim what it owned", () => {
+  it('keeps the record of a session that ends after the freeze: its frees were not recorded, so the next start must reclaim what it owned', () => {
     const fdStore = new MemoryFdStore();
     const backend = { devices: () => [{ uuid: '' }] } as unknown as Backend;
-    const parking = Parking.start({ client: fdStore as unknown as FdStoreClient, backend, peers: { peerOf: () => ({ uid: 1, gid: 1 }), tokensOf: () => ({ token: 't', resumeToken: 'r' }) }, log: pino({ level: 'silent' }), nextId: () => 1n }, emptyState(), [], []);
+    const parking = Parking.start(
+      {
+        client: fdStore as unknown as FdStoreClient,
+        backend,
+        peers: { peerOf: () => ({ uid: 1, gid: 1 }), tokensOf: () => ({ token: 't', resumeToken: 'r' }) },
+        log: pino({ level: 'silent' }),
+        nextId: () => 1n,
+      },
+      emptyState(),
+      [],
+      [],
+    );
     try {
       parking.sessionOpened(3n);
       parking.freeze();

@@ -8,7 +8,9 @@ describe('session protocol frames', () => {
       body: 'allocate',
       allocate: { size: '2097152', location: null, handleType: 'HANDLE_TYPE_UNSPECIFIED' },
     });
-    const located = decodeClientFrame(encodeClientFrame({ request: '18446744073709551615', allocate: { size: '2097152', location: { type: 'LOCATION_TYPE_HOST_NUMA', id: 1 } } }));
+    const located = decodeClientFrame(
+      encodeClientFrame({ request: '18446744073709551615', allocate: { size: '2097152', location: { type: 'LOCATION_TYPE_HOST_NUMA', id: 1 } } }),
+    );
     expect(located).toMatchObject({ request: '18446744073709551615', allocate: { location: { type: 'LOCATION_TYPE_HOST_NUMA', id: 1, deviceUuid: '' } } });
   });
 
@@ -35,9 +37,14 @@ describe('session protocol frames', () => {
     expect(decodeClientFrame(Buffer.from([0x08, 0x07, 0x62, 0x00]))).toEqual({ request: '7', again: false });
   });
 
-  it("tells a client of protocol 1 in its own JSON which protocol it needs", () => {
+  it('tells a client of protocol 1 in its own JSON which protocol it needs', () => {
     const refusal = protocol1Refusal('this client sent a JSON frame');
     expect(isProtocol1(refusal)).toBe(true);
-    expect(JSON.parse(refusal.toString('utf8'))).toMatchObject({ type: 'error', code: 'PROTOCOL_VERSION', protocol: 2, message: expect.stringContaining('upgrade this client to one of protocol 2') });
+    expect(JSON.parse(refusal.toString('utf8'))).toMatchObject({
+      type: 'error',
+      code: 'PROTOCOL_VERSION',
+      protocol: 2,
+      message: expect.stringContaining('upgrade this client to one of protocol 2'),
+    });
   });
 });

@@ -22,9 +22,7 @@ it('splits a read and a write that span two devices into one copy per device', a
   for (const [index, device] of placements.entries()) {
     const allocation = await registry.create(1n, { size: GRANULARITY, location: { type: 'DEVICE', id: device }, handleType: 'POSIX_FD' });
     await registry.map(1n, { address: reservation.address + BigInt(index) * GRANULARITY, size: GRANULARITY, offset: 0n, allocationId: allocation.id });
-    await registry.setAccess(1n, reservation.address + BigInt(index) * GRANULARITY, GRANULARITY, [
-      { location: { type: 'DEVICE', id: device }, access: 3 },
-    ]);
+    await registry.setAccess(1n, reservation.address + BigInt(index) * GRANULARITY, GRANULARITY, [{ location: { type: 'DEVICE', id: device }, access: 3 }]);
   }
   const start = reservation.address + GRANULARITY + GRANULARITY / 2n;
   const data = Buffer.alloc(Number(GRANULARITY), 7);

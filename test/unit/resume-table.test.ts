@@ -20,9 +20,13 @@ test('a refused claim changes nothing: another uid, a used connection, a malform
   const table = new ResumeTable();
   const session = parked(6n);
   table.wait([session], 60_000, () => undefined);
-  expect(() => table.claim(session.resumeToken, fresh(1001))).toThrow(expect.objectContaining({ code: 'RESUME_OF_ANOTHER_UID', message: 'uid 1001 may not resume a session of another uid' }));
+  expect(() => table.claim(session.resumeToken, fresh(1001))).toThrow(
+    expect.objectContaining({ code: 'RESUME_OF_ANOTHER_UID', message: 'uid 1001 may not resume a session of another uid' }),
+  );
   expect(() => table.claim(session.resumeToken, fresh(1000, true))).toThrow(expect.objectContaining({ code: 'RESUME_DUPLICATE' }));
-  expect(() => table.claim('ABC', fresh())).toThrow(expect.objectContaining({ code: 'BAD_MESSAGE', message: 'hello: resumeToken "ABC" is not 64 lowercase hex digits' }));
+  expect(() => table.claim('ABC', fresh())).toThrow(
+    expect.objectContaining({ code: 'BAD_MESSAGE', message: 'hello: resumeToken "ABC" is not 64 lowercase hex digits' }),
+  );
   expect(() => table.claim(42, fresh())).toThrow(expect.objectContaining({ code: 'BAD_MESSAGE' }));
   expect(() => table.claim(newResumeToken(), fresh())).toThrow(expect.objectContaining({ code: 'RESUME_UNKNOWN' }));
   expect(table.count).toBe(1);
@@ -37,7 +41,9 @@ test('a session not claimed within the grace is expired once; its late client he
   await sleep(80);
   expect(expired).toEqual([7n]);
   expect(table.get(7n)).toBeUndefined();
-  expect(() => table.claim(late.resumeToken, fresh())).toThrow(expect.objectContaining({ code: 'SESSION_RECLAIMED', message: expect.stringMatching(/^session 7 was not resumed within the grace period/) }));
+  expect(() => table.claim(late.resumeToken, fresh())).toThrow(
+    expect.objectContaining({ code: 'SESSION_RECLAIMED', message: expect.stringMatching(/^session 7 was not resumed within the grace period/) }),
+  );
 });
 
 test('records that repeat a waiting session are refused whole', () => {

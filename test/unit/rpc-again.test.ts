@@ -13,7 +13,15 @@ import * as path from 'node:path';
 import { unaryCall, type ResumableSession } from '../../client/rpc';
 
 const json = { serialize: (value: unknown) => Buffer.from(JSON.stringify(value)), deserialize: (bytes: Buffer) => JSON.parse(bytes.toString()) };
-const method = (name: string) => ({ path: `/vmmd.v1.Admin/${name}`, requestStream: false, responseStream: false, requestSerialize: json.serialize, requestDeserialize: json.deserialize, responseSerialize: json.serialize, responseDeserialize: json.deserialize });
+const method = (name: string) => ({
+  path: `/vmmd.v1.Admin/${name}`,
+  requestStream: false,
+  responseStream: false,
+  requestSerialize: json.serialize,
+  requestDeserialize: json.deserialize,
+  responseSerialize: json.serialize,
+  responseDeserialize: json.deserialize,
+});
 const SERVICE = { GetReport: method('GetReport'), Create: method('Create') };
 
 const session: ResumableSession = { resumeToken: 'token', closed: false, isResuming: false, ready: async () => undefined };
@@ -35,7 +43,9 @@ describe('a unary call cut off by the daemon going away', () => {
       else callback(null, { answered: name });
     };
     server.addService(SERVICE, { GetReport: answer('GetReport'), Create: answer('Create') });
-    await new Promise<void>((resolve, reject) => server.bindAsync(`unix:${dir}/s.sock`, grpc.ServerCredentials.createInsecure(), (error) => (error ? reject(error) : resolve())));
+    await new Promise<void>((resolve, reject) =>
+      server.bindAsync(`unix:${dir}/s.sock`, grpc.ServerCredentials.createInsecure(), (error) => (error ? reject(error) : resolve())),
+    );
     const Client = grpc.makeGenericClientConstructor(SERVICE, 'Admin');
     client = new Client(`unix:${dir}/s.sock`, grpc.credentials.createInsecure());
   });

@@ -32,20 +32,27 @@ describe('session dispatcher', () => {
   it.each<[string, ClientFrame, RegExp]>([
     ['an empty frame', {}, /names no request this daemon knows/],
     ['a second hello', { hello: { protocol: 2 } }, /hello comes once/],
-    ['a transfer (the transport\'s own)', { transfer: { id: '1' } }, /names no request/],
+    ["a transfer (the transport's own)", { transfer: { id: '1' } }, /names no request/],
     ['an allocate without a request id', { allocate: { size: '2097152' } }, /allocate: the frame's request id must be set/],
     ['a release without a request id', { release: { allocationId: '1' } }, /release: the frame's request id must be set/],
   ])('refuses %s as a frame (BAD_MESSAGE), with the reason, changing nothing', async (_what, value, reason) => {
     const { dispatcher, registry, backend } = setup();
     const before = registry.snapshot();
-    await expect(dispatcher.answer(session, frame(value), -1)).rejects.toMatchObject({ code: 'BAD_MESSAGE', messageRefused: true, message: expect.stringMatching(reason) });
+    await expect(dispatcher.answer(session, frame(value), -1)).rejects.toMatchObject({
+      code: 'BAD_MESSAGE',
+      messageRefused: true,
+      message: expect.stringMatching(reason),
+    });
     expect(registry.snapshot()).toEqual(before);
     expect(backend.calls).toEqual([]);
   });
 
   it('refuses a descriptor on anything but a transfer, before the registry is asked', async () => {
     const { dispatcher, backend } = setup();
-    await expect(dispatcher.answer(session, frame({ request: '1', allocate: { size: String(GRANULARITY) } }), 5)).rejects.toMatchObject({ code: 'UNEXPECTED_DESCRIPTOR', messageRefused: true });
+    await expect(dispatcher.answer(session, frame({ request: '1', allocate: { size: String(GRANULARITY) } }), 5)).rejects.toMatchObject({
+      code: 'UNEXPECTED_DESCRIPTOR',
+      messageRefused: true,
+    });
     expect(backend.calls).toEqual([]);
   });
 
@@ -72,7 +79,7 @@ describe('session dispatcher', () => {
     expect(answer.fd).toBeGreaterThanOrEqual(0);
   });
 
-  it('answers a refused allocate with the registry\'s own error (not a message refusal), changing nothing', async () => {
+  it("answers a refused allocate with the registry's own error (not a message refusal), changing nothing", async () => {
     const { dispatcher, registry } = setup();
     await expect(dispatcher.answer(session, frame({ request: '4', allocate: { size: '4096' } }), -1)).rejects.toMatchObject({
       code: 'NOT_ALIGNED',
@@ -82,7 +89,11 @@ describe('session dispatcher', () => {
 
   it.each<[string, ClientFrame, string]>([
     ['an allocate at an unknown location type', { request: '1', allocate: { size: '2097152', location: { type: 7 as never } } }, 'BAD_ENUM'],
-    ['an allocate by a device UUID the daemon lacks', { request: '1', allocate: { size: '2097152', location: { type: 'LOCATION_TYPE_DEVICE', deviceUuid: 'GPU-nope' } } }, 'UNKNOWN_DEVICE'],
+    [
+      'an allocate by a device UUID the daemon lacks',
+      { request: '1', allocate: { size: '2097152', location: { type: 'LOCATION_TYPE_DEVICE', deviceUuid: 'GPU-nope' } } },
+      'UNKNOWN_DEVICE',
+    ],
     ['a release of an allocation nobody made', { request: '1', release: { allocationId: '99' } }, 'UNKNOWN_ALLOCATION'],
     ['a share of allocation 0', { request: '1', share: {} }, 'UNKNOWN_ALLOCATION'],
     ['an open naming no store', { request: '1', open: {} }, 'NO_STORE'],
@@ -104,7 +115,8 @@ describe('session dispatcher', () => {
         if (method === 'Release') throw Object.assign(new Error('no'), { code: 'NOT_ALLOWED' });
       },
     });
-    const allocation = (await dispatcher.answer(session, frame({ request: '1', allocate: { size: String(GRANULARITY) } }), -1)).reply.allocated!.allocationId as string;
+    const allocation = (await dispatcher.answer(session, frame({ request: '1', allocate: { size: String(GRANULARITY) } }), -1)).reply.allocated!
+      .allocationId as string;
     await expect(dispatcher.answer(session, frame({ request: '2', release: { allocationId: allocation } }), -1)).rejects.toMatchObject({ code: 'NOT_ALLOWED' });
     expect(registry.snapshot().allocations).toHaveLength(1);
     await dispatcher.answer(session, frame({ request: '3', share: { allocationId: allocation } }), -1);
@@ -114,13 +126,19 @@ describe('session dispatcher', () => {
 
   it('answers release, share and export with what the registry did for the session', async () => {
     const { dispatcher, registry } = setup();
-    const allocation = (await dispatcher.answer(session, frame({ request: '1', allocate: { size: String(GRANULARITY) } }), -1)).reply.allocated!.allocationId as string;
+    const allocation = (await dispatcher.answer(session, frame({ request: '1', allocate: { size: String(GRANULARITY) } }), -1)).reply.allocated!
+      .allocationId as string;
     const shared = await dispatcher.answer(session, frame({ request: '2', share: { allocationId: allocation } }), -1);
     expect(shared.reply).toEqual({ request: '2', shared: { shareKey: registry.allocation(BigInt(allocation))?.shareKey } });
     const exported = await dispatcher.answer(session, frame({ request: '3', export: { allocationId: allocation } }), -1);
-    expect(exported.reply).toMatchObject({ request: '3', exported: { transferId: '0', allocationId: allocation, size: String(GRANULARITY), handleType: 'HANDLE_TYPE_POSIX_FD' } });
+    expect(exported.reply).toMatchObject({
+      request: '3',
+      exported: { transferId: '0', allocationId: allocation, size: String(GRANULARITY), handleType: 'HANDLE_TYPE_POSIX_FD' },
+    });
     expect(exported.fd).toBeGreaterThanOrEqual(0);
-    await expect(dispatcher.answer({ ...session, id: 8n } as Session, frame({ request: '4', release: { allocationId: allocation } }), -1)).rejects.toMatchObject({ code: 'NOT_OWNER' });
+    await expect(
+      dispatcher.answer({ ...session, id: 8n } as Session, frame({ request: '4', release: { allocationId: allocation } }), -1),
+    ).rejects.toMatchObject({ code: 'NOT_OWNER' });
     expect((await dispatcher.answer(session, frame({ request: '5', release: { allocationId: allocation } }), -1)).reply).toEqual({
       request: '5',
       released: { freed: true, handleReferences: 0, mappingCount: 0 },
@@ -128,7 +146,7 @@ describe('session dispatcher', () => {
     expect(registry.snapshot().allocations).toEqual([]);
   });
 
-  it("opens a store with the store rules of Stores.Open: a writable open by its writer only, others a read-only descriptor", async () => {
+  it('opens a store with the store rules of Stores.Open: a writable open by its writer only, others a read-only descriptor', async () => {
     const backend = new FakeBackend();
     const registry = new Registry(backend);
     const stores = new StoreRegistry(registry);
@@ -139,11 +157,14 @@ describe('session dispatcher', () => {
     ]);
     const dispatcher = dispatcherOf(
       registry,
-      { who: (caller) => ({ transport: 'unix', peer: { pid: 1, gid: 1, uid: uids.get(caller.id)!.uid }, mutualTls: false, admin: uids.get(caller.id)!.admin }) },
+      {
+        who: (caller) => ({ transport: 'unix', peer: { pid: 1, gid: 1, uid: uids.get(caller.id)!.uid }, mutualTls: false, admin: uids.get(caller.id)!.admin }),
+      },
       stores,
     );
     const as = (id: bigint) => ({ ...session, id, peer: { uid: uids.get(id)!.uid } }) as unknown as Session;
-    const allocation = (await dispatcher.answer(session, frame({ request: '1', allocate: { size: String(GRANULARITY) } }), -1)).reply.allocated!.allocationId as string;
+    const allocation = (await dispatcher.answer(session, frame({ request: '1', allocate: { size: String(GRANULARITY) } }), -1)).reply.allocated!
+      .allocationId as string;
     const store = await stores.create(7n, { allocationId: BigInt(allocation), name: 'weights', readOnly: false, handOver: false, size: 0n });
     store.creatorUid = 1000;
     // Another uid: refused writable, and read-only when it asks nothing more; nothing opened by the refusal.
@@ -153,17 +174,27 @@ describe('session dispatcher', () => {
     });
     expect([...store.opens.values()]).toEqual([]);
     const reader = await dispatcher.answer(as(8n), frame({ request: '3', open: { store: { name: 'weights' } } }), -1);
-    expect(reader.reply).toMatchObject({ request: '3', opened: { transferId: '0', descriptorReadOnly: true, store: { name: 'weights', readOnly: false, opens: 1 } } });
+    expect(reader.reply).toMatchObject({
+      request: '3',
+      opened: { transferId: '0', descriptorReadOnly: true, store: { name: 'weights', readOnly: false, opens: 1 } },
+    });
     // Its maker's uid and an admin write it.
-    expect((await dispatcher.answer(as(7n), frame({ request: '4', open: { store: { id: String(store.id) }, writable: true } }), -1)).reply).toMatchObject({ opened: { descriptorReadOnly: false } });
-    expect((await dispatcher.answer(as(9n), frame({ request: '5', open: { store: { name: 'weights' }, writable: true } }), -1)).reply).toMatchObject({ opened: { descriptorReadOnly: false } });
+    expect((await dispatcher.answer(as(7n), frame({ request: '4', open: { store: { id: String(store.id) }, writable: true } }), -1)).reply).toMatchObject({
+      opened: { descriptorReadOnly: false },
+    });
+    expect((await dispatcher.answer(as(9n), frame({ request: '5', open: { store: { name: 'weights' }, writable: true } }), -1)).reply).toMatchObject({
+      opened: { descriptorReadOnly: false },
+    });
     // No store named: NO_STORE, as the RPC.
     await expect(dispatcher.answer(as(7n), frame({ request: '6', open: {} }), -1)).rejects.toMatchObject({ code: 'NO_STORE' });
   });
 
   it('answers ping with pong and the nonce, cut to 64 characters', async () => {
     const { dispatcher } = setup();
-    expect((await dispatcher.answer(session, frame({ request: '2', ping: { nonce: 'x'.repeat(100) } }), -1)).reply).toEqual({ request: '2', pong: { nonce: 'x'.repeat(64) } });
+    expect((await dispatcher.answer(session, frame({ request: '2', ping: { nonce: 'x'.repeat(100) } }), -1)).reply).toEqual({
+      request: '2',
+      pong: { nonce: 'x'.repeat(64) },
+    });
   });
 
   it('reclaims a closed session in order, each step whatever the one before did', async () => {
@@ -193,13 +224,19 @@ describe('session dispatcher', () => {
     const dispatcher = dispatcherOf(registry);
     const logged: string[] = [];
     const told: unknown[] = [];
-    const watched = { ...session, log: { error: (_fields: unknown, message: string) => logged.push(message) }, trySend: (message: unknown) => void told.push(message) } as unknown as Session;
+    const watched = {
+      ...session,
+      log: { error: (_fields: unknown, message: string) => logged.push(message) },
+      trySend: (message: unknown) => void told.push(message),
+    } as unknown as Session;
     const allocate = async (request: string) =>
       (await dispatcher.answer(watched, frame({ request, allocate: { size: String(GRANULARITY) } }), -1)).reply.allocated!.allocationId as string;
     const first = await allocate('1');
     let open!: () => void;
     backend.releaseGate = new Promise<void>((resolve) => (open = resolve));
-    expect((await dispatcher.answer(watched, frame({ request: '2', release: { allocationId: first } }), -1)).reply).toMatchObject({ released: { freed: true, handleReferences: 0 } });
+    expect((await dispatcher.answer(watched, frame({ request: '2', release: { allocationId: first } }), -1)).reply).toMatchObject({
+      released: { freed: true, handleReferences: 0 },
+    });
     // Answered while the free waits on its driver call.
     expect(backend.liveHandles).toBe(1);
     open();
@@ -208,7 +245,9 @@ describe('session dispatcher', () => {
     backend.releaseGate = undefined;
     const second = await allocate('3');
     backend.failOnce('release', new Error('injected: cuMemRelease failed'));
-    expect((await dispatcher.answer(watched, frame({ request: '4', release: { allocationId: second } }), -1)).reply).toMatchObject({ released: { freed: true } });
+    expect((await dispatcher.answer(watched, frame({ request: '4', release: { allocationId: second } }), -1)).reply).toMatchObject({
+      released: { freed: true },
+    });
     await registry.settleFrees();
     expect(logged).toEqual([expect.stringMatching(/freeing the memory failed after the answer/)]);
     expect(told).toEqual([{ error: expect.objectContaining({ code: 'FREE_FAILED' }) }]);
@@ -239,7 +278,13 @@ describe('a free that fails after its release was answered', () => {
     const registry = new Registry(backend);
     const dispatcher = dispatcherOf(registry);
     const sent: unknown[] = [];
-    const owner = { id: 7n, log, peer: session.peer, checkDescriptorRoom: () => undefined, trySend: (message: unknown) => void sent.push(message) } as unknown as Session;
+    const owner = {
+      id: 7n,
+      log,
+      peer: session.peer,
+      checkDescriptorRoom: () => undefined,
+      trySend: (message: unknown) => void sent.push(message),
+    } as unknown as Session;
     const allocated = await dispatcher.answer(owner, frame({ request: '1', allocate: { size: String(GRANULARITY) } }), -1);
     const id = allocated.reply.allocated!.allocationId as string;
     backend.failures = 2;

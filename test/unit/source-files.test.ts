@@ -16,10 +16,12 @@ function sources(dir: string): string[] {
   });
 }
 
-const files = ['server', 'client', 'common', 'native'].flatMap((dir) => sources(path.join(root, dir))).map((file) => ({
-  name: path.relative(root, file),
-  text: fs.readFileSync(file, 'utf8'),
-}));
+const files = ['server', 'client', 'common', 'native']
+  .flatMap((dir) => sources(path.join(root, dir)))
+  .map((file) => ({
+    name: path.relative(root, file),
+    text: fs.readFileSync(file, 'utf8'),
+  }));
 
 describe('source files', () => {
   it('open with a doc comment of at least one sentence saying what the file is for', () => {

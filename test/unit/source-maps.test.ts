@@ -16,7 +16,8 @@ const DIST = path.resolve(__dirname, '..', '..', 'dist');
       if (entry.isDirectory()) walk(at);
       else if (entry.name.endsWith('.js.map')) {
         const map = JSON.parse(fs.readFileSync(at, 'utf8')) as { sources: string[]; sourcesContent?: Array<string | null> };
-        if (map.sourcesContent === undefined || map.sourcesContent.length !== map.sources.length || map.sourcesContent.some((text) => typeof text !== 'string')) lacking.push(path.relative(DIST, at));
+        if (map.sourcesContent === undefined || map.sourcesContent.length !== map.sources.length || map.sourcesContent.some((text) => typeof text !== 'string'))
+          lacking.push(path.relative(DIST, at));
       }
     }
   };

@@ -153,7 +153,10 @@ describe('held frees: each started once, none lost, bounded per device', () => {
   // Passes: the byte bound is per device (two devices each under it hold, together over it).
   it("holds each device's frees up to that device's bound, not the sum of all devices'", async () => {
     const started: number[] = [];
-    const held = new HeldReleases(async (handle) => void started.push(Number(handle)), () => 0n);
+    const held = new HeldReleases(
+      async (handle) => void started.push(Number(handle)),
+      () => 0n,
+    );
     const half = RELEASE_HOLD_MIN_BYTES / 2n;
     void held.hold(1, half, false, 0);
     void held.hold(2, half, false, 1);

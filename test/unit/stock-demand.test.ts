@@ -153,7 +153,11 @@ describe('a stock that follows demand and refills when quiet', () => {
     await ask(stock, 3n * MiB, DEMAND_MIN_COUNT * 2, 2 * QUIET_MS); // not a multiple of the fake's 2 MiB granularity
     await jest.advanceTimersByTimeAsync(QUIET_MS);
     // The most asked sizes, whichever order their shelves were made in.
-    expect(demandLevels(stock).map((level) => Number(BigInt(level.size) / MiB)).sort((x, y) => y - x)).toEqual([14, 12, 10, 8].slice(0, DEMAND_MAX_SHELVES));
+    expect(
+      demandLevels(stock)
+        .map((level) => Number(BigInt(level.size) / MiB))
+        .sort((x, y) => y - x),
+    ).toEqual([14, 12, 10, 8].slice(0, DEMAND_MAX_SHELVES));
     // The configured shelf: bursts of one ask deepen nothing.
     expect(stock.stats().levels.filter((level) => !level.demand)).toEqual([{ device: 0, size: String(2n * MiB), depth: 1, held: 1 }]);
   });
@@ -197,7 +201,10 @@ describe('a size that becomes steady demand on a request', () => {
     // Enough other sizes (each asked less than the minimum) to push most 4 MiB asks out of the window.
     for (let i = 0; i < DEMAND_WINDOW - DEMAND_MIN_COUNT; i++) {
       const size = BigInt(10 + 2 * (i % 20)) * MiB;
-      await stock.create(0, DEVICE, size, ['POSIX_FD']).then((handle) => void stock.release(handle, size, false, 0), () => undefined);
+      await stock.create(0, DEVICE, size, ['POSIX_FD']).then(
+        (handle) => void stock.release(handle, size, false, 0),
+        () => undefined,
+      );
       void stock.settleReleases();
       if (demandLevels(stock).length > 1) break;
     }

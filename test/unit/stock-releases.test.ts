@@ -9,7 +9,15 @@
 import pino from 'pino';
 import { Quotas } from '../../server/registry/quotas';
 import { Registry } from '../../server/registry';
-import { DEMAND_SHARE, QUIET_MS, RELEASE_HOLD_MAX, RELEASE_HOLD_MIN_BYTES, RELEASE_START_BATCH, StockedBackend, MAX_REFILL_DELAY_MS } from '../../server/backends/stock';
+import {
+  DEMAND_SHARE,
+  QUIET_MS,
+  RELEASE_HOLD_MAX,
+  RELEASE_HOLD_MIN_BYTES,
+  RELEASE_START_BATCH,
+  StockedBackend,
+  MAX_REFILL_DELAY_MS,
+} from '../../server/backends/stock';
 import type { BackendHandle } from '../../server/backends/backend';
 import { FakeBackend, MiB } from './fake-backend';
 

@@ -22,7 +22,10 @@ const settle = () => new Promise((resolve) => setTimeout(resolve, 20));
 
 describe('a stock', () => {
   it('fills its shelves with created and exported allocations', async () => {
-    const { fake, stock } = stocked([{ size: 2n * MiB, depth: 3 }, { size: 8n * MiB, depth: 1 }]);
+    const { fake, stock } = stocked([
+      { size: 2n * MiB, depth: 3 },
+      { size: 8n * MiB, depth: 1 },
+    ]);
     await stock.fill();
     expect(stock.stats().levels).toEqual([
       { device: 0, size: String(2n * MiB), depth: 3, held: 3 },
@@ -153,7 +156,13 @@ describe('--stock', () => {
     ['auto', 'auto'],
     ['none', []],
     ['2MiB:4', [{ size: 2n * MiB, depth: 4 }]],
-    [' 2MiB:4, 32MiB:1 ', [{ size: 2n * MiB, depth: 4 }, { size: 32n * MiB, depth: 1 }]],
+    [
+      ' 2MiB:4, 32MiB:1 ',
+      [
+        { size: 2n * MiB, depth: 4 },
+        { size: 32n * MiB, depth: 1 },
+      ],
+    ],
   ])('%s', (text, expected) => expect(parseStock('--stock', text)).toEqual(expected));
 
   it.each([

@@ -15,7 +15,8 @@ function storeRegistry() {
   const registry = new Registry(new FakeBackend({ capacity: 256n * MiB }));
   const registryOfStores = new StoreRegistry(registry);
   const allocation = async () => (await registry.create(SESSION, { size: GRANULARITY, location: DEVICE0, handleType: 'POSIX_FD' })).id;
-  const create = async (name: string) => registryOfStores.create(SESSION, { allocationId: await allocation(), name, readOnly: false, handOver: false, size: 0n });
+  const create = async (name: string) =>
+    registryOfStores.create(SESSION, { allocationId: await allocation(), name, readOnly: false, handOver: false, size: 0n });
   return { registry, stores: registryOfStores, create };
 }
 
@@ -37,13 +38,18 @@ describe('store names', () => {
     const { stores: named, create } = storeRegistry();
     const outcomes = await Promise.allSettled([create('racy'), create('racy'), create('racy')]);
     expect(outcomes.filter((outcome) => outcome.status === 'fulfilled')).toHaveLength(1);
-    expect(outcomes.filter((outcome) => outcome.status === 'rejected').map((outcome) => (outcome as PromiseRejectedResult).reason.code)).toEqual(['NAME_TAKEN', 'NAME_TAKEN']);
+    expect(outcomes.filter((outcome) => outcome.status === 'rejected').map((outcome) => (outcome as PromiseRejectedResult).reason.code)).toEqual([
+      'NAME_TAKEN',
+      'NAME_TAKEN',
+    ]);
     expect(named.list().filter((store) => store.name === 'racy')).toHaveLength(1);
   });
 
   it('free the name of a create that failed', async () => {
     const { stores: named, create } = storeRegistry();
-    await expect(named.create(SESSION, { allocationId: 999n, name: 'lost', readOnly: false, handOver: false, size: 0n })).rejects.toMatchObject({ code: 'UNKNOWN_ALLOCATION' });
+    await expect(named.create(SESSION, { allocationId: 999n, name: 'lost', readOnly: false, handOver: false, size: 0n })).rejects.toMatchObject({
+      code: 'UNKNOWN_ALLOCATION',
+    });
     expect((await create('lost')).name).toBe('lost');
   });
 

@@ -18,11 +18,16 @@ function stderrOf(env: Record<string, string>): string[] {
       jest.doMock('node:fs', () => ({
         ...jest.requireActual('node:fs'),
         writeSync: (fd: number, text: string) => {
-          if (fd === 2) lines.push(...String(text).split('\n').filter((line) => line !== ''));
+          if (fd === 2)
+            lines.push(
+              ...String(text)
+                .split('\n')
+                .filter((line) => line !== ''),
+            );
           return String(text).length;
         },
       }));
-       
+
       const t = require('../../common/trace') as typeof import('../../common/trace');
       const b = t.traceClock();
       t.traceSince('session:allocate', b);

@@ -163,7 +163,10 @@ describe('TurnMeter with the GC pauses', () => {
    */
   function turnWithPause(pauses: GcPauses, wallMs: number, cpuMs: number, pauseMs: number): { meter: TurnMeter; cpu: { ns: number } } {
     const cpu = { ns: 1e9 };
-    const meter = new TurnMeter(() => cpu.ns, (from, to) => pauses.within(from, to));
+    const meter = new TurnMeter(
+      () => cpu.ns,
+      (from, to) => pauses.within(from, to),
+    );
     meter.enter('session');
     const started = performance.now();
     spin(wallMs);
@@ -198,7 +201,7 @@ describe('TurnMeter with the GC pauses', () => {
     expect(meter.snapshot()).toMatchObject({ maxGcUs: 0, cpuMaxGcUs: 0 });
   });
 
-  it('never reports more of the longest CPU turn as a pause than the turn\'s CPU time (a pause the OS interrupted)', async () => {
+  it("never reports more of the longest CPU turn as a pause than the turn's CPU time (a pause the OS interrupted)", async () => {
     // 4 ms by wall clock of which the thread had 1 ms of CPU (preempted, as with 16 clients on 16 cores),
     // with a 2 ms collector pause (wall clock) inside it.
     const { meter } = turnWithPause(new GcPauses(), 4, 1, 2);
@@ -281,10 +284,17 @@ describe('what a turn was: what entered it, beyond its kind', () => {
     expect(seen).toEqual(['completion create true']);
   });
 
-  it("names a completion by the backend method whose promise resumed it", async () => {
+  it('names a completion by the backend method whose promise resumed it', async () => {
     let cpuNs = 0;
     const meter = new TurnMeter(() => cpuNs);
-    const backend = measureCompletions({ async exportHandle(): Promise<number> { return 7; } }, meter);
+    const backend = measureCompletions(
+      {
+        async exportHandle(): Promise<number> {
+          return 7;
+        },
+      },
+      meter,
+    );
     await backend.exportHandle();
     cpuNs += 500_000;
     await settled();

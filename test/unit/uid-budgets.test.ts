@@ -33,7 +33,11 @@ describe('the budgets of a uid', () => {
   });
 
   it('count an object against its owner’s uid and the totals, all or nothing, and give it back once', () => {
-    const uids = new Map<bigint, number>([[1n, 1000], [2n, 1000], [3n, 2000]]);
+    const uids = new Map<bigint, number>([
+      [1n, 1000],
+      [2n, 1000],
+      [3n, 2000],
+    ]);
     const budgets = new UidBudgets(
       { mappingsPerUid: 2, reservationsPerUid: 5, addressSpacePerUid: 100, storesPerUid: 1, allocationsPerUid: 3 },
       { mapEntries: 7, addressSpace: 1000, descriptors: 100 },
@@ -43,7 +47,11 @@ describe('the budgets of a uid', () => {
     budgets.take(2n, { mappings: 1 });
     // Another session of the same uid: the uid's budget is full.
     expect(() => budgets.take(2n, { mappings: 1 })).toThrow(
-      expect.objectContaining({ status: status.RESOURCE_EXHAUSTED, code: 'BUDGET_EXCEEDED', message: expect.stringMatching(/^mappings per uid: uid 1000 holds 2 of at most 2/) }),
+      expect.objectContaining({
+        status: status.RESOURCE_EXHAUSTED,
+        code: 'BUDGET_EXCEEDED',
+        message: expect.stringMatching(/^mappings per uid: uid 1000 holds 2 of at most 2/),
+      }),
     );
     // A store costs a mapping too: refused whole, nothing counted.
     expect(() => budgets.take(1n, { stores: 1, mappings: 1 })).toThrow(expect.objectContaining({ code: 'BUDGET_EXCEEDED' }));
@@ -51,7 +59,9 @@ describe('the budgets of a uid', () => {
     // Uid 2000 fits its own budget, but all clients together have 4 of 7 map entries: one mapping more fits, then a reservation does not.
     budgets.take(3n, { mappings: 1 });
     expect(() => budgets.take(3n, { mappings: 1, reservations: 1 })).toThrow(
-      expect.objectContaining({ message: expect.stringContaining(`the daemon's map entries for clients: ${ALL_UIDS} holds 6 of at most 7; this request needs 3 more`) }),
+      expect.objectContaining({
+        message: expect.stringContaining(`the daemon's map entries for clients: ${ALL_UIDS} holds 6 of at most 7; this request needs 3 more`),
+      }),
     );
     first.give();
     first.give();

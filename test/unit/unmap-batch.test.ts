@@ -112,7 +112,7 @@ describe('gathered unmaps', () => {
   it.each([
     ['one unmap', 1],
     ['a full batch', UNMAP_BATCH],
-  ])('%s waiting while a job runs: neither the turn\'s end nor the batch starts a second job; the job ending hands it on', async (_what, count) => {
+  ])("%s waiting while a job runs: neither the turn's end nor the batch starts a second job; the job ending hands it on", async (_what, count) => {
     const finish = heldAnswers();
     const first = unmapGathered(0, 0x1000n, 0x200000n);
     flushUnmapsIfIdle();

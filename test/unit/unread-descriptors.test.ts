@@ -24,7 +24,9 @@ describe('unread descriptors', () => {
       unread.sent(session);
       queued += 768;
     }
-    expect(() => unread.check(session)).toThrow(expect.objectContaining({ code: 'BUDGET_EXCEEDED', message: expect.stringContaining('unread descriptors per session') }));
+    expect(() => unread.check(session)).toThrow(
+      expect.objectContaining({ code: 'BUDGET_EXCEEDED', message: expect.stringContaining('unread descriptors per session') }),
+    );
   });
 
   it('never refuse a client that reads as it goes, with many answers sent while its socket is never empty', () => {

@@ -168,11 +168,17 @@ export class AccessPolicy {
     if (refused !== undefined) throw permissionDenied('NOT_ALLOWED', refused);
     const own = session();
     if (own !== undefined && own.peer.uid !== peer.uid) {
-      throw permissionDenied('SESSION_OF_ANOTHER_UID', `session ${own.id} was opened by uid ${own.peer.uid}; its token works only for that uid, not for uid ${peer.uid}`);
+      throw permissionDenied(
+        'SESSION_OF_ANOTHER_UID',
+        `session ${own.id} was opened by uid ${own.peer.uid}; its token works only for that uid, not for uid ${peer.uid}`,
+      );
     }
     if (caller.admin) return;
     if (ADMIN_ONLY.has(method)) {
-      throw permissionDenied('NEEDS_ADMIN', `${method} acts daemon-wide and needs an admin uid or gid (--admin-uids, --admin-gids); ${describePeer(peer)} is not one`);
+      throw permissionDenied(
+        'NEEDS_ADMIN',
+        `${method} acts daemon-wide and needs an admin uid or gid (--admin-uids, --admin-gids); ${describePeer(peer)} is not one`,
+      );
     }
     if (own === undefined && !INSPECTION.has(method)) {
       throw permissionDenied(

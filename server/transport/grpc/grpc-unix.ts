@@ -18,7 +18,10 @@ import { DAEMON_HOLDER, TransportBudgets } from '../budgets';
 const ACCEPT_ERROR_LOG_MS = 10_000;
 
 export class GrpcUnixListener {
-  private constructor(private readonly server: net.Server, private readonly injector: grpc.ConnectionInjector) {}
+  private constructor(
+    private readonly server: net.Server,
+    private readonly injector: grpc.ConnectionInjector,
+  ) {}
 
   /**
    * Listens on `path` and hands every attributed connection to `grpcServer`;
@@ -56,7 +59,8 @@ export class GrpcUnixListener {
         if (full !== undefined) {
           const [budget, holder] = full;
           const allowed = refusals.allow(`connections:${uid}:${budget.name}`);
-          if (allowed !== undefined) log.warn({ peerUid: uid, heldBack: allowed.suppressed }, `a gRPC connection was closed: ${budget.refusal(holder).message}`);
+          if (allowed !== undefined)
+            log.warn({ peerUid: uid, heldBack: allowed.suppressed }, `a gRPC connection was closed: ${budget.refusal(holder).message}`);
           socket.destroy();
           return;
         }

@@ -33,7 +33,12 @@ export async function answerRequest(answering: Answering, session: Session, fram
   const what = frame.body ?? 'unknown';
   const started = process.hrtime.bigint();
   const observe = (status: Status, code?: string) =>
-    answering.hooks.observe?.(answering.services.methodOf?.(frame.body) ?? 'unknown', Status[status] ?? 'UNKNOWN', code, Number(process.hrtime.bigint() - started) / 1e9);
+    answering.hooks.observe?.(
+      answering.services.methodOf?.(frame.body) ?? 'unknown',
+      Status[status] ?? 'UNKNOWN',
+      code,
+      Number(process.hrtime.bigint() - started) / 1e9,
+    );
   // The request's failure as the RPC would answer it: status, code and message, naming the request.
   const fail = (error: unknown) => {
     const wire = toServiceError(error, session.log);
@@ -71,7 +76,10 @@ export async function answerRequest(answering: Answering, session: Session, fram
   if (answer.unsent !== undefined) {
     await session.track(answer.unsent).catch((error: unknown) => {
       const allowed = answering.logLimiter.allow(`undo:${session.peer.uid}`);
-      session.log[allowed === undefined ? 'debug' : 'error']({ err: error, ...heldBack(allowed) }, `undoing ${what} request ${request} after its answer could not be sent failed`);
+      session.log[allowed === undefined ? 'debug' : 'error'](
+        { err: error, ...heldBack(allowed) },
+        `undoing ${what} request ${request} after its answer could not be sent failed`,
+      );
     });
   }
   fail(unsent);

@@ -77,7 +77,7 @@ function freeFailedAfterAnswer(session: Session, registry: Registry, allocation:
   const delay = FREE_RETRY_MS[attempt];
   session.log.error(
     { err: error, allocation: String(allocation), attempt },
-    `release: freeing the memory failed after the answer; the allocation stays, charged, ${delay === undefined ? 'until a Release or the session\'s reclaim frees it' : `and the daemon tries again in ${delay} ms`}`,
+    `release: freeing the memory failed after the answer; the allocation stays, charged, ${delay === undefined ? "until a Release or the session's reclaim frees it" : `and the daemon tries again in ${delay} ms`}`,
   );
   if (attempt === 0) {
     session.trySend({
@@ -107,12 +107,21 @@ export class SessionDispatcher implements SessionServices {
     }
     const request = body === undefined ? undefined : REQUESTS[body];
     if (request === undefined) {
-      throw refuseMessage('BAD_MESSAGE', body === 'hello' ? 'the session was greeted already: hello comes once, first' : 'the frame names no request this daemon knows (an empty or unknown body)');
+      throw refuseMessage(
+        'BAD_MESSAGE',
+        body === 'hello'
+          ? 'the session was greeted already: hello comes once, first'
+          : 'the frame names no request this daemon knows (an empty or unknown body)',
+      );
     }
     if (frame.request === '0') throw refuseMessage('BAD_MESSAGE', `${body}: the frame's request id must be set (above 0): its answer echoes it`);
     if (fd >= 0) throw refuseMessage('UNEXPECTED_DESCRIPTOR', 'only transfer frames may carry a descriptor');
     this.deps.check?.(session, request.method);
-    const socket: SocketAnswer = { request: frame.request, again: frame.again, freeFailed: (allocation, error) => freeFailedAfterAnswer(session, this.deps.registry, allocation, error) };
+    const socket: SocketAnswer = {
+      request: frame.request,
+      again: frame.again,
+      freeFailed: (allocation, error) => freeFailedAfterAnswer(session, this.deps.registry, allocation, error),
+    };
     const who = this.deps.who?.(session) ?? { transport: 'unix', peer: session.peer, mutualTls: false, admin: false };
     const context: CallContext = { caller: session.id, session, who, log: session.log, socket };
     const response = await request.run(this.deps.methods, frame[body as keyof ClientFrame__Output] as never, context);

@@ -98,7 +98,10 @@ export class SessionManager {
     this.listener.on('error', (error: Error) => {
       const allowed = this.logLimiter.allow(`accept:${(error as { code?: string }).code}`);
       if (allowed !== undefined) {
-        this.log.warn({ err: error, heldBack: allowed.suppressed }, 'cannot accept a session connection: new sessions are refused until it can (logged at most every 10 s)');
+        this.log.warn(
+          { err: error, heldBack: allowed.suppressed },
+          'cannot accept a session connection: new sessions are refused until it can (logged at most every 10 s)',
+        );
       }
     });
     this.listener.on('recovered', (failures: number) => this.log.warn({ failedAccepts: failures }, 'accepting session connections again'));
@@ -140,7 +143,8 @@ export class SessionManager {
     const session = this.byToken.get(token);
     if (session === undefined) {
       const parked = this.waiting.byGrpcToken(token);
-      if (parked !== undefined) throw unavailable('SESSION_RESUMING', `session ${parked.id} waits for its client to resume it on the session socket; call again once it has`);
+      if (parked !== undefined)
+        throw unavailable('SESSION_RESUMING', `session ${parked.id} waits for its client to resume it on the session socket; call again once it has`);
       throw unauthenticated('UNKNOWN_SESSION', 'the session token names no open session');
     }
     if (session.closing) throw unauthenticated('SESSION_CLOSING', `session ${session.id} is closed`);
@@ -287,10 +291,15 @@ export class SessionManager {
     if (left !== undefined) connection.once('close', left);
     // Checked once the loop has read what came meanwhile (setImmediate runs after the poll phase): a hello
     // that arrived during a long turn is taken before the connection counts as silent.
-    const silent = setTimeout(() => setImmediate(() => {
-      const current = this.byConnection.get(connection);
-      if (current !== undefined && !current.greeted && !current.closing) refuseProtocol1(current, this.logLimiter, `this client sent no hello within ${HELLO_WAIT_MS} ms`);
-    }), HELLO_WAIT_MS);
+    const silent = setTimeout(
+      () =>
+        setImmediate(() => {
+          const current = this.byConnection.get(connection);
+          if (current !== undefined && !current.greeted && !current.closing)
+            refuseProtocol1(current, this.logLimiter, `this client sent no hello within ${HELLO_WAIT_MS} ms`);
+        }),
+      HELLO_WAIT_MS,
+    );
     silent.unref();
     connection.once('close', () => clearTimeout(silent));
     const allowed = this.lifeLogLimiter.allow(`opened:${peer.uid}`);
@@ -394,7 +403,7 @@ export class SessionManager {
     if (!session.greeted) return this.greet(session, frame, raw.fd);
     if (frame.body === 'transfer') {
       const transfer = frame.transfer?.id ?? '0';
-      if (transfer === '0') return this.refuse(session, raw.fd, 'BAD_MESSAGE', 'a transfer\'s id must be above 0');
+      if (transfer === '0') return this.refuse(session, raw.fd, 'BAD_MESSAGE', "a transfer's id must be above 0");
       if (raw.descriptorsDropped) {
         const dropped = `the daemon is out of descriptors: the one sent as transfer ${transfer} was dropped; send it again later`;
         return this.refuse(session, raw.fd, 'OUT_OF_DESCRIPTORS', dropped, transfer);
@@ -409,7 +418,8 @@ export class SessionManager {
     if (fd < 0) return this.refuse(session, fd, 'NO_DESCRIPTOR', `transfer ${transfer} carries no descriptor`, transfer);
     const delivery = session.inbox.deliver(transfer, fd);
     if (delivery.kind === 'refused') {
-      const message = delivery.code === 'TOO_MANY_TRANSFERS' && delivery.message.startsWith('already') ? `session ${session.id} ${delivery.message}` : delivery.message;
+      const message =
+        delivery.code === 'TOO_MANY_TRANSFERS' && delivery.message.startsWith('already') ? `session ${session.id} ${delivery.message}` : delivery.message;
       this.refuse(session, -1, delivery.code, message, transfer);
     }
   }
@@ -429,7 +439,10 @@ export class SessionManager {
     if (session.connection.closeReason !== undefined) {
       // A peer that closes with answers unread makes this happen at will: bounded per uid like the other lines of a session's life.
       const allowed = this.lifeLogLimiter.allow(`failed:${session.peer.uid}`);
-      session.log[allowed === undefined ? 'debug' : 'warn']({ reason: session.connection.closeReason, ...heldBack(allowed) }, 'the session socket failed; closing the session');
+      session.log[allowed === undefined ? 'debug' : 'warn'](
+        { reason: session.connection.closeReason, ...heldBack(allowed) },
+        'the session socket failed; closing the session',
+      );
     }
     session.inbox.close();
     this.unread?.closed(session);

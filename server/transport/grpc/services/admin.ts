@@ -140,7 +140,15 @@ export class AdminService {
     const objects: ObjectInfo[] = [];
     for (const reservation of snapshot.reservations) {
       if (!wanted(reservation.owner)) continue;
-      objects.push({ kind: 'reservation', id: reservation.id, ownerSession: reservation.owner, size: reservation.size, address: String(BigInt(reservation.address)), allocationId: '0', detail: '' });
+      objects.push({
+        kind: 'reservation',
+        id: reservation.id,
+        ownerSession: reservation.owner,
+        size: reservation.size,
+        address: String(BigInt(reservation.address)),
+        allocationId: '0',
+        detail: '',
+      });
       for (const mapping of reservation.mappings) {
         objects.push({
           kind: 'mapping',
@@ -149,7 +157,9 @@ export class AdminService {
           size: mapping.size,
           address: String(BigInt(mapping.address)),
           allocationId: mapping.allocation,
-          detail: Object.entries(mapping.access).map(([location, flags]) => `${location}=${flags === 3 ? 'rw' : 'r'}`).join(' '),
+          detail: Object.entries(mapping.access)
+            .map(([location, flags]) => `${location}=${flags === 3 ? 'rw' : 'r'}`)
+            .join(' '),
         });
       }
     }
@@ -207,14 +217,22 @@ export class AdminService {
     const report = {
       version: this.getVersion(),
       stats: this.getStats(),
-      devices: registry.devices.map((device) => ({ ...device, totalBytes: String(device.totalBytes), granularityMinimum: String(device.granularityMinimum), granularityRecommended: String(device.granularityRecommended) })),
+      devices: registry.devices.map((device) => ({
+        ...device,
+        totalBytes: String(device.totalBytes),
+        granularityMinimum: String(device.granularityMinimum),
+        granularityRecommended: String(device.granularityRecommended),
+      })),
       sessions: this.listSessions().sessions,
       objects: this.listObjects({ ownerSession: '0' }).objects,
       bytesByOwner,
       quotas: this.deps.quotas.used(),
       quotaRefusals: this.deps.quotas.refusals,
       budgets: Object.fromEntries(
-        [...(this.deps.budgets?.() ?? [])].map((budget) => [budget.name, { limit: budget.limit, used: Object.fromEntries([...budget.holders()].map(([holder, used]) => [String(holder), used])) }]),
+        [...(this.deps.budgets?.() ?? [])].map((budget) => [
+          budget.name,
+          { limit: budget.limit, used: Object.fromEntries([...budget.holders()].map(([holder, used]) => [String(holder), used])) },
+        ]),
       ),
       calls,
       stock: registry.backend instanceof StockedBackend ? registry.backend.stats() : null,

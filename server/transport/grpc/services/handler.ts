@@ -60,7 +60,9 @@ function startFairly(deps: HandlerDeps, call: StartingCall, start: () => void, l
     const deadline = call.getDeadline();
     const passed = (deadline instanceof Date ? deadline.getTime() : deadline) <= Date.now();
     if (!call.cancelled && !passed) return start();
-    late(deadlineExceeded('DEADLINE_PASSED', `${passed ? 'the deadline passed' : 'the client cancelled the call'} while it waited for its turn; nothing was done`));
+    late(
+      deadlineExceeded('DEADLINE_PASSED', `${passed ? 'the deadline passed' : 'the client cancelled the call'} while it waited for its turn; nothing was done`),
+    );
   };
   if (deps.fair === undefined) return begin();
   let holder: number | string;
@@ -144,10 +146,7 @@ async function settle<T>(deps: HandlerDeps, method: string, promise: Promise<T>)
  */
 export function requireSession(context: CallContext, what: string): Session {
   if (context.session === undefined) {
-    throw failedPrecondition(
-      'NO_SESSION',
-      `${what} needs a session: descriptors travel only over the session socket (see docs/PROTOCOL.md)`,
-    );
+    throw failedPrecondition('NO_SESSION', `${what} needs a session: descriptors travel only over the session socket (see docs/PROTOCOL.md)`);
   }
   return context.session;
 }
@@ -203,7 +202,11 @@ export function unary<Req, Res>(
         // A body that waits (AllocateAll) stops waiting when the client cancels.
         const cancelled = new AbortController();
         call.once('cancelled', () => cancelled.abort());
-        void settle(deps, method, withContext(deps, call, method, (context) => run(call, { ...context, signal: cancelled.signal }))).then(({ value, error }) => {
+        void settle(
+          deps,
+          method,
+          withContext(deps, call, method, (context) => run(call, { ...context, signal: cancelled.signal })),
+        ).then(({ value, error }) => {
           if (error !== undefined) return callback(error as grpc.ServiceError);
           countUnaryBytes(deps, method, value);
           callback(null, value);
@@ -295,42 +298,47 @@ export function serverStream<Req, Res>(
   options: { tracked?: boolean } = {},
 ): grpc.handleServerStreamingCall<Req, Res> {
   return (call) =>
-    startFairly(deps, call, () => {
-      deps.turns?.enter('grpc', method);
-      const run = withContext(
-        deps,
-        call,
-        method,
-        async (context) => {
-          const give = holdStream(deps.budgets?.serverStreams, context, call);
-          // The budget goes back at the cancel: the body must end then too, not at its next message.
-          const cancelled = new AbortController();
-          const abort = () => cancelled.abort();
-          call.once('cancelled', abort);
-          if (call.cancelled) abort();
-          const streaming: CallContext = { ...context, signal: cancelled.signal };
-          try {
-            const most = deps.budgets?.limits.streamBytesInFlight ?? BYTES_IN_FLIGHT;
-            const writer = new BoundedWriter(call as grpc.ServerWritableStream<unknown, unknown>, deps.streamStallMs, most);
-            for await (const message of body(call.request, streaming)) {
-              deps.moved?.(method, 'read', dataBytes(message));
-              for (const piece of pieces(message, most)) {
-                if (call.cancelled) return;
-                await writer.write(piece);
+    startFairly(
+      deps,
+      call,
+      () => {
+        deps.turns?.enter('grpc', method);
+        const run = withContext(
+          deps,
+          call,
+          method,
+          async (context) => {
+            const give = holdStream(deps.budgets?.serverStreams, context, call);
+            // The budget goes back at the cancel: the body must end then too, not at its next message.
+            const cancelled = new AbortController();
+            const abort = () => cancelled.abort();
+            call.once('cancelled', abort);
+            if (call.cancelled) abort();
+            const streaming: CallContext = { ...context, signal: cancelled.signal };
+            try {
+              const most = deps.budgets?.limits.streamBytesInFlight ?? BYTES_IN_FLIGHT;
+              const writer = new BoundedWriter(call as grpc.ServerWritableStream<unknown, unknown>, deps.streamStallMs, most);
+              for await (const message of body(call.request, streaming)) {
+                deps.moved?.(method, 'read', dataBytes(message));
+                for (const piece of pieces(message, most)) {
+                  if (call.cancelled) return;
+                  await writer.write(piece);
+                }
               }
+            } finally {
+              call.off('cancelled', abort);
+              give();
             }
-          } finally {
-            call.off('cancelled', abort);
-            give();
-          }
-        },
-        options.tracked ?? true,
-      );
-      // grpc-js turns an 'error' event on a server stream into the call's status.
-      const settled = settle(deps, method, run);
-      countStream(deps, method, call, settled);
-      void settled.then(({ error }) => (error === undefined ? call.end() : call.emit('error', error)));
-    }, (error) => void settle(deps, method, Promise.reject(error)).then(({ error: answer }) => call.emit('error', answer)));
+          },
+          options.tracked ?? true,
+        );
+        // grpc-js turns an 'error' event on a server stream into the call's status.
+        const settled = settle(deps, method, run);
+        countStream(deps, method, call, settled);
+        void settled.then(({ error }) => (error === undefined ? call.end() : call.emit('error', error)));
+      },
+      (error) => void settle(deps, method, Promise.reject(error)).then(({ error: answer }) => call.emit('error', answer)),
+    );
 }
 
 export function clientStream<Req, Res>(
@@ -339,24 +347,27 @@ export function clientStream<Req, Res>(
   body: (requests: AsyncIterable<Req>, context: CallContext) => Promise<Res>,
 ): grpc.handleClientStreamingCall<Req, Res> {
   return (call, callback) =>
-    startFairly(deps, call, () => {
-      deps.turns?.enter('grpc', method);
-      const requests = countingWrites(deps, method, call as AsyncIterable<Req>);
-      const settled = settle(
-        deps,
-        method,
-        withContext(deps, call, method, async (context) => {
-          const give = holdStream(deps.budgets?.clientStreams, context, call);
-          try {
-            return await body(requests, context);
-          } finally {
-            give();
-          }
-        }),
-      );
-      countStream(deps, method, call, settled);
-      void settled.then(
-        ({ value, error }) => (error === undefined ? callback(null, value as Res) : callback(error as grpc.ServiceError)),
-      );
-    }, (error) => void settle(deps, method, Promise.reject(error)).then(({ error: answer }) => callback(answer as grpc.ServiceError)));
+    startFairly(
+      deps,
+      call,
+      () => {
+        deps.turns?.enter('grpc', method);
+        const requests = countingWrites(deps, method, call as AsyncIterable<Req>);
+        const settled = settle(
+          deps,
+          method,
+          withContext(deps, call, method, async (context) => {
+            const give = holdStream(deps.budgets?.clientStreams, context, call);
+            try {
+              return await body(requests, context);
+            } finally {
+              give();
+            }
+          }),
+        );
+        countStream(deps, method, call, settled);
+        void settled.then(({ value, error }) => (error === undefined ? callback(null, value as Res) : callback(error as grpc.ServiceError)));
+      },
+      (error) => void settle(deps, method, Promise.reject(error)).then(({ error: answer }) => callback(answer as grpc.ServiceError)),
+    );
 }

@@ -322,8 +322,18 @@ export class StoresService {
   addToServer(server: grpc.Server, proto: VmmdProto, deps: HandlerDeps): void {
     server.addService(proto.vmmd.v1.Stores.service, {
       // A store made after its caller stopped waiting is detached again (handler.ts): nobody would know its id.
-      CreateStore: unary(deps, 'CreateStore', (r: CreateStoreRequest__Output, c) => this.createStore(r, c), (made, c) => this.undoStore(made, c)),
-      Attach: unary(deps, 'Attach', (r: AttachRequest__Output, c) => this.attach(r, c), (made, c) => this.undoStore(made, c)),
+      CreateStore: unary(
+        deps,
+        'CreateStore',
+        (r: CreateStoreRequest__Output, c) => this.createStore(r, c),
+        (made, c) => this.undoStore(made, c),
+      ),
+      Attach: unary(
+        deps,
+        'Attach',
+        (r: AttachRequest__Output, c) => this.attach(r, c),
+        (made, c) => this.undoStore(made, c),
+      ),
       Open: unary(deps, 'Open', (r: OpenRequest__Output, c) => this.open(r, c)),
       Close: unary(deps, 'Close', (r: CloseRequest__Output, c) => this.close(r, c)),
       Detach: unary(deps, 'Detach', (r: DetachRequest__Output, c) => this.detach(r, c)),

@@ -157,7 +157,8 @@ export class VirtualMemoryService {
     const { socket } = context;
     // Sent again after a restart cut off its answer: the allocation the first one made (recorded, then parked,
     // with its request id) is this answer, exported anew, rather than a second allocation.
-    const made = socket?.again === true ? [...this.registry.allocations.all()].find((one) => one.owner === context.caller && one.request === socket.request) : undefined;
+    const made =
+      socket?.again === true ? [...this.registry.allocations.all()].find((one) => one.owner === context.caller && one.request === socket.request) : undefined;
     if (made !== undefined) {
       const again = await this.registry.exportHandle(context.caller, { allocationId: made.id, handleType: 'POSIX_FD', shareKey: '' });
       return this.handOver(session, 'POSIX_FD', again, context);
@@ -212,12 +213,7 @@ export class VirtualMemoryService {
    * session socket's answer (transfer_id 0), or sent on the session socket as
    * a transfer that the RPC's answer names (closing the daemon's copy).
    */
-  private handOver(
-    session: Session | undefined,
-    kind: HandleKind,
-    { allocation, fd, fabric }: Exported,
-    context: CallContext,
-  ): ExportResponse {
+  private handOver(session: Session | undefined, kind: HandleKind, { allocation, fd, fabric }: Exported, context: CallContext): ExportResponse {
     let transferId = '0';
     if (context.socket !== undefined) context.socket.fd = fd;
     else if (session !== undefined && fd !== undefined) {
@@ -316,11 +312,26 @@ export class VirtualMemoryService {
   addToServer(server: grpc.Server, proto: VmmdProto, deps: HandlerDeps): void {
     server.addService(proto.vmmd.v1.VirtualMemory.service, {
       // What Reserve, Create, Map and Import made is undone when their answer can reach nobody (handler.ts).
-      Reserve: unary(deps, 'Reserve', (r: ReserveRequest__Output, c) => this.reserve(r, c), (made, c) => this.registry.freeAddress(c.caller, BigInt(String(made.address)), BigInt(String(made.size)))),
+      Reserve: unary(
+        deps,
+        'Reserve',
+        (r: ReserveRequest__Output, c) => this.reserve(r, c),
+        (made, c) => this.registry.freeAddress(c.caller, BigInt(String(made.address)), BigInt(String(made.size))),
+      ),
       FreeAddress: unary(deps, 'FreeAddress', (r: FreeAddressRequest__Output, c) => this.freeAddress(r, c)),
-      Create: unary(deps, 'Create', (r: CreateRequest__Output, c) => this.create(r, c), (made, c) => this.registry.release(c.caller, BigInt(String(made.id)))),
+      Create: unary(
+        deps,
+        'Create',
+        (r: CreateRequest__Output, c) => this.create(r, c),
+        (made, c) => this.registry.release(c.caller, BigInt(String(made.id))),
+      ),
       Release: unary(deps, 'Release', (r: ReleaseRequest__Output, c) => this.release(r, c)),
-      Map: unary(deps, 'Map', (r: MapRequest__Output, c) => this.map(r, c), (_made, c, r) => this.registry.unmap(c.caller, u64(r.address), u64(r.size))),
+      Map: unary(
+        deps,
+        'Map',
+        (r: MapRequest__Output, c) => this.map(r, c),
+        (_made, c, r) => this.registry.unmap(c.caller, u64(r.address), u64(r.size)),
+      ),
       Unmap: unary(deps, 'Unmap', (r: UnmapRequest__Output, c) => this.unmap(r, c)),
       SetAccess: unary(deps, 'SetAccess', (r: SetAccessRequest__Output, c) => this.setAccess(r, c)),
       GetAccess: unary(deps, 'GetAccess', (r: GetAccessRequest__Output, c) => this.getAccess(r, c)),
@@ -328,7 +339,12 @@ export class VirtualMemoryService {
       Allocate: unary(deps, 'Allocate', (r: CreateRequest__Output, c) => this.allocate(r, c)),
       AllocateAll: unary(deps, 'AllocateAll', (r: AllocateAllRequest__Output, c) => this.allocateAll(r, c)),
       Share: unary(deps, 'Share', (r: ShareRequest__Output, c) => this.share(r, c)),
-      Import: unary(deps, 'Import', (r: ImportRequest__Output, c) => this.import(r, c), (made, c) => this.registry.release(c.caller, BigInt(String(made.id)))),
+      Import: unary(
+        deps,
+        'Import',
+        (r: ImportRequest__Output, c) => this.import(r, c),
+        (made, c) => this.registry.release(c.caller, BigInt(String(made.id))),
+      ),
       GetProperties: unary(deps, 'GetProperties', (r: GetPropertiesRequest__Output, c) => this.getProperties(r, c)),
       RetainHandle: unary(deps, 'RetainHandle', (r: RetainHandleRequest__Output, c) => this.retainHandle(r, c)),
       Read: serverStream(deps, 'Read', (r: ReadRequest__Output, c) => this.read(r, c)),
