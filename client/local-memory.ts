@@ -341,7 +341,6 @@ export class CudaImportedMemory extends ImportedMemory {
     private readonly hostNuma: number | undefined,
   ) {
     super(allocationId, mapping.address, mapping.size, mapping.device, readOnly);
-    this.view = hostNuma === undefined ? undefined : mapping.view();
   }
 
   protected unmapHere(): Promise<void> {
@@ -354,13 +353,27 @@ export class CudaImportedMemory extends ImportedMemory {
 
   protected override async resumeHere(fd: number): Promise<void> {
     await this.mapping.resume(fd, { readOnly: this.readOnly, hostNuma: this.hostNuma, synchronizeUnmap: true, inline: true });
-    if (this.hostNuma !== undefined) this.view = this.mapping.view();
   }
 
-  /** Host-located memory mapped with host access has a CPU view; device memory has none. */
+  /**
+   * Host-located memory mapped with host access has a CPU view, made on first use (memory past what an
+   * ArrayBuffer can view, 4 GiB, maps and copies all the same); device memory has none.
+   * @throws VmmdError FAILED_PRECONDITION NO_HOST_VIEW (device memory, or host memory too large for a view)
+   */
   override get buffer(): ArrayBuffer {
     this.checkOpen();
-    if (this.view === undefined) return super.buffer;
+    if (this.hostNuma === undefined) return super.buffer;
+    if (this.view === undefined) {
+      try {
+        this.view = this.mapping.view();
+      } catch (error) {
+        throw new VmmdError(
+          'NO_HOST_VIEW',
+          Status.FAILED_PRECONDITION,
+          `host memory of ${this.size} bytes has no view here (${(error as Error).message}); use read() and write()`,
+        );
+      }
+    }
     return this.view;
   }
 
