@@ -139,11 +139,11 @@ export class SeqpacketConnection extends EventEmitter {
   private onReadable(status: number, events: number): void {
     if (this.closed) return;
     if (status < 0) {
-      // An error on the socket (the peer reset it): what it sent before is still queued and is read first.
-      this.readSome(MAX_MESSAGES_PER_READ, UV_DISCONNECT);
-      if (this.closed) return;
+      // An error on the socket (the peer reset it): what it sent before is still queued and is read first,
+      // and the connection ends as failed, not as a peer that hung up in good order.
       this.closeReason = `poll failed with status ${status}`;
-      this.close();
+      this.readSome(MAX_MESSAGES_PER_READ, UV_DISCONNECT);
+      if (!this.closed) this.close();
       return;
     }
     if (this.ready !== undefined) {
