@@ -110,6 +110,29 @@ def _host_memory_costs(client: Any, gib: int) -> Dict[str, float]:
     return {"daemon_create_s": create, "create_and_map_s": create_and_map, "map_s": max(0.0, create_and_map - create)}
 
 
+def _fill(cu: Any, blocks: List[Any]) -> None:
+    """Block i holds the byte i + 1 throughout: what a wake must give back."""
+    for index, block in enumerate(blocks):
+        (code,) = cu.cuMemsetD8(block.address, index + 1, block.size)
+        _cuda.check(code, "cuMemsetD8")
+
+
+def _offload_cycle(pool: Any, blocks: List[Any], nbytes: int, pinned: Dict[str, float]) -> Dict[str, Any]:
+    """One offload sleep and wake of `pool`, timed, checked and set against the pinned copies."""
+    start = time.perf_counter()
+    pool.sleep("offload")
+    sleep_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    pool.wake()
+    wake_seconds = time.perf_counter() - start
+    intact = all(_cuda.copy_from_device(0, block.address + block.size - 4096, 4096) == bytes([index + 1]) * 4096 for index, block in enumerate(blocks))
+    return {
+        "sleep_s": sleep_seconds, "wake_s": wake_seconds, "intact": intact,
+        "sleep_gbps": nbytes / sleep_seconds / 1e9, "wake_gbps": nbytes / wake_seconds / 1e9,
+        "sleep_ratio": pinned["dtoh"] / sleep_seconds, "wake_ratio": pinned["htod"] / wake_seconds,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -122,25 +145,12 @@ def main() -> None:
 
     pool = DevicePool(client, chunk_size=GiB, large_threshold=GiB // 2, idle_seconds=0, tag="weights", retain_copies=True)
     blocks = [pool.allocate(GiB) for _ in range(args.gib)]
-    for index, block in enumerate(blocks):
-        (code,) = cu.cuMemsetD8(block.address, index + 1, block.size)
-        _cuda.check(code, "cuMemsetD8")
+    _fill(cu, blocks)
     pinned = _pinned_copies(cu, blocks)
     nbytes = args.gib * GiB
     # The first cycle makes (and pins) the host copies; the second reuses them (retain_copies).
     for cycle in ("first", "retained"):
-        start = time.perf_counter()
-        pool.sleep("offload")
-        sleep_seconds = time.perf_counter() - start
-        start = time.perf_counter()
-        pool.wake()
-        wake_seconds = time.perf_counter() - start
-        intact = all(_cuda.copy_from_device(0, block.address + block.size - 4096, 4096) == bytes([index + 1]) * 4096 for index, block in enumerate(blocks))
-        result[f"offload_{cycle}"] = {
-            "sleep_s": sleep_seconds, "wake_s": wake_seconds, "intact": intact,
-            "sleep_gbps": nbytes / sleep_seconds / 1e9, "wake_gbps": nbytes / wake_seconds / 1e9,
-            "sleep_ratio": pinned["dtoh"] / sleep_seconds, "wake_ratio": pinned["htod"] / wake_seconds,
-        }
+        result[f"offload_{cycle}"] = _offload_cycle(pool, blocks, nbytes, pinned)
     result["pinned"] = {"dtoh_s": pinned["dtoh"], "htod_s": pinned["htod"], "dtoh_gbps": nbytes / pinned["dtoh"] / 1e9, "htod_gbps": nbytes / pinned["htod"] / 1e9}
     pool.close()
 
@@ -148,26 +158,13 @@ def main() -> None:
     pool = DevicePool(client, chunk_size=GiB, large_threshold=GiB // 2, idle_seconds=0, tag="weights", prepare_copies=True)
     start = time.perf_counter()
     blocks = [pool.allocate(GiB) for _ in range(args.gib)]
-    for index, block in enumerate(blocks):
-        (code,) = cu.cuMemsetD8(block.address, index + 1, block.size)
-        _cuda.check(code, "cuMemsetD8")
+    _fill(cu, blocks)
     while pool.stats()["prepare_pending"]:
         time.sleep(0.005)
     prepare_seconds = time.perf_counter() - start
     if pool.prepare_error is not None:
         raise pool.prepare_error
-    start = time.perf_counter()
-    pool.sleep("offload")
-    sleep_seconds = time.perf_counter() - start
-    start = time.perf_counter()
-    pool.wake()
-    wake_seconds = time.perf_counter() - start
-    intact = all(_cuda.copy_from_device(0, block.address + block.size - 4096, 4096) == bytes([index + 1]) * 4096 for index, block in enumerate(blocks))
-    result["offload_prepared_first"] = {
-        "prepare_s": prepare_seconds, "sleep_s": sleep_seconds, "wake_s": wake_seconds, "intact": intact,
-        "sleep_gbps": nbytes / sleep_seconds / 1e9, "wake_gbps": nbytes / wake_seconds / 1e9,
-        "sleep_ratio": pinned["dtoh"] / sleep_seconds, "wake_ratio": pinned["htod"] / wake_seconds,
-    }
+    result["offload_prepared_first"] = {"prepare_s": prepare_seconds, **_offload_cycle(pool, blocks, nbytes, pinned)}
     pool.close()
     result["vllm_style"] = _vllm_style(cu, client, args.gib)
     result["host_memory_costs"] = _host_memory_costs(client, args.gib)
