@@ -38,10 +38,8 @@ export async function settledState(daemon: TestDaemon) {
   }
 }
 
-/** Kills the serving daemon and waits until the keeper's next one serves. */
-export async function killServing(daemon: TestDaemon): Promise<{ before: number; after: number }> {
-  const before = servingPid(daemon.pid)!;
-  process.kill(before, 'SIGKILL');
+/** Waits until the keeper's serving daemon is another than `before` and answers (within `serveWithinMs`); its pid. */
+export async function servedAgain(daemon: TestDaemon, before: number, serveWithinMs = 120_000): Promise<number> {
   const after = await eventually(
     () => {
       const pid = servingPid(daemon.pid);
@@ -56,10 +54,17 @@ export async function killServing(daemon: TestDaemon): Promise<{ before: number;
         () => true,
         () => undefined,
       ),
-    120_000,
+    serveWithinMs,
     'the daemon to serve again',
   );
-  return { before, after };
+  return after;
+}
+
+/** Kills the serving daemon and waits until the keeper's next one serves. */
+export async function killServing(daemon: TestDaemon): Promise<{ before: number; after: number }> {
+  const before = servingPid(daemon.pid)!;
+  process.kill(before, 'SIGKILL');
+  return { before, after: await servedAgain(daemon, before) };
 }
 
 export async function restartScenario(backend: 'host' | 'cuda'): Promise<void> {

@@ -4,8 +4,8 @@
  * every parked descriptor; stores, their bytes, allocations, owners, share
  * keys and quota charges are what they were.
  */
-import { call, eventually, MiB, Peer, sleep, TestDaemon } from '../e2e/harness';
-import { killServing, observed, restartScenario, servingPid, settledState } from './restart-scenario';
+import { eventually, MiB, Peer, sleep, TestDaemon } from '../e2e/harness';
+import { killServing, observed, restartScenario, servedAgain, servingPid, settledState } from './restart-scenario';
 
 describe('the keeper', () => {
   let daemon: TestDaemon | undefined;
@@ -55,23 +55,7 @@ describe('the keeper', () => {
     const before = await observed(daemon);
     const old = servingPid(daemon.pid)!;
     process.kill(daemon.pid, 'SIGHUP');
-    await eventually(
-      () => {
-        const pid = servingPid(daemon!.pid);
-        return pid !== undefined && pid !== old ? true : undefined;
-      },
-      30_000,
-      'the new daemon',
-    );
-    await eventually(
-      async () =>
-        await call(daemon!.raw.devices, 'ListDevices', {}).then(
-          () => true,
-          () => undefined,
-        ),
-      60_000,
-      'the daemon to serve again',
-    );
+    await servedAgain(daemon, old, 60_000);
     // The maker's session waits for it or is resumed by its client: the same either way (its end would reclaim).
     expect(await observed(daemon)).toEqual(before);
   }, 180_000);
@@ -87,23 +71,7 @@ describe('the keeper', () => {
     process.kill(daemon.pid, 'SIGHUP');
     await sleep(20);
     if (servingPid(daemon.pid) === old) process.kill(old, 'SIGKILL');
-    await eventually(
-      () => {
-        const pid = servingPid(daemon!.pid);
-        return pid !== undefined && pid !== old ? true : undefined;
-      },
-      30_000,
-      'the new daemon',
-    );
-    await eventually(
-      async () =>
-        await call(daemon!.raw.devices, 'ListDevices', {}).then(
-          () => true,
-          () => undefined,
-        ),
-      60_000,
-      'the daemon to serve again',
-    );
+    await servedAgain(daemon, old, 60_000);
     expect(await observed(daemon)).toEqual(before);
   }, 180_000);
 
