@@ -11,8 +11,8 @@
 import type { Logger } from 'pino';
 import { addon } from '../../native';
 import type { Backend, BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from '../backends/backend';
-import type { AllocationObserver, AllocationRecord, AllocationSource, RestoredMemory } from '../registry';
-import type { HeldMemfd, SourcedAllocation } from '../registry/source';
+import type { AllocationObserver, AllocationRecord, AllocationSource } from '../registry';
+import { PassThroughSource, type SourcedAllocation } from '../registry/source';
 import { isStoreHolder, StoreEvent, StoreRecord } from '../stores/stores';
 import type { DescriptorParking } from './fd-store';
 import { Journal } from './journal';
@@ -344,33 +344,27 @@ function closeQuietly(fd: number): void {
 }
 
 /** Parks each piece of memory's descriptor as it comes, before the registry records it; drops it once freed. */
-class ParkingAdaptor implements AllocationSource {
+class ParkingAdaptor extends PassThroughSource {
   constructor(
     private readonly slot: ParkingSlot,
-    private readonly upstream: AllocationSource,
-  ) {}
+    upstream: AllocationSource,
+  ) {
+    super(upstream);
+  }
 
-  async create(owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
+  override async create(owner: bigint, device: number, location: MemLocation, size: bigint, handleTypes: HandleKind[]): Promise<BackendHandle> {
     const handle = await this.upstream.create(owner, device, location, size, handleTypes);
     await this.slot.parking?.park(handle, device);
     return handle;
   }
 
-  async adopt(owner: bigint, source: ImportSource, size: bigint): Promise<ImportedHandle> {
+  override async adopt(owner: bigint, source: ImportSource, size: bigint): Promise<ImportedHandle> {
     const imported = await this.upstream.adopt(owner, source, size);
     await this.slot.parking?.park(imported.handle, imported.device);
     return imported;
   }
 
-  restore(memory: RestoredMemory): Promise<ImportedHandle> {
-    return this.upstream.restore(memory);
-  }
-
-  holdClientMemfd(owner: bigint, fd: number, size: bigint): Promise<HeldMemfd> {
-    return this.upstream.holdClientMemfd(owner, fd, size);
-  }
-
-  async release(allocation: SourcedAllocation, awaited: boolean): Promise<void> {
+  override async release(allocation: SourcedAllocation, awaited: boolean): Promise<void> {
     const parking = this.slot.parking;
     // Taken before the free: after it, the handle value may already name other memory, parked meanwhile.
     const name = parking?.detach(allocation.handle);
@@ -382,10 +376,6 @@ class ParkingAdaptor implements AllocationSource {
       throw error;
     }
     if (name !== undefined) parking!.unpark(name);
-  }
-
-  settle(): Promise<void> {
-    return this.upstream.settle();
   }
 }
 
