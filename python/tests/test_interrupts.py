@@ -239,5 +239,37 @@ def test_a_storm_of_interrupts_wedges_no_session_and_leaks_nothing(daemon: Daemo
     print("storm:", result)
     assert result["interrupts"] >= target // 2, result
     assert result["wedged"] == 0 and result["after"] == [True] * 4, result
+    assert len(result["worker_calls"]) == 3, f"a worker thread ended with an error: {result} {done.stderr[-3000:]}"
     assert result["allocations_left"] == 0, result
     assert result["fds_leaked"] == 0, result
+
+
+def test_a_take_the_main_thread_left_over_is_taken_back_and_other_threads_are_answered(fake: FakeDaemon) -> None:
+    # What a second interrupt in the first one's clean-up leaves: the main thread holds the socket outside any call.
+    assert fake.session._reading.take(False)
+    try:
+        out = ping_from_another_thread(fake)
+        assert "error" not in out, f"another thread's call is not answered while the main thread's take is left over: {out['error']!r}"
+        assert fake.session._reading.holder != threading.main_thread().ident
+    finally:
+        fake.session._reading.leave_to(0)
+
+
+def test_a_take_of_the_main_thread_inside_a_call_is_not_taken_back(fake: FakeDaemon) -> None:
+    import time
+
+    from vmmd._reading import STALE_CHECK_S
+
+    reading = fake.session._reading
+    assert type(fake.session)._request_once.__code__ in reading._holding
+
+    def a_call_that_holds_the_socket() -> bool:
+        assert reading.take(False)
+        try:
+            time.sleep(STALE_CHECK_S * 6)
+            return reading.holder == threading.main_thread().ident
+        finally:
+            reading.leave_to(0)
+
+    reading._holding = reading._holding | {a_call_that_holds_the_socket.__code__}
+    assert a_call_that_holds_the_socket(), "the reader thread took the socket from a call that held it"

@@ -7,6 +7,7 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 
 from . import _proto
 from ._abandoned import Pending
+from ._locks import surely
 from ._values import allocation_id, deadline_of, left_until
 from .errors import STATUS, VmmdError
 
@@ -77,8 +78,8 @@ class BatchedReleases:
                 collect(request, pending)
             results.extend(tail)
         except BaseException:
-            self._reading.leave_to(held)
-            self._abandon_all(registered)
+            surely(lambda: self._reading.leave_to(held))
+            surely(lambda: self._abandon_all(registered))
             raise
         finally:
             self._reading.leave_to(held)

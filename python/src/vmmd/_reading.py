@@ -20,6 +20,13 @@ straight away: nothing but its own answer, an unsolicited daemon error (only
 logged) or a descriptor nobody will claim (sent for a call that gave up) can
 come while it waits. An interrupt can lose only the
 interrupted call's own answer, as it could before.
+
+A take the main thread could not leave (a second interrupt in the first
+one's clean-up, while it waited for the session's lock) would stop every
+other thread's reading: the reader thread looks every STALE_CHECK_S while
+it waits for a caller's take to end (and every STALE_POLL_S in its epoll), and takes back a main thread's take when no call that holds one
+(`holding`, the code of the functions between a take and its leave) is on
+the main thread's stack any more.
 """
 from __future__ import annotations
 
@@ -28,9 +35,11 @@ import errno
 import os
 import select
 import socket
+import sys
 import threading
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from types import CodeType
+from typing import Any, Callable, Collection, List, Optional, Tuple
 
 from . import _frames
 from ._declared import MAX_MESSAGE_BYTES
@@ -41,6 +50,10 @@ _WATCH_ALL = select.EPOLLIN | select.EPOLLRDHUP
 _WATCH_HANGUP = select.EPOLLRDHUP
 # A caller sleeps in poll at most this long at a time (poll takes a C int of milliseconds).
 _POLL_CAP_MS = 60_000
+# How often the reader thread, waiting while a caller reads, looks whether the main thread's take is left over;
+# its epoll wakes at least every STALE_POLL_S to look (a take turns it to the hang-up alone).
+STALE_CHECK_S = 0.05
+STALE_POLL_S = 1.0
 # Errors of a read that mean the connection is gone (a signal handler's OSError is not one of them).
 _GONE = (errno.EBADF, errno.ENOTCONN, errno.ECONNRESET, errno.EPIPE, errno.ENOTSOCK)
 
@@ -80,8 +93,11 @@ class SocketReading:
         dispatch: Callable[[bytes, List[int], Optional[Any]], None],
         busy_poll_us: int,
         carrying: Tuple[str, ...] = (),
+        holding: Collection[CodeType] = (),
     ) -> None:
         self._sock = sock
+        # The code of the functions that take the socket and leave it before they return.
+        self._holding = frozenset(holding)
         self._lock = lock
         self._dispatch = dispatch
         # The frames' bodies that carry a descriptor: left to the reader thread by the main thread.
@@ -256,11 +272,14 @@ class SocketReading:
         while True:
             with guarded(self._lock):
                 while self.holder is not None and not closed():
-                    self._lock.wait()
+                    self._lock.wait(STALE_CHECK_S)
+                    if self.holder is not None and self._left_over(self.holder):
+                        self._take_back()
                 if closed() or self.ended:
                     return  # (a caller read the end: every message before it was read too)
             try:
-                self._watch.poll()
+                # Not for ever: a take the main thread left over turns this epoll to the hang-up alone.
+                self._watch.poll(STALE_POLL_S)
             except (OSError, ValueError):
                 return
             if closed() or not self.take(False, caller=False):
@@ -271,6 +290,30 @@ class SocketReading:
                 self.leave()
             if outcome == ENDED:
                 return
+
+    def _left_over(self, holder: int) -> bool:
+        """(under _lock) Whether `holder`'s take is left over: the main thread's, with no call that holds one
+        on its stack (only the main thread is interrupted: any other thread's leave runs)."""
+        main = threading.main_thread()
+        if holder != main.ident or not self._holding:
+            return False
+        frame = sys._current_frames().get(holder)
+        if frame is None:
+            return not main.is_alive()
+        while frame is not None:
+            if frame.f_code in self._holding:
+                return False
+            frame = frame.f_back
+        return True
+
+    def _take_back(self) -> None:
+        """(under _lock) Ends a left-over take: the socket is free, the reader thread watches for messages."""
+        self.holder = None
+        self._depth = 0
+        if not self._watching_all:
+            self._watch_for(_WATCH_ALL)
+            self._watching_all = True
+        self._lock.notify_all()
 
     def wake(self) -> None:
         """Wakes the reader thread's wait (the session is finished)."""

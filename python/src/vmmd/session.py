@@ -16,7 +16,7 @@ from . import _fork, _frames, _proto
 from ._abandoned import AbandonedAnswers, Orphan, Pending, orphan_of
 from ._batch import BatchedReleases
 from ._greeting import greet
-from ._locks import condition, guarded, mutex
+from ._locks import condition, guarded, mutex, surely
 from ._reading import ENDED, YIELDED, SocketReading
 from ._resuming import Resumable
 from ._declared import DEFAULT_TRANSFER_WAIT_MS
@@ -106,7 +106,7 @@ class ClientSession(AbandonedAnswers, BatchedReleases, Resumable):
     def _start_reading(self, sock: socket.socket) -> None:
         """The connection the session is served on, and its reader thread."""
         self._sock = sock
-        self._reading = SocketReading(sock, self._lock, self._dispatch, self._busy_poll_us, ("transfer",) + _WITH_DESCRIPTOR)
+        self._reading = SocketReading(sock, self._lock, self._dispatch, self._busy_poll_us, ("transfer",) + _WITH_DESCRIPTOR, _HOLDING)
         self._reader = threading.Thread(target=self._read_loop, name=f"vmmd-session-{self.id}", daemon=True)
         self._reader.start()
 
@@ -261,9 +261,10 @@ class ClientSession(AbandonedAnswers, BatchedReleases, Resumable):
             finally:
                 reading.leave_to(held)
         except BaseException:
-            # Cut short anywhere (an interrupt in the leave too): the socket left, the request forgotten.
-            reading.leave_to(held)
-            self._abandon_all(sent)
+            # Cut short anywhere (an interrupt in the leave too, or in this clean-up: surely runs it again):
+            # the socket left, the request forgotten.
+            surely(lambda: reading.leave_to(held))
+            surely(lambda: self._abandon_all(sent))
             raise
         return pending
 
@@ -493,3 +494,7 @@ class ClientSession(AbandonedAnswers, BatchedReleases, Resumable):
             if now - since > UNCLAIMED_TRANSFER_S:
                 del self._inbox[transfer]
                 os.close(fd)
+
+
+# The functions that take the session socket and leave it before they return (_reading.py: left-over takes).
+_HOLDING = (ClientSession._request_once.__code__, BatchedReleases.release_many.__code__)
