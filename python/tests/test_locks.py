@@ -147,3 +147,57 @@ def test_surely_runs_a_clean_up_to_its_end_through_interrupts_at_any_two_points(
             finally:
                 sys.settrace(None)
             assert state["left"] == 1, f"the clean-up was left half done (interrupts at lines {first} and {second})"
+
+
+def test_an_answer_taken_under_an_interrupt_at_any_check_point_stays_the_records_or_is_the_callers() -> None:
+    """CPython runs a signal handler at a function's entry and after a call
+    returns: the profiler's "call" and "c_return" events are those points."""
+    import os
+
+    from vmmd import _abandoned, _frames
+    from vmmd._abandoned import Pending
+
+    def profile_at(step: int) -> Any:
+        seen = [0]
+
+        def profile(frame: FrameType, event: str, arg: Any) -> None:
+            if frame.f_code.co_filename != _abandoned.__file__ or event not in ("call", "c_return"):
+                return
+            seen[0] += 1
+            if seen[0] == step:
+                raise KeyboardInterrupt
+
+        return profile
+
+    cut = 0
+    for step in range(1, 20):
+        read, write = os.pipe()
+        os.close(write)
+        orphans: List[Any] = []
+        pending = Pending(orphans)
+        pending.message = _frames.DaemonFrame(request=1, allocated={"allocation_id": 7})
+        pending.fd = read
+        taken: List[Any] = []
+        sys.setprofile(profile_at(step))
+        try:
+            taken.append(pending.take())
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.setprofile(None)
+        if taken:
+            assert taken[0][1] == read and pending.fd == -1
+            os.close(read)
+            break
+        cut += 1
+        # Cut short: the record still holds the answer, and releasing it closes the descriptor and orphans the allocation.
+        assert pending.fd == read and pending.message is not None, f"the answer was lost by an interrupt at check point {step}"
+        pending.release()
+        assert orphans == [("release", "7")]
+        try:
+            os.fstat(read)
+        except OSError:
+            pass
+        else:
+            raise AssertionError(f"the descriptor stayed open after an interrupt at check point {step}")
+    assert cut >= 2, "take() was interrupted at fewer than two points: the test tried nothing"

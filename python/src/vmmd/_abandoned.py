@@ -43,10 +43,14 @@ class Pending:
         self._orphans = orphans
 
     def take(self) -> Tuple[Any, int]:
-        """The answer's body (the RPC's response message) and its descriptor, now the caller's (no longer this record's to release)."""
-        message, fd, self.message, self.fd = self.message, self.fd, None, -1
+        """The answer's body (the RPC's response message) and its descriptor, now the caller's (no longer this record's to release).
+        The body is found first: from the hand-over to the return no call runs, where a signal's handler could raise
+        with the answer out of this record and not yet the caller's."""
+        message = self.message
         assert message is not None
-        return getattr(message, message.WhichOneof("body")), fd
+        body = getattr(message, message.WhichOneof("body"))
+        fd, self.message, self.fd = self.fd, None, -1
+        return body, fd
 
     def release(self) -> None:
         """Lets go of an answer nobody will take: its descriptor is closed and

@@ -10,6 +10,7 @@ from ._staging import STAGED_MIN_BYTES, StagingBuffer, StagingRefused
 from .errors import STATUS, VmmdError
 from .memory import CudaImportedMemory, HostImportedMemory, ImportedMemory
 from ._declared import MAX_ALLOCATE_ALL_SIZES, MAX_ALLOCATE_ALL_WAIT_MS
+from ._locks import surely
 from ._reading import close_fd
 from .session import ClientSession, allocation_id
 
@@ -145,7 +146,7 @@ class VirtualMemoryApi:
         try:
             return self._map_export(exported, owner, read_only, host_access)
         finally:
-            close_fd(owner[0])  # (-1 once the mapping took it)
+            surely(lambda: _close_owned(owner))  # (-1 once the mapping took it)
 
     def allocate(self, size: int, location: Any = None, host_access: bool = False, timeout: Optional[float] = None) -> ImportedMemory:
         """A new allocation, owned by this session and mapped into this
@@ -162,8 +163,9 @@ class VirtualMemoryApi:
         try:
             return self._map_export(response, owner, False, host_access)
         except BaseException as error:
-            close_fd(owner[0])
-            self._give_back(str(response.allocation_id), error)
+            # A second interrupt in this clean-up runs it again (surely): the allocation is never left unowned.
+            surely(lambda: _close_owned(owner))
+            surely(lambda failure=error: self._give_back(str(response.allocation_id), failure))  # type: ignore[misc]
             raise
 
     def _map_export(self, exported: Any, owner: List[int], read_only: bool, host_access: bool) -> ImportedMemory:
@@ -321,3 +323,9 @@ def _proto_location_type(location: Any) -> str:
         return "LOCATION_TYPE_DEVICE"
     Location = _proto.message("Location")
     return Location.DESCRIPTOR.fields_by_name["type"].enum_type.values_by_number[location.type].name
+
+
+def _close_owned(owner: List[int]) -> None:
+    """Closes the descriptor in `owner` (a one-item list), taken out first: run twice, it never closes a number twice."""
+    fd, owner[0] = owner[0], -1
+    close_fd(fd)
