@@ -53,24 +53,43 @@ def test_torch_tensors_keep_addresses_and_backed_up_contents() -> None:
 def test_a_backed_up_regions_copies_are_made_ahead_and_serve_the_first_pause() -> None:
     pytest.importorskip("torch")
     answer = run_python("""
-        import json, torch
+        import json, torch, vmmd.torch
         from vmmd import _sleep
-        from vmmd.torch import torch_memory_saver as saver, allocator
+        from vmmd.torch import torch_memory_saver as saver
+        # No chunk goes back idle meanwhile: a chunk given back takes its copy along.
+        supply = vmmd.torch.allocator(idle_seconds=0).supply
         with saver.region(tag="weights", enable_cpu_backup=True):
             w = torch.randn(256 << 20, device="cuda")          # 1 GiB
         torch.cuda.synchronize()
-        supply = allocator().supply
-        _sleep.settle(list(supply._segments.values()))
-        held = sum(int(s.copy.size) for s in supply._segments.values() if s.copy is not None)
-        errors = [repr(s.prepare_error) for s in supply._segments.values() if s.prepare_error is not None]
+
+        def records():
+            # A snapshot: the refill thread adds records meanwhile (the chunk it leases ahead of the next malloc).
+            return dict(list(supply._segments.items()))
+
+        def copies():
+            _sleep.settle(list(records().values()))
+            return {hex(base): {"size": int(s.memory.size), "copy": None if s.copy is None else int(s.copy.allocation_id),
+                                "copy_size": 0 if s.copy is None else int(s.copy.size), "error": None if s.prepare_error is None else repr(s.prepare_error)}
+                    for base, s in records().items()}
+
+        before = copies()
+        where = next((hex(base) for base, s in records().items() if int(s.memory.address) <= w.data_ptr() < int(s.memory.address) + int(s.memory.size)), None)
         checksum = float(w.double().sum())
         saver.pause("weights")
         saver.resume("weights")
-        kept = sum(int(s.copy.size) for s in supply._segments.values() if s.copy is not None)
-        print(json.dumps({"held": held, "errors": errors, "equal": float(w.double().sum()) == checksum, "kept": kept}))
+        after = copies()
+        chunks = {hex(base): tag for base, (_, _, tag) in list(supply._chunks.items())}
+        print(json.dumps({"before": before, "after": after, "where": where, "equal": float(w.double().sum()) == checksum,
+                          "chunks": chunks, "errors": [repr(e) for e in supply.errors], "counters": supply.counters()}))
     """)
-    assert answer["errors"] == [] and answer["held"] >= 1 << 30, answer
-    assert answer["equal"] and answer["kept"] == answer["held"]
+    before, after, where = answer["before"], answer["after"], answer["where"]
+    # The tensor's chunk has its record and its copy, made ahead, as large as the chunk.
+    assert where is not None and before[where]["copy"] is not None and before[where]["copy_size"] >= 1 << 30, answer
+    assert all(record["error"] is None for record in before.values()), answer
+    assert answer["equal"], answer
+    # The pause used the copies made ahead (no new ones) and the resume kept them for the next pause.
+    assert all(after[base]["copy"] == record["copy"] for base, record in before.items() if record["copy"] is not None), answer
+    assert all(record["copy"] is not None for record in after.values()), answer
 
 
 def test_a_plain_mem_pool_sleeps_and_wakes() -> None:
