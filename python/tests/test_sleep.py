@@ -306,3 +306,16 @@ def test_a_chunk_given_back_takes_its_copy_with_it_even_while_being_made(daemon:
     pool.free(blocks[0])
     pool.close()
     assert daemon.stats().allocated_bytes == before
+
+
+def test_the_numba_pools_prepare_switch_is_1_or_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vmmd._values import switch_setting
+
+    monkeypatch.delenv("VMMD_NUMBA_PREPARE_COPIES", raising=False)
+    assert switch_setting("VMMD_NUMBA_PREPARE_COPIES", False, "copies made ahead") is False
+    monkeypatch.setenv("VMMD_NUMBA_PREPARE_COPIES", "1")
+    assert switch_setting("VMMD_NUMBA_PREPARE_COPIES", False, "copies made ahead") is True
+    monkeypatch.setenv("VMMD_NUMBA_PREPARE_COPIES", "yes")
+    with pytest.raises(vmmd.VmmdError) as raised:
+        switch_setting("VMMD_NUMBA_PREPARE_COPIES", False, "copies made ahead")
+    assert (raised.value.code, raised.value.status_name) == ("BAD_CONFIG", "INVALID_ARGUMENT") and "VMMD_NUMBA_PREPARE_COPIES='yes'" in raised.value.message

@@ -156,6 +156,59 @@ def test_cupy_and_numba_arrays_keep_addresses_and_contents() -> None:
     assert answer == {"same": True, "equal": True}
 
 
+# What a pool holds ahead (prepare_copies) after its copies are made, and around a sleep and wake; `stats()` is the pool's.
+PREPARED_CYCLE = textwrap.indent(textwrap.dedent("""
+    def settled(stats):
+        deadline = time.monotonic() + 60
+        while stats()["prepare_pending"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return stats()
+
+    def cycle(stats, sleep, wake, error):
+        before = settled(stats)
+        sleep("offload")
+        wake()
+        after = settled(stats)
+        return {"before": before, "after": after, "held": before["bytes"] + before["large_bytes"], "error": repr(error())}
+"""), " " * 8)
+
+
+def test_cupy_and_numba_pools_make_their_copies_ahead_and_keep_them() -> None:
+    pytest.importorskip("cupy")
+    answer = run_python("""
+        import json, time, cupy, vmmd.cupy
+    """ + PREPARED_CYCLE + """
+        allocator = vmmd.cupy.use(idle_seconds=0, prepare_copies=True)
+        small, large = cupy.arange(1000, dtype=cupy.float32), cupy.arange(64 << 20, dtype=cupy.int32)
+        cupy.cuda.runtime.deviceSynchronize()
+        device = cupy.cuda.runtime.getDevice()
+        result = cycle(lambda: allocator.stats()[device], allocator.sleep, allocator.wake, lambda: allocator.prepare_error)
+        result["equal"] = bool((small == cupy.arange(1000, dtype=cupy.float32)).all()) and bool((large == cupy.arange(64 << 20, dtype=cupy.int32)).all())
+        print(json.dumps(result))
+    """)
+    # Every chunk's copy made ahead, used by the sleep, kept after wake.
+    assert answer["error"] == "None" and answer["equal"], answer
+    assert answer["before"]["prepared_bytes"] == answer["held"] >= 256 << 20, answer
+    assert answer["after"]["prepared_bytes"] == answer["before"]["prepared_bytes"], answer
+    pytest.importorskip("numba.cuda")
+    answer = run_python("""
+        import json, time, numpy
+        from numba import cuda
+        import vmmd.numba
+    """ + PREPARED_CYCLE + """
+        host = numpy.arange(32 << 20, dtype=numpy.float64)
+        d = cuda.to_device(host)
+        cuda.synchronize()
+        pool = cuda.current_context().memory_manager.pool
+        result = cycle(pool.stats, vmmd.numba.sleep, vmmd.numba.wake, lambda: pool.prepare_error)
+        result["equal"] = bool((d.copy_to_host() == host).all())
+        print(json.dumps(result))
+    """, env={"NUMBA_CUDA_MEMORY_MANAGER": "vmmd.numba", "VMMD_NUMBA_PREPARE_COPIES": "1"})
+    assert answer["error"] == "None" and answer["equal"], answer
+    assert answer["before"]["prepared_bytes"] == answer["held"] >= 256 << 20, answer
+    assert answer["after"]["prepared_bytes"] == answer["before"]["prepared_bytes"], answer
+
+
 def test_a_torch_cuda_graph_replays_after_100_sleeps() -> None:
     pytest.importorskip("torch")
     answer = run_python("""
