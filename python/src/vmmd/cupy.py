@@ -83,8 +83,9 @@ class VmmdAllocator:
             return cupy.cuda.MemoryPointer(cupy.cuda.memory.Memory(0), 0)
         device = cupy.cuda.runtime.getDevice()
         pool = self.pool(device)
-        # Reused in the order of the stream current now, as CuPy's MemoryPool does.
-        block = pool.allocate(size, stream=int(cupy.cuda.get_current_stream().ptr))
+        # Reused in the order of the stream current now, as CuPy's MemoryPool does; the Stream object, not its
+        # handle: the block keeps the stream alive until its free is settled (an event is recorded on it then).
+        block = pool.allocate(size, stream=cupy.cuda.get_current_stream())
         memory = cupy.cuda.UnownedMemory(block.address, size, _BlockOwner(pool, block), device_id=device)
         return cupy.cuda.MemoryPointer(memory, 0)
 
