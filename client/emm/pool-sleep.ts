@@ -73,6 +73,7 @@ export class PoolSleep {
   wake(options: WakeOptions): Promise<WakeReport> {
     const group = this.sleeping;
     if (group === undefined) return Promise.reject(new VmmdError('ASLEEP', Status.FAILED_PRECONDITION, 'the pool is awake'));
+    if (this.transition !== undefined) return Promise.reject(new VmmdError('ASLEEP', Status.FAILED_PRECONDITION, 'the pool is going to sleep or waking'));
     return this.during(this.wakeGroup(group, options));
   }
 

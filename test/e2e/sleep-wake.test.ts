@@ -285,6 +285,8 @@ describe('frees that arrive while the NBEP 7 pool sleeps or wakes', () => {
       // 10 MiB of copies are held: the hog takes the rest, so the wake waits for room for its memory.
       held = await fill(54n * MiB);
       const waking = owner.wake(tag, { deadlineMs: 20_000 });
+      // A second wake while the first runs is refused, and the first goes on as it was.
+      await expect(manager.wake()).rejects.toMatchObject({ code: 'ASLEEP' });
       other.free();
       const freedAwake = manager.flush();
       await sleep(200);
