@@ -92,7 +92,7 @@ class DevicePool:
         self.prepare_copies = prepare_copies
         # The sleep record of each chunk (by base) and attached store (by address) that has slept.
         self._segments: Dict[int, Segment] = {}
-        # Invariant: None while awake; asleep, one segment per chunk of _chunks and _large, nothing else held.
+        # Invariant: None while awake; asleep, one segment per chunk of _chunks, _large and _idle_large, nothing else held.
         self._sleeping: Optional[List[Segment]] = None
         # Opened stores whose mappings sleep and wake with the pool (never copied).
         self._stores: List[Any] = []
@@ -290,10 +290,12 @@ class DevicePool:
 
     def trim(self) -> int:
         """Returns every empty chunk and idle large allocation to the daemon;
-        returns the bytes given back (none while asleep). Not from a finalizer (it calls the daemon and, on cuda, the driver)."""
+        returns the bytes given back. Asleep, those freed meanwhile go without
+        waking: their offloaded copies are released and their ranges freed.
+        Not from a finalizer (it calls the daemon and, on cuda, the driver)."""
         with self._lock:
             if self._sleeping is not None:
-                return 0
+                return self._trim_asleep()
             self._drain()
             if len(self._order):
                 self._give_safe(self._order.settle_all())
@@ -305,6 +307,31 @@ class DevicePool:
             empty += self._idle_large
             self._idle_large = []
             self._release(empty)
+        return sum(chunk.size for chunk in empty)
+
+    def _trim_asleep(self) -> int:
+        # Invariant: called with the lock held, asleep. The sleep waited for the device and nothing may touch
+        # asleep memory, so blocks held for their streams are free for every stream.
+        self._drain()
+        if len(self._order):
+            self._give_safe(self._order.settle_all())
+        empty = [chunk for chunk in self._chunks if chunk.blocks == 0]
+        for chunk in empty:
+            index = self._chunks.index(chunk)
+            del self._chunks[index]
+            del self._bases[index]
+        empty += self._idle_large
+        self._idle_large = []
+        if not empty:
+            return 0
+        bases = {chunk.base for chunk in empty}
+        assert self._sleeping is not None
+        self._sleeping = [segment for segment in self._sleeping if int(segment.memory.address) not in bases]
+        # Their allocations went with the sleep: the copies go, and the ranges (nothing mapped) are freed here.
+        _sleep.forget(self.client, [self._segments.pop(base) for base in bases if base in self._segments])
+        for chunk in empty:
+            chunk.memory.close()
+            self.counters["chunks_returned"] += 1
         return sum(chunk.size for chunk in empty)
 
     def close(self) -> None:
