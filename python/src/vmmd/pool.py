@@ -132,6 +132,8 @@ class DevicePool:
         memory whose earlier work is done). Raises VmmdError INVALID_ARGUMENT
         ZERO_SIZE, BAD_STREAM; RESOURCE_EXHAUSTED when even after returning
         empty chunks the daemon has no room."""
+        if stream is None or type(stream) is int:
+            return self._allocate(size, stream)
         owner, handle = _stream_of(stream)
         block = self._allocate(size, handle)
         block.stream_owner = owner
