@@ -55,6 +55,11 @@ export const CLIENT_ENVIRONMENT = {
   NUMBA_CUDA_MEMORY_MANAGER: { readBy: 'python', default: 'none', meaning: "Numba's own switch: `vmmd.numba` makes Numba allocate through the daemon" },
   VMMD_NUMBA_CHUNK_BYTES: { readBy: 'python', default: '32 MiB', meaning: "the chunk size of `vmmd.numba`'s pool" },
   VMMD_NUMBA_LARGE_BYTES: { readBy: 'python', default: '16 MiB', meaning: 'the size from which `vmmd.numba` gives a request an allocation of its own' },
+  VMMD_NUMBA_PREPARE_COPIES: {
+    readBy: 'python',
+    default: '0',
+    meaning: "1: `vmmd.numba`'s pool makes each chunk's host copy for an offload sleep ahead and keeps it while awake (`DevicePool(prepare_copies=True)`)",
+  },
   VMMD_CACHE_DIR: { readBy: 'python', default: '`~/.cache/vmmd`', meaning: 'where the PyTorch allocator library is built and kept' },
   CC: { readBy: 'python', default: '`cc`', meaning: 'the C compiler that builds the PyTorch allocator library' },
   VMMD_POOL_IDLE_SECONDS: {

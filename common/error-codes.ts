@@ -201,6 +201,7 @@ export const ERROR_CODES = {
   BAD_REQUEST: client('INVALID_ARGUMENT', 'a request the client refuses before sending'),
   BAD_SIZE: client('INVALID_ARGUMENT', 'a size that is not a positive integer'),
   BAD_STORE: client('INVALID_ARGUMENT', 'a store reference the client cannot read'),
+  BAD_STREAM: client('INVALID_ARGUMENT', 'a stream that is neither a CUstream handle nor an object holding one in `.ptr`'),
   BAD_TIMEOUT: client('INVALID_ARGUMENT', 'a timeout that is not a positive number'),
   BAD_MEMORY_MANAGER: client('FAILED_PRECONDITION', 'a memory-manager module without a usable export'),
   MANAGER_IN_USE: client('FAILED_PRECONDITION', 'a memory manager replaced while it holds memory'),

@@ -12,8 +12,8 @@
 # Usage: scripts/gpu-python.sh [BUNDLE_DIR [OUTPUT_DIR]]   (defaults: .gpu, $OUT or ./gpu-results)
 # VMMD_STEPS picks steps (default "pytest numba weights bench"; also pools-bench, sleep-bench): calls of
 # "pytest", "numba" and "weights bench" each stay inside a 10-minute limit.
-# VMMD_PYTEST_TARGETS narrows the pytest step (files or node ids), VMMD_PYTEST_SECONDS bounds it (420: the GPU tests with the sleep cycles take ~300 s; give pytest a call of its own).
-# Writes OUTPUT_DIR/python/: gpu-python.log (everything), steps.txt, pytest.log,
+# VMMD_PYTEST_TARGETS narrows the pytest step (files or node ids), VMMD_PYTEST_STACK_SECONDS is when a slow test dumps its stacks (150), VMMD_PYTEST_SECONDS bounds it (420: the GPU tests with the sleep cycles take ~300 s; give pytest a call of its own).
+# Writes OUTPUT_DIR/python/: gpu-python.log (everything), steps.txt, pytest.log, pytest-failures.log,
 # numba-compare.json (+ numba/default, numba/vmmd per module), shared-weights.json,
 # bench-python.json, daemon.log. Python: $PYTHON or python3, with torch, cupy,
 # numba-cuda, cuda-bindings, grpcio, protobuf and pytest installed; no network needed.
@@ -99,7 +99,12 @@ $PY -c "import vmmd; c = vmmd.connect(); print('daemon:', c.backend, [(d.name, d
 
 # 2. The Python GPU tests.
 if want pytest; then
-  step pytest "${VMMD_PYTEST_SECONDS:-420}" $PY -m pytest -p no:cacheprovider -v -s -rs ${VMMD_PYTEST_TARGETS:-test/gpu/python} 2>&1 | tee "$out/pytest.log"
+  # Each failure is written as it happens (conftest.py) to pytest-failures.log as well as the log, and a test
+  # running past VMMD_PYTEST_STACK_SECONDS dumps every thread's stack: a run cut by its bound keeps both.
+  : > "$out/pytest-failures.log"
+  export VMMD_PYTEST_FAILURES="$out/pytest-failures.log"
+  step pytest "${VMMD_PYTEST_SECONDS:-420}" $PY -m pytest -p no:cacheprovider -v -s -rs \
+    -o faulthandler_timeout="${VMMD_PYTEST_STACK_SECONDS:-150}" ${VMMD_PYTEST_TARGETS:-test/gpu/python} 2>&1 | tee "$out/pytest.log"
 fi
 
 # 3. Numba's suite: the whole cudadrv and cudapy packages, with NUMBA_CUDA_MEMORY_MANAGER=default

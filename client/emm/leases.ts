@@ -28,6 +28,8 @@ export class DaemonLeases {
   private readonly unmaps = new InFlight();
   // The releases that frees sent and did not wait for the answer of.
   private readonly releases = new InFlight();
+  // Give-backs that wait for something first (a sleep or wake under way); they start unmaps and releases when done.
+  private readonly waiting = new InFlight();
   /** Allocations received before a lease asks for them (`depth` per size asked for repeatedly). */
   readonly ahead: AllocationsAhead<Location>;
 
@@ -86,8 +88,17 @@ export class DaemonLeases {
       .catch((error: Error) => process.emitWarning(`vmmd: unmapping allocation ${memory.allocationId} failed: ${error.message}`));
   }
 
-  /** Resolves once every unmap started is done (those gathered for later go to the driver now) and every release sent is answered. */
+  /** Tracks a give-back that waits for something first until it is done; a failure is a warning. settle() waits for it. */
+  after(work: Promise<unknown>): void {
+    void this.waiting.track(work).catch((error: Error) => process.emitWarning(`vmmd: giving memory back failed: ${error.message}`));
+  }
+
+  /**
+   * Resolves once every give-back waiting (after()) is done, every unmap started is done (those gathered for later go
+   * to the driver now) and every release sent is answered.
+   */
   async settle(): Promise<void> {
+    await this.waiting.drain();
     flushUnmaps();
     await this.unmaps.drain();
     await this.releases.drain();

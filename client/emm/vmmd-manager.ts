@@ -18,7 +18,8 @@ import { DEFAULT_DEFERRED_FREE, DeferredFreeSettings } from './deallocations';
 import { IpcHandle, ManagerContext, MappedMemory, MemoryInfo, MemoryPointer, PinnedMemory } from './memory';
 import { noteAllocation } from './plugin';
 import { Chunk, DEFAULT_POOL, Pool, PoolBlock, PoolSettings, sizeClassBytes } from './pool';
-import { PreparedOffload, Sleeper, SleepOptions, SleepReport, TaggedMemory, WakeOptions, WakeReport } from '../sleep-wake';
+import { PreparedOffload, Sleeper, SleepOptions, SleepReport, WakeOptions, WakeReport } from '../sleep-wake';
+import { PoolSleep } from './pool-sleep';
 
 export interface VmmdManagerContext extends ManagerContext {
   readonly client: VmmdClient;
@@ -74,10 +75,8 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager implements Sleeper 
   private generation = 0;
   // The local device of the chunks when they are device memory (CUDA mappings), else undefined (host memory).
   private mappedDevice?: number;
-  // While the pool sleeps: the group its chunks and large allocations sleep in (their addresses kept); undefined awake.
-  private sleeping?: TaggedMemory;
-  // With prepareOffload: the group every lease joins as it is made, holding its copy ahead; it is also the group that sleeps.
-  private preparedGroup?: TaggedMemory;
+  // Sleep and wake of the chunks and large allocations, and leases given back meanwhile.
+  private readonly sleeper: PoolSleep;
   readonly counters = { memalloc: 0, pooled: 0, large: 0, chunksLeased: 0, chunksReturned: 0, frees: 0, outOfMemoryRetries: 0 };
 
   constructor(override readonly context: VmmdManagerContext) {
@@ -90,65 +89,42 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager implements Sleeper 
     // for the device's work (as cuMemFree does for Numba's own manager) before blocks go back to the pool.
     this.deallocations.beforeBatch = () => (this.mappedDevice === undefined ? Promise.resolve() : native.cudaSynchronize(this.mappedDevice));
     if (context.tag !== undefined) context.client.tags.register(context.tag, this);
-    if (context.prepareOffload === true) this.preparedGroup = new TaggedMemory(this.client, context.tag ?? 'pool', { prepareOffload: true });
+    this.sleeper = new PoolSleep(this.client, context.tag ?? 'pool', context.prepareOffload === true, this.leases, () => this.sleepingLeases());
   }
 
   /** What the pool holds ahead for its next offload (prepareOffload), or undefined without it. */
   get prepared(): PreparedOffload | undefined {
-    return this.preparedGroup?.prepared;
+    return this.sleeper.prepared;
   }
 
   get asleep(): boolean {
-    return this.sleeping !== undefined;
+    return this.sleeper.asleep;
   }
 
   /**
    * Puts the pool to sleep: pending frees run and empty chunks go back, then
-   * every chunk and large allocation sleeps at its address (client/sleep-wake.ts).
-   * Blocks stay as they were; memalloc refuses (ASLEEP) until wake(); frees are taken.
+   * every chunk and large allocation sleeps at its address (./pool-sleep.ts).
+   * Blocks stay as they were; memalloc refuses (ASLEEP) until wake(); frees are
+   * taken (one during the sleep or a wake is done once that has ended).
    * @throws VmmdError FAILED_PRECONDITION ASLEEP; the offload's refusals (awake and unchanged then)
    */
   async sleep(options: SleepOptions = {}): Promise<SleepReport> {
-    if (this.sleeping !== undefined) throw new VmmdError('ASLEEP', Status.FAILED_PRECONDITION, 'the pool sleeps already');
+    if (this.sleeper.asleep) throw new VmmdError('ASLEEP', Status.FAILED_PRECONDITION, 'the pool sleeps already');
     await this.initialize();
     await this.makeRoom();
-    const group = this.preparedGroup ?? new TaggedMemory(this.client, this.context.tag ?? 'pool');
-    if (this.preparedGroup === undefined) for (const lease of this.sleepingLeases()) group.add(lease.memory);
-    this.sleeping = group;
-    try {
-      return await group.sleep(options);
-    } catch (error) {
-      this.sleeping = undefined;
-      throw error;
-    }
+    return this.sleeper.sleep(options);
   }
 
   /**
    * Wakes the pool at the same addresses, all of its memory as one request to the daemon.
    * @throws VmmdError FAILED_PRECONDITION ASLEEP (awake); RESOURCE_EXHAUSTED OUT_OF_MEMORY (still asleep and intact)
    */
-  async wake(options: WakeOptions = {}): Promise<WakeReport> {
-    const group = this.sleeping;
-    if (group === undefined) throw new VmmdError('ASLEEP', Status.FAILED_PRECONDITION, 'the pool is awake');
-    const report = await group.wake(options);
-    for (const lease of this.sleepingLeases()) lease.allocationId = lease.memory.allocationId;
-    this.sleeping = undefined;
-    return report;
+  wake(options: WakeOptions = {}): Promise<WakeReport> {
+    return this.sleeper.wake(options);
   }
 
   private sleepingLeases(): Lease[] {
     return [...this.pool.chunks.map((chunk) => chunk.lease), ...this.large.values()];
-  }
-
-  /** Gives a lease back; one that sleeps has no allocation left to release (its offloaded bytes go). */
-  private giveBackLease(lease: Lease): void {
-    const group = this.sleeping;
-    if (group === undefined) {
-      // Its copy made ahead goes with it (one still being made goes when it arrives).
-      this.preparedGroup?.forget(lease.memory).catch(() => undefined);
-      return this.leases.giveBack(lease);
-    }
-    void group.forget(lease.memory).then((asleep) => (asleep ? this.leases.unmapInBackground(lease.memory) : this.leases.giveBack(lease)));
   }
 
   /** Reads the device's size and granularity once; later calls return at once. */
@@ -174,7 +150,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager implements Sleeper 
    */
   memalloc(size: bigint | number): Promise<MemoryPointer> {
     // The hot path: a block of a chunk already held, with no await and no bigint arithmetic.
-    if (this.granularity !== 0n && this.sleeping === undefined) {
+    if (this.granularity !== 0n && !this.sleeper.asleep) {
       const bytes = Number(size);
       const rounded = sizeClassBytes(bytes);
       if (bytes > 0 && rounded <= this.largeThresholdBytes) {
@@ -191,7 +167,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager implements Sleeper 
 
   private async memallocSlow(bytes: bigint): Promise<MemoryPointer> {
     if (bytes <= 0n) throw new VmmdError('ZERO_SIZE', Status.INVALID_ARGUMENT, `memalloc size ${bytes} must be greater than 0`);
-    if (this.sleeping !== undefined) throw new VmmdError('ASLEEP', Status.FAILED_PRECONDITION, `memalloc of ${bytes} bytes: the pool sleeps; wake it first`);
+    if (this.sleeper.asleep) throw new VmmdError('ASLEEP', Status.FAILED_PRECONDITION, `memalloc of ${bytes} bytes: the pool sleeps; wake it first`);
     await this.initialize();
     this.counters.memalloc++;
     noteAllocation();
@@ -315,14 +291,10 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager implements Sleeper 
     this.pool.chunks.length = 0;
     this.large.clear();
     this.hostLeases.clear();
-    for (const lease of leases) this.giveBackLease(lease);
+    for (const lease of leases) this.sleeper.giveBack(lease);
     await this.leases.ahead.dropAll();
     await this.leases.settle();
-    // A group reset asleep stays asleep (its forgets finish on it): the leases to come join a new one.
-    if (this.preparedGroup !== undefined && this.sleeping === this.preparedGroup) {
-      this.preparedGroup = new TaggedMemory(this.client, this.context.tag ?? 'pool', { prepareOffload: true });
-    }
-    this.sleeping = undefined;
+    this.sleeper.reset();
   }
 
   /** Runs pending frees and gives empty chunks and allocations held ahead back to the daemon; resolves once their memory is unmapped here. */
@@ -390,7 +362,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager implements Sleeper 
     if (sizeClassBytes(Number(bytes)) > this.largeThresholdBytes) {
       const lease = await this.leases.lease(this.roundToGranularity(bytes), this.location());
       if (lease.memory instanceof CudaImportedMemory) this.mappedDevice = lease.memory.device;
-      this.preparedGroup?.add(lease.memory);
+      this.sleeper.joined(lease.memory);
       this.large.set(lease.memory.address, lease);
       this.counters.large++;
       const finalizer = () => {
@@ -406,7 +378,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager implements Sleeper 
           const lease = await this.leases.lease(this.roundToGranularity(this.settings.chunkSize), this.location());
           if (lease.memory instanceof CudaImportedMemory) this.mappedDevice = lease.memory.device;
           this.counters.chunksLeased++;
-          this.preparedGroup?.add(lease.memory);
+          this.sleeper.joined(lease.memory);
           this.pool.add(new Chunk(lease, lease.memory.address, lease.memory.size));
         })().finally(() => {
           this.leasing = undefined;
@@ -441,7 +413,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager implements Sleeper 
   private async giveBackLarge(generation: number, lease: Lease): Promise<void> {
     if (generation !== this.generation) return;
     this.large.delete(lease.memory.address);
-    this.giveBackLease(lease);
+    this.sleeper.giveBack(lease);
   }
 
   private async giveBack(generation: number, lease: Lease): Promise<void> {
@@ -455,7 +427,7 @@ export class VmmdMemoryManager extends HostOnlyMemoryManager implements Sleeper 
       if (!chunk.empty) continue;
       this.pool.remove(chunk);
       this.counters.chunksReturned++;
-      this.giveBackLease(chunk.lease);
+      this.sleeper.giveBack(chunk.lease);
     }
   }
 

@@ -137,8 +137,16 @@ def build() -> types.ModuleType:
         events[event] = {"stream": None, "done": True, "destroyed": False}
         return (CUresult.CUDA_SUCCESS, event)
 
+    # Streams destroyed, and every call that named one afterwards: undefined behaviour on a real driver
+    # (the handle may be another stream's by then), answered here as success, as the worst case would be.
+    destroyed: set = set()
+    misuse: List[str] = []
+    m.destroyed_streams, m.misuse = destroyed, misuse  # type: ignore[attr-defined]
+
     @api
     def cuEventRecord(event: int, stream: Any) -> Any:
+        if int(stream) in destroyed:
+            misuse.append(f"cuEventRecord on destroyed stream 0x{int(stream):x}")
         events[event].update(stream=int(stream), done=int(stream) not in busy)
         return (CUresult.CUDA_SUCCESS,)
 
@@ -265,6 +273,7 @@ def build() -> types.ModuleType:
     @api
     def cuStreamDestroy(stream: int) -> Any:
         live["streams"].remove(stream)
+        destroyed.add(stream)
         return (CUresult.CUDA_SUCCESS,)
 
     @api

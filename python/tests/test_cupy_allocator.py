@@ -179,9 +179,9 @@ class FakeMemory:
             free(self.library, self.ptr)
 
 
-def carver(library: Any, client: vmmd.VmmdClient, idle_seconds: float = 0) -> Any:
+def carver(library: Any, client: vmmd.VmmdClient, idle_seconds: float = 0, **settings: Any) -> Any:
     pool = DevicePool(client, chunk_size=4 * MiB, idle_seconds=0, location={"type": "LOCATION_TYPE_HOST", "id": 0})
-    return _cupy_chunks.Carver(library, lambda device: pool, lambda size: FakeMemory(library, size), lambda: 0, 4 * MiB, idle_seconds)
+    return _cupy_chunks.Carver(library, lambda device: pool, lambda size: FakeMemory(library, size), lambda: 0, 4 * MiB, idle_seconds, **settings)
 
 
 def test_the_carver_leases_on_the_callers_thread_and_trim_gives_every_empty_chunk_back(library: Any, client: vmmd.VmmdClient) -> None:
@@ -233,3 +233,26 @@ def test_sleep_keeps_every_address_and_byte_and_a_malloc_while_asleep_is_refused
     assert all(ctypes.string_at(block.ptr, 3000) == bytes([0x10 + index]) * 3000 for index, block in enumerate(blocks))
     assert chunks.malloc(MiB).ptr  # carved from the woken chunk again
     assert chunks.stats(0)["chunks"] == 2
+
+
+def test_prepared_copies_are_made_as_chunks_are_leased_serve_the_first_sleep_and_go_with_their_chunk(library: Any, client: vmmd.VmmdClient) -> None:
+    chunks = carver(library, client, prepare_copies=True)
+    blocks = [chunks.malloc(MiB), chunks.malloc(10 * MiB)]
+    for index, block in enumerate(blocks):
+        ctypes.memset(block.ptr, 0x20 + index, 3000)
+    eventually(lambda: chunks.stats(0)["prepared_bytes"] == 14 * MiB and chunks.stats(0)["prepare_pending"] == 0, what="the copies made ahead")
+    assert chunks.prepare_error is None
+    # The chunks and a copy of each, made while awake.
+    assert session_bytes(client) == 2 * (4 * MiB + 10 * MiB)
+    assert chunks.sleep("offload") == 14 * MiB
+    answer = {"asleep": session_bytes(client), "stats": chunks.stats(0)}
+    # The sleep made no copy of its own: the daemon holds the prepared copies alone.
+    assert answer["asleep"] == 14 * MiB, answer
+    assert chunks.wake() == 14 * MiB
+    assert all(ctypes.string_at(block.ptr, 3000) == bytes([0x20 + index]) * 3000 for index, block in enumerate(blocks))
+    # Kept after wake for the next sleep; a chunk given back takes its copy along.
+    assert session_bytes(client) == 2 * 14 * MiB and chunks.stats(0)["prepared_bytes"] == 14 * MiB
+    del blocks, block
+    assert chunks.trim() == 14 * MiB
+    answer = {"after_trim": session_bytes(client), "stats": chunks.stats(0)}
+    assert answer["after_trim"] == 0 and answer["stats"]["prepared_bytes"] == 0, answer

@@ -146,3 +146,39 @@ def test_a_mapping_opens_to_every_device_that_can_reach_it_as_a_peer(cuda_client
     rw = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
     device = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     assert driver.access[-1] == [(device, 0, rw), (device, 1, rw)]
+
+
+class UserStream:
+    """A stream as CuPy's Stream object holds one: made by cuStreamCreate, destroyed when its last reference goes."""
+
+    def __init__(self, driver: types.ModuleType) -> None:
+        self._driver = driver
+        _, self.ptr = driver.cuStreamCreate(0)
+
+    def __del__(self) -> None:
+        self._driver.cuStreamDestroy(self.ptr)
+
+
+def test_a_stream_dropped_while_its_freed_block_waits_lives_until_the_block_is_safe(pool: DevicePool, driver: types.ModuleType) -> None:
+    stream = UserStream(driver)
+    handle = stream.ptr
+    block = pool.allocate(4 * MiB, stream=stream)
+    driver.busy.add(handle)  # a kernel on the stream still writes the block
+    # The program drops its stream, then the array (CuPy frees it from a finalizer).
+    del stream
+    pool.free(block)
+    del block
+    # Another stream needs memory: an event goes on the freeing stream, which must still be that stream.
+    other = pool.allocate(4 * MiB, stream=STREAM_B)
+    answer = {"misuse": list(driver.misuse), "alive": handle in driver.live["streams"], "other": other.address}
+    assert answer["misuse"] == [] and answer["alive"], answer
+    driver.finish(handle)
+    pool.allocate(4 * MiB, stream=STREAM_B)  # the block is safe now: given to B, and the stream let go
+    assert handle not in driver.live["streams"] and driver.misuse == []
+
+
+def test_a_stream_that_names_no_handle_is_refused_and_changes_nothing(pool: DevicePool) -> None:
+    with pytest.raises(vmmd.VmmdError) as raised:
+        pool.allocate(4096, stream="stream A")
+    assert (raised.value.code, raised.value.status_name) == ("BAD_STREAM", "INVALID_ARGUMENT") and "'stream A'" in raised.value.message
+    assert pool.stats()["blocks"] == 0 and pool.stats()["chunks"] == 0

@@ -97,11 +97,10 @@ def test_bad_calls_change_nothing(client: vmmd.VmmdClient) -> None:
         with pytest.raises(vmmd.VmmdError) as raised:
             pool.wake(timeout=bad)
         assert (raised.value.code, raised.value.status_name) == ("BAD_TIMEOUT", "INVALID_ARGUMENT") and str(bad) in raised.value.message and pool.asleep
-    # A free while asleep is bookkeeping only; the block's memory comes back with the rest.
+    # A free while asleep is bookkeeping; the next trim gives the emptied chunk back without waking it.
     pool.free(blocks[0])
-    assert pool.trim() == 0
-    pool.wake()
     assert pool.trim() == 4 * MiB
+    assert pool.wake() == 0 and pool.trim() == 0
     pool.close()
 
 
@@ -306,3 +305,33 @@ def test_a_chunk_given_back_takes_its_copy_with_it_even_while_being_made(daemon:
     pool.free(blocks[0])
     pool.close()
     assert daemon.stats().allocated_bytes == before
+
+
+def test_the_numba_pools_prepare_switch_is_1_or_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vmmd._values import switch_setting
+
+    monkeypatch.delenv("VMMD_NUMBA_PREPARE_COPIES", raising=False)
+    assert switch_setting("VMMD_NUMBA_PREPARE_COPIES", False, "copies made ahead") is False
+    monkeypatch.setenv("VMMD_NUMBA_PREPARE_COPIES", "1")
+    assert switch_setting("VMMD_NUMBA_PREPARE_COPIES", False, "copies made ahead") is True
+    monkeypatch.setenv("VMMD_NUMBA_PREPARE_COPIES", "yes")
+    with pytest.raises(vmmd.VmmdError) as raised:
+        switch_setting("VMMD_NUMBA_PREPARE_COPIES", False, "copies made ahead")
+    assert (raised.value.code, raised.value.status_name) == ("BAD_CONFIG", "INVALID_ARGUMENT") and "VMMD_NUMBA_PREPARE_COPIES='yes'" in raised.value.message
+
+
+def test_memory_freed_while_asleep_goes_at_the_next_trim_without_waking(daemon: Daemon, client: vmmd.VmmdClient) -> None:
+    from test_torch_allocator import session_bytes
+
+    pool = DevicePool(client, chunk_size=4 * MiB, large_threshold=2 * MiB, idle_seconds=0)
+    small, large, kept = _fill(pool, [MiB, 6 * MiB, 4 * MiB])
+    assert pool.sleep("offload") == 4 * MiB + 6 * MiB + 4 * MiB
+    pool.free(large)
+    pool.free(small)
+    # What was freed goes now: its offloaded copy released, its range freed, nothing woken; the rest stays asleep.
+    assert pool.trim() == 4 * MiB + 6 * MiB
+    answer = {"session": session_bytes(client), "asleep": pool.asleep, "stats": pool.stats()}
+    assert answer["session"] == 4 * MiB and answer["asleep"], answer
+    assert pool.wake() == 4 * MiB and ctypes.string_at(kept.address, kept.size) == b"\x12" * kept.size
+    assert session_bytes(client) == 4 * MiB
+    pool.close()

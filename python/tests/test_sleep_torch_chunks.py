@@ -114,3 +114,113 @@ def test_a_prepared_tags_copies_are_made_as_its_chunks_are_leased(library: Any, 
     assert daemon.stats().allocated_bytes <= held - slept
     supply.stop()
     pool.close()
+
+
+def test_a_tag_without_memory_pauses_and_resumes_offloaded(library: Any, client: vmmd.VmmdClient) -> None:  # noqa: F811
+    pool = DevicePool(client, chunk_size=4 * MiB, idle_seconds=0)
+    supply = ChunkSupply(library, lambda device: pool, 4 * MiB, idle_seconds=0, refill_seconds=5)
+    supply.prepare(WEIGHTS)
+    assert supply.sleep(WEIGHTS, "offload") == 0 and supply.asleep(WEIGHTS)
+    assert supply.wake([WEIGHTS]) == 0 and not supply.asleep(WEIGHTS)
+    supply.stop()
+    pool.close()
+
+
+class _GatedPool(DevicePool):
+    """A real pool whose next lease waits at a gate once `hold` is set: a chunk leased while a sleep runs."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hold = False
+        self.leasing = threading.Event()
+        self.gate = threading.Event()
+
+    def _lease(self, size: int) -> Any:
+        if self.hold:
+            self.leasing.set()
+            assert self.gate.wait(10)
+        return super()._lease(size)
+
+
+def test_a_chunk_leased_while_its_tag_falls_asleep_never_serves_it(library: Any, client: vmmd.VmmdClient, daemon: Any) -> None:  # noqa: F811
+    pool = _GatedPool(client, chunk_size=4 * MiB, idle_seconds=0)
+    supply = ChunkSupply(library, lambda device: pool, 4 * MiB, idle_seconds=0, refill_seconds=5)
+    supply.add(0, 1, WEIGHTS)
+    before = daemon.stats().allocated_bytes
+    pool.hold = True
+    outcome: List[Any] = []
+
+    def lease() -> None:
+        try:
+            outcome.append(supply.add(0, 1, WEIGHTS))
+        except vmmd.VmmdError as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=lease)
+    thread.start()
+    assert pool.leasing.wait(10)
+    # The tag falls asleep while the lease is on its way to the daemon.
+    slept = supply.sleep(WEIGHTS, "discard")
+    pool.gate.set()
+    thread.join(10)
+    pool.hold = False
+    answer = {"outcome": repr(outcome), "slept": slept, "counters": supply.counters(), "allocated": daemon.stats().allocated_bytes, "before": before}
+    # The chunk that arrived late went back: nothing of the asleep tag stays mapped, no malloc of it carves.
+    assert len(outcome) == 1 and getattr(outcome[0], "code", "") == "ASLEEP", answer
+    assert answer["allocated"] == before - slept, answer
+    library.vmmd_set_tag(WEIGHTS)
+    assert library.vmmd_torch_malloc(MiB, 0, STREAM_A) is None, answer
+    library.vmmd_set_tag(0)
+    assert supply.wake([WEIGHTS]) == slept
+    supply.stop()
+    pool.close()
+
+
+class _GatedLibrary:
+    """The C library, with vmmd_add_tagged_chunk held at a gate once `hold` is set."""
+
+    def __init__(self, library: Any) -> None:
+        self._library = library
+        self.hold = False
+        self.adding = threading.Event()
+        self.gate = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._library, name)
+
+    def vmmd_add_tagged_chunk(self, *args: Any) -> int:
+        if self.hold:
+            self.adding.set()
+            assert self.gate.wait(10)
+        return int(self._library.vmmd_add_tagged_chunk(*args))
+
+
+def test_a_chunk_leased_as_its_tag_is_prepared_gets_one_copy(library: Any, client: vmmd.VmmdClient, daemon: Any) -> None:  # noqa: F811
+    from conftest import eventually
+    from vmmd import _sleep
+
+    gated = _GatedLibrary(library)
+    pool = DevicePool(client, chunk_size=4 * MiB, idle_seconds=0)
+    supply = ChunkSupply(gated, lambda device: pool, 4 * MiB, idle_seconds=0, refill_seconds=5)
+    before = daemon.stats().allocated_bytes
+    gated.hold = True
+    leasing = threading.Thread(target=lambda: supply.add(0, 1, WEIGHTS))
+    leasing.start()
+    assert gated.adding.wait(10)
+    # The tag is prepared while its new chunk is being handed to the C library.
+    preparing = threading.Thread(target=lambda: supply.prepare(WEIGHTS))
+    preparing.start()
+    preparing.join(0.3)
+    gated.gate.set()
+    leasing.join(10)
+    preparing.join(10)
+    gated.hold = False
+    _sleep.settle(list(supply._segments.values()))
+    copies = lambda: daemon.stats().allocated_bytes - before  # noqa: E731
+    eventually(lambda: copies() >= 8 * MiB, what="the chunk and its copy")
+    answer = {"segments": len(supply._segments), "bytes": copies()}
+    # One sleep record, one copy: no second record made beside the first and its copy left behind.
+    assert answer == {"segments": 1, "bytes": 8 * MiB}, answer
+    supply.stop()
+    _sleep.forget(client, list(supply._segments.values()))
+    pool.close()

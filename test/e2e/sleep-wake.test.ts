@@ -238,6 +238,76 @@ describe('sleep and wake of tagged memory', () => {
   });
 });
 
+describe('frees that arrive while the NBEP 7 pool sleeps or wakes', () => {
+  test('a free during a sleep drops its copy once the sleep is done, a free during a wake releases its memory once awake; no rejection goes unhandled', async () => {
+    const unhandled: unknown[] = [];
+    const onUnhandled = (reason: unknown) => unhandled.push(reason);
+    process.on('unhandledRejection', onUnhandled);
+    const owner = await client();
+    const hog = await client();
+    const tag = `pool-frees-${nextTag++}`;
+    const manager = new VmmdMemoryManager({
+      device: 0,
+      backend: 'host',
+      client: owner,
+      tag,
+      ahead: { maxBytes: 0n, idleMs: 1000, depth: 1 },
+      pool: { chunkSize: 4n * MiB, largeThreshold: 2n * MiB },
+    });
+    try {
+      const before = await allocations();
+      await manager.initialize();
+      const small = await manager.memalloc(4096);
+      const large = await manager.memalloc(6n * MiB);
+      const other = await manager.memalloc(6n * MiB);
+      await manager.write(small.devicePointer, Buffer.from('pooled block'));
+      await manager.write(other.devicePointer, Buffer.from('the other one'));
+      const fill = async (bytes: bigint) => {
+        const held: ImportedMemory[] = [];
+        for (let i = 0n; i < bytes / (2n * MiB); i++) held.push(await hog.vmm.allocate({ size: 2n * MiB }));
+        return held;
+      };
+      // 16 MiB of the 64 are the pool's: the hog takes the rest, so the sleep waits for room for its copies.
+      let held = await fill(48n * MiB);
+      const sleeping = owner.sleep(tag, { mode: 'offload', deadlineMs: 20_000 });
+      await eventually(() => (manager.asleep ? true : undefined), 10_000, 'the sleep to start');
+      large.free();
+      const freedAsleep = manager.flush();
+      await freeAll(hog, held);
+      await sleeping;
+      await freedAsleep;
+      // The freed allocation's copy went: the daemon holds the copies of the chunk and of the other allocation.
+      expect({ allocations: await allocations(), large: manager.stats().large.allocations, unhandled }).toEqual({
+        allocations: before + 2,
+        large: 1,
+        unhandled: [],
+      });
+      // 10 MiB of copies are held: the hog takes the rest, so the wake waits for room for its memory.
+      held = await fill(54n * MiB);
+      const waking = owner.wake(tag, { deadlineMs: 20_000 });
+      // A second wake while the first runs is refused, and the first goes on as it was.
+      await expect(manager.wake()).rejects.toMatchObject({ code: 'ASLEEP' });
+      other.free();
+      const freedAwake = manager.flush();
+      await sleep(200);
+      await freeAll(hog, held);
+      await waking;
+      await freedAwake;
+      await manager.flush();
+      expect({ allocations: await allocations(), large: manager.stats().large.allocations, unhandled }).toEqual({
+        allocations: before + 1,
+        large: 0,
+        unhandled: [],
+      });
+      expect((await manager.read(small.devicePointer, 12)).toString()).toBe('pooled block');
+      small.free();
+      await manager.reset();
+    } finally {
+      process.off('unhandledRejection', onUnhandled);
+    }
+  });
+});
+
 describe('offload with host copies prepared ahead', () => {
   const hostBytes = async () => {
     const line = (await scrapeMetrics(metricsPort)).match(

@@ -72,9 +72,11 @@ class Carver:
     device as CuPy numbers it). `large_threshold` as DevicePool's: a larger request
     gets a chunk of its own size when none has room. `allocate(size)` is the C path
     (CFunctionAllocator's malloc: an object whose `.ptr` is 0 when there was no
-    room); `device()` the device it allocates on. `malloc` is what CuPy calls."""
+    room); `device()` the device it allocates on. `malloc` is what CuPy calls.
+    `prepare_copies` as DevicePool's: each chunk's host copy made ahead as it is
+    leased and kept while awake, so the first offload costs the copy alone."""
 
-    def __init__(self, library: Any, pool_for: Callable[[int], DevicePool], allocate: Callable[[int], Any], device: Callable[[], int], large_threshold: int, idle_seconds: Optional[float] = None, stream_getter: int = 0) -> None:
+    def __init__(self, library: Any, pool_for: Callable[[int], DevicePool], allocate: Callable[[int], Any], device: Callable[[], int], large_threshold: int, idle_seconds: Optional[float] = None, stream_getter: int = 0, prepare_copies: bool = False) -> None:
         self.library = library
         self._pool_for = pool_for
         self._allocate = allocate
@@ -85,6 +87,9 @@ class Carver:
         # Invariant: every chunk the C library holds, by base, with the pool that leased it.
         self._chunks: Dict[int, Tuple[DevicePool, Chunk]] = {}
         self._lock = threading.Lock()
+        self.prepare_copies = prepare_copies
+        # The sleep record of each chunk (by base) that has slept or has its copy made ahead; it goes with its chunk.
+        self._segments: Dict[int, Segment] = {}
         self.counters = collections.Counter()  # type: ignore[var-annotated]
         # Invariant: None while awake; asleep, one segment per chunk the C library holds (all marked asleep there).
         self._sleeping: Optional[List[Segment]] = None
@@ -139,13 +144,19 @@ class Carver:
         lease = -(-rounded // pool.granularity) * pool.granularity if own else pool.chunk_size
         memory = pool.client.vmm.allocate(lease, location=pool.location)
         chunk = Chunk(memory, int(memory.address), int(memory.size))
+        segment = Segment(memory, pool.location) if self.prepare_copies else None
         with self._lock:
             self._chunks[chunk.base] = (pool, chunk)
+            if segment is not None:
+                self._segments[chunk.base] = segment
         if self.library.vmmd_cupy_add_chunk(device, chunk.base, chunk.size, int(own)) != 0:
             with self._lock:
                 del self._chunks[chunk.base]
+                self._segments.pop(chunk.base, None)
             pool._release([chunk])
             raise VmmdError("NO_MEMORY", STATUS["RESOURCE_EXHAUSTED"], "the allocation library could not record a chunk (out of host memory)")
+        if segment is not None:
+            _sleep.prepare(pool.client, [segment])
         self.counters["chunks_leased" if not own else "large"] += 1
         return chunk
 
@@ -179,6 +190,10 @@ class Carver:
         while self.library.vmmd_take_empty_chunk(TAKE_IDLE, ctypes.c_double(idle), ctypes.byref(device), ctypes.byref(base), ctypes.byref(size)):
             with self._lock:
                 pool, chunk = self._chunks.pop(base.value)
+                segment = self._segments.pop(chunk.base, None)
+            if segment is not None:
+                # Its copy (made ahead) goes with it, one still being made included.
+                _sleep.forget(pool.client, [segment])
             taken.setdefault(id(pool), (pool, []))[1].append(chunk)
         if taken:
             self.library.vmmd_cupy_reindex()
@@ -208,7 +223,7 @@ class Carver:
             self.library.vmmd_set_asleep(0, 1)
             with self._lock:
                 held = list(self._chunks.values())
-            segments = [Segment(chunk.memory, pool.location) for pool, chunk in held]
+                segments = [self._segments.setdefault(chunk.base, Segment(chunk.memory, pool.location)) for pool, chunk in held]
             try:
                 if segments:
                     _sleep.sleep(held[0][0].client, segments, mode)
@@ -243,7 +258,18 @@ class Carver:
         values = (ctypes.c_uint64 * 6)()
         self.library.vmmd_cupy_stats(device, values)
         chunks, held, used, blocks, stream_held, _ = (int(v) for v in values)
-        return {"chunks": chunks, "bytes": held, "used": used, "blocks": blocks, "large": 0, "large_bytes": 0, "idle_large_bytes": 0, "pending_frees": 0, "stream_held_bytes": stream_held}
+        pool = self._pool_for(device)
+        with self._lock:
+            segments = [self._segments[base] for base, (owner, _) in self._chunks.items() if base in self._segments and owner is pool]
+        prepared = 0 if self._sleeping is not None else sum(int(s.copy.size) for s in segments if s.copy is not None)
+        return {"chunks": chunks, "bytes": held, "used": used, "blocks": blocks, "large": 0, "large_bytes": 0, "idle_large_bytes": 0, "pending_frees": 0, "stream_held_bytes": stream_held,
+                "prepared_bytes": prepared, "prepare_pending": sum(1 for s in segments if s.pending is not None)}
+
+    @property
+    def prepare_error(self) -> Optional[BaseException]:
+        """Why making a chunk's host copy ahead failed (its next offload makes the copy itself), if it did."""
+        with self._lock:
+            return next((s.prepare_error for s in self._segments.values() if s.prepare_error is not None), None)
 
     def library_counters(self) -> Dict[str, int]:
         values = (ctypes.c_uint64 * len(COUNTERS))()

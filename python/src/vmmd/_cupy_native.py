@@ -24,7 +24,7 @@ STREAM_GETTER_SIGNATURE = "intptr_t(void)"
 _lock = threading.Lock()
 # Invariant: set once, never dropped: the chunks must outlive every array carved from them.
 _carver: Optional[_cupy_chunks.Carver] = None
-_settings: Optional[Tuple[int, int, int, Optional[float], str]] = None
+_settings: Optional[Tuple[int, int, int, Optional[float], str, bool]] = None
 # The client and CuPy's allocator object the carver uses, kept with it.
 _kept: Tuple[Any, ...] = ()
 
@@ -45,12 +45,12 @@ def stream_getter() -> int:
     return int(api.PyCapsule_GetPointer(capsule, name) or 0)
 
 
-def carver(client: Any, pool_for: Callable[[int], DevicePool], chunk_size: int, large_threshold: int, idle_seconds: Optional[float], tag: str) -> Optional[_cupy_chunks.Carver]:
+def carver(client: Any, pool_for: Callable[[int], DevicePool], chunk_size: int, large_threshold: int, idle_seconds: Optional[float], tag: str, prepare_copies: bool = False) -> Optional[_cupy_chunks.Carver]:
     """The process's C path for these settings, made on first call; None where it
     cannot run here (no C compiler, no libcuda, a CuPy without the C API it
     needs) or another client or settings hold it."""
     global _carver, _settings, _kept
-    settings = (id(client), chunk_size, large_threshold, idle_seconds, tag)
+    settings = (id(client), chunk_size, large_threshold, idle_seconds, tag, prepare_copies)
     with _lock:
         if _carver is not None:
             return _carver if _settings == settings else None
@@ -62,6 +62,6 @@ def carver(client: Any, pool_for: Callable[[int], DevicePool], chunk_size: int, 
         except (VmmdError, OSError):
             return None
         native = cupy.cuda.memory.CFunctionAllocator(0, _cupy_chunks.function_address(library, "vmmd_cupy_malloc"), _cupy_chunks.function_address(library, "vmmd_cupy_free"), library)
-        _carver = _cupy_chunks.Carver(library, pool_for, native.malloc, cupy.cuda.runtime.getDevice, min(large_threshold, chunk_size), idle_seconds, getter)
+        _carver = _cupy_chunks.Carver(library, pool_for, native.malloc, cupy.cuda.runtime.getDevice, min(large_threshold, chunk_size), idle_seconds, getter, prepare_copies)
         _settings, _kept = settings, (client, native)
         return _carver

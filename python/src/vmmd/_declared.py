@@ -161,6 +161,7 @@ CODES: Dict[str, Tuple[str, str, str]] = {
     "BAD_REQUEST": ("INVALID_ARGUMENT", "client", "a request the client refuses before sending"),
     "BAD_SIZE": ("INVALID_ARGUMENT", "client", "a size that is not a positive integer"),
     "BAD_STORE": ("INVALID_ARGUMENT", "client", "a store reference the client cannot read"),
+    "BAD_STREAM": ("INVALID_ARGUMENT", "client", "a stream that is neither a CUstream handle nor an object holding one in `.ptr`"),
     "BAD_TIMEOUT": ("INVALID_ARGUMENT", "client", "a timeout that is not a positive number"),
     "BAD_MEMORY_MANAGER": ("FAILED_PRECONDITION", "client", "a memory-manager module without a usable export"),
     "MANAGER_IN_USE": ("FAILED_PRECONDITION", "client", "a memory manager replaced while it holds memory"),

@@ -217,7 +217,7 @@ def sleep(client: Any, segments: Sequence[Segment], mode: str) -> None:
     copies: List[ImportedMemory] = []
     made: List[ImportedMemory] = []
     try:
-        if mode == OFFLOAD:
+        if mode == OFFLOAD and kept:
             # Plain allocations, never queued: a sleep is what frees memory, and a queued request for its
             # copies could wait behind a wake that waits for this very sleep (the host backend has one queue).
             near = _nearest_host_memory(client)

@@ -10,7 +10,16 @@ still follows all work queued before the free, and a free (which may run in a
 finalizer) never calls the driver. Stream None stands for work whose stream
 is not known (Numba's frees): its event goes on the legacy default stream,
 which waits for every blocking stream of the context, and no allocation
-reuses such a block before that event is done."""
+reuses such a block before that event is done.
+
+cuEventRecord on a destroyed stream is undefined (its handle may name
+another stream by then, whose event says nothing of this work), so the
+stream a held block names must outlive the block's stay here: a block keeps
+its stream's owner object (CuPy's Stream) until it leaves, and a caller that
+passes a bare handle keeps that stream alive as long. CuPy's own pool never
+records on a stream after the free (a block goes to another stream only
+after a synchronize); RMM records at the free itself; a free here may run in
+a finalizer, which must not call the driver."""
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
@@ -68,7 +77,7 @@ class StreamOrder:
             try:
                 event = _cuda.record_event(self.device, stream)
             except Exception:
-                # A stream destroyed since the free: wait for the whole device instead.
+                # The record refused (a handle the driver no longer knows): wait for the whole device instead.
                 _cuda.synchronize(self.device)
                 event = None
             self._settling.append((event, blocks))

@@ -66,24 +66,32 @@ class ChunkSupply:
 
     def add(self, device: int, wanted: int, tag: int = 0) -> Chunk:
         """Leases and maps a chunk of at least `wanted` bytes for `device` and `tag` and hands it to the C library.
-        Raises VmmdError ASLEEP for a tag asleep."""
+        Raises VmmdError ASLEEP for a tag asleep (also one that fell asleep while the chunk was leased: it goes back)."""
         if tag in self._asleep:
             raise VmmdError("ASLEEP", STATUS["FAILED_PRECONDITION"], f"tag number {tag} is asleep: no memory is allocated for it until it wakes")
         pool = self._pool_for(device)
         size = max(pool.chunk_size, -(-wanted // pool.granularity) * pool.granularity)
         memory = pool._lease(size)
         chunk = Chunk(memory, int(memory.address), int(memory.size))
+        segment: Optional[Segment] = None
+        # The check, the record and the hand-over under one lock: a sleep marks its tag under it and then collects
+        # the tag's chunks, and prepare() reads the prepared tags under it, so a chunk is either one they see or
+        # one that sees them, never a chunk awake in the C library for a tag asleep nor two records of one chunk.
         with self._lock:
-            self._chunks[chunk.base] = (pool, chunk, tag)
-        if self.library.vmmd_add_tagged_chunk(device, tag, chunk.base, chunk.size) != 0:
-            with self._lock:
-                del self._chunks[chunk.base]
+            asleep = tag in self._asleep
+            if not asleep:
+                self._chunks[chunk.base] = (pool, chunk, tag)
+                added = self.library.vmmd_add_tagged_chunk(device, tag, chunk.base, chunk.size) == 0
+                if not added:
+                    del self._chunks[chunk.base]
+                elif tag in self.prepared_tags:
+                    segment = self._segments.setdefault(chunk.base, Segment(chunk.memory, pool.location))
+        if asleep or not added:
             pool._release([chunk])
+            if asleep:
+                raise VmmdError("ASLEEP", STATUS["FAILED_PRECONDITION"], f"tag number {tag} fell asleep while a chunk was leased for it: the chunk went back")
             raise VmmdError("NO_MEMORY", STATUS["RESOURCE_EXHAUSTED"], "the allocation library could not record a chunk (out of host memory)")
-        if tag in self.prepared_tags:
-            segment = Segment(chunk.memory, pool.location)
-            with self._lock:
-                self._segments[chunk.base] = segment
+        if segment is not None:
             _sleep.prepare(pool.client, [segment])
         return chunk
 

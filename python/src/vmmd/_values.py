@@ -30,6 +30,17 @@ def seconds_setting(value: Optional[float], variable: str, default: float, *, ke
     return seconds
 
 
+def switch_setting(variable: str, default: bool, what: str) -> bool:
+    """An on/off switch from the environment `variable`: 1 (on) or 0 (off), else `default`.
+    Raises VmmdError INVALID_ARGUMENT BAD_CONFIG naming the variable, its value and `what` it turns on."""
+    raw = os.environ.get(variable)
+    if raw is None or raw.strip() == "":
+        return default
+    if raw.strip() not in ("0", "1"):
+        raise VmmdError("BAD_CONFIG", STATUS["INVALID_ARGUMENT"], f"{variable}={raw!r}: it is 1 ({what}) or 0 (not)")
+    return raw.strip() == "1"
+
+
 def deadline_of(timeout: Optional[float]) -> Optional[float]:
     """The monotonic deadline of a wait of `timeout` seconds; None (no limit) for None or +inf.
     Raises VmmdError INVALID_ARGUMENT BAD_TIMEOUT for NaN."""

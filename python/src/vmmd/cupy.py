@@ -17,7 +17,10 @@ VMMD_POOL_IDLE_SECONDS.
 
 sleep() gives the allocator's memory back to the daemon with every address
 kept (arrays stay valid, untouched until wake()); wake() maps new memory at
-the same addresses and copies back what was offloaded.
+the same addresses and copies back what was offloaded. With
+prepare_copies=True each chunk's host copy is made ahead, as the chunk is
+leased, and kept while awake (DevicePool's option): the first offload costs
+the copy alone, for host memory as large as the pool held meanwhile.
 """
 from __future__ import annotations
 
@@ -49,17 +52,20 @@ class VmmdAllocator:
     of vmmd memory. One pool per device, leased by `client` (default: this
     process's shared session); `idle_seconds` and `tag` as DevicePool's.
     `native`: blocks carved in C (vmmd._cupy_native) where it can run, else
-    in Python."""
+    in Python. `prepare_copies` as DevicePool's: host copies for an offload
+    sleep made ahead and kept while awake (`prepare_error`, and stats()'s
+    `prepared_bytes` and `prepare_pending`, say how that goes)."""
 
-    def __init__(self, client: Optional[VmmdClient] = None, chunk_size: int = 32 << 20, large_threshold: int = 16 << 20, idle_seconds: Optional[float] = None, tag: str = DEFAULT_TAG, native: bool = True) -> None:
+    def __init__(self, client: Optional[VmmdClient] = None, chunk_size: int = 32 << 20, large_threshold: int = 16 << 20, idle_seconds: Optional[float] = None, tag: str = DEFAULT_TAG, native: bool = True, prepare_copies: bool = False) -> None:
         if client is None:
             client = shared_client()
         self.client = client
         self.tag = check_tag(tag)
         self._settings = (chunk_size, large_threshold, idle_seconds)
+        self.prepare_copies = bool(prepare_copies)
         self._pools: Dict[int, DevicePool] = {}
         self._daemon_devices: Dict[str, int] = {d.uuid: int(d.index) for d in client.devices.list_devices().devices}
-        self._carver = _cupy_native.carver(client, self.pool, chunk_size, large_threshold, idle_seconds, self.tag) if native else None
+        self._carver = _cupy_native.carver(client, self.pool, chunk_size, large_threshold, idle_seconds, self.tag, self.prepare_copies) if native else None
         if self._carver is not None:
             # What CuPy calls: the C path, Python only to lease a chunk.
             self.malloc = self._carver.malloc  # type: ignore[method-assign]
@@ -69,7 +75,7 @@ class VmmdAllocator:
         pool = self._pools.get(device)
         if pool is None:
             uuid = _device_uuid(device)
-            pool = self._pools[device] = DevicePool(self.client, device=self._daemon_devices.get(uuid, device), chunk_size=self._settings[0], large_threshold=self._settings[1], idle_seconds=self._settings[2], tag=self.tag)
+            pool = self._pools[device] = DevicePool(self.client, device=self._daemon_devices.get(uuid, device), chunk_size=self._settings[0], large_threshold=self._settings[1], idle_seconds=self._settings[2], tag=self.tag, prepare_copies=self.prepare_copies)
         return pool
 
     def malloc(self, size: int) -> Any:
@@ -77,8 +83,9 @@ class VmmdAllocator:
             return cupy.cuda.MemoryPointer(cupy.cuda.memory.Memory(0), 0)
         device = cupy.cuda.runtime.getDevice()
         pool = self.pool(device)
-        # Reused in the order of the stream current now, as CuPy's MemoryPool does.
-        block = pool.allocate(size, stream=int(cupy.cuda.get_current_stream().ptr))
+        # Reused in the order of the stream current now, as CuPy's MemoryPool does; the Stream object, not its
+        # handle: the block keeps the stream alive until its free is settled (an event is recorded on it then).
+        block = pool.allocate(size, stream=cupy.cuda.get_current_stream())
         memory = cupy.cuda.UnownedMemory(block.address, size, _BlockOwner(pool, block), device_id=device)
         return cupy.cuda.MemoryPointer(memory, 0)
 
@@ -109,6 +116,13 @@ class VmmdAllocator:
         """Wakes every device's pool (DevicePool.wake); returns the bytes.
         Raises VmmdError OUT_OF_MEMORY (the pools not woken stay asleep and intact)."""
         return sum(pool.wake(timeout) for pool in self._pools.values()) + (self._carver.wake(timeout) if self._carver is not None else 0)
+
+    @property
+    def prepare_error(self) -> Optional[BaseException]:
+        """Why making a chunk's host copy ahead failed (prepare_copies; the next offload makes that copy itself), if it did."""
+        if self._carver is not None and self._carver.prepare_error is not None:
+            return self._carver.prepare_error
+        return next((pool.prepare_error for pool in self._pools.values() if pool.prepare_error is not None), None)
 
     def stats(self) -> Dict[int, Dict[str, int]]:
         if self._carver is not None:

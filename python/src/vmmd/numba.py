@@ -16,6 +16,11 @@ sleep() gives the context's pool back to the daemon with every address kept
 (device arrays stay valid, untouched until wake()); wake() maps new memory at
 the same addresses and copies back what was offloaded.
 
+With VMMD_NUMBA_PREPARE_COPIES=1 each chunk's host copy is made ahead, as
+the chunk is leased, and kept while awake (DevicePool's prepare_copies): the
+first offload costs the copy alone, for host memory as large as the pool held
+meanwhile.
+
 The daemon's socket directory comes from VMMD_SOCKET_DIR (or the default);
 VMMD_NUMBA_CHUNK_BYTES and VMMD_NUMBA_LARGE_BYTES tune the pool.
 """
@@ -33,6 +38,7 @@ from numba.cuda.cudadrv import driver as _driver
 from .client import shared_client
 from .errors import STATUS, VmmdError
 from .ipc import decode_ipc_handle, encode_ipc_handle
+from ._values import switch_setting
 from .pool import Block, DevicePool
 
 try:
@@ -111,6 +117,7 @@ class VmmdNumbaMemoryManager(HostOnlyCUDAMemoryManager):
                 device=daemon_device,
                 chunk_size=int(os.environ.get("VMMD_NUMBA_CHUNK_BYTES", 32 << 20)),
                 large_threshold=int(os.environ.get("VMMD_NUMBA_LARGE_BYTES", 16 << 20)),
+                prepare_copies=switch_setting("VMMD_NUMBA_PREPARE_COPIES", False, "host copies made ahead for an offload sleep"),
             )
         if self.deallocations.memory_capacity == _driver._SizeNotSet:
             self.deallocations.memory_capacity = self.get_memory_info().total

@@ -7,7 +7,10 @@ at once. Requests above the large threshold get an allocation of their own.
 
 Reuse of device memory is stream-ordered (_stream_order.py): a block freed
 on a stream is reused at once only by the same stream, by others once the
-work queued before its free is done. Memory goes back to the daemon on trim()
+work queued before its free is done. A stream given as an object (CuPy's
+Stream: its handle in `.ptr`) is kept alive by the block until that is
+known, so that the event that says so is never recorded on a stream
+destroyed meanwhile; a bare handle must stay valid that long. Memory goes back to the daemon on trim()
 (CuPy's free_all_blocks, Numba's reset) and by itself once the pool has been
 idle for `idle_seconds` (VMMD_POOL_IDLE_SECONDS, default 10; 0 never).
 
@@ -54,9 +57,10 @@ def pools(tag: Optional[str] = None) -> List["DevicePool"]:
 class Block:
     """Memory handed out by the pool: `address`, `size` (the request), where
     it lies (`chunk`, `offset`; a large block has a chunk of its own), and the
-    `stream` whose work uses it (None: not known)."""
+    `stream` whose work uses it (None: not known) and, given as an object, the
+    object that keeps that stream alive (`stream_owner`)."""
 
-    __slots__ = ("address", "size", "rounded", "chunk", "offset", "large", "stream", "__weakref__")
+    __slots__ = ("address", "size", "rounded", "chunk", "offset", "large", "stream", "stream_owner", "__weakref__")
 
     def __init__(self, chunk: Chunk, offset: int, size: int, rounded: int, large: bool, stream: Optional[int] = None) -> None:
         self.chunk = chunk
@@ -66,6 +70,7 @@ class Block:
         self.rounded = rounded
         self.large = large
         self.stream = stream
+        self.stream_owner: Any = None
 
     @property
     def allocation_id(self) -> int:
@@ -87,7 +92,7 @@ class DevicePool:
         self.prepare_copies = prepare_copies
         # The sleep record of each chunk (by base) and attached store (by address) that has slept.
         self._segments: Dict[int, Segment] = {}
-        # Invariant: None while awake; asleep, one segment per chunk of _chunks and _large, nothing else held.
+        # Invariant: None while awake; asleep, one segment per chunk of _chunks, _large and _idle_large, nothing else held.
         self._sleeping: Optional[List[Segment]] = None
         # Opened stores whose mappings sleep and wake with the pool (never copied).
         self._stores: List[Any] = []
@@ -120,12 +125,21 @@ class DevicePool:
 
     # -- allocation --------------------------------------------------------
 
-    def allocate(self, size: int, stream: Optional[int] = None) -> Block:
+    def allocate(self, size: int, stream: Any = None) -> Block:
         """A block of at least `size` bytes, 256-byte aligned, for work on
-        `stream` (a CUstream handle; None: any stream, so only memory whose
-        earlier work is done). Raises VmmdError INVALID_ARGUMENT ZERO_SIZE;
-        RESOURCE_EXHAUSTED when even after returning empty chunks the daemon
-        has no room."""
+        `stream` (a CUstream handle, or an object holding one in `.ptr` that the
+        block keeps alive until its free is settled; None: any stream, so only
+        memory whose earlier work is done). Raises VmmdError INVALID_ARGUMENT
+        ZERO_SIZE, BAD_STREAM; RESOURCE_EXHAUSTED when even after returning
+        empty chunks the daemon has no room."""
+        if stream is None or type(stream) is int:
+            return self._allocate(size, stream)
+        owner, handle = _stream_of(stream)
+        block = self._allocate(size, handle)
+        block.stream_owner = owner
+        return block
+
+    def _allocate(self, size: int, stream: Optional[int]) -> Block:
         if not isinstance(size, int) or size <= 0:
             raise VmmdError("ZERO_SIZE", STATUS["INVALID_ARGUMENT"], f"pool allocation of {size!r} bytes: the size must be an integer above 0")
         if self._closed:
@@ -221,10 +235,16 @@ class DevicePool:
         stream it was allocated for; None: not known). Safe from finalizers and
         __del__: queued, applied by whoever holds the lock next, never blocking,
         never calling the driver. After close() it does nothing: the memory
-        went back with the pool."""
+        went back with the pool. A stream object (`.ptr`) is kept alive by the
+        block until the free is settled. Raises VmmdError BAD_STREAM."""
         if self._closed:
             return
         self._last_use = time.monotonic()
+        if stream is not ...:
+            owner, handle = _stream_of(stream)
+            if owner is not None:
+                block.stream_owner = owner
+            stream = handle
         self._returned.append((block, block.stream if stream is ... else stream))
         if self._lock.acquire(blocking=False):
             try:
@@ -272,10 +292,12 @@ class DevicePool:
 
     def trim(self) -> int:
         """Returns every empty chunk and idle large allocation to the daemon;
-        returns the bytes given back (none while asleep). Not from a finalizer (it calls the daemon and, on cuda, the driver)."""
+        returns the bytes given back. Asleep, those freed meanwhile go without
+        waking: their offloaded copies are released and their ranges freed.
+        Not from a finalizer (it calls the daemon and, on cuda, the driver)."""
         with self._lock:
             if self._sleeping is not None:
-                return 0
+                return self._trim_asleep()
             self._drain()
             if len(self._order):
                 self._give_safe(self._order.settle_all())
@@ -287,6 +309,31 @@ class DevicePool:
             empty += self._idle_large
             self._idle_large = []
             self._release(empty)
+        return sum(chunk.size for chunk in empty)
+
+    def _trim_asleep(self) -> int:
+        # Invariant: called with the lock held, asleep. The sleep waited for the device and nothing may touch
+        # asleep memory, so blocks held for their streams are free for every stream.
+        self._drain()
+        if len(self._order):
+            self._give_safe(self._order.settle_all())
+        empty = [chunk for chunk in self._chunks if chunk.blocks == 0]
+        for chunk in empty:
+            index = self._chunks.index(chunk)
+            del self._chunks[index]
+            del self._bases[index]
+        empty += self._idle_large
+        self._idle_large = []
+        if not empty:
+            return 0
+        bases = {chunk.base for chunk in empty}
+        assert self._sleeping is not None
+        self._sleeping = [segment for segment in self._sleeping if int(segment.memory.address) not in bases]
+        # Their allocations went with the sleep: the copies go, and the ranges (nothing mapped) are freed here.
+        _sleep.forget(self.client, [self._segments.pop(base) for base in bases if base in self._segments])
+        for chunk in empty:
+            chunk.memory.close()
+            self.counters["chunks_returned"] += 1
         return sum(chunk.size for chunk in empty)
 
     def close(self) -> None:
@@ -434,6 +481,17 @@ class DevicePool:
             return 0
         self.counters["idle_trims"] += 1
         return self.trim()
+
+
+def _stream_of(stream: Any) -> Tuple[Any, Optional[int]]:
+    """(the object that keeps the stream alive, or None; the CUstream handle, or None) of a stream argument.
+    Raises VmmdError INVALID_ARGUMENT BAD_STREAM."""
+    if stream is None or (isinstance(stream, int) and not isinstance(stream, bool)):
+        return None, stream
+    handle = getattr(stream, "ptr", None)
+    if isinstance(handle, int) and not isinstance(handle, bool):
+        return stream, handle
+    raise VmmdError("BAD_STREAM", STATUS["INVALID_ARGUMENT"], f"stream {stream!r}: a CUstream handle (an int), an object holding one in .ptr (CuPy's Stream), or None")
 
 
 _POOLS: "weakref.WeakSet[DevicePool]" = weakref.WeakSet()

@@ -20,6 +20,35 @@ extern "C" __global__ void spin_write(float* x, long long n, long long cycles) {
 '''
 
 
+def test_a_stream_dropped_while_its_freed_block_waits_stays_alive_until_the_block_is_safe() -> None:
+    pytest.importorskip("cupy")
+    answer = run_python(f"""
+        import json, cupy, vmmd.cupy
+        allocator = vmmd.cupy.use(native=False, chunk_size=4 << 20, large_threshold=4 << 20, idle_seconds=0)
+        kernel = cupy.RawKernel({SPIN_WRITE!r}, "spin_write")
+        n = (4 << 20) // 4
+        a = cupy.cuda.Stream(non_blocking=True)
+        with a:
+            x = cupy.zeros(n, dtype=cupy.float32)
+            a.synchronize()
+            address = x.data.ptr
+            kernel((64,), (256,), (x, cupy.int64(n), cupy.int64(1 << 30)))
+        # The program drops its stream first, then the array: the pool's block must keep the stream until it is safe.
+        del a
+        del x
+        b = cupy.cuda.Stream(non_blocking=True)
+        with b:
+            y = cupy.zeros(n, dtype=cupy.float32)
+            same = y.data.ptr == address
+            b.synchronize()
+        cupy.cuda.runtime.deviceSynchronize()
+        held = allocator.stats()[cupy.cuda.runtime.getDevice()]["stream_held_bytes"]
+        print(json.dumps({{"same": same, "sum": float(y.sum()), "held": held}}))
+    """, timeout=120)
+    # The block was the chunk's only room: b waited for an event on a, which was still a (not freed, not reused).
+    assert answer["sum"] == 0.0, answer
+
+
 @pytest.mark.parametrize("layout", ["room", "full"])
 def test_a_block_freed_while_a_kernel_writes_it_does_not_reach_another_stream(layout: str) -> None:
     pytest.importorskip("cupy")

@@ -46,31 +46,50 @@ def test_torch_tensors_keep_addresses_and_backed_up_contents() -> None:
                           "equal": float(w.double().sum()) == checksum, "kv": float(kv.sum()),
                           "freed": free_asleep - free_awake}))
     """)
-    assert answer["in_vmmd"] and answer["same"] and answer["equal"] and answer["kv"] == 2.0 * (128 << 20)
-    assert answer["freed"] >= 700 << 20, f"pause gave back {answer['freed']} bytes"
+    assert answer["in_vmmd"] and answer["same"] and answer["equal"] and answer["kv"] == 2.0 * (128 << 20), answer
+    assert answer["freed"] >= 700 << 20, f"pause gave back {answer['freed']} bytes: {answer}"
 
 
 def test_a_backed_up_regions_copies_are_made_ahead_and_serve_the_first_pause() -> None:
     pytest.importorskip("torch")
     answer = run_python("""
-        import json, torch
+        import json, torch, vmmd.torch
         from vmmd import _sleep
-        from vmmd.torch import torch_memory_saver as saver, allocator
+        from vmmd.torch import torch_memory_saver as saver
+        # No chunk goes back idle meanwhile: a chunk given back takes its copy along.
+        supply = vmmd.torch.allocator(idle_seconds=0).supply
         with saver.region(tag="weights", enable_cpu_backup=True):
             w = torch.randn(256 << 20, device="cuda")          # 1 GiB
         torch.cuda.synchronize()
-        supply = allocator().supply
-        _sleep.settle(list(supply._segments.values()))
-        held = sum(int(s.copy.size) for s in supply._segments.values() if s.copy is not None)
-        errors = [repr(s.prepare_error) for s in supply._segments.values() if s.prepare_error is not None]
+
+        def records():
+            # A snapshot: the refill thread adds records meanwhile (the chunk it leases ahead of the next malloc).
+            return dict(list(supply._segments.items()))
+
+        def copies():
+            _sleep.settle(list(records().values()))
+            return {hex(base): {"size": int(s.memory.size), "copy": None if s.copy is None else int(s.copy.allocation_id),
+                                "copy_size": 0 if s.copy is None else int(s.copy.size), "error": None if s.prepare_error is None else repr(s.prepare_error)}
+                    for base, s in records().items()}
+
+        before = copies()
+        where = next((hex(base) for base, s in records().items() if int(s.memory.address) <= w.data_ptr() < int(s.memory.address) + int(s.memory.size)), None)
         checksum = float(w.double().sum())
         saver.pause("weights")
         saver.resume("weights")
-        kept = sum(int(s.copy.size) for s in supply._segments.values() if s.copy is not None)
-        print(json.dumps({"held": held, "errors": errors, "equal": float(w.double().sum()) == checksum, "kept": kept}))
+        after = copies()
+        chunks = {hex(base): tag for base, (_, _, tag) in list(supply._chunks.items())}
+        print(json.dumps({"before": before, "after": after, "where": where, "equal": float(w.double().sum()) == checksum,
+                          "chunks": chunks, "errors": [repr(e) for e in supply.errors], "counters": supply.counters()}))
     """)
-    assert answer["errors"] == [] and answer["held"] >= 1 << 30, answer
-    assert answer["equal"] and answer["kept"] == answer["held"]
+    before, after, where = answer["before"], answer["after"], answer["where"]
+    # The tensor's chunk has its record and its copy, made ahead, as large as the chunk.
+    assert where is not None and before[where]["copy"] is not None and before[where]["copy_size"] >= 1 << 30, answer
+    assert all(record["error"] is None for record in before.values()), answer
+    assert answer["equal"], answer
+    # The pause used the copies made ahead (no new ones) and the resume kept them for the next pause.
+    assert all(after[base]["copy"] == record["copy"] for base, record in before.items() if record["copy"] is not None), answer
+    assert all(record["copy"] is not None for record in after.values()), answer
 
 
 def test_a_plain_mem_pool_sleeps_and_wakes() -> None:
@@ -84,7 +103,7 @@ def test_a_plain_mem_pool_sleeps_and_wakes() -> None:
         vmmd.torch.allocator().wake()
         print(json.dumps({"same": t.data_ptr() == pointer, "equal": bool(torch.equal(t, torch.arange(1 << 24, device="cuda", dtype=torch.int64)))}))
     """)
-    assert answer == {"same": True, "equal": True}
+    assert answer == {"same": True, "equal": True}, answer
 
 
 def test_vllm_levels_keep_the_weights_and_drop_the_rest() -> None:
@@ -106,7 +125,7 @@ def test_vllm_levels_keep_the_weights_and_drop_the_rest() -> None:
         print(json.dumps({"weights_kept": results}))
     """)
     # Level 1 keeps the weights; level 2 drops them (new memory: whatever it holds).
-    assert answer["weights_kept"][0] is True
+    assert answer["weights_kept"][0] is True, answer
 
 
 def test_cupy_and_numba_arrays_keep_addresses_and_contents() -> None:
@@ -121,7 +140,7 @@ def test_cupy_and_numba_arrays_keep_addresses_and_contents() -> None:
         print(json.dumps({"same": (small.data.ptr, large.data.ptr) == pointers,
                           "equal": bool((small == cupy.arange(1000, dtype=cupy.float32)).all()) and bool((large == cupy.arange(40 << 20, dtype=cupy.int32)).all())}))
     """)
-    assert answer == {"same": True, "equal": True}
+    assert answer == {"same": True, "equal": True}, answer
     pytest.importorskip("numba.cuda")
     answer = run_python("""
         import json, numpy
@@ -134,7 +153,60 @@ def test_cupy_and_numba_arrays_keep_addresses_and_contents() -> None:
         vmmd.numba.wake()
         print(json.dumps({"same": d.device_ctypes_pointer.value == pointer, "equal": bool((d.copy_to_host() == host).all())}))
     """, env={"NUMBA_CUDA_MEMORY_MANAGER": "vmmd.numba"})
-    assert answer == {"same": True, "equal": True}
+    assert answer == {"same": True, "equal": True}, answer
+
+
+# What a pool holds ahead (prepare_copies) after its copies are made, and around a sleep and wake; `stats()` is the pool's.
+PREPARED_CYCLE = textwrap.indent(textwrap.dedent("""
+    def settled(stats):
+        deadline = time.monotonic() + 60
+        while stats()["prepare_pending"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return stats()
+
+    def cycle(stats, sleep, wake, error):
+        before = settled(stats)
+        sleep("offload")
+        wake()
+        after = settled(stats)
+        return {"before": before, "after": after, "held": before["bytes"] + before["large_bytes"], "error": repr(error())}
+"""), " " * 8)
+
+
+def test_cupy_and_numba_pools_make_their_copies_ahead_and_keep_them() -> None:
+    pytest.importorskip("cupy")
+    answer = run_python("""
+        import json, time, cupy, vmmd.cupy
+    """ + PREPARED_CYCLE + """
+        allocator = vmmd.cupy.use(idle_seconds=0, prepare_copies=True)
+        small, large = cupy.arange(1000, dtype=cupy.float32), cupy.arange(64 << 20, dtype=cupy.int32)
+        cupy.cuda.runtime.deviceSynchronize()
+        device = cupy.cuda.runtime.getDevice()
+        result = cycle(lambda: allocator.stats()[device], allocator.sleep, allocator.wake, lambda: allocator.prepare_error)
+        result["equal"] = bool((small == cupy.arange(1000, dtype=cupy.float32)).all()) and bool((large == cupy.arange(64 << 20, dtype=cupy.int32)).all())
+        print(json.dumps(result))
+    """)
+    # Every chunk's copy made ahead, used by the sleep, kept after wake.
+    assert answer["error"] == "None" and answer["equal"], answer
+    assert answer["before"]["prepared_bytes"] == answer["held"] >= 256 << 20, answer
+    assert answer["after"]["prepared_bytes"] == answer["before"]["prepared_bytes"], answer
+    pytest.importorskip("numba.cuda")
+    answer = run_python("""
+        import json, time, numpy
+        from numba import cuda
+        import vmmd.numba
+    """ + PREPARED_CYCLE + """
+        host = numpy.arange(32 << 20, dtype=numpy.float64)
+        d = cuda.to_device(host)
+        cuda.synchronize()
+        pool = cuda.current_context().memory_manager.pool
+        result = cycle(pool.stats, vmmd.numba.sleep, vmmd.numba.wake, lambda: pool.prepare_error)
+        result["equal"] = bool((d.copy_to_host() == host).all())
+        print(json.dumps(result))
+    """, env={"NUMBA_CUDA_MEMORY_MANAGER": "vmmd.numba", "VMMD_NUMBA_PREPARE_COPIES": "1"})
+    assert answer["error"] == "None" and answer["equal"], answer
+    assert answer["before"]["prepared_bytes"] == answer["held"] >= 256 << 20, answer
+    assert answer["after"]["prepared_bytes"] == answer["before"]["prepared_bytes"], answer
 
 
 def test_a_torch_cuda_graph_replays_after_100_sleeps() -> None:
@@ -166,7 +238,7 @@ def test_a_torch_cuda_graph_replays_after_100_sleeps() -> None:
             good += float(y) == expected
         print(json.dumps({"good": good, "graph_in_vmmd": graph_in_vmmd}))
     """, timeout=300)
-    assert answer == {"good": 100, "graph_in_vmmd": True}
+    assert answer == {"good": 100, "graph_in_vmmd": True}, answer
 
 
 def test_a_cupy_cuda_graph_replays_after_100_sleeps() -> None:
@@ -198,7 +270,7 @@ def test_a_cupy_cuda_graph_replays_after_100_sleeps() -> None:
             good += float(y.sum()) == expected
         print(json.dumps({"good": good}))
     """, timeout=300)
-    assert answer == {"good": 100}
+    assert answer == {"good": 100}, answer
 
 
 ENGINE = r'''
