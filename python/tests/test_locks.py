@@ -33,14 +33,20 @@ def interrupted_at(step: int, action: Callable[[], None]) -> Optional[str]:
                 raise KeyboardInterrupt
         return trace
 
-    sys.settrace(trace)
+    run_traced(action, trace)
+    return where[0] if where else None
+
+
+def run_traced(action: Callable[[], None], tracer: Any, profile: bool = False) -> None:
+    """Runs `action` under `tracer` (sys.settrace's, or sys.setprofile's), a KeyboardInterrupt out of it swallowed."""
+    install = sys.setprofile if profile else sys.settrace
+    install(tracer)
     try:
         action()
     except KeyboardInterrupt:
         pass
     finally:
-        sys.settrace(None)
-    return where[0] if where else None
+        install(None)
 
 
 def owned(lock: Any) -> bool:
@@ -139,13 +145,7 @@ def test_surely_runs_a_clean_up_to_its_end_through_interrupts_at_any_two_points(
                 return trace
 
             state["left"] = -1
-            sys.settrace(trace)
-            try:
-                action()
-            except KeyboardInterrupt:
-                pass
-            finally:
-                sys.settrace(None)
+            run_traced(action, trace)
             assert state["left"] == 1, f"the clean-up was left half done (interrupts at lines {first} and {second})"
 
 
@@ -178,13 +178,7 @@ def test_an_answer_taken_under_an_interrupt_at_any_check_point_stays_the_records
         pending.message = _frames.DaemonFrame(request=1, allocated={"allocation_id": 7})
         pending.fd = read
         taken: List[Any] = []
-        sys.setprofile(profile_at(step))
-        try:
-            taken.append(pending.take())
-        except KeyboardInterrupt:
-            pass
-        finally:
-            sys.setprofile(None)
+        run_traced(lambda: taken.append(pending.take()), profile_at(step), profile=True)
         if taken:
             assert taken[0][1] == read and pending.fd == -1
             os.close(read)

@@ -298,22 +298,13 @@ class DevicePool:
         with self._lock:
             if self._sleeping is not None:
                 return self._trim_asleep()
-            self._drain()
-            if len(self._order):
-                self._give_safe(self._order.settle_all())
-            empty = [chunk for chunk in self._chunks if chunk.blocks == 0]
-            for chunk in empty:
-                index = self._chunks.index(chunk)
-                del self._chunks[index]
-                del self._bases[index]
-            empty += self._idle_large
-            self._idle_large = []
+            empty = self._take_empty()
             self._release(empty)
         return sum(chunk.size for chunk in empty)
 
-    def _trim_asleep(self) -> int:
-        # Invariant: called with the lock held, asleep. The sleep waited for the device and nothing may touch
-        # asleep memory, so blocks held for their streams are free for every stream.
+    def _take_empty(self) -> List[Chunk]:
+        # Invariant: called with the lock held. The chunks with no block in use and the idle large
+        # allocations, taken out of the pool (blocks held for their streams settled first).
         self._drain()
         if len(self._order):
             self._give_safe(self._order.settle_all())
@@ -324,6 +315,12 @@ class DevicePool:
             del self._bases[index]
         empty += self._idle_large
         self._idle_large = []
+        return empty
+
+    def _trim_asleep(self) -> int:
+        # Invariant: called with the lock held, asleep. The sleep waited for the device and nothing may touch
+        # asleep memory, so blocks held for their streams are free for every stream.
+        empty = self._take_empty()
         if not empty:
             return 0
         bases = {chunk.base for chunk in empty}
