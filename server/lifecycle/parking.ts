@@ -252,8 +252,7 @@ export class Parking implements AllocationObserver {
       references,
       ...(allocation.shareKey === undefined ? {} : { shareKey: allocation.shareKey }),
       ...(allocation.request === undefined ? {} : { request: allocation.request }),
-      // Whom the quota charged: the owner when the memory came (a later owner, the daemon, inherits no charge).
-      ...(previous?.charged !== undefined ? { charged: previous.charged } : peer === undefined ? {} : { charged: { session: String(owner), uid: peer.uid } }),
+      ...chargedOf(previous?.charged, owner, peer?.uid),
     };
   }
 
@@ -313,7 +312,7 @@ export class Parking implements AllocationObserver {
     const live = new Set<string>();
     for (const a of this.state.allocations.values()) {
       live.add(a.owner);
-      if (a.charged !== undefined) live.add(a.charged.session);
+      if (a.charged !== undefined && a.charged.session !== '0') live.add(a.charged.session);
     }
     for (const s of this.state.stores.values()) live.add(s.owner);
     // And the sessions open or waiting for their clients, objects or not: they can be resumed.
@@ -333,6 +332,16 @@ export class Parking implements AllocationObserver {
     this.journal = next;
     old.close();
   }
+}
+
+/**
+ * Whom the quota charges, as parked: the owner and its uid when the memory
+ * came; once it passed to the daemon, that uid alone (session 0). Memory the
+ * daemon made for itself is charged to nobody.
+ */
+function chargedOf(previous: ParkedAllocation['charged'], owner: bigint, uid: number | undefined): Pick<ParkedAllocation, 'charged'> {
+  if (previous !== undefined) return { charged: owner === 0n ? { session: '0', uid: previous.uid } : previous };
+  return uid === undefined ? {} : { charged: { session: String(owner), uid } };
 }
 
 function closeQuietly(fd: number): void {
@@ -382,6 +391,10 @@ class ParkingAdaptor implements AllocationSource {
       throw error;
     }
     if (name !== undefined) parking!.unpark(name);
+  }
+
+  passedToDaemon(allocation: SourcedAllocation): void {
+    this.upstream.passedToDaemon?.(allocation);
   }
 
   settle(): Promise<void> {

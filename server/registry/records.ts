@@ -45,6 +45,11 @@ export interface AllocationRecord {
   readonly granularity: bigint;
   // Invariant: handle references by holder (owner id); no entry holds 0.
   readonly references: Map<bigint, number>;
+  /**
+   * Holders that keep it for the daemon (stores handed over): once its owner
+   * holds no handle reference while one of them still does, it is the daemon's.
+   */
+  keptForDaemon?: Set<bigint>;
   // Invariant: the backend holds 1 + backendRetains references to `handle` while
   // any registry reference is left; releases drop a retained one first.
   backendRetains: number;
