@@ -170,13 +170,13 @@ export class Parking implements AllocationObserver {
    * @param name what detach() gave for its handle
    */
   unpark(name: string): void {
-    if (this.frozen) return;
-    if (this.removals.push(name) === 1) setImmediate(() => this.removeParked());
+    if (this.removals.push(name) === 1 && !this.frozen) setImmediate(() => this.removeParked());
   }
 
+  /** Sends the removals due; frozen, they wait (sent if the daemon records again, else the next start closes what no record names). */
   private removeParked(): void {
+    if (this.frozen) return;
     for (const name of this.removals.splice(0)) {
-      if (this.frozen) return;
       try {
         this.client.remove(name);
       } catch (error) {
@@ -226,6 +226,12 @@ export class Parking implements AllocationObserver {
    */
   freeze(): void {
     this.frozen = true;
+  }
+
+  /** Records again after a freeze (a successor that went away before it served): nothing changed meanwhile but frees, sent now. */
+  thaw(): void {
+    this.frozen = false;
+    if (this.removals.length > 0) setImmediate(() => this.removeParked());
   }
 
   /** Objects recorded now (allocations, stores). */

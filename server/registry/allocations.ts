@@ -16,6 +16,7 @@ import {
   Exported,
   hex,
   IdSequence,
+  keptOnlyForDaemon,
   Ownership,
   ownerName,
   AllocationObserver,
@@ -192,7 +193,8 @@ export class Allocations {
       holder = allocation.owner;
     }
     const answer = (): Released => {
-      this.passWhenLetGo(allocation);
+      // Let go of by its owner while a store handed over keeps it: the daemon's from now on, as at the owner's end.
+      if (keptOnlyForDaemon(allocation)) this.passToDaemon(allocation);
       const freeing = this.startFree(allocation, awaited);
       return {
         result: { freed: freeing !== undefined, handleReferences: this.referenceCount(allocation), mappingCount: allocation.mappingCount },
@@ -302,18 +304,6 @@ export class Allocations {
     allocation.references.set(holder, (allocation.references.get(holder) ?? 0) + 1);
     if (forDaemon) (allocation.keptForDaemon ??= new Set()).add(holder);
     return allocation;
-  }
-
-  /**
-   * The owner let go of its last handle reference while a holder keeps the
-   * memory for the daemon (a store handed over): the allocation is the
-   * daemon's from now on, as at its owner's end, and its charge too.
-   */
-  private passWhenLetGo(allocation: AllocationRecord): void {
-    if (allocation.owner === DAEMON_OWNER || allocation.references.has(allocation.owner)) return;
-    for (const holder of allocation.keptForDaemon ?? []) {
-      if (allocation.references.has(holder)) return this.passToDaemon(allocation);
-    }
   }
 
   /** The daemon owns the allocation from now on: its quota charge stays with its uid alone (no session holds it). */

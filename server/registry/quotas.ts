@@ -197,7 +197,8 @@ export class Quotas {
   /** Drops the session's part of a hold (none once it passed to the daemon). */
   private releaseSession(hold: QuotaHold): void {
     if (hold.session === DAEMON_OWNER) return;
-    if (hold.identity === undefined || this.count(this.sessionHolds, `${hold.identity}|${hold.session}`, -1) === 0) this.add(this.bySession, hold.session, -hold.size);
+    if (hold.identity === undefined || this.count(this.sessionHolds, `${hold.identity}|${hold.session}`, -1) === 0)
+      this.add(this.bySession, hold.session, -hold.size);
   }
 
   used(): { byUid: Record<string, string>; bySession: Record<string, string> } {

@@ -64,6 +64,13 @@ export interface AllocationRecord {
   freed: boolean;
 }
 
+/** Whether its owner (a session) holds no handle reference any more while a holder keeps it for the daemon (a store handed over). */
+export function keptOnlyForDaemon(allocation: AllocationRecord): boolean {
+  if (allocation.owner === DAEMON_OWNER || allocation.references.has(allocation.owner)) return false;
+  for (const holder of allocation.keptForDaemon ?? []) if (allocation.references.has(holder)) return true;
+  return false;
+}
+
 export interface MappingRecord {
   readonly address: bigint;
   readonly size: bigint;

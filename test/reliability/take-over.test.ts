@@ -36,6 +36,27 @@ function startTakeOver(dir: string, extra: string[] = []): { child: ChildProcess
 
 const takeOverRun = (dir: string, extra: string[] = []) => startTakeOver(dir, extra).result;
 
+/** How long a daemon whose successor died before serving may take to serve again (the machine may be loaded). */
+const SERVES_AGAIN_WITHIN_MS = 20_000;
+
+/**
+ * A successor that asks to take over, receives every descriptor and the
+ * "end", prints how many came, and waits (for the SIGKILL) without answering.
+ */
+const SUCCESSOR_THAT_TAKES_ALL = `const { addon } = require(${JSON.stringify(path.join(packageRoot(), 'dist', 'native'))});
+  const fd = addon.seqpacketConnect(process.argv[1]);
+  addon.unixDgramSendFds(fd, Buffer.from(JSON.stringify({ take: { pid: process.pid, version: 'test' } })), []);
+  let received = 0;
+  const poll = () => {
+    for (;;) {
+      const got = addon.unixDgramRecvFds(fd, 65536);
+      if (got === null) return setTimeout(poll, 5);
+      received += got.fds.length;
+      if (JSON.parse(got.data.toString()).end !== undefined) { process.stdout.write(received + '\\n'); return setInterval(() => {}, 1000); }
+    }
+  };
+  poll();`;
+
 /** A peer on a hand-over socket speaking the protocol by hand (a daemon that stops half-way). */
 class RawEnd {
   constructor(readonly fd: number) {}
@@ -64,7 +85,11 @@ class RawEnd {
   }
 }
 
-/** A daemon with stores holding bytes, one read-only, and a session's own allocation shared with a key. */
+/**
+ * A daemon with stores holding bytes, one read-only, one whose maker let go of
+ * its allocation (the daemon's, charged to the maker's uid alone), and a
+ * session's own allocation shared with a key.
+ */
 async function populate(daemon: TestDaemon, peers: Peer[]) {
   const maker = await Peer.start(daemon.dir);
   peers.push(maker);
@@ -77,6 +102,7 @@ async function populate(daemon: TestDaemon, peers: Peer[]) {
       args: { allocationId: allocation.id, name: `model-${index}`, handOver: true },
     });
     await maker.do({ op: 'storeWrite', id: store.id, text });
+    if (index === 1) await maker.do({ op: 'call', api: 'vmm', method: 'release', args: { allocationId: allocation.id } });
   }
   const frozen = await maker.do({ op: 'call', api: 'vmm', method: 'create', args: { size: String(2n * MiB) } });
   await maker.do({ op: 'call', api: 'stores', method: 'createStore', args: { allocationId: frozen.id, name: 'frozen', readOnly: true, handOver: true } });
@@ -159,36 +185,47 @@ describe('vmmd --take-over', () => {
     expect(fs.statSync(path.join(third.dir, HAND_OVER)).mode & 0o777).toBe(0o600);
   }, 240_000);
 
-  it('a new daemon that goes away in the middle leaves the old one holding everything: the next take-over gets it all', async () => {
+  it('a new daemon SIGKILLed before it serves: the old one serves again with everything, its clients resume, and it can be taken over later', async () => {
     const old = await TestDaemon.start(held);
     daemons.push(old);
     const made = await populate(old, peers);
     const sums = await checksums(old.dir);
     const before = await observed(old);
-    // A successor that receives every descriptor and dies before it serves.
-    const dying = RawEnd.connect(old.dir);
-    dying.send({ take: { pid: process.pid, version: 'test' } });
-    let received = 0;
-    for (;;) {
-      const next = await dying.next();
-      if (next === null || next.message.end !== undefined) break;
-      for (const fd of next.fds) addon.close(fd);
-      received += next.fds.length;
-    }
-    expect(received).toBeGreaterThan(0);
-    dying.close();
-    // The old one stopped serving (it had stopped accepting) but lives on, holding everything.
-    await eventually(
-      () => (old.logs.some((line) => line.includes('went away before it served')) ? true : undefined),
-      30_000,
-      'the old daemon to see the successor gone',
-    );
-    expect(old.process.exitCode).toBeNull();
+    // A successor process that takes every descriptor and is killed before it answers "done".
+    const successor = spawn(process.execPath, ['-e', SUCCESSOR_THAT_TAKES_ALL, path.join(old.dir, HAND_OVER)], { stdio: ['ignore', 'pipe', 'inherit'] });
+    const took = await new Promise<number>((resolve, reject) => {
+      let out = '';
+      successor.stdout!.on('data', (chunk) => {
+        out += chunk;
+        if (out.includes('\n')) resolve(Number(out.trim()));
+      });
+      successor.once('exit', (code) => reject(new Error(`the successor exited (${code}) before it took everything`)));
+    });
+    expect(took).toBeGreaterThan(0);
+    // The old one stopped serving for the hand-over.
     expect(fs.existsSync(path.join(old.dir, 'vmmd.sock'))).toBe(false);
+    const killed = Date.now();
+    successor.kill('SIGKILL');
+    await eventually(
+      async () =>
+        await call(old.raw.devices, 'ListDevices', {}).then(
+          () => true,
+          () => undefined,
+        ),
+      SERVES_AGAIN_WITHIN_MS,
+      'the old daemon to serve again',
+    );
+    const servedAfterMs = Date.now() - killed;
+    expect(old.logs.some((line) => line.includes('went away before it served: serving again'))).toBe(true);
+    expect(old.process.exitCode).toBeNull();
+    // Everything as before; the maker's client resumed its session by itself.
+    await expectIntact(old, before, sums, made);
+    // The hand-over socket is there again: a later take-over gets it all.
     const next = await TestDaemon.takeOver(old, held);
     daemons.push(next);
     expect(await old.exitStatus).toBe(0);
     await expectIntact(next, before, sums, made);
+    process.stdout.write(`successor SIGKILLed → the old daemon serving again: ${servedAfterMs} ms\n`);
   }, 240_000);
 
   it('an old daemon that goes away before it sent everything: the new one takes nothing and does not start; one that sent everything is served from', async () => {
