@@ -36,8 +36,10 @@ export interface CallSettings {
 /**
  * The RPCs sent again when the daemon's going away cut them off (UNAVAILABLE
  * or CANCELLED): they change nothing, or change it to the same end however
- * often they run. The rest (Create, Release, Map, Open…) fail to their caller,
- * who knows whether doing it twice is right.
+ * often they run (Detach: the store detached). The rest (Create, Release, Map,
+ * Open, Close, Copy of overlapping ranges, FreeAddress and Unmap, whose range
+ * may be reserved or mapped again in between…) fail to their caller, who
+ * knows whether doing it twice is right.
  */
 const SAFE_AGAIN = new Set([
   'GetStats',
@@ -56,7 +58,38 @@ const SAFE_AGAIN = new Set([
   'Export',
   'SetAccess',
   'Fill',
+  'Detach',
 ]);
+
+/**
+ * Calls of SAFE_AGAIN whose repeat the daemon refuses when the attempt cut off
+ * did the work: the refusal codes that say so, and the answer the caller gets
+ * instead (a Detach repeated finds the store detached, or gone with its name).
+ */
+const DONE_BY_THE_CUT: Record<string, { codes: ReadonlySet<string>; answer: (request: unknown) => unknown }> = {
+  Detach: {
+    codes: new Set(['STORE_DETACHED', 'UNKNOWN_STORE']),
+    answer: (request) => {
+      const ref = (request as { store?: { id?: string; name?: string } }).store ?? {};
+      return { ...DETACHED_STORE, id: String(ref.id ?? '0'), name: ref.name ?? '' };
+    },
+  },
+};
+
+/** A Store as the daemon writes one it detached, with the fields the caller did not name at their defaults. */
+const DETACHED_STORE = {
+  id: '0',
+  name: '',
+  target: 'STORE_TARGET_UNSPECIFIED',
+  device: 0,
+  size: '0',
+  readOnly: false,
+  attached: false,
+  ownerSession: '0',
+  state: 'STORE_STATE_DETACHED',
+  opens: 0,
+  allocationId: '0',
+};
 
 /**
  * How a daemon going away reaches a call in flight: UNAVAILABLE (no channel), or CANCELLED (its stream reset
@@ -95,14 +128,19 @@ export async function unaryCall<Req, Res>(client: grpc.Client, method: UnaryMeth
     });
   if (!resumable) return once();
   await session.ready(deadline);
+  const name = methodName(method as UnaryMethod<unknown, unknown>);
+  // Whether an attempt was cut off: the work may be done, and a refusal of the repeat may say so.
+  let cut = false;
   for (let attempt = 0; ; attempt++) {
     try {
       return await once();
     } catch (error) {
       const failed = error as VmmdError;
-      const again =
-        failed.code === 'SESSION_RESUMING' ||
-        (CUT_OFF.has(failed.status) && attempt < SAFE_ATTEMPTS && SAFE_AGAIN.has(methodName(method as UnaryMethod<unknown, unknown>)));
+      const done = DONE_BY_THE_CUT[name];
+      if (cut && done?.codes.has(failed.code)) return done.answer(request) as Res;
+      const cutOff = CUT_OFF.has(failed.status) && attempt < SAFE_ATTEMPTS && SAFE_AGAIN.has(name);
+      cut ||= cutOff;
+      const again = failed.code === 'SESSION_RESUMING' || cutOff;
       if (!again || session.closed || Date.now() >= deadline) throw failed;
       // The session socket may notice the restart a moment after the call did.
       await new Promise((resolve) => setTimeout(resolve, 20));

@@ -32,4 +32,9 @@ export class ClientActivity {
   stop(): void {
     this.stopped = true;
   }
+
+  /** Told again: the daemon serves again after a stop whose successor never came (it turns both on itself if a client is connected). */
+  start(): void {
+    this.stopped = false;
+  }
 }

@@ -9,12 +9,11 @@ import * as fs from 'node:fs';
 import type { Logger } from 'pino';
 import { socketPaths } from '../../common/paths';
 import { loadProtos, reflectedDefinition } from '../../common/proto';
-import { addon, isNativeError } from '../../native';
+import { addon } from '../../native';
 import type { Backend } from '../backends/backend';
 import { selectBackend } from '../backends/select';
 import type { DaemonConfig } from './config';
 import { AccessPolicy } from '../transport/grpc/access';
-import { GrpcUnixListener } from '../transport/grpc/grpc-unix';
 import { TransportBudgets } from '../transport/budgets';
 import { Metrics } from '../observability/metrics';
 import { Quotas } from '../registry/quotas';
@@ -38,25 +37,21 @@ import { busyPollAlways } from '../../native/busy-poll';
 import { ClientActivity } from './activity';
 import { makeSocketDir } from './socket-dir';
 import { DEFAULT_SESSION_OPTIONS, SessionManager, SessionOptions } from '../transport/session/sessions';
-import { deferred } from '../transport/session/resume';
+import { deferred, ParkedSession } from '../transport/session/resume';
 import { StagingBuffers } from '../stores/staging';
 import { CUDA_STAGING_PINNING } from '../backends/cuda';
 import { isStoreHolder, StoreRegistry } from '../stores/stores';
 import { Lifecycle } from '../lifecycle/lifecycle';
 import { HandOverListener, HandOverSide, takeOver } from '../lifecycle/hand-over';
+import { clearStaleSockets, GrpcListeners, openGrpc } from './serving';
+
+export { DaemonStartError } from './serving';
 
 // eslint-disable-next-line @typescript-eslint/no-require-imports -- package.json lies outside the compiled tree
 export const VERSION: string = require('../../../package.json').version;
 
 /** The health service answers for the whole server ('') and for each vmmd service. */
 const HEALTH_SERVICES = ['', 'vmmd.v1.Devices', 'vmmd.v1.VirtualMemory', 'vmmd.v1.Stores', 'vmmd.v1.Admin'];
-
-export class DaemonStartError extends Error {
-  constructor(message: string) {
-    super(message);
-    this.name = 'DaemonStartError';
-  }
-}
 
 /**
  * Makes the socket directory owner-only (0700), or for a group (0750) when one
@@ -72,58 +67,31 @@ function prepareSocketDir(config: DaemonConfig): number | undefined {
   return before === mode ? undefined : before;
 }
 
-/** Sockets owner-only (0600), or read-write for the configured group (0660). */
-function restrictSockets(config: DaemonConfig, paths: { grpc: string; session: string }): void {
-  for (const path of [paths.grpc, paths.session]) {
-    if (config.socketGroup !== undefined) fs.chownSync(path, process.getuid!(), config.socketGroup);
-    fs.chmodSync(path, config.socketGroup === undefined ? 0o600 : 0o660);
-  }
-}
-
-/**
- * Removes socket files no daemon answers on; refuses to start over a live one.
- * @throws DaemonStartError when another daemon serves the directory
- */
-function clearStaleSockets(paths: { grpc: string; session: string }): void {
-  if (fs.existsSync(paths.session)) {
-    let fd = -1;
-    try {
-      fd = addon.seqpacketConnect(paths.session);
-    } catch (error) {
-      if (!isNativeError(error, 'ECONNREFUSED') && !isNativeError(error, 'ENOTSOCK') && !isNativeError(error, 'EPROTOTYPE')) {
-        throw error;
-      }
-    }
-    if (fd >= 0) {
-      addon.close(fd);
-      throw new DaemonStartError(`another vmmd is serving ${paths.session}; stop it or choose another --socket-dir`);
-    }
-  }
-  for (const path of [paths.grpc, paths.session]) fs.rmSync(path, { force: true });
-}
-
 export class Daemon {
   private constructor(
     readonly config: DaemonConfig,
     readonly backend: Backend,
     readonly registry: Registry,
     readonly sessions: SessionManager,
-    private readonly server: grpc.Server,
-    private readonly unix: GrpcUnixListener,
+    // Invariant: the gRPC servers open while serving; closed by the quiesce, opened anew to serve again.
+    private listeners: GrpcListeners,
+    private readonly addServices: (server: grpc.Server) => void,
     private readonly log: Logger,
     readonly paths: { grpc: string; session: string },
     private readonly admin: AdminService,
     private readonly health: HealthImplementation,
     private readonly metrics: Metrics,
-    private readonly healthServer: grpc.Server,
+    private readonly transportBudgets: TransportBudgets,
     private readonly activity: ClientActivity,
     private readonly lifecycle: Lifecycle,
   ) {}
 
   private handOverListener?: HandOverListener;
   private readonly handOver = deferred<void>();
-  // The stop's first part, once begun (a hand-over's, or SIGTERM's): done once.
+  // The stop's first part, once begun (a hand-over's, or SIGTERM's): done once, unless the daemon serves again.
   private stopped?: Promise<void>;
+  // The sessions parked for a successor: theirs once it serves, waiting here again if it goes away first.
+  private parkedSessions: ParkedSession[] = [];
 
   /** @throws DaemonStartError, BackendUnavailableError, or the socket's error */
   static async start(config: DaemonConfig, log: Logger, sessionOptions: SessionOptions = DEFAULT_SESSION_OPTIONS): Promise<Daemon> {
@@ -254,18 +222,7 @@ export class Daemon {
         error: (...args: unknown[]) => log.child({ component: 'grpc-js' }).warn(args.map(String).join(' ')),
       });
       grpc.setLogVerbosity(log.isLevelEnabled('debug') ? grpc.logVerbosity.DEBUG : grpc.logVerbosity.ERROR);
-      const server = new grpc.Server({ 'grpc.max_receive_message_length': Number(config.maxMessageBytes) });
-      // Only the health service, plaintext: what Kubernetes' gRPC probes speak (they have no Unix sockets).
-      const healthServer = new grpc.Server();
-      undo.push(
-        () => server.forceShutdown(),
-        () => healthServer.forceShutdown(),
-      );
-      // grpcurl's view: reflection (v1 and v1alpha) over the vmmd protos and health.
-      reflection.addToServer(server);
       const health = new HealthImplementation(Object.fromEntries(HEALTH_SERVICES.map((name) => [name, 'NOT_SERVING'])));
-      health.addToServer(server);
-      health.addToServer(healthServer);
       // One uid's pipelined calls start in turns with every other uid's, across the services.
       const fair = new FairCalls();
       // Each service's calls are counted under its full name: Read and List exist in two services.
@@ -281,36 +238,22 @@ export class Daemon {
         moved: (method, direction, bytes) => metrics.bytesMoved(service, method, direction, bytes),
         turns,
       });
-      new DevicesService(registry).addToServer(server, proto, depsOf('vmmd.v1.Devices'));
-      vmm.addToServer(server, proto, depsOf('vmmd.v1.VirtualMemory'));
-      storesService.addToServer(server, proto, depsOf('vmmd.v1.Stores'));
+      const devices = new DevicesService(registry);
       admin = new AdminService({ registry, sessions, stores, quotas, metrics, version: VERSION, turns, gcPauses: gcPauses.start(), budgets: everyBudget });
       admin.sampleLoopDelay(activity.active);
       // A start that fails from here on stops its delay sampler and GC observer too.
       undo.push(() => admin?.close());
-      admin.addToServer(server, proto, depsOf('vmmd.v1.Admin'));
-      // Accepted here, not by grpc-js: each connection is attributed to its peer's uid (server/transport/grpc/access.ts).
-      const unix = await GrpcUnixListener.listen(server, paths.grpc, log, transportBudgets, () => activity.enter());
-      undo.push(() => unix.close());
-      restrictSockets(config, paths);
-      if (config.tcpListen !== '' && config.tls !== undefined) {
-        const tls = config.tls;
-        const credentials = grpc.ServerCredentials.createSsl(
-          tls.ca === undefined ? null : fs.readFileSync(tls.ca),
-          [{ cert_chain: fs.readFileSync(tls.cert), private_key: fs.readFileSync(tls.key) }],
-          tls.ca !== undefined,
-        );
-        await new Promise<void>((resolve, reject) => server.bindAsync(config.tcpListen, credentials, (error) => (error ? reject(error) : resolve())));
-        log.info({ address: config.tcpListen, mutualTls: tls.ca !== undefined }, 'serving gRPC over TCP with TLS (no sessions, no descriptors)');
-      }
-      if (config.metricsPort > 0) await metrics.serve(config.metricsPort, config.metricsAddress, log);
-      if (config.healthPort > 0) {
-        const address = `${config.metricsAddress.includes(':') ? `[${config.metricsAddress}]` : config.metricsAddress}:${config.healthPort}`;
-        await new Promise<void>((resolve, reject) =>
-          healthServer.bindAsync(address, grpc.ServerCredentials.createInsecure(), (error) => (error ? reject(error) : resolve())),
-        );
-        log.info({ address }, 'health service (grpc.health.v1 only, plaintext) on %s', address);
-      }
+      const adminService = admin;
+      const addServices = (server: grpc.Server) => {
+        // grpcurl's view: reflection (v1 and v1alpha) over the vmmd protos and health.
+        reflection.addToServer(server);
+        health.addToServer(server);
+        devices.addToServer(server, proto, depsOf('vmmd.v1.Devices'));
+        vmm.addToServer(server, proto, depsOf('vmmd.v1.VirtualMemory'));
+        storesService.addToServer(server, proto, depsOf('vmmd.v1.Stores'));
+        adminService.addToServer(server, proto, depsOf('vmmd.v1.Admin'));
+      };
+      const listeners = await openGrpc({ config, log, paths, budgets: transportBudgets, activity, health, metrics, addServices, undo });
       for (const name of HEALTH_SERVICES) health.setStatus(name, 'SERVING');
       // From now on, while a client is connected, the loop spins a little before it sleeps: its next message finds it awake.
       serving = true;
@@ -328,7 +271,22 @@ export class Daemon {
           );
       };
       log.info({ backend: backend.name, socketDir: config.socketDir, devices: registry.devices.length, version: VERSION }, 'vmmd serving');
-      started = new Daemon(config, backend, registry, sessions, server, unix, log, paths, admin, health, metrics, healthServer, activity, lifecycle);
+      started = new Daemon(
+        config,
+        backend,
+        registry,
+        sessions,
+        listeners,
+        addServices,
+        log,
+        paths,
+        admin,
+        health,
+        metrics,
+        transportBudgets,
+        activity,
+        lifecycle,
+      );
     } finally {
       if (started === undefined) {
         // The daemon taken over keeps everything: it is told by the closed connection.
@@ -359,6 +317,10 @@ export class Daemon {
       quiesce: () => (this.stopped ??= this.quiesce(true)),
       held: () => this.lifecycle.held(),
       handedOver: () => void this.finish().then(() => this.handOver.resolve()),
+      resumeServing: () =>
+        void this.serveAgain().catch((error) =>
+          this.log.error({ err: error }, 'serving again failed: this daemon holds every descriptor and record for the next take-over'),
+        ),
     };
     this.handOverListener = HandOverListener.listen(this.config.socketDir, side, this.log, this.config.shutdownGraceMs);
   }
@@ -384,22 +346,54 @@ export class Daemon {
     this.activity.stop();
     busyPollAlways(0);
     for (const name of HEALTH_SERVICES) this.health.setStatus(name, 'NOT_SERVING');
-    const drained = new Promise<void>((resolve) => this.server.tryShutdown(() => resolve()));
+    const { server, unix, healthServer } = this.listeners;
+    const drained = new Promise<void>((resolve) => server.tryShutdown(() => resolve()));
     const timeout = new Promise<void>((resolve) => setTimeout(resolve, graceMs).unref());
     await Promise.race([drained, timeout]);
-    this.server.forceShutdown();
-    this.unix.close();
-    this.healthServer.forceShutdown();
+    server.forceShutdown();
+    unix.close();
+    healthServer.forceShutdown();
     this.metrics.close();
     // Where memory is parked, the sessions are too: their calls in flight finish, are recorded and answered, and
     // each waits for its client in the next daemon or the successor; else they end and are reclaimed. Recording
     // stops only after that drain: an allocation answered after the freeze would be one its client holds and the
     // next daemon does not know.
-    if (park) await this.sessions.park();
+    if (park) this.parkedSessions = await this.sessions.park();
     // The parked memory stays for the next start or the successor: a reclaim from here on frees only this process's hold of it.
     this.lifecycle.freeze();
     if (!park) await this.sessions.close();
     for (const path of [this.paths.grpc, this.paths.session]) fs.rmSync(path, { force: true });
+  }
+
+  /**
+   * Serves again after the quiesce for a successor that went away before it
+   * served (killed, or failed to start): this process still holds everything,
+   * unchanged since the freeze. Recording goes on, the parked sessions wait
+   * for their clients here as after a restart, and the sockets open anew. A
+   * failure quiesces again: everything stays held for the next take-over.
+   * @throws DaemonStartError when a daemon answers on the socket directory (the successor serves after all), or the bind's error
+   */
+  private async serveAgain(): Promise<void> {
+    clearStaleSockets(this.paths);
+    const undo: Array<() => void> = [];
+    try {
+      this.lifecycle.thaw();
+      this.sessions.reopen(this.paths.session, this.parkedSessions.splice(0), this.config.parkedGraceMs);
+      const log = this.log;
+      const deps = { config: this.config, log, paths: this.paths, budgets: this.transportBudgets, activity: this.activity };
+      this.listeners = await openGrpc({ ...deps, health: this.health, metrics: this.metrics, addServices: this.addServices, undo });
+    } catch (error) {
+      for (const step of undo) step();
+      this.parkedSessions = await this.sessions.park();
+      this.lifecycle.freeze();
+      for (const path of [this.paths.grpc, this.paths.session]) fs.rmSync(path, { force: true });
+      throw error;
+    }
+    for (const name of HEALTH_SERVICES) this.health.setStatus(name, 'SERVING');
+    this.activity.start();
+    if (this.activity.active) busyPollAlways(this.config.busyPollMicros);
+    this.stopped = undefined;
+    this.log.info({ waiting: this.sessions.waitingCount }, 'vmmd serving again: its successor went away before it served');
   }
 
   /** What is left once stopped: the backend, the admin's samplers, the descriptors held in this process. */

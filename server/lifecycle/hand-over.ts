@@ -8,9 +8,10 @@
  * message), then "end"; the new one restores from them as from LISTEN_FDS,
  * binds the sockets, answers "done", and the old one exits.
  *
- * Failures: a new daemon that goes away before "done" leaves the old one
- * holding everything (it serves no more once it has stopped accepting, but
- * the next take-over gets it all, unchanged); an old one that goes away
+ * Failures: a new daemon that goes away before "done" (killed, or failed to
+ * start) leaves the old one holding everything, unchanged: it serves again
+ * from it (its sessions wait for their clients as after a restart), and the
+ * next take-over gets it all; an old one that goes away
  * before "end" leaves the new one with nothing: it closes what it received
  * and refuses to start. A second take-over while one is under way is refused.
  */

@@ -138,6 +138,11 @@ export class Lifecycle {
     this.slot.parking?.freeze();
   }
 
+  /** Records again after a freeze whose successor never came: the parked state is this process's again. */
+  thaw(): void {
+    this.slot.parking?.thaw();
+  }
+
   private async reclaimParked(deps: { registry: Registry; stores: StoreRegistry; sessions: SessionManager }, restored: Restored): Promise<void> {
     for (const parked of restored.sessions) {
       const id = BigInt(parked.id);

@@ -26,7 +26,7 @@ export interface ParkedAllocation {
   /** The session request that made it: an allocate sent again after the restart finds it. */
   request?: string;
   readOnlyStore?: string;
-  /** Whom the quota charged when the memory came (its first owner and that owner's uid); none: the daemon's, uncharged. */
+  /** Whom the quota charges: its first owner and that owner's uid when the memory came; session 0 once it passed to the daemon (the uid alone); none: the daemon's own, uncharged. */
   charged?: { session: string; uid: number };
 }
 

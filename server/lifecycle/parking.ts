@@ -170,13 +170,13 @@ export class Parking implements AllocationObserver {
    * @param name what detach() gave for its handle
    */
   unpark(name: string): void {
-    if (this.frozen) return;
-    if (this.removals.push(name) === 1) setImmediate(() => this.removeParked());
+    if (this.removals.push(name) === 1 && !this.frozen) setImmediate(() => this.removeParked());
   }
 
+  /** Sends the removals due; frozen, they wait (sent if the daemon records again, else the next start closes what no record names). */
   private removeParked(): void {
+    if (this.frozen) return;
     for (const name of this.removals.splice(0)) {
-      if (this.frozen) return;
       try {
         this.client.remove(name);
       } catch (error) {
@@ -228,6 +228,12 @@ export class Parking implements AllocationObserver {
     this.frozen = true;
   }
 
+  /** Records again after a freeze (a successor that went away before it served): nothing changed meanwhile but frees, sent now. */
+  thaw(): void {
+    this.frozen = false;
+    if (this.removals.length > 0) setImmediate(() => this.removeParked());
+  }
+
   /** Objects recorded now (allocations, stores). */
   counts(): { allocations: number; stores: number; journalLines: number } {
     return { allocations: this.state.allocations.size, stores: this.state.stores.size, journalLines: this.journal.lines };
@@ -252,8 +258,7 @@ export class Parking implements AllocationObserver {
       references,
       ...(allocation.shareKey === undefined ? {} : { shareKey: allocation.shareKey }),
       ...(allocation.request === undefined ? {} : { request: allocation.request }),
-      // Whom the quota charged: the owner when the memory came (a later owner, the daemon, inherits no charge).
-      ...(previous?.charged !== undefined ? { charged: previous.charged } : peer === undefined ? {} : { charged: { session: String(owner), uid: peer.uid } }),
+      ...chargedOf(previous?.charged, owner, peer?.uid),
     };
   }
 
@@ -313,7 +318,7 @@ export class Parking implements AllocationObserver {
     const live = new Set<string>();
     for (const a of this.state.allocations.values()) {
       live.add(a.owner);
-      if (a.charged !== undefined) live.add(a.charged.session);
+      if (a.charged !== undefined && a.charged.session !== '0') live.add(a.charged.session);
     }
     for (const s of this.state.stores.values()) live.add(s.owner);
     // And the sessions open or waiting for their clients, objects or not: they can be resumed.
@@ -333,6 +338,16 @@ export class Parking implements AllocationObserver {
     this.journal = next;
     old.close();
   }
+}
+
+/**
+ * Whom the quota charges, as parked: the owner and its uid when the memory
+ * came; once it passed to the daemon, that uid alone (session 0). Memory the
+ * daemon made for itself is charged to nobody.
+ */
+function chargedOf(previous: ParkedAllocation['charged'], owner: bigint, uid: number | undefined): Pick<ParkedAllocation, 'charged'> {
+  if (previous !== undefined) return { charged: owner === 0n ? { session: '0', uid: previous.uid } : previous };
+  return uid === undefined ? {} : { charged: { session: String(owner), uid } };
 }
 
 function closeQuietly(fd: number): void {

@@ -16,6 +16,7 @@ import {
   Exported,
   hex,
   IdSequence,
+  keptOnlyForDaemon,
   Ownership,
   ownerName,
   AllocationObserver,
@@ -192,6 +193,8 @@ export class Allocations {
       holder = allocation.owner;
     }
     const answer = (): Released => {
+      // Let go of by its owner while a store handed over keeps it: the daemon's from now on, as at the owner's end.
+      if (keptOnlyForDaemon(allocation)) this.passToDaemon(allocation);
       const freeing = this.startFree(allocation, awaited);
       return {
         result: { freed: freeing !== undefined, handleReferences: this.referenceCount(allocation), mappingCount: allocation.mappingCount },
@@ -290,14 +293,23 @@ export class Allocations {
   }
 
   /**
-   * A handle reference held by `holder` (a store) on an allocation the caller may touch.
+   * A handle reference held by `holder` (a store) on an allocation the caller
+   * may touch; with `forDaemon` (a store handed over) the holder keeps it for
+   * the daemon, whose it becomes once its owner lets go of it.
    * @throws NOT_FOUND UNKNOWN_ALLOCATION; FAILED_PRECONDITION ALREADY_RELEASED; PERMISSION_DENIED NOT_OWNER
    */
-  hold(caller: bigint, allocationId: bigint, holder: bigint): AllocationRecord {
+  hold(caller: bigint, allocationId: bigint, holder: bigint, forDaemon = false): AllocationRecord {
     const allocation = this.live(allocationId);
     this.checkMayUse(caller, allocation);
     allocation.references.set(holder, (allocation.references.get(holder) ?? 0) + 1);
+    if (forDaemon) (allocation.keptForDaemon ??= new Set()).add(holder);
     return allocation;
+  }
+
+  /** The daemon owns the allocation from now on: its quota charge stays with its uid alone (no session holds it). */
+  private passToDaemon(allocation: AllocationRecord): void {
+    allocation.owner = DAEMON_OWNER;
+    this.source.passedToDaemon?.(allocation);
   }
 
   /**
@@ -393,11 +405,12 @@ export class Allocations {
 
   /**
    * Drops what an owner holds: its references, and its ownership (passed to
-   * the daemon while others still reference or map the memory).
+   * the daemon while others still reference or map the memory, charged to
+   * the owner's uid alone from then on).
    */
   async reclaimFrom(owner: bigint, allocation: AllocationRecord): Promise<void> {
     await this.dropAll(allocation, owner, () => {
-      if (allocation.owner === owner) allocation.owner = DAEMON_OWNER;
+      if (allocation.owner === owner) this.passToDaemon(allocation);
     });
   }
 

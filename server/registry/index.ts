@@ -175,7 +175,7 @@ export class Registry {
   allocateAll = (caller: bigint, args: AllocateAllArgs) => this.referee.allocateAll(caller, args);
   /** Gives back what an AllocateAll answered when the answer cannot be delivered: descriptors closed, memory released. */
   undoAllocateAll = (caller: bigint, made: Exported[]) => this.referee.undo(caller, made);
-  holdAllocation = (caller: bigint, allocationId: bigint, holder: bigint) => this.allocations.hold(caller, allocationId, holder);
+  holdAllocation = (caller: bigint, allocationId: bigint, holder: bigint, forDaemon = false) => this.allocations.hold(caller, allocationId, holder, forDaemon);
   dropHolder = (holder: bigint, allocationId: bigint) => this.allocations.dropHolder(holder, allocationId);
   referenceCount = (allocation: Parameters<Allocations['referenceCount']>[0]) => this.allocations.referenceCount(allocation);
   sealReadOnly = (allocation: Parameters<Allocations['sealReadOnly']>[0], store: bigint) => this.allocations.sealReadOnly(allocation, store);

@@ -18,7 +18,10 @@
  * source so: a free held back for a quiet moment starts) and asks again,
  * so that release-then-allocate at the limit is never refused. A client's
  * memfd a SYSMEM store maps comes through the same adaptor, charged like an
- * Import. Calls without a session (operators) are not limited.
+ * Import. Calls without a session (operators) are not limited. Memory that
+ * passes to the daemon (its owner's session ended, or let go of it while a
+ * store handed over keeps it) stays charged to the uid that brought it, and
+ * to no session.
  */
 import type { BackendHandle, HandleKind, ImportedHandle, ImportSource, MemLocation } from '../backends/backend';
 import { resourceExhausted } from '../errors';
@@ -33,7 +36,8 @@ export interface QuotaLimits {
 
 /** One hold of physical memory by a session (an allocation, an import, a SYSMEM store). */
 export interface QuotaHold {
-  readonly session: bigint;
+  /** DAEMON_OWNER once the memory passed to the daemon: charged to `uid` alone. */
+  session: bigint;
   readonly uid?: number;
   readonly size: bigint;
   /** Undefined until the memory exists (a Create is charged before the backend makes it). */
@@ -115,11 +119,18 @@ export class Quotas {
    * back): charged again to the same session and uid, never refused.
    */
   restore(session: bigint, uid: number, identity: string, size: bigint): QuotaHold {
-    if (!this.sessionHolds.has(`${identity}|${session}`)) this.add(this.bySession, session, size);
+    if (session !== DAEMON_OWNER && !this.sessionHolds.has(`${identity}|${session}`)) this.add(this.bySession, session, size);
     if (!this.uidHolds.has(`${identity}|${uid}`)) this.add(this.byUid, uid, size);
     const hold: QuotaHold = { session, uid, size };
     this.name(hold, identity, false);
     return hold;
+  }
+
+  /** The hold's memory passed to the daemon: it stops counting for its session (whose last hold of it this was); its uid's charge stays. */
+  passToDaemon(hold: QuotaHold): void {
+    if (hold.session === DAEMON_OWNER) return;
+    this.releaseSession(hold);
+    hold.session = DAEMON_OWNER;
   }
 
   /** Marks a hold whose memory is being freed until `free` settles: holds refused meanwhile wait for it. */
@@ -171,20 +182,23 @@ export class Quotas {
   name(hold: QuotaHold, identity: string, charged = true): void {
     hold.identity = identity;
     const sessionKey = `${identity}|${hold.session}`;
-    if (this.count(this.sessionHolds, sessionKey, 1) > 1 && charged) this.add(this.bySession, hold.session, -hold.size);
+    if (hold.session !== DAEMON_OWNER && this.count(this.sessionHolds, sessionKey, 1) > 1 && charged) this.add(this.bySession, hold.session, -hold.size);
     if (hold.uid === undefined) return;
     if (this.count(this.uidHolds, `${identity}|${hold.uid}`, 1) > 1 && charged) this.add(this.byUid, hold.uid, -hold.size);
   }
 
   /** Drops a hold; the memory stops counting for the session (and uid) whose last hold of it this was. */
   release(hold: QuotaHold): void {
-    if (hold.identity === undefined) {
+    this.releaseSession(hold);
+    if (hold.uid === undefined) return;
+    if (hold.identity === undefined || this.count(this.uidHolds, `${hold.identity}|${hold.uid}`, -1) === 0) this.add(this.byUid, hold.uid, -hold.size);
+  }
+
+  /** Drops the session's part of a hold (none once it passed to the daemon). */
+  private releaseSession(hold: QuotaHold): void {
+    if (hold.session === DAEMON_OWNER) return;
+    if (hold.identity === undefined || this.count(this.sessionHolds, `${hold.identity}|${hold.session}`, -1) === 0)
       this.add(this.bySession, hold.session, -hold.size);
-      if (hold.uid !== undefined) this.add(this.byUid, hold.uid, -hold.size);
-      return;
-    }
-    if (this.count(this.sessionHolds, `${hold.identity}|${hold.session}`, -1) === 0) this.add(this.bySession, hold.session, -hold.size);
-    if (hold.uid !== undefined && this.count(this.uidHolds, `${hold.identity}|${hold.uid}`, -1) === 0) this.add(this.byUid, hold.uid, -hold.size);
   }
 
   used(): { byUid: Record<string, string>; bySession: Record<string, string> } {
@@ -286,6 +300,12 @@ class QuotaAdaptor extends PassThroughSource {
   }
 
   private readonly settleUpstream = () => this.upstream.settle();
+
+  override passedToDaemon(allocation: SourcedAllocation): void {
+    const hold = this.holds.get(allocation.handle);
+    if (hold !== undefined) this.quotas.passToDaemon(hold);
+    super.passedToDaemon(allocation);
+  }
 
   override async release(allocation: SourcedAllocation, awaited: boolean): Promise<void> {
     // Taken out before the upstream frees the handle: a handle number the

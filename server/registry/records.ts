@@ -45,6 +45,11 @@ export interface AllocationRecord {
   readonly granularity: bigint;
   // Invariant: handle references by holder (owner id); no entry holds 0.
   readonly references: Map<bigint, number>;
+  /**
+   * Holders that keep it for the daemon (stores handed over): once its owner
+   * holds no handle reference while one of them still does, it is the daemon's.
+   */
+  keptForDaemon?: Set<bigint>;
   // Invariant: the backend holds 1 + backendRetains references to `handle` while
   // any registry reference is left; releases drop a retained one first.
   backendRetains: number;
@@ -57,6 +62,13 @@ export interface AllocationRecord {
   /** The read-only store made of it, if any: from then on nothing writes it through the daemon (for good, as the host's seal). */
   readOnlyStore?: bigint;
   freed: boolean;
+}
+
+/** Whether its owner (a session) holds no handle reference any more while a holder keeps it for the daemon (a store handed over). */
+export function keptOnlyForDaemon(allocation: AllocationRecord): boolean {
+  if (allocation.owner === DAEMON_OWNER || allocation.references.has(allocation.owner)) return false;
+  for (const holder of allocation.keptForDaemon ?? []) if (allocation.references.has(holder)) return true;
+  return false;
 }
 
 export interface MappingRecord {

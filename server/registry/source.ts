@@ -55,6 +55,11 @@ export interface AllocationSource {
    */
   release(allocation: SourcedAllocation, awaited: boolean): Promise<void>;
   /**
+   * A fact: the allocation passed to the daemon (its owner's session ended,
+   * or let go of it while a store handed over keeps it). Nothing is made or freed.
+   */
+  passedToDaemon?(allocation: SourcedAllocation): void;
+  /**
    * Someone waits for the frees in flight (a request over its quota or out
    * of memory, a reclaim, the daemon stopping): resolves once every release
    * given to the source before the call has settled (never rejects); frees
@@ -132,6 +137,10 @@ export class PassThroughSource implements AllocationSource {
 
   release(allocation: SourcedAllocation, awaited: boolean): Promise<void> {
     return this.upstream.release(allocation, awaited);
+  }
+
+  passedToDaemon(allocation: SourcedAllocation): void {
+    this.upstream.passedToDaemon?.(allocation);
   }
 
   settle(): Promise<void> {

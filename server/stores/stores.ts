@@ -89,7 +89,7 @@ export class StoreRegistry extends EventEmitter {
     let allocation: AllocationRecord;
     let memory: StoreMemory;
     try {
-      allocation = this.registry.holdAllocation(caller, args.allocationId, holder);
+      allocation = this.registry.holdAllocation(caller, args.allocationId, holder, args.handOver);
       memory = await this.mapHeld(allocation, holder, id, args.readOnly);
     } catch (error) {
       charge?.give();
@@ -218,6 +218,8 @@ export class StoreRegistry extends EventEmitter {
   ): Promise<StoreRecord> {
     const holder = STORE_HOLDER_BASE + fields.id;
     allocation.references.set(holder, (allocation.references.get(holder) ?? 0) + 1);
+    // A store handed over keeps its memory for the daemon, as when it was made (its maker may still let go of it).
+    if (fields.owner === DAEMON_OWNER) (allocation.keptForDaemon ??= new Set()).add(holder);
     const memory = await this.mapHeld(allocation, holder, fields.id, fields.readOnly);
     if (fields.id >= this.nextId) this.nextId = fields.id + 1n;
     return this.add(fields.owner, { ...fields, chargedBytes: allocation.size, hasDeleter: false, memory });

@@ -5,7 +5,8 @@
  * its bytes after the process that made it exits; a new process imports it
  * and reads the bytes back; the memory is freed when the holder exits. Then
  * the daemon itself: SIGKILL under the keeper, and every store, byte,
- * allocation, owner, share key and quota charge comes back.
+ * allocation, owner, share key and quota charge comes back; and a `--park
+ * held` daemon whose successor is killed before serving serves it all again.
  */
 import { ChildProcess, spawn } from 'node:child_process';
 import * as fs from 'node:fs';
@@ -13,8 +14,9 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import * as readline from 'node:readline';
 import { addon } from '../../native';
-import { eventually, packageRoot } from '../e2e/harness';
+import { eventually, packageRoot, Peer, TestDaemon } from '../e2e/harness';
 import { restartScenario } from '../reliability/restart-scenario';
+import { successorKilledScenario } from '../reliability/take-over-scenario';
 import { describeGpu } from './gpu';
 
 const FIXTURE = path.join(packageRoot(), 'dist', 'test', 'gpu', 'fixtures', 'park-premise.js');
@@ -60,4 +62,18 @@ describeGpu('parked descriptors on the cuda backend', () => {
   }, 120_000);
 
   it('restarts a SIGKILLed daemon with every store, byte, allocation, owner, share key and quota charge as before', () => restartScenario('cuda'), 300_000);
+
+  it('serves again from what it holds when its successor is SIGKILLed before serving (--park held), and is taken over later', async () => {
+    const daemons: TestDaemon[] = [];
+    const peers: Peer[] = [];
+    try {
+      const served = await successorKilledScenario('cuda', ['--park', 'held', '--quota-per-uid', '64MiB', '--parked-grace-ms', '600000'], daemons, peers);
+      process.stdout.write(`cuda: successor SIGKILLed → the old daemon serving again: ${served} ms\n`);
+    } finally {
+      for (const peer of peers) await peer.kill().catch(() => undefined);
+      for (const daemon of daemons.reverse()) {
+        if (daemon.process.exitCode === null && daemon.process.signalCode === null) await daemon.stop();
+      }
+    }
+  }, 300_000);
 });

@@ -2,8 +2,10 @@
  * A daemon SIGKILLed under vmmd's keeper (test/reliability/restart.test.ts on
  * the host backend, test/gpu/park-cuda.test.ts on cuda): stores with bytes
  * (one read-only), a session's allocation shared with a key and written, one
- * released; after the restart, stores, checksums, allocations, owners, quota
- * charges and the share key are what they were, and no id is given twice.
+ * released, a store whose maker let go of its allocation (the daemon's then,
+ * charged to the maker's uid alone); after the restart, stores, checksums,
+ * allocations, owners, quota charges and the share key are what they were,
+ * and no id is given twice.
  */
 import * as fs from 'node:fs';
 import { call, eventually, MiB, Peer, TestDaemon } from '../e2e/harness';
@@ -85,6 +87,11 @@ export async function restartScenario(backend: 'host' | 'cuda'): Promise<void> {
       });
       await maker.do({ op: 'storeWrite', id: store.id, text });
     }
+    // A store whose maker lets go of its allocation: the daemon's from then on, charged to the maker's uid and no session.
+    const letGo = await maker.do({ op: 'call', api: 'vmm', method: 'create', args: { size: String(2n * MiB) } });
+    const kept = await maker.do({ op: 'call', api: 'stores', method: 'createStore', args: { allocationId: letGo.id, name: 'model-3', handOver: true } });
+    await maker.do({ op: 'storeWrite', id: kept.id, text: 'weights of model d' });
+    await maker.do({ op: 'call', api: 'vmm', method: 'release', args: { allocationId: letGo.id } });
     const readOnly = await maker.do({ op: 'call', api: 'vmm', method: 'create', args: { size: String(2n * MiB) } });
     await maker.do({ op: 'call', api: 'stores', method: 'createStore', args: { allocationId: readOnly.id, name: 'frozen', readOnly: true, handOver: true } });
     // An allocation of the session's, shared with a key, with bytes in it; and one released (gone for good).
@@ -101,7 +108,7 @@ export async function restartScenario(backend: 'host' | 'cuda'): Promise<void> {
       const checker = await Peer.start(daemon!.dir);
       try {
         const sums: Record<string, string> = {};
-        for (const name of ['model-0', 'model-1', 'model-2', 'frozen']) {
+        for (const name of ['model-0', 'model-1', 'model-2', 'model-3', 'frozen']) {
           const opened = await checker.do({ op: 'storeOpen', name });
           sums[name] = (await checker.do({ op: 'storeChecksum', handle: opened.handle })).sha256;
           await checker.do({ op: 'storeClose', handle: opened.handle });
@@ -115,11 +122,15 @@ export async function restartScenario(backend: 'host' | 'cuda'): Promise<void> {
     await reader.kill();
     peers.splice(peers.indexOf(reader), 1);
     const before = await observed(daemon);
-    expect(before.stores).toHaveLength(4);
+    expect(before.stores).toHaveLength(5);
     expect(before.objects.map((o: any) => o.id)).not.toContain(gone.id);
     // The session's allocation is its own, and charged to its uid.
     expect(before.objects.find((o: any) => o.id === own.id).owner).not.toBe('0');
     expect(Object.keys(before.quotas.byUid)).toHaveLength(1);
+    // The one let go of is the daemon's: charged to the uid (five stores of 2 MiB and the 4 MiB), not to the session.
+    expect(before.objects.find((o: any) => o.id === letGo.id).owner).toBe('0');
+    expect(Object.values(before.quotas.byUid)).toEqual([String(14n * MiB)]);
+    expect(Object.values(before.quotas.bySession)).toEqual([String(12n * MiB)]);
 
     await killServing(daemon);
     // The maker's session waits for it (the grace) and its client resumes it: its objects are its own either way.

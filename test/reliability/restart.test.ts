@@ -37,8 +37,10 @@ describe('the keeper', () => {
       'the grace to end',
     );
     expect(after.stores.map((s: any) => s.name)).toEqual(['kept']);
-    // The reclaimed allocation is no longer charged; the store's memory stays charged to whoever made it, as after any close.
-    expect(Object.values(after.quotas.bySession)).toEqual([String(2n * MiB)]);
+    // The reclaimed allocation is no longer charged; the store's memory is the daemon's, charged to its maker's uid and no session.
+    expect(after.quotas.bySession).toEqual({});
+    expect(Object.values(after.quotas.byUid)).toEqual([String(2n * MiB)]);
+    expect(after.objects.find((o: any) => o.id === kept.id).owner).toBe('0');
     // And a restart after the reclaim brings back what is left, not what was reclaimed.
     await killServing(daemon);
     expect((await observed(daemon)).stores.map((s: any) => s.name)).toEqual(['kept']);

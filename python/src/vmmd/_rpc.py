@@ -17,12 +17,22 @@ from .errors import STATUS, VmmdError
 from ._declared import SESSION_METADATA_KEY  # noqa: F401  (re-exported: shared with the daemon, generated)
 # The RPCs sent again when the daemon's going away cut them off (UNAVAILABLE, or CANCELLED: the stream reset by a
 # daemon that stopped with the call in flight; this client never cancels a unary call itself): they change nothing, or change it
-# to the same end however often they run. The rest fail to their caller (client/rpc.ts has the same list).
+# to the same end however often they run (Detach: the store detached). The rest fail to their caller (client/rpc.ts
+# has the same list, and says why the others are not in it).
 CUT_OFF = frozenset((STATUS["UNAVAILABLE"], STATUS["CANCELLED"]))
 SAFE_AGAIN = frozenset((
     "GetStats", "GetReport", "ListSessions", "ListObjects", "GetVersion", "ListDevices", "GetMemoryInfo", "GetGranularity",
-    "List", "Read", "GetAccess", "GetProperties", "Share", "Export", "SetAccess", "Fill",
+    "List", "Read", "GetAccess", "GetProperties", "Share", "Export", "SetAccess", "Fill", "Detach",
 ))
+# Calls of SAFE_AGAIN whose repeat the daemon refuses when the attempt cut off did the work: the refusal codes that say
+# so (a Detach repeated finds the store detached, or gone with its name); the caller gets the answer below instead.
+DONE_BY_THE_CUT = {"Detach": frozenset(("STORE_DETACHED", "UNKNOWN_STORE"))}
+
+
+def _done_by_the_cut(method: str, request: Message) -> Message:
+    """What the caller gets for a call the attempt cut off did: for Detach, the store it named, detached."""
+    ref = request.store
+    return _proto.message("Store")(id=ref.id, name=ref.name, state=_proto.enum_value("StoreState", "STORE_STATE_DETACHED"))
 # Largest message a client stream sends.
 STREAM_CHUNK_BYTES = 1 << 20
 
@@ -85,13 +95,19 @@ class _Service:
         # Under a daemon that parks sessions: the call waits while the session resumes, waits for the daemon's
         # channel rather than failing at once, and goes again when the restart cut it off where that is safe.
         deadline = time.monotonic() + seconds
+        # Whether an attempt was cut off: the work may be done, and a refusal of the repeat may say so.
+        cut = False
         for attempt in range(1_000_000):
             session._wait_serving(deadline)
             try:
                 return self._calls[method](message, metadata=self._metadata(), timeout=max(0.001, deadline - time.monotonic()), wait_for_ready=not session.closed)
             except grpc.RpcError as error:
                 failed = VmmdError.from_rpc(error)
-                again = failed.code == "SESSION_RESUMING" or (failed.status in CUT_OFF and attempt < 3 and method in SAFE_AGAIN)
+                if cut and failed.code in DONE_BY_THE_CUT.get(method, ()):
+                    return _done_by_the_cut(method, message)
+                cut_off = failed.status in CUT_OFF and attempt < 3 and method in SAFE_AGAIN
+                cut = cut or cut_off
+                again = failed.code == "SESSION_RESUMING" or cut_off
                 if not again or session.closed or time.monotonic() >= deadline:
                     raise failed from None
                 time.sleep(0.02)

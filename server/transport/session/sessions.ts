@@ -210,6 +210,17 @@ export class SessionManager {
   }
 
   /**
+   * Serves again after park() when nobody took the sessions over (a successor
+   * that went away before it served): each parked session waits `graceMs` for
+   * its client as after a restore, and sessions are accepted on `path` anew.
+   */
+  reopen(path: string, parked: readonly ParkedSession[], graceMs: number): void {
+    this.stopping = false;
+    this.awaitResume(parked, graceMs);
+    this.listen(path, this.services!, this.hooks);
+  }
+
+  /**
    * At restore: each parked session waits `graceMs` for its client to present
    * its resume token in a hello; one not resumed by then is reclaimed as a
    * closed session is (`reclaim`, default the services' own). Session ids
