@@ -53,7 +53,7 @@ describe('session resume', () => {
     expect(hello.resumeToken).toBe('');
     expect(hello.resumed).toBe(false);
     raw.close();
-  });
+  }, 60_000);
 
   it('an allocate sent again (after a restart cut off its answer) is answered by the allocation it made, not a second one', async () => {
     daemon = await TestDaemon.start();
