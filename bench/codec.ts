@@ -5,11 +5,17 @@
  * this process, no daemon. The frames are the ones the client and the daemon
  * send: the client's allocate request, the daemon's answer (the descriptor
  * attached: transfer_id 0) and the transfer frame an Allocate RPC's
- * descriptor rides, ping and pong.
+ * descriptor rides, ping and pong. Beside each, in the same rounds, the
+ * same frame through protobufjs's reflective converters
+ * (`type.encode(type.fromObject(frame))`, `type.toObject(type.decode(bytes), …)`),
+ * the codec the session socket used before common/plain-codec.ts.
  *   node dist/bench/codec.js [--iterations 20000] [--rounds 7] [--json FILE]
- * Prints a table and one JSON line: each row's median over the rounds.
+ * Prints a table and one JSON line: each row's median over the rounds, CPU µs per call.
  */
 import * as fs from 'node:fs';
+import * as path from 'node:path';
+import * as protobuf from 'protobufjs';
+import { PROTO_DIR } from '../common/proto';
 import { decodeClientFrame, decodeDaemonFrame, encodeClientFrame, encodeDaemonFrame, type ClientFrame, type DaemonFrame } from '../common/protocol';
 import { markdownTable } from './lib/stats';
 
@@ -40,52 +46,53 @@ const TRANSFER: DaemonFrame = { transfer: { id: '4321', allocationId: '98765', s
 const PING: ClientFrame = { request: '1235', ping: {} };
 const PONG: DaemonFrame = { request: '1235', pong: { nonce: '' } };
 
+// The reference: protobufjs's converters, on a root of their own.
+const root = new protobuf.Root();
+root.resolvePath = (_origin, target) => (path.isAbsolute(target) ? target : path.join(PROTO_DIR, target));
+root.loadSync('vmmd/v1/session.proto', { keepCase: false });
+root.resolveAll();
+const TO_OBJECT: protobuf.IConversionOptions = { longs: String, enums: String, defaults: true, oneofs: true };
+const reference = (name: string) => {
+  const type = root.lookupType(name);
+  type.setup();
+  return {
+    encode: (frame: object) => Buffer.from(type.encode(type.fromObject(frame)).finish()),
+    decode: (bytes: Buffer) => type.toObject(type.decode(bytes), TO_OBJECT),
+  };
+};
+const CLIENT = reference('vmmd.v1.ClientFrame');
+const DAEMON = reference('vmmd.v1.DaemonFrame');
+
 interface Case {
   name: string;
+  /** The session codec's call. */
   run: () => unknown;
+  /** The same through protobufjs's converters. */
+  reference: () => unknown;
+}
+
+function clientFrame(name: string, frame: ClientFrame): Case[] {
+  const bytes = encodeClientFrame(frame);
+  return [
+    { name: `encode ${name} (client)`, run: () => encodeClientFrame(frame), reference: () => CLIENT.encode(frame) },
+    { name: `decode ${name} (daemon)`, run: () => decodeClientFrame(bytes), reference: () => CLIENT.decode(bytes) },
+  ];
+}
+
+function daemonFrame(name: string, frame: DaemonFrame): Case[] {
+  const bytes = encodeDaemonFrame(frame);
+  return [
+    { name: `encode ${name} (daemon)`, run: () => encodeDaemonFrame(frame), reference: () => DAEMON.encode(frame) },
+    { name: `decode ${name} (client)`, run: () => decodeDaemonFrame(bytes), reference: () => DAEMON.decode(bytes) },
+  ];
 }
 
 const CASES: Case[] = [
-  { name: 'encode allocate (client)', run: () => encodeClientFrame(ALLOCATE) },
-  {
-    name: 'decode allocate (daemon)',
-    run: (
-      (bytes) => () =>
-        decodeClientFrame(bytes)
-    )(encodeClientFrame(ALLOCATE)),
-  },
-  { name: 'encode allocated (daemon)', run: () => encodeDaemonFrame(ALLOCATED) },
-  {
-    name: 'decode allocated (client)',
-    run: (
-      (bytes) => () =>
-        decodeDaemonFrame(bytes)
-    )(encodeDaemonFrame(ALLOCATED)),
-  },
-  { name: 'encode transfer (daemon)', run: () => encodeDaemonFrame(TRANSFER) },
-  {
-    name: 'decode transfer (client)',
-    run: (
-      (bytes) => () =>
-        decodeDaemonFrame(bytes)
-    )(encodeDaemonFrame(TRANSFER)),
-  },
-  { name: 'encode ping (client)', run: () => encodeClientFrame(PING) },
-  {
-    name: 'decode ping (daemon)',
-    run: (
-      (bytes) => () =>
-        decodeClientFrame(bytes)
-    )(encodeClientFrame(PING)),
-  },
-  { name: 'encode pong (daemon)', run: () => encodeDaemonFrame(PONG) },
-  {
-    name: 'decode pong (client)',
-    run: (
-      (bytes) => () =>
-        decodeDaemonFrame(bytes)
-    )(encodeDaemonFrame(PONG)),
-  },
+  ...clientFrame('allocate', ALLOCATE),
+  ...daemonFrame('allocated', ALLOCATED),
+  ...daemonFrame('transfer', TRANSFER),
+  ...clientFrame('ping', PING),
+  ...daemonFrame('pong', PONG),
 ];
 
 /** CPU µs per call of `run` over `iterations` calls. */
@@ -107,19 +114,48 @@ function main(): void {
   const iterations = Number(option('iterations', '20000'));
   const rounds = Number(option('rounds', '7'));
   // Warm-up: every case through the optimizing compiler before the first round counts.
-  for (const one of CASES) cpuMicros(one.run, iterations);
-  const samples = new Map<string, number[]>(CASES.map((one) => [one.name, []]));
-  // Rounds alternate the cases, so that drift of the machine hits every row alike.
-  for (let round = 0; round < rounds; round++) for (const one of CASES) samples.get(one.name)!.push(cpuMicros(one.run, iterations));
-  const rows = CASES.map((one) => ({ name: one.name, cpuMicros: Number(median(samples.get(one.name)!).toFixed(3)) }));
+  for (const one of CASES) {
+    cpuMicros(one.run, iterations);
+    cpuMicros(one.reference, iterations);
+  }
+  const codec = new Map<string, number[]>(CASES.map((one) => [one.name, []]));
+  const converters = new Map<string, number[]>(CASES.map((one) => [one.name, []]));
+  // Rounds alternate the cases and the two codecs, so that drift of the machine hits every row alike.
+  for (let round = 0; round < rounds; round++) {
+    for (const one of CASES) {
+      codec.get(one.name)!.push(cpuMicros(one.run, iterations));
+      converters.get(one.name)!.push(cpuMicros(one.reference, iterations));
+    }
+  }
+  const rows = CASES.map((one) => ({
+    name: one.name,
+    cpuMicros: Number(median(codec.get(one.name)!).toFixed(3)),
+    convertersCpuMicros: Number(median(converters.get(one.name)!).toFixed(3)),
+  }));
   // A round trip is four codec calls: the request's encode and decode, the answer's encode and decode.
-  const sum = (names: string[]) => Number(rows.reduce((total, row) => total + (names.includes(row.name.split(' (')[0]) ? row.cpuMicros : 0), 0).toFixed(3));
+  const sum = (names: string[], key: 'cpuMicros' | 'convertersCpuMicros') =>
+    Number(rows.reduce((total, row) => total + (names.includes(row.name.split(' (')[0]) ? row[key] : 0), 0).toFixed(3));
+  const ALLOCATE_TRIP = ['encode allocate', 'decode allocate', 'encode allocated', 'decode allocated'];
+  const PING_TRIP = ['encode ping', 'decode ping', 'encode pong', 'decode pong'];
   const totals = {
-    allocateRoundTrip: sum(['encode allocate', 'decode allocate', 'encode allocated', 'decode allocated']),
-    pingRoundTrip: sum(['encode ping', 'decode ping', 'encode pong', 'decode pong']),
+    allocateRoundTrip: sum(ALLOCATE_TRIP, 'cpuMicros'),
+    pingRoundTrip: sum(PING_TRIP, 'cpuMicros'),
+    convertersAllocateRoundTrip: sum(ALLOCATE_TRIP, 'convertersCpuMicros'),
+    convertersPingRoundTrip: sum(PING_TRIP, 'convertersCpuMicros'),
   };
-  process.stdout.write(markdownTable(rows.map((row) => ({ frame: row.name, 'CPU µs per call (median of rounds)': row.cpuMicros.toFixed(3) }))) + '\n');
-  process.stdout.write(`allocate round trip (4 codec calls): ${totals.allocateRoundTrip} µs; ping round trip: ${totals.pingRoundTrip} µs\n`);
+  process.stdout.write(
+    markdownTable(
+      rows.map((row) => ({
+        frame: row.name,
+        'session codec, CPU µs per call': row.cpuMicros.toFixed(3),
+        'protobufjs converters, CPU µs per call': row.convertersCpuMicros.toFixed(3),
+      })),
+    ) + '\n',
+  );
+  process.stdout.write(
+    `allocate round trip (4 codec calls): ${totals.allocateRoundTrip} µs (converters ${totals.convertersAllocateRoundTrip}); ` +
+      `ping round trip: ${totals.pingRoundTrip} µs (converters ${totals.convertersPingRoundTrip})\n`,
+  );
   const result = { bench: 'codec', iterations, rounds, rows, totals };
   const json = option('json', '');
   if (json !== '') fs.writeFileSync(json, JSON.stringify(result, null, 2) + '\n');
