@@ -10,6 +10,7 @@ import { status as Status } from '@grpc/grpc-js';
 import * as protobuf from 'protobufjs';
 import type { ClientFrame, ClientFrame__Output } from '../generated/vmmd/v1/ClientFrame';
 import type { DaemonFrame, DaemonFrame__Output } from '../generated/vmmd/v1/DaemonFrame';
+import { decodePlain, encodePlain, planOf, type TypePlan } from './plain-codec';
 import { LOADER_OPTIONS, PROTO_DIR } from './proto';
 
 export type { ClientFrame, ClientFrame__Output, DaemonFrame, DaemonFrame__Output };
@@ -35,29 +36,27 @@ const root = new protobuf.Root();
 root.resolvePath = (_origin, target) => (path.isAbsolute(target) ? target : path.join(PROTO_DIR, target));
 root.loadSync('vmmd/v1/session.proto', { keepCase: LOADER_OPTIONS.keepCase ?? false });
 root.resolveAll();
-const CLIENT_FRAME = root.lookupType('vmmd.v1.ClientFrame');
-const DAEMON_FRAME = root.lookupType('vmmd.v1.DaemonFrame');
-const TO_OBJECT: protobuf.IConversionOptions = { longs: String, enums: String, defaults: true, oneofs: true };
+// Each frame type's conversions, planned once from its reflection: the objects protobufjs's
+// toObject makes with the loader's options, without its per-call cost (common/plain-codec.ts).
+const CLIENT_FRAME = planOf(root.lookupType('vmmd.v1.ClientFrame'));
+const DAEMON_FRAME = planOf(root.lookupType('vmmd.v1.DaemonFrame'));
 
-// protobufjs writes each type's encoder and decoder on first use: done here, at load, not in a client's first request.
-for (const nested of (root.lookup('vmmd.v1') as protobuf.Namespace).nestedArray) if (nested instanceof protobuf.Type) nested.setup();
-
-function encode(type: protobuf.Type, frame: object): Buffer {
-  const bytes = type.encode(type.fromObject(frame)).finish();
+function encode(plan: TypePlan, frame: object): Buffer {
+  const bytes = encodePlain(plan, frame);
   return Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength);
 }
 
 /**
- * A frame of `type`, or why the bytes are not one (never throws: a peer's bad
+ * A frame of `plan`'s type, or why the bytes are not one (never throws: a peer's bad
  * frame is answered, not fatal). A frame with no body it knows (empty, or a
  * case this side does not read) is one too: the receiver refuses it by name.
  */
-function decode<T>(type: protobuf.Type, data: Buffer): T | string {
+function decode<T>(plan: TypePlan, data: Buffer): T | string {
   if (isProtocol1(data)) return `the frame is JSON, a frame of session protocol 1; this side speaks protocol ${PROTOCOL_VERSION} (proto/vmmd/v1/session.proto)`;
   try {
-    return type.toObject(type.decode(data), TO_OBJECT) as T;
+    return decodePlain<T>(plan, data);
   } catch (error) {
-    return `the frame is not a ${type.name} (${(error as Error).message})`;
+    return `the frame is not a ${plan.type.name} (${(error as Error).message})`;
   }
 }
 

@@ -181,10 +181,6 @@ Napi::Value SeqpacketSend(const Napi::CallbackInfo& info) {
   return Napi::Boolean::New(env, true);
 }
 
-// seqpacketRecv(fd, maxLength) -> null when nothing waits; { eof: true } when
-// the peer closed; else { data, fd, extraFds, truncated }. A message longer
-// than maxLength is cut (truncated: true); descriptors beyond the first are
-
 // Whether the peer of a connected socket has hung up (closed or shut down its side).
 bool PeerHungUp(int fd) {
   pollfd entry = {fd, POLLRDHUP, 0};
@@ -192,35 +188,23 @@ bool PeerHungUp(int fd) {
   return (entry.revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0;
 }
 
+// seqpacketRecv(fd, maxLength) -> null when nothing waits; { eof: true } when
+// the peer closed; else { data, fd, extraFds, truncated }. A message longer
+// than maxLength is cut (truncated: true); descriptors beyond the first are
 // closed here and counted in extraFds, so a hostile peer cannot leak them.
 Napi::Value SeqpacketRecv(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   int fd = FdArg(info, 0, "fd");
   uint32_t maxLength = info[1].As<Napi::Number>().Uint32Value();
   std::vector<uint8_t> buffer(maxLength > 0 ? maxLength : 1);
-  iovec iov{buffer.data(), buffer.size()};
-  msghdr message;
-  std::memset(&message, 0, sizeof(message));
-  message.msg_iov = &iov;
-  message.msg_iovlen = 1;
   alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxReceivedFds)];
-  message.msg_control = control;
-  message.msg_controllen = sizeof(control);
-  ssize_t received;
-  bool reset = false;
-  for (;;) {
-    do {
-      received = recvmsg(fd, &message, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-    } while (received < 0 && errno == EINTR);
-    // A peer that closed with a message of ours unread resets this side: the read reports it once, ahead of
-    // what the peer sent before it closed (a daemon's refusal of the session), which is still queued.
-    if (received < 0 && errno == ECONNRESET && !reset) {
-      reset = true;
-      message.msg_controllen = sizeof(control);
-      continue;
-    }
-    break;
-  }
+  std::vector<int> fds;
+  int flags = 0;
+  ssize_t received = ReceiveWithRights(fd, buffer.data(), buffer.size(), control, sizeof(control), &fds, &flags);
+  // A peer that closed with a message of ours unread resets this side: the read reports it once, ahead of
+  // what the peer sent before it closed (a daemon's refusal of the session), which is still queued.
+  bool reset = received < 0 && errno == ECONNRESET;
+  if (reset) received = ReceiveWithRights(fd, buffer.data(), buffer.size(), control, sizeof(control), &fds, &flags);
   if (received < 0) {
     if ((errno == EAGAIN || errno == EWOULDBLOCK) && !reset) return env.Null();
     if (errno == ECONNRESET || reset) {
@@ -230,22 +214,9 @@ Napi::Value SeqpacketRecv(const Napi::CallbackInfo& info) {
     }
     ThrowErrno(env, "recvmsg");
   }
-  int firstFd = -1;
-  int extraFds = 0;
-  for (cmsghdr* header = CMSG_FIRSTHDR(&message); header != nullptr; header = CMSG_NXTHDR(&message, header)) {
-    if (header->cmsg_level != SOL_SOCKET || header->cmsg_type != SCM_RIGHTS) continue;
-    size_t count = (header->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    for (size_t i = 0; i < count; i++) {
-      int passed;
-      std::memcpy(&passed, CMSG_DATA(header) + i * sizeof(int), sizeof(int));
-      if (firstFd < 0) {
-        firstFd = passed;
-      } else {
-        close(passed);
-        extraFds++;
-      }
-    }
-  }
+  int firstFd = fds.empty() ? -1 : fds[0];
+  for (size_t i = 1; i < fds.size(); i++) close(fds[i]);
+  int extraFds = fds.empty() ? 0 : static_cast<int>(fds.size() - 1);
   Napi::Object out = Napi::Object::New(env);
   // SEQPACKET: 0 bytes is the end of the stream, or an empty record that the
   // peer sent (a bad message, not a hang-up; nothing in recvmsg's flags tells
@@ -257,8 +228,8 @@ Napi::Value SeqpacketRecv(const Napi::CallbackInfo& info) {
   out.Set("data", Napi::Buffer<uint8_t>::Copy(env, buffer.data(), static_cast<size_t>(received)));
   out.Set("fd", Napi::Number::New(env, firstFd));
   out.Set("extraFds", Napi::Number::New(env, extraFds));
-  out.Set("truncated", Napi::Boolean::New(env, (message.msg_flags & MSG_TRUNC) != 0));
-  out.Set("controlTruncated", Napi::Boolean::New(env, (message.msg_flags & MSG_CTRUNC) != 0));
+  out.Set("truncated", Napi::Boolean::New(env, (flags & MSG_TRUNC) != 0));
+  out.Set("controlTruncated", Napi::Boolean::New(env, (flags & MSG_CTRUNC) != 0));
   return out;
 }
 
@@ -414,6 +385,32 @@ ssize_t SendWithRights(int sock, const uint8_t* data, size_t length, const int* 
     sent = fault != nullptr && faults::Inject(fault) ? -1 : sendmsg(sock, &message, flags);
   } while (sent < 0 && errno == EINTR);
   return sent;
+}
+
+ssize_t ReceiveWithRights(int sock, uint8_t* data, size_t length, char* control, size_t controlLength, std::vector<int>* fds, int* flags) {
+  iovec iov{data, length};
+  msghdr message;
+  std::memset(&message, 0, sizeof(message));
+  message.msg_iov = &iov;
+  message.msg_iovlen = 1;
+  message.msg_control = control;
+  message.msg_controllen = controlLength;
+  ssize_t received;
+  do {
+    received = recvmsg(sock, &message, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  } while (received < 0 && errno == EINTR);
+  if (received < 0) return received;
+  *flags = message.msg_flags;
+  for (cmsghdr* header = CMSG_FIRSTHDR(&message); header != nullptr; header = CMSG_NXTHDR(&message, header)) {
+    if (header->cmsg_level != SOL_SOCKET || header->cmsg_type != SCM_RIGHTS) continue;
+    size_t count = (header->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; i++) {
+      int passed;
+      std::memcpy(&passed, CMSG_DATA(header) + i * sizeof(int), sizeof(int));
+      fds->push_back(passed);
+    }
+  }
+  return received;
 }
 
 socklen_t DatagramAddress(Napi::Env env, const std::string& path, sockaddr_un* address) {

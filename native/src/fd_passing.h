@@ -9,6 +9,7 @@
 #include <sys/un.h>
 
 #include <string>
+#include <vector>
 
 namespace vmmd {
 void InitFdPassing(Napi::Env env, Napi::Object exports);
@@ -26,4 +27,10 @@ int DatagramSocket(Napi::Env env, const std::string& path, bool bound, int flags
 // `fault` names the call for fault injection (faults.h), or is nullptr.
 ssize_t SendWithRights(int sock, const uint8_t* data, size_t length, const int* fds, size_t count, int flags, const sockaddr_un* to = nullptr,
                        socklen_t toLength = 0, const char* fault = nullptr);
+
+// One recvmsg(2) without blocking, retried on EINTR: at most `length` bytes of the message into `data`, the
+// descriptors it carried (SCM_RIGHTS, close-on-exec, in order) appended to `fds`, its msg_flags (MSG_TRUNC,
+// MSG_CTRUNC) in `flags`. `control` (aligned for cmsghdr, `controlLength` bytes) bounds the descriptors taken:
+// the kernel closes those past it and sets MSG_CTRUNC. Returns recvmsg's result; on -1 errno says why.
+ssize_t ReceiveWithRights(int sock, uint8_t* data, size_t length, char* control, size_t controlLength, std::vector<int>* fds, int* flags);
 }

@@ -68,37 +68,20 @@ Napi::Value UnixDgramRecvFds(const Napi::CallbackInfo& info) {
   int fd = FdArg(info, 0, "fd");
   uint32_t maxLength = info[1].As<Napi::Number>().Uint32Value();
   std::vector<uint8_t> buffer(maxLength > 0 ? maxLength : 1);
-  iovec iov{buffer.data(), buffer.size()};
-  msghdr message;
-  std::memset(&message, 0, sizeof(message));
-  message.msg_iov = &iov;
-  message.msg_iovlen = 1;
   std::vector<char> control(CMSG_SPACE(sizeof(int) * kMaxFdsPerDatagram) + CMSG_SPACE(sizeof(ucred)));
-  message.msg_control = control.data();
-  message.msg_controllen = control.size();
-  ssize_t received;
-  do {
-    received = recvmsg(fd, &message, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-  } while (received < 0 && errno == EINTR);
-  if (received < 0) {
+  std::vector<int> received;
+  int flags = 0;
+  ssize_t length = ReceiveWithRights(fd, buffer.data(), buffer.size(), control.data(), control.size(), &received, &flags);
+  if (length < 0) {
     if (errno == EAGAIN || errno == EWOULDBLOCK) return env.Null();
     ThrowErrno(env, "recvmsg");
   }
-  Napi::Array fds = Napi::Array::New(env);
-  uint32_t count = 0;
-  for (cmsghdr* header = CMSG_FIRSTHDR(&message); header != nullptr; header = CMSG_NXTHDR(&message, header)) {
-    if (header->cmsg_level != SOL_SOCKET || header->cmsg_type != SCM_RIGHTS) continue;
-    size_t n = (header->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    for (size_t i = 0; i < n; i++) {
-      int passed;
-      std::memcpy(&passed, CMSG_DATA(header) + i * sizeof(int), sizeof(int));
-      fds.Set(count++, Napi::Number::New(env, passed));
-    }
-  }
+  Napi::Array fds = Napi::Array::New(env, received.size());
+  for (uint32_t i = 0; i < received.size(); i++) fds.Set(i, Napi::Number::New(env, received[i]));
   Napi::Object out = Napi::Object::New(env);
-  out.Set("data", Napi::Buffer<uint8_t>::Copy(env, buffer.data(), static_cast<size_t>(received)));
+  out.Set("data", Napi::Buffer<uint8_t>::Copy(env, buffer.data(), static_cast<size_t>(length)));
   out.Set("fds", fds);
-  out.Set("truncated", Napi::Boolean::New(env, (message.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0));
+  out.Set("truncated", Napi::Boolean::New(env, (flags & (MSG_TRUNC | MSG_CTRUNC)) != 0));
   return out;
 }
 

@@ -382,7 +382,8 @@ export class Allocations {
       return { allocation, fd: await this.backend.exportHandle(allocation.handle, allocation.device) };
     } finally {
       allocation.busy--;
-      await this.freeIfUnused(allocation);
+      // An export changes nothing recorded (the observer is not told again): only memory released meanwhile is freed now.
+      if (this.unused(allocation)) await this.freeIfUnused(allocation);
     }
   }
 
@@ -434,7 +435,7 @@ export class Allocations {
    */
   private startFree(allocation: AllocationRecord, awaited: boolean): Promise<void> | undefined {
     // Every drop of references and change of owner ends here: what is left is recorded, or the end.
-    if (allocation.freed || allocation.busy > 0 || allocation.mappingCount > 0 || this.referenceCount(allocation) > 0) {
+    if (!this.unused(allocation)) {
       if (!allocation.freed) this.observer?.changed(allocation);
       return undefined;
     }
@@ -457,6 +458,11 @@ export class Allocations {
     this.freeing.add(settled);
     void settled.then(() => this.freeing.delete(settled));
     return freeing;
+  }
+
+  /** Not freed nor being freed, and nothing pins, maps or references it: its free may start. */
+  private unused(allocation: AllocationRecord): boolean {
+    return !allocation.freed && allocation.busy === 0 && allocation.mappingCount === 0 && this.referenceCount(allocation) === 0;
   }
 
   private add(

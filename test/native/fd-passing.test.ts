@@ -50,6 +50,26 @@ describe('SEQPACKET with descriptors', () => {
     addon.close(fd);
   });
 
+  it.each([
+    [3, 2, false],
+    // Past the room for 16 descriptors: the kernel closes the rest and says so.
+    [20, 15, true],
+  ])('keeps the first of %i descriptors on one message and closes the others (%i counted), leaking none', async (count, extra, dropped) => {
+    const openFds = () => fs.readdirSync('/proc/self/fd').length;
+    const files = Array.from({ length: count }, () => fs.openSync(__filename, 'r'));
+    const before = openFds();
+    const received = nextMessage(server);
+    // The daemon's own send carries one descriptor at most; a hostile peer's carries many.
+    addon.unixDgramSendFds((client as unknown as { fd: number }).fd, Buffer.from('many'), files);
+    const message = await received;
+    expect(message).toMatchObject({ extraFds: extra, descriptorsDropped: dropped, truncated: false });
+    expect(message.data.toString()).toBe('many');
+    expect(fs.fstatSync(message.fd).ino).toBe(fs.statSync(__filename).ino);
+    expect(openFds()).toBe(before + 1);
+    addon.close(message.fd);
+    files.forEach((fd) => fs.closeSync(fd));
+  });
+
   it('cuts an oversized message and says so', async () => {
     const received = nextMessage(server);
     client.send(Buffer.alloc(MAX_MESSAGE_BYTES + 100, 1));
