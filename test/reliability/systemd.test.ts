@@ -172,19 +172,28 @@ describe("a real systemd's file-descriptor store", () => {
             .update(await opened.memory.read(0, 4n * MiB))
             .digest('hex');
           await opened.close();
-          const owned = (await client!.admin.listObjects({})).objects
-            .filter((o) => o.kind === 'allocation' && o.ownerSession === client!.session.id)
-            .map((o) => String(o.id))
-            .sort();
+          const allocations = (await client!.admin.listObjects({})).objects.filter((o) => o.kind === 'allocation');
+          const ownedBy = (session: string) =>
+            allocations
+              .filter((o) => String(o.ownerSession) === session)
+              .map((o) => String(o.id))
+              .sort();
           return {
             stores: stores.map((s) => s.name),
             storeSame: sum === createHash('sha256').update(storeBytes).digest('hex'),
-            owned,
+            owned: ownedBy(String(client!.session.id)),
+            daemons: ownedBy('0'),
             ownBytesSame: (await own.read(0, 4096)).equals(ownBytes),
           };
         };
-        // The store's memory stays its maker's (released, held by the store), as without a restart.
-        const expected = { stores: ['sd-weights'], storeSame: true, owned: [String(loaded.allocationId), String(own.allocationId)].sort(), ownBytesSame: true };
+        // The store's memory is the daemon's once its maker released it (held by the store), as without a restart.
+        const expected = {
+          stores: ['sd-weights'],
+          storeSame: true,
+          owned: [String(own.allocationId)],
+          daemons: [String(loaded.allocationId)],
+          ownBytesSame: true,
+        };
         expect(await check()).toEqual(expected);
 
         const before = systemd.show('vmmd.service');

@@ -181,13 +181,14 @@ describe('TurnMeter with the GC pauses', () => {
     // And one long after it.
     pauses.add(performance.now() + 60_000, 5);
     await settled();
+    // The longest by wall clock, read while it is the only turn (a loaded machine may stretch any later one).
+    expect(meter.snapshot().maxGcUs).toBe(1500);
     meter.enter('completion');
     spin(1);
     cpu.ns += 1_000_000;
     await settled();
     const snapshot = meter.snapshot();
     expect(snapshot.cpuMaxKind).toBe('session');
-    expect(snapshot.maxGcUs).toBe(1500);
     expect(snapshot.cpuMaxGcUs).toBe(1500);
     meter.reset();
     expect(meter.snapshot()).toMatchObject({ maxGcUs: 0, cpuMaxGcUs: 0 });
