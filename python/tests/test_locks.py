@@ -195,3 +195,43 @@ def test_an_answer_taken_under_an_interrupt_at_any_check_point_stays_the_records
         else:
             raise AssertionError(f"the descriptor stayed open after an interrupt at check point {step}")
     assert cut >= 2, "take() was interrupted at fewer than two points: the test tried nothing"
+
+
+def test_an_answer_released_under_an_interrupt_at_any_check_point_is_released_whole_by_the_next_try() -> None:
+    """A clean-up that an interrupt cut short is run again (surely): the
+    second release must still find what the answer made."""
+    import os
+
+    from vmmd import _abandoned, _frames
+    from vmmd._abandoned import Pending
+
+    cut = 0
+    for step in range(1, 20):
+        read, write = os.pipe()
+        os.close(write)
+        orphans: List[Any] = []
+        pending = Pending(orphans)
+        pending.message = _frames.DaemonFrame(request=1, allocated={"allocation_id": 7})
+        pending.fd = read
+        seen = [0]
+
+        def profile(frame: FrameType, event: str, arg: Any) -> None:
+            if frame.f_code.co_filename != _abandoned.__file__ or event not in ("call", "c_return"):
+                return
+            seen[0] += 1
+            if seen[0] == step:
+                raise KeyboardInterrupt
+
+        run_traced(pending.release, profile, profile=True)
+        if seen[0] < step:
+            break
+        cut += 1
+        pending.release()
+        assert orphans[:1] == [("release", "7")], f"the allocation was lost by an interrupt at check point {step}"
+        try:
+            os.fstat(read)
+        except OSError:
+            pass
+        else:
+            raise AssertionError(f"the descriptor stayed open after an interrupt at check point {step}")
+    assert cut >= 2, "release() was interrupted at fewer than two points: the test tried nothing"

@@ -63,8 +63,10 @@ class Pending:
                 os.close(fd)
             except OSError:
                 pass
-        message, self.message = self.message, None
-        orphan = orphan_of(message)
+        # What the answer made is found while the record still holds it: orphan_of is a call, where an
+        # interrupt taken with the answer already out would lose the allocation.
+        orphan = orphan_of(self.message)
+        self.message = None
         if orphan is not None:
             self._orphans.append(orphan)
 
