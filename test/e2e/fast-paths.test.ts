@@ -145,20 +145,26 @@ describe('with a stock of 2 MiB allocations', () => {
     const c = await client();
     // A Create of the stocked size starts a refill (the shelf may be empty after an earlier test's out-of-memory).
     await c.vmm.release({ allocationId: (await c.vmm.create({ size: 2n * MiB })).id });
-    await eventually(
-      async () => {
-        // Full: as deep as configured, or as its bursts made it.
-        const report = (await c.admin.getReport()) as { stock: { levels: Array<{ held: number; depth: number }> } };
-        return report.stock.levels[0].held === report.stock.levels[0].depth ? true : undefined;
-      },
-      10_000,
-      'the stock to refill',
-    );
+    // The shelf's depth when full: as deep as configured, or as its bursts made it.
+    const fullDepth = async () => {
+      const report = (await c.admin.getReport()) as { stock: { levels: Array<{ held: number; depth: number }> } };
+      const level = report.stock.levels[0];
+      return level.held === level.depth ? level.depth : undefined;
+    };
+    const depth = await eventually(fullDepth, 10_000, 'the stock to refill');
     const fds = daemon.openFds();
     const created = await c.vmm.create({ size: 2n * MiB });
     await c.vmm.release({ allocationId: created.id });
-    // The shelf refills one (memfd and its ready copy); the taken one's pair is closed.
-    await eventually(() => (daemon.openFds() === fds ? true : undefined), 10_000, `daemon fds back to ${fds}`);
+    // The shelf refills (a memfd and its ready copy each, two more for each level a burst deepened it);
+    // the taken one's pair is closed.
+    await eventually(
+      async () => {
+        const now = await fullDepth();
+        return now !== undefined && daemon.openFds() === fds + 2 * (now - depth) ? true : undefined;
+      },
+      10_000,
+      `daemon fds back to ${fds} (net of the stock's depth)`,
+    );
   });
 
   it('reclaims allocations handed out from the stock with the session', async () => {
