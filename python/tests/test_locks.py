@@ -149,36 +149,48 @@ def test_surely_runs_a_clean_up_to_its_end_through_interrupts_at_any_two_points(
             assert state["left"] == 1, f"the clean-up was left half done (interrupts at lines {first} and {second})"
 
 
+def interrupting_at_check_point(step: int, seen: List[int]) -> Any:
+    """A profiler raising KeyboardInterrupt at the `step`-th check point of _abandoned.py's code (a
+    function's entry, a C call's return: where CPython runs a signal handler); `seen[0]` counts them."""
+    from vmmd import _abandoned
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if frame.f_code.co_filename != _abandoned.__file__ or event not in ("call", "c_return"):
+            return
+        seen[0] += 1
+        if seen[0] == step:
+            raise KeyboardInterrupt
+
+    return profile
+
+
+def allocated_answer(orphans: List[Any]) -> Any:
+    """A Pending holding an allocate answer (allocation 7) and a real descriptor (a pipe's read end)."""
+    import os
+
+    from vmmd import _frames
+    from vmmd._abandoned import Pending
+
+    read, write = os.pipe()
+    os.close(write)
+    pending = Pending(orphans)
+    pending.message = _frames.DaemonFrame(request=1, allocated={"allocation_id": 7})
+    pending.fd = read
+    return pending
+
+
 def test_an_answer_taken_under_an_interrupt_at_any_check_point_stays_the_records_or_is_the_callers() -> None:
     """CPython runs a signal handler at a function's entry and after a call
     returns: the profiler's "call" and "c_return" events are those points."""
     import os
 
-    from vmmd import _abandoned, _frames
-    from vmmd._abandoned import Pending
-
-    def profile_at(step: int) -> Any:
-        seen = [0]
-
-        def profile(frame: FrameType, event: str, arg: Any) -> None:
-            if frame.f_code.co_filename != _abandoned.__file__ or event not in ("call", "c_return"):
-                return
-            seen[0] += 1
-            if seen[0] == step:
-                raise KeyboardInterrupt
-
-        return profile
-
     cut = 0
     for step in range(1, 20):
-        read, write = os.pipe()
-        os.close(write)
         orphans: List[Any] = []
-        pending = Pending(orphans)
-        pending.message = _frames.DaemonFrame(request=1, allocated={"allocation_id": 7})
-        pending.fd = read
+        pending = allocated_answer(orphans)
+        read = pending.fd
         taken: List[Any] = []
-        run_traced(lambda: taken.append(pending.take()), profile_at(step), profile=True)
+        run_traced(lambda: taken.append(pending.take()), interrupting_at_check_point(step, [0]), profile=True)
         if taken:
             assert taken[0][1] == read and pending.fd == -1
             os.close(read)
@@ -202,27 +214,13 @@ def test_an_answer_released_under_an_interrupt_at_any_check_point_is_released_wh
     second release must still find what the answer made."""
     import os
 
-    from vmmd import _abandoned, _frames
-    from vmmd._abandoned import Pending
-
     cut = 0
     for step in range(1, 20):
-        read, write = os.pipe()
-        os.close(write)
         orphans: List[Any] = []
-        pending = Pending(orphans)
-        pending.message = _frames.DaemonFrame(request=1, allocated={"allocation_id": 7})
-        pending.fd = read
+        pending = allocated_answer(orphans)
+        read = pending.fd
         seen = [0]
-
-        def profile(frame: FrameType, event: str, arg: Any) -> None:
-            if frame.f_code.co_filename != _abandoned.__file__ or event not in ("call", "c_return"):
-                return
-            seen[0] += 1
-            if seen[0] == step:
-                raise KeyboardInterrupt
-
-        run_traced(pending.release, profile, profile=True)
+        run_traced(pending.release, interrupting_at_check_point(step, seen), profile=True)
         if seen[0] < step:
             break
         cut += 1
