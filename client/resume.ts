@@ -9,6 +9,7 @@
 import { status as Status } from '@grpc/grpc-js';
 import { type DaemonFrame__Output, decodeDaemonFrame, encodeClientFrame, isProtocol1, PROTOCOL_VERSION } from '../common/protocol';
 import type { HelloResponse__Output } from '../generated/vmmd/v1/HelloResponse';
+import type { ReleaseResponse__Output } from '../generated/vmmd/v1/ReleaseResponse';
 import { native } from '../native/client';
 import { SeqpacketConnection, SeqpacketMessage } from '../native/seqpacket';
 import { type DeclaredCode, VmmdError } from './errors';
@@ -31,6 +32,18 @@ const FINAL_REFUSALS = new Set([
   'PERMISSION_DENIED',
   'PROTOCOL_VERSION',
 ]);
+
+/**
+ * The answer a release sent again after a resume gets where the daemon's refusal says the first one was done
+ * before the daemon went (its answer lost with it): UNKNOWN_ALLOCATION, it freed the allocation; NO_REFERENCE,
+ * it gave back the session's reference and the allocation lives on, held by a store or another session (the
+ * counts left are not known here: 0). Undefined for any other refusal, which goes to the caller.
+ */
+export function releasedBefore(code: string | undefined): ReleaseResponse__Output | undefined {
+  if (code === 'UNKNOWN_ALLOCATION') return { freed: true, handleReferences: 0, mappingCount: 0 };
+  if (code === 'NO_REFERENCE') return { freed: false, handleReferences: 0, mappingCount: 0 };
+  return undefined;
+}
 
 /**
  * The resume wait: the option, else VMMD_RESUME_WAIT_MS, else the default.

@@ -26,7 +26,7 @@ import { SeqpacketConnection, SeqpacketMessage } from '../native/seqpacket';
 import { type DeclaredCode, VmmdError } from './errors';
 import { busyPollWhile, DEFAULT_BUSY_POLL_MICROS } from '../native/busy-poll';
 import { flushUnmapsIfIdle } from '../native/mapping';
-import { greeting, resumeConnection } from './resume';
+import { greeting, releasedBefore, resumeConnection } from './resume';
 
 /** The answers that carry a descriptor. */
 const WITH_DESCRIPTOR = new Set<DaemonCase>(['allocated', 'exported', 'opened']);
@@ -345,10 +345,9 @@ export class ClientSession extends EventEmitter {
         return;
       }
       const refused = frame.error;
-      // A release sent again after a resume, of an allocation the daemon no longer knows: the first one freed it before the daemon went.
-      if (pending.resent && pending.answer === 'released' && refused?.code === 'UNKNOWN_ALLOCATION') {
-        const freed: ReleaseResponse__Output = { freed: true, handleReferences: 0, mappingCount: 0 };
-        pending.resolve({ message: freed, fd: -1 });
+      const before = pending.resent && pending.answer === 'released' ? releasedBefore(refused?.code) : undefined;
+      if (before !== undefined) {
+        pending.resolve({ message: before, fd: -1 });
         return;
       }
       pending.reject(

@@ -122,5 +122,16 @@ def test_a_release_sent_again_of_an_allocation_gone_answers_a_release_response_f
     own ReleaseResponse (a field it does not have made the resent release fail in the client)."""
     from vmmd._resuming import Resumable
 
-    response, fd = Resumable._released_before(cast(Any, None)).take()
+    response, fd = cast(Any, Resumable._released_before("UNKNOWN_ALLOCATION")).take()
     assert (response.freed, response.handle_references, response.mapping_count, fd) == (True, 0, 0, -1)
+
+
+def test_a_release_sent_again_finding_the_sessions_reference_gone_answers_not_freed() -> None:
+    """The answer where the first release gave back the session's reference before the daemon went and a store or
+    another session holds the allocation still: not freed; any other refusal goes to the caller."""
+    from vmmd._resuming import Resumable
+
+    response, fd = cast(Any, Resumable._released_before("NO_REFERENCE")).take()
+    assert (response.freed, response.handle_references, response.mapping_count, fd) == (False, 0, 0, -1)
+    for code in ("NOT_OWNER", "ALREADY_RELEASED", "SESSION_LOST"):
+        assert Resumable._released_before(code) is None

@@ -157,11 +157,16 @@ class Resumable:
                     return
                 self._lock.wait(left)
 
-    def _released_before(self) -> Any:
-        """A release sent again after a resume, of an allocation the daemon no longer knows: the first one freed
-        it before the daemon went (the allocation was this session's, and nobody else releases it)."""
+    @staticmethod
+    def _released_before(code: str) -> Optional[Pending]:
+        """The answer a release sent again after a resume gets where the daemon's refusal says the first one was
+        done before the daemon went (its answer lost with it): UNKNOWN_ALLOCATION, it freed the allocation;
+        NO_REFERENCE, it gave back the session's reference and the allocation lives on, held by a store or another
+        session (the counts left are not known here: 0). None for any other refusal, which goes to the caller."""
+        if code not in ("UNKNOWN_ALLOCATION", "NO_REFERENCE"):
+            return None
         pending = Pending([])
-        pending.message = _proto.message("DaemonFrame")(released={"freed": True})
+        pending.message = _proto.message("DaemonFrame")(released={"freed": code == "UNKNOWN_ALLOCATION"})
         pending.event.set()
         return pending
 

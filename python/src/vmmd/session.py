@@ -238,8 +238,8 @@ class ClientSession(AbandonedAnswers, BatchedReleases, Resumable):
             try:
                 return self._request_once(what, body, left_until(deadline), timeout, ids, again)
             except VmmdError as error:
-                if ids and what == "release" and error.code == "UNKNOWN_ALLOCATION" and again is not None:
-                    return self._released_before()
+                if ids and what == "release" and again is not None and (before := self._released_before(error.code)) is not None:
+                    return before
                 if error.code != "SESSION_RESUMING" or not self._wait_resumed(generation, deadline):
                     raise (self._lost() if self._closed else error) from None
                 again = ids[-1] if ids and what == "allocate" else ""
