@@ -5,7 +5,8 @@
  * keys and quota charges are what they were.
  */
 import { eventually, MiB, Peer, sleep, TestDaemon } from '../e2e/harness';
-import { killServing, observed, restartScenario, servedAgain, servingPid, settledState } from './restart-scenario';
+import { observed } from './parked-objects';
+import { killServing, restartScenario, servedAgain, servingPid, settledState } from './restart-scenario';
 
 describe('the keeper', () => {
   let daemon: TestDaemon | undefined;

@@ -1,16 +1,16 @@
 /**
  * Take-overs (`vmmd --take-over` from a daemon started with `--park held`),
  * the parts test/reliability/take-over.test.ts (host) and
- * test/gpu/park-cuda.test.ts (cuda) share: a daemon populated with stores,
- * bytes and a session's shared allocation, the checks that everything came
- * through, and a successor killed after it took everything, from which the
- * old daemon serves again.
+ * test/gpu/park-cuda.test.ts (cuda) share: the hand-over socket, a successor
+ * that takes everything and never answers, and the scenario that kills it,
+ * after which the old daemon serves again with everything
+ * (test/reliability/parked-objects.ts).
  */
 import { spawn } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as path from 'node:path';
-import { call, eventually, MiB, packageRoot, Peer, TestDaemon } from '../e2e/harness';
-import { observed } from './restart-scenario';
+import { call, eventually, packageRoot, Peer, TestDaemon } from '../e2e/harness';
+import { checksums, expectIntact, observed, populate } from './parked-objects';
 
 export const HAND_OVER = 'vmmd.handover.sock';
 
@@ -34,75 +34,6 @@ export const SUCCESSOR_THAT_TAKES_ALL = `const { addon } = require(${JSON.string
     }
   };
   poll();`;
-
-/**
- * A daemon with stores holding bytes, one read-only, one whose maker let go of
- * its allocation (the daemon's, charged to the maker's uid alone), and a
- * session's own allocation shared with a key.
- */
-export async function populate(daemon: TestDaemon, peers: Peer[]) {
-  const maker = await Peer.start(daemon.dir);
-  peers.push(maker);
-  for (const [index, text] of ['weights of model a', 'weights of model b'].entries()) {
-    const allocation = await maker.do({ op: 'call', api: 'vmm', method: 'create', args: { size: String(2n * MiB) } });
-    const store = await maker.do({
-      op: 'call',
-      api: 'stores',
-      method: 'createStore',
-      args: { allocationId: allocation.id, name: `model-${index}`, handOver: true },
-    });
-    await maker.do({ op: 'storeWrite', id: store.id, text });
-    if (index === 1) await maker.do({ op: 'call', api: 'vmm', method: 'release', args: { allocationId: allocation.id } });
-  }
-  const frozen = await maker.do({ op: 'call', api: 'vmm', method: 'create', args: { size: String(2n * MiB) } });
-  await maker.do({ op: 'call', api: 'stores', method: 'createStore', args: { allocationId: frozen.id, name: 'frozen', readOnly: true, handOver: true } });
-  const own = await maker.do({ op: 'call', api: 'vmm', method: 'create', args: { size: String(4n * MiB) } });
-  const { shareKey } = await maker.do({ op: 'call', api: 'vmm', method: 'share', args: { allocationId: own.id } });
-  const writer = await Peer.start(daemon.dir);
-  const mapped = await writer.do({ op: 'import', allocationId: own.id, shareKey });
-  await writer.do({ op: 'fill', handle: mapped.handle, offset: 4096, text: 'bytes of the session' });
-  await writer.stop();
-  return { maker, own, shareKey };
-}
-
-/** The stores' checksums, through a fresh client. */
-export async function checksums(dir: string): Promise<Record<string, string>> {
-  const checker = await Peer.start(dir);
-  try {
-    const sums: Record<string, string> = {};
-    for (const name of ['model-0', 'model-1', 'frozen']) {
-      const opened = await checker.do({ op: 'storeOpen', name });
-      sums[name] = (await checker.do({ op: 'storeChecksum', handle: opened.handle })).sha256;
-      await checker.do({ op: 'storeClose', handle: opened.handle });
-    }
-    return sums;
-  } finally {
-    await checker.stop();
-  }
-}
-
-/** Everything is as before on `daemon`: stores, bytes, allocations, owners, quota charges, the share key's bytes; the maker's session carries on. */
-export async function expectIntact(
-  daemon: TestDaemon,
-  before: Awaited<ReturnType<typeof observed>>,
-  sums: Record<string, string>,
-  made: Awaited<ReturnType<typeof populate>>,
-) {
-  expect(await observed(daemon)).toEqual(before);
-  expect(await checksums(daemon.dir)).toEqual(sums);
-  const reader = await Peer.start(daemon.dir);
-  try {
-    const reopened = await reader.do({ op: 'import', allocationId: made.own.id, shareKey: made.shareKey });
-    expect((await reader.do({ op: 'peek', handle: reopened.handle, offset: 4096, length: 20 })).text).toBe('bytes of the session');
-    await expect(reader.do({ op: 'storeOpen', name: 'frozen', writable: true })).rejects.toMatchObject({ code: 'STORE_READ_ONLY' });
-  } finally {
-    await reader.stop();
-  }
-  // The maker's client resumed its session by itself: it makes more, with ids never given before.
-  const fresh = await made.maker.do({ op: 'call', api: 'vmm', method: 'create', args: { size: String(2n * MiB) } });
-  expect(BigInt(fresh.id)).toBeGreaterThan(BigInt(made.own.id));
-  await made.maker.do({ op: 'call', api: 'vmm', method: 'release', args: { allocationId: fresh.id } });
-}
 
 /**
  * A successor process takes every descriptor of a `--park held` daemon and is

@@ -11,8 +11,8 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import { call, eventually, MiB, packageRoot, Peer, sleep, TestDaemon } from '../e2e/harness';
 import { addon } from '../../native';
-import { observed } from './restart-scenario';
-import { checksums, expectIntact, HAND_OVER, populate, successorKilledScenario } from './take-over-scenario';
+import { checksums, expectIntact, observed, populate } from './parked-objects';
+import { HAND_OVER, successorKilledScenario } from './take-over-scenario';
 
 const DAEMON = path.join(packageRoot(), 'bin', 'vmmd.js');
 
