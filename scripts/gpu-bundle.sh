@@ -47,5 +47,5 @@ rm -rf "$stage/vmmd/node_modules/"{typescript,ts-jest,@types,.cache,eslint,@esli
 rm -rf .gpu && mkdir -p .gpu
 xz -T2 -c "$(command -v node)" > .gpu/node.xz
 tar -C "$stage" -cf - vmmd | xz -T2 -6 > .gpu/vmmd.tar.xz
-cp scripts/gpu-unpack.sh scripts/gpu-test.sh scripts/gpu-bench.sh scripts/gpu-python.sh scripts/gpu-probe-cold.sh scripts/gpu-ab.sh .gpu/
+cp scripts/gpu-unpack.sh scripts/gpu-test.sh scripts/gpu-bench.sh scripts/gpu-python.sh scripts/gpu-probe-cold.sh scripts/gpu-ab.sh scripts/gpu-round.sh .gpu/
 du -sh .gpu/* | sed 's/^/gpu-bundle: /'
