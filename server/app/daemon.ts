@@ -318,9 +318,10 @@ export class Daemon {
       held: () => this.lifecycle.held(),
       handedOver: () => void this.finish().then(() => this.handOver.resolve()),
       resumeServing: () =>
-        void this.serveAgain().catch((error) =>
-          this.log.error({ err: error }, 'serving again failed: this daemon holds every descriptor and record for the next take-over'),
-        ),
+        this.serveAgain().catch((error: Error) => {
+          this.log.error({ err: error }, 'serving again failed: this daemon holds every descriptor and record for the next take-over');
+          throw error;
+        }),
     };
     this.handOverListener = HandOverListener.listen(this.config.socketDir, side, this.log, this.config.shutdownGraceMs);
   }

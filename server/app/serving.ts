@@ -72,7 +72,10 @@ export async function openGrpc(deps: {
     await new Promise<void>((resolve, reject) => server.bindAsync(config.tcpListen, credentials, (error) => (error ? reject(error) : resolve())));
     log.info({ address: config.tcpListen, mutualTls: tls.ca !== undefined }, 'serving gRPC over TCP with TLS (no sessions, no descriptors)');
   }
-  if (config.metricsPort > 0) await deps.metrics.serve(config.metricsPort, config.metricsAddress, log);
+  if (config.metricsPort > 0) {
+    await deps.metrics.serve(config.metricsPort, config.metricsAddress, log);
+    undo.push(() => deps.metrics.close());
+  }
   if (config.healthPort > 0) {
     const address = `${config.metricsAddress.includes(':') ? `[${config.metricsAddress}]` : config.metricsAddress}:${config.healthPort}`;
     await new Promise<void>((resolve, reject) =>

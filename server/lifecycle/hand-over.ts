@@ -40,8 +40,11 @@ export interface HandOverSide {
   held(): { fds: number[]; names: string[] };
   /** The successor serves: what is left goes, and the process exits. */
   handedOver(): void;
-  /** The successor went away after the quiesce: serve again with everything (absent: hold it for the next take-over). */
-  resumeServing?(): void;
+  /**
+   * The successor went away after the quiesce: serve again with everything (absent: hold it for the next take-over).
+   * Rejects when serving again failed: the side is quiesced again and holds everything for the next take-over.
+   */
+  resumeServing?(): Promise<void>;
 }
 
 type Message = { take?: { pid: number; version: string }; refused?: string; names?: string[]; end?: { descriptors: number; pid: number }; done?: boolean };
@@ -184,7 +187,8 @@ export class HandOverListener {
     if (this.quiesced === undefined || this.side.resumeServing === undefined) return;
     this.quiesced = undefined;
     this.poller.unref();
-    this.side.resumeServing();
+    // Serving again failed: nothing serves, and what the process holds must outlive it until the next take-over.
+    this.side.resumeServing().catch(() => this.poller.ref());
   }
 
   private accept(): void {

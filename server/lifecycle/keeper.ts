@@ -168,7 +168,7 @@ export async function runKeeper(argv: string[], entry: string, log: Logger, hand
           },
           held: () => store.listing(),
           handedOver: () => handingOver?.settle('done'),
-          resumeServing: () => handingOver?.settle('failed'),
+          resumeServing: async () => handingOver?.settle('failed'),
         });
 
   const args = daemonArguments(argv);

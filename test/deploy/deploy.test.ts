@@ -11,15 +11,11 @@
  * temporary one), the ports (free ones: tests run in parallel) and, where
  * there is no GPU, --backend cuda by host.
  */
-import * as grpc from '@grpc/grpc-js';
-import * as protoLoader from '@grpc/proto-loader';
 import { ChildProcess, execFileSync, spawn, spawnSync } from 'node:child_process';
 import * as fs from 'node:fs';
-import * as http from 'node:http';
 import * as os from 'node:os';
 import * as path from 'node:path';
-import { protoPath as HEALTH_PROTO } from 'grpc-health-check';
-import { freePort } from '../e2e/harness';
+import { freePort, healthCheck, scrapeMetrics } from '../e2e/harness';
 
 const yaml = require('js-yaml') as { loadAll(text: string): any[] };
 
@@ -213,30 +209,6 @@ function dropped(uid: number, gid: number, command: string[], env: NodeJS.Proces
   );
 }
 
-function healthCheck(port: number, service = ''): Promise<string> {
-  const definition = protoLoader.loadSync(HEALTH_PROTO, { keepCase: true, enums: String });
-  const Health = (grpc.loadPackageDefinition(definition) as any).grpc.health.v1.Health;
-  const client = new Health(`127.0.0.1:${port}`, grpc.credentials.createInsecure());
-  return new Promise((resolve, reject) =>
-    client.Check({ service }, { deadline: Date.now() + 5000 }, (error: Error | null, response: { status: string }) => {
-      client.close();
-      return error ? reject(error) : resolve(response.status);
-    }),
-  );
-}
-
-function scrape(port: number): Promise<string> {
-  return new Promise((resolve, reject) =>
-    http
-      .get({ host: '127.0.0.1', port, path: '/metrics' }, (response) => {
-        let body = '';
-        response.on('data', (chunk) => (body += chunk));
-        response.on('end', () => resolve(body));
-      })
-      .on('error', reject),
-  );
-}
-
 async function waitFor<T>(what: string, check: () => Promise<T>, child: ChildProcess, output: () => string): Promise<T> {
   const deadline = Date.now() + 20_000;
   for (;;) {
@@ -383,7 +355,7 @@ describeAsRoot('the daemon started exactly as the DaemonSet starts it', () => {
       ),
     ).toBe('SERVING');
     expect(await healthCheck(ports['--health-port'], 'vmmd.v1.VirtualMemory')).toBe('SERVING');
-    expect(await scrape(ports['--metrics-port'])).toContain('vmmd_build_info');
+    expect(await scrapeMetrics(ports['--metrics-port'])).toContain('vmmd_build_info');
     // The process really has no capability and is the pod's user.
     // setpriv execs the command: the child's pid is the daemon's.
     const own = fs.readFileSync(`/proc/${child.pid}/status`, 'utf8');

@@ -4,6 +4,8 @@
  * stdin/stdout (fixtures/peer.ts).
  */
 import * as grpc from '@grpc/grpc-js';
+import * as protoLoader from '@grpc/proto-loader';
+import { protoPath as HEALTH_PROTO } from 'grpc-health-check';
 import { ChildProcess, spawn } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as http from 'node:http';
@@ -47,7 +49,6 @@ export async function stopWhenClean(daemon: TestDaemon | undefined, clients: Arr
   await daemon.stop();
 }
 
-/** A TCP port on 127.0.0.1 that was free a moment ago (for a daemon's metrics or health listener). */
 /** The daemon's Prometheus metrics page, as a scraper reads it. */
 export function scrapeMetrics(port: number): Promise<string> {
   return new Promise((resolve, reject) =>
@@ -61,6 +62,20 @@ export function scrapeMetrics(port: number): Promise<string> {
   );
 }
 
+/** The status the daemon's plaintext health port gives `service` ('' is the whole daemon), as a kubelet's gRPC probe asks. */
+export function healthCheck(port: number, service = ''): Promise<string> {
+  const definition = protoLoader.loadSync(HEALTH_PROTO, { keepCase: true, enums: String });
+  const Health = (grpc.loadPackageDefinition(definition) as any).grpc.health.v1.Health;
+  const client = new Health(`127.0.0.1:${port}`, grpc.credentials.createInsecure());
+  return new Promise((resolve, reject) =>
+    client.Check({ service }, { deadline: Date.now() + 5000 }, (error: Error | null, response: { status: string }) => {
+      client.close();
+      return error ? reject(error) : resolve(response.status);
+    }),
+  );
+}
+
+/** A TCP port on 127.0.0.1 that was free a moment ago (for a daemon's metrics or health listener). */
 export function freePort(): Promise<number> {
   return new Promise((resolve, reject) => {
     const server = net.createServer();

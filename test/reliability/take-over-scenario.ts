@@ -6,7 +6,7 @@
  * after which the old daemon serves again with everything
  * (test/reliability/parked-objects.ts).
  */
-import { spawn } from 'node:child_process';
+import { ChildProcess, spawn } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as path from 'node:path';
 import { call, eventually, packageRoot, Peer, TestDaemon } from '../e2e/harness';
@@ -36,6 +36,40 @@ export const SUCCESSOR_THAT_TAKES_ALL = `const { addon } = require(${JSON.string
   poll();`;
 
 /**
+ * A successor process (SUCCESSOR_THAT_TAKES_ALL) that has taken every
+ * descriptor of `old` and waits without answering: resolved once it has.
+ */
+export async function takingAll(old: TestDaemon): Promise<ChildProcess> {
+  const successor = spawn(process.execPath, ['-e', SUCCESSOR_THAT_TAKES_ALL, path.join(old.dir, HAND_OVER)], { stdio: ['ignore', 'pipe', 'inherit'] });
+  const took = await new Promise<number>((resolve, reject) => {
+    let out = '';
+    successor.stdout!.on('data', (chunk) => {
+      out += chunk;
+      if (out.includes('\n')) resolve(Number(out.trim()));
+    });
+    successor.once('exit', (code) => reject(new Error(`the successor exited (${code}) before it took everything`)));
+  });
+  expect(took).toBeGreaterThan(0);
+  return successor;
+}
+
+/** SIGKILLs the successor that took everything; the milliseconds until `old` serves again. */
+export async function killedAndServedAgain(old: TestDaemon, successor: ChildProcess): Promise<number> {
+  const killed = Date.now();
+  successor.kill('SIGKILL');
+  await eventually(
+    async () =>
+      await call(old.raw.devices, 'ListDevices', {}).then(
+        () => true,
+        () => undefined,
+      ),
+    SERVES_AGAIN_WITHIN_MS,
+    'the old daemon to serve again',
+  );
+  return Date.now() - killed;
+}
+
+/**
  * A successor process takes every descriptor of a `--park held` daemon and is
  * SIGKILLed before it answers "done": the old daemon serves again with
  * everything, its maker's client resumes by itself, and a later take-over
@@ -49,31 +83,10 @@ export async function successorKilledScenario(backend: 'host' | 'cuda', held: st
   const made = await populate(old, peers);
   const sums = await checksums(old.dir);
   const before = await observed(old);
-  // A successor process that takes every descriptor and is killed before it answers "done".
-  const successor = spawn(process.execPath, ['-e', SUCCESSOR_THAT_TAKES_ALL, path.join(old.dir, HAND_OVER)], { stdio: ['ignore', 'pipe', 'inherit'] });
-  const took = await new Promise<number>((resolve, reject) => {
-    let out = '';
-    successor.stdout!.on('data', (chunk) => {
-      out += chunk;
-      if (out.includes('\n')) resolve(Number(out.trim()));
-    });
-    successor.once('exit', (code) => reject(new Error(`the successor exited (${code}) before it took everything`)));
-  });
-  expect(took).toBeGreaterThan(0);
+  const successor = await takingAll(old);
   // The old one stopped serving for the hand-over.
   expect(fs.existsSync(path.join(old.dir, 'vmmd.sock'))).toBe(false);
-  const killed = Date.now();
-  successor.kill('SIGKILL');
-  await eventually(
-    async () =>
-      await call(old.raw.devices, 'ListDevices', {}).then(
-        () => true,
-        () => undefined,
-      ),
-    SERVES_AGAIN_WITHIN_MS,
-    'the old daemon to serve again',
-  );
-  const servedAfterMs = Date.now() - killed;
+  const servedAfterMs = await killedAndServedAgain(old, successor);
   expect(old.logs.some((line) => line.includes('went away before it served: serving again'))).toBe(true);
   expect(old.process.exitCode).toBeNull();
   // Everything as before; the maker's client resumed its session by itself.

@@ -6,13 +6,15 @@
  * no daemon at all, another uid, a daemon whose memory is not its own to give.
  */
 import { ChildProcess, spawn } from 'node:child_process';
+import { once } from 'node:events';
 import * as fs from 'node:fs';
+import * as net from 'node:net';
 import * as os from 'node:os';
 import * as path from 'node:path';
-import { call, eventually, MiB, packageRoot, Peer, sleep, TestDaemon } from '../e2e/harness';
+import { call, eventually, freePort, healthCheck, MiB, packageRoot, Peer, scrapeMetrics, sleep, TestDaemon } from '../e2e/harness';
 import { addon } from '../../native';
 import { checksums, expectIntact, observed, populate } from './parked-objects';
-import { HAND_OVER, successorKilledScenario } from './take-over-scenario';
+import { HAND_OVER, killedAndServedAgain, successorKilledScenario, takingAll } from './take-over-scenario';
 
 const DAEMON = path.join(packageRoot(), 'bin', 'vmmd.js');
 
@@ -93,6 +95,45 @@ describe('vmmd --take-over', () => {
     expect(await next.exitStatus).toBe(0);
     await expectIntact(third, before, sums, made);
     expect(fs.statSync(path.join(third.dir, HAND_OVER)).mode & 0o777).toBe(0o600);
+  }, 240_000);
+
+  it("its metrics and health ports: closed for the hand-over, open again where the old one serves again, then the successor's", async () => {
+    const withPorts = [...held, '--metrics-port', String(await freePort()), '--health-port', String(await freePort())];
+    const [metricsPort, healthPort] = [Number(withPorts.at(-3)), Number(withPorts.at(-1))];
+    const answering = async () => ({
+      health: await healthCheck(healthPort, 'vmmd.v1.VirtualMemory'),
+      metrics: (await scrapeMetrics(metricsPort)).includes('vmmd_build_info'),
+    });
+    const old = await TestDaemon.start(withPorts);
+    daemons.push(old);
+    expect(await answering()).toEqual({ health: 'SERVING', metrics: true });
+    const successor = await takingAll(old);
+    await expect(scrapeMetrics(metricsPort)).rejects.toMatchObject({ code: 'ECONNREFUSED' });
+    await killedAndServedAgain(old, successor);
+    expect(await answering()).toEqual({ health: 'SERVING', metrics: true });
+    const next = await TestDaemon.takeOver(old, withPorts);
+    daemons.push(next);
+    expect(await old.exitStatus).toBe(0);
+    expect(await answering()).toEqual({ health: 'SERVING', metrics: true });
+  }, 240_000);
+
+  it('serving again that fails on a taken port gives back every port it opened: a later take-over binds them all', async () => {
+    const withPorts = [...held, '--metrics-port', String(await freePort()), '--health-port', String(await freePort())];
+    const [metricsPort, healthPort] = [Number(withPorts.at(-3)), Number(withPorts.at(-1))];
+    const old = await TestDaemon.start(withPorts);
+    daemons.push(old);
+    const successor = await takingAll(old);
+    // Someone takes the health port while the old one is quiesced: serving again fails after the metrics port opened.
+    const squatter = net.createServer().listen(healthPort, '127.0.0.1');
+    await once(squatter, 'listening');
+    successor.kill('SIGKILL');
+    await eventually(() => (old.logs.some((line) => line.includes('serving again failed')) ? true : undefined), 20_000, 'serving again to fail');
+    await new Promise((resolve) => squatter.close(resolve));
+    const next = await TestDaemon.takeOver(old, withPorts);
+    daemons.push(next);
+    expect(await old.exitStatus).toBe(0);
+    expect(await healthCheck(healthPort, 'vmmd.v1.VirtualMemory')).toBe('SERVING');
+    expect(await scrapeMetrics(metricsPort)).toContain('vmmd_build_info');
   }, 240_000);
 
   it('a new daemon SIGKILLed before it serves: the old one serves again with everything, its clients resume, and it can be taken over later', async () => {
