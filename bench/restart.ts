@@ -1,12 +1,14 @@
 /**
  * Daemon SIGKILL to first request served again, with many objects parked:
- *   node dist/bench/restart.js [--backend host|cuda] [--objects N] [--rounds R] [--json FILE]
+ *   node dist/bench/restart.js [--backend host|cuda] [--objects N] [--rounds R] [--json FILE] [--profile DIR]
  * A daemon under vmmd's keeper holds N objects (allocations, one in ten a
  * store of its own allocation); the serving process is killed with SIGKILL and
  * the time until a new client's first request is answered is measured, from
  * the kill (the keeper's restart, the daemon's start, the restore of every
  * parked object and the client's connect all inside). The target: ≤ 1 s plus
- * the CUDA context's creation with 10,000 objects.
+ * the CUDA context's creation with 10,000 objects. --profile writes a CPU
+ * profile of the keeper and of each daemon it starts that exits cleanly (the
+ * last: the restores of every round before it were SIGKILLed) into DIR.
  */
 import { spawn } from 'node:child_process';
 import * as fs from 'node:fs';
@@ -26,9 +28,16 @@ async function main(): Promise<void> {
   const objects = Number(option('objects', '10000'));
   const rounds = Number(option('rounds', '3'));
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-restart-bench-'));
-  const keeper = spawn(process.execPath, [path.join(packageRoot, 'bin', 'vmmd.js'), '--keeper', 'on', ...parkedDaemonArgs(backend, dir, objects)], {
-    stdio: ['ignore', 'pipe', 'inherit'],
-  });
+  const profile = option('profile', '');
+  // The keeper starts each daemon with its own Node options: the profiler's among them.
+  const nodeArgs = profile === '' ? [] : ['--cpu-prof', `--cpu-prof-dir=${path.resolve(profile)}`, '--cpu-prof-interval=100'];
+  const keeper = spawn(
+    process.execPath,
+    [...nodeArgs, path.join(packageRoot, 'bin', 'vmmd.js'), '--keeper', 'on', ...parkedDaemonArgs(backend, dir, objects)],
+    {
+      stdio: ['ignore', 'pipe', 'inherit'],
+    },
+  );
   // The daemon's own account of each restore (objects taken back, its milliseconds).
   const restores: Array<Record<string, unknown>> = [];
   onLogLines(keeper.stdout!, 'parked memory taken back', (line) => restores.push(line));

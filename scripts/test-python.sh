@@ -24,4 +24,4 @@ fi
 bin="$(cd "$venv" && pwd)/bin"
 (cd python && "$bin/ruff" check --quiet src tests && "$bin/mypy" --no-error-summary src/vmmd)
 # The installed package, not the sources: the tests run what `pip install ./python` gives.
-exec "$venv/bin/python" -m pytest -p no:cacheprovider -q python/tests "$@"
+exec "$venv/bin/python" -m pytest -p no:cacheprovider -q --durations=8 python/tests "$@"

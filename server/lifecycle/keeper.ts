@@ -185,8 +185,9 @@ export async function runKeeper(argv: string[], entry: string, log: Logger, hand
         env.LISTEN_FDNAMES = names.join(':');
       }
       const startedAt = Date.now();
-      // LISTEN_PID must name the daemon itself: a shell sets it to its own pid, then becomes the daemon.
-      child = spawn('/bin/sh', ['-c', 'LISTEN_PID=$$ exec "$0" "$@"', process.execPath, entry, ...args], {
+      // LISTEN_PID must name the daemon itself: a shell sets it to its own pid, then becomes the daemon. Node's own
+      // options (a heap limit, --cpu-prof) are the daemon's as much as the keeper's.
+      child = spawn('/bin/sh', ['-c', 'LISTEN_PID=$$ exec "$0" "$@"', process.execPath, ...process.execArgv, entry, ...args], {
         env,
         stdio: ['inherit', 'inherit', 'inherit', ...fds],
       });

@@ -65,7 +65,7 @@ export function aheadContract(backend: 'host' | 'cuda'): void {
   }
 
   /** Waits until every allocation the manager asked for ahead has come (or was refused). */
-  const settled = (mm: VmmdMemoryManager) => eventually(() => (mm.stats().ahead.arriving === 0 ? true : undefined), 5_000, 'the answers ahead');
+  const settled = (mm: VmmdMemoryManager) => eventually(() => (mm.stats().ahead.arriving === 0 ? true : undefined), 20_000, 'the answers ahead');
 
   it('holds `depth` allocations ahead for a size asked for twice, charged to the session, and maps the oldest for the next memalloc of that size', async () => {
     const { mm, client } = await manager();
@@ -135,16 +135,16 @@ export function aheadContract(backend: 'host' | 'cuda'): void {
   it('gives back what waits unused for idleMs, and everything on clearCaches(), also when its answer comes after', async () => {
     const { mm, client } = await manager({ ahead: { ...DEFAULT_AHEAD, idleMs: 50 } });
     const kept = [await mm.memalloc(2n * MiB), await mm.memalloc(2n * MiB)];
-    await eventually(() => (mm.stats().ahead.expired === 2 ? true : undefined), 5_000, 'the allocations ahead to expire');
+    await eventually(() => (mm.stats().ahead.expired === 2 ? true : undefined), 20_000, 'the allocations ahead to expire');
     expect(mm.stats().ahead.allocations).toBe(0);
-    await eventually(async () => ((await charged(client)) === 4n * MiB ? true : undefined), 5_000, 'its release');
+    await eventually(async () => ((await charged(client)) === 4n * MiB ? true : undefined), 20_000, 'its release');
     // Asked for and dropped before the answer can have come.
     kept.push(await mm.memalloc(2n * MiB));
     expect(mm.stats().ahead.allocations).toBe(2);
     await mm.clearCaches();
     expect(mm.stats().ahead.allocations).toBe(0);
     // (cuda: the daemon's charge goes when its held free runs, soon after the release's answer.)
-    await eventually(async () => ((await charged(client)) === 6n * MiB ? true : undefined), 5_000, 'the release of the one dropped');
+    await eventually(async () => ((await charged(client)) === 6n * MiB ? true : undefined), 20_000, 'the release of the one dropped');
     expect(kept).toHaveLength(3);
   });
 

@@ -221,7 +221,7 @@ export function clientMemoryContract(backend: Backend, options: { full: boolean 
     sealed.close();
     expect(objectsOf(await daemon.stats())).toEqual(baseline);
     expect(await witness.intact()).toBe(true);
-    await eventually(() => (daemon!.openFds() <= fdsBefore ? true : undefined), 5_000, 'the refused descriptors to be closed');
+    await eventually(() => (daemon!.openFds() <= fdsBefore ? true : undefined), 20_000, 'the refused descriptors to be closed');
     figures['bad-descriptors'] = { tried, refused, cases: cases.length, internal: 0, leaked: 0 };
   });
 }

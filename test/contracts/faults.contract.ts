@@ -262,7 +262,7 @@ export function faultsContract(backend: Backend): void {
               (value) => value,
               (error: VmmdError) => (error.code === 'UNKNOWN_ALLOCATION' ? undefined : Promise.reject(error)),
             ),
-          5_000,
+          20_000,
           'the allocation whose free failed to be released again',
         );
         expect(retried).toMatchObject({ freed: true });

@@ -62,7 +62,7 @@ export function storesContract(backend: 'host' | 'cuda'): void {
     const done = (async () => {
       for await (const event of events) seen.push(event);
     })();
-    await eventually(async () => (seen.length > 0 ? true : undefined), 5_000, 'the event replay');
+    await eventually(async () => (seen.length > 0 ? true : undefined), 20_000, 'the event replay');
     await new Promise((resolve) => setTimeout(resolve, 50));
     cancel();
     await done;
@@ -208,7 +208,7 @@ export function storesContract(backend: 'host' | 'cuda'): void {
         received += chunk.length;
         await new Promise((resolve) => setTimeout(resolve, 10));
       });
-      await eventually(() => (received > 0 ? true : undefined), 5_000, 'the first chunk');
+      await eventually(() => (received > 0 ? true : undefined), 20_000, 'the first chunk');
       const detaching = owner.stores.detach(BigInt(store.id)).then((detached) => {
         receivedWhenDetached = received;
         return detached;
@@ -216,7 +216,7 @@ export function storesContract(backend: 'host' | 'cuda'): void {
       // Open takes the session socket, Detach gRPC: two transports, not ordered with each other.
       await eventually(
         async () => ((await owner.stores.list()).find((listed) => listed.id === store.id)?.state !== 'STORE_STATE_LIVE' ? true : undefined),
-        5_000,
+        20_000,
         'the detach to begin',
       );
       await expect(owner.stores.open(BigInt(store.id))).rejects.toMatchObject({ code: 'STORE_DETACHED' });

@@ -214,7 +214,7 @@ describe('AllocateAll', () => {
       ),
     );
     expect(cancelled).toBe(4); // DEADLINE_EXCEEDED, on the client's side
-    await eventually(async () => ((await scrapeMetrics(metricsPort)).match(/^vmmd_allocate_all_waiting\{/m) ? undefined : true), 5_000, 'the queue to empty');
+    await eventually(async () => ((await scrapeMetrics(metricsPort)).match(/^vmmd_allocate_all_waiting\{/m) ? undefined : true), 20_000, 'the queue to empty');
     await releaseIds(sleeper, held);
     await sleep(100);
     expect(await allocations()).toBe(0);

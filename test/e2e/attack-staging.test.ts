@@ -66,7 +66,7 @@ describe('staging buffers against a hostile session', () => {
         const held = stagingHeld(daemon!.pid);
         return held.descriptors === 0 && held.mappings === 0 ? true : undefined;
       },
-      5_000,
+      20_000,
       'the daemon to let go of every staging buffer',
     ).catch(() => undefined);
     expect(stagingHeld(daemon.pid)).toEqual({ descriptors: 0, mappings: 0 });

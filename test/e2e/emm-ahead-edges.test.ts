@@ -25,7 +25,7 @@ function harness(args: string[]) {
     expect(await state.daemon.stop()).toBe(0);
   });
   const manager = (overrides: Partial<VmmdManagerContext> = {}) => coldManager(state.daemon.dir, 'host', clients, managers, overrides);
-  const settled = (mm: VmmdMemoryManager) => eventually(() => (mm.stats().ahead.arriving === 0 ? true : undefined), 5_000, 'the answers ahead');
+  const settled = (mm: VmmdMemoryManager) => eventually(() => (mm.stats().ahead.arriving === 0 ? true : undefined), 20_000, 'the answers ahead');
   async function charged(client: VmmdClient): Promise<bigint> {
     const report = JSON.parse((await call(state.daemon.raw.admin, 'GetReport', {})).json);
     return BigInt(report.quotas.bySession[client.session.id] ?? 0);
@@ -91,8 +91,8 @@ describe('uid quota 16 MiB (two processes of one user)', () => {
     // The two callers' total: 12 MiB of 16, but 8 MiB are held ahead by the first.
     const refused = await second.memalloc(12n * MiB).catch((error: Error) => error);
     expect(refused).toMatchObject({ status: 8 });
-    await eventually(() => (first.stats().ahead.expired === 2 ? true : undefined), 5_000, "the first session's allocations ahead to expire");
-    const pointer = await eventually(async () => second.memalloc(12n * MiB).catch(() => undefined), 5_000, 'room for the second session');
+    await eventually(() => (first.stats().ahead.expired === 2 ? true : undefined), 20_000, "the first session's allocations ahead to expire");
+    const pointer = await eventually(async () => second.memalloc(12n * MiB).catch(() => undefined), 20_000, 'room for the second session');
     expect(pointer.size).toBe(12n * MiB);
   });
 });
@@ -141,7 +141,7 @@ describe('session closed with allocations held ahead', () => {
       expect(mm.stats().ahead.allocations).toBe(2);
       client.close();
       const afterClose = fds();
-      await eventually(() => (mm.stats().ahead.expired === 2 ? true : undefined), 5_000, 'expiry');
+      await eventually(() => (mm.stats().ahead.expired === 2 ? true : undefined), 20_000, 'expiry');
       await new Promise((resolve) => setTimeout(resolve, 300));
       // Held until expiry: the two descriptors are still open after close (the client's gRPC channel may close a moment later).
       expect(afterClose).toBeGreaterThanOrEqual(before + 2);

@@ -148,7 +148,7 @@ export class TestDaemon {
     extraArgs: string[] = [],
     backend: 'host' | 'cuda' = 'host',
     env: NodeJS.ProcessEnv = {},
-    options: { descriptorLimit?: number; as?: { uid: number; gid: number } } = {},
+    options: { descriptorLimit?: number; as?: { uid: number; gid: number }; nodeArgs?: string[] } = {},
   ): Promise<TestDaemon> {
     // A --socket-dir among the extra arguments names the directory; else a fresh temporary one.
     const named = extraArgs.indexOf('--socket-dir');
@@ -160,6 +160,7 @@ export class TestDaemon {
       [
         ...limited.slice(1),
         ...(limited.length > 0 ? [process.execPath] : []),
+        ...(options.nodeArgs ?? []),
         DAEMON,
         '--backend',
         backend,
@@ -376,7 +377,7 @@ export class RawSession {
 
   /** The next datagram from the daemon as it came (its descriptor closed). */
   async nextRaw(): Promise<SeqpacketMessage> {
-    const message = await eventually(() => this.inbox.shift(), 5_000, 'a message from the daemon');
+    const message = await eventually(() => this.inbox.shift(), 20_000, 'a message from the daemon');
     if (message.fd >= 0) addon.close(message.fd);
     return message;
   }

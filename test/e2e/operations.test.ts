@@ -138,7 +138,7 @@ describe('health and shutdown', () => {
     });
     await eventually(() => (received > 0 ? true : undefined));
     daemon.process.kill('SIGTERM');
-    await eventually(() => (statuses.includes('NOT_SERVING') ? true : undefined), 5_000, 'NOT_SERVING');
+    await eventually(() => (statuses.includes('NOT_SERVING') ? true : undefined), 20_000, 'NOT_SERVING');
     expect((await reading).length).toBe(Number(32n * MiB));
     const code = await new Promise((resolve) => daemon.process.once('exit', resolve));
     expect(code).toBe(0);

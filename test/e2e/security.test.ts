@@ -82,7 +82,7 @@ describe('sd_notify', () => {
     daemon = await TestDaemon.start([], 'host', { NOTIFY_SOCKET: socket, WATCHDOG_USEC: '200000' });
     await eventually(() => (messages.some((m) => m.startsWith('READY=1')) ? true : undefined));
     expect(messages.find((m) => m.startsWith('READY=1'))).toMatch(/MAINPID=\d+/);
-    await eventually(() => (messages.filter((m) => m === 'WATCHDOG=1').length >= 3 ? true : undefined), 3_000, 'three watchdog pings');
+    await eventually(() => (messages.filter((m) => m === 'WATCHDOG=1').length >= 3 ? true : undefined), 20_000, 'three watchdog pings');
     await daemon.stop();
     daemon = undefined;
     await eventually(() => (messages.includes('STOPPING=1') ? true : undefined));

@@ -270,17 +270,17 @@ describe('the session socket protocol', () => {
     const fd = addon.hostMemfdCreate('unclaimed', 2n * MiB);
     session.send({ transfer: { id: '1' } }, fd);
     addon.close(fd);
-    await eventually(async () => ((await daemon.stats()).pendingTransfers === 1 ? true : undefined), 5_000, 'the transfer to arrive');
+    await eventually(async () => ((await daemon.stats()).pendingTransfers === 1 ? true : undefined), 20_000, 'the transfer to arrive');
     raw.close();
-    await eventually(async () => ((await daemon.stats()).pendingTransfers === 0 ? true : undefined), 5_000, 'the transfer to be closed');
-    await eventually(() => (daemon.openFds() <= fdsBefore - 1 ? true : undefined), 5_000, 'the daemon to close the descriptor');
+    await eventually(async () => ((await daemon.stats()).pendingTransfers === 0 ? true : undefined), 20_000, 'the transfer to be closed');
+    await eventually(() => (daemon.openFds() <= fdsBefore - 1 ? true : undefined), 20_000, 'the daemon to close the descriptor');
   });
 });
 
 describe('a client of session protocol 1', () => {
   /** What a client of protocol 1 reads first, its hello: here the daemon's refusal, in JSON. */
   const firstJson = async (session: RawSession) => JSON.parse((await session.nextRaw()).data.toString('utf8'));
-  const closed = (session: RawSession) => eventually(() => (session.connection.isClosed ? true : undefined), 5_000, 'the daemon to close the connection');
+  const closed = (session: RawSession) => eventually(() => (session.connection.isClosed ? true : undefined), 20_000, 'the daemon to close the connection');
 
   it('that waits for the daemon to speak first is told, in JSON, the protocol it needs, and the daemon serves on', async () => {
     const old = new RawSession(daemon.dir, false);

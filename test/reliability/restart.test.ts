@@ -4,6 +4,7 @@
  * every parked descriptor; stores, their bytes, allocations, owners, share
  * keys and quota charges are what they were.
  */
+import * as fs from 'node:fs';
 import { eventually, MiB, Peer, sleep, TestDaemon } from '../e2e/harness';
 import { observed } from './parked-objects';
 import { killServing, restartScenario, servedAgain, servingPid, settledState } from './restart-scenario';
@@ -18,6 +19,16 @@ describe('the keeper', () => {
   });
 
   it('restarts a SIGKILLed daemon with every store, byte, allocation, owner, share key and quota charge as before', () => restartScenario('host'), 180_000);
+
+  it("starts the serving daemon with Node's own options as the keeper was given them (a heap limit, a profiler)", async () => {
+    daemon = await TestDaemon.start(['--keeper', 'on'], 'host', {}, { nodeArgs: ['--max-old-space-size=1234', '--stack-size=2000'] });
+    const serving = await eventually(() => servingPid(daemon!.pid), 20_000, 'the serving daemon');
+    const argv = fs.readFileSync(`/proc/${serving}/cmdline`, 'utf8').split('\0');
+    expect(argv.slice(1, 3)).toEqual(['--max-old-space-size=1234', '--stack-size=2000']);
+    // And after a restart.
+    const { after } = await killServing(daemon);
+    expect(fs.readFileSync(`/proc/${after}/cmdline`, 'utf8').split('\0').slice(1, 3)).toEqual(['--max-old-space-size=1234', '--stack-size=2000']);
+  }, 120_000);
 
   it("reclaims a parked session's objects once its grace ends, as if it had closed; the daemon's stay", async () => {
     daemon = await TestDaemon.start(['--keeper', 'on', '--quota-per-uid', '64MiB', '--parked-grace-ms', '1500']);

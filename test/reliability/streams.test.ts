@@ -205,7 +205,7 @@ describe('server streams whose readers stop (host)', () => {
     expect(objectsOf(await daemon.stats())).toEqual(baseline);
     owner.close();
     clients.length = 0;
-    await eventually(async () => ((await daemon!.stats()).sessions === 0 ? true : undefined), 5_000, 'the session to close');
+    await eventually(async () => ((await daemon!.stats()).sessions === 0 ? true : undefined), 20_000, 'the session to close');
     expect(objectsOf(await daemon.stats())).toMatchObject({ reservations: '0', allocations: '0', mappings: '0' });
     const growthMiB = (during - before) / 2 ** 20;
     figure('streams-read-host', {
