@@ -5,11 +5,11 @@
  */
 import { spawn } from 'node:child_process';
 
-export function runReportingClient<T>(script: string, args: string[], socketDir: string): Promise<T> {
+export function runReportingClient<T>(script: string, args: string[], socketDir: string, env: NodeJS.ProcessEnv = {}): Promise<T> {
   return new Promise<T>((resolve, reject) => {
     const child = spawn(process.execPath, [script, ...args], {
       stdio: ['ignore', 'pipe', 'pipe'],
-      env: { ...process.env, VMMD_SOCKET_DIR: socketDir },
+      env: { ...process.env, VMMD_SOCKET_DIR: socketDir, ...env },
     });
     let out = '';
     let err = '';

@@ -59,6 +59,29 @@ describe('the keeper', () => {
     expect((await observed(daemon)).objects.map((o: any) => o.id)).not.toContain(own.id);
   }, 180_000);
 
+  it("a resumed session's objects, made before the restart and after, are reclaimed when its client closes", async () => {
+    daemon = await TestDaemon.start(['--keeper', 'on', '--parked-grace-ms', '600000']);
+    const client = await Peer.start(daemon.dir);
+    peers.push(client);
+    const before = await client.do({ op: 'call', api: 'vmm', method: 'create', args: { size: String(2n * MiB) } });
+    await killServing(daemon);
+    // The client resumes its session by itself: its next call is served by the new daemon.
+    const after = await client.do({ op: 'call', api: 'vmm', method: 'create', args: { size: String(2n * MiB) } });
+    expect((await observed(daemon)).objects.map((o: any) => o.id)).toEqual([before.id, after.id]);
+    await client.stop();
+    peers.splice(0);
+    const left = await eventually(
+      async () => {
+        const { objects, quotas } = await observed(daemon!);
+        return objects.length === 0 ? { objects, quotas } : undefined;
+      },
+      20_000,
+      "the session's objects to be reclaimed",
+    ).catch(async () => observed(daemon!));
+    expect(left.objects).toEqual([]);
+    expect(left.quotas.bySession).toEqual({});
+  }, 180_000);
+
   it('restarts the daemon on SIGHUP to the keeper (a planned upgrade) with everything as before', async () => {
     daemon = await TestDaemon.start(['--keeper', 'on', '--parked-grace-ms', '600000']);
     const maker = await Peer.start(daemon.dir);

@@ -49,12 +49,12 @@ interface Report {
   held: number;
 }
 
-function runPython(args: string[], socketDir: string): Promise<Report> {
+function runPython(args: string[], socketDir: string, env: NodeJS.ProcessEnv): Promise<Report> {
   return new Promise((resolve, reject) => {
     const pythonPath = [PYTHON_PATH, process.env.PYTHONPATH].filter(Boolean).join(':');
     const child = spawn(PYTHON, [PY_WORKER, ...args], {
       stdio: ['ignore', 'pipe', 'pipe'],
-      env: { ...process.env, VMMD_SOCKET_DIR: socketDir, PYTHONPATH: pythonPath },
+      env: { ...process.env, VMMD_SOCKET_DIR: socketDir, PYTHONPATH: pythonPath, ...env },
     });
     let out = '';
     let err = '';
@@ -190,9 +190,14 @@ export async function resumeScenario(
     const store = (i: number) => [`weights-${i % STORES}`, sums[i % STORES].checked, String(CHECKED_BYTES < storeBytes ? CHECKED_BYTES : storeBytes)];
     // What the stores are before the clients come and the daemon goes: their records, their allocations, the quota charges.
     const before = await settledState(daemon);
+    // The clients work until this file is there (written once the daemon is back), so that every one is at work across
+    // the restart however long 16 of them take to start: one that stopped before would close its session in the middle
+    // of the daemon's going, and that session would wait out its grace in the next daemon.
+    const stopFile = path.join(daemon.dir, 'clients-stop');
+    const env = { VMMD_TEST_STOP_FILE: stopFile };
     const running = [
-      ...Array.from({ length: TS_CLIENTS }, (_, i) => runReportingClient<Report>(WORKER, [String(i + 1), String(RUN_MS), ...store(i)], daemon.dir)),
-      ...Array.from({ length: PY_CLIENTS }, (_, i) => runPython([String(TS_CLIENTS + i + 1), String(RUN_MS), ...store(TS_CLIENTS + i)], daemon.dir)),
+      ...Array.from({ length: TS_CLIENTS }, (_, i) => runReportingClient<Report>(WORKER, [String(i + 1), String(RUN_MS), ...store(i)], daemon.dir, env)),
+      ...Array.from({ length: PY_CLIENTS }, (_, i) => runPython([String(TS_CLIENTS + i + 1), String(RUN_MS), ...store(TS_CLIENTS + i)], daemon.dir, env)),
     ];
     // Once every client is at work (each has a session), the daemon goes.
     // A limit on waiting, not a speed check: 16 processes starting on a loaded 2-core machine have taken over 30 s.
@@ -201,6 +206,8 @@ export async function resumeScenario(
     const started = Date.now();
     await restart();
     const restartMs = Date.now() - started;
+    await sleep(RUN_MS / 2);
+    fs.writeFileSync(stopFile, '');
     const reports = await Promise.all(running);
     // Every store listed, opened and read whole: the bytes of each are what was written.
     const sumsAfter = await storeSums(daemon.dir);
