@@ -7,7 +7,7 @@
  * connection starts with: the client speaks first.
  */
 import { status as Status } from '@grpc/grpc-js';
-import { type DaemonFrame__Output, decodeDaemonFrame, encodeClientFrame, isProtocol1, PROTOCOL_VERSION } from '../common/protocol';
+import { type DaemonFrame__Output, decodeDaemonFrame, encodeClientFrame, isProtocol1, lateHelloRefusal, PROTOCOL_VERSION } from '../common/protocol';
 import type { HelloResponse__Output } from '../generated/vmmd/v1/HelloResponse';
 import type { ReleaseResponse__Output } from '../generated/vmmd/v1/ReleaseResponse';
 import { native } from '../native/client';
@@ -16,6 +16,9 @@ import { type DeclaredCode, VmmdError } from './errors';
 
 /** How long a client tries to resume its session, unless VMMD_RESUME_WAIT_MS or the option says otherwise. */
 export const DEFAULT_RESUME_WAIT_MS = 30_000;
+
+/** How many connections a connect opens while the daemon takes its hello, come late, for silence (HELLO_LATE). */
+export const HELLO_TRIES = 3;
 
 /** The first wait between two attempts to reach the restarted daemon, doubled up to RESUME_BACKOFF_MAX_MS. */
 const RESUME_BACKOFF_MS = 25;
@@ -60,8 +63,9 @@ export function resumeWaitMs(option: number | undefined, env = process.env.VMMD_
 
 /**
  * The daemon's next frame on a connection (its descriptor closed): what it answers a hello with.
- * @throws VmmdError DEADLINE_EXCEEDED NO_GREETING; UNAVAILABLE DAEMON_UNREACHABLE when the connection closes first;
- *   FAILED_PRECONDITION PROTOCOL_VERSION (a daemon of protocol 1, which speaks JSON)
+ * @throws VmmdError DEADLINE_EXCEEDED NO_GREETING; UNAVAILABLE DAEMON_UNREACHABLE when the connection closes first,
+ *   HELLO_LATE (the daemon took the hello, come late, for a client of protocol 1's silence); FAILED_PRECONDITION
+ *   PROTOCOL_VERSION (a daemon of protocol 1, which speaks JSON)
  */
 function nextFrame(connection: SeqpacketConnection, path: string, timeoutMs: number): Promise<DaemonFrame__Output | string> {
   return new Promise((resolve, reject) => {
@@ -81,7 +85,12 @@ function nextFrame(connection: SeqpacketConnection, path: string, timeoutMs: num
     connection.once('message', (message: SeqpacketMessage) => {
       done();
       if (message.fd >= 0) native.close(message.fd);
-      // A daemon of protocol 1 speaks first, in JSON.
+      // A daemon of protocol 1 speaks first, in JSON; so does a daemon of this one that took a late hello for silence.
+      const late = isProtocol1(message.data) ? lateHelloRefusal(message.data) : undefined;
+      if (late !== undefined) {
+        reject(new VmmdError('HELLO_LATE', Status.UNAVAILABLE, `vmmd at ${path} took this client's hello, come late, for a client of protocol 1: ${late}`));
+        return;
+      }
       if (isProtocol1(message.data)) {
         reject(
           new VmmdError(
@@ -101,7 +110,7 @@ function nextFrame(connection: SeqpacketConnection, path: string, timeoutMs: num
  * Says hello on a new connection (the protocol this client speaks, and the resume token of the session to
  * resume, if any) and returns the daemon's answer, or its refusal as an error. The connection is left open
  * either way.
- * @throws VmmdError the daemon's refusal (its code), NO_GREETING, DAEMON_UNREACHABLE, BAD_GREETING, PROTOCOL_VERSION
+ * @throws VmmdError the daemon's refusal (its code), NO_GREETING, DAEMON_UNREACHABLE, BAD_GREETING, PROTOCOL_VERSION, HELLO_LATE
  */
 export async function greeting(
   connection: SeqpacketConnection,

@@ -26,7 +26,7 @@ import { SeqpacketConnection, SeqpacketMessage } from '../native/seqpacket';
 import { type DeclaredCode, VmmdError } from './errors';
 import { busyPollWhile, DEFAULT_BUSY_POLL_MICROS } from '../native/busy-poll';
 import { flushUnmapsIfIdle } from '../native/mapping';
-import { greeting, releasedBefore, resumeConnection } from './resume';
+import { greeting, HELLO_TRIES, releasedBefore, resumeConnection } from './resume';
 
 /** The answers that carry a descriptor. */
 const WITH_DESCRIPTOR = new Set<DaemonCase>(['allocated', 'exported', 'opened']);
@@ -125,21 +125,26 @@ export class ClientSession extends EventEmitter {
    * @param busyPollMicros while a request waits for its answer, the event loop spins this long before each sleep
    *   (native/busy-poll.ts): an answer that comes within it finds the process awake (0: never spin)
    * @param resumeWaitMs how long a session whose socket closes tries to resume (0: it ends at once)
-   * @throws VmmdError UNAVAILABLE DAEMON_UNREACHABLE, BAD_GREETING; DEADLINE_EXCEEDED NO_GREETING; FAILED_PRECONDITION
+   * @throws VmmdError UNAVAILABLE DAEMON_UNREACHABLE, BAD_GREETING, HELLO_LATE; DEADLINE_EXCEEDED NO_GREETING; FAILED_PRECONDITION
    *   PROTOCOL_VERSION (a daemon of another session protocol); the daemon's refusal of the session (PERMISSION_DENIED…)
    */
   static async open(path: string, timeoutMs: number, busyPollMicros = DEFAULT_BUSY_POLL_MICROS, resumeWaitMs = 0): Promise<ClientSession> {
-    let connection: SeqpacketConnection;
-    try {
-      connection = SeqpacketConnection.connect(path);
-    } catch (error) {
-      throw new VmmdError('DAEMON_UNREACHABLE', Status.UNAVAILABLE, `cannot reach vmmd at ${path}: ${(error as Error).message}; ${whereElse(dirname(path))}`);
-    }
-    try {
-      return new ClientSession(connection, await greeting(connection, path, timeoutMs), busyPollMicros, path, resumeWaitMs);
-    } catch (error) {
-      connection.close();
-      throw error;
+    const deadline = Date.now() + timeoutMs;
+    for (let tries = 1; ; tries++) {
+      let connection: SeqpacketConnection;
+      try {
+        connection = SeqpacketConnection.connect(path);
+      } catch (error) {
+        throw new VmmdError('DAEMON_UNREACHABLE', Status.UNAVAILABLE, `cannot reach vmmd at ${path}: ${(error as Error).message}; ${whereElse(dirname(path))}`);
+      }
+      try {
+        return new ClientSession(connection, await greeting(connection, path, Math.max(1, deadline - Date.now())), busyPollMicros, path, resumeWaitMs);
+      } catch (error) {
+        connection.close();
+        // A hello that came late on a loaded machine: a new connection says it again, at once.
+        if (!(error instanceof VmmdError && error.code === 'HELLO_LATE')) throw error;
+        if (tries === HELLO_TRIES || Date.now() >= deadline) throw new VmmdError('HELLO_LATE', Status.UNAVAILABLE, `${error.message} (${tries} tries)`);
+      }
     }
   }
 

@@ -173,6 +173,7 @@ export const ERROR_CODES = {
   SESSION_LOST: client('UNAVAILABLE', "the client's session socket closed"),
   DAEMON_UNREACHABLE: client('UNAVAILABLE', 'no daemon answers on the socket directory'),
   NO_GREETING: client('DEADLINE_EXCEEDED', 'the daemon sent no hello in time'),
+  HELLO_LATE: client('UNAVAILABLE', "the daemon took this client's hello, come late, for the silence of a client of protocol 1 (each connect tries 3 times)"),
   BAD_GREETING: client('UNAVAILABLE', "the daemon's hello is not one this client reads"),
   NO_ANSWER: client('DEADLINE_EXCEEDED', 'no answer to a session request in time'),
   BAD_ANSWER: client('INTERNAL', 'a session answer this client cannot read'),

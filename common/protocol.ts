@@ -86,6 +86,20 @@ export function isProtocol1(data: Buffer): boolean {
 }
 
 /**
+ * Where `data` is a daemon's protocol-1 refusal naming this protocol as its own (it took a client's hello, come
+ * late on a loaded machine, for the silence of a client of protocol 1, which waits for the daemon to speak
+ * first): the refusal's message; else undefined (a daemon of protocol 1 itself).
+ */
+export function lateHelloRefusal(data: Buffer): string | undefined {
+  try {
+    const parsed = JSON.parse(data.toString('utf8')) as { type?: unknown; code?: unknown; protocol?: unknown; message?: unknown };
+    return parsed.type === 'error' && parsed.code === 'PROTOCOL_VERSION' && parsed.protocol === PROTOCOL_VERSION ? String(parsed.message) : undefined;
+  } catch {
+    return undefined;
+  }
+}
+
+/**
  * The refusal a client of protocol 1 reads: its own kind of frame, a JSON
  * error, naming the protocol it needs (a client of protocol 1 reads the
  * daemon's first frame as its hello and reports an error frame's message).

@@ -12,6 +12,7 @@ import pytest
 
 import vmmd
 from vmmd import _frames, _proto
+from vmmd._greeting import greet
 from vmmd.session import ClientSession
 
 from conftest import MiB, Daemon, eventually
@@ -210,6 +211,47 @@ def test_socket_dir_comes_from_the_environment(daemon: Daemon, monkeypatch: pyte
         assert client.socket_dir == daemon.dir
     monkeypatch.delenv("VMMD_SOCKET_DIR")
     assert vmmd.default_socket_dir({"XDG_RUNTIME_DIR": "/nonexistent"}) in ("/run/vmmd", f"/tmp/vmmd-{os.getuid()}", os.path.join(os.environ.get("TMPDIR", "/tmp"), f"vmmd-{os.getuid()}"))
+
+
+def test_a_hello_come_late_taken_for_protocol_1_connects_again(tmp_path: Any) -> None:
+    """A daemon that took this client's late hello for the silence of a client of protocol 1 refuses it in JSON,
+    naming its own protocol: the client connects again and gets its session; when every try comes late it fails
+    HELLO_LATE with the daemon's words, not "upgrade the daemon"."""
+    path = str(tmp_path / "vmmd.session.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(8)
+    refusal = b'{"type":"error","code":"PROTOCOL_VERSION","status":9,"protocol":2,"message":"vmmd speaks session protocol 2 and this client sent no hello within 1000 ms"}'
+    hello = _frames.DaemonFrame(hello={"protocol": 2, "session": 1, "token": "f" * 64, "pid": 1, "uid": 0, "gid": 0, "capabilities": ["CAPABILITY_MEMFD_DESCRIPTORS"]}).SerializeToString()
+
+    def daemon(late: int, answered: int) -> None:
+        for attempt in range(late + answered):
+            peer, _ = listener.accept()
+            if attempt < late:
+                peer.send(refusal)
+            else:
+                peer.recv(4096)
+                peer.send(hello)
+            peer.close()
+
+    side = threading.Thread(target=daemon, args=(2, 1), daemon=True)
+    side.start()
+    try:
+        sock, greeted = greet(path, 5)
+        sock.close()
+        assert greeted.session == 1
+    finally:
+        side.join(5)
+    side = threading.Thread(target=daemon, args=(3, 0), daemon=True)
+    side.start()
+    try:
+        with pytest.raises(vmmd.VmmdError) as raised:
+            greet(path, 5)
+        assert (raised.value.code, raised.value.status) == ("HELLO_LATE", 14)
+        assert "no hello within 1000 ms" in raised.value.message and "3 tries" in raised.value.message
+    finally:
+        side.join(5)
+        listener.close()
 
 
 def test_a_daemon_of_protocol_1_is_refused_naming_both_protocols(tmp_path: Any) -> None:

@@ -11,7 +11,7 @@ import * as path from 'node:path';
 import { inspect } from 'node:util';
 import { connect } from '../../client';
 import { socketPaths } from '../../common/paths';
-import { encodeDaemonFrame, PROTOCOL_VERSION } from '../../common/protocol';
+import { encodeDaemonFrame, PROTOCOL_VERSION, protocol1Refusal } from '../../common/protocol';
 import type { Capability } from '../../generated/vmmd/v1/Capability';
 import { SeqpacketConnection, SeqpacketListener } from '../../native/seqpacket';
 import { MiB, RawSession, TestDaemon } from './harness';
@@ -204,6 +204,63 @@ describe('connect() to a daemon of session protocol 1', () => {
       code: 'PROTOCOL_VERSION',
       status: grpc.status.FAILED_PRECONDITION,
       message: expect.stringMatching(/speaks session protocol 1; this client speaks 2/),
+    });
+  });
+});
+
+describe('connect() to a daemon that took its hello, come late, for the silence of a client of protocol 1', () => {
+  let dir: string;
+  let listener: SeqpacketListener;
+  let late = 0;
+  let connections = 0;
+
+  beforeAll(() => {
+    dir = fs.mkdtempSync(path.join(os.tmpdir(), 'vmmd-late-hello-'));
+    listener = new SeqpacketListener(socketPaths(dir).session);
+    // The first `late` connections are refused as a daemon refuses a silent client (in protocol 1's JSON, naming its own protocol).
+    listener.on('connection', (connection: SeqpacketConnection) => {
+      if (connections++ < late) {
+        connection.send(protocol1Refusal('this client sent no hello within 1000 ms'));
+        connection.close();
+        return;
+      }
+      connection.once('message', () =>
+        connection.send(
+          encodeDaemonFrame({
+            hello: {
+              protocol: PROTOCOL_VERSION,
+              session: '1',
+              token: 'f'.repeat(64),
+              pid: process.pid,
+              uid: 0,
+              gid: 0,
+              capabilities: ['CAPABILITY_MEMFD_DESCRIPTORS'],
+            },
+          }),
+        ),
+      );
+    });
+  });
+
+  afterAll(() => {
+    listener.close();
+    fs.rmSync(dir, { recursive: true, force: true });
+  });
+
+  it('connects again and gets its session, not "upgrade the daemon"', async () => {
+    [late, connections] = [2, 0];
+    const client = await connect({ socketDir: dir });
+    expect(client.session.id).toBe('1');
+    expect(connections).toBe(3);
+    client.close();
+  });
+
+  it("fails HELLO_LATE naming the daemon's refusal when every try comes late", async () => {
+    [late, connections] = [100, 0];
+    await expect(connect({ socketDir: dir })).rejects.toMatchObject({
+      code: 'HELLO_LATE',
+      status: grpc.status.UNAVAILABLE,
+      message: expect.stringMatching(/no hello within 1000 ms.*3 tries/),
     });
   });
 });

@@ -136,6 +136,7 @@ CODES: Dict[str, Tuple[str, str, str]] = {
     "SESSION_LOST": ("UNAVAILABLE", "client", "the client's session socket closed"),
     "DAEMON_UNREACHABLE": ("UNAVAILABLE", "client", "no daemon answers on the socket directory"),
     "NO_GREETING": ("DEADLINE_EXCEEDED", "client", "the daemon sent no hello in time"),
+    "HELLO_LATE": ("UNAVAILABLE", "client", "the daemon took this client's hello, come late, for the silence of a client of protocol 1 (each connect tries 3 times)"),
     "BAD_GREETING": ("UNAVAILABLE", "client", "the daemon's hello is not one this client reads"),
     "NO_ANSWER": ("DEADLINE_EXCEEDED", "client", "no answer to a session request in time"),
     "BAD_ANSWER": ("INTERNAL", "client", "a session answer this client cannot read"),

@@ -5,6 +5,7 @@ request's body is its RPC's request message and its answer's body the RPC's
 response, so what the session returns are the RPCs' own messages."""
 from __future__ import annotations
 
+import json
 from typing import Any, Optional
 
 from . import _proto
@@ -28,6 +29,18 @@ def encode(**fields: Any) -> bytes:
 def is_protocol1(data: bytes) -> bool:
     """A JSON object, a frame of session protocol 1 ("{" would open a protobuf group, which no frame has)."""
     return data[:1] == b"{"
+
+
+def late_hello_refusal(data: bytes) -> Optional[str]:
+    """Where `data` is a daemon's protocol-1 refusal naming this protocol as its own (it took a client's hello,
+    come late on a loaded machine, for the silence of a client of protocol 1): the refusal's message; else None."""
+    try:
+        parsed = json.loads(data)
+    except ValueError:
+        return None
+    if isinstance(parsed, dict) and parsed.get("type") == "error" and parsed.get("code") == "PROTOCOL_VERSION" and parsed.get("protocol") == PROTOCOL_VERSION:
+        return str(parsed.get("message"))
+    return None
 
 
 def decode(data: bytes) -> Any:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any, Tuple
 
 from . import _frames
@@ -16,13 +17,33 @@ from .errors import STATUS, VmmdError
 PROTOCOL_VERSION = _frames.PROTOCOL_VERSION
 
 
+# How many connections a greeting opens while the daemon takes its hello, come late, for silence (HELLO_LATE).
+HELLO_TRIES = 3
+
+
 def greet(path: str, timeout: float, resume_token: str = "", what: str = "the session") -> Tuple[socket.socket, Any]:
     """The connected socket and the daemon's HelloResponse (to a resume:
-    resumed, or the refusal raised).
+    resumed, or the refusal raised). A hello that came late on a loaded
+    machine (the daemon took it for the silence of a client of protocol 1)
+    is said again on a new connection, HELLO_TRIES times in all.
 
     Raises VmmdError UNAVAILABLE DAEMON_UNREACHABLE, DEADLINE_EXCEEDED NO_GREETING,
     PERMISSION_DENIED (the daemon refused the session), FAILED_PRECONDITION
-    PROTOCOL_VERSION (a daemon of another session protocol), UNAVAILABLE BAD_GREETING."""
+    PROTOCOL_VERSION (a daemon of another session protocol), UNAVAILABLE BAD_GREETING, HELLO_LATE."""
+    deadline = time.monotonic() + timeout
+    for tries in range(1, HELLO_TRIES + 1):
+        try:
+            return _greet_once(path, max(deadline - time.monotonic(), 0.001), resume_token, what)
+        except VmmdError as error:
+            if error.code != "HELLO_LATE":
+                raise
+            if tries == HELLO_TRIES or time.monotonic() >= deadline:
+                raise VmmdError("HELLO_LATE", STATUS["UNAVAILABLE"], f"{error.message} ({tries} tries)") from None
+    raise AssertionError("unreachable")
+
+
+def _greet_once(path: str, timeout: float, resume_token: str, what: str) -> Tuple[socket.socket, Any]:
+    """One connection's hello and the daemon's answer."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         sock.connect(path)
@@ -51,6 +72,10 @@ def greet(path: str, timeout: float, resume_token: str = "", what: str = "the se
     if not data:
         sock.close()
         raise VmmdError("DAEMON_UNREACHABLE", STATUS["UNAVAILABLE"], f"vmmd at {path} closed the session socket")
+    late = _frames.late_hello_refusal(data) if _frames.is_protocol1(data) else None
+    if late is not None:
+        sock.close()
+        raise VmmdError("HELLO_LATE", STATUS["UNAVAILABLE"], f"vmmd at {path} took this client's hello, come late, for a client of protocol 1: {late}")
     if _frames.is_protocol1(data):
         # A daemon of protocol 1 speaks first, in JSON.
         sock.close()
