@@ -221,8 +221,15 @@ while True:
         break
     client.session.ping(timeout=5)
     time.sleep(0.05)
+leaks = {}
+if left or fds() != baseline_fds:
+    # What a leak is made of, for the failure's message: the daemon's objects, the process's descriptors, the session's records.
+    leaks = {"objects": [(str(o.id), o.kind, str(o.owner_session)) for o in client.admin.list_objects().objects],
+             "descriptors": sorted(os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}")),
+             "requests": [(key, pending.abandoned, pending.message is not None, pending.fd) for key, pending in client.session._requests.items()],
+             "held": [str(memory.allocation_id) for memory in held], "orphans": client.session.orphans()}
 print(json.dumps({"interrupts": interrupts, "sent": done["sent"], "main_calls": main_calls, "worker_calls": sorted(outcomes.values()),
-                  "wedged": wedged, "after": after, "allocations_left": left, "fds_leaked": fds() - baseline_fds}), flush=True)
+                  "wedged": wedged, "after": after, "allocations_left": left, "fds_leaked": fds() - baseline_fds, "leaks": leaks}), flush=True)
 '''
 
 
