@@ -179,6 +179,17 @@ def allocated_answer(orphans: List[Any]) -> Any:
     return pending
 
 
+def assert_closed(fd: int, step: int) -> None:
+    """The answer's descriptor is closed once the record released it, whatever check point the interrupt hit."""
+    import os
+
+    try:
+        os.fstat(fd)
+    except OSError:
+        return
+    raise AssertionError(f"the descriptor stayed open after an interrupt at check point {step}")
+
+
 def test_an_answer_taken_under_an_interrupt_at_any_check_point_stays_the_records_or_is_the_callers() -> None:
     """CPython runs a signal handler at a function's entry and after a call
     returns: the profiler's "call" and "c_return" events are those points."""
@@ -200,20 +211,13 @@ def test_an_answer_taken_under_an_interrupt_at_any_check_point_stays_the_records
         assert pending.fd == read and pending.message is not None, f"the answer was lost by an interrupt at check point {step}"
         pending.release()
         assert orphans == [("release", "7")]
-        try:
-            os.fstat(read)
-        except OSError:
-            pass
-        else:
-            raise AssertionError(f"the descriptor stayed open after an interrupt at check point {step}")
+        assert_closed(read, step)
     assert cut >= 2, "take() was interrupted at fewer than two points: the test tried nothing"
 
 
 def test_an_answer_released_under_an_interrupt_at_any_check_point_is_released_whole_by_the_next_try() -> None:
     """A clean-up that an interrupt cut short is run again (surely): the
     second release must still find what the answer made."""
-    import os
-
     cut = 0
     for step in range(1, 20):
         orphans: List[Any] = []
@@ -226,10 +230,5 @@ def test_an_answer_released_under_an_interrupt_at_any_check_point_is_released_wh
         cut += 1
         pending.release()
         assert orphans[:1] == [("release", "7")], f"the allocation was lost by an interrupt at check point {step}"
-        try:
-            os.fstat(read)
-        except OSError:
-            pass
-        else:
-            raise AssertionError(f"the descriptor stayed open after an interrupt at check point {step}")
+        assert_closed(read, step)
     assert cut >= 2, "release() was interrupted at fewer than two points: the test tried nothing"
