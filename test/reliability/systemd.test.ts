@@ -67,7 +67,8 @@ function adaptedUnit(unit: string, socketDir: string): string {
     out.push(line);
     // Started alone: nothing of a boot before it.
     if (line === '[Unit]') out.push('DefaultDependencies=no');
-    if (line === '[Service]') out.push(`ReadWritePaths=${socketDir}`);
+    // The daemon's log beside its sockets (the namespace runs no journald), for a failure to show.
+    if (line === '[Service]') out.push(`ReadWritePaths=${socketDir}`, `StandardOutput=append:${socketDir}/daemon.log`, 'StandardError=inherit');
   }
   return out.join('\n');
 }
@@ -111,7 +112,7 @@ class NamespacedSystemd {
   }
 
   show(unit: string): Record<string, string> {
-    const text = this.systemctl('show', unit, '-p', 'MainPID,NFileDescriptorStore,NRestarts,SubState,ActiveState');
+    const text = this.systemctl('show', unit, '-p', 'MainPID,NFileDescriptorStore,NRestarts,SubState,ActiveState,Result,ExecMainStatus');
     return Object.fromEntries(
       text
         .trim()
@@ -222,6 +223,12 @@ describe("a real systemd's file-descriptor store", () => {
           sigkill_to_running_ms: servedMs,
           store_and_allocation_kept_through_sigkill_and_restart: true,
         });
+      } catch (error) {
+        // What the daemon said is the first thing a red run needs.
+        const log = path.join(socketDir, 'daemon.log');
+        const said = fs.existsSync(log) ? fs.readFileSync(log, 'utf8').split('\n').slice(-40).join('\n') : '(no daemon log)';
+        (error as Error).message += `\nunit: ${JSON.stringify(systemd?.show('vmmd.service'))}\nthe daemon's log, last lines:\n${said}`;
+        throw error;
       } finally {
         client?.close();
         systemd?.kill();
