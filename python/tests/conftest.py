@@ -27,12 +27,12 @@ MiB = 1 << 20
 class Daemon:
     """A vmmd process on its own socket directory, and a sessionless gRPC channel (as grpcurl)."""
 
-    def __init__(self, extra: Optional[List[str]] = None, backend: str = "host") -> None:
+    def __init__(self, extra: Optional[List[str]] = None, backend: str = "host", capacity: str = "256MiB") -> None:
         self.dir = tempfile.mkdtemp(prefix="vmmd-py-")
         node = os.environ.get("VMMD_NODE", "node")
         args = [node, DAEMON, "--backend", backend, "--socket-dir", self.dir, "--log-level", "warn"]
         if backend == "host":
-            args += ["--host-capacity", "256MiB"]
+            args += ["--host-capacity", capacity]
         self.log = open(os.path.join(self.dir, "daemon.log"), "w+")
         self.process = subprocess.Popen(args + (extra or []), stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
         self.channel = grpc.insecure_channel(f"unix://{self.dir}/vmmd.sock")

@@ -127,4 +127,9 @@ def surely(action: Callable[[], None]) -> None:
         except BaseException as error:
             interrupted = error
     if interrupted is not None:
-        raise interrupted
+        try:
+            raise interrupted
+        finally:
+            # Not kept by this frame, which its traceback holds: a cycle would keep the frames' records (an
+            # answer nobody took) until a collection ran their finalizers at any later moment.
+            interrupted = None

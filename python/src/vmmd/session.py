@@ -34,7 +34,6 @@ YIELD_GRACE_S = 0.005
 
 _WITH_DESCRIPTOR = _frames.WITH_DESCRIPTOR
 
-
 # How long a send with no timeout of its own (send_descriptor) waits for the daemon to read.
 SEND_WAIT_S = 30.0
 
@@ -186,7 +185,7 @@ class ClientSession(AbandonedAnswers, BatchedReleases, Resumable):
         if not isinstance(size, int) or isinstance(size, bool) or size < 0 or size >= 1 << 64:
             raise VmmdError("BAD_SIZE", STATUS["INVALID_ARGUMENT"], f"allocation size {size!r} is not an integer in [0, 2^64)")
         request = _proto.message("CreateRequest")(size=size, location=location)
-        return self._request("allocate", request, timeout).take()
+        return self._request("allocate", request, timeout)
 
     def release(self, allocation: int, timeout: Optional[float] = 30.0) -> Any:
         """Release on the session socket, one round trip: the Release RPC's
@@ -194,19 +193,19 @@ class ClientSession(AbandonedAnswers, BatchedReleases, Resumable):
 
         Raises VmmdError as the Release RPC (UNKNOWN_ALLOCATION, NOT_OWNER,
         ALREADY_RELEASED…), NO_ANSWER, SESSION_LOST."""
-        return self._request("release", _release_request(allocation), timeout).take()[0]
+        return self._request("release", _release_request(allocation), timeout)[0]
 
     def share(self, allocation: int, timeout: Optional[float] = 30.0) -> str:
         """Share on the session socket: the key another session exports the allocation with."""
         request = _proto.message("ShareRequest")(allocation_id=int(u64(allocation, "allocation")))
-        return str(self._request("share", request, timeout).take()[0].share_key)
+        return str(self._request("share", request, timeout)[0].share_key)
 
     def export(self, allocation: int, share_key: str = "", timeout: Optional[float] = 30.0) -> Tuple[Any, int]:
         """Export on the session socket: the Export RPC's ExportResponse and the allocation's descriptor (the caller owns it), attached to the answer.
 
         Raises VmmdError as the Export RPC (NOT_OWNER, BAD_SHARE_KEY, ALREADY_RELEASED…), NO_ANSWER, SESSION_LOST."""
         request = _proto.message("ExportRequest")(allocation_id=int(u64(allocation, "allocation")), share_key=share_key, handle_type="HANDLE_TYPE_POSIX_FD")
-        return self._request("export", request, timeout).take()
+        return self._request("export", request, timeout)
 
     def open_store(self, store: Dict[str, Any], writable: bool = False, timeout: Optional[float] = 30.0) -> Tuple[Any, int]:
         """Open a store on the session socket: Stores.Open's OpenResponse and
@@ -218,7 +217,7 @@ class ClientSession(AbandonedAnswers, BatchedReleases, Resumable):
             ref["id"] = int(u64(store["id"], "store id"))
         if "name" in store:
             ref["name"] = str(store["name"])
-        return self._request("open", _proto.message("OpenRequest")(store=ref, writable=bool(writable)), timeout).take()
+        return self._request("open", _proto.message("OpenRequest")(store=ref, writable=bool(writable)), timeout)
 
     def ping(self, timeout: Optional[float] = 5.0) -> float:
         """One round trip on the session socket; returns its seconds."""
@@ -226,8 +225,8 @@ class ClientSession(AbandonedAnswers, BatchedReleases, Resumable):
         self._request("ping", _PING, timeout)
         return time.perf_counter() - start
 
-    def _request(self, what: str, body: Any, timeout: Optional[float]) -> Pending:
-        """Sends a request frame and waits for its answer; one the daemon's restart cut off goes again once the
+    def _request(self, what: str, body: Any, timeout: Optional[float]) -> Tuple[Any, int]:
+        """Sends a request frame and returns its answer (Pending.take()); one the daemon's restart cut off goes again once the
         session is resumed: an allocate under the same id with `again` set (the daemon answers with the
         allocation it made before it went, if it did), anything else under a new id."""
         deadline = deadline_of(timeout)
@@ -239,12 +238,12 @@ class ClientSession(AbandonedAnswers, BatchedReleases, Resumable):
                 return self._request_once(what, body, left_until(deadline), timeout, ids, again)
             except VmmdError as error:
                 if ids and what == "release" and again is not None and (before := self._released_before(error.code)) is not None:
-                    return before
+                    return before.take()
                 if error.code != "SESSION_RESUMING" or not self._wait_resumed(generation, deadline):
                     raise (self._lost() if self._closed else error) from None
                 again = ids[-1] if ids and what == "allocate" else ""
 
-    def _request_once(self, what: str, body: Any, timeout: Optional[float], limit: Optional[float], ids: List[str], again: Optional[str]) -> Pending:
+    def _request_once(self, what: str, body: Any, timeout: Optional[float], limit: Optional[float], ids: List[str], again: Optional[str]) -> Tuple[Any, int]:
         self._check_process()  # before the take: a forked child's take would turn its parent's epoll
         self._release_orphans()
         sent: List[Tuple[str, Pending]] = []
@@ -260,21 +259,21 @@ class ClientSession(AbandonedAnswers, BatchedReleases, Resumable):
                 self._await(request, pending, left_until(deadline), what, limit=limit, reading=reading)
             finally:
                 reading.leave_to(held)
+            # Taken here: cut short before the hand-over, the answer is still the record's, released below.
+            answer = pending.take()
         except BaseException:
             # Cut short anywhere (an interrupt in the leave too, or in this clean-up: surely runs it again):
             # the socket left, the request forgotten.
             surely(lambda: reading.leave_to(held))
             surely(lambda: self._abandon_all(sent))
             raise
-        return pending
+        return answer
 
     def _send_request(self, what: str, body: Any, sent: Optional[List[Tuple[str, Pending]]] = None, deadline: Optional[float] = None, again: Optional[str] = None) -> Tuple[str, Pending]:
-        """Sends a request frame whose body `what` is `body` under a new id
-        (`again`: under that id, sent before, with the frame's `again` set),
-        registered for its answer: (the id, its pending answer). `sent` gets
-        (its key, the pending answer) before the registration: a caller cut
-        short anywhere after it can forget it. The send waits for room in the
-        socket until `deadline` (_send)."""
+        """Sends a request frame whose body `what` is `body` under a new id (`again`: under that id, sent
+        before, with the frame's `again` set), registered for its answer: (the id, its pending answer). `sent`
+        gets (its key, the pending answer) before the registration: a caller cut short anywhere after it can
+        forget it. The send waits for room in the socket until `deadline` (_send)."""
         pending = Pending(self._orphans)
         key = "request"
         with self._sending(deadline):
