@@ -104,8 +104,11 @@ export class SeqpacketConnection extends EventEmitter {
 
   /**
    * Hands the socket's reading to `scheduler`: from now on, a readable socket
-   * stops its poller and calls `ready(this)`, and only readMessages() reads it
-   * (the session transport shares its turns over uids, not sockets).
+   * calls `ready(this)` once until readMessages() drains it, and only
+   * readMessages() reads it (the session transport shares its turns over
+   * uids, not sockets). The poller stays on meanwhile: stopping and starting
+   * it costs epoll_ctl calls per message, and a socket read in the same loop
+   * iteration's turn is not reported again.
    */
   scheduleReads(ready: (connection: SeqpacketConnection) => void): void {
     this.ready = ready;
@@ -113,14 +116,14 @@ export class SeqpacketConnection extends EventEmitter {
 
   /**
    * Reads and emits at most `max` waiting messages. 'more': messages may be
-   * left (the poller stays stopped: call again); 'drained': none waits and the
+   * left (no new ready() comes for them: call again); 'drained': none waits and the
    * poller watches again; 'closed': the connection is closed.
    */
   readMessages(max: number): 'more' | 'drained' | 'closed' {
     // Closed while it waited for its turn (by the daemon, or a failed send).
     if (this.closed) return 'closed';
     const outcome = this.readSome(max, this.events);
-    if (outcome === 'drained' && !this.closed) this.poller.start();
+    if (outcome !== 'more') this.waitingTurn = false;
     return this.closed ? 'closed' : outcome;
   }
 
@@ -133,6 +136,8 @@ export class SeqpacketConnection extends EventEmitter {
   }
 
   private ready?: (connection: SeqpacketConnection) => void;
+  // Given to ready() and not drained since: its readable callbacks until then are not passed on again.
+  private waitingTurn = false;
   // The poll events of the last readable callback: a hang-up read by readMessages.
   private events = 0;
 
@@ -148,8 +153,10 @@ export class SeqpacketConnection extends EventEmitter {
     }
     if (this.ready !== undefined) {
       this.events = events;
-      this.poller.stop();
-      this.ready(this);
+      if (!this.waitingTurn) {
+        this.waitingTurn = true;
+        this.ready(this);
+      }
       return;
     }
     // Several waiting messages in one callback (a trip through the loop for each costs more),

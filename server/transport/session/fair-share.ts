@@ -13,8 +13,8 @@ import type { SeqpacketConnection } from '../../../native/seqpacket';
 export const MESSAGES_PER_UID_TURN = 32;
 
 export class FairShare {
-  // Invariant: a connection is in `waiting` (once, under its peer's uid) exactly while its poller is
-  // stopped for a turn; a uid with no connection waiting has no entry.
+  // Invariant: a connection is in `waiting` (once, under its peer's uid) exactly from its ready() until a
+  // read drains it (SeqpacketConnection.scheduleReads); a uid with no connection waiting has no entry.
   private readonly waiting = new Map<number, SeqpacketConnection[]>();
   private scheduled = false;
   private rounds = 0;
