@@ -477,7 +477,6 @@ export class Allocations {
     request?: string,
   ): AllocationRecord {
     const record: AllocationRecord = {
-      ...(request === undefined ? {} : { request }),
       id: this.ids.take(),
       owner,
       device,
@@ -492,6 +491,7 @@ export class Allocations {
       mappingCount: 0,
       busy: 0,
       freed: false,
+      request,
     };
     this.records.set(record.id, record);
     this.observer?.changed(record);

@@ -167,7 +167,7 @@ export class VirtualMemoryService {
       size: u64(request.size),
       location: location(request.location, this.resolveDevice),
       handleType: handleType(request.handleType),
-      ...(socket === undefined ? {} : { request: socket.request }),
+      request: socket?.request,
     };
     const exported = await this.registry.createExported(context.caller, args, (cause) => context.log.error({ err: cause }, 'Allocate: the rollback failed'));
     // The client never learns of an allocation whose answer did not reach it: it is released again.
