@@ -56,13 +56,15 @@ export function storesContract(backend: 'host' | 'cuda'): void {
     return events.filter((event) => event.kind === 'KIND_RELEASED' && event.store?.id === id).length;
   }
 
-  async function eventLog(watcher: VmmdClient): Promise<Array<{ kind: string; store?: { id: string } | null }>> {
+  /** The event log replayed from the start, read until it holds `storeId`'s release (a loaded machine streams the replay in parts), and 50 ms more. */
+  async function eventLog(watcher: VmmdClient, storeId: string): Promise<Array<{ kind: string; store?: { id: string } | null }>> {
     const { events, cancel } = watcher.stores.watch(0n);
     const seen: Array<{ kind: string; store?: { id: string } | null }> = [];
     const done = (async () => {
       for await (const event of events) seen.push(event);
     })();
-    await eventually(async () => (seen.length > 0 ? true : undefined), 20_000, 'the event replay');
+    const releasedThere = () => seen.some((event) => event.kind === 'KIND_RELEASED' && event.store?.id === storeId);
+    await eventually(async () => (releasedThere() ? true : undefined), 20_000, `the event replay up to store ${storeId}'s release`);
     await new Promise((resolve) => setTimeout(resolve, 50));
     cancel();
     await done;
@@ -140,7 +142,7 @@ export function storesContract(backend: 'host' | 'cuda'): void {
       await opened.close();
       await attached.gone;
       expect(runs).toBe(1);
-      expect(released(await eventLog(owner), attached.store.id)).toBe(1);
+      expect(released(await eventLog(owner, attached.store.id), attached.store.id)).toBe(1);
       memory.free();
     });
 
@@ -176,7 +178,7 @@ export function storesContract(backend: 'host' | 'cuda'): void {
       await Promise.all([attached.detach(owner), opened.close()]);
       await attached.gone;
       expect(runs).toBe(1);
-      expect(released(await eventLog(reader), attached.store.id)).toBe(1);
+      expect(released(await eventLog(reader, attached.store.id), attached.store.id)).toBe(1);
       memory.free();
     });
 
@@ -193,7 +195,7 @@ export function storesContract(backend: 'host' | 'cuda'): void {
       expect((await daemon.stats()).allocations).not.toBe(before.allocations);
       await opened.close();
       await eventually(async () => ((await daemon.stats()).allocatedBytes === before.allocatedBytes ? true : undefined));
-      expect(released(await eventLog(reader), store.id)).toBe(1);
+      expect(released(await eventLog(reader, store.id), store.id)).toBe(1);
     });
   });
 
@@ -359,7 +361,7 @@ export function storesContract(backend: 'host' | 'cuda'): void {
       const opened = await owner.stores.open(BigInt(store.id));
       await opened.close();
       await owner.stores.detach(BigInt(store.id));
-      const kinds = (await eventLog(owner)).filter((e) => e.store?.id === store.id).map((e) => e.kind);
+      const kinds = (await eventLog(owner, store.id)).filter((e) => e.store?.id === store.id).map((e) => e.kind);
       expect(kinds).toEqual(['KIND_CREATED', 'KIND_OPENED', 'KIND_CLOSED', 'KIND_DETACHED', 'KIND_RELEASED']);
     });
   });
