@@ -22,6 +22,12 @@ import { figure } from './figures';
 const SYSTEMD = '/lib/systemd/systemd';
 const UNIT = path.join(packageRoot(), 'deploy', 'vmmd.service');
 /**
+ * Where the namespace sees this checkout, bind-mounted before /tmp is made
+ * private there: a checkout under /tmp (a clean clone's) would be hidden, and
+ * the unit's PrivateTmp=yes hides it from the service too.
+ */
+const CHECKOUT = '/run/vmmd-checkout';
+/**
  * What the namespace's PID 1 runs first: its own /run, the test's units, and
  * nothing of the host's boot (sysinit's systemd-tmpfiles would empty the
  * host's /tmp: /tmp and /var/tmp are made private too, and it is masked).
@@ -30,6 +36,8 @@ const BOOT = `set -e
 mount --make-rprivate /
 mount -t proc proc /proc
 mount -t tmpfs tmpfs /run
+mkdir -p ${CHECKOUT}
+mount --bind "$1" ${CHECKOUT}
 mkdir -p /run/systemd/system /run/systemd/system.control
 cp "$0"/vmmd.service "$0"/vmmd-test.target /run/systemd/system/
 for unit in sysinit.target basic.target local-fs.target systemd-tmpfiles-setup.service systemd-tmpfiles-setup-dev.service systemd-tmpfiles-clean.service systemd-tmpfiles-clean.timer; do
@@ -60,7 +68,7 @@ function adaptedUnit(unit: string, socketDir: string): string {
     if (/^(User|Group|After|Wants)=/.test(line)) continue;
     if (line.startsWith('ExecStart=')) {
       out.push(
-        `ExecStart=/bin/sh -c 'exec ${process.execPath} ${path.join(packageRoot(), 'bin', 'vmmd.js')} --socket-dir ${socketDir} --backend host --host-capacity 256MiB --parked-grace-ms 600000'`,
+        `ExecStart=/bin/sh -c 'exec ${process.execPath} ${CHECKOUT}/bin/vmmd.js --socket-dir ${socketDir} --backend host --host-capacity 256MiB --parked-grace-ms 600000'`,
       );
       continue;
     }
@@ -80,7 +88,7 @@ class NamespacedSystemd {
   ) {}
 
   static async boot(units: string): Promise<NamespacedSystemd> {
-    const unshare = spawn('unshare', ['--pid', '--fork', '--mount', '/bin/sh', '-c', BOOT, units], { stdio: 'ignore' });
+    const unshare = spawn('unshare', ['--pid', '--fork', '--mount', '/bin/sh', '-c', BOOT, units, packageRoot()], { stdio: 'ignore' });
     const pid = await eventually(
       () => {
         const children = fs.readFileSync(`/proc/${unshare.pid}/task/${unshare.pid}/children`, 'utf8').trim();
