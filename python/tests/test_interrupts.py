@@ -10,14 +10,13 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from typing import Any
 
 import pytest
 
 import vmmd
 
-from conftest import Daemon
+from conftest import Daemon, eventually
 from test_session_hazards import Interrupted
 from test_session_reading import FakeDaemon, fake, in_thread  # noqa: F401 - the fixture
 
@@ -270,12 +269,8 @@ def test_an_allocate_interrupted_as_its_answer_is_taken_and_again_as_the_record_
         sys.setprofile(raising_at_first_call_of("__del__"))
     finally:
         sys.setprofile(None)
-    client.session.ping(timeout=5)  # sends what is left to release
-    deadline = time.monotonic() + 10
-    while client.admin.get_stats().allocations and time.monotonic() < deadline:
-        client.session.ping(timeout=5)
-        time.sleep(0.05)
-    assert client.admin.get_stats().allocations == 0, "the allocation whose answer was interrupted is left in the daemon"
+    # Each ping sends what is left to release.
+    eventually(lambda: client.session.ping(timeout=5) >= 0 and client.admin.get_stats().allocations == 0, what="the allocation whose answer was interrupted to leave the daemon")
     assert len(os.listdir("/proc/self/fd")) == fds, "its descriptor is left open"
 
 
