@@ -17,7 +17,7 @@ import pytest
 
 import vmmd
 from vmmd import _allocator_lib
-from vmmd._torch_chunks import ChunkSupply
+from vmmd._torch_chunks import TAKE_FREED, ChunkSupply
 from vmmd.pool import DevicePool
 
 from conftest import MiB, eventually
@@ -145,8 +145,8 @@ def session_bytes(client: vmmd.VmmdClient) -> int:
 
 def test_the_supply_thread_refills_a_waiting_malloc_and_takes_emptied_chunks_back(library: Any, client: vmmd.VmmdClient) -> None:
     pool = DevicePool(client, chunk_size=4 * MiB, idle_seconds=0)
-    # An idle time well above what a loaded machine may stall between two lines of this test.
-    supply = ChunkSupply(library, lambda device: pool, 4 * MiB, idle_seconds=3, refill_seconds=10)
+    # An idle time well above what a loaded machine may stall between the third chunk's lease and the last give-back.
+    supply = ChunkSupply(library, lambda device: pool, 4 * MiB, idle_seconds=6, refill_seconds=10)
     results: List[Any] = []
     # From another thread, as PyTorch calls it: the call releases the GIL, the supply thread leases meanwhile.
     waiter = threading.Thread(target=lambda: results.append(library.vmmd_torch_malloc(6 * MiB, 0, STREAM_A)))
@@ -159,14 +159,31 @@ def test_the_supply_thread_refills_a_waiting_malloc_and_takes_emptied_chunks_bac
     assert session_bytes(client) == 6 * MiB + 10 * MiB
     small = library.vmmd_torch_malloc(MiB, 0, STREAM_A)
     assert small and counters(library)["refill_waits"] == 1
+    # The room left (9 MiB) is below what goes ahead now (2 + 6 + 4 MiB): a third chunk comes, of the chunk size.
+    eventually(lambda: supply.counters()["chunks"] == 3, what="the second chunk leased ahead")
+    assert session_bytes(client) == 6 * MiB + 10 * MiB + 4 * MiB
     library.vmmd_torch_free(address, 6 * MiB, 0, STREAM_A)  # as empty_cache() does
-    eventually(lambda: session_bytes(client) == 10 * MiB, what="the emptied chunk to go back")  # at once: the other has room
+    eventually(lambda: session_bytes(client) == 14 * MiB, what="the emptied chunk to go back")  # at once: the others have room
     library.vmmd_torch_free(small, MiB, 0, STREAM_A)
-    time.sleep(0.3)
-    assert session_bytes(client) == 10 * MiB  # the last chunk stays as the next mallocs' room...
-    eventually(lambda: session_bytes(client) == 0, timeout=20, what="the last chunk to go back")  # ...until the pool is idle
+    eventually(lambda: session_bytes(client) == 4 * MiB, what="the second emptied chunk to go back")
+    eventually(lambda: session_bytes(client) == 0, timeout=20, what="the last chunk to go back")  # unused for the idle time
     assert not supply.errors
     supply.stop()
+
+
+def test_an_emptied_chunk_stays_while_no_other_chunk_has_room_for_the_next_mallocs(library: Any) -> None:
+    library.vmmd_configure(0.3, 2 * MiB, 0.0)  # 2 MiB kept spare, as ChunkSupply keeps half a chunk
+    device, base, size = ctypes.c_int(), ctypes.c_uint64(), ctypes.c_uint64()
+    take = lambda: library.vmmd_take_empty_chunk(TAKE_FREED, ctypes.c_double(0), ctypes.byref(device), ctypes.byref(base), ctypes.byref(size))  # noqa: E731
+    library.vmmd_add_chunk(0, BASE, 4 * MiB)
+    block = library.vmmd_torch_malloc(MiB, 0, STREAM_A)
+    library.vmmd_torch_free(block, MiB, 0, STREAM_A)
+    assert take() == 0  # the only chunk: it is the next mallocs' room
+    library.vmmd_add_chunk(0, BASE + 4 * MiB, MiB)
+    assert take() == 0  # 1 MiB elsewhere is below the 2 MiB kept spare
+    library.vmmd_add_chunk(0, BASE + 5 * MiB, 2 * MiB)
+    assert take() == 1 and (base.value, size.value) == (BASE, 4 * MiB)
+    assert take() == 0  # the others were never used: only the idle time takes them
 
 
 def test_a_refill_the_daemon_refuses_fails_the_malloc_at_once(library: Any, client: vmmd.VmmdClient) -> None:
