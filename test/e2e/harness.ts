@@ -229,7 +229,7 @@ export class TestDaemon {
     return daemon;
   }
 
-  /** The old daemon's exit status, once it has exited. */
+  /** The daemon's exit status, once it has exited (listened for from its start: an exit before a caller asks is not missed). */
   get exitStatus(): Promise<number | null> {
     return this.exited;
   }
