@@ -86,12 +86,8 @@ const deviceSource = (device: number) => source(`cuda:${device}`, CUDA_SPACE);
 // The devices that can reach each device's memory as a peer (cuDeviceCanAccessPeer), asked once per device.
 const peerCache = new Map<number, number[]>();
 
-/**
- * The other devices that can access `device`'s memory: a mapping opens to them
- * too, as cuMemAlloc memory is reachable from a peer once peer access is on
- * (code written for it copies between two devices' buffers).
- */
-export function peersOf(device: number): number[] {
+/** The other devices that can access `device`'s memory (cuDeviceCanAccessPeer). */
+function peersOf(device: number): number[] {
   let peers = peerCache.get(device);
   if (peers === undefined) {
     peers = [];
@@ -100,6 +96,49 @@ export function peersOf(device: number): number[] {
     peerCache.set(device, peers);
   }
   return peers;
+}
+
+/*
+ * A mapping opens to the peers of its device that this process maps memory on
+ * too, and a device's first mapping opens the mappings made before it to that
+ * device: code written for cuMemAlloc copies between two devices' buffers,
+ * and a process that maps on one device never pays for a peer's page tables
+ * (each map and unmap cost about a millisecond more on two H200s).
+ */
+// Devices this process maps memory on (counted when their first mapping starts).
+const usedDevices = new Set<number>();
+// Invariant: every DeviceMapping whose memory is mapped with its access set, and not yet unmapped or suspended.
+const openMappings = new Set<DeviceMapping>();
+// A device's first mapping opening the others to it: later mappings of that device wait for it.
+const joining = new Map<number, Promise<void>>();
+
+/** The peers of `device` this process maps on: a mapping of `device` opens to them. */
+function usedPeers(device: number): number[] {
+  return peersOf(device).filter((peer) => usedDevices.has(peer));
+}
+
+/** Resolves once `device` counts as used and every open mapping it can reach is open to it. */
+function join(device: number): Promise<void> {
+  if (usedDevices.has(device) && !joining.has(device)) return Promise.resolve();
+  let pending = joining.get(device);
+  if (pending === undefined) {
+    pending = openAllTo(device).finally(() => joining.delete(device));
+    joining.set(device, pending);
+  }
+  return pending;
+}
+
+async function openAllTo(device: number): Promise<void> {
+  // Counted first: a mapping that registers from here on opens itself to it (DeviceMapping.register).
+  usedDevices.add(device);
+  try {
+    for (const mapping of [...openMappings]) {
+      if (mapping.device !== device && peersOf(mapping.device).includes(device)) await mapping.openTo([device]);
+    }
+  } catch (error) {
+    usedDevices.delete(device);
+    throw error;
+  }
 }
 
 /**
@@ -282,28 +321,56 @@ export class DeviceMapping {
     readonly address: bigint,
     readonly size: bigint,
     private readonly synchronizeUnmap: boolean,
+    private flags: 1 | 3,
   ) {}
 
   /**
+   * Counts the mapping open (a device joining from now on opens it) and opens
+   * it to the used peers that joined after `granted` was chosen.
+   * @throws the addon's error; the mapping stays mapped and counted
+   */
+  private async register(granted: number[]): Promise<this> {
+    openMappings.add(this);
+    const missing = usedPeers(this.device).filter((peer) => !granted.includes(peer));
+    if (missing.length > 0) await this.openTo(missing);
+    return this;
+  }
+
+  /** Opens the mapping to `devices`, with its own access; a mapping no longer open is left alone. */
+  async openTo(devices: number[]): Promise<void> {
+    const descriptors = devices.map((id) => ({ type: CU_LOCATION.DEVICE, id, flags: this.flags }));
+    try {
+      await addon.cudaSetAccess(this.address, this.size, descriptors);
+    } catch (error) {
+      if (openMappings.has(this)) throw error;
+    }
+  }
+
+  /**
    * Reserves `size` bytes aligned to `granularity`, maps `handle` there and
-   * sets access for `device`, its peers (peersOf) and the host NUMA node, if named. The caller
+   * sets access for `device`, the peers this process maps on too (usedPeers) and the host NUMA node, if named. The caller
    * keeps its handle reference: the mapping holds one of its own.
    * @throws the addon's error (CUDA_ERROR_*); nothing stays mapped or reserved
    */
   static async map(device: number, handle: bigint, size: bigint, granularity: bigint, access: DeviceAccess): Promise<DeviceMapping> {
+    await join(device);
     const space = deviceSource(device);
     const address = space.take(size, granularity);
     let mapped = false;
+    let mapping: DeviceMapping | undefined;
     try {
       await addon.cudaMap(address, size, 0n, handle, access.inline ?? false);
       mapped = true;
       const flags = access.readOnly ? 1 : 3;
+      const peers = usedPeers(device);
       const descriptors: Array<{ type: number; id: number; flags: number }> = [{ type: CU_LOCATION.DEVICE, id: device, flags }];
-      for (const peer of peersOf(device)) descriptors.push({ type: CU_LOCATION.DEVICE, id: peer, flags });
+      for (const peer of peers) descriptors.push({ type: CU_LOCATION.DEVICE, id: peer, flags });
       if (access.hostNuma !== undefined) descriptors.push({ type: CU_LOCATION.HOST_NUMA, id: access.hostNuma, flags });
       await addon.cudaSetAccess(address, size, descriptors, access.inline ?? false);
-      return new DeviceMapping(device, address, size, access.synchronizeUnmap ?? false);
+      mapping = new DeviceMapping(device, address, size, access.synchronizeUnmap ?? false, flags);
+      return await mapping.register(peers);
     } catch (error) {
+      if (mapping !== undefined) openMappings.delete(mapping);
       // Nothing ran on the range yet: no synchronization needed.
       // The range goes back only once the unmap has completed: a failed unmap keeps it out of the arena.
       return rollBack(error, [
@@ -324,12 +391,14 @@ export class DeviceMapping {
    * @throws the addon's error (CUDA_ERROR_*, naming the step); nothing stays imported, mapped or reserved
    */
   static async importDescriptor(device: number, fd: number, size: bigint, granularity: bigint, access: DeviceAccess): Promise<DeviceMapping> {
+    await join(device);
     const space = deviceSource(device);
     const address = space.take(size, granularity);
     traceMark('mark:range taken');
     let releaseFailed: string | undefined;
+    const peers = usedPeers(device);
     try {
-      releaseFailed = await addon.cudaImportMap(fd, address, size, device, access.readOnly ? 1 : 3, access.hostNuma ?? -1, peersOf(device));
+      releaseFailed = await addon.cudaImportMap(fd, address, size, device, access.readOnly ? 1 : 3, access.hostNuma ?? -1, peers);
     } catch (error) {
       // The call undid its own steps: the range is free again. Unless even its unmap failed: the range stays
       // mapped, and is never handed out again (a later map there would fail, or meet this memory).
@@ -347,7 +416,13 @@ export class DeviceMapping {
       process.emitWarning(
         `vmmd: releasing the imported handle of the mapping at 0x${address.toString(16)} failed (${releaseFailed}); the mapping works, the handle's reference lasts until this process ends`,
       );
-    return new DeviceMapping(device, address, size, access.synchronizeUnmap ?? false);
+    const mapping = new DeviceMapping(device, address, size, access.synchronizeUnmap ?? false, access.readOnly ? 1 : 3);
+    try {
+      return await mapping.register(peers);
+    } catch (error) {
+      await mapping.unmap().catch(() => undefined);
+      throw error;
+    }
   }
 
   /** False once unmap() has undone every step. */
@@ -368,6 +443,7 @@ export class DeviceMapping {
    */
   async suspend(): Promise<void> {
     if (!this.mapped) return;
+    openMappings.delete(this);
     await addon.cudaUnmap(this.device, this.address, this.size, this.synchronizeUnmap);
     this.mapped = false;
   }
@@ -379,16 +455,12 @@ export class DeviceMapping {
    */
   async resume(fd: number, access: DeviceAccess): Promise<void> {
     if (this.mapped || !this.reserved) throw new Error(`device mapping at 0x${this.address.toString(16)} is not suspended`);
-    const releaseFailed = await addon.cudaImportMap(
-      fd,
-      this.address,
-      this.size,
-      this.device,
-      access.readOnly ? 1 : 3,
-      access.hostNuma ?? -1,
-      peersOf(this.device),
-    );
+    await join(this.device);
+    const peers = usedPeers(this.device);
+    this.flags = access.readOnly ? 1 : 3;
+    const releaseFailed = await addon.cudaImportMap(fd, this.address, this.size, this.device, this.flags, access.hostNuma ?? -1, peers);
     this.mapped = true;
+    await this.register(peers);
     if (releaseFailed !== undefined)
       process.emitWarning(`vmmd: releasing the imported handle of the mapping at 0x${this.address.toString(16)} failed (${releaseFailed})`);
   }
@@ -402,6 +474,7 @@ export class DeviceMapping {
    * @throws the addon's error
    */
   async unmap(gather = false): Promise<void> {
+    openMappings.delete(this);
     if (this.mapped) {
       // Nobody waits for it (a client's own mapping, synchronized first): gathered with its other unmaps into one driver job.
       if (gather && this.synchronizeUnmap) await unmapGathered(this.device, this.address, this.size);

@@ -178,7 +178,8 @@ def build() -> types.ModuleType:
 
     @api
     def cuCtxGetDevice() -> Any:
-        return (CUresult.CUDA_SUCCESS, 0)
+        context = current["context"]
+        return (CUresult.CUDA_SUCCESS, context - 0x1000 if context else 0)
 
     @api
     def cuDevicePrimaryCtxRetain(device: int) -> Any:
@@ -187,6 +188,23 @@ def build() -> types.ModuleType:
     @api
     def cuCtxSetCurrent(context: int) -> Any:
         current["context"] = context
+        return (CUresult.CUDA_SUCCESS,)
+
+    pushed: List[Any] = []
+
+    @api
+    def cuCtxPushCurrent(context: int) -> Any:
+        pushed.append(current["context"])
+        current["context"] = context
+        return (CUresult.CUDA_SUCCESS,)
+
+    @api
+    def cuCtxPopCurrent() -> Any:
+        popped, current["context"] = current["context"], pushed.pop()
+        return (CUresult.CUDA_SUCCESS, popped)
+
+    @api
+    def cuDevicePrimaryCtxRelease(device: int) -> Any:
         return (CUresult.CUDA_SUCCESS,)
 
     @api

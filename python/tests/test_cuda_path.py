@@ -30,6 +30,8 @@ def driver(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
     monkeypatch.setattr(_cuda, "_driver", None)
     monkeypatch.setattr(_cuda, "_uuids", None)
     monkeypatch.setattr(_cuda, "_peer_cache", {})
+    monkeypatch.setattr(_cuda, "_used", set())
+    monkeypatch.setattr(_cuda, "_mapped", {})
     yield fake
     assert not fake.live["handles"], "an imported handle was not released"
 

@@ -5,6 +5,7 @@ free is done; trim() and an idle pool return what is free to the daemon; a
 mapping opens to every device that can reach its device as a peer."""
 from __future__ import annotations
 
+import os
 import types
 from typing import Iterator
 
@@ -138,14 +139,37 @@ def test_the_idle_time_comes_from_the_environment_and_bad_values_are_refused(cud
         assert (raised.value.code, raised.value.status_name) == ("BAD_IDLE_SECONDS", "INVALID_ARGUMENT") and bad in raised.value.message
 
 
-def test_a_mapping_opens_to_every_device_that_can_reach_it_as_a_peer(cuda_client: vmmd.VmmdClient, driver: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_cuda, "_peer_cache", {})
-    driver.topology.update(devices=3, peers={(1, 0), (0, 1)})  # device 2 cannot reach device 0
+def test_a_mapping_opens_to_no_peer_while_this_process_maps_on_one_device(cuda_client: vmmd.VmmdClient, driver: types.ModuleType) -> None:
+    driver.topology.update(devices=2, peers={(1, 0), (0, 1)})
     with cuda_client.vmm.allocate(2 * MiB):
         pass
     rw = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-    device = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    assert driver.access[-1] == [(device, 0, rw), (device, 1, rw)]
+    assert driver.access == [[(driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE, 0, rw)]]
+
+
+def memfd(size: int) -> int:
+    fd = os.memfd_create("peer-test")
+    os.ftruncate(fd, size)
+    return fd
+
+
+def test_a_first_mapping_on_a_peer_device_opens_the_mappings_before_it_to_that_device(driver: types.ModuleType) -> None:
+    driver.topology.update(devices=3, peers={(1, 0), (0, 1)})  # device 2 reaches no one, and no one reaches it
+    device, host = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE, driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
+    rw, ro = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE, driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+    first = _cuda.import_and_map(memfd(2 * MiB), 2 * MiB, 2 * MiB, 0, read_only=False)
+    gone = _cuda.import_and_map(memfd(2 * MiB), 2 * MiB, 2 * MiB, 0, read_only=True, host_numa=0)
+    _cuda.unmap(gone, 2 * MiB, 0)
+    seen = len(driver.access)
+    _cuda.import_and_map(memfd(2 * MiB), 2 * MiB, 2 * MiB, 2, read_only=False)  # device 2: nothing to open
+    second = _cuda.import_and_map(memfd(4 * MiB), 4 * MiB, 2 * MiB, 1, read_only=True)
+    # The mapping on device 0 opens to device 1 (once, with its own access); the one unmapped and device 2's do not.
+    assert driver.access[seen:] == [[(device, 2, rw)], [(device, 1, rw)], [(device, 1, ro), (device, 0, ro)]]
+    third = _cuda.import_and_map(memfd(2 * MiB), 2 * MiB, 2 * MiB, 0, read_only=False, host_numa=0)
+    assert driver.access[-1] == [(device, 0, rw), (device, 1, rw), (host, 0, rw)]
+    for address, size, owner in ((first, 2 * MiB, 0), (second, 4 * MiB, 1), (third, 2 * MiB, 0)):
+        _cuda.unmap(address, size, owner)
+    assert _cuda._mapped == {k: v for k, v in _cuda._mapped.items() if v[1] == 2}
 
 
 class UserStream:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 from .errors import STATUS, VmmdError
 
@@ -126,6 +126,14 @@ def ensure_context(device: int) -> None:
 
 
 _peer_cache: Dict[int, List[int]] = {}
+# A mapping opens to the peers of its device that this process maps memory on too (_used), and a device's
+# first mapping opens the mappings made before it to that device: copies between two devices' arrays work,
+# and a process that uses one device never pays for a peer's page tables (on two H200s a peer grant cost
+# each map and unmap about a millisecond). Both under _peer_lock, with every mapping made here (_mapped).
+_peer_lock = threading.Lock()
+_used: Set[int] = set()
+# Invariant: every range mapped and access-set by this module and not yet unmapped: address -> (size, device, read-only).
+_mapped: Dict[int, Tuple[int, int, bool]] = {}
 
 
 def _peers_of(device: int) -> List[int]:
@@ -135,28 +143,35 @@ def _peers_of(device: int) -> List[int]:
     return found
 
 
-def _access(cu: Any, device: int, read_only: bool, host_numa: Optional[int]) -> List[Any]:
-    flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ if read_only else cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-    descs = []
+def _join(cu: Any, device: int) -> None:
+    """Under _peer_lock: before `device`'s first mapping, opens every mapping of another device it can reach to it.
+    Raises VmmdError (`device` not counted: the next mapping tries again; a grant made twice is harmless)."""
+    if device in _used:
+        return
+    for address, (size, owner, read_only) in _mapped.items():
+        if owner != device and device in _peers_of(owner):
+            grant = _location(cu, cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE, device, read_only)
+            (result,) = cu.cuMemSetAccess(address, size, [grant], 1)
+            check(result, f"cuMemSetAccess({size} at 0x{address:x} for peer device {device})")
+    _used.add(device)
+
+
+def _location(cu: Any, kind: Any, index: int, read_only: bool) -> Any:
     desc = cu.CUmemAccessDesc()
-    desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    desc.location.id = device
-    desc.flags = flags
-    descs.append(desc)
-    for peer in _peers_of(device):
-        # Code written for cuMemAlloc reaches this memory from a peer device's context (a copy between two devices' arrays).
-        grant = cu.CUmemAccessDesc()
-        grant.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        grant.location.id = peer
-        grant.flags = flags
-        descs.append(grant)
+    desc.location.type = kind
+    desc.location.id = index
+    desc.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ if read_only else cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    return desc
+
+
+def _access(cu: Any, device: int, read_only: bool, host_numa: Optional[int]) -> List[Any]:
+    """Under _peer_lock: `device`, the peers this process maps on too (code written for cuMemAlloc reaches this
+    memory from a peer device's context), and the host NUMA node, if named (host memory opens to the CPU too)."""
+    device_kind = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    descs = [_location(cu, device_kind, device, read_only)]
+    descs += [_location(cu, device_kind, peer, read_only) for peer in _peers_of(device) if peer in _used]
     if host_numa is not None:
-        # Host (NUMA) memory also opens to the CPU at the same address.
-        host = cu.CUmemAccessDesc()
-        host.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
-        host.location.id = host_numa
-        host.flags = flags
-        descs.append(host)
+        descs.append(_location(cu, cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA, host_numa, read_only))
     return descs
 
 
@@ -205,12 +220,17 @@ def _import_and_map_here(fd: int, at: int, size: int, granularity: int, device: 
         (result,) = cu.cuMemMap(address, size, 0, handle, 0)
         check(result, f"cuMemMap({size} at 0x{address:x})")
         mapped = True
-        descs = _access(cu, device, read_only, host_numa)
-        (result,) = cu.cuMemSetAccess(address, size, descs, len(descs))
-        check(result, f"cuMemSetAccess({size})")
+        with _peer_lock:
+            _join(cu, device)
+            descs = _access(cu, device, read_only, host_numa)
+            (result,) = cu.cuMemSetAccess(address, size, descs, len(descs))
+            check(result, f"cuMemSetAccess({size})")
+            _mapped[address] = (size, device, read_only)
         return address
     except BaseException:
         if mapped:
+            with _peer_lock:
+                _mapped.pop(address, None)
             cu.cuMemUnmap(address, size)
         if reserved:
             cu.cuMemAddressFree(address, size)
@@ -226,6 +246,8 @@ def unmap(address: int, size: int, device: int, mapped: bool = True) -> None:
     cu = _driver
     if cu is None:
         return
+    with _peer_lock:
+        _mapped.pop(address, None)
     if mapped:
         (result,) = cu.cuMemUnmap(address, size)
         check(result, f"cuMemUnmap({size})")
@@ -236,6 +258,8 @@ def unmap(address: int, size: int, device: int, mapped: bool = True) -> None:
 def unmap_keep_range(address: int, size: int) -> None:
     """Unmaps the memory at [address, +size) and keeps the range reserved (sleep). Work queued on it must be done."""
     cu = driver()
+    with _peer_lock:
+        _mapped.pop(address, None)
     (result,) = cu.cuMemUnmap(address, size)
     check(result, f"cuMemUnmap({size} at 0x{address:x})")
 
@@ -394,8 +418,8 @@ def destroy_event(event: Any) -> None:
 
 def peers(device: int) -> List[int]:
     """The devices that can access `device`'s memory (cuDeviceCanAccessPeer):
-    memory mapped for `device` opens to them too, as cuMemAlloc memory does
-    once peer access is enabled."""
+    memory mapped for `device` opens to those this process maps memory on too,
+    as cuMemAlloc memory does to the peers that enabled peer access."""
     cu = driver()
     result, count = cu.cuDeviceGetCount()
     check(result, "cuDeviceGetCount")
