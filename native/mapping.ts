@@ -12,6 +12,7 @@
 import { traceMark } from '../common/trace';
 import { AddressArena, AddressSpace, ArenaStats } from './address-arena';
 import { addon, CU_LOCATION, HOST_ACCESS } from './index';
+import { join, PeerAccess, usedPeers } from './peers';
 import { unmapGathered } from './unmap-batch';
 
 export { roundUp } from './address-arena';
@@ -82,64 +83,6 @@ function source(kind: string, space: AddressSpace, own = false): AddressSource {
 
 const hostSource = (own = false) => (own ? source('host:own', HOST_SPACE, true) : source('host', HOST_SPACE));
 const deviceSource = (device: number) => source(`cuda:${device}`, CUDA_SPACE);
-
-// The devices that can reach each device's memory as a peer (cuDeviceCanAccessPeer), asked once per device.
-const peerCache = new Map<number, number[]>();
-
-/** The other devices that can access `device`'s memory (cuDeviceCanAccessPeer). */
-function peersOf(device: number): number[] {
-  let peers = peerCache.get(device);
-  if (peers === undefined) {
-    peers = [];
-    const count = addon.cudaDevices().length;
-    for (let other = 0; other < count; other++) if (other !== device && addon.cudaCanAccessPeer(other, device)) peers.push(other);
-    peerCache.set(device, peers);
-  }
-  return peers;
-}
-
-/*
- * A mapping opens to the peers of its device that this process maps memory on
- * too, and a device's first mapping opens the mappings made before it to that
- * device: code written for cuMemAlloc copies between two devices' buffers,
- * and a process that maps on one device never pays for a peer's page tables
- * (each map and unmap cost about a millisecond more on two H200s).
- */
-// Devices this process maps memory on (counted when their first mapping starts).
-const usedDevices = new Set<number>();
-// Invariant: every DeviceMapping whose memory is mapped with its access set, and not yet unmapped or suspended.
-const openMappings = new Set<DeviceMapping>();
-// A device's first mapping opening the others to it: later mappings of that device wait for it.
-const joining = new Map<number, Promise<void>>();
-
-/** The peers of `device` this process maps on: a mapping of `device` opens to them. */
-function usedPeers(device: number): number[] {
-  return peersOf(device).filter((peer) => usedDevices.has(peer));
-}
-
-/** Resolves once `device` counts as used and every open mapping it can reach is open to it. */
-function join(device: number): Promise<void> {
-  if (usedDevices.has(device) && !joining.has(device)) return Promise.resolve();
-  let pending = joining.get(device);
-  if (pending === undefined) {
-    pending = openAllTo(device).finally(() => joining.delete(device));
-    joining.set(device, pending);
-  }
-  return pending;
-}
-
-async function openAllTo(device: number): Promise<void> {
-  // Counted first: a mapping that registers from here on opens itself to it (DeviceMapping.register).
-  usedDevices.add(device);
-  try {
-    for (const mapping of [...openMappings]) {
-      if (mapping.device !== device && peersOf(mapping.device).includes(device)) await mapping.openTo([device]);
-    }
-  } catch (error) {
-    usedDevices.delete(device);
-    throw error;
-  }
-}
 
 /**
  * What this process's address arenas hold: 'host', or 'cuda:' and a device.
@@ -321,30 +264,13 @@ export class DeviceMapping {
     readonly address: bigint,
     readonly size: bigint,
     private readonly synchronizeUnmap: boolean,
-    private flags: 1 | 3,
-  ) {}
-
-  /**
-   * Counts the mapping open (a device joining from now on opens it) and opens
-   * it to the used peers that joined after `granted` was chosen.
-   * @throws the addon's error; the mapping stays mapped and counted
-   */
-  private async register(granted: number[]): Promise<this> {
-    openMappings.add(this);
-    const missing = usedPeers(this.device).filter((peer) => !granted.includes(peer));
-    if (missing.length > 0) await this.openTo(missing);
-    return this;
+    flags: 1 | 3,
+  ) {
+    this.peers = new PeerAccess(device, address, size, flags);
   }
 
-  /** Opens the mapping to `devices`, with its own access; a mapping no longer open is left alone. */
-  async openTo(devices: number[]): Promise<void> {
-    const descriptors = devices.map((id) => ({ type: CU_LOCATION.DEVICE, id, flags: this.flags }));
-    try {
-      await addon.cudaSetAccess(this.address, this.size, descriptors);
-    } catch (error) {
-      if (openMappings.has(this)) throw error;
-    }
-  }
+  // Which peer devices the mapping is open to (native/peers.ts).
+  private readonly peers: PeerAccess;
 
   /**
    * Reserves `size` bytes aligned to `granularity`, maps `handle` there and
@@ -368,9 +294,10 @@ export class DeviceMapping {
       if (access.hostNuma !== undefined) descriptors.push({ type: CU_LOCATION.HOST_NUMA, id: access.hostNuma, flags });
       await addon.cudaSetAccess(address, size, descriptors, access.inline ?? false);
       mapping = new DeviceMapping(device, address, size, access.synchronizeUnmap ?? false, flags);
-      return await mapping.register(peers);
+      await mapping.peers.register(peers);
+      return mapping;
     } catch (error) {
-      if (mapping !== undefined) openMappings.delete(mapping);
+      if (mapping !== undefined) await mapping.peers.close();
       // Nothing ran on the range yet: no synchronization needed.
       // The range goes back only once the unmap has completed: a failed unmap keeps it out of the arena.
       return rollBack(error, [
@@ -418,7 +345,8 @@ export class DeviceMapping {
       );
     const mapping = new DeviceMapping(device, address, size, access.synchronizeUnmap ?? false, access.readOnly ? 1 : 3);
     try {
-      return await mapping.register(peers);
+      await mapping.peers.register(peers);
+      return mapping;
     } catch (error) {
       await mapping.unmap().catch(() => undefined);
       throw error;
@@ -443,9 +371,15 @@ export class DeviceMapping {
    */
   async suspend(): Promise<void> {
     if (!this.mapped) return;
-    openMappings.delete(this);
-    await addon.cudaUnmap(this.device, this.address, this.size, this.synchronizeUnmap);
+    await this.peers.close();
+    try {
+      await addon.cudaUnmap(this.device, this.address, this.size, this.synchronizeUnmap);
+    } catch (error) {
+      await this.peers.reopen();
+      throw error;
+    }
     this.mapped = false;
+    this.peers.forget();
   }
 
   /**
@@ -457,10 +391,16 @@ export class DeviceMapping {
     if (this.mapped || !this.reserved) throw new Error(`device mapping at 0x${this.address.toString(16)} is not suspended`);
     await join(this.device);
     const peers = usedPeers(this.device);
-    this.flags = access.readOnly ? 1 : 3;
-    const releaseFailed = await addon.cudaImportMap(fd, this.address, this.size, this.device, this.flags, access.hostNuma ?? -1, peers);
+    this.peers.flags = access.readOnly ? 1 : 3;
+    const releaseFailed = await addon.cudaImportMap(fd, this.address, this.size, this.device, this.peers.flags, access.hostNuma ?? -1, peers);
     this.mapped = true;
-    await this.register(peers);
+    try {
+      await this.peers.register(peers);
+    } catch (error) {
+      // Asleep again, as the caller is told: a peer that joined meanwhile could not be given this memory.
+      await this.suspend().catch(() => undefined);
+      throw error;
+    }
     if (releaseFailed !== undefined)
       process.emitWarning(`vmmd: releasing the imported handle of the mapping at 0x${this.address.toString(16)} failed (${releaseFailed})`);
   }
@@ -474,12 +414,18 @@ export class DeviceMapping {
    * @throws the addon's error
    */
   async unmap(gather = false): Promise<void> {
-    openMappings.delete(this);
     if (this.mapped) {
-      // Nobody waits for it (a client's own mapping, synchronized first): gathered with its other unmaps into one driver job.
-      if (gather && this.synchronizeUnmap) await unmapGathered(this.device, this.address, this.size);
-      else await addon.cudaUnmap(this.device, this.address, this.size, this.synchronizeUnmap);
+      await this.peers.close();
+      try {
+        // Nobody waits for it (a client's own mapping, synchronized first): gathered with its other unmaps into one driver job.
+        if (gather && this.synchronizeUnmap) await unmapGathered(this.device, this.address, this.size);
+        else await addon.cudaUnmap(this.device, this.address, this.size, this.synchronizeUnmap);
+      } catch (error) {
+        await this.peers.reopen();
+        throw error;
+      }
       this.mapped = false;
+      this.peers.forget();
     }
     if (this.reserved) {
       deviceSource(this.device).give(this.address);

@@ -161,7 +161,7 @@ def test_a_first_mapping_on_a_peer_device_opens_the_mappings_before_it_to_that_d
     gone = _cuda.import_and_map(memfd(2 * MiB), 2 * MiB, 2 * MiB, 0, read_only=True, host_numa=0)
     _cuda.unmap(gone, 2 * MiB, 0)
     seen = len(driver.access)
-    _cuda.import_and_map(memfd(2 * MiB), 2 * MiB, 2 * MiB, 2, read_only=False)  # device 2: nothing to open
+    lone = _cuda.import_and_map(memfd(2 * MiB), 2 * MiB, 2 * MiB, 2, read_only=False)  # device 2: nothing to open
     second = _cuda.import_and_map(memfd(4 * MiB), 4 * MiB, 2 * MiB, 1, read_only=True)
     # The mapping on device 0 opens to device 1 (once, with its own access); the one unmapped and device 2's do not.
     assert driver.access[seen:] == [[(device, 2, rw)], [(device, 1, rw)], [(device, 1, ro), (device, 0, ro)]]
@@ -169,7 +169,8 @@ def test_a_first_mapping_on_a_peer_device_opens_the_mappings_before_it_to_that_d
     assert driver.access[-1] == [(device, 0, rw), (device, 1, rw), (host, 0, rw)]
     for address, size, owner in ((first, 2 * MiB, 0), (second, 4 * MiB, 1), (third, 2 * MiB, 0)):
         _cuda.unmap(address, size, owner)
-    assert _cuda._mapped == {k: v for k, v in _cuda._mapped.items() if v[1] == 2}
+    assert _cuda._mapped == {lone: (2 * MiB, 2, False)}
+    _cuda.unmap(lone, 2 * MiB, 2)
 
 
 class UserStream:

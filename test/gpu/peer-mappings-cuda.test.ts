@@ -6,7 +6,7 @@
  * cuMemAlloc with peer access expects. Needs two devices that reach each other.
  */
 import { connect, VmmdClient } from '../../client';
-import { addon } from '../../native';
+import { addon, CU_LOCATION } from '../../native';
 import { MiB, TestDaemon } from '../e2e/harness';
 import { cuda, describeGpu } from './gpu';
 
@@ -32,7 +32,11 @@ describeGpu('mappings on two devices of one process', () => {
     for (let i = 0; i < pattern.length; i += 4096) pattern.write(`page ${i / 4096} of device 0`, i);
     const first = await client.vmm.allocate({ size, location: { type: 'LOCATION_TYPE_DEVICE', id: 0 } });
     await first.write(0, pattern);
+    // Only device 0 used so far: device 1 has no access to it.
+    expect(addon.cudaGetAccess(first.address, CU_LOCATION.DEVICE, 1)).toBe(0);
     const second = await client.vmm.allocate({ size, location: { type: 'LOCATION_TYPE_DEVICE', id: 1 } });
+    expect(addon.cudaGetAccess(first.address, CU_LOCATION.DEVICE, 1)).toBe(3);
+    expect(addon.cudaGetAccess(second.address, CU_LOCATION.DEVICE, 0)).toBe(3);
     await addon.cudaCopyPieces(1, BigUint64Array.from([second.address, first.address, size]), 1);
     expect((await second.read(0, size)).equals(pattern)).toBe(true);
     const third = await client.vmm.allocate({ size, location: { type: 'LOCATION_TYPE_DEVICE', id: 0 } });

@@ -130,7 +130,8 @@ _peer_cache: Dict[int, List[int]] = {}
 # first mapping opens the mappings made before it to that device: copies between two devices' arrays work,
 # and a process that uses one device never pays for a peer's page tables (on two H200s a peer grant cost
 # each map and unmap about a millisecond). Both under _peer_lock, with every mapping made here (_mapped).
-_peer_lock = threading.Lock()
+# Reentrant: a finalizer that unmaps may run on a thread that holds it.
+_peer_lock = threading.RLock()
 _used: Set[int] = set()
 # Invariant: every range mapped and access-set by this module and not yet unmapped: address -> (size, device, read-only).
 _mapped: Dict[int, Tuple[int, int, bool]] = {}
@@ -148,7 +149,7 @@ def _join(cu: Any, device: int) -> None:
     Raises VmmdError (`device` not counted: the next mapping tries again; a grant made twice is harmless)."""
     if device in _used:
         return
-    for address, (size, owner, read_only) in _mapped.items():
+    for address, (size, owner, read_only) in list(_mapped.items()):
         if owner != device and device in _peers_of(owner):
             grant = _location(cu, cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE, device, read_only)
             (result,) = cu.cuMemSetAccess(address, size, [grant], 1)
@@ -246,11 +247,13 @@ def unmap(address: int, size: int, device: int, mapped: bool = True) -> None:
     cu = _driver
     if cu is None:
         return
-    with _peer_lock:
-        _mapped.pop(address, None)
     if mapped:
-        (result,) = cu.cuMemUnmap(address, size)
-        check(result, f"cuMemUnmap({size})")
+        # Under the lock, and out of _mapped once unmapped: no grant meets the range half gone, and memory
+        # an unmap failed to take stays open to the devices that join.
+        with _peer_lock:
+            (result,) = cu.cuMemUnmap(address, size)
+            check(result, f"cuMemUnmap({size})")
+            _mapped.pop(address, None)
     (result,) = cu.cuMemAddressFree(address, size)
     check(result, f"cuMemAddressFree({size})")
 
@@ -259,9 +262,9 @@ def unmap_keep_range(address: int, size: int) -> None:
     """Unmaps the memory at [address, +size) and keeps the range reserved (sleep). Work queued on it must be done."""
     cu = driver()
     with _peer_lock:
+        (result,) = cu.cuMemUnmap(address, size)
+        check(result, f"cuMemUnmap({size} at 0x{address:x})")
         _mapped.pop(address, None)
-    (result,) = cu.cuMemUnmap(address, size)
-    check(result, f"cuMemUnmap({size} at 0x{address:x})")
 
 
 # Bytes per copy of a sleep or a wake, alternating between two streams so that the copy engines overlap them.
