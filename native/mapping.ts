@@ -371,7 +371,8 @@ export class DeviceMapping {
    */
   async suspend(): Promise<void> {
     if (!this.mapped) return;
-    await this.peers.close();
+    const settling = this.peers.close();
+    if (settling !== undefined) await settling;
     try {
       await addon.cudaUnmap(this.device, this.address, this.size, this.synchronizeUnmap);
     } catch (error) {
@@ -415,7 +416,8 @@ export class DeviceMapping {
    */
   async unmap(gather = false): Promise<void> {
     if (this.mapped) {
-      await this.peers.close();
+      const settling = this.peers.close();
+      if (settling !== undefined) await settling;
       try {
         // Nobody waits for it (a client's own mapping, synchronized first): gathered with its other unmaps into one driver job.
         if (gather && this.synchronizeUnmap) await unmapGathered(this.device, this.address, this.size);

@@ -69,8 +69,10 @@ async function openAllTo(device: number): Promise<void> {
 export class PeerAccess {
   // The peer devices the mapping is open to, besides its own.
   private readonly peers = new Set<number>();
-  // The grants started on the mapping, one after another; a close waits for them (its range may be handed out next).
+  // The grants started on the mapping, one after another, and how many have not settled; a close waits for them
+  // (its range may be handed out next).
   private granting: Promise<void> = Promise.resolve();
+  private unsettled = 0;
 
   /** @param flags the mapping's access (1 read, 3 read and write), given to its peers too */
   constructor(
@@ -114,14 +116,19 @@ export class PeerAccess {
       }
       for (const id of wanted) this.peers.add(id);
     });
-    this.granting = grant.catch(() => undefined);
+    this.unsettled++;
+    this.granting = grant.catch(() => undefined).finally(() => this.unsettled--);
     return grant;
   }
 
-  /** Before an unmap: no grant starts on the mapping any more, and those started have settled. */
-  async close(): Promise<void> {
+  /**
+   * Before an unmap: no grant starts on the mapping any more; undefined when
+   * none is under way (the unmap starts in this turn, as without peers), else
+   * resolves once those started have settled.
+   */
+  close(): Promise<void> | undefined {
     openMappings.delete(this);
-    await this.granting;
+    return this.unsettled > 0 ? this.granting : undefined;
   }
 
   /** After an unmap that failed (the memory is still there): open again, to the peers used by now, as far as it goes. */
